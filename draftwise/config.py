@@ -1,0 +1,200 @@
+"""Configuration: frozen dataclasses for the model, speculation and engine, and the vLLM-style
+speculative-config parser.
+
+This module owns every knob a user can turn and validates it once. It does not load models or touch
+tensors; the rest of the package receives slices of these objects (DESIGN.md: configuration flows down).
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """A configuration the user can fix; the CLI prints it without a traceback."""
+
+
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma3")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Architecture of one decoder, read from checkpoint metadata (config.json or GGUF key-values)."""
+
+    architecture: str  # one of SUPPORTED_ARCHITECTURES
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_local_theta: float | None = None  # gemma3: sliding-window layers use another base
+    rope_scaling: dict | None = None  # {"rope_type": "linear"|"llama3", "factor": ..., ...}
+    max_position_embeddings: int = 4096
+    attention_bias: bool = False  # qwen2: bias on q/k/v
+    qk_norm: bool = False  # qwen3, gemma3: RMSNorm on q and k per head
+    sandwich_norm: bool = False  # gemma3: post-attention and pre/post feed-forward norms
+    norm_weight_offset: float = 0.0  # gemma: RMSNorm multiplies by (offset + weight)
+    embed_scale: float = 1.0  # gemma: embeddings scaled by sqrt(hidden_size)
+    hidden_act: str = "silu"  # "silu" | "gelu_pytorch_tanh"
+    query_pre_attn_scalar: float | None = None  # gemma3: attention scale = scalar ** -0.5
+    sliding_window: int | None = None
+    layer_types: tuple[str, ...] = ()  # per layer "full_attention" | "sliding_attention"
+    tie_word_embeddings: bool = False
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        if self.architecture not in SUPPORTED_ARCHITECTURES:
+            raise ConfigError(
+                f"unsupported architecture {self.architecture!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        if not self.layer_types:
+            kind = "sliding_attention" if self.sliding_window else "full_attention"
+            object.__setattr__(self, "layer_types", (kind,) * self.num_layers)
+        if len(self.layer_types) != self.num_layers:
+            raise ConfigError(f"layer_types has {len(self.layer_types)} entries for {self.num_layers} layers")
+
+    def to_dict(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "ModelConfig":
+        d = dict(d)
+        d["layer_types"] = tuple(d.get("layer_types") or ())
+        d["eos_token_ids"] = tuple(d.get("eos_token_ids") or ())
+        return cls(**d)
+
+
+SPEC_METHODS = ("none", "ngram", "draft_model")
+DTYPES = ("float32", "bfloat16")
+WEIGHT_FORMATS = ("bf16", "int8", "int4")
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    """Parsed `--speculative-config` (vLLM's JSON keys)."""
+
+    method: str = "none"
+    num_speculative_tokens: int | str = 0  # int >= 1, or "auto"
+    model: str | None = None  # draft model for method=draft_model
+    prompt_lookup_min: int = 1
+    prompt_lookup_max: int = 3
+    draft_dtype: str | None = None
+    draft_weights: str | None = None
+
+    @property
+    def enabled(self) -> bool:
+        return self.method != "none"
+
+    @property
+    def adaptive(self) -> bool:
+        return self.num_speculative_tokens == "auto"
+
+    @property
+    def max_speculative_tokens(self) -> int:
+        """Upper bound on k per step (for cache sizing); 'auto' searches up to 8."""
+        if not self.enabled:
+            return 0
+        return 8 if self.adaptive else int(self.num_speculative_tokens)
+
+    def to_dict(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
+
+
+_SPEC_KEYS = {f.name for f in fields(SpecConfig)}
+
+
+def parse_spec_config(value: str | dict | SpecConfig | None) -> SpecConfig:
+    """Parse and validate a speculative config given as JSON text, a dict, or None (= no speculation).
+
+    Unknown keys and bad values raise ConfigError naming the key, as vLLM does."""
+    if value is None or value == "":
+        return SpecConfig()
+    if isinstance(value, SpecConfig):
+        return value
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"--speculative-config is not valid JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise ConfigError("--speculative-config must be a JSON object")
+    unknown = sorted(set(value) - _SPEC_KEYS)
+    if unknown:
+        raise ConfigError(f"unknown speculative-config key(s) {unknown}; allowed: {sorted(_SPEC_KEYS)}")
+    d: dict[str, Any] = dict(value)
+    method = d.get("method", "none")
+    if method not in SPEC_METHODS:
+        raise ConfigError(f"speculative-config method {method!r} is not one of {list(SPEC_METHODS)}")
+    k = d.get("num_speculative_tokens", 0 if method == "none" else None)
+    if method != "none":
+        if k is None:
+            raise ConfigError("speculative-config needs num_speculative_tokens (an integer >= 1 or \"auto\")")
+        if k != "auto" and (isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= 32):
+            raise ConfigError(f"num_speculative_tokens must be an integer in 1..32 or \"auto\", got {k!r}")
+    if method == "draft_model" and not d.get("model"):
+        raise ConfigError("method draft_model needs \"model\" (a draft model name or path)")
+    if method != "draft_model":
+        for key in ("model", "draft_dtype", "draft_weights"):
+            if d.get(key) is not None:
+                raise ConfigError(f"speculative-config key {key!r} only applies to method draft_model")
+    lo, hi = d.get("prompt_lookup_min", 1), d.get("prompt_lookup_max", 3)
+    for key, v in (("prompt_lookup_min", lo), ("prompt_lookup_max", hi)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ConfigError(f"{key} must be an integer >= 1, got {v!r}")
+    if lo > hi:
+        raise ConfigError(f"prompt_lookup_min ({lo}) must not exceed prompt_lookup_max ({hi})")
+    if d.get("draft_dtype") is not None and d["draft_dtype"] not in DTYPES:
+        raise ConfigError(f"draft_dtype must be one of {list(DTYPES)}, got {d['draft_dtype']!r}")
+    if d.get("draft_weights") is not None and d["draft_weights"] not in WEIGHT_FORMATS:
+        raise ConfigError(f"draft_weights must be one of {list(WEIGHT_FORMATS)}, got {d['draft_weights']!r}")
+    d["method"] = method
+    d["num_speculative_tokens"] = 0 if method == "none" else k
+    return SpecConfig(**d)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """What the engine needs to run one target (and optionally a proposer)."""
+
+    model: str
+    dtype: str = "float32"
+    device: str = "cpu"
+    weights: str | None = None  # None = keep dtype; "int8"/"int4" weight-only quantization
+    threads: int | None = None
+    max_num_seqs: int = 8
+    max_model_len: int | None = None  # None = min(model's context, 4096)
+    speculative: SpecConfig = field(default_factory=SpecConfig)
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"dtype must be one of {list(DTYPES)}, got {self.dtype!r}")
+        if self.device not in ("cpu", "cuda"):
+            raise ConfigError(f"device must be cpu or cuda, got {self.device!r}")
+        if self.weights is not None and self.weights not in WEIGHT_FORMATS:
+            raise ConfigError(f"weights must be one of {list(WEIGHT_FORMATS)}, got {self.weights!r}")
+        if self.max_num_seqs < 1:
+            raise ConfigError("max_num_seqs must be >= 1")
+        if self.threads is not None and self.threads < 1:
+            raise ConfigError("threads must be >= 1")
+
+
+def default_cache_dir() -> "str":
+    """Where assembled models and converted checkpoints live: $DRAFTWISE_CACHE_DIR or ~/.cache/draftwise."""
+    import os
+    from pathlib import Path
+
+    return os.environ.get("DRAFTWISE_CACHE_DIR") or str(Path.home() / ".cache" / "draftwise")
+
+
+def hub_offline() -> bool:
+    """True when the user asked for no hub access (HF_HUB_OFFLINE=1), as huggingface_hub reads it."""
+    import os
+
+    return os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes")
