@@ -1,0 +1,268 @@
+"""One decoder-only transformer for the llama, mistral, qwen2, qwen3 and gemma3 families.
+
+Families differ only by ModelConfig fields (qkv bias, q/k norm, sandwich norms and norm weight offset,
+embedding scale, activation, attention scale, sliding-window layers with their own RoPE base, tied
+embeddings); there is no per-family copy of the forward pass. Parameter names equal HF transformers' names
+so a checkpoint's tensors load as they are.
+
+Contract (DESIGN.md): forward(token_ids[B,T], positions[B,T], cache, slots[B]) -> logits[B,T,V].
+The forward writes K/V at `positions` into `cache` and extends each slot's length to max(position)+1;
+rollback is the caller's `cache.truncate`. Knows nothing about requests, sampling or speculation.
+"""
+from __future__ import annotations
+
+import math
+from typing import Iterable, Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from draftwise.config import ModelConfig
+from draftwise.kv_cache import KVCache
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float, weight_offset: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(dim) if weight_offset else torch.ones(dim))
+        self.eps = eps
+        self.weight_offset = weight_offset
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., dim]
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.weight_offset:  # gemma: computed in float32, scaled by (1 + w)
+            return (xf * (self.weight_offset + self.weight.float())).to(x.dtype)
+        return self.weight * xf.to(x.dtype)
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:  # [head_dim/2]
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+    if kind in ("default", None):
+        return inv_freq
+    factor = float(scaling["factor"])
+    if kind == "linear":
+        return inv_freq / factor
+    if kind == "llama3":  # Llama 3.1 frequency-dependent scaling (Meta's reference recipe)
+        low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+        old_ctx = float(scaling["original_max_position_embeddings"])
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > old_ctx / low, inv_freq / factor, inv_freq)
+        smooth = (old_ctx / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= old_ctx / high) & (wavelen <= old_ctx / low)
+        return torch.where(medium, smoothed, scaled)
+    raise ValueError(f"unsupported rope scaling type {kind!r} (supported: default, linear, llama3)")
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_type: str):
+        super().__init__()
+        hd, nh, nkv = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
+        self.q_proj = nn.Linear(cfg.hidden_size, nh * hd, bias=cfg.attention_bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, nkv * hd, bias=cfg.attention_bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, nkv * hd, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(nh * hd, cfg.hidden_size, bias=False)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(hd, cfg.rms_norm_eps, cfg.norm_weight_offset)
+            self.k_norm = RMSNorm(hd, cfg.rms_norm_eps, cfg.norm_weight_offset)
+        self.qk_norm = cfg.qk_norm
+        self.num_heads, self.num_kv_heads, self.head_dim = nh, nkv, hd
+        self.scale = (cfg.query_pre_attn_scalar or hd) ** -0.5
+        self.sliding = layer_type == "sliding_attention"
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [B, T, hidden]
+        rope: tuple[torch.Tensor, torch.Tensor],  # cos, sin [B, 1, T, head_dim]
+        mask: torch.Tensor | None,  # [B, 1, T, kv_len] bool, True = attend
+        cache: KVCache,
+        layer: int,
+        slots: torch.Tensor,  # [B]
+        positions: torch.Tensor,  # [B, T]
+        kv_len: int,
+    ) -> torch.Tensor:  # [B, T, hidden]
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)  # [B, H, T, D]
+        cos, sin = rope
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        cache.write(layer, slots, positions, k, v)
+        keys, values = cache.read(layer, slots, kv_len)  # [B, H_kv, kv_len, D]
+        out = F.scaled_dot_product_attention(
+            q, keys, values, attn_mask=mask, scale=self.scale, enable_gqa=self.num_kv_heads != self.num_heads
+        )
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        if cfg.hidden_act == "silu":
+            self.act = F.silu
+        elif cfg.hidden_act in ("gelu_pytorch_tanh", "gelu_tanh"):
+            self.act = lambda t: F.gelu(t, approximate="tanh")
+        else:
+            raise ValueError(f"unsupported activation {cfg.hidden_act!r}")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_type: str):
+        super().__init__()
+        norm = lambda: RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_weight_offset)  # noqa: E731
+        self.self_attn = Attention(cfg, layer_type)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = norm()
+        # HF naming: in llama/qwen "post_attention_layernorm" is the pre-MLP norm; gemma3 has four norms
+        self.post_attention_layernorm = norm()
+        self.sandwich = cfg.sandwich_norm
+        if cfg.sandwich_norm:
+            self.pre_feedforward_layernorm = norm()
+            self.post_feedforward_layernorm = norm()
+
+    def forward(self, x, rope, mask, cache, layer, slots, positions, kv_len):
+        h = self.self_attn(self.input_layernorm(x), rope, mask, cache, layer, slots, positions, kv_len)
+        if self.sandwich:
+            x = x + self.post_attention_layernorm(h)
+            return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+        x = x + h
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Body(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, t) for t in cfg.layer_types)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_weight_offset)
+
+
+class Decoder(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        self.model = Body(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self._rope_tables: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    # ---- construction -------------------------------------------------------------------------
+    @classmethod
+    def from_tensors(
+        cls,
+        cfg: ModelConfig,
+        tensors: Iterable[tuple[str, torch.Tensor]],
+        dtype: torch.dtype = torch.float32,
+        device: str = "cpu",
+    ) -> "Decoder":
+        with torch.device("meta"):
+            model = cls(cfg)
+        params = dict(model.named_parameters())
+        loaded = set()
+        for name, t in tensors:
+            if name == "lm_head.weight" and cfg.tie_word_embeddings:
+                continue
+            if name not in params:
+                raise ValueError(f"checkpoint tensor {name!r} has no place in the {cfg.architecture} decoder")
+            if tuple(t.shape) != tuple(params[name].shape):
+                raise ValueError(f"{name}: checkpoint shape {tuple(t.shape)} != expected {tuple(params[name].shape)}")
+            _set_param(model, name, t.to(device=device, dtype=dtype))
+            loaded.add(name)
+        if cfg.tie_word_embeddings:
+            model.lm_head.weight = model.model.embed_tokens.weight
+            loaded.add("lm_head.weight")
+        missing = sorted(set(params) - loaded)
+        if missing:
+            raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
+        model._build_rope(device)
+        return model.eval()
+
+    def _build_rope(self, device) -> None:
+        cfg = self.config
+        for kind in set(cfg.layer_types):
+            local = kind == "sliding_attention" and cfg.rope_local_theta is not None
+            theta = cfg.rope_local_theta if local else cfg.rope_theta
+            inv_freq = rope_inv_freq(cfg.head_dim, theta, None if local else cfg.rope_scaling)
+            self._rope_tables[kind] = (inv_freq.to(device), None)
+
+    def rope_for(self, kind: str, positions: torch.Tensor, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        inv_freq = self._rope_tables[kind][0]  # [D/2]
+        freqs = positions[..., None].float() * inv_freq  # [B, T, D/2]
+        emb = torch.cat((freqs, freqs), dim=-1)[:, None]  # [B, 1, T, D]
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.embed_tokens.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.embed_tokens.weight.device
+
+    # ---- forward ------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def forward(
+        self,
+        token_ids: torch.Tensor,  # [B, T] int64
+        positions: torch.Tensor,  # [B, T] int64
+        cache: KVCache,
+        slots: torch.Tensor,  # [B] int64
+        last_only: bool = False,
+    ) -> torch.Tensor:  # [B, T, V] float (or [B, 1, V] when last_only)
+        cfg = self.config
+        kv_len = int(positions.max()) + 1
+        x = self.model.embed_tokens(token_ids)
+        if cfg.embed_scale != 1.0:
+            x = x * torch.tensor(cfg.embed_scale, dtype=x.dtype)
+        ropes = {kind: self.rope_for(kind, positions, x.dtype) for kind in self._rope_tables}
+        masks = {kind: self._mask(kind, positions, kv_len) for kind in self._rope_tables}
+        for i, layer in enumerate(self.model.layers):
+            kind = cfg.layer_types[i]
+            x = layer(x, ropes[kind], masks[kind], cache, i, slots, positions, kv_len)
+        cache.extend(slots.tolist(), (positions.max(dim=1).values + 1).tolist())
+        if last_only:
+            x = x[:, -1:]
+        return self.lm_head(self.model.norm(x))
+
+    def _mask(self, kind: str, positions: torch.Tensor, kv_len: int) -> torch.Tensor | None:
+        window = self.config.sliding_window if kind == "sliding_attention" else None
+        B, T = positions.shape
+        if B == 1 and T == 1 and (window is None or kv_len <= window):
+            return None  # a single query at the end sees every cached key
+        key_pos = torch.arange(kv_len, device=positions.device)  # [kv_len]
+        q_pos = positions[:, None, :, None]  # [B, 1, T, 1]
+        mask = key_pos <= q_pos
+        if window is not None:
+            mask = mask & (key_pos > q_pos - window)
+        return mask  # [B, 1, T, kv_len]
+
+
+def _set_param(model: nn.Module, name: str, value: torch.Tensor) -> None:
+    *path, leaf = name.split(".")
+    mod = model
+    for p in path:
+        mod = getattr(mod, p)
+    setattr(mod, leaf, nn.Parameter(value, requires_grad=False))
+
+
+def state_items(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) pairs of a torch module, for building a Decoder from another implementation's weights."""
+    for name, t in model.state_dict().items():
+        yield name, t
