@@ -1,0 +1,237 @@
+"""GGUF files → the checkpoint contract: a ModelConfig from the key-values and float32 tensors with HF names.
+
+This module owns reading GGUF metadata and tensors (with the `gguf` package's reader and dequantizer) and
+undoing llama.cpp's conversion quirks so tensors follow HF transformers' conventions:
+  * llama/mistral: llama.cpp permutes Q/K rows for interleaved (GPT-J style) RoPE; we un-permute them back
+    to HF's rotate-half layout.
+  * gemma3: llama.cpp stores RMSNorm weights as (1 + w); we subtract 1 (ModelConfig.norm_weight_offset=1).
+Configuration comes only from the file's key-values and tensor table, never from its path.
+
+It does not build tokenizers (tokenizer.py), cache conversions (sources.py) or run models.
+"""
+from __future__ import annotations
+
+import math
+import os
+from typing import Iterator
+
+import numpy as np
+import torch
+
+from draftwise.config import SUPPORTED_ARCHITECTURES, ConfigError, ModelConfig
+from draftwise.tokenizer import END_OF_TURN_TOKENS
+
+# GGUF per-layer tensor stem -> HF per-layer name (the part after "model.layers.{i}.").
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "ffn_norm": "post_attention_layernorm",
+}
+# gemma3's sandwich norms: its ffn_norm is the *pre*-feed-forward norm (llama.cpp's gemma3 mapping).
+_GEMMA3_LAYER_NAMES = {
+    **_LAYER_NAMES,
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+_GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+_SKIPPED = {"rope_freqs.weight"}  # llama3 rope factors: folded into ModelConfig.rope_scaling instead
+_INTERLEAVED_ROPE_ARCHS = ("llama", "mistral")
+GEMMA3_SLIDING_WINDOW_PATTERN = 6  # every 6th layer is global (HF Gemma3TextConfig default)
+GEMMA3_ROPE_LOCAL_THETA = 10000.0  # HF Gemma3TextConfig rope_local_base_freq
+
+
+def hf_tensor_name(gguf_name: str, architecture: str) -> str | None:
+    """HF transformers' name for a GGUF tensor name, or None for tensors we deliberately skip."""
+    if gguf_name in _SKIPPED:
+        return None
+    stem, _, suffix = gguf_name.rpartition(".")  # suffix: weight | bias
+    if stem in _GLOBAL_NAMES:
+        return f"{_GLOBAL_NAMES[stem]}.{suffix}"
+    parts = stem.split(".")
+    table = _GEMMA3_LAYER_NAMES if architecture == "gemma3" else _LAYER_NAMES
+    if len(parts) == 3 and parts[0] == "blk" and parts[2] in table:
+        return f"model.layers.{int(parts[1])}.{table[parts[2]]}.{suffix}"
+    raise ConfigError(f"GGUF tensor {gguf_name!r} has no known HF name for architecture {architecture!r}")
+
+
+def unpermute_rope(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's Q/K row permutation (interleaved RoPE pairs -> HF rotate-half halves).
+
+    llama.cpp reshapes rows [H, 2, D/2] -> [H, D/2, 2]; we apply the inverse. weight: [H*D, in] or [H*D]."""
+    rest = weight.shape[1:]
+    head_dim = weight.shape[0] // num_heads
+    return weight.reshape(num_heads, head_dim // 2, 2, *rest).transpose(1, 2).reshape(weight.shape)
+
+
+def _scalar(value):
+    """Float32-stored metadata (eps 9.99999997e-07) back to the decimal the author wrote (1e-06)."""
+    if isinstance(value, float):
+        return float(f"{value:.7g}")
+    return value
+
+
+class GGUFFile:
+    """One GGUF file: its metadata, ModelConfig and HF-named tensors."""
+
+    def __init__(self, path: str | os.PathLike):
+        from gguf import GGUFReader
+
+        self.path = str(path)
+        try:
+            self.reader = GGUFReader(self.path)
+        except (ValueError, OSError) as e:
+            raise ConfigError(f"{self.path} is not a readable GGUF file: {e}") from None
+        self.architecture = self.field("general.architecture")
+        if self.architecture not in SUPPORTED_ARCHITECTURES:
+            raise ConfigError(
+                f"GGUF architecture {self.architecture!r} is not supported; supported: "
+                f"{', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        self._tensors = {t.name: t for t in self.reader.tensors}
+        self.config = self._build_config()
+
+    def field(self, key: str, default=None):
+        f = self.reader.fields.get(key)
+        return default if f is None else _scalar(f.contents())
+
+    def arch_field(self, key: str, default=None):
+        return self.field(f"{self.architecture}.{key}", default)
+
+    @property
+    def metadata(self) -> dict:
+        """Every key-value except the big tokenizer arrays (for info/debugging)."""
+        big = ("tokenizer.ggml.tokens", "tokenizer.ggml.scores", "tokenizer.ggml.token_type", "tokenizer.ggml.merges")
+        return {k: self.field(k) for k in self.reader.fields if k not in big and not k.startswith("GGUF.")}
+
+    def _build_config(self) -> ModelConfig:
+        hidden = self.arch_field("embedding_length")
+        num_heads = self.arch_field("attention.head_count")
+        num_layers = self.arch_field("block_count")
+        tokens = self.reader.fields.get("tokenizer.ggml.tokens")
+        embed = self._tensors["token_embd.weight"]
+        vocab_size = int(embed.shape[1])  # GGUF shapes are [ne0=hidden, ne1=vocab]
+        if tokens is not None and len(tokens.data) != vocab_size:
+            raise ConfigError(f"{self.path}: {len(tokens.data)} tokens but embedding has {vocab_size} rows")
+        cfg = dict(
+            architecture=self.architecture,
+            vocab_size=vocab_size,
+            hidden_size=hidden,
+            intermediate_size=self.arch_field("feed_forward_length"),
+            num_layers=num_layers,
+            num_heads=num_heads,
+            num_kv_heads=self.arch_field("attention.head_count_kv", num_heads),
+            head_dim=self.arch_field("attention.key_length", hidden // num_heads),
+            rms_norm_eps=self.arch_field("attention.layer_norm_rms_epsilon", 1e-6),
+            rope_theta=float(self.arch_field("rope.freq_base", 10000.0)),
+            rope_scaling=self._rope_scaling(),
+            max_position_embeddings=self.arch_field("context_length", 4096),
+            attention_bias="blk.0.attn_q.bias" in self._tensors,
+            qk_norm="blk.0.attn_q_norm.weight" in self._tensors,
+            tie_word_embeddings="output.weight" not in self._tensors,
+            bos_token_id=self.field("tokenizer.ggml.bos_token_id"),
+            eos_token_ids=self._eos_token_ids(),
+        )
+        if self.architecture == "gemma3":
+            cfg.update(self._gemma3_fields(cfg))
+        return ModelConfig(**cfg)
+
+    def _gemma3_fields(self, cfg: dict) -> dict:
+        # Attention scale: llama.cpp uses head_dim for every size but 27B, whose scalar is hidden/heads;
+        # HF's gemma3 configs say the same (query_pre_attn_scalar 256 for 270M..12B, 168 for 27B).
+        window = self.arch_field("attention.sliding_window")
+        return dict(
+            layer_types=self._gemma3_layer_types(cfg["num_layers"], window),
+            sandwich_norm=True,
+            qk_norm=True,
+            norm_weight_offset=1.0,
+            embed_scale=math.sqrt(cfg["hidden_size"]),
+            hidden_act="gelu_pytorch_tanh",
+            query_pre_attn_scalar=float(cfg["head_dim"]),
+            sliding_window=window,
+            rope_local_theta=float(self.arch_field("rope.freq_base_swa", GEMMA3_ROPE_LOCAL_THETA)),
+        )
+
+    def _gemma3_layer_types(self, num_layers: int, window: int | None) -> tuple[str, ...]:
+        """Newer files state the pattern (a period, or one bool per layer, true = sliding); older ones don't."""
+        pattern = self.arch_field("attention.sliding_window_pattern", GEMMA3_SLIDING_WINDOW_PATTERN)
+        if isinstance(pattern, list):
+            sliding = [bool(p) for p in pattern]
+        else:
+            sliding = [(i + 1) % int(pattern) != 0 for i in range(num_layers)]
+        return tuple("sliding_attention" if s and window else "full_attention" for s in sliding)
+
+    def _rope_scaling(self) -> dict | None:
+        kind = self.arch_field("rope.scaling.type")
+        factor = self.arch_field("rope.scaling.factor")
+        if "rope_freqs.weight" in self._tensors:
+            # llama3-style: llama.cpp stores per-frequency divisors; the largest is the factor. Meta's
+            # low/high frequency factors (1, 4) are the same for every llama 3.x release.
+            freqs = self._dequantize(self._tensors["rope_freqs.weight"])
+            original = self.arch_field("rope.scaling.original_context_length", 8192)
+            return {"rope_type": "llama3", "factor": float(freqs.max()), "low_freq_factor": 1.0,
+                    "high_freq_factor": 4.0, "original_max_position_embeddings": original}
+        if kind in (None, "none") or not factor:
+            return None
+        if kind != "linear":
+            raise ConfigError(f"GGUF rope scaling type {kind!r} is not supported (only linear and llama3)")
+        return {"rope_type": "linear", "factor": float(factor)}
+
+    def _eos_token_ids(self) -> tuple[int, ...]:
+        ids = []
+        eos = self.field("tokenizer.ggml.eos_token_id")
+        if eos is not None:
+            ids.append(int(eos))
+        eot = self.field("tokenizer.ggml.eot_token_id")
+        if eot is not None:
+            ids.append(int(eot))
+        tokens_field = self.reader.fields.get("tokenizer.ggml.tokens")
+        if tokens_field is not None:
+            wanted = set(END_OF_TURN_TOKENS)
+            for i, idx in enumerate(tokens_field.data):
+                if len(tokens_field.parts[idx]) <= 20:  # cheap filter before decoding bytes
+                    text = bytes(tokens_field.parts[idx]).decode("utf-8", "replace")
+                    if text in wanted:
+                        ids.append(i)
+        return tuple(dict.fromkeys(ids))
+
+    @staticmethod
+    def _dequantize(t) -> np.ndarray:
+        from gguf.quants import dequantize
+
+        # GGUF shape lists ne0 (the contiguous dim) first; torch wants it last.
+        return dequantize(t.data, t.tensor_type).reshape(tuple(int(d) for d in reversed(t.shape)))
+
+    def tensor_specs(self) -> list[tuple[str, tuple[int, ...]]]:
+        """(HF name, shape) of every tensor `tensors()` yields, in the same order, without reading data."""
+        specs = []
+        for t in self.reader.tensors:
+            name = hf_tensor_name(t.name, self.architecture)
+            if name is not None:
+                specs.append((name, tuple(int(d) for d in reversed(t.shape))))
+        return specs
+
+    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yield (HF name, float32 tensor) one at a time, dequantized and in HF conventions."""
+        cfg = self.config
+        for t in self.reader.tensors:
+            name = hf_tensor_name(t.name, self.architecture)
+            if name is None:
+                continue
+            weight = torch.from_numpy(np.array(self._dequantize(t), dtype=np.float32))  # a writable copy
+            if self.architecture in _INTERLEAVED_ROPE_ARCHS:
+                if ".self_attn.q_proj." in name:
+                    weight = unpermute_rope(weight, cfg.num_heads)
+                elif ".self_attn.k_proj." in name:
+                    weight = unpermute_rope(weight, cfg.num_kv_heads)
+            if cfg.norm_weight_offset and name.endswith("norm.weight"):
+                weight = weight - cfg.norm_weight_offset
+            yield name, weight.contiguous()

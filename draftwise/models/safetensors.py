@@ -1,0 +1,200 @@
+"""HF checkpoint directories (config.json + *.safetensors) → the checkpoint contract; safetensors writing.
+
+This module owns mapping a transformers config.json onto ModelConfig (model_type → architecture), reading
+possibly-sharded safetensors weights under HF names, and writing a safetensors file tensor by tensor
+(the converted-GGUF cache is written this way, so a 6 GB float32 conversion never sits in memory at once).
+
+It does not know GGUF, tokenizers or the hub; it yields tensors in their stored dtype and the decoder casts.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+from pathlib import Path
+from typing import Iterable, Iterator
+
+import torch
+
+from draftwise.config import SUPPORTED_ARCHITECTURES, ConfigError, ModelConfig
+
+_MODEL_TYPES = {
+    "llama": "llama",
+    "mistral": "mistral",
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+    "gemma3": "gemma3",
+    "gemma3_text": "gemma3",
+}
+# Prefixes of multimodal gemma3 checkpoints: text weights are renamed, the rest is skipped.
+_RENAMES = (("model.language_model.", "model."), ("language_model.model.", "model."), ("language_model.lm_head.", "lm_head."))
+_SKIP_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
+
+
+def _rope(cfg: dict, layer_type: str | None = None) -> tuple[float | None, dict | None]:
+    """(rope_theta, rope_scaling) from transformers 4 (`rope_theta`, `rope_scaling`) or 5 (`rope_parameters`)."""
+    params = cfg.get("rope_parameters") or {}
+    if layer_type and layer_type in params:
+        params = params[layer_type]
+    theta = params.get("rope_theta", cfg.get("rope_theta"))
+    scaling = cfg.get("rope_scaling") or (params if params.get("rope_type", "default") != "default" else None)
+    if scaling:
+        scaling = {k: v for k, v in scaling.items() if k != "rope_theta"}
+        scaling.setdefault("rope_type", scaling.pop("type", "linear"))
+        if scaling["rope_type"] == "default":
+            scaling = None
+    return theta, scaling
+
+
+def _eos_ids(cfg: dict, generation: dict) -> tuple[int, ...]:
+    ids = []
+    for source in (cfg.get("eos_token_id"), generation.get("eos_token_id")):
+        ids.extend(source if isinstance(source, list) else [] if source is None else [source])
+    return tuple(dict.fromkeys(int(i) for i in ids))
+
+
+def config_from_hf(cfg: dict, generation: dict | None = None) -> ModelConfig:
+    """ModelConfig from a transformers config.json dict (and optional generation_config.json)."""
+    model_type = cfg.get("model_type")
+    if model_type not in _MODEL_TYPES:
+        raise ConfigError(
+            f"unsupported model_type {model_type!r} in config.json; supported: {', '.join(_MODEL_TYPES)}"
+            f" (architectures {', '.join(SUPPORTED_ARCHITECTURES)})"
+        )
+    top = cfg
+    if model_type == "gemma3" and "text_config" in cfg:
+        cfg = {**cfg["text_config"], "model_type": "gemma3_text"}
+    arch = _MODEL_TYPES[model_type]
+    hidden, num_heads = cfg["hidden_size"], cfg["num_attention_heads"]
+    theta, scaling = _rope(cfg, "full_attention" if arch == "gemma3" else None)
+    out = dict(
+        architecture=arch,
+        vocab_size=cfg["vocab_size"],
+        hidden_size=hidden,
+        intermediate_size=cfg["intermediate_size"],
+        num_layers=cfg["num_hidden_layers"],
+        num_heads=num_heads,
+        num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
+        head_dim=cfg.get("head_dim") or hidden // num_heads,
+        rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+        rope_theta=float(theta or 10000.0),
+        rope_scaling=scaling,
+        max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+        # Qwen2's attention always has q/k/v bias; its config.json has no key for it.
+        attention_bias=True if arch == "qwen2" else bool(cfg.get("attention_bias", False)),
+        qk_norm=arch in ("qwen3", "gemma3"),
+        hidden_act=cfg.get("hidden_act") or cfg.get("hidden_activation") or "silu",
+        tie_word_embeddings=bool(top.get("tie_word_embeddings", cfg.get("tie_word_embeddings", arch == "gemma3"))),
+        bos_token_id=cfg.get("bos_token_id", top.get("bos_token_id")),
+        eos_token_ids=_eos_ids({**top, **cfg}, generation or {}),
+    )
+    use_window = cfg.get("use_sliding_window", arch in ("mistral", "gemma3"))
+    if use_window and cfg.get("sliding_window"):
+        out["sliding_window"] = cfg["sliding_window"]
+    if arch == "gemma3":
+        out.update(_gemma3_fields(cfg, hidden, out["num_layers"]))
+    return ModelConfig(**out)
+
+
+def _gemma3_fields(cfg: dict, hidden: int, num_layers: int) -> dict:
+    pattern = cfg.get("sliding_window_pattern", 6)
+    layer_types = cfg.get("layer_types") or [
+        "full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(num_layers)
+    ]
+    local_theta, _ = _rope(cfg, "sliding_attention")
+    return dict(
+        sandwich_norm=True,
+        norm_weight_offset=1.0,
+        embed_scale=math.sqrt(hidden),
+        hidden_act=cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh",
+        query_pre_attn_scalar=float(cfg.get("query_pre_attn_scalar", 256)),
+        rope_local_theta=float(cfg.get("rope_local_base_freq") or local_theta or 10000.0),
+        layer_types=tuple(layer_types),
+    )
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"cannot read {path}: {e}") from None
+
+
+def load_config(checkpoint_dir: str | os.PathLike) -> ModelConfig:
+    d = Path(checkpoint_dir)
+    if not (d / "config.json").is_file():
+        raise ConfigError(f"{d} has no config.json; not a Hugging Face checkpoint directory")
+    generation = _read_json(d / "generation_config.json") if (d / "generation_config.json").is_file() else {}
+    return config_from_hf(_read_json(d / "config.json"), generation)
+
+
+def weight_files(checkpoint_dir: str | os.PathLike) -> list[Path]:
+    """The safetensors files of a checkpoint, in index order when sharded."""
+    d = Path(checkpoint_dir)
+    index = d / "model.safetensors.index.json"
+    if index.is_file():
+        shards = dict.fromkeys(_read_json(index)["weight_map"].values())
+        return [d / s for s in shards]
+    files = sorted(d.glob("*.safetensors"))
+    if not files:
+        raise ConfigError(f"{d} has no *.safetensors weights (only safetensors checkpoints are supported)")
+    return files
+
+
+def hf_name(name: str) -> str | None:
+    """Internal name for a stored tensor name; None for tensors a text decoder does not use."""
+    if name.startswith(_SKIP_PREFIXES) or name.endswith("rotary_emb.inv_freq"):
+        return None
+    for old, new in _RENAMES:
+        if name.startswith(old):
+            return new + name[len(old):]
+    return name
+
+
+def iter_tensors(files: Iterable[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (name, tensor) from safetensors files, memory-mapped, one tensor at a time."""
+    from safetensors import safe_open
+
+    for path in files:
+        with safe_open(str(path), framework="pt") as f:
+            for key in f.keys():
+                name = hf_name(key)
+                if name is not None:
+                    yield name, f.get_tensor(key)
+
+
+_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
+
+
+def write_streaming(
+    path: str | os.PathLike,
+    specs: list[tuple[str, tuple[int, ...]]],
+    tensors: Iterable[tuple[str, torch.Tensor]],
+    metadata: dict[str, str] | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> None:
+    """Write a safetensors file whose header is known up front (`specs`: name, shape in yield order).
+
+    Format (huggingface/safetensors): u64 little-endian header length, JSON header, then raw data."""
+    header: dict = {"__metadata__": metadata or {}}
+    offset, itemsize = 0, torch.tensor([], dtype=dtype).element_size()
+    for name, shape in specs:
+        size = math.prod(shape) * itemsize
+        header[name] = {"dtype": _DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)  # data starts 8-byte aligned
+    expected = iter(specs)
+    with open(path, "wb") as out:
+        out.write(struct.pack("<Q", len(blob)))
+        out.write(blob)
+        for name, tensor in tensors:
+            want_name, want_shape = next(expected)
+            if name != want_name or tuple(tensor.shape) != tuple(want_shape):
+                raise ValueError(f"tensor {name} {tuple(tensor.shape)} does not match spec {want_name} {want_shape}")
+            data = tensor.to(dtype).contiguous()
+            data = data.view(torch.int16) if dtype == torch.bfloat16 else data  # numpy has no bfloat16
+            out.write(data.numpy().data)
+    if next(expected, None) is not None:
+        raise ValueError("fewer tensors than specs were written")
