@@ -1,0 +1,182 @@
+"""Tiny random checkpoints for loader/tokenizer tests: GGUF files written with the `gguf` package the way
+llama.cpp writes them (llama Q/K permuted), an HF checkpoint directory, and a tiny byte-level BPE vocabulary
+trained on the spot. Test-only; no downloads."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+TINY_SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+TINY_CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
+    "'<|im_end|>' + '\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+TINY_CORPUS = [
+    "def hello(name):\n    return 'hello ' + name\n",
+    "The quick brown fox jumps over the lazy dog. The dog sleeps.",
+    "Speculative decoding drafts tokens and verifies them in one pass.",
+    "print(sum(range(10)))  # numbers 0123456789",
+    "héllo wörld, naïve café — ünïcödé",
+] * 4
+TINY_DIMS = dict(hidden=32, heads=4, kv_heads=2, head_dim=8, intermediate=64, layers=2)
+
+
+def _train_tiny_bpe() -> tuple[list[str], list[str]]:
+    """(tokens by id, merges 'a b') of a byte-level BPE with ~300 entries, trained in milliseconds."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=330, special_tokens=TINY_SPECIAL_TOKENS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(TINY_CORPUS, trainer)
+    model = json.loads(tok.to_str())["model"]
+    tokens = [t for t, _ in sorted(model["vocab"].items(), key=lambda kv: kv[1])]
+    merges = [m if isinstance(m, str) else " ".join(m) for m in model["merges"]]
+    return tokens, merges
+
+
+def llama_cpp_permute(weight: np.ndarray, num_heads: int) -> np.ndarray:
+    """What llama.cpp's convert_hf_to_gguf does to llama Q/K rows: [H, 2, D/2] -> [H, D/2, 2] (interleaved RoPE)."""
+    return (weight.reshape(num_heads, 2, weight.shape[0] // num_heads // 2, *weight.shape[1:])
+            .swapaxes(1, 2).reshape(weight.shape))
+
+
+def _hf_tensors(arch: str, vocab_size: int, tie: bool, seed: int) -> dict[str, np.ndarray]:
+    """Random weights in HF layout ([out, in]) for a tiny decoder of `arch`."""
+    rng = np.random.default_rng(seed)
+    d = TINY_DIMS
+    q_out, kv_out = d["heads"] * d["head_dim"], d["kv_heads"] * d["head_dim"]
+    r = lambda *shape: rng.standard_normal(shape).astype(np.float32) * 0.1  # noqa: E731
+    out = {"model.embed_tokens.weight": r(vocab_size, d["hidden"]), "model.norm.weight": 1 + r(d["hidden"])}
+    if not tie:
+        out["lm_head.weight"] = r(vocab_size, d["hidden"])
+    for i in range(d["layers"]):
+        p = f"model.layers.{i}."
+        out.update({
+            p + "input_layernorm.weight": 1 + r(d["hidden"]),
+            p + "self_attn.q_proj.weight": r(q_out, d["hidden"]),
+            p + "self_attn.k_proj.weight": r(kv_out, d["hidden"]),
+            p + "self_attn.v_proj.weight": r(kv_out, d["hidden"]),
+            p + "self_attn.o_proj.weight": r(d["hidden"], q_out),
+            p + "mlp.gate_proj.weight": r(d["intermediate"], d["hidden"]),
+            p + "mlp.up_proj.weight": r(d["intermediate"], d["hidden"]),
+            p + "mlp.down_proj.weight": r(d["hidden"], d["intermediate"]),
+            p + "post_attention_layernorm.weight": 1 + r(d["hidden"]),
+        })
+        if arch == "qwen2":
+            out.update({p + "self_attn.q_proj.bias": r(q_out), p + "self_attn.k_proj.bias": r(kv_out),
+                        p + "self_attn.v_proj.bias": r(kv_out)})
+    return out
+
+
+_TO_GGUF = {
+    "input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down", "post_attention_layernorm": "ffn_norm",
+}
+
+
+def _gguf_name(hf: str) -> str:
+    glob = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+            "lm_head.weight": "output.weight"}
+    if hf in glob:
+        return glob[hf]
+    _, _, layer, rest = hf.split(".", 3)
+    stem, suffix = rest.rsplit(".", 1)
+    return f"blk.{layer}.{_TO_GGUF[stem]}.{suffix}"
+
+
+def write_tiny_gguf(path: Path, arch: str = "qwen2", tie: bool = False, seed: int = 0,
+                    quantize: tuple[str, ...] = ()) -> dict[str, np.ndarray]:
+    """Write a tiny random GGUF as llama.cpp would (llama Q/K permuted); return the HF-layout weights.
+
+    Tensors whose HF name ends with a string in `quantize` are stored as Q8_0."""
+    import gguf
+
+    tokens, merges = _train_tiny_bpe()
+    hf = _hf_tensors(arch, len(tokens), tie, seed)
+    d = TINY_DIMS
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_name(f"tiny random {arch}")
+    w.add_block_count(d["layers"])
+    w.add_context_length(256)
+    w.add_embedding_length(d["hidden"])
+    w.add_feed_forward_length(d["intermediate"])
+    w.add_head_count(d["heads"])
+    w.add_head_count_kv(d["kv_heads"])
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_rope_freq_base(10000.0 if arch == "llama" else 1000000.0)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("qwen2")
+    w.add_token_list(tokens)
+    w.add_token_types([3 if t in TINY_SPECIAL_TOKENS else 1 for t in tokens])
+    w.add_token_merges(merges)
+    w.add_bos_token_id(tokens.index("<|endoftext|>"))
+    w.add_eos_token_id(tokens.index("<|im_end|>"))
+    w.add_add_bos_token(False)
+    w.add_chat_template(TINY_CHAT_TEMPLATE)
+    for name, value in hf.items():
+        if arch == "llama" and ".self_attn.q_proj." in name:
+            value = llama_cpp_permute(value, d["heads"])
+        elif arch == "llama" and ".self_attn.k_proj." in name:
+            value = llama_cpp_permute(value, d["kv_heads"])
+        if name.endswith(quantize) and value.ndim == 2:
+            w.add_tensor(_gguf_name(name), gguf.quants.quantize(value, gguf.GGMLQuantizationType.Q8_0),
+                         raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+        else:
+            w.add_tensor(_gguf_name(name), value)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return hf
+
+
+def tiny_byte_level_backend():
+    """A `tokenizers.Tokenizer` over the tiny vocabulary, as an HF tokenizer.json would describe it."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    tokens, merges = _train_tiny_bpe()
+    tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=[tuple(m.split(" ")) for m in merges]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in TINY_SPECIAL_TOKENS])
+    return tok
+
+
+def write_tiny_hf_dir(directory: Path, model_type: str = "llama", seed: int = 0) -> dict[str, np.ndarray]:
+    """config.json + sharded model-0000X-of-00002.safetensors + index + tokenizer files; returns the weights."""
+    import torch
+    from safetensors.torch import save_file
+
+    directory.mkdir(parents=True, exist_ok=True)
+    backend = tiny_byte_level_backend()
+    vocab_size = backend.get_vocab_size()
+    hf = _hf_tensors("qwen2" if model_type == "qwen2" else "llama", vocab_size, tie=False, seed=seed)
+    d = TINY_DIMS
+    config = {
+        "model_type": model_type, "architectures": ["LlamaForCausalLM"], "vocab_size": vocab_size,
+        "hidden_size": d["hidden"], "intermediate_size": d["intermediate"], "num_hidden_layers": d["layers"],
+        "num_attention_heads": d["heads"], "num_key_value_heads": d["kv_heads"], "head_dim": d["head_dim"],
+        "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "max_position_embeddings": 256,
+        "tie_word_embeddings": False, "bos_token_id": 0, "eos_token_id": [2], "torch_dtype": "bfloat16",
+    }
+    (directory / "config.json").write_text(json.dumps(config))
+    names = list(hf)
+    shards = {"model-00001-of-00002.safetensors": names[: len(names) // 2],
+              "model-00002-of-00002.safetensors": names[len(names) // 2:]}
+    for shard, keys in shards.items():
+        save_file({k: torch.from_numpy(hf[k]).to(torch.bfloat16) for k in keys}, str(directory / shard))
+    index = {"metadata": {}, "weight_map": {k: s for s, keys in shards.items() for k in keys}}
+    (directory / "model.safetensors.index.json").write_text(json.dumps(index))
+    backend.save(str(directory / "tokenizer.json"))
+    tok_config = {"bos_token": {"content": "<|endoftext|>"}, "eos_token": "<|im_end|>", "chat_template": TINY_CHAT_TEMPLATE}
+    (directory / "tokenizer_config.json").write_text(json.dumps(tok_config))
+    return hf
+
