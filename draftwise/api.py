@@ -1,0 +1,206 @@
+"""The public Python API in vLLM's shape: LLM, SamplingParams, RequestOutput.
+
+Owns model loading into an Engine (target + proposer), prompt handling (text, token ids, chat messages) and
+turning finished engine requests into RequestOutputs with timing and speculation stats. Knows no HTTP.
+"""
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Iterator, Sequence
+
+import torch
+
+from draftwise.config import ConfigError, EngineConfig, parse_spec_config
+from draftwise.engine import Engine, Request
+from draftwise.models.transformer import Decoder
+from draftwise.output import TextStream
+from draftwise.sampling import SamplingParams
+from draftwise.spec.proposer import ProposerContext, build_proposer
+
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "load_model"]
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+DEFAULT_MAX_MODEL_LEN = 4096
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool = True
+    ttft_s: float | None = None
+    total_s: float | None = None
+    spec: dict | None = None  # speculation stats (None when speculation is off)
+    metrics: dict = field(default_factory=dict)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.outputs[0].token_ids)
+
+    @property
+    def tokens_per_s(self) -> float | None:
+        if not self.total_s:
+            return None
+        return self.num_output_tokens / self.total_s
+
+
+def check_device(device: str) -> None:
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("--device cuda was asked for, but this torch build sees no CUDA device; use --device cpu")
+
+
+def load_model(name: str, dtype: str = "float32", device: str = "cpu", weights: str | None = None,
+               cache_dir: str | None = None):
+    """Resolve and load a checkpoint: returns (Decoder, Tokenizer, info dict)."""
+    from draftwise.models.sources import load_checkpoint
+
+    check_device(device)
+    ckpt = load_checkpoint(name, cache_dir=cache_dir)
+    model = Decoder.from_tensors(ckpt.config, ckpt.tensors(), dtype=DTYPES[dtype], device=device)
+    if weights in ("int8", "int4"):
+        from draftwise.models.quant import quantize_decoder
+
+        quantize_decoder(model, weights)
+    info = dict(ckpt.info, dtype=dtype, weights=weights or ("bf16" if dtype == "bfloat16" else "fp32"))
+    return model, ckpt.tokenizer, info
+
+
+class LLM:
+    """An engine over one target model, optionally speculating with a proposer (vLLM's `LLM` shape)."""
+
+    def __init__(
+        self,
+        model: str,
+        dtype: str = "float32",
+        device: str = "cpu",
+        speculative_config: str | dict | None = None,
+        weights: str | None = None,
+        threads: int | None = None,
+        max_num_seqs: int = 8,
+        max_model_len: int | None = None,
+        seed: int = 0,
+        cache_dir: str | None = None,
+    ):
+        spec = parse_spec_config(speculative_config)
+        self.config = EngineConfig(model=model, dtype=dtype, device=device, weights=weights, threads=threads,
+                                   max_num_seqs=max_num_seqs, max_model_len=max_model_len, speculative=spec, seed=seed)
+        if threads:
+            torch.set_num_threads(threads)
+        t0 = time.perf_counter()
+        self.model, self.tokenizer, self.model_info = load_model(model, dtype, device, weights, cache_dir)
+        mc = self.model.config
+        self.max_model_len = max_model_len or min(mc.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
+
+        def load_draft(name, draft_dtype, draft_weights):
+            m, tok, info = load_model(name, draft_dtype, device, draft_weights, cache_dir)
+            self.draft_info = info
+            return m, tok
+
+        self.draft_info = None
+        ctx = ProposerContext(target_vocab_size=mc.vocab_size, target_tokenizer=self.tokenizer,
+                              max_num_seqs=max_num_seqs, max_model_len=self.max_model_len, dtype=dtype,
+                              device=device, load_model=load_draft, extra={"target_name": model})
+        self.proposer = build_proposer(spec, ctx)
+        eos = tuple(self.tokenizer.eos_token_ids) or tuple(mc.eos_token_ids)
+        self.adaptive = None
+        if spec.adaptive:
+            from draftwise.spec.adaptive import AdaptiveK
+
+            self.adaptive = AdaptiveK.calibrate(self.model, spec.max_speculative_tokens)
+        self.engine = Engine(self.model, self.proposer, spec.max_speculative_tokens, max_num_seqs,
+                             self.max_model_len, eos, seed=seed, k_policy=self.adaptive)
+        self.load_time_s = time.perf_counter() - t0
+
+    # ---- prompts ------------------------------------------------------------------------------
+    def _prompt_ids(self, prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            return None, list(prompt["prompt_token_ids"])
+        if isinstance(prompt, dict) and "prompt" in prompt:
+            return prompt["prompt"], self.tokenizer.encode(prompt["prompt"])
+        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
+            return None, list(prompt)
+        raise ConfigError("a prompt must be text, a list of token ids, or {'prompt_token_ids': [...]}")
+
+    def new_request(self, prompt, params: SamplingParams) -> tuple[Request, TextStream]:
+        text, ids = self._prompt_ids(prompt)
+        bad = [t for t in ids if not 0 <= t < self.model.config.vocab_size]
+        if bad:
+            raise ConfigError(f"prompt token ids out of the vocabulary (size {self.model.config.vocab_size}): {bad[:5]}")
+        stream = TextStream(self.tokenizer, params.stop)
+        req = Request(uuid.uuid4().hex[:16], ids, params, on_token=stream.add)
+        req.prompt_text = text
+        return req, stream
+
+    # ---- generation ---------------------------------------------------------------------------
+    def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = False) -> list[RequestOutput]:
+        if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = sampling_params if isinstance(sampling_params, (list, tuple)) else [sampling_params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ConfigError(f"{len(params)} sampling params for {len(prompts)} prompts")
+        pairs = [self.new_request(p, sp or SamplingParams()) for p, sp in zip(prompts, params)]
+        for req, _ in pairs:
+            self.engine.add_request(req)
+        bar = _progress(len(pairs)) if use_tqdm else None
+        while self.engine.has_unfinished():
+            for out in self.engine.step():
+                if out.finished and bar:
+                    bar.update(1)
+        if bar:
+            bar.close()
+        return [self._finish_output(req, stream) for req, stream in pairs]
+
+    def stream(self, prompt, params: SamplingParams) -> Iterator[str | RequestOutput]:
+        """Yield text deltas as tokens arrive, then the final RequestOutput (one request at a time)."""
+        req, stream = self.new_request(prompt, params)
+        self.engine.add_request(req)
+        while not req.finished:
+            self.engine.step()
+            delta = stream.delta()
+            if delta:
+                yield delta
+        tail = stream.finish()
+        if tail:
+            yield tail
+        yield self.to_output(req, stream.text)
+
+    def chat(self, messages, sampling_params: SamplingParams | None = None, use_tqdm: bool = False):
+        """One conversation (a list of {role, content}) or a list of them."""
+        convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = [{"prompt_token_ids": self.tokenizer.encode_chat(c)} for c in convs]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def _finish_output(self, req: Request, stream: TextStream) -> RequestOutput:
+        stream.finish()
+        return self.to_output(req, stream.text)
+
+    def to_output(self, req: Request, text: str) -> RequestOutput:
+        ttft = req.first_token_time - req.arrival_time if req.first_token_time else None
+        total = req.finish_time - req.arrival_time if req.finish_time else None
+        spec = req.spec.to_dict() if self.config.speculative.enabled else None
+        return RequestOutput(
+            request_id=req.request_id, prompt=getattr(req, "prompt_text", None), prompt_token_ids=req.prompt_ids,
+            outputs=[CompletionOutput(0, text, list(req.output_ids), req.finish_reason)],
+            finished=req.finished, ttft_s=ttft, total_s=total, spec=spec,
+        )
+
+
+def _progress(total: int):
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc="requests", unit="req")

@@ -1,0 +1,228 @@
+"""The engine: continuous batching of requests over one target decoder and one proposer.
+
+step(): admit waiting requests into free slots (prefill, first token) → ask the proposer for up to k guesses
+per running sequence → one batched target forward over [pending token, guesses...] for every sequence →
+verify each row (pure function) → roll the target cache back to what was accepted → emit tokens.
+Plain decoding is the same path with a proposer that never guesses.
+
+The engine knows token ids, not text or HTTP: stop strings are checked by a per-request callback.
+"""
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from draftwise.config import ConfigError
+from draftwise.kv_cache import KVCache
+from draftwise.models.transformer import Decoder
+from draftwise.sampling import SamplingParams, make_generator
+from draftwise.spec.adaptive import FixedK
+from draftwise.spec.proposer import Proposer
+from draftwise.spec.stats import SpecStats
+from draftwise.spec.verify import verify
+
+
+class ContextLengthError(ConfigError):
+    """The prompt plus the requested output does not fit the context."""
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    # called with each new token id; returns True when a stop string completed (the API layer owns text)
+    on_token: Callable[[int], bool] | None = None
+    output_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    slot: int | None = None
+    generator: torch.Generator | None = None
+    arrival_time: float = field(default_factory=time.perf_counter)
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    spec: SpecStats = field(default_factory=SpecStats)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class StepOutput:
+    request: Request
+    new_token_ids: list[int]
+    finished: bool
+
+
+class Engine:
+    def __init__(
+        self,
+        target: Decoder,
+        proposer: Proposer,
+        num_speculative_tokens: int,
+        max_num_seqs: int,
+        max_model_len: int,
+        eos_token_ids: tuple[int, ...],
+        seed: int = 0,
+        k_policy=None,
+    ):
+        c = target.config
+        self.target, self.proposer = target, proposer
+        # how many guesses per step: fixed k, or spec/adaptive.AdaptiveK's cost model
+        self.k_policy = k_policy or FixedK(num_speculative_tokens)
+        self.max_model_len = max_model_len
+        self.eos_token_ids = set(eos_token_ids)
+        self.seed = seed
+        capacity = max_model_len + num_speculative_tokens + 1
+        self.cache = KVCache(c.num_layers, max_num_seqs, c.num_kv_heads, capacity, c.head_dim, target.dtype, target.device)
+        self.free_slots = list(range(max_num_seqs))[::-1]
+        self.waiting: list[Request] = []
+        self.running: list[Request] = []
+        self.stats = SpecStats()  # engine-wide
+        self._counter = itertools.count()
+        self._pending: dict[int, int] = {}  # slot -> last emitted token, not yet in the target cache
+
+    # ---- requests -----------------------------------------------------------------------------
+    def add_request(self, req: Request) -> None:
+        need = len(req.prompt_ids) + req.params.max_tokens
+        if not req.prompt_ids:
+            raise ConfigError("the prompt is empty")
+        if need > self.max_model_len:
+            raise ContextLengthError(
+                f"prompt ({len(req.prompt_ids)} tokens) + max_tokens ({req.params.max_tokens}) = {need} tokens "
+                f"exceeds the context length of {self.max_model_len} tokens"
+            )
+        if req.generator is None:
+            req.generator = make_generator(req.params.seed, self.seed + next(self._counter), str(self.target.device))
+        self.waiting.append(req)
+
+    def abort(self, request_id: str) -> None:
+        for r in list(self.waiting):
+            if r.request_id == request_id:
+                self.waiting.remove(r)
+        for r in list(self.running):
+            if r.request_id == request_id:
+                self._finish(r, "abort")
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def num_free_slots(self) -> int:
+        return len(self.free_slots)
+
+    # ---- one step -----------------------------------------------------------------------------
+    def step(self) -> list[StepOutput]:
+        outputs: list[StepOutput] = []
+        while self.waiting and self.free_slots:
+            outputs.append(self._prefill(self.waiting.pop(0)))
+        decoding = [r for r in self.running if r.slot in self._pending]
+        if decoding:
+            outputs.extend(self._decode(decoding))
+        return outputs
+
+    def _prefill(self, req: Request) -> StepOutput:
+        req.slot = self.free_slots.pop()
+        self.running.append(req)
+        self.cache.free(req.slot)
+        dev = self.target.device
+        ids = torch.tensor([req.prompt_ids], device=dev)
+        pos = torch.arange(len(req.prompt_ids), device=dev)[None]
+        logits = self.target(ids, pos, self.cache, torch.tensor([req.slot], device=dev), last_only=True)[0]
+        self.proposer.begin(req.slot, req.prompt_ids, req.params, req.generator)
+        result = verify(torch.zeros(0, dtype=torch.int64), None, logits, req.params, req.generator)
+        token = result.token_ids[0]
+        self.proposer.accept(req.slot, 0, token)
+        return StepOutput(req, self._emit(req, [token]), req.finished)
+
+    def _decode(self, reqs: list[Request]) -> list[StepOutput]:
+        slots = [r.slot for r in reqs]
+        ks = [self._k_for(r) for r in reqs]
+        t0 = time.perf_counter()
+        drafts = self.proposer.propose(slots, ks)
+        t1 = time.perf_counter()
+        width = 1 + max(d.num_tokens for d in drafts)
+        dev = self.target.device
+        ids = torch.zeros(len(reqs), width, dtype=torch.int64)
+        pos = torch.zeros(len(reqs), width, dtype=torch.int64)
+        for row, (r, d) in enumerate(zip(reqs, drafts)):
+            ids[row, 0] = self._pending[r.slot]
+            ids[row, 1 : 1 + d.num_tokens] = d.token_ids
+            pos[row] = self.cache.lengths[r.slot] + torch.arange(width)  # padding lands past the end, rolled back
+        base_lengths = [self.cache.lengths[s] for s in slots]
+        logits = self.target(ids.to(dev), pos.to(dev), self.cache, torch.tensor(slots, device=dev))  # [B, width, V]
+        outputs = []
+        for row, (r, d) in enumerate(zip(reqs, drafts)):
+            k = d.num_tokens
+            res = verify(d.token_ids.to(dev), d.probs, logits[row, : k + 1], r.params, r.generator)
+            self.cache.truncate(r.slot, base_lengths[row] + 1 + res.num_accepted)
+            if k:
+                r.spec.record(k, res.num_accepted)
+                self.stats.record(k, res.num_accepted)
+                self.k_policy.observe(r, k, res.num_accepted)
+            slot = r.slot
+            emitted = self._emit(r, res.token_ids)
+            if not r.finished:
+                self.proposer.accept(slot, res.num_accepted, res.token_ids[-1])
+            outputs.append(StepOutput(r, emitted, r.finished))
+        t2 = time.perf_counter()
+        share = 1.0 / len(reqs)
+        for r, d in zip(reqs, drafts):
+            if d.num_tokens:
+                r.spec.draft_time_s += (t1 - t0) * share
+                r.spec.verify_time_s += (t2 - t1) * share
+        num_guessed = sum(d.num_tokens for d in drafts)
+        if num_guessed:
+            self.stats.draft_time_s += t1 - t0
+            self.stats.verify_time_s += t2 - t1
+        self.k_policy.observe_step(width, num_guessed, t1 - t0, t2 - t1)
+        return outputs
+
+    def _k_for(self, req: Request) -> int:
+        k = self.k_policy.choose(req)
+        # never guess past max_tokens or the context (the pending token takes one position)
+        room_out = req.params.max_tokens - len(req.output_ids) - 1
+        room_ctx = self.max_model_len - self.cache.lengths[req.slot] - 1
+        return max(0, min(k, room_out, room_ctx))
+
+    def _emit(self, req: Request, token_ids: list[int]) -> list[int]:
+        """Append tokens one by one until a stop condition; returns the tokens actually emitted."""
+        if req.first_token_time is None:
+            req.first_token_time = time.perf_counter()
+        emitted = []
+        for tok in token_ids:
+            req.output_ids.append(tok)
+            emitted.append(tok)
+            reason = self._stop_reason(req, tok)
+            if reason:
+                self._finish(req, reason)
+                break
+        else:
+            self._pending[req.slot] = token_ids[-1]
+        return emitted
+
+    def _stop_reason(self, req: Request, tok: int) -> str | None:
+        p = req.params
+        if (tok in self.eos_token_ids and not p.ignore_eos) or tok in p.stop_token_ids:
+            return "stop"
+        if req.on_token is not None and req.on_token(tok):
+            return "stop"
+        if len(req.output_ids) >= p.max_tokens:
+            return "length"
+        return None
+
+    def _finish(self, req: Request, reason: str) -> None:
+        req.finish_reason = reason
+        req.finish_time = time.perf_counter()
+        if req in self.running:
+            self.running.remove(req)
+        self.k_policy.end(req)
+        if req.slot is not None:
+            self._pending.pop(req.slot, None)
+            self.proposer.end(req.slot)
+            self.cache.free(req.slot)
+            self.free_slots.append(req.slot)

@@ -1,0 +1,124 @@
+"""How many tokens to guess: a fixed k, or a cost model that picks k per step to maximise tokens per second.
+
+Cost model (in the spirit of Leviathan et al. 2023, §3.4, with measured rather than assumed costs):
+with per-position conditional acceptance a_1..a_k, the expected tokens from one step is
+E(k) = 1 + sum_{j<=k} prod_{i<=j} a_i, and its time is verify(k+1) + draft_per_token * k. We pick the k in
+0..max_k with the highest E(k)/time(k); k = 0 is plain decoding, chosen whenever guessing cannot pay.
+verify(width) is timed at start-up (one target forward per width) and refined online from measured steps;
+draft cost per token and acceptance by position are learned online (acceptance per request, falling back to
+engine-wide counts, with a mild prior). Knows nothing of models' internals or the proposer's type.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from draftwise.kv_cache import KVCache
+
+EMA = 0.2  # weight of a new measurement in the running cost estimates
+PRIOR_ACCEPT = (1.0, 1.0)  # Beta(1, 1) pseudo-counts for each position's acceptance
+EXPLORE_EVERY = 16  # steps between forced speculative steps while plain decoding wins (acceptance can change)
+
+
+class FixedK:
+    def __init__(self, k: int):
+        self.k = k
+
+    def choose(self, req) -> int:
+        return self.k
+
+    def observe(self, req, k: int, num_accepted: int) -> None:
+        pass
+
+    def observe_step(self, width: int, num_draft_tokens: int, draft_s: float, verify_s: float) -> None:
+        pass
+
+    def end(self, req) -> None:
+        pass
+
+
+class AdaptiveK:
+    def __init__(self, max_k: int, verify_cost: dict[int, float]):
+        self.max_k = max_k
+        self.verify_cost = dict(verify_cost)  # width -> seconds per step
+        self.draft_cost: float | None = None  # seconds per guessed token (None until measured)
+        self.global_counts = [[0, 0] for _ in range(max_k)]  # per position: [reached, accepted]
+        self.req_counts: dict[str, list[list[int]]] = {}
+        self.k_histogram: dict[int, int] = {}
+        self._since_spec: dict[str, int] = {}
+
+    @classmethod
+    def calibrate(cls, target, max_k: int, repeats: int = 2) -> "AdaptiveK":
+        """Time one target forward at each verification width 1..max_k+1 on a scratch cache."""
+        c = target.config
+        scratch = KVCache(c.num_layers, 1, c.num_kv_heads, 64 + max_k + 1, c.head_dim, target.dtype, target.device)
+        slot = torch.tensor([0], device=target.device)
+        target(torch.zeros(1, 32, dtype=torch.int64, device=target.device),
+               torch.arange(32, device=target.device)[None], scratch, slot)
+        costs = {}
+        for width in range(1, max_k + 2):
+            times = []
+            for _ in range(repeats + 1):
+                scratch.truncate(0, 32)
+                ids = torch.zeros(1, width, dtype=torch.int64, device=target.device)
+                t0 = time.perf_counter()
+                target(ids, 32 + torch.arange(width, device=target.device)[None], scratch, slot)
+                times.append(time.perf_counter() - t0)
+            costs[width] = sorted(times[1:])[len(times[1:]) // 2]
+        return cls(max_k, costs)
+
+    # ---- policy -------------------------------------------------------------------------------
+    def acceptance(self, req) -> list[float]:
+        counts = self.req_counts.get(req.request_id)
+        out = []
+        for i in range(self.max_k):
+            reached, accepted = self.global_counts[i]
+            a0, b0 = PRIOR_ACCEPT
+            # the request's own history counts double: acceptance is workload- and prompt-specific
+            if counts:
+                reached, accepted = reached + 2 * counts[i][0], accepted + 2 * counts[i][1]
+            out.append((accepted + a0) / (reached + a0 + b0))
+        return out
+
+    def expected_rate(self, k: int, acceptance: list[float]) -> float:
+        """Expected tokens per second of one step that guesses k tokens."""
+        tokens, run = 1.0, 1.0
+        for a in acceptance[:k]:
+            run *= a
+            tokens += run
+        draft = (self.draft_cost or 0.0) * k
+        return tokens / (self.verify_cost[k + 1] + draft)
+
+    def choose(self, req) -> int:
+        acc = self.acceptance(req)
+        best = max(range(self.max_k + 1), key=lambda k: self.expected_rate(k, acc))
+        if best == 0 or self.draft_cost is None:
+            since = self._since_spec.get(req.request_id, 0) + 1
+            self._since_spec[req.request_id] = since
+            if self.draft_cost is None or since >= EXPLORE_EVERY:
+                best = max(1, min(2, self.max_k))  # a cheap probe keeps the estimates alive
+        if best:
+            self._since_spec[req.request_id] = 0
+        self.k_histogram[best] = self.k_histogram.get(best, 0) + 1
+        return best
+
+    def observe(self, req, k: int, num_accepted: int) -> None:
+        counts = self.req_counts.setdefault(req.request_id, [[0, 0] for _ in range(self.max_k)])
+        for i in range(min(k, num_accepted + 1)):  # positions reached: all accepted ones and the first rejected
+            hit = int(i < num_accepted)
+            counts[i][0] += 1
+            counts[i][1] += hit
+            self.global_counts[i][0] += 1
+            self.global_counts[i][1] += hit
+
+    def observe_step(self, width: int, num_draft_tokens: int, draft_s: float, verify_s: float) -> None:
+        if width in self.verify_cost:
+            self.verify_cost[width] = (1 - EMA) * self.verify_cost[width] + EMA * verify_s
+        if num_draft_tokens:
+            per_token = draft_s / num_draft_tokens
+            self.draft_cost = per_token if self.draft_cost is None else (1 - EMA) * self.draft_cost + EMA * per_token
+
+    def end(self, req) -> None:
+        self.req_counts.pop(req.request_id, None)
+        self._since_spec.pop(req.request_id, None)
