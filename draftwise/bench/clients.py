@@ -1,0 +1,398 @@
+"""Clients: run one batch of benchmark requests under one condition and time each request.
+
+Two implementations of one small interface (`prepare`, `run_batch`, `manifest`, `memory`):
+  - InProcessClient drives draftwise's engine directly: one target model in memory, one proposer per
+    method (built once, with the largest k of the sweep), switched between conditions; a batch of C requests
+    is submitted together and the engine stepped until all finish (continuous batching), so concurrency C
+    is real. Times come from the engine's Request (arrival → first token → finish), DESIGN.md's definitions.
+  - HTTPClient talks to any OpenAI-compatible server (`/v1/completions`, `/v1/chat/completions`) with
+    streaming SSE: TTFT is the first chunk carrying text. Acceptance comes from the server's /metrics,
+    read before and after each batch, when it exposes vLLM's `vllm:spec_decode_*` counters (vLLM
+    v1/spec_decode/metrics.py) or ours (`draftwise:spec_decode_*`, same names).
+Multi-turn items (MT-Bench `turns`) are answered turn by turn with the model's own previous answers.
+Knows nothing of conditions' order, statistics or files.
+"""
+from __future__ import annotations
+
+import json
+import re
+import resource
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+
+from draftwise.config import ConfigError
+from draftwise.bench.workloads import Item
+
+
+@dataclass
+class Condition:
+    """One arm of the comparison: a speculation method and k (or a named endpoint)."""
+
+    method: str = "none"
+    k: int = 0
+    draft: str | None = None
+    endpoint: str | None = None  # HTTP mode: the server that runs this condition
+    label: str | None = None
+
+    @property
+    def id(self) -> str:
+        if self.label:
+            return self.label
+        return "none" if self.method == "none" else f"{self.method}-k{self.k}"
+
+    def spec_config(self) -> dict | None:
+        if self.method == "none":
+            return None
+        d = {"method": self.method, "num_speculative_tokens": self.k}
+        if self.method == "draft_model":
+            d["model"] = self.draft
+        return d
+
+
+@dataclass
+class Call:
+    """One generation call: either a raw prompt or chat messages, and sampling knobs."""
+
+    prompt: str | None
+    messages: list[dict] | None
+    max_tokens: int
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Result:
+    text: str = ""
+    num_prompt_tokens: int | None = None
+    num_output_tokens: int = 0
+    ttft_s: float | None = None
+    e2e_s: float | None = None
+    finish_reason: str | None = None
+    token_ids: list[int] | None = None
+    spec: dict | None = None  # per-request counters when the client can attribute them
+    error: str | None = None
+    tokens_estimated: bool = False  # HTTP without usage: counted SSE chunks
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def peak_rss_bytes() -> int:
+    """This process's resident-set high-water mark (Linux reports ru_maxrss in KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
+
+
+def run_items(run_calls, items: list[Item], calls: list[Call]) -> list[Result]:
+    """Run a batch; items with `turns` go turn by turn (each turn batched with the other items' same turn)."""
+    convs = [list(it.messages) if it.turns is None and it.messages else [] for it in items]
+    n_turns = [len(it.turns) if it.turns else 1 for it in items]
+    merged: list[Result | None] = [None] * len(items)
+    for t in range(max(n_turns)):
+        idx = [i for i in range(len(items)) if t < n_turns[i]]
+        batch = []
+        for i in idx:
+            c = calls[i]
+            if items[i].turns:
+                convs[i].append({"role": "user", "content": items[i].turns[t]})
+                batch.append(Call(None, list(convs[i]), c.max_tokens, c.temperature, c.top_p, c.seed, c.stop))
+            else:
+                batch.append(c)
+        for i, r in zip(idx, run_calls(batch)):
+            if items[i].turns:
+                convs[i].append({"role": "assistant", "content": r.text})
+            merged[i] = r if merged[i] is None else _join(merged[i], r)
+    return merged
+
+
+def _join(a: Result, b: Result) -> Result:
+    """A conversation's figures: TTFT of its first turn, sums of latency and tokens, texts joined."""
+    spec = None
+    if a.spec and b.spec:
+        spec = {k: a.spec.get(k, 0) + b.spec.get(k, 0) for k in ("num_drafts", "num_draft_tokens", "num_accepted_tokens")}
+        pa, pb = a.spec.get("accepted_per_position", []), b.spec.get("accepted_per_position", [])
+        spec["accepted_per_position"] = [x + y for x, y in zip(pa + [0] * (len(pb) - len(pa)), pb + [0] * (len(pa) - len(pb)))]
+    return Result(a.text + "\n\n" + b.text, a.num_prompt_tokens, a.num_output_tokens + b.num_output_tokens, a.ttft_s,
+                  (a.e2e_s or 0) + (b.e2e_s or 0), b.finish_reason, None, spec, a.error or b.error,
+                  a.tokens_estimated or b.tokens_estimated)
+
+
+# ---- in-process -----------------------------------------------------------------------------------
+class InProcessClient:
+    """Drive a draftwise LLM's engine; conditions share the target weights and switch proposer and k."""
+
+    def __init__(self, llm, draft: str | None = None, draft_dtype: str | None = None, draft_weights: str | None = None,
+                 load_model=None):
+        self.llm = llm
+        self._load_model = load_model  # (name, dtype, device, weights) -> (Decoder, Tokenizer, info); tests inject
+        self.draft, self.draft_dtype, self.draft_weights = draft, draft_dtype, draft_weights
+        self.draft_info: dict | None = None
+        self._proposers: dict[str, object] = {}
+        self._engine = None
+
+    def prepare(self, conditions: list[Condition]) -> None:
+        """Build one engine sized for the largest k, and each method's proposer once (draft loaded once)."""
+        from draftwise.engine import Engine
+        from draftwise.spec.proposer import build_proposer
+
+        k_max = max([c.k for c in conditions] + [0])
+        llm = self.llm
+        for method in dict.fromkeys(c.method for c in conditions):
+            spec = self._spec(method, k_max)
+            self._proposers[method] = llm.proposer if method == llm.config.speculative.method else \
+                build_proposer(spec, self._context())
+        eos = tuple(llm.engine.eos_token_ids)
+        llm.engine = None  # free the LLM's own KV cache before allocating ours (sized for the largest k)
+        self._engine = Engine(llm.model, self._proposers[conditions[0].method], k_max, llm.config.max_num_seqs,
+                              llm.max_model_len, eos, seed=llm.config.seed)
+        llm.engine = self._engine
+
+    def _spec(self, method: str, k_max: int):
+        from draftwise.config import parse_spec_config
+
+        if method == "none":
+            return parse_spec_config(None)
+        d = {"method": method, "num_speculative_tokens": max(1, k_max)}
+        if method == "draft_model":
+            if not self.draft:
+                raise ConfigError("method draft_model needs a draft model (--draft)")
+            d.update(model=self.draft, draft_dtype=self.draft_dtype, draft_weights=self.draft_weights)
+            d = {k: v for k, v in d.items() if v is not None}
+        return parse_spec_config(d)
+
+    def _context(self):
+        from draftwise.api import load_model as default_load
+        from draftwise.spec.proposer import ProposerContext
+
+        llm, load_model = self.llm, self._load_model or default_load
+
+        def load(name, dtype, weights):
+            model, tok, info = load_model(name, dtype, llm.config.device, weights)
+            self.draft_info = info
+            return model, tok
+
+        return ProposerContext(target_vocab_size=llm.model.config.vocab_size, target_tokenizer=llm.tokenizer,
+                               max_num_seqs=llm.config.max_num_seqs, max_model_len=llm.max_model_len,
+                               dtype=llm.config.dtype, device=llm.config.device, load_model=load,
+                               extra={"target_name": llm.config.model})
+
+    def run_batch(self, condition: Condition, items: list[Item], calls: list[Call]) -> tuple[list[Result], dict]:
+        from draftwise.spec.adaptive import FixedK
+
+        # switch arms between batches (the engine is idle here): its proposer and its k policy
+        self._engine.proposer = self._proposers[condition.method]
+        self._engine.k_policy = FixedK(condition.k)
+        return run_items(self._run_calls, items, calls), {}
+
+    def _run_calls(self, calls: list[Call]) -> list[Result]:
+        from draftwise.sampling import SamplingParams
+
+        llm, pairs = self.llm, []
+        for c in calls:
+            prompt = c.prompt if c.messages is None else {"prompt_token_ids": llm.tokenizer.encode_chat(c.messages)}
+            params = SamplingParams(temperature=c.temperature, top_p=c.top_p, max_tokens=c.max_tokens, seed=c.seed,
+                                    stop=c.stop)
+            pairs.append(llm.new_request(prompt, params))
+        start = time.perf_counter()
+        for req, _ in pairs:
+            req.arrival_time = start  # the batch arrives at once
+            self._engine.add_request(req)
+        while self._engine.has_unfinished():
+            self._engine.step()
+        return [self._result(req, stream) for req, stream in pairs]
+
+    @staticmethod
+    def _result(req, stream) -> Result:
+        stream.finish()
+        s = req.spec
+        spec = s.to_dict() if hasattr(s, "to_dict") else None
+        return Result(text=stream.text, num_prompt_tokens=len(req.prompt_ids), num_output_tokens=len(req.output_ids),
+                      ttft_s=req.first_token_time - req.arrival_time if req.first_token_time else None,
+                      e2e_s=req.finish_time - req.arrival_time if req.finish_time else None,
+                      finish_reason=req.finish_reason, token_ids=list(req.output_ids), spec=spec)
+
+    def identity(self) -> dict:
+        """What must not change between a run and its resumption (protocol.json)."""
+        c = self.llm.config
+        return {"model": c.model, "dtype": c.dtype, "weights": c.weights, "device": c.device, "threads": c.threads,
+                "max_model_len": self.llm.max_model_len, "max_num_seqs": c.max_num_seqs,
+                "draft": self.draft, "draft_dtype": self.draft_dtype, "draft_weights": self.draft_weights}
+
+    def manifest(self) -> dict:
+        llm = self.llm
+        return {"mode": "in-process", "target": llm.model_info, "draft": self.draft_info,
+                "max_model_len": llm.max_model_len, "max_num_seqs": llm.config.max_num_seqs,
+                "device": llm.config.device, "seed": llm.config.seed}
+
+    def memory(self) -> dict:
+        out = {"peak_rss_bytes": peak_rss_bytes()}
+        if self.llm.config.device == "cuda":
+            import torch
+
+            out["cuda_max_memory_allocated_bytes"] = torch.cuda.max_memory_allocated()
+        return out
+
+
+# ---- OpenAI-compatible HTTP ---------------------------------------------------------------------------
+SPEC_PREFIXES = ("vllm:spec_decode_", "draftwise:spec_decode_")
+_METRIC_LINE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+([-+0-9.eEinfNa]+)')
+
+
+def parse_spec_metrics(text: str) -> dict | None:
+    """Spec-decode counters from Prometheus text: totals and accepted-per-position; None when absent."""
+    totals = {"num_drafts": 0.0, "num_draft_tokens": 0.0, "num_accepted_tokens": 0.0}
+    per_pos: dict[int, float] = {}
+    found = False
+    for line in text.splitlines():
+        m = _METRIC_LINE.match(line)
+        if not m:
+            continue
+        name, labels, value = m.group(1), m.group(2) or "", float(m.group(3))
+        prefix = next((p for p in SPEC_PREFIXES if name.startswith(p)), None)
+        if prefix is None or name.endswith("_created"):
+            continue
+        field_name = name[len(prefix):].removesuffix("_total")
+        if field_name == "num_accepted_tokens_per_pos":
+            pos = re.search(r'position="(\d+)"', labels)
+            if pos:
+                per_pos[int(pos.group(1))] = per_pos.get(int(pos.group(1)), 0.0) + value
+                found = True
+        elif field_name in totals:
+            totals[field_name] += value
+            found = True
+    if not found:
+        return None
+    totals["accepted_per_position"] = [per_pos.get(i, 0.0) for i in range(max(per_pos) + 1)] if per_pos else []
+    return totals
+
+
+def parse_rss(text: str) -> float | None:
+    m = re.search(r"^process_resident_memory_bytes\s+([0-9.eE+]+)", text, re.M)
+    return float(m.group(1)) if m else None
+
+
+def spec_delta(before: dict | None, after: dict | None) -> dict | None:
+    if before is None or after is None:
+        return None
+    d = {k: int(round(after[k] - before[k])) for k in ("num_drafts", "num_draft_tokens", "num_accepted_tokens")}
+    pa, pb = after["accepted_per_position"], before["accepted_per_position"]
+    d["accepted_per_position"] = [int(round(a - (pb[i] if i < len(pb) else 0))) for i, a in enumerate(pa)]
+    return d
+
+
+class HTTPClient:
+    """An OpenAI-compatible server per condition (`--endpoint [LABEL=]URL`), timed from the client side."""
+
+    def __init__(self, api_key: str | None = None, model: str | None = None, timeout_s: float = 600.0, transport=None):
+        import httpx
+
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.http = httpx.Client(headers=headers, timeout=timeout_s, transport=transport)
+        self.model = model
+        self._models: dict[str, str] = {}
+        self._rss: dict[str, float] = {}
+
+    @staticmethod
+    def base(url: str) -> str:
+        url = url.rstrip("/")
+        return url[:-3] if url.endswith("/v1") else url
+
+    def prepare(self, conditions: list[Condition]) -> None:
+        for c in conditions:
+            base = self.base(c.endpoint)
+            if self.model:
+                self._models[base] = self.model
+                continue
+            try:
+                r = self.http.get(base + "/v1/models")
+                r.raise_for_status()
+                self._models[base] = r.json()["data"][0]["id"]
+            except Exception as e:  # noqa: BLE001 — any failure here means the endpoint is unusable
+                raise ConfigError(f"endpoint {c.endpoint}: cannot list models ({e}); pass --served-model") from None
+
+    def _metrics(self, base: str) -> str | None:
+        try:
+            r = self.http.get(base + "/metrics")
+            return r.text if r.status_code == 200 else None
+        except Exception:  # noqa: BLE001 — /metrics is optional
+            return None
+
+    def run_batch(self, condition: Condition, items: list[Item], calls: list[Call]) -> tuple[list[Result], dict]:
+        base = self.base(condition.endpoint)
+        before = self._metrics(base)
+        results = run_items(lambda cs: self._run_calls(base, cs), items, calls)
+        after = self._metrics(base)
+        extra = {}
+        delta = spec_delta(parse_spec_metrics(before or ""), parse_spec_metrics(after or ""))
+        if delta is not None:
+            extra["batch_spec"] = delta
+        rss = parse_rss(after or "")
+        if rss:
+            self._rss[condition.id] = max(rss, self._rss.get(condition.id, 0))
+            extra["server_rss_bytes"] = rss
+        return results, extra
+
+    def _run_calls(self, base: str, calls: list[Call]) -> list[Result]:
+        if len(calls) == 1:
+            return [self._stream(base, calls[0])]
+        with ThreadPoolExecutor(len(calls)) as pool:
+            return list(pool.map(lambda c: self._stream(base, c), calls))
+
+    def _stream(self, base: str, call: Call) -> Result:
+        chat = call.messages is not None
+        body = {"model": self._models[base], "max_tokens": call.max_tokens, "temperature": call.temperature,
+                "top_p": call.top_p, "stream": True, "stream_options": {"include_usage": True}}
+        if call.seed is not None:
+            body["seed"] = call.seed
+        if call.stop:
+            body["stop"] = call.stop
+        body.update({"messages": call.messages} if chat else {"prompt": call.prompt})
+        url = base + ("/v1/chat/completions" if chat else "/v1/completions")
+        res, chunks, parts = Result(), 0, []
+        t0 = time.perf_counter()
+        try:
+            with self.http.stream("POST", url, json=body) as r:
+                if r.status_code != 200:
+                    r.read()
+                    return Result(error=f"HTTP {r.status_code}: {r.text[:300]}", e2e_s=time.perf_counter() - t0)
+                for line in r.iter_lines():
+                    if not line.startswith("data:"):
+                        continue
+                    data = line[5:].strip()
+                    if data == "[DONE]":
+                        break
+                    obj = json.loads(data)
+                    if obj.get("usage"):
+                        res.num_prompt_tokens = obj["usage"].get("prompt_tokens")
+                        res.num_output_tokens = obj["usage"].get("completion_tokens") or 0
+                    for ch in obj.get("choices") or []:
+                        text = (ch.get("delta") or {}).get("content") if chat else ch.get("text")
+                        if text:
+                            if res.ttft_s is None:
+                                res.ttft_s = time.perf_counter() - t0
+                            parts.append(text)
+                            chunks += 1
+                        if ch.get("finish_reason"):
+                            res.finish_reason = ch["finish_reason"]
+        except Exception as e:  # noqa: BLE001 — a failed request is recorded, not fatal to the run
+            res.error = f"{type(e).__name__}: {e}"
+        res.e2e_s = time.perf_counter() - t0
+        res.text = "".join(parts)
+        if not res.num_output_tokens and chunks:
+            res.num_output_tokens, res.tokens_estimated = chunks, True
+        return res
+
+    def identity(self) -> dict:
+        return {"endpoints": sorted(self._models) or None, "model": self.model}
+
+    def manifest(self) -> dict:
+        return {"mode": "endpoint", "endpoints": {b: m for b, m in self._models.items()}}
+
+    def memory(self) -> dict:
+        out = {"client_peak_rss_bytes": peak_rss_bytes()}
+        if self._rss:
+            out["server_rss_bytes_by_condition"] = dict(self._rss)
+        return out

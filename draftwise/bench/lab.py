@@ -1,0 +1,91 @@
+"""The benchmark, end to end: plan → run (journaled) → analyze → quality → verdicts → report files.
+
+Owns the order of those steps and the options that reach each one; the CLI builds a client and BenchOptions,
+tests pass a fake client. Knows nothing of argparse or of how a client produces its timings.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from draftwise.bench import analyze as analyze_mod
+from draftwise.bench import quality as quality_mod
+from draftwise.bench import report as report_mod
+from draftwise.bench import runner
+from draftwise.bench.clients import Condition
+from draftwise.bench.verdict import decide
+from draftwise.bench.workloads import Workload, select
+from draftwise.config import ConfigError
+
+
+@dataclass
+class BenchOptions:
+    workloads: list[Workload]
+    conditions: list[Condition]
+    out_dir: Path
+    warmup: int = 5
+    requests: int = 30
+    concurrency: list[int] | None = None
+    sampling: runner.Sampling = field(default_factory=runner.Sampling)
+    watts: float | None = None
+    price_per_kwh: float | None = None
+    fresh: bool = False
+    progress: bool = True
+    plots: bool = True
+    humaneval: bool = True
+    humaneval_timeout_s: float = 5.0
+
+
+def conditions_from(methods: list[str], ks: list[int], draft: str | None) -> list[Condition]:
+    """methods × k, with `none` once (k = 0) and first: the baseline every other condition is paired with."""
+    conds = [Condition("none", 0)] if "none" in methods else []
+    for m in methods:
+        if m == "none":
+            continue
+        if m not in ("ngram", "draft_model"):
+            raise ConfigError(f"--methods: unknown method {m!r} (none, ngram, draft_model)")
+        conds += [Condition(m, k, draft if m == "draft_model" else None) for k in ks]
+    if not conds:
+        raise ConfigError("--methods selects no condition")
+    return conds
+
+
+def run_bench(client, opts: BenchOptions) -> dict:
+    out = Path(opts.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    plan = runner.build_plan(opts.workloads, opts.conditions, opts.warmup, opts.requests, opts.concurrency)
+    protocol = runner.protocol_dict(opts.workloads, opts.conditions, opts.warmup, opts.requests, opts.concurrency,
+                                    opts.sampling, target=getattr(client, "identity", lambda: {})())
+    runner.check_protocol(out, protocol, opts.fresh)
+    wl = {w.name: w for w in opts.workloads}
+    records = runner.run(client, plan, wl, opts.sampling, out, opts.progress)
+    analysis = analyze_mod.analyze(records, opts.watts, opts.price_per_kwh, seed=opts.sampling.seed)
+    quality = quality_by_segment(records, opts)
+    verdicts = {seg: decide(a["speedups"], quality.get(seg, {}).get("identical")) for seg, a in analysis.items()}
+    planned = {runner.segment_id(w.name, g, c): len(items) for w in opts.workloads
+               for c in (opts.concurrency or list(w.concurrency)) for g, items in select(w, opts.requests).items()}
+    devs = report_mod.deviations(opts.warmup, opts.requests, planned, asdict(opts.sampling))
+    manifest = {"versions": report_mod.versions(), "hardware": report_mod.hardware(), "client": client.manifest(),
+                "sampling": asdict(opts.sampling), "seeds": {"base": opts.sampling.seed,
+                                                           "per_item": "base + crc32(item_id)",
+                                                           "bootstrap": opts.sampling.seed},
+                "workloads": {w.name: {"source": w.source, "max_tokens": w.max_tokens,
+                                       "concurrency": opts.concurrency or list(w.concurrency)} for w in opts.workloads},
+                "energy": {"watts": opts.watts, "price_per_kwh": opts.price_per_kwh}}
+    rep = report_mod.build(analysis, verdicts, quality, manifest, protocol, devs)
+    report_mod.write(rep, out, opts.plots)
+    return rep
+
+
+def quality_by_segment(records: list[dict], opts: BenchOptions) -> dict:
+    out: dict[str, dict] = {}
+    segs = dict.fromkeys(r["segment"] for r in records if r["phase"] == "measured")
+    for seg in segs:
+        rs = [r for r in records if r["segment"] == seg]
+        q = {}
+        if opts.sampling.temperature == 0:
+            q["identical"] = quality_mod.identical_share(rs)
+        if opts.humaneval and any(r.get("task_id") for r in rs):
+            q["pass_at_1"] = quality_mod.humaneval_pass_at_1(rs, opts.humaneval_timeout_s)
+        out[seg] = q
+    return out

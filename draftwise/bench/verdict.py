@@ -1,0 +1,42 @@
+"""The verdict: one sentence per segment from the paired speedups' confidence intervals.
+
+Owns the decision rule (DESIGN.md: a verdict needs a CI that excludes 1.0×):
+  - some condition's 95% CI of the paired tok/s speedup lies wholly above 1 → "speculate with X", X being the
+    one with the highest lower bound (the conservative pick, not the highest point estimate);
+  - every condition's CI lies wholly below 1 → "don't speculate";
+  - otherwise → "no measurable difference".
+Greedy outputs that differ from `none` are attached as a caveat. Knows nothing of records or formats.
+"""
+from __future__ import annotations
+
+MIN_PAIRS = 3
+
+
+def decide(speedups: dict[str, dict], identical: dict[str, dict] | None = None) -> dict:
+    """speedups: {condition: analyze's {"tok_s": paired_speedup, ...}} for one segment."""
+    s = {c: v["tok_s"] for c, v in speedups.items() if v["tok_s"]["n"] >= MIN_PAIRS and v["tok_s"]["ci_low"]}
+    if not s:
+        return {"decision": "not enough data", "text": f"not enough paired requests (need >= {MIN_PAIRS} per condition)"}
+    above = {c: v for c, v in s.items() if v["ci_low"] > 1.0}
+    if above:
+        best = max(above, key=lambda c: above[c]["ci_low"])
+        v = above[best]
+        out = {"decision": "speculate", "condition": best,
+               "text": f"speculate with {best}: {v['speedup']:.2f}x tok/s (95% CI {v['ci_low']:.2f}-{v['ci_high']:.2f})"}
+    elif all(v["ci_high"] < 1.0 for v in s.values()):
+        best = max(s, key=lambda c: s[c]["speedup"])
+        v = s[best]
+        out = {"decision": "don't", "condition": best,
+               "text": f"don't speculate: even the best, {best}, is slower at {v['speedup']:.2f}x "
+                       f"(95% CI {v['ci_low']:.2f}-{v['ci_high']:.2f})"}
+    else:
+        best = max(s, key=lambda c: s[c]["speedup"])
+        v = s[best]
+        out = {"decision": "no measurable difference", "condition": best,
+               "text": f"no measurable difference: best {best} at {v['speedup']:.2f}x, 95% CI "
+                       f"{v['ci_low']:.2f}-{v['ci_high']:.2f} includes 1.0x"}
+    q = (identical or {}).get(out.get("condition"))
+    if q and q.get("share") is not None and q["share"] < 1.0:
+        out["caveat"] = f"{q['n'] - q['identical']} of {q['n']} greedy outputs differ from none"
+        out["text"] += f" (caveat: {out['caveat']})"
+    return out

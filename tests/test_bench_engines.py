@@ -1,0 +1,85 @@
+"""The bench on a tiny random model: in-process (the engine, conditions switched in one process, concurrency 2)
+and endpoint mode against our own server over real HTTP (streaming TTFT, acceptance from /metrics).
+Reuses the server tests' tiny model, tokenizer and uvicorn harness. No downloads."""
+import json
+
+import pytest
+
+from draftwise.bench.clients import Condition, HTTPClient, InProcessClient, parse_spec_metrics
+from draftwise.bench.lab import BenchOptions, conditions_from, run_bench
+from draftwise.bench.workloads import Item, Workload
+from tests.test_server import MODEL, PROMPTS, Server, TinyLLM, noisy_draft, tiny_tokenizer
+
+from draftwise.server.app import create_app
+
+
+def tiny_workload():
+    items = [Item(f"p{i}", "tiny", prompt=p) for i, p in enumerate(PROMPTS)]
+    items.append(Item("chat0", "tiny", messages=[{"role": "user", "content": "w1 w2 w3 w1 w2"}]))
+    return Workload("tiny", items, max_tokens=12)
+
+
+def test_in_process_conditions_share_one_engine(tmp_path):
+    conds = conditions_from(["none", "ngram", "draft_model"], [2, 3], "tiny-draft")
+    client = InProcessClient(TinyLLM(max_num_seqs=2), draft="tiny-draft",
+                             load_model=lambda name, dtype, device, weights: (noisy_draft(), tiny_tokenizer(), {"name": name}))
+    opts = BenchOptions([tiny_workload()], conds, tmp_path / "out", warmup=1, requests=5, concurrency=[2],
+                        progress=False, plots=False)
+    rep = run_bench(client, opts)
+    seg = rep["segments"]["tiny@c2"]
+    assert set(seg["conditions"]) == {c.id for c in conds}
+    for cid, fig in seg["conditions"].items():
+        assert fig["n"] == 5 and fig["errors"] == 0 and fig["ttft_s"]["median"] > 0
+        assert fig["e2e_s"]["median"] >= fig["ttft_s"]["median"]
+        if cid != "none":
+            assert fig["spec"]["num_drafts"] > 0
+            assert 0 <= fig["spec"]["acceptance_rate"] <= 1
+            assert 1 <= len(fig["spec"]["acceptance_by_position"]) <= int(cid[-1])  # drafts may be shorter than k
+    # greedy speculation reproduces plain greedy output token for token, under every condition
+    assert all(q["share"] == 1.0 for q in seg["quality"]["identical"].values())
+    assert rep["manifest"]["client"]["draft"] == {"name": "tiny-draft"}
+
+
+def test_parse_spec_metrics_vllm_and_ours():
+    text = "\n".join([
+        "# HELP vllm:spec_decode_num_drafts_total x", "# TYPE vllm:spec_decode_num_drafts_total counter",
+        'vllm:spec_decode_num_drafts_total{model_name="m"} 10.0',
+        'vllm:spec_decode_num_drafts_created{model_name="m"} 1.7e9',
+        'vllm:spec_decode_num_draft_tokens_total{model_name="m"} 40.0',
+        'vllm:spec_decode_num_accepted_tokens_total{model_name="m"} 25.0',
+        'vllm:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="0"} 9.0',
+        'vllm:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="1"} 7.0',
+    ])
+    m = parse_spec_metrics(text)
+    assert m["num_drafts"] == 10 and m["num_draft_tokens"] == 40 and m["num_accepted_tokens"] == 25
+    assert m["accepted_per_position"] == [9.0, 7.0]
+    assert parse_spec_metrics(text.replace("vllm:", "draftwise:"))["num_drafts"] == 10
+    assert parse_spec_metrics("process_resident_memory_bytes 1e9") is None
+
+
+@pytest.fixture(scope="module")
+def servers():
+    spec = {"method": "ngram", "num_speculative_tokens": 3}
+    with Server(create_app(TinyLLM(), MODEL)) as plain, Server(create_app(TinyLLM(spec), MODEL)) as ngram:
+        yield plain, ngram
+
+
+def test_endpoint_mode_against_our_server(servers, tmp_path):
+    plain, ngram = servers
+    conds = [Condition(endpoint=plain.url, label="none"), Condition(endpoint=ngram.url + "/v1", label="ngram-k3")]
+    opts = BenchOptions([tiny_workload()], conds, tmp_path / "out", warmup=1, requests=5, concurrency=[1, 2],
+                        progress=False, plots=False)
+    rep = run_bench(HTTPClient(), opts)
+    for seg_name in ("tiny@c1", "tiny@c2"):
+        seg = rep["segments"][seg_name]
+        none, spec = seg["conditions"]["none"], seg["conditions"]["ngram-k3"]
+        assert none["n"] == 5 and none["errors"] == 0 and not none["tokens_estimated"]
+        assert none["ttft_s"]["median"] > 0 and none["output_tokens"] > 0
+        assert none["spec"]["num_drafts"] == 0  # the plain server exposes its counters at zero
+        assert spec["spec"]["num_drafts"] > 0 and 0 <= spec["spec"]["acceptance_rate"] <= 1
+        assert spec["memory"]["server_rss_bytes"] > 0
+        assert seg["quality"]["identical"]["ngram-k3"]["share"] == 1.0
+        assert seg["speedups"]["ngram-k3"]["tok_s"]["n"] == 5
+    assert rep["manifest"]["client"]["mode"] == "endpoint"
+    recs = [json.loads(x) for x in (tmp_path / "out" / "journal.jsonl").read_text().splitlines()]
+    assert {r["condition"] for r in recs} == {"none", "ngram-k3"}

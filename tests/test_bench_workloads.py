@@ -1,0 +1,80 @@
+"""Workloads: the built-in sets, every user JSONL format, and bad files naming the line."""
+import json
+
+import pytest
+
+from draftwise.bench.workloads import (REPETITION_THRESHOLD, WorkloadError, load_workload, read_jsonl,
+                                       repetition_share)
+
+
+def write(tmp_path, lines, name="w.jsonl"):
+    p = tmp_path / name
+    p.write_text("\n".join(x if isinstance(x, str) else json.dumps(x) for x in lines) + "\n")
+    return p
+
+
+def test_builtin_workloads():
+    chat = load_workload("chat")
+    assert len(chat.items) == 30 and chat.max_tokens == 128 and all(i.messages for i in chat.items)
+    lengths = [len(i.messages[0]["content"].split()) for i in chat.items]
+    assert max(lengths) <= 2 * min(lengths)  # "similar length"
+    longform = load_workload("longform")
+    assert longform.max_tokens == 1024 and longform.concurrency == (1, 4) and len(longform.items) == 30
+    code = load_workload("code")
+    assert code.groups == ["repeated", "novel"]
+    rep = [i for i in code.items if i.group == "repeated"]
+    novel = [i for i in code.items if i.group == "novel"]
+    assert len(rep) == 30 and len(novel) >= 150 and all(i.meta["task_id"].startswith("HumanEval/") for i in novel)
+
+
+def test_code_groups_separated_by_the_documented_criterion():
+    code = load_workload("code")
+    for it in code.items:
+        share = repetition_share(it.prompt)
+        assert (share >= REPETITION_THRESHOLD) == (it.group == "repeated"), (it.item_id, share)
+    assert repetition_share("a = 1\nb = 2\nc = 3\n") == 1.0
+    assert repetition_share("def f(x):\n    return x + 1\n") == 0.0
+    assert repetition_share('def f():\n    """a = 1\n    b = 2\n    """\n    return 1\n') == 0.0  # docstrings ignored
+
+
+def test_user_formats(tmp_path):
+    p = write(tmp_path, [
+        {"prompt": "def add(a, b):", "max_tokens": 16, "stop": "\n\n"},
+        {"id": "m1", "messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]},
+        {"question_id": 81, "category": "writing", "turns": ["Write a poem.", "Now shorter."]},
+        "",
+    ])
+    items = read_jsonl(p, "user")
+    assert [i.item_id for i in items] == ["w-1", "m1", "81"]
+    assert items[0].prompt == "def add(a, b):" and items[0].max_tokens == 16 and items[0].stop == ["\n\n"]
+    assert items[1].messages[0]["role"] == "system"
+    assert items[2].messages == [{"role": "user", "content": "Write a poem."}] and items[2].turns is None
+    all_turns = read_jsonl(p, "user", turns="all")
+    assert all_turns[2].turns == ["Write a poem.", "Now shorter."] and all_turns[2].messages is None
+    w = load_workload(str(p))
+    assert w.name == "w" and len(w.items) == 3
+
+
+@pytest.mark.parametrize("bad, message", [
+    ('{"prompt": "ok"', "not valid JSON"),
+    ('["a list"]', "expected a JSON object"),
+    ('{"text": "x"}', 'needs exactly one of "prompt", "messages" or "turns"'),
+    ('{"prompt": "x", "messages": []}', "needs exactly one of"),
+    ('{"prompt": ""}', '"prompt" must be a non-empty string'),
+    ('{"messages": [{"role": "robot", "content": "x"}]}', "messages[0] must be"),
+    ('{"turns": []}', '"turns" must be a non-empty list'),
+    ('{"prompt": "x", "max_tokens": 0}', '"max_tokens" must be an integer >= 1'),
+    ('{"id": "a", "prompt": "x"}', "duplicate id"),
+])
+def test_bad_lines_name_file_and_line(tmp_path, bad, message):
+    p = write(tmp_path, ['{"id": "a", "prompt": "fine"}', "", bad])
+    with pytest.raises(WorkloadError) as e:
+        read_jsonl(p, "user")
+    assert f"{p} line 3" in str(e.value) and message in str(e.value)
+
+
+def test_missing_and_empty_files(tmp_path):
+    with pytest.raises(WorkloadError, match="neither one of"):
+        load_workload(str(tmp_path / "nope.jsonl"))
+    with pytest.raises(WorkloadError, match="no prompts"):
+        read_jsonl(write(tmp_path, [""]), "user")
