@@ -84,7 +84,9 @@ def sample(
     u = torch.rand(probs.shape[0], 1, generator=generator, device=probs.device, dtype=torch.float64)
     cdf = probs.double().cumsum(-1)
     cdf = cdf / cdf[:, -1:]
-    ids = torch.searchsorted(cdf, u).squeeze(-1)
+    # right=True: the first index whose cdf exceeds u, so a zero-probability token is never drawn (with the
+    # default left side, u == 0.0 picked token 0 even when top-k/top-p had masked it out)
+    ids = torch.searchsorted(cdf, u, right=True).squeeze(-1)
     return ids.clamp_(max=probs.shape[-1] - 1)
 
 

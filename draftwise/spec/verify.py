@@ -1,0 +1,142 @@
+"""Verification: decide which draft tokens the target keeps, and the one token it adds.
+
+Pure functions of (draft ids, draft probs, target logits, sampling params, generator). Greedy verification
+keeps the longest prefix of the draft that matches the target's argmax; speculative (rejection) sampling
+follows Leviathan et al. 2023 (arXiv 2211.17192, Algorithm 1) and Chen et al. 2023 (arXiv 2302.01318), which
+makes the emitted tokens distributed exactly as plain sampling from the target's processed distribution.
+
+This module does not know models, KV caches, proposers or the scheduler: the caller runs the target on
+`[last_token, *draft_ids]`, passes the k+1 logit rows here, and rolls back whatever was not accepted.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from draftwise.sampling import SamplingParams, process_logits, sample
+
+
+@dataclass(frozen=True)
+class VerifyResult:
+    """The outcome of verifying one draft of k tokens.
+
+    `token_ids` is the accepted draft prefix followed by exactly one more token: the target's correction at
+    the first rejected position, or the bonus token from the last target row when all k were accepted.
+    So `len(token_ids) == num_accepted + 1` always, and a draft of k = 0 is plain decoding.
+    """
+
+    num_accepted: int
+    token_ids: list[int]
+
+
+def greedy_verify(
+    draft_ids: torch.Tensor,  # [k] int64
+    target_logits: torch.Tensor,  # [k + 1, vocab_size]
+) -> VerifyResult:
+    """Accept while the draft equals the target's argmax; then emit the target's argmax.
+
+    Row i of `target_logits` is the target's prediction for draft position i; row k predicts the bonus.
+    Ties break like `process_logits(temperature=0)` (torch argmax), so this equals plain greedy decoding.
+    """
+    _check_shapes(draft_ids, None, target_logits)
+    k = draft_ids.shape[0]
+    target_ids = target_logits.argmax(-1)  # [k + 1]
+    matches = (draft_ids.to(target_ids.device) == target_ids[:k]).tolist()
+    num_accepted = next((i for i, ok in enumerate(matches) if not ok), k)
+    # the accepted prefix equals the target's own argmax prefix, so one slice gives prefix + correction/bonus
+    return VerifyResult(num_accepted, target_ids[: num_accepted + 1].tolist())
+
+
+def rejection_verify(
+    draft_ids: torch.Tensor,  # [k] int64
+    draft_probs: torch.Tensor | None,  # [k, vocab_size] processed draft probs; None = point mass (n-gram)
+    target_logits: torch.Tensor,  # [k + 1, vocab_size]
+    temperature: float,
+    top_k: int,
+    top_p: float,
+    generator: torch.Generator | None,
+) -> VerifyResult:
+    """Speculative sampling: accept x_i with prob min(1, p(x_i)/q(x_i)), correct from norm(max(0, p - q)).
+
+    p is the target's distribution after `process_logits` with the request's parameters; `draft_probs` must
+    already be processed with the same parameters by the proposer. With `draft_probs=None` the draft is a
+    point mass on its token (q(x) = 1), so x is accepted with prob p(x) and the correction is p with x removed.
+    Randomness: one uniform per draft position, then one `sample()` draw, all from `generator`.
+    """
+    _check_shapes(draft_ids, draft_probs, target_logits)
+    k = draft_ids.shape[0]
+    target_probs = process_logits(target_logits, temperature, top_k, top_p)  # [k + 1, vocab_size]
+    draft_ids = draft_ids.to(target_probs.device)
+    draft_list = draft_ids.tolist()
+
+    num_accepted = k
+    if k > 0:
+        positions = torch.arange(k, device=target_probs.device)
+        p_draft = target_probs[positions, draft_ids]  # [k]
+        u = torch.rand(k, generator=generator, device=target_probs.device)  # [k]
+        if draft_probs is None:
+            accepted = u < p_draft  # q(x) = 1
+        else:
+            # u < p/q without the division: a token the draft gave q(x) = 0 is accepted iff p(x) > 0
+            accepted = u * draft_probs.to(target_probs.device)[positions, draft_ids] < p_draft
+        # one host sync for the whole draft; the first False is the rejected position
+        num_accepted = next((i for i, ok in enumerate(accepted.tolist()) if not ok), k)
+
+    n = num_accepted
+    if n == k:
+        next_probs = target_probs[k:]  # [1, vocab_size] bonus: every draft token passed
+    else:
+        next_probs = _residual(target_probs[n : n + 1], draft_list[n], draft_probs, n)  # [1, vocab_size]
+    next_id = int(sample(next_probs, generator).item())
+    return VerifyResult(n, draft_list[:n] + [next_id])
+
+
+def _residual(
+    target_row: torch.Tensor,  # [1, vocab_size] p at the rejected position
+    draft_id: int,  # the rejected draft token
+    draft_probs: torch.Tensor | None,  # [k, vocab_size] or None
+    position: int,
+) -> torch.Tensor:  # [1, vocab_size] unnormalised; sample() normalises
+    """max(0, p - q) at the rejected position, falling back to p when it has no mass.
+
+    In exact arithmetic a rejection implies the residual has mass (p(x) < q(x) somewhere forces p > q
+    elsewhere); the fallback only guards float rounding when p == q up to noise.
+    """
+    if draft_probs is None:
+        residual = target_row.clone()
+        residual[0, draft_id] = 0.0  # max(0, p - onehot(x)) is p with x removed
+    else:
+        q_row = draft_probs[position : position + 1].to(target_row.device)  # [1, vocab_size]
+        residual = (target_row - q_row).clamp_(min=0.0)
+    if residual.sum().item() <= 0:
+        return target_row
+    return residual
+
+
+def verify(
+    draft_ids: torch.Tensor,  # [k] int64
+    draft_probs: torch.Tensor | None,  # [k, vocab_size] or None
+    target_logits: torch.Tensor,  # [k + 1, vocab_size]
+    params: SamplingParams,
+    generator: torch.Generator | None,
+) -> VerifyResult:
+    """Greedy verification at temperature 0, speculative sampling otherwise."""
+    if params.greedy:
+        return greedy_verify(draft_ids, target_logits)
+    return rejection_verify(
+        draft_ids, draft_probs, target_logits, params.temperature, params.top_k, params.top_p, generator
+    )
+
+
+def _check_shapes(
+    draft_ids: torch.Tensor, draft_probs: torch.Tensor | None, target_logits: torch.Tensor
+) -> None:
+    if draft_ids.dim() != 1 or target_logits.dim() != 2 or target_logits.shape[0] != draft_ids.shape[0] + 1:
+        raise ValueError(
+            f"expected draft_ids [k] and target_logits [k+1, V], got {tuple(draft_ids.shape)} "
+            f"and {tuple(target_logits.shape)}"
+        )
+    k = draft_ids.shape[0]
+    if draft_probs is not None and tuple(draft_probs.shape) != (k, target_logits.shape[1]):
+        raise ValueError(f"draft_probs must be [{k}, {target_logits.shape[1]}], got {tuple(draft_probs.shape)}")
