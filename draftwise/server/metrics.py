@@ -1,0 +1,102 @@
+"""Prometheus metrics for the server, named like vLLM's (`draftwise:` instead of `vllm:`).
+
+Owns one CollectorRegistry per app (so tests can build several apps in one process) with request counts,
+TTFT / E2E / time-per-output-token histograms, prompt and generation token counters, running / waiting
+gauges, free KV slots, process RSS (ProcessCollector), and the spec-decode counters in the shared stats
+vocabulary (num_drafts, num_draft_tokens, num_accepted_tokens, accepted per position). Fed by the engine
+thread; knows nothing of HTTP.
+"""
+from __future__ import annotations
+
+from prometheus_client import (CollectorRegistry, Counter, Gauge, GCCollector, Histogram, ProcessCollector,
+                               generate_latest)
+
+PREFIX = "draftwise:"
+# vLLM's buckets (vllm/v1/metrics/loggers.py), so dashboards built for it read these the same way
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+               480.0, 960.0, 1920.0, 7680.0)
+TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                40.0, 80.0)
+_SPEC_FIELDS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
+
+
+class ServerMetrics:
+    def __init__(self, model_name: str, max_num_seqs: int, num_speculative_tokens: int = 0):
+        r = self.registry = CollectorRegistry()
+        ProcessCollector(registry=r)
+        GCCollector(registry=r)
+        lab = ["model_name"]
+        self._model = model_name
+
+        def gauge(name, doc):
+            return Gauge(PREFIX + name, doc, lab, registry=r).labels(model_name)
+
+        def counter(name, doc):
+            return Counter(PREFIX + name, doc, lab, registry=r).labels(model_name)
+
+        def hist(name, doc, buckets):
+            return Histogram(PREFIX + name, doc, lab, buckets=buckets, registry=r).labels(model_name)
+
+        self.running = gauge("num_requests_running", "Requests holding a KV slot (being decoded).")
+        self.waiting = gauge("num_requests_waiting", "Requests queued for a free KV slot.")
+        self.slots_free = gauge("kv_slots_free", "Free KV-cache sequence slots.")
+        gauge("kv_slots_total", "KV-cache sequence slots (--max-num-seqs).").set(max_num_seqs)
+        self.slots_free.set(max_num_seqs)
+        self.success = Counter(PREFIX + "request_success", "Finished requests by finish reason.",
+                               ["model_name", "finished_reason"], registry=r)
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of admitted requests.")
+        self.generation_tokens = counter("generation_tokens", "Generated (output) tokens.")
+        self.ttft = hist("time_to_first_token_seconds", "Arrival to first output token.", TTFT_BUCKETS)
+        self.e2e = hist("e2e_request_latency_seconds", "Arrival to last output token.", E2E_BUCKETS)
+        self.tpot = hist("request_time_per_output_token_seconds", "(E2E - TTFT) / (output tokens - 1).",
+                         TPOT_BUCKETS)
+        self.spec = {f: counter(f"spec_decode_{f}", f"Speculative decoding: {f.replace('_', ' ')}.")
+                     for f in _SPEC_FIELDS}
+        self.per_pos = Counter(PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+                               "Accepted draft tokens by position in the draft (0 = first guess).",
+                               ["model_name", "position"], registry=r)
+        for i in range(num_speculative_tokens):  # expose zeros up front, as vLLM does
+            self.per_pos.labels(model_name, str(i))
+        self._seen = {f: 0 for f in _SPEC_FIELDS}
+        self._seen_pos: list[int] = []
+
+    # ---- fed by the engine thread -----------------------------------------------------------------
+    def on_admitted(self, num_prompt_tokens: int) -> None:
+        self.prompt_tokens.inc(num_prompt_tokens)
+
+    def on_tokens(self, num_tokens: int) -> None:
+        self.generation_tokens.inc(num_tokens)
+
+    def on_first_token(self, ttft_s: float) -> None:
+        self.ttft.observe(ttft_s)
+
+    def on_finished(self, reason: str, e2e_s: float | None, ttft_s: float | None, num_output: int) -> None:
+        self.success.labels(self._model, reason).inc()
+        if reason == "abort" or e2e_s is None:
+            return
+        self.e2e.observe(e2e_s)
+        if ttft_s is not None and num_output > 1:
+            self.tpot.observe((e2e_s - ttft_s) / (num_output - 1))
+
+    def sync_engine(self, engine) -> None:
+        """Gauges from the engine's queues; spec counters advanced by what engine.stats gained since last time."""
+        self.running.set(len(engine.running))
+        self.waiting.set(len(engine.waiting))
+        self.slots_free.set(engine.num_free_slots)
+        stats = engine.stats
+        for f in _SPEC_FIELDS:
+            now = int(getattr(stats, f))
+            if now > self._seen[f]:
+                self.spec[f].inc(now - self._seen[f])
+                self._seen[f] = now
+        per_pos = list(stats.accepted_per_position)
+        for i, now in enumerate(per_pos):
+            before = self._seen_pos[i] if i < len(self._seen_pos) else 0
+            if now > before:
+                self.per_pos.labels(self._model, str(i)).inc(now - before)
+        self._seen_pos = [int(x) for x in per_pos]
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
