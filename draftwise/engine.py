@@ -26,6 +26,9 @@ from draftwise.spec.stats import SpecStats
 from draftwise.spec.verify import verify
 
 
+PREFILL_TOKENS_PER_STEP = 1024  # prompt tokens admitted per step (at least one request always)
+
+
 class ContextLengthError(ConfigError):
     """The prompt plus the requested output does not fit the context."""
 
@@ -118,26 +121,43 @@ class Engine:
     # ---- one step -----------------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
         outputs: list[StepOutput] = []
-        while self.waiting and self.free_slots:
-            outputs.append(self._prefill(self.waiting.pop(0)))
+        # admit waiting requests up to a prompt-token budget, so running sequences keep decoding meanwhile
+        admit, budget = [], PREFILL_TOKENS_PER_STEP
+        while self.waiting and len(admit) < len(self.free_slots):
+            n = len(self.waiting[0].prompt_ids)
+            if admit and n > budget:
+                break
+            admit.append(self.waiting.pop(0))
+            budget -= n
+        if admit:
+            outputs.extend(self._prefill(admit))
         decoding = [r for r in self.running if r.slot in self._pending]
         if decoding:
             outputs.extend(self._decode(decoding))
         return outputs
 
-    def _prefill(self, req: Request) -> StepOutput:
-        req.slot = self.free_slots.pop()
-        self.running.append(req)
-        self.cache.free(req.slot)
+    def _prefill(self, reqs: list[Request]) -> list[StepOutput]:
+        """One batched forward over the new prompts (right-padded), then each one's first token."""
         dev = self.target.device
-        ids = torch.tensor([req.prompt_ids], device=dev)
-        pos = torch.arange(len(req.prompt_ids), device=dev)[None]
-        logits = self.target(ids, pos, self.cache, torch.tensor([req.slot], device=dev), last_only=True)[0]
-        self.proposer.begin(req.slot, req.prompt_ids, req.params, req.generator)
-        result = verify(torch.zeros(0, dtype=torch.int64), None, logits, req.params, req.generator)
-        token = result.token_ids[0]
-        self.proposer.accept(req.slot, 0, token)
-        return StepOutput(req, self._emit(req, [token]), req.finished)
+        width = max(len(r.prompt_ids) for r in reqs)
+        ids = torch.zeros(len(reqs), width, dtype=torch.int64)
+        for row, r in enumerate(reqs):
+            r.slot = self.free_slots.pop()
+            self.running.append(r)
+            self.cache.free(r.slot)
+            ids[row, : len(r.prompt_ids)] = torch.tensor(r.prompt_ids)
+        pos = torch.arange(width)[None].expand(len(reqs), width)  # padding sits past each prompt: rolled back
+        last = torch.tensor([len(r.prompt_ids) - 1 for r in reqs], device=dev)
+        slots = torch.tensor([r.slot for r in reqs], device=dev)
+        logits = self.target(ids.to(dev), pos.to(dev), self.cache, slots, logit_index=last)  # [B, 1, V]
+        outputs = []
+        for row, r in enumerate(reqs):
+            self.cache.truncate(r.slot, len(r.prompt_ids))
+            self.proposer.begin(r.slot, r.prompt_ids, r.params, r.generator)
+            token = verify(torch.zeros(0, dtype=torch.int64), None, logits[row], r.params, r.generator).token_ids[0]
+            self.proposer.accept(r.slot, 0, token)
+            outputs.append(StepOutput(r, self._emit(r, [token]), r.finished))
+        return outputs
 
     def _decode(self, reqs: list[Request]) -> list[StepOutput]:
         slots = [r.slot for r in reqs]

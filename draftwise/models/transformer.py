@@ -225,7 +225,8 @@ class Decoder(nn.Module):
         cache: KVCache,
         slots: torch.Tensor,  # [B] int64
         last_only: bool = False,
-    ) -> torch.Tensor:  # [B, T, V] float (or [B, 1, V] when last_only)
+        logit_index: torch.Tensor | None = None,  # [B]: only this position's logits per row
+    ) -> torch.Tensor:  # [B, T, V] (or [B, 1, V] when last_only / logit_index is given)
         cfg = self.config
         kv_len = int(positions.max()) + 1
         x = self.model.embed_tokens(token_ids)
@@ -237,7 +238,9 @@ class Decoder(nn.Module):
             kind = cfg.layer_types[i]
             x = layer(x, ropes[kind], masks[kind], cache, i, slots, positions, kv_len)
         cache.extend(slots.tolist(), (positions.max(dim=1).values + 1).tolist())
-        if last_only:
+        if logit_index is not None:
+            x = x[torch.arange(x.shape[0], device=x.device), logit_index][:, None]
+        elif last_only:
             x = x[:, -1:]
         return self.lm_head(self.model.norm(x))
 

@@ -1,0 +1,90 @@
+"""Integration: fp32 greedy decoding of the packaged real models through draftwise equals HF transformers'
+greedy decoding token for token (5 prompts x 32 tokens), and speculative greedy decoding of the default
+pair equals plain decoding (k = 2 and 5, both methods).
+
+The HF reference model is built from transformers' own reading of the GGUF config and the tensors draftwise
+converted (test_real_models_loading checks those tensors equal transformers' GGUF loader)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from draftwise import LLM, SamplingParams
+from draftwise.config import ConfigError
+from draftwise.models import catalog
+
+pytestmark = pytest.mark.integration
+
+PROMPTS = [
+    "def quicksort(xs):",
+    "The capital of France is",
+    "Write a haiku about the sea.\n",
+    "import numpy as np\n\n# compute the mean of each row\n",
+    "Q: What is 17 * 23?\nA:",
+]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+
+
+def require(name):
+    try:
+        catalog.chunk_paths(catalog.get_entry(name))
+    except ConfigError as e:
+        pytest.skip(str(e))
+
+
+@pytest.mark.parametrize("name", ["gemma-3-270m", "qwen2.5-coder-0.5b-instruct"])
+def test_greedy_matches_transformers(name):
+    require(name)
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    llm = LLM(name, dtype="float32", max_num_seqs=5, max_model_len=256)
+    outs = llm.generate(PROMPTS, GREEDY)
+    path = llm.model_info["path"]
+    folder, file = path.rsplit("/", 1)
+    ref_config = AutoConfig.from_pretrained(folder, gguf_file=file)
+    ref_config._attn_implementation = "eager"
+    hf = AutoModelForCausalLM.from_config(ref_config, dtype=torch.float32).eval()
+    state = {n: p for n, p in llm.model.state_dict().items()}
+    missing, unexpected = hf.load_state_dict(state, strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}
+    hf.tie_weights()
+    for prompt, out in zip(PROMPTS, outs):
+        ids = torch.tensor([out.prompt_token_ids])
+        with torch.no_grad():
+            ref = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=32,
+                              min_new_tokens=32, eos_token_id=None, pad_token_id=0)
+        assert out.outputs[0].token_ids == ref[0, ids.shape[1]:].tolist(), prompt
+
+
+@pytest.mark.parametrize("spec", [
+    {"method": "draft_model", "model": "qwen2.5-coder-0.5b-instruct", "num_speculative_tokens": 2},
+    {"method": "draft_model", "model": "qwen2.5-coder-0.5b-instruct", "num_speculative_tokens": 5},
+    {"method": "ngram", "num_speculative_tokens": 2},
+    {"method": "ngram", "num_speculative_tokens": 5},
+])
+def test_default_pair_speculative_greedy_equals_plain(spec, default_target_plain):
+    llm, plain = default_target_plain
+    from draftwise.spec.proposer import ProposerContext, build_proposer
+    from draftwise.equivalence import run_engine
+
+    ctx = ProposerContext(llm.model.config.vocab_size, llm.tokenizer, 4, llm.max_model_len, "float32", "cpu",
+                          load_model=lambda n, d, w: __import__("draftwise.api", fromlist=["x"]).load_model(n, d)[:2])
+    from draftwise.config import parse_spec_config
+
+    sc = parse_spec_config(spec)
+    proposer = build_proposer(sc, ctx)
+    prompts = [llm.tokenizer.encode(p) for p in PROMPTS[:4]]
+    spec_out = run_engine(llm, proposer, sc.max_speculative_tokens, prompts, [GREEDY] * len(prompts))
+    assert spec_out == plain
+
+
+@pytest.fixture(scope="module")
+def default_target_plain():
+    require("qwen2.5-coder-1.5b-instruct")
+    require("qwen2.5-coder-0.5b-instruct")
+    from draftwise.equivalence import run_engine
+    from draftwise.spec.proposer import NoProposer
+
+    llm = LLM("qwen2.5-coder-1.5b-instruct", dtype="float32", max_num_seqs=4, max_model_len=256)
+    prompts = [llm.tokenizer.encode(p) for p in PROMPTS[:4]]
+    return llm, run_engine(llm, NoProposer(), 0, prompts, [GREEDY] * len(prompts))
