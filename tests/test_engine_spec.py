@@ -36,9 +36,9 @@ def drafts(target):
 PROMPTS = [[1, 2, 3, 4, 5, 1, 2, 3], [9, 8, 7], [5, 5, 5, 5, 6, 5, 5, 5, 5], [10, 20, 30, 40, 50, 60, 10, 20]]
 
 
-def run_engine(target, proposer, k, prompts=PROMPTS, params=None, max_num_seqs=4):
+def run_engine(target, proposer, k, prompts=PROMPTS, params=None, max_num_seqs=4, k_policy=None):
     params = params or SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-    eng = Engine(target, proposer, k, max_num_seqs, MAX_LEN, eos_token_ids=(0,))
+    eng = Engine(target, proposer, k, max_num_seqs, MAX_LEN, eos_token_ids=(0,), k_policy=k_policy)
     reqs = [Request(f"r{i}", p, params) for i, p in enumerate(prompts)]
     for r in reqs:
         eng.add_request(r)
@@ -109,3 +109,54 @@ def test_ngram_lookup_prefers_longest_latest_match():
     assert lookup(toks, 1, 3, 2) == [7, 8]  # "2 3" last seen before "7 8"
     assert lookup(np.array([4, 5, 6]), 1, 3, 3) == []
     assert lookup(np.array([4, 5, 4]), 1, 3, 3) == [5, 4]
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_greedy_equivalence_holds_for_quantized_weights(fmt, dtype):
+    from draftwise.models.quant import quantize_decoder
+
+    target = tiny_decoder("qwen2", seed=0, vocab_size=64, dtype=dtype)
+    draft = tiny_decoder("qwen2", seed=0, vocab_size=64, dtype=dtype)
+    assert quantize_decoder(target, fmt) > 0 and quantize_decoder(draft, fmt) > 0
+    ref = plain(target)
+    for proposer, k in ((NgramProposer(1, 3), 4), (draft_proposer(draft), 3)):
+        assert run_engine(target, proposer, k)[0] == ref
+
+
+def test_adaptive_k_stays_exact(target, drafts):
+    from draftwise.spec.adaptive import AdaptiveK
+
+    policy = AdaptiveK.calibrate(target, 6)
+    outs, eng, _ = run_engine(target, draft_proposer(drafts["noisy"]), 6, k_policy=policy)
+    assert outs == plain(target)
+    assert sum(policy.k_histogram.values()) > 0
+
+
+class _Req:
+    request_id = "r"
+
+
+def test_adaptive_k_cost_model_choices():
+    from draftwise.spec.adaptive import AdaptiveK
+
+    req = _Req()
+    # verification that costs 10x per extra token: guessing cannot pay, k = 0 (plain decoding)
+    costly = AdaptiveK(6, {w: 0.01 * (1 + 10 * (w - 1)) for w in range(1, 8)})
+    costly.draft_cost = 0.0
+    for _ in range(20):
+        costly.observe(req, 6, 6)
+    assert costly.choose(req) == 0
+    # free verification, cheap draft, every guess accepted: the longest guess wins
+    free = AdaptiveK(6, {w: 0.01 for w in range(1, 8)})
+    free.draft_cost = 0.0001
+    for _ in range(20):
+        free.observe(req, 6, 6)
+    assert free.choose(req) == 6
+    # same costs, but guesses always rejected at the first position: k = 0
+    bad = AdaptiveK(6, {w: 0.01 for w in range(1, 8)})
+    bad.draft_cost = 0.002
+    for _ in range(50):
+        bad.observe(req, 6, 0)
+    assert bad.choose(req) == 0
+    assert bad.acceptance(req)[0] < 0.05

@@ -1,0 +1,102 @@
+"""Speculative decoding speed on the default pair (issue 3): plain vs n-gram vs draft model at k = 2, 4, 6.
+
+One target load; each condition runs the same prompts one at a time (concurrency 1, greedy, fixed output
+length) through the engine with its own proposer. Prints tok/s, speed-up over plain, acceptance rate and
+mean acceptance length, per prompt group (repeated-pattern code, HumanEval code, chat). Not a test.
+
+    .venv/bin/python scripts/bench_spec.py --dtype bfloat16 --per-group 3 --max-tokens 64
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+from draftwise import LLM, SamplingParams
+from draftwise.api import load_model
+from draftwise.bench.workloads import load_workload
+from draftwise.config import parse_spec_config
+from draftwise.engine import Engine, Request
+from draftwise.spec.proposer import ProposerContext, build_proposer
+
+
+def prompt_ids(llm, item) -> list[int]:
+    if item.prompt is not None:
+        return llm.tokenizer.encode(item.prompt)
+    return llm.tokenizer.encode_chat(item.messages or [{"role": "user", "content": item.turns[0]}])
+
+
+def run(llm, proposer, k, prompts, params, k_policy=None):
+    eng = Engine(llm.model, proposer, k, 1, llm.max_model_len, tuple(llm.tokenizer.eos_token_ids), k_policy=k_policy)
+    tokens, elapsed, outs = 0, 0.0, []
+    for ids in prompts:
+        req = Request("b", ids, params)
+        eng.add_request(req)
+        t0 = time.perf_counter()
+        while eng.has_unfinished():
+            eng.step()
+        elapsed += time.perf_counter() - t0
+        tokens += len(req.output_ids)
+        outs.append(req.output_ids)
+    return tokens / elapsed, eng.stats, outs
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="qwen2.5-coder-1.5b-instruct")
+    ap.add_argument("--draft", default="qwen2.5-coder-0.5b-instruct")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--weights", default=None)
+    ap.add_argument("--draft-weights", default=None)
+    ap.add_argument("--ks", default="2,4,6")
+    ap.add_argument("--methods", default="ngram,draft_model")
+    ap.add_argument("--per-group", type=int, default=3)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--auto", action="store_true", help="also run num_speculative_tokens=auto")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    llm = LLM(args.model, dtype=args.dtype, weights=args.weights, max_num_seqs=1, max_model_len=1024)
+    draft = None
+    if "draft_model" in args.methods:
+        m, tok, _ = load_model(args.draft, args.dtype, weights=args.draft_weights)
+        draft = (m, tok)
+    items = {g: [] for g in ("code_repeated", "humaneval", "chat")}
+    for it in load_workload("code").items + load_workload("chat").items:
+        if it.group in items and len(items[it.group]) < args.per_group:
+            items[it.group].append(it)
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
+    ctx = ProposerContext(llm.model.config.vocab_size, llm.tokenizer, 1, llm.max_model_len, args.dtype, "cpu",
+                          load_model=lambda *a: draft)
+    conds = [("none", None)] + [(m, k) for m in args.methods.split(",") for k in args.ks.split(",")]
+    if args.auto:
+        conds += [(m, "auto") for m in args.methods.split(",")]
+    print(f"target {args.model} ({args.dtype}, weights {args.weights or 'same'}), draft {args.draft}, "
+          f"{args.threads} threads, greedy, {args.max_tokens} output tokens, {args.per_group} prompts per group, concurrency 1")
+    print(f"{'group':14s} {'method':12s} {'k':>4s} {'tok/s':>7s} {'speedup':>8s} {'accept':>7s} {'mean len':>8s}  same-output")
+    for group, its in items.items():
+        prompts = [prompt_ids(llm, it) for it in its]
+        base = None
+        for method, k in conds:
+            spec = parse_spec_config({"method": method, "num_speculative_tokens": int(k) if k not in (None, "auto") else k,
+                                      **({"model": args.draft} if method == "draft_model" else {})}
+                                     if method != "none" else None)
+            policy = None
+            if spec.adaptive:
+                from draftwise.spec.adaptive import AdaptiveK
+                policy = AdaptiveK.calibrate(llm.model, spec.max_speculative_tokens)
+            tps, stats, outs = run(llm, build_proposer(spec, ctx), spec.max_speculative_tokens, prompts, params, policy)
+            if base is None:
+                base = (tps, outs)
+            d = stats.to_dict()
+            acc = d.get("acceptance_rate")
+            mal = d.get("mean_acceptance_length")
+            print(f"{group:14s} {method:12s} {str(k or 0):>4s} {tps:7.2f} {tps / base[0]:7.2f}x "
+                  f"{acc if acc is None else f'{acc:.2f}':>7} {mal if mal is None else f'{mal:.2f}':>8}  "
+                  f"{outs == base[1]}" + (f"  k-hist {json.dumps(policy.k_histogram)}" if policy else ""), flush=True)
+
+
+if __name__ == "__main__":
+    main()
