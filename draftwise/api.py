@@ -141,8 +141,7 @@ class LLM:
         if bad:
             raise ConfigError(f"prompt token ids out of the vocabulary (size {self.model.config.vocab_size}): {bad[:5]}")
         stream = TextStream(self.tokenizer, params.stop)
-        req = Request(uuid.uuid4().hex[:16], ids, params, on_token=stream.add)
-        req.prompt_text = text
+        req = Request(uuid.uuid4().hex[:16], ids, params, on_token=stream.add, prompt_text=text)
         return req, stream
 
     # ---- generation ---------------------------------------------------------------------------
@@ -194,7 +193,7 @@ class LLM:
         total = req.finish_time - req.arrival_time if req.finish_time else None
         spec = req.spec.to_dict() if self.config.speculative.enabled else None
         return RequestOutput(
-            request_id=req.request_id, prompt=getattr(req, "prompt_text", None), prompt_token_ids=req.prompt_ids,
+            request_id=req.request_id, prompt=req.prompt_text, prompt_token_ids=req.prompt_ids,
             outputs=[CompletionOutput(0, text, list(req.output_ids), req.finish_reason)],
             finished=req.finished, ttft_s=ttft, total_s=total, spec=spec,
         )

@@ -97,14 +97,16 @@ def cmd_generate(args) -> int:
 
 
 def cmd_models(args) -> int:
-    from draftwise.models.catalog import catalog_status
+    from draftwise.config import default_cache_dir
+    from draftwise.models.catalog import list_models
 
-    rows = catalog_status()
+    rows = list_models(default_cache_dir())
     if args.json:
         print(json.dumps(rows, indent=1))
         return 0
     for r in rows:
-        print(f"{r['name']:32s} {r['architecture']:8s} {r['size_bytes'] / 1e9:5.2f} GB  {r['status']}")
+        status = "assembled" if r["assembled"] else "installed" if r["installed"] else "not installed"
+        print(f"{r['name']:30s} {r['architecture']:7s} {r['size'] / 1e9:5.2f} GB  {status:13s} {r['description']}")
     return 0
 
 

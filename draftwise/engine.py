@@ -48,6 +48,7 @@ class Request:
     first_token_time: float | None = None
     finish_time: float | None = None
     spec: SpecStats = field(default_factory=SpecStats)
+    prompt_text: str | None = None  # carried for the caller's output; the engine never reads it
 
     @property
     def finished(self) -> bool:
