@@ -133,7 +133,7 @@ def register(sub) -> None:
 
     d = sub.add_parser("demo", help="a quick bench on the default target/draft pair (what `make demo` runs)")
     add_bench_args(d)
-    d.set_defaults(func=cmd_demo, out="demo-out", requests=3, max_tokens=32, dtype="bfloat16")
+    d.set_defaults(func=cmd_demo, out="demo-out", requests=3, max_tokens=24, dtype="bfloat16")
 
     from draftwise.bench import memory, tune
 

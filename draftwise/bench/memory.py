@@ -8,7 +8,9 @@ safetensors header, or the GGUF's key-values and tensor table — never by loadi
              preallocates every slot at full length (max_model_len + k + 1; draft: + k + 6) — so concurrency is
              the number of slots (--max-num-seqs), used or not;
   overhead = the interpreter with torch and the tokenizer (measured, RUNTIME_BASE_BYTES) plus prefill
-             activations for a full-context prompt (a few hidden-size and MLP-width buffers per token).
+             activations for a full-context prompt (a few hidden-size and MLP-width buffers per token);
+  loading  = while a model loads from the converted float32 cache, its mapped file pages count in RSS on
+             top of the copies, so the peak is the max of (load target), (target + load draft), (serving).
 Available memory: MemAvailable from /proc/meminfo, or free VRAM from torch.cuda.mem_get_info on GPU.
 Knows nothing of the engine's code; it mirrors the engine's allocation rule, stated above.
 """
@@ -113,19 +115,28 @@ def activation_bytes(cfg: ModelConfig, context: int) -> int:
 
 def estimate(target: str, draft: str | None, max_model_len: int, concurrency: int, dtype: str = "float32",
              weights: str | None = None, draft_dtype: str | None = None, k: int = 8, cache_dir: str | None = None) -> dict:
+    """Steady-state rows, and the peak over the three phases of LLM(...): load target, load draft, serve.
+
+    Loading reads the converted float32 cache memory-mapped; its touched pages count in RSS next to the
+    tensor copies until the file is closed, so for a while a model costs its float32 file size on top."""
     t = model_shapes(target, cache_dir)
     rows = {"target_weights": weight_bytes(t, dtype, weights),
             "target_kv_cache": kv_bytes(t.config, dtype, max_model_len + k + 1, concurrency)}
+    loading = {"target": RUNTIME_BASE_BYTES + t.num_params * BYTES["float32"] + rows["target_weights"]}
     if draft:
         d = model_shapes(draft, cache_dir)
         dd = draft_dtype or dtype
         rows["draft_weights"] = weight_bytes(d, dd, None)
         rows["draft_kv_cache"] = kv_bytes(d.config, dd, max_model_len + k + DRAFT_EXTRA_TOKENS, concurrency)
+        loading["draft"] = (RUNTIME_BASE_BYTES + rows["target_weights"] + d.num_params * BYTES["float32"]
+                            + rows["draft_weights"])
     rows["runtime_overhead"] = RUNTIME_BASE_BYTES + activation_bytes(t.config, max_model_len)
-    total = sum(rows.values())
+    serving = sum(rows.values())
+    total = max(serving, *loading.values())
     avail, kind = available_memory()
     return {"target": target, "draft": draft, "max_model_len": max_model_len, "concurrency": concurrency,
-            "dtype": dtype, "weights": weights, "num_speculative_tokens": k, "bytes": rows, "total_bytes": total,
+            "dtype": dtype, "weights": weights, "num_speculative_tokens": k, "bytes": rows,
+            "serving_bytes": serving, "loading_peak_bytes": loading, "total_bytes": total,
             "available_bytes": avail, "available_kind": kind,
             "fits": avail is None or total <= HEADROOM * avail,
             "sources": {"target": t.source, **({"draft": d.source} if draft else {})}}
@@ -149,7 +160,10 @@ def available_memory(device: str = "cpu") -> tuple[int | None, str]:
 def format_estimate(e: dict) -> str:
     gb = lambda x: f"{x / 2**30:7.2f} GiB"  # noqa: E731
     lines = [f"{k.replace('_', ' '):18s} {gb(v)}" for k, v in e["bytes"].items()]
-    lines.append(f"{'total':18s} {gb(e['total_bytes'])}")
+    lines.append(f"{'serving':18s} {gb(e['serving_bytes'])}  (steady state, full-context prefill)")
+    for what, v in e["loading_peak_bytes"].items():
+        lines.append(f"{'loading ' + what:18s} {gb(v)}  (float32 cache pages mapped during the load)")
+    lines.append(f"{'peak':18s} {gb(e['total_bytes'])}")
     if e["available_bytes"] is not None:
         lines.append(f"{'available':18s} {gb(e['available_bytes'])}  ({e['available_kind']})")
     lines.append("fits" if e["fits"] else "WARNING: likely out of memory — lower --max-model-len or --concurrency, "

@@ -64,8 +64,9 @@ def _acceptance(ax, name: str, seg: dict) -> bool:
         by_pos = (f.get("spec") or {}).get("acceptance_by_position") or []
         if by_pos:
             ax.plot(range(1, len(by_pos) + 1), by_pos, marker="o", label=c)
+            ax.set_xticks(range(1, len(by_pos) + 1))
             drawn = True
-    ax.set_title(f"{name}: acceptance by draft position")
+    ax.set_title(f"{name}: accepted / drafts, by position")
     ax.set_xlabel("position in draft")
     ax.set_ylim(0, 1.05)
     if drawn:

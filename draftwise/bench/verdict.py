@@ -10,6 +10,7 @@ Greedy outputs that differ from `none` are attached as a caveat. Knows nothing o
 from __future__ import annotations
 
 MIN_PAIRS = 3
+RELIABLE_PAIRS = 10  # below this the percentile bootstrap undercovers (Efron & Tibshirani 1993, ch. 13)
 
 
 def decide(speedups: dict[str, dict], identical: dict[str, dict] | None = None) -> dict:
@@ -35,6 +36,9 @@ def decide(speedups: dict[str, dict], identical: dict[str, dict] | None = None) 
         out = {"decision": "no measurable difference", "condition": best,
                "text": f"no measurable difference: best {best} at {v['speedup']:.2f}x, 95% CI "
                        f"{v['ci_low']:.2f}-{v['ci_high']:.2f} includes 1.0x"}
+    n = s[out["condition"]]["n"]
+    if n < RELIABLE_PAIRS:
+        out["text"] += f" [only {n} paired prompts: a bootstrap interval this small is indicative, not reliable]"
     q = (identical or {}).get(out.get("condition"))
     if q and q.get("share") is not None and q["share"] < 1.0:
         out["caveat"] = f"{q['n'] - q['identical']} of {q['n']} greedy outputs differ from none"
