@@ -112,6 +112,12 @@ class Engine:
             if r.request_id == request_id:
                 self._finish(r, "abort")
 
+    def set_speculation(self, proposer: Proposer, k_policy) -> None:
+        """Switch proposer and k policy between runs (only while idle; k must fit the cache's look-ahead)."""
+        if self.has_unfinished():
+            raise RuntimeError("set_speculation needs an idle engine")
+        self.proposer, self.k_policy = proposer, k_policy
+
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 

@@ -183,8 +183,7 @@ class InProcessClient:
         from draftwise.spec.adaptive import FixedK
 
         # switch arms between batches (the engine is idle here): its proposer and its k policy
-        self._engine.proposer = self._proposers[condition.method]
-        self._engine.k_policy = FixedK(condition.k)
+        self._engine.set_speculation(self._proposers[condition.method], FixedK(condition.k))
         return run_items(self._run_calls, items, calls), {}
 
     def _run_calls(self, calls: list[Call]) -> list[Result]:
