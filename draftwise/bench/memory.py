@@ -9,8 +9,10 @@ safetensors header, or the GGUF's key-values and tensor table — never by loadi
              the number of slots (--max-num-seqs), used or not;
   overhead = the interpreter with torch and the tokenizer (measured, RUNTIME_BASE_BYTES) plus prefill
              activations for a full-context prompt (a few hidden-size and MLP-width buffers per token);
-  loading  = while a model loads from the converted float32 cache, its mapped file pages count in RSS on
-             top of the copies, so the peak is the max of (load target), (target + load draft), (serving).
+  loading  = a model is first built in its dtype (then quantized, if asked), reading the converted float32
+             cache one tensor at a time (models/safetensors.py), so while loading it costs its dtype weights
+             plus its largest float32 tensor; the peak is the max of (load target), (target + load draft),
+             (serving).
 Available memory: MemAvailable from /proc/meminfo, or free VRAM from torch.cuda.mem_get_info on GPU.
 Knows nothing of the engine's code; it mirrors the engine's allocation rule, stated above.
 """
@@ -35,6 +37,7 @@ class Shapes:
     config: ModelConfig
     num_params: int
     num_linear_params: int  # parameters in the decoder layers' linear weights (what int8/int4 quantize)
+    largest_tensor: int  # elements of the biggest single tensor (read in float32 while loading)
     source: str
 
 
@@ -81,7 +84,7 @@ def safetensors_specs(path: Path) -> list[tuple[str, tuple[int, ...]]]:
 
 
 def _from_specs(cfg: ModelConfig, specs, source: str) -> Shapes:
-    total = linear = 0
+    total = linear = largest = 0
     for name, shape in specs:
         if cfg.tie_word_embeddings and name.endswith("lm_head.weight"):
             continue  # tied: the decoder shares the embedding's storage (transformer.py)
@@ -89,9 +92,10 @@ def _from_specs(cfg: ModelConfig, specs, source: str) -> Shapes:
         for d in shape:
             numel *= d
         total += numel
+        largest = max(largest, numel)
         if ".layers." in name and name.endswith("proj.weight"):
             linear += numel
-    return Shapes(cfg, total, linear, source)
+    return Shapes(cfg, total, linear, largest, source)
 
 
 def weight_bytes(s: Shapes, dtype: str, weights: str | None) -> int:
@@ -117,19 +121,19 @@ def estimate(target: str, draft: str | None, max_model_len: int, concurrency: in
              weights: str | None = None, draft_dtype: str | None = None, k: int = 8, cache_dir: str | None = None) -> dict:
     """Steady-state rows, and the peak over the three phases of LLM(...): load target, load draft, serve.
 
-    Loading reads the converted float32 cache memory-mapped; its touched pages count in RSS next to the
-    tensor copies until the file is closed, so for a while a model costs its float32 file size on top."""
+    Loading builds a model in its dtype from the float32 cache read one tensor at a time, so for a while a
+    model costs its unquantized dtype weights plus its largest float32 tensor."""
     t = model_shapes(target, cache_dir)
     rows = {"target_weights": weight_bytes(t, dtype, weights),
             "target_kv_cache": kv_bytes(t.config, dtype, max_model_len + k + 1, concurrency)}
-    loading = {"target": RUNTIME_BASE_BYTES + t.num_params * BYTES["float32"] + rows["target_weights"]}
+    loading = {"target": RUNTIME_BASE_BYTES + t.num_params * BYTES[dtype] + t.largest_tensor * BYTES["float32"]}
     if draft:
         d = model_shapes(draft, cache_dir)
         dd = draft_dtype or dtype
         rows["draft_weights"] = weight_bytes(d, dd, None)
         rows["draft_kv_cache"] = kv_bytes(d.config, dd, max_model_len + k + DRAFT_EXTRA_TOKENS, concurrency)
-        loading["draft"] = (RUNTIME_BASE_BYTES + rows["target_weights"] + d.num_params * BYTES["float32"]
-                            + rows["draft_weights"])
+        loading["draft"] = (RUNTIME_BASE_BYTES + rows["target_weights"] + d.num_params * BYTES[dd]
+                            + d.largest_tensor * BYTES["float32"])
     rows["runtime_overhead"] = RUNTIME_BASE_BYTES + activation_bytes(t.config, max_model_len)
     serving = sum(rows.values())
     total = max(serving, *loading.values())
@@ -162,7 +166,7 @@ def format_estimate(e: dict) -> str:
     lines = [f"{k.replace('_', ' '):18s} {gb(v)}" for k, v in e["bytes"].items()]
     lines.append(f"{'serving':18s} {gb(e['serving_bytes'])}  (steady state, full-context prefill)")
     for what, v in e["loading_peak_bytes"].items():
-        lines.append(f"{'loading ' + what:18s} {gb(v)}  (float32 cache pages mapped during the load)")
+        lines.append(f"{'loading ' + what:18s} {gb(v)}  (dtype weights + largest float32 tensor during the load)")
     lines.append(f"{'peak':18s} {gb(e['total_bytes'])}")
     if e["available_bytes"] is not None:
         lines.append(f"{'available':18s} {gb(e['available_bytes'])}  ({e['available_kind']})")

@@ -153,15 +153,30 @@ def hf_name(name: str) -> str | None:
 
 
 def iter_tensors(files: Iterable[Path]) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (name, tensor) from safetensors files, memory-mapped, one tensor at a time."""
-    from safetensors import safe_open
+    """Yield (name, tensor) from safetensors files, one tensor at a time, read into fresh memory.
 
+    Plain reads, not a memory map: a mapped file's touched pages count in the process's RSS until the whole
+    file is closed, so a float32 cache cast to bfloat16 would briefly cost both copies. Read this way, the
+    peak is the loaded model plus the largest single tensor."""
     for path in files:
-        with safe_open(str(path), framework="pt") as f:
-            for key in f.keys():
+        with open(path, "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(n))
+            header.pop("__metadata__", None)
+            base = 8 + n
+            for key, spec in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0]):
                 name = hf_name(key)
-                if name is not None:
-                    yield name, f.get_tensor(key)
+                if name is None:
+                    continue
+                start, end = spec["data_offsets"]
+                buf = torch.empty(end - start, dtype=torch.uint8)
+                f.seek(base + start)
+                f.readinto(memoryview(buf.numpy()))
+                yield name, buf.view(_TORCH_DTYPES[spec["dtype"]]).reshape(spec["shape"])
+
+
+_TORCH_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64,
+                 "I64": torch.int64, "I32": torch.int32, "I8": torch.int8, "U8": torch.uint8}
 
 
 _DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
