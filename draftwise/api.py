@@ -68,7 +68,7 @@ def load_model(name: str, dtype: str = "float32", device: str = "cpu", weights: 
 
     check_device(device)
     ckpt = load_checkpoint(name, cache_dir=cache_dir)
-    model = Decoder.from_tensors(ckpt.config, ckpt.tensors(), dtype=DTYPES[dtype], device=device)
+    model = Decoder.from_tensors(ckpt.config, ckpt.tensors(DTYPES[dtype]), dtype=DTYPES[dtype], device=device)
     if weights in ("int8", "int4"):
         from draftwise.models.quant import quantize_decoder
 

@@ -175,6 +175,15 @@ def iter_tensors(files: Iterable[Path]) -> Iterator[tuple[str, torch.Tensor]]:
                 yield name, buf.view(_TORCH_DTYPES[spec["dtype"]]).reshape(spec["shape"])
 
 
+def header_specs(path: Path) -> list[tuple[str, list[int]]]:
+    """(name, shape) of a safetensors file in data order, from its header alone."""
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(n))
+    header.pop("__metadata__", None)
+    return [(k, v["shape"]) for k, v in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0])]
+
+
 _TORCH_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64,
                  "I64": torch.int64, "I32": torch.int32, "I8": torch.int8, "U8": torch.uint8}
 

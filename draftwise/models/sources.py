@@ -41,8 +41,21 @@ class Checkpoint:
     tensor_source: Callable[[], Iterator[tuple[str, torch.Tensor]]] = field(repr=False)
     info: dict = field(default_factory=dict)  # kind, name, path, sha256, description, converted_path
 
-    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        return self.tensor_source()
+    def tensors(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        """Tensors as stored; with `dtype` (bfloat16) for a converted GGUF, from a cached copy in that dtype,
+        written on first use, so a bf16 load reads half the bytes and skips the cast."""
+        if dtype not in (torch.bfloat16, torch.float16) or "converted_path" not in self.info:
+            return self.tensor_source()
+        folder = Path(self.info["converted_path"])
+        path = folder / f"model.{str(dtype).removeprefix('torch.')}.safetensors"
+        if not path.is_file():
+            with catalog.file_lock(path.with_name(path.name + ".lock")):
+                if not path.is_file():
+                    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+                    specs = [(n, tuple(t)) for n, t in st.header_specs(folder / _WEIGHTS_FILE)]
+                    st.write_streaming(tmp, specs, self.tensor_source(), dtype=dtype)
+                    os.replace(tmp, path)
+        return st.iter_tensors([path])
 
 
 def load_checkpoint(name_or_path: str | os.PathLike, cache_dir: str | os.PathLike | None = None,
