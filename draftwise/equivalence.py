@@ -10,7 +10,6 @@ Knows the engine and API; knows no HTTP.
 from __future__ import annotations
 
 import json
-import sys
 from dataclasses import dataclass
 
 import torch
@@ -84,7 +83,8 @@ def sampling_check(llm, prompt_ids: list[int], num_samples: int, params: Samplin
 
     p = params
     k = llm.config.speculative.max_speculative_tokens
-    seeded = [SamplingParams(temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, max_tokens=3, seed=s,
+    # max_tokens 4: after token 1 the engine may guess 2 tokens, so tokens 2 and 3 come from draft positions 1-2
+    seeded = [SamplingParams(temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, max_tokens=4, seed=s,
                              ignore_eos=True) for s in range(num_samples)]
     outs = [tuple(o[:3]) for o in run_engine(llm, llm.proposer, k, [prompt_ids] * num_samples, seeded)]
     probs = exact_cells(llm.model, prompt_ids, p, min_expected=5.0 / num_samples)

@@ -2,7 +2,7 @@
 
 One target load; each condition runs the same prompts one at a time (concurrency 1, greedy, fixed output
 length) through the engine with its own proposer. Prints tok/s, speed-up over plain, acceptance rate and
-mean acceptance length, per prompt group (repeated-pattern code, HumanEval code, chat). Not a test.
+mean acceptance length, per prompt group (code with repeated patterns ("repeated"), HumanEval ("novel"), chat). Not a test.
 
     .venv/bin/python scripts/bench_spec.py --dtype bfloat16 --per-group 3 --max-tokens 64
 """
@@ -63,7 +63,7 @@ def main() -> None:
     if "draft_model" in args.methods:
         m, tok, _ = load_model(args.draft, args.dtype, weights=args.draft_weights)
         draft = (m, tok)
-    items = {g: [] for g in ("code_repeated", "humaneval", "chat")}
+    items = {g: [] for g in ("repeated", "novel", "chat")}
     for it in load_workload("code").items + load_workload("chat").items:
         if it.group in items and len(items[it.group]) < args.per_group:
             items[it.group].append(it)
@@ -93,8 +93,9 @@ def main() -> None:
             d = stats.to_dict()
             acc = d.get("acceptance_rate")
             mal = d.get("mean_acceptance_length")
+            fmt = lambda v: "-" if v is None else f"{v:.2f}"  # noqa: E731
             print(f"{group:14s} {method:12s} {str(k or 0):>4s} {tps:7.2f} {tps / base[0]:7.2f}x "
-                  f"{acc if acc is None else f'{acc:.2f}':>7} {mal if mal is None else f'{mal:.2f}':>8}  "
+                  f"{fmt(acc):>7} {fmt(mal):>8}  "
                   f"{outs == base[1]}" + (f"  k-hist {json.dumps(policy.k_histogram)}" if policy else ""), flush=True)
 
 
