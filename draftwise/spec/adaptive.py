@@ -6,18 +6,23 @@ E(k) = 1 + sum_{j<=k} prod_{i<=j} a_i, and its time is verify(k+1) + draft_per_t
 0..max_k with the highest E(k)/time(k); k = 0 is plain decoding, chosen whenever guessing cannot pay.
 verify(width) is timed at start-up (one target forward per width) and refined online from measured steps;
 draft cost per token and acceptance by position are learned online (acceptance per request, falling back to
-engine-wide counts, with a mild prior). Knows nothing of models' internals or the proposer's type.
+engine-wide counts, with a mild prior). Costs are the median of the last few measurements, not a running
+mean: a draft's first call also prefills its prompt, an outlier a mean would drag along for many steps.
+Knows nothing of models' internals or the proposer's type.
 """
 from __future__ import annotations
 
+import statistics
 import time
+from collections import deque
 
 import torch
 
 from draftwise.kv_cache import KVCache
 
-EMA = 0.2  # weight of a new measurement in the running cost estimates
+WINDOW = 15  # cost measurements kept (per verification width, and for the draft); the median is used
 PRIOR_ACCEPT = (1.0, 1.0)  # Beta(1, 1) pseudo-counts for each position's acceptance
+MARGIN = 1.1  # guess only when the model predicts >= 10% more tokens/s than plain decoding (estimates are noisy)
 EXPLORE_EVERY = 16  # steps between forced speculative steps while plain decoding wins (acceptance can change)
 
 
@@ -41,7 +46,9 @@ class FixedK:
 class AdaptiveK:
     def __init__(self, max_k: int, verify_cost: dict[int, float]):
         self.max_k = max_k
-        self.verify_cost = dict(verify_cost)  # width -> seconds per step
+        self._verify_times = {w: deque([t], maxlen=WINDOW) for w, t in verify_cost.items()}
+        self.verify_cost = dict(verify_cost)  # width -> seconds per step (median of recent steps)
+        self._draft_times: deque = deque(maxlen=WINDOW)
         self.draft_cost: float | None = None  # seconds per guessed token (None until measured)
         self.global_counts = [[0, 0] for _ in range(max_k)]  # per position: [reached, accepted]
         self.req_counts: dict[str, list[list[int]]] = {}
@@ -92,7 +99,10 @@ class AdaptiveK:
 
     def choose(self, req) -> int:
         acc = self.acceptance(req)
-        best = max(range(self.max_k + 1), key=lambda k: self.expected_rate(k, acc))
+        rates = [self.expected_rate(k, acc) for k in range(self.max_k + 1)]
+        best = max(range(1, self.max_k + 1), key=rates.__getitem__) if self.max_k else 0
+        if rates[best] < MARGIN * rates[0]:
+            best = 0
         if best == 0 or self.draft_cost is None:
             since = self._since_spec.get(req.request_id, 0) + 1
             self._since_spec[req.request_id] = since
@@ -113,11 +123,12 @@ class AdaptiveK:
             self.global_counts[i][1] += hit
 
     def observe_step(self, width: int, num_draft_tokens: int, draft_s: float, verify_s: float) -> None:
-        if width in self.verify_cost:
-            self.verify_cost[width] = (1 - EMA) * self.verify_cost[width] + EMA * verify_s
+        if width in self._verify_times:
+            self._verify_times[width].append(verify_s)
+            self.verify_cost[width] = statistics.median(self._verify_times[width])
         if num_draft_tokens:
-            per_token = draft_s / num_draft_tokens
-            self.draft_cost = per_token if self.draft_cost is None else (1 - EMA) * self.draft_cost + EMA * per_token
+            self._draft_times.append(draft_s / num_draft_tokens)
+            self.draft_cost = statistics.median(self._draft_times)
 
     def end(self, req) -> None:
         self.req_counts.pop(req.request_id, None)
