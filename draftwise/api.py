@@ -69,7 +69,7 @@ def load_model(name: str, dtype: str = "float32", device: str = "cpu", weights: 
     check_device(device)
     ckpt = load_checkpoint(name, cache_dir=cache_dir)
     model = Decoder.from_tensors(ckpt.config, ckpt.tensors(DTYPES[dtype]), dtype=DTYPES[dtype], device=device)
-    if weights in ("int8", "int4"):
+    if weights in ("int8", "int4", "int4+dense"):
         from draftwise.models.quant import quantize_decoder
 
         quantize_decoder(model, weights)
@@ -118,7 +118,7 @@ class LLM:
         if spec.adaptive:
             from draftwise.spec.adaptive import AdaptiveK
 
-            self.adaptive = AdaptiveK.calibrate(self.model, spec.max_speculative_tokens)
+            self.adaptive = AdaptiveK.calibrate(self.model, spec.max_speculative_tokens, self.proposer)
         self.engine = Engine(self.model, self.proposer, spec.max_speculative_tokens, max_num_seqs,
                              self.max_model_len, eos, seed=seed, k_policy=self.adaptive)
         self.load_time_s = time.perf_counter() - t0

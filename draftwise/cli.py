@@ -9,7 +9,7 @@ import argparse
 import json
 import sys
 
-from draftwise.config import ConfigError
+from draftwise.config import WEIGHT_FORMATS, ConfigError
 
 DEFAULT_TARGET = "qwen2.5-coder-1.5b-instruct"
 DEFAULT_DRAFT = "qwen2.5-coder-0.5b-instruct"
@@ -19,7 +19,7 @@ def add_model_args(p: argparse.ArgumentParser, spec: bool = True) -> None:
     p.add_argument("--model", default=DEFAULT_TARGET, help="catalog name, .gguf file, HF checkpoint dir or hub id")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    p.add_argument("--weights", default=None, choices=["bf16", "int8", "int4"],
+    p.add_argument("--weights", default=None, choices=list(WEIGHT_FORMATS),
                    help="weight-only quantization of the target's linear layers")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--max-model-len", type=int, default=None)

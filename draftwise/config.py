@@ -72,7 +72,8 @@ class ModelConfig:
 
 SPEC_METHODS = ("none", "ngram", "draft_model")
 DTYPES = ("float32", "bfloat16")
-WEIGHT_FORMATS = ("bf16", "int8", "int4")
+# "int4+dense": int4 for narrow calls (decode, verification), the dense dtype weights for wide ones (prefill)
+WEIGHT_FORMATS = ("bf16", "int8", "int4", "int4+dense")
 
 
 @dataclass(frozen=True)

@@ -83,11 +83,11 @@ def main() -> None:
             spec = parse_spec_config({"method": method, "num_speculative_tokens": int(k) if k not in (None, "auto") else k,
                                       **({"model": args.draft} if method == "draft_model" else {})}
                                      if method != "none" else None)
-            policy = None
+            policy, proposer = None, build_proposer(spec, ctx)
             if spec.adaptive:
                 from draftwise.spec.adaptive import AdaptiveK
-                policy = AdaptiveK.calibrate(llm.model, spec.max_speculative_tokens)
-            tps, stats, outs = run(llm, build_proposer(spec, ctx), spec.max_speculative_tokens, prompts, params, policy)
+                policy = AdaptiveK.calibrate(llm.model, spec.max_speculative_tokens, proposer)
+            tps, stats, outs = run(llm, proposer, spec.max_speculative_tokens, prompts, params, policy)
             if base is None:
                 base = (tps, outs)
             d = stats.to_dict()

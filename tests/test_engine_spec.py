@@ -111,7 +111,7 @@ def test_ngram_lookup_prefers_longest_latest_match():
     assert lookup(np.array([4, 5, 4]), 1, 3, 3) == [5, 4]
 
 
-@pytest.mark.parametrize("fmt", ["int8", "int4"])
+@pytest.mark.parametrize("fmt", ["int8", "int4", "int4+dense"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_greedy_equivalence_holds_for_quantized_weights(fmt, dtype):
     from draftwise.models.quant import quantize_decoder
@@ -127,8 +127,10 @@ def test_greedy_equivalence_holds_for_quantized_weights(fmt, dtype):
 def test_adaptive_k_stays_exact(target, drafts):
     from draftwise.spec.adaptive import AdaptiveK
 
-    policy = AdaptiveK.calibrate(target, 6)
-    outs, eng, _ = run_engine(target, draft_proposer(drafts["noisy"]), 6, k_policy=policy)
+    proposer = draft_proposer(drafts["noisy"])
+    policy = AdaptiveK.calibrate(target, 6, proposer)
+    assert policy.draft_cost[6] >= policy.draft_cost[1] > 0
+    outs, eng, _ = run_engine(target, proposer, 6, k_policy=policy)
     assert outs == plain(target)
     assert sum(policy.k_histogram.values()) > 0
 
@@ -143,19 +145,16 @@ def test_adaptive_k_cost_model_choices():
     req = _Req()
     # verification that costs 10x per extra token: guessing cannot pay, k = 0 (plain decoding)
     costly = AdaptiveK(6, {w: 0.01 * (1 + 10 * (w - 1)) for w in range(1, 8)})
-    costly.draft_cost = 0.0
     for _ in range(20):
         costly.observe(req, 6, 6)
     assert costly.choose(req) == 0
     # free verification, cheap draft, every guess accepted: the longest guess wins
-    free = AdaptiveK(6, {w: 0.01 for w in range(1, 8)})
-    free.draft_cost = 0.0001
+    free = AdaptiveK(6, {w: 0.01 for w in range(1, 8)}, {k: 0.0001 * k for k in range(7)})
     for _ in range(20):
         free.observe(req, 6, 6)
     assert free.choose(req) == 6
     # same costs, but guesses always rejected at the first position: k = 0
-    bad = AdaptiveK(6, {w: 0.01 for w in range(1, 8)})
-    bad.draft_cost = 0.002
+    bad = AdaptiveK(6, {w: 0.01 for w in range(1, 8)}, {k: 0.002 * k for k in range(7)})
     for _ in range(50):
         bad.observe(req, 6, 0)
     assert bad.choose(req) == 0

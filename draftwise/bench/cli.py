@@ -10,7 +10,7 @@ import sys
 import time
 from pathlib import Path
 
-from draftwise.config import ConfigError
+from draftwise.config import WEIGHT_FORMATS, ConfigError
 
 DEFAULT_DRAFT = "qwen2.5-coder-0.5b-instruct"
 
@@ -32,7 +32,7 @@ def add_bench_args(p) -> None:
     p.add_argument("--num-speculative-tokens", default="2,4,6")
     p.add_argument("--draft", default=DEFAULT_DRAFT, help="draft model for method draft_model")
     p.add_argument("--draft-dtype", default=None, choices=["float32", "bfloat16"])
-    p.add_argument("--draft-weights", default=None, choices=["bf16", "int8", "int4"])
+    p.add_argument("--draft-weights", default=None, choices=list(WEIGHT_FORMATS))
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--requests", type=int, default=30, help="measured requests per condition and group")
     p.add_argument("--concurrency", default=None, help="e.g. 1,4 (default: each workload's own; longform 1,4)")

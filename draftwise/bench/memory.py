@@ -24,7 +24,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from draftwise.config import ConfigError, ModelConfig
+from draftwise.config import WEIGHT_FORMATS, ConfigError, ModelConfig
 
 BYTES = {"float32": 4, "bfloat16": 2}
 RUNTIME_BASE_BYTES = 420 * 2**20  # python + torch + tokenizers + numpy, measured RSS after `import draftwise.api`
@@ -102,6 +102,8 @@ def weight_bytes(s: Shapes, dtype: str, weights: str | None) -> int:
     b = BYTES[dtype]
     if weights == "int8":
         return (s.num_params - s.num_linear_params) * b + s.num_linear_params * 1 + s.num_linear_params // 1000 * 4
+    if weights == "int4+dense":
+        return s.num_params * b + s.num_linear_params // 2 + s.num_linear_params // 32 * 2 * 2
     if weights == "int4":
         return (s.num_params - s.num_linear_params) * b + s.num_linear_params // 2 + s.num_linear_params // 32 * 2 * 2
     return s.num_params * b
@@ -197,7 +199,7 @@ def register(sub) -> None:
     p.add_argument("--concurrency", type=int, default=1, help="KV slots (the engine's --max-num-seqs)")
     p.add_argument("--dtype", default="float32", choices=list(BYTES))
     p.add_argument("--draft-dtype", default=None, choices=list(BYTES))
-    p.add_argument("--weights", default=None, choices=["bf16", "int8", "int4"])
+    p.add_argument("--weights", default=None, choices=list(WEIGHT_FORMATS))
     p.add_argument("--num-speculative-tokens", type=int, default=8)
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--json", action="store_true")

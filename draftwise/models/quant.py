@@ -4,7 +4,9 @@ int8: per-output-channel symmetric scales, `torch._weight_int8pack_mm`. int4: as
 along K, `torch._weight_int4pack_mm_for_cpu` (CUDA: `torch._weight_int4pack_mm`), which computes
 w = (q - 8) * scale + zero with q in [0, 15] packed by `_convert_weight_to_int4pack*`. Groups of 32 match
 GGUF's Q4_K sub-blocks (scale and min per 32 weights), so Q4_K weights re-quantize almost exactly.
-Activations stay in the model dtype. Knows nothing of checkpoints or the engine.
+Activations stay in the model dtype. "int4+dense" keeps the dense weights too and uses them for calls with
+more than DENSE_ABOVE_ROWS tokens per sequence (prefill): the int4 kernel's cost grows with rows while a dense matmul's hardly
+does, and they cross near 10-12 rows on this CPU (DESIGN.md's table). Knows nothing of checkpoints or the engine.
 """
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import torch
 from torch import nn
 
 INT4_GROUP = 32
+DENSE_ABOVE_ROWS = 12
 
 
 class Int8Linear(nn.Module):
@@ -31,8 +34,9 @@ class Int8Linear(nn.Module):
 
 
 class Int4Linear(nn.Module):
-    def __init__(self, linear: nn.Linear, group: int = INT4_GROUP):
+    def __init__(self, linear: nn.Linear, group: int = INT4_GROUP, keep_dense: bool = False):
         super().__init__()
+        self.dense = linear.weight if keep_dense else None  # [N, K] in the model dtype, for wide calls
         w = linear.weight.detach().float()  # [N, K]
         N, K = w.shape
         wg = w.view(N, K // group, group)
@@ -53,6 +57,10 @@ class Int4Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., K] -> [..., N]
         x2 = x.reshape(-1, x.shape[-1])
+        # by tokens per sequence, not rows: verification (k + 1 <= 9 tokens) always runs in int4, like plain
+        # decoding, so greedy speculative output equals plain output; only prompts take the dense path
+        if self.dense is not None and x.dim() == 3 and x.shape[1] > DENSE_ABOVE_ROWS:
+            return nn.functional.linear(x, self.dense, self.bias)
         if self.cuda:
             y = torch._weight_int4pack_mm(x2, self.packed, self.group, self.scales_and_zeros)
         else:
@@ -70,11 +78,12 @@ def _quantizable(linear: nn.Linear, fmt: str) -> bool:
 
 def quantize_decoder(model: nn.Module, fmt: str) -> int:
     """Replace every nn.Linear of `model` (attention, MLP, LM head) in place; returns how many were swapped."""
-    cls = {"int8": Int8Linear, "int4": Int4Linear}.get(fmt)
+    cls = {"int8": Int8Linear, "int4": Int4Linear, "int4+dense": lambda l: Int4Linear(l, keep_dense=True)}.get(fmt)
     if cls is None:
         return 0
+    base = fmt.split("+")[0]
     targets = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
-               if isinstance(child, nn.Linear) and _quantizable(child, fmt)]
+               if isinstance(child, nn.Linear) and _quantizable(child, base)]
     for parent, name, child in targets:
         setattr(parent, name, cls(child))
     return len(targets)
