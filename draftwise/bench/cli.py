@@ -110,12 +110,13 @@ def cmd_bench(args) -> int:
 def cmd_demo(args) -> int:
     """A quick bench on the default pair: few requests (below protocol, marked so), well under 10 minutes."""
     args.workload, args.turns = "chat,code", "first"
-    args.methods, args.num_speculative_tokens = "none,ngram,draft_model", "4"
+    args.methods, args.num_speculative_tokens = "none,ngram,draft_model", "3"
     args.warmup, args.requests, args.concurrency = 1, args.requests, None
     args.temperature, args.top_p = 0.0, 1.0
     args.endpoint, args.api_key, args.served_model = [], None, None
     args.watts, args.price_per_kwh, args.fresh, args.no_plots, args.no_humaneval = None, None, True, False, False
-    args.draft_dtype, args.draft_weights = None, None
+    # the fastest formats measured on this CPU (scripts/compare.py): int4 decode with dense prefill, int4 draft
+    args.draft_dtype, args.draft_weights = None, args.draft_weights or "int4"
     print(f"draftwise demo: {args.model} with draft {args.draft}; {args.requests} measured requests per condition "
           f"and group, {args.max_tokens} output tokens — below the 5 + 30 protocol, so treat the verdict as a "
           "smoke test; numbers on a shared 2-core machine are noisy.", file=sys.stderr)
@@ -133,7 +134,7 @@ def register(sub) -> None:
 
     d = sub.add_parser("demo", help="a quick bench on the default target/draft pair (what `make demo` runs)")
     add_bench_args(d)
-    d.set_defaults(func=cmd_demo, out="demo-out", requests=3, max_tokens=24, dtype="bfloat16")
+    d.set_defaults(func=cmd_demo, out="demo-out", requests=3, max_tokens=24, dtype="bfloat16", weights="int4+dense")
 
     from draftwise.bench import memory, tune
 
