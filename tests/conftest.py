@@ -44,3 +44,14 @@ def tiny_hf_dir(tmp_path_factory) -> Path:
 def draftwise_cache_dir(tmp_path) -> Path:
     """An empty cache directory for one test (assembled models, hashes, converted checkpoints)."""
     return tmp_path / "cache"
+
+
+def require_packaged(name: str) -> None:
+    """Skip the calling test when the packaged model's chunk packages are not installed."""
+    from draftwise.config import ConfigError
+    from draftwise.models import catalog
+
+    try:
+        catalog.chunk_paths(catalog.get_entry(name))
+    except ConfigError as e:
+        pytest.skip(str(e))

@@ -10,8 +10,7 @@ import pytest
 import torch
 
 from draftwise import LLM, SamplingParams
-from draftwise.config import ConfigError
-from draftwise.models import catalog
+from tests.conftest import require_packaged
 
 pytestmark = pytest.mark.integration
 
@@ -26,16 +25,9 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
 SPEC_GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)  # 1.5B fp32 is slow here
 
 
-def require(name):
-    try:
-        catalog.chunk_paths(catalog.get_entry(name))
-    except ConfigError as e:
-        pytest.skip(str(e))
-
-
 @pytest.mark.parametrize("name", ["gemma-3-270m", "qwen2.5-coder-0.5b-instruct"])
 def test_greedy_matches_transformers(name):
-    require(name)
+    require_packaged(name)
     from transformers import AutoConfig, AutoModelForCausalLM
 
     llm = LLM(name, dtype="float32", max_num_seqs=5, max_model_len=256)
@@ -92,8 +84,8 @@ def _load_draft(name, dtype, weights):
 
 @pytest.fixture(scope="module")
 def default_target_plain():
-    require("qwen2.5-coder-1.5b-instruct")
-    require("qwen2.5-coder-0.5b-instruct")
+    require_packaged("qwen2.5-coder-1.5b-instruct")
+    require_packaged("qwen2.5-coder-0.5b-instruct")
     from draftwise.equivalence import run_engine
     from draftwise.spec.proposer import NoProposer
 

@@ -5,9 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from draftwise.config import ConfigError
-from draftwise.models import catalog
 from draftwise.models.sources import load_checkpoint
+from tests.conftest import require_packaged
 
 pytestmark = pytest.mark.integration
 
@@ -16,10 +15,7 @@ pytestmark = pytest.mark.integration
 # per model on 2 cores. The qwen2 0.5B file was checked the same way once by hand (291/291 tensors equal).
 @pytest.mark.parametrize("name", ["gemma-3-270m"])
 def test_converted_tensors_and_config_match_transformers(name):
-    try:
-        catalog.chunk_paths(catalog.get_entry(name))
-    except ConfigError as e:
-        pytest.skip(str(e))
+    require_packaged(name)
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 

@@ -6,10 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from draftwise.config import ConfigError
-from draftwise.models import catalog
 from draftwise.models.sources import load_checkpoint
 from draftwise.tokenizer import IncrementalDetokenizer
+from tests.conftest import require_packaged
 
 pytestmark = pytest.mark.integration
 
@@ -31,10 +30,7 @@ MESSAGES = [
 
 
 def _packaged(name):
-    try:
-        catalog.chunk_paths(catalog.get_entry(name))
-    except ConfigError as e:
-        pytest.skip(str(e))
+    require_packaged(name)
     ck = load_checkpoint(name, progress=False)
     from transformers import AutoTokenizer
 
