@@ -4,7 +4,6 @@ and stats add up."""
 import pytest
 import torch
 
-from draftwise.config import SpecConfig
 from draftwise.engine import ContextLengthError, Engine, Request
 from draftwise.sampling import SamplingParams
 from draftwise.spec.draft_model import DraftModelProposer
