@@ -187,9 +187,10 @@ class Engine:
             k = d.num_tokens
             res = verify(d.token_ids.to(dev), d.probs, logits[row, : k + 1], r.params, r.generator)
             self.cache.truncate(r.slot, base_lengths[row] + 1 + res.num_accepted)
+            # every step is counted in the k histogram (k = 0: a plain step, e.g. chosen by the adaptive policy)
+            r.spec.record(k, res.num_accepted)
+            self.stats.record(k, res.num_accepted)
             if k:
-                r.spec.record(k, res.num_accepted)
-                self.stats.record(k, res.num_accepted)
                 self.k_policy.observe(r, k, res.num_accepted)
             slot = r.slot
             emitted = self._emit(r, res.token_ids)
