@@ -21,7 +21,7 @@ from draftwise.kv_cache import KVCache
 from draftwise.models.transformer import Decoder
 from draftwise.sampling import SamplingParams, make_generator
 from draftwise.spec.adaptive import FixedK
-from draftwise.spec.proposer import Proposer
+from draftwise.spec.proposer import EMPTY_DRAFT_IDS, Proposer
 from draftwise.spec.stats import SpecStats
 from draftwise.spec.verify import verify
 
@@ -161,7 +161,7 @@ class Engine:
         for row, r in enumerate(reqs):
             self.cache.truncate(r.slot, len(r.prompt_ids))
             self.proposer.begin(r.slot, r.prompt_ids, r.params, r.generator)
-            token = verify(torch.zeros(0, dtype=torch.int64), None, logits[row], r.params, r.generator).token_ids[0]
+            token = verify(EMPTY_DRAFT_IDS, None, logits[row], r.params, r.generator).token_ids[0]
             self.proposer.accept(r.slot, 0, token)
             outputs.append(StepOutput(r, self._emit(r, [token]), r.finished))
         return outputs

@@ -10,9 +10,8 @@ import sys
 import time
 from pathlib import Path
 
+from draftwise.cli import DEFAULT_DRAFT
 from draftwise.config import WEIGHT_FORMATS, ConfigError
-
-DEFAULT_DRAFT = "qwen2.5-coder-0.5b-instruct"
 
 
 def _ints(s: str) -> list[int]:

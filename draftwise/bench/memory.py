@@ -19,12 +19,12 @@ Knows nothing of the engine's code; it mirrors the engine's allocation rule, sta
 from __future__ import annotations
 
 import json
-import struct
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 from draftwise.config import WEIGHT_FORMATS, ConfigError, ModelConfig
+from draftwise.models.safetensors import header_specs
 
 BYTES = {"float32": 4, "bfloat16": 2}
 RUNTIME_BASE_BYTES = 420 * 2**20  # python + torch + tokenizers + numpy, measured RSS after `import draftwise.api`
@@ -52,7 +52,7 @@ def model_shapes(name: str, cache_dir: str | None = None) -> Shapes:
         conv = cache / "converted" / entry.sha256[:16]
         if (conv / "draftwise_config.json").is_file() and (conv / "model.safetensors").is_file():
             cfg = ModelConfig.from_dict(json.loads((conv / "draftwise_config.json").read_text())["config"])
-            return _from_specs(cfg, safetensors_specs(conv / "model.safetensors"), str(conv))
+            return _from_specs(cfg, header_specs(conv / "model.safetensors"), str(conv))
         path = catalog.assembled_path(entry, cache)
         if not path.is_file():
             raise ConfigError(f"{name} is not assembled yet in {cache}; run `draftwise generate --model {name}` once")
@@ -63,7 +63,7 @@ def model_shapes(name: str, cache_dir: str | None = None) -> Shapes:
     if path.is_dir():
         from draftwise.models.safetensors import load_config, weight_files
 
-        specs = [s for f in weight_files(path) for s in safetensors_specs(f)]
+        specs = [s for f in weight_files(path) for s in header_specs(f)]
         return _from_specs(load_config(path), specs, str(path))
     raise ConfigError(f"{name!r} is not a packaged model, a .gguf file or a checkpoint directory")
 
@@ -73,14 +73,6 @@ def _from_gguf(path: Path) -> Shapes:
 
     g = GGUFFile(path)
     return _from_specs(g.config, g.tensor_specs(), str(path))
-
-
-def safetensors_specs(path: Path) -> list[tuple[str, tuple[int, ...]]]:
-    """(name, shape) from a safetensors header (8-byte little-endian length, then JSON), no tensor data read."""
-    with open(path, "rb") as f:
-        (n,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(n))
-    return [(k, tuple(v["shape"])) for k, v in header.items() if k != "__metadata__"]
 
 
 def _from_specs(cfg: ModelConfig, specs, source: str) -> Shapes:

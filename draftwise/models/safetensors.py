@@ -160,11 +160,8 @@ def iter_tensors(files: Iterable[Path]) -> Iterator[tuple[str, torch.Tensor]]:
     peak is the loaded model plus the largest single tensor."""
     for path in files:
         with open(path, "rb") as f:
-            (n,) = struct.unpack("<Q", f.read(8))
-            header = json.loads(f.read(n))
-            header.pop("__metadata__", None)
-            base = 8 + n
-            for key, spec in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0]):
+            entries, base = _read_header(f)
+            for key, spec in entries:
                 name = hf_name(key)
                 if name is None:
                     continue
@@ -175,13 +172,20 @@ def iter_tensors(files: Iterable[Path]) -> Iterator[tuple[str, torch.Tensor]]:
                 yield name, buf.view(_TORCH_DTYPES[spec["dtype"]]).reshape(spec["shape"])
 
 
-def header_specs(path: Path) -> list[tuple[str, list[int]]]:
-    """(name, shape) of a safetensors file in data order, from its header alone."""
+def header_specs(path: Path) -> list[tuple[str, tuple[int, ...]]]:
+    """(name, shape) of a safetensors file in data order, from its header alone (no tensor data read)."""
     with open(path, "rb") as f:
-        (n,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(n))
+        return [(k, tuple(v["shape"])) for k, v in _read_header(f)[0]]
+
+
+def _read_header(f) -> tuple[list[tuple[str, dict]], int]:
+    """The (name, entry) pairs of an open safetensors file in data order, and where the data starts.
+
+    Format (huggingface/safetensors): u64 little-endian header length, JSON header, then raw data."""
+    (n,) = struct.unpack("<Q", f.read(8))
+    header = json.loads(f.read(n))
     header.pop("__metadata__", None)
-    return [(k, v["shape"]) for k, v in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0])]
+    return sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0]), 8 + n
 
 
 _TORCH_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64,

@@ -52,8 +52,7 @@ class Checkpoint:
             with catalog.file_lock(path.with_name(path.name + ".lock")):
                 if not path.is_file():
                     tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
-                    specs = [(n, tuple(t)) for n, t in st.header_specs(folder / _WEIGHTS_FILE)]
-                    st.write_streaming(tmp, specs, self.tensor_source(), dtype=dtype)
+                    st.write_streaming(tmp, st.header_specs(folder / _WEIGHTS_FILE), self.tensor_source(), dtype=dtype)
                     os.replace(tmp, path)
         return st.iter_tensors([path])
 

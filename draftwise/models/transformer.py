@@ -12,7 +12,7 @@ rollback is the caller's `cache.truncate`. Knows nothing about requests, samplin
 from __future__ import annotations
 
 import math
-from typing import Iterable, Iterator
+from typing import Iterable
 
 import torch
 import torch.nn.functional as F
@@ -263,9 +263,3 @@ def _set_param(model: nn.Module, name: str, value: torch.Tensor) -> None:
     for p in path:
         mod = getattr(mod, p)
     setattr(mod, leaf, nn.Parameter(value, requires_grad=False))
-
-
-def state_items(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) pairs of a torch module, for building a Decoder from another implementation's weights."""
-    for name, t in model.state_dict().items():
-        yield name, t

@@ -65,7 +65,7 @@ class DraftModelProposer:
                     guesses[row].append(tok)
                     probs[row].append(p)
                 if step + 1 < k_max:
-                    logits = self._feed_guesses(act_slots, [g[-1] for g in guesses])
+                    logits = self._forward(act_slots, [[g[-1]] for g in guesses])
             for row, (s, k) in enumerate(active):
                 self._last[s] = guesses[row][:k]
                 q = None if self.params[s].greedy else torch.stack(probs[row][:k])
@@ -94,9 +94,6 @@ class DraftModelProposer:
             for s, row in zip(small, self._forward(small, [self.tokens[s][self.seen[s]:] for s in small])):
                 rows[s] = row
         return torch.stack([rows[s] for s in slots])
-
-    def _feed_guesses(self, slots: list[int], last_guesses: list[int]) -> torch.Tensor:
-        return self._forward(slots, [[t] for t in last_guesses])
 
     def _forward(self, slots: list[int], new_tokens: list[list[int]]) -> torch.Tensor:  # -> [B, V_draft]
         """One batched draft forward; rows padded to the longest; logits taken at each row's last real token."""
