@@ -7,17 +7,19 @@ from __future__ import annotations
 
 import time
 import uuid
-from dataclasses import dataclass, field
-from typing import Iterator, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Callable, Iterator, Sequence
 
 import torch
 
-from draftwise.config import ConfigError, EngineConfig, parse_spec_config
+from draftwise.config import ConfigError, EngineConfig, SpecConfig, parse_spec_config
 from draftwise.engine import Engine, Request
 from draftwise.models.transformer import Decoder
 from draftwise.output import TextStream
 from draftwise.sampling import SamplingParams
-from draftwise.spec.proposer import ProposerContext, build_proposer
+from draftwise.spec_decode.adaptive import AdaptiveK, FixedK, KPolicy
+from draftwise.spec_decode.builders import ProposerContext, build_proposer
+from draftwise.spec_decode.proposer import Proposer
 
 __all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "load_model"]
 
@@ -63,7 +65,7 @@ def check_device(device: str) -> None:
 
 def load_model(name: str, dtype: str = "float32", device: str = "cpu", weights: str | None = None,
                cache_dir: str | None = None):
-    """Resolve and load a checkpoint: returns (Decoder, Tokenizer, info dict)."""
+    """Resolve and load a checkpoint: returns (Decoder, Tokenizer, info dict). The one loader of the package."""
     from draftwise.models.sources import load_checkpoint
 
     check_device(device)
@@ -78,50 +80,114 @@ def load_model(name: str, dtype: str = "float32", device: str = "cpu", weights: 
 
 
 class LLM:
-    """An engine over one target model, optionally speculating with a proposer (vLLM's `LLM` shape)."""
+    """An engine over one target model, optionally speculating with a proposer (vLLM's `LLM` shape).
+
+    The one place an engine is assembled: `LLM(...)` loads the checkpoint(s) and calls the same assembly as
+    `LLM.from_parts(...)` (an already built decoder and tokenizer: tests, scripts). `set_speculation` switches
+    the proposer and k policy between runs (built once per configuration and cached); `run` steps the engine
+    until the given requests are done and is what generate, the bench, `verify` and the tests use."""
 
     def __init__(
         self,
         model: str,
         dtype: str = "float32",
         device: str = "cpu",
-        speculative_config: str | dict | None = None,
+        speculative_config: str | dict | SpecConfig | None = None,
         weights: str | None = None,
         threads: int | None = None,
         max_num_seqs: int = 8,
         max_model_len: int | None = None,
         seed: int = 0,
         cache_dir: str | None = None,
+        max_lookahead: int | None = None,
     ):
-        spec = parse_spec_config(speculative_config)
-        self.config = EngineConfig(model=model, dtype=dtype, device=device, weights=weights, threads=threads,
-                                   max_num_seqs=max_num_seqs, max_model_len=max_model_len, speculative=spec, seed=seed)
+        config = EngineConfig(model=model, dtype=dtype, device=device, weights=weights, threads=threads,
+                              max_num_seqs=max_num_seqs, max_model_len=max_model_len,
+                              spec_config=parse_spec_config(speculative_config), seed=seed)
         if threads:
             torch.set_num_threads(threads)
         t0 = time.perf_counter()
-        self.model, self.tokenizer, self.model_info = load_model(model, dtype, device, weights, cache_dir)
-        mc = self.model.config
-        self.max_model_len = max_model_len or min(mc.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
+        target, tokenizer, info = load_model(model, dtype, device, weights, cache_dir)
 
-        def load_draft(name, draft_dtype, draft_weights):
-            m, tok, info = load_model(name, draft_dtype, device, draft_weights, cache_dir)
-            self.draft_info = info
-            return m, tok
+        def load_draft(name: str, draft_dtype: str, draft_weights: str | None):
+            return load_model(name, draft_dtype, device, draft_weights, cache_dir)
 
-        self.draft_info = None
-        ctx = ProposerContext(target_vocab_size=mc.vocab_size, target_tokenizer=self.tokenizer,
-                              max_num_seqs=max_num_seqs, max_model_len=self.max_model_len, dtype=dtype,
-                              device=device, load_model=load_draft, extra={"target_name": model})
-        self.proposer = build_proposer(spec, ctx)
-        eos = tuple(self.tokenizer.eos_token_ids) or tuple(mc.eos_token_ids)
-        self.adaptive = None
-        if spec.adaptive:
-            from draftwise.spec.adaptive import AdaptiveK
-
-            self.adaptive = AdaptiveK.calibrate(self.model, spec.max_speculative_tokens, self.proposer)
-        self.engine = Engine(self.model, self.proposer, spec.max_speculative_tokens, max_num_seqs,
-                             self.max_model_len, eos, seed=seed, k_policy=self.adaptive)
+        self._assemble(config, target, tokenizer, info, load_draft, max_lookahead)
         self.load_time_s = time.perf_counter() - t0
+
+    @classmethod
+    def from_parts(cls, model: Decoder, tokenizer, *, name: str = "model", dtype: str = "float32",
+                   speculative_config: str | dict | SpecConfig | None = None, max_num_seqs: int = 8,
+                   max_model_len: int | None = None, seed: int = 0, max_lookahead: int | None = None,
+                   load_draft: Callable[[str, str, str | None], tuple] | None = None,
+                   model_info: dict | None = None) -> "LLM":
+        """An LLM around an already built decoder and tokenizer; `load_draft(name, dtype, weights)` returns
+        (Decoder, Tokenizer, info) for method draft_model."""
+        llm = cls.__new__(cls)
+        config = EngineConfig(model=name, dtype=dtype, device=str(model.device.type), max_num_seqs=max_num_seqs,
+                              max_model_len=max_model_len, spec_config=parse_spec_config(speculative_config),
+                              seed=seed)
+        llm._assemble(config, model, tokenizer, model_info or {}, load_draft, max_lookahead)
+        llm.load_time_s = 0.0
+        return llm
+
+    def _assemble(self, config: EngineConfig, model: Decoder, tokenizer, model_info: dict, load_draft,
+                  max_lookahead: int | None) -> None:
+        mc = model.config
+        self.model, self.tokenizer, self.model_info = model, tokenizer, model_info
+        self.max_model_len = config.max_model_len or min(mc.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
+        self.config = replace(config, max_model_len=self.max_model_len)
+        self.draft_info: dict | None = None
+        self._load_draft = load_draft
+        self._speculation: dict[SpecConfig, tuple[Proposer, KPolicy]] = {}
+        lookahead = max(max_lookahead or 0, config.spec_config.max_speculative_tokens)
+        proposer, k_policy = self._proposer_and_policy(config.spec_config, lookahead)
+        eos = tuple(tokenizer.eos_token_ids) or tuple(mc.eos_token_ids)
+        self.engine = Engine(model, proposer, lookahead, config.max_num_seqs, self.max_model_len, eos,
+                             seed=config.seed, k_policy=k_policy)
+
+    # ---- speculation --------------------------------------------------------------------------
+    @property
+    def spec_config(self) -> SpecConfig:
+        return self.config.spec_config
+
+    @property
+    def proposer(self) -> Proposer:
+        return self.engine.proposer
+
+    def set_speculation(self, speculative_config: str | dict | SpecConfig | None) -> SpecConfig:
+        """Switch to another speculative config between runs (the engine must be idle). Its k must fit the
+        engine's look-ahead (`max_lookahead` at construction). Proposers are built once per config."""
+        spec_config = parse_spec_config(speculative_config)
+        proposer, k_policy = self._proposer_and_policy(spec_config, self.engine.max_lookahead)
+        self.engine.set_speculation(proposer, k_policy)
+        self.config = replace(self.config, spec_config=spec_config)
+        return spec_config
+
+    def _proposer_and_policy(self, spec_config: SpecConfig, lookahead: int) -> tuple[Proposer, KPolicy]:
+        if spec_config.max_speculative_tokens > lookahead:
+            raise ConfigError(f"num_speculative_tokens {spec_config.max_speculative_tokens} exceeds the engine's "
+                              f"look-ahead of {lookahead} tokens; build the LLM with max_lookahead >= it")
+        if spec_config not in self._speculation:
+            proposer = build_proposer(spec_config, self._proposer_context(lookahead))
+            if spec_config.adaptive:
+                k_policy = AdaptiveK.calibrate(self.model, spec_config.max_speculative_tokens, proposer)
+            else:
+                k_policy = FixedK(spec_config.max_speculative_tokens)
+            self._speculation[spec_config] = proposer, k_policy
+        return self._speculation[spec_config]
+
+    def _proposer_context(self, lookahead: int) -> ProposerContext:
+        def load_draft(name: str, dtype: str, weights: str | None):
+            model, tok, info = self._load_draft(name, dtype, weights)
+            self.draft_info = info
+            return model, tok, info
+
+        return ProposerContext(
+            target_name=self.config.model, target_vocab_size=self.model.config.vocab_size,
+            target_tokenizer=self.tokenizer, max_num_seqs=self.config.max_num_seqs,
+            max_model_len=self.max_model_len, max_lookahead=lookahead, dtype=self.config.dtype,
+            load_draft=load_draft if self._load_draft is not None else None)
 
     # ---- prompts ------------------------------------------------------------------------------
     def _prompt_ids(self, prompt) -> tuple[str | None, list[int]]:
@@ -153,16 +219,20 @@ class LLM:
         if len(params) != len(prompts):
             raise ConfigError(f"{len(params)} sampling params for {len(prompts)} prompts")
         pairs = [self.new_request(p, sp or SamplingParams()) for p, sp in zip(prompts, params)]
-        for req, _ in pairs:
-            self.engine.add_request(req)
         bar = _progress(len(pairs)) if use_tqdm else None
-        while self.engine.has_unfinished():
-            for out in self.engine.step():
-                if out.finished and bar:
-                    bar.update(1)
+        self.run([req for req, _ in pairs], on_finished=(lambda req: bar.update(1)) if bar else None)
         if bar:
             bar.close()
         return [self._finish_output(req, stream) for req, stream in pairs]
+
+    def run(self, requests: Sequence[Request], on_finished: Callable[[Request], None] | None = None) -> None:
+        """Add the requests and step the engine until nothing is left unfinished (the one run-until-done loop)."""
+        for req in requests:
+            self.engine.add_request(req)
+        while self.engine.has_unfinished():
+            for out in self.engine.step():
+                if out.finished and on_finished is not None:
+                    on_finished(out.request)
 
     def stream(self, prompt, params: SamplingParams) -> Iterator[str | RequestOutput]:
         """Yield text deltas as tokens arrive, then the final RequestOutput (one request at a time)."""
@@ -191,7 +261,7 @@ class LLM:
     def to_output(self, req: Request, text: str) -> RequestOutput:
         ttft = req.first_token_time - req.arrival_time if req.first_token_time else None
         total = req.finish_time - req.arrival_time if req.finish_time else None
-        spec = req.spec.to_dict() if self.config.speculative.enabled else None
+        spec = req.spec_stats.to_dict() if self.spec_config.enabled else None
         return RequestOutput(
             request_id=req.request_id, prompt=req.prompt_text, prompt_token_ids=req.prompt_ids,
             outputs=[CompletionOutput(0, text, list(req.output_ids), req.finish_reason)],

@@ -1,7 +1,8 @@
-"""Command line: argparse (dashes) → config values (underscores) → api / server / bench.
+"""Command line: argparse (dashes) → config values (underscores) → api / server / bench / verify.
 
 Owns argument parsing, printing and exit codes; user errors (ConfigError and friends) print one line on stderr
-and exit 2 without a traceback. The work itself lives in the modules each sub-command calls.
+and exit 2 without a traceback. The work itself lives in the modules each sub-command calls; flags shared by several commands live in
+cli_args.py, and each subsystem's commands in its package's cli.py (server/cli.py, bench/cli.py).
 """
 from __future__ import annotations
 
@@ -9,55 +10,10 @@ import argparse
 import json
 import sys
 
-from draftwise.config import WEIGHT_FORMATS, ConfigError
-
-DEFAULT_TARGET = "qwen2.5-coder-1.5b-instruct"
-DEFAULT_DRAFT = "qwen2.5-coder-0.5b-instruct"
-
-
-def add_model_args(p: argparse.ArgumentParser, spec: bool = True) -> None:
-    p.add_argument("--model", default=DEFAULT_TARGET, help="catalog name, .gguf file, HF checkpoint dir or hub id")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    p.add_argument("--weights", default=None, choices=list(WEIGHT_FORMATS),
-                   help="weight-only quantization of the target's linear layers")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--max-num-seqs", type=int, default=8)
-    p.add_argument("--seed", type=int, default=0, help="engine seed (requests without their own seed derive from it)")
-    if spec:
-        p.add_argument("--speculative-config", default=None,
-                       help='vLLM-style JSON, e.g. \'{"method":"ngram","num_speculative_tokens":5}\'')
-
-
-def llm_from_args(args, **overrides):
-    from draftwise.api import LLM
-
-    kw = dict(model=args.model, dtype=args.dtype, device=args.device, weights=args.weights, threads=args.threads,
-              max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs, seed=args.seed,
-              speculative_config=getattr(args, "speculative_config", None))
-    kw.update(overrides)
-    return LLM(**kw)
-
-
-def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int = 128) -> None:
-    p.add_argument("--max-tokens", type=int, default=max_tokens)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--request-seed", dest="request_seed", type=int, default=None,
-                   help="per-request sampling seed (default: derived from --seed)")
-    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    p.add_argument("--ignore-eos", action="store_true")
-
-
-def sampling_from_args(args):
-    from draftwise.sampling import SamplingParams
-
-    return SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                          max_tokens=args.max_tokens, seed=args.request_seed, stop=args.stop,
-                          ignore_eos=args.ignore_eos)
-
+from draftwise.bench import cli as bench_cli
+from draftwise.cli_args import add_model_args, add_sampling_args, llm_from_args, sampling_from_args
+from draftwise.config import ConfigError
+from draftwise.server import cli as server_cli
 
 # ---- generate -----------------------------------------------------------------------------------
 def cmd_generate(args) -> int:
@@ -110,6 +66,45 @@ def cmd_models(args) -> int:
     return 0
 
 
+# ---- verify -------------------------------------------------------------------------------------
+def cmd_verify(args) -> int:
+    from draftwise.equivalence import ALPHA, DEFAULT_PROMPTS, greedy_check, load_prompts, sampling_check
+    from draftwise.sampling import SamplingParams
+
+    llm = llm_from_args(args)
+    if not llm.spec_config.enabled:
+        raise ConfigError("verify needs --speculative-config (what would it compare?)")
+    texts = load_prompts(args.prompts) if args.prompts else DEFAULT_PROMPTS
+    prompts = [llm.tokenizer.encode(t) for t in texts]
+    cases = greedy_check(llm, prompts, texts, args.max_tokens)
+    print(f"(a) greedy: {len(cases)} prompts x {args.max_tokens} tokens, "
+          f"{json.dumps(llm.spec_config.to_dict())} vs plain, dtype {args.dtype}")
+    for c in cases:
+        verdict = "identical" if c.identical else f"DIVERGED at output token {c.position}, top-2 margin {c.margin:.4f}"
+        print(f"  {verdict:60s} {c.prompt[:50]!r}")
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
+    result = sampling_check(llm, prompts[0], args.samples, params)
+    print(f"(b) sampling: {result['test']}; {result['samples']} seeds, {result['cells']} cells, "
+          f"chi2 = {result['statistic']:.2f}, p = {result['p_value']:.4f}, alpha = {ALPHA} -> "
+          f"{'PASS' if result['passed'] else 'FAIL'}")
+    greedy_ok = all(c.identical or (c.margin is not None and c.margin < 1e-3) for c in cases)
+    summary = {"greedy": [c.__dict__ for c in cases], "sampling": result, "passed": greedy_ok and result["passed"]}
+    print(json.dumps(summary))
+    return 0 if summary["passed"] else 1
+
+
+def register_verify(sub) -> None:
+    v = sub.add_parser("verify", help="check that speculation preserves the target (greedy + sampling)")
+    add_model_args(v)
+    v.add_argument("--prompts", default=None, help="JSONL file with a \"prompt\" per line")
+    v.add_argument("--max-tokens", type=int, default=32)
+    v.add_argument("--samples", type=int, default=400, help="seeded samples for the distribution test")
+    v.add_argument("--temperature", type=float, default=1.0)
+    v.add_argument("--top-p", type=float, default=1.0)
+    v.add_argument("--top-k", type=int, default=0)
+    v.set_defaults(func=cmd_verify)
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="draftwise", description="Local LLM engine with speculative decoding")
     sub = ap.add_subparsers(dest="command", required=True)
@@ -126,23 +121,10 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--json", action="store_true")
     m.set_defaults(func=cmd_models)
 
-    for register in _optional_commands():
-        register(sub)
+    register_verify(sub)
+    server_cli.register(sub)
+    bench_cli.register(sub)
     return ap
-
-
-def _optional_commands():
-    """Sub-commands that live with their subsystem (server, bench, verify, ...)."""
-    import importlib
-
-    for mod in ("draftwise.equivalence", "draftwise.server.cli", "draftwise.bench.cli"):
-        try:
-            module = importlib.import_module(mod)
-        except ModuleNotFoundError as e:
-            if e.name == mod or mod.startswith(str(e.name)):
-                continue
-            raise
-        yield module.register
 
 
 def main(argv: list[str] | None = None) -> int:

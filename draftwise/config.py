@@ -2,7 +2,7 @@
 speculative-config parser.
 
 This module owns every knob a user can turn and validates it once. It does not load models or touch
-tensors; the rest of the package receives slices of these objects (DESIGN.md: configuration flows down).
+tensors; the rest of the package receives slices of these objects (docs/ARCHITECTURE.md: configuration flows down).
 """
 from __future__ import annotations
 
@@ -170,7 +170,7 @@ class EngineConfig:
     threads: int | None = None
     max_num_seqs: int = 8
     max_model_len: int | None = None  # None = min(model's context, 4096)
-    speculative: SpecConfig = field(default_factory=SpecConfig)
+    spec_config: SpecConfig = field(default_factory=SpecConfig)
     seed: int = 0
 
     def __post_init__(self):

@@ -20,13 +20,19 @@ from draftwise.config import ConfigError
 from draftwise.kv_cache import KVCache
 from draftwise.models.transformer import Decoder
 from draftwise.sampling import SamplingParams, make_generator
-from draftwise.spec.adaptive import FixedK
-from draftwise.spec.proposer import EMPTY_DRAFT_IDS, Proposer
-from draftwise.spec.stats import SpecStats
-from draftwise.spec.verify import verify
+from draftwise.spec_decode.adaptive import FixedK, KPolicy
+from draftwise.spec_decode.proposer import EMPTY_DRAFT_IDS, Proposer
+from draftwise.spec_decode.stats import SpecStats
+from draftwise.spec_decode.verify import verify
 
 
 PREFILL_TOKENS_PER_STEP = 1024  # prompt tokens admitted per step (at least one request always)
+
+
+def target_cache_capacity(max_model_len: int, max_lookahead: int) -> int:
+    """Tokens per slot in the target's KV cache: the context plus one verification's look-ahead (the pending
+    token and up to max_lookahead guesses are written before the rollback)."""
+    return max_model_len + max_lookahead + 1
 
 
 class ContextLengthError(ConfigError):
@@ -47,7 +53,7 @@ class Request:
     arrival_time: float = field(default_factory=time.perf_counter)
     first_token_time: float | None = None
     finish_time: float | None = None
-    spec: SpecStats = field(default_factory=SpecStats)
+    spec_stats: SpecStats = field(default_factory=SpecStats)
     prompt_text: str | None = None  # carried for the caller's output; the engine never reads it
 
     @property
@@ -67,25 +73,25 @@ class Engine:
         self,
         target: Decoder,
         proposer: Proposer,
-        num_speculative_tokens: int,
+        max_lookahead: int,
         max_num_seqs: int,
         max_model_len: int,
         eos_token_ids: tuple[int, ...],
         seed: int = 0,
-        k_policy=None,
+        k_policy: KPolicy | None = None,
     ):
         c = target.config
-        self.target, self.proposer = target, proposer
-        # how many guesses per step: fixed k, or spec/adaptive.AdaptiveK's cost model
-        self.k_policy = k_policy or FixedK(num_speculative_tokens)
+        self.target = target
+        self.max_lookahead = max_lookahead  # the most guesses any step may verify: sizes the cache's look-ahead
         self.max_model_len = max_model_len
         self.eos_token_ids = set(eos_token_ids)
         self.seed = seed
-        capacity = max_model_len + num_speculative_tokens + 1
-        self.cache = KVCache(c.num_layers, max_num_seqs, c.num_kv_heads, capacity, c.head_dim, target.dtype, target.device)
-        self.free_slots = list(range(max_num_seqs))[::-1]
         self.waiting: list[Request] = []
         self.running: list[Request] = []
+        self.set_speculation(proposer, k_policy or FixedK(max_lookahead))
+        capacity = target_cache_capacity(max_model_len, max_lookahead)
+        self.cache = KVCache(c.num_layers, max_num_seqs, c.num_kv_heads, capacity, c.head_dim, target.dtype, target.device)
+        self.free_slots = list(range(max_num_seqs))[::-1]
         self.stats = SpecStats()  # engine-wide
         self._counter = itertools.count()
         self._pending: dict[int, int] = {}  # slot -> last emitted token, not yet in the target cache
@@ -112,10 +118,14 @@ class Engine:
             if r.request_id == request_id:
                 self._finish(r, "abort")
 
-    def set_speculation(self, proposer: Proposer, k_policy) -> None:
-        """Switch proposer and k policy between runs (only while idle; k must fit the cache's look-ahead)."""
+    def set_speculation(self, proposer: Proposer, k_policy: KPolicy) -> None:
+        """Switch proposer and k policy (fixed k, or spec_decode/adaptive.AdaptiveK's cost model) between runs:
+        only while idle, and only for a policy whose k fits the cache's look-ahead."""
         if self.has_unfinished():
             raise RuntimeError("set_speculation needs an idle engine")
+        if k_policy.max_k > self.max_lookahead:
+            raise ConfigError(f"num_speculative_tokens {k_policy.max_k} exceeds this engine's look-ahead of "
+                              f"{self.max_lookahead} tokens (its KV cache was sized for that)")
         self.proposer, self.k_policy = proposer, k_policy
 
     def has_unfinished(self) -> bool:
@@ -188,7 +198,7 @@ class Engine:
             res = verify(d.token_ids.to(dev), d.probs, logits[row, : k + 1], r.params, r.generator)
             self.cache.truncate(r.slot, base_lengths[row] + 1 + res.num_accepted)
             # every step is counted in the k histogram (k = 0: a plain step, e.g. chosen by the adaptive policy)
-            r.spec.record(k, res.num_accepted)
+            r.spec_stats.record(k, res.num_accepted)
             self.stats.record(k, res.num_accepted)
             if k:
                 self.k_policy.observe(r, k, res.num_accepted)
@@ -201,17 +211,15 @@ class Engine:
         share = 1.0 / len(reqs)
         for r, d in zip(reqs, drafts):
             if d.num_tokens:
-                r.spec.draft_time_s += (t1 - t0) * share
-                r.spec.verify_time_s += (t2 - t1) * share
+                r.spec_stats.add_times((t1 - t0) * share, (t2 - t1) * share)
         num_guessed = sum(d.num_tokens for d in drafts)
         if num_guessed:
-            self.stats.draft_time_s += t1 - t0
-            self.stats.verify_time_s += t2 - t1
+            self.stats.add_times(t1 - t0, t2 - t1)
         self.k_policy.observe_step(width, num_guessed, t1 - t0, t2 - t1)
         return outputs
 
     def _k_for(self, req: Request) -> int:
-        k = self.k_policy.choose(req)
+        k = min(self.k_policy.choose(req), self.max_lookahead)
         # never guess past max_tokens or the context (the pending token takes one position)
         room_out = req.params.max_tokens - len(req.output_ids) - 1
         room_ctx = self.max_model_len - self.cache.lengths[req.slot] - 1

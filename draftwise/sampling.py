@@ -1,7 +1,7 @@
 """Sampling: per-request parameters and logits -> processed probabilities -> token ids.
 
 Owns SamplingParams (the vLLM-shaped request knobs) and the one place where temperature, top-k and top-p
-turn logits into a distribution. Verification (spec/verify.py) calls the same `process_logits` on both
+turn logits into a distribution. Verification (spec_decode/verify.py) calls the same `process_logits` on both
 draft and target so the two distributions are processed identically. Knows nothing of models or caches.
 """
 from __future__ import annotations

@@ -15,11 +15,9 @@ import time
 import torch
 
 from draftwise import LLM, SamplingParams
-from draftwise.api import load_model
 from draftwise.bench.workloads import load_workload
-from draftwise.config import parse_spec_config
-from draftwise.engine import Engine, Request
-from draftwise.spec.proposer import ProposerContext, build_proposer
+from draftwise.engine import Request
+from draftwise.spec_decode.stats import SpecStats
 
 
 def prompt_ids(llm, item) -> list[int]:
@@ -28,19 +26,18 @@ def prompt_ids(llm, item) -> list[int]:
     return llm.tokenizer.encode_chat(item.messages or [{"role": "user", "content": item.turns[0]}])
 
 
-def run(llm, proposer, k, prompts, params, k_policy=None):
-    eng = Engine(llm.model, proposer, k, 1, llm.max_model_len, tuple(llm.tokenizer.eos_token_ids), k_policy=k_policy)
-    tokens, elapsed, outs = 0, 0.0, []
+def run(llm, prompts, params):
+    """Each prompt alone (concurrency 1) under the LLM's current speculation: tok/s, merged stats, outputs."""
+    tokens, elapsed, outs, stats = 0, 0.0, [], SpecStats()
     for ids in prompts:
         req = Request("b", ids, params)
-        eng.add_request(req)
         t0 = time.perf_counter()
-        while eng.has_unfinished():
-            eng.step()
+        llm.run([req])
         elapsed += time.perf_counter() - t0
         tokens += len(req.output_ids)
         outs.append(req.output_ids)
-    return tokens / elapsed, eng.stats, outs
+        stats.merge(req.spec_stats)
+    return tokens / elapsed, stats, outs
 
 
 def main() -> None:
@@ -58,19 +55,15 @@ def main() -> None:
     ap.add_argument("--auto", action="store_true", help="also run num_speculative_tokens=auto")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    llm = LLM(args.model, dtype=args.dtype, weights=args.weights, max_num_seqs=1, max_model_len=1024)
-    draft = None
-    if "draft_model" in args.methods:
-        m, tok, _ = load_model(args.draft, args.dtype, weights=args.draft_weights)
-        draft = (m, tok)
+    ks = [int(k) for k in args.ks.split(",")]
+    llm = LLM(args.model, dtype=args.dtype, weights=args.weights, max_num_seqs=1, max_model_len=1024,
+              max_lookahead=max(ks + [8 if args.auto else 0]))
     items = {g: [] for g in ("repeated", "novel", "chat")}
     for it in load_workload("code").items + load_workload("chat").items:
         if it.group in items and len(items[it.group]) < args.per_group:
             items[it.group].append(it)
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
-    ctx = ProposerContext(llm.model.config.vocab_size, llm.tokenizer, 1, llm.max_model_len, args.dtype, "cpu",
-                          load_model=lambda *a: draft)
-    conds = [("none", None)] + [(m, k) for m in args.methods.split(",") for k in args.ks.split(",")]
+    conds = [("none", None)] + [(m, k) for m in args.methods.split(",") for k in ks]
     if args.auto:
         conds += [(m, "auto") for m in args.methods.split(",")]
     print(f"target {args.model} ({args.dtype}, weights {args.weights or 'same'}), draft {args.draft}, "
@@ -80,14 +73,10 @@ def main() -> None:
         prompts = [prompt_ids(llm, it) for it in its]
         base = None
         for method, k in conds:
-            spec = parse_spec_config({"method": method, "num_speculative_tokens": int(k) if k not in (None, "auto") else k,
-                                      **({"model": args.draft} if method == "draft_model" else {})}
-                                     if method != "none" else None)
-            policy, proposer = None, build_proposer(spec, ctx)
-            if spec.adaptive:
-                from draftwise.spec.adaptive import AdaptiveK
-                policy = AdaptiveK.calibrate(llm.model, spec.max_speculative_tokens, proposer)
-            tps, stats, outs = run(llm, proposer, spec.max_speculative_tokens, prompts, params, policy)
+            draft = {"model": args.draft, "draft_weights": args.draft_weights} if method == "draft_model" else {}
+            llm.set_speculation({"method": method, "num_speculative_tokens": k,
+                                 **{key: v for key, v in draft.items() if v}} if method != "none" else None)
+            tps, stats, outs = run(llm, prompts, params)
             if base is None:
                 base = (tps, outs)
             d = stats.to_dict()
@@ -96,7 +85,7 @@ def main() -> None:
             fmt = lambda v: "-" if v is None else f"{v:.2f}"  # noqa: E731
             print(f"{group:14s} {method:12s} {str(k or 0):>4s} {tps:7.2f} {tps / base[0]:7.2f}x "
                   f"{fmt(acc):>7} {fmt(mal):>8}  "
-                  f"{outs == base[1]}" + (f"  k-hist {json.dumps(policy.k_histogram)}" if policy else ""), flush=True)
+                  f"{outs == base[1]}" + (f"  k-hist {json.dumps(d['k_histogram'])}" if k == "auto" else ""), flush=True)
 
 
 if __name__ == "__main__":

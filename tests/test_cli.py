@@ -73,7 +73,7 @@ class _Tok:
 
 def test_draft_with_a_different_vocabulary_is_refused():
     from draftwise.config import ConfigError
-    from draftwise.spec.draft_model import check_compatible
+    from draftwise.spec_decode.draft_model import check_compatible
 
     base = {"a": 0, "<s>": 1, "</s>": 2, "b": 3}
     check_compatible(_Tok(base), _Tok(dict(base)), "t", "d")  # same vocabulary: fine

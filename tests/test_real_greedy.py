@@ -58,7 +58,7 @@ def test_greedy_matches_transformers(name):
 def test_default_pair_speculative_greedy_equals_plain(spec, default_target_plain):
     from draftwise.config import parse_spec_config
     from draftwise.equivalence import run_engine
-    from draftwise.spec.proposer import ProposerContext, build_proposer
+    from draftwise.spec_decode.proposer import ProposerContext, build_proposer
 
     llm, plain = default_target_plain
     ctx = ProposerContext(llm.model.config.vocab_size, llm.tokenizer, 4, llm.max_model_len, "float32", "cpu",
@@ -87,7 +87,7 @@ def default_target_plain():
     require_packaged("qwen2.5-coder-1.5b-instruct")
     require_packaged("qwen2.5-coder-0.5b-instruct")
     from draftwise.equivalence import run_engine
-    from draftwise.spec.proposer import NoProposer
+    from draftwise.spec_decode.proposer import NoProposer
 
     llm = LLM("qwen2.5-coder-1.5b-instruct", dtype="float32", max_num_seqs=4, max_model_len=256)
     prompts = [llm.tokenizer.encode(p) for p in PROMPTS[:4]]

@@ -3,120 +3,25 @@
 Driven with the official `openai` client (completions and chat, streaming and not) and raw httpx for every bad
 input (status code and OpenAI error shape). Invariants: greedy outputs at concurrency 4 with speculation on
 equal plain greedy outputs at concurrency 1; a client that disconnects frees its KV slot at once (/metrics).
-No downloads: the tokenizer is a word-level `tokenizers` model built here.
+No downloads: the tiny LLM and server fixture come from tests/harness.py.
 """
 from __future__ import annotations
 
 import json
-import socket
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
 import pytest
-import torch
-import uvicorn
-from prometheus_client.parser import text_string_to_metric_families
-from tokenizers import Tokenizer as BackendTokenizer
-from tokenizers.models import WordLevel
-from tokenizers.pre_tokenizers import WhitespaceSplit
 
-from draftwise.api import LLM
-from draftwise.config import EngineConfig, parse_spec_config
-from draftwise.engine import Engine
 from draftwise.server.app import create_app
-from draftwise.spec.proposer import ProposerContext, build_proposer
-from draftwise.tokenizer import Tokenizer
-from tests.tiny_models import tiny_decoder
-
-VOCAB = 64
-EOS = "<|im_end|>"
-MODEL = "tiny"
-CHAT_TEMPLATE = "{% for m in messages %}{{ m.role }} {{ m.content }} {% endfor %}{% if add_generation_prompt %}assistant{% endif %}"
-PROMPTS = ["w1 w2 w3 w1 w2 w3 w1 w2", "w9 w8 w7", "w5 w5 w5 w5 w6 w5 w5 w5 w5", "w10 w20 w30 w40 w10 w20"]
-
-
-def tiny_tokenizer() -> Tokenizer:
-    words = ["[UNK]", "user", "assistant", "system"] + [f"w{i}" for i in range(VOCAB - 5)] + [EOS]
-    backend = BackendTokenizer(WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
-    backend.pre_tokenizer = WhitespaceSplit()
-    return Tokenizer(backend, chat_template=CHAT_TEMPLATE, eos_token=EOS)
-
-
-class TinyLLM(LLM):
-    """api.LLM's request/output code around a tiny random model (no checkpoint loading)."""
-
-    def __init__(self, spec=None, max_num_seqs: int = 4, max_model_len: int = 256):
-        spec = parse_spec_config(spec)
-        self.config = EngineConfig(model=MODEL, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
-                                   speculative=spec)
-        self.model, self.tokenizer, self.max_model_len = tiny_decoder("qwen2", 0, VOCAB), tiny_tokenizer(), max_model_len
-        self.model_info, self.draft_info = {}, None
-        ctx = ProposerContext(target_vocab_size=VOCAB, target_tokenizer=self.tokenizer, max_num_seqs=max_num_seqs,
-                              max_model_len=max_model_len, dtype="float32", device="cpu",
-                              load_model=lambda name, dtype, weights: (noisy_draft(), self.tokenizer))
-        self.proposer = build_proposer(spec, ctx)
-        self.engine = Engine(self.model, self.proposer, spec.max_speculative_tokens, max_num_seqs, max_model_len,
-                             self.tokenizer.eos_token_ids)
-
-
-def noisy_draft():
-    """The target's weights plus noise: agrees often, not always (both accept and reject paths run)."""
-    draft = tiny_decoder("qwen2", 0, VOCAB)
-    g = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for p in draft.parameters():
-            p.add_(0.05 * torch.randn(p.shape, generator=g))
-    return draft
-
-
-class Server:
-    """uvicorn serving `app` in a thread on a free 127.0.0.1 port."""
-
-    def __init__(self, app):
-        self.app = app
-        self.sock = socket.socket()
-        self.sock.bind(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
-
-    def __enter__(self):
-        self.thread.start()
-        deadline = time.time() + 30
-        while not self.server.started:
-            assert time.time() < deadline and self.thread.is_alive(), "server did not start"
-            time.sleep(0.02)
-        return self
-
-    def __exit__(self, *exc):
-        self.server.should_exit = True
-        self.thread.join(10)
-        self.sock.close()
-
-    def client(self, api_key="none") -> openai.OpenAI:
-        return openai.OpenAI(base_url=self.url + "/v1", api_key=api_key, max_retries=0, timeout=60)
-
-    def metrics(self, headers=None) -> dict:
-        """{(name, frozenset(labels)): value} for every sample (model_name label dropped)."""
-        text = httpx.get(self.url + "/metrics", headers=headers).text
-        out = {}
-        for fam in text_string_to_metric_families(text):
-            for s in fam.samples:
-                labels = frozenset((k, v) for k, v in s.labels.items() if k != "model_name")
-                out[(s.name, labels)] = s.value
-        return out
-
-
-def metric(m: dict, name: str, **labels) -> float:
-    return m.get((name, frozenset(labels.items())), 0.0)
+from tests.harness import MODEL, PROMPTS, Server, metric, tiny_llm
 
 
 @pytest.fixture(scope="module")
 def server():
-    with Server(create_app(TinyLLM(max_model_len=4096), MODEL, max_body_bytes=64 * 1024)) as s:
+    with Server(create_app(tiny_llm(max_model_len=4096), MODEL, max_body_bytes=64 * 1024)) as s:
         yield s
 
 
@@ -269,7 +174,7 @@ def test_internal_error_fails_one_request_not_the_server(server, monkeypatch):
 
 
 def test_api_key():
-    llm = TinyLLM(max_model_len=256)
+    llm = tiny_llm(max_model_len=256)
     with Server(create_app(llm, MODEL, api_key="sekret")) as s:
         assert httpx.get(s.url + "/health").status_code == 200  # /health is open
         for path in ("/v1/models", "/metrics"):
@@ -309,7 +214,7 @@ def greedy_texts(server, concurrency: int) -> list[tuple[str, int]]:
 
 @pytest.fixture(scope="module")
 def plain_reference():
-    with Server(create_app(TinyLLM(), MODEL)) as s:
+    with Server(create_app(tiny_llm(), MODEL)) as s:
         return greedy_texts(s, 1)
 
 
@@ -321,7 +226,7 @@ DRAFT = {"method": "draft_model", "model": "tiny-draft", "num_speculative_tokens
                          ids=["ngram", "draft_model", "draft_model-queued"])
 def test_greedy_concurrency_4_equals_concurrency_1(plain_reference, spec, max_num_seqs):
     """max_num_seqs=2 with 4 clients: half the requests wait for a slot and join mid-flight."""
-    with Server(create_app(TinyLLM(spec, max_num_seqs=max_num_seqs), MODEL)) as s:
+    with Server(create_app(tiny_llm(spec, max_num_seqs=max_num_seqs), MODEL)) as s:
         seq, conc = greedy_texts(s, 1), greedy_texts(s, 4)
         m = s.metrics()
     assert seq == plain_reference

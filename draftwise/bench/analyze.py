@@ -1,6 +1,6 @@
 """Analysis: journal records → per-segment, per-condition figures and paired speedups vs `none`.
 
-Owns the aggregation (DESIGN.md "Measurement definitions"): median and p95 of TTFT, E2E, TPOT and per-request
+Owns the aggregation (docs/ARCHITECTURE.md, metric definitions): median and p95 of TTFT, E2E, TPOT and per-request
 tok/s over measured requests; aggregate tok/s = all output tokens / the condition's wall time (sum of its
 batches' walls); peak memory; speculation counters summed (per request when the client attributes them,
 else per batch from the server's /metrics); speedup vs `none` paired per item with a bootstrap 95% CI.

@@ -1,7 +1,8 @@
 """Sub-commands of the benchmark lab: `bench`, `tune`, `memory` and `demo` (what `make demo` runs).
 
 Owns their arguments and printing: progress on stderr, the table and verdicts on stdout, and for `bench`
-the JSON summary as the last stdout line. The work lives in lab.py, tune.py and memory.py.
+and `tune` the JSON summary as the last stdout line. The work lives in lab.py, tune.py and memory.py, which
+keep only pure functions.
 """
 from __future__ import annotations
 
@@ -10,20 +11,12 @@ import sys
 import time
 from pathlib import Path
 
-from draftwise.cli import DEFAULT_DRAFT
+from draftwise.cli_args import add_model_args, int_list, llm_from_args
 from draftwise.config import WEIGHT_FORMATS, ConfigError
-
-
-def _ints(s: str) -> list[int]:
-    try:
-        return [int(x) for x in s.split(",") if x.strip()]
-    except ValueError:
-        raise ConfigError(f"expected comma-separated integers, got {s!r}") from None
+from draftwise.models.catalog import DEFAULT_DRAFT, DEFAULT_TARGET
 
 
 def add_bench_args(p) -> None:
-    from draftwise.cli import add_model_args
-
     add_model_args(p, spec=False)
     p.add_argument("--workload", default="chat", help="chat | code | longform | FILE.jsonl (comma-separated for several)")
     p.add_argument("--turns", default="first", choices=["first", "all"], help="MT-Bench files: first turn, or all")
@@ -58,7 +51,7 @@ def options_from_args(args, conditions):
     workloads = [load_workload(w.strip(), args.turns) for w in args.workload.split(",") if w.strip()]
     sampling = Sampling(args.temperature, args.top_p, args.seed, args.max_tokens)
     return BenchOptions(workloads, conditions, Path(args.out), args.warmup, args.requests,
-                        _ints(args.concurrency) if args.concurrency else None, sampling, args.watts,
+                        int_list(args.concurrency) if args.concurrency else None, sampling, args.watts,
                         args.price_per_kwh, args.fresh, True, not args.no_plots, not args.no_humaneval)
 
 
@@ -80,10 +73,10 @@ def make_client(args, conditions):
 
         return HTTPClient(args.api_key, args.served_model)
     from draftwise.bench.clients import InProcessClient
-    from draftwise.cli import llm_from_args
 
-    conc = max(_ints(args.concurrency) if args.concurrency else [4 if "longform" in args.workload else 1])
-    llm = llm_from_args(args, max_num_seqs=max(conc, 1), speculative_config=None)
+    conc = max(int_list(args.concurrency) if args.concurrency else [4 if "longform" in args.workload else 1])
+    k_max = max([c.k for c in conditions] + [0])
+    llm = llm_from_args(args, max_num_seqs=max(conc, 1), speculative_config=None, max_lookahead=k_max)
     return InProcessClient(llm, args.draft, args.draft_dtype, args.draft_weights)
 
 
@@ -94,7 +87,7 @@ def cmd_bench(args) -> int:
     if args.endpoint:
         conditions = endpoint_conditions(args.endpoint)
     else:
-        conditions = conditions_from([m.strip() for m in args.methods.split(",")], _ints(args.num_speculative_tokens),
+        conditions = conditions_from([m.strip() for m in args.methods.split(",")], int_list(args.num_speculative_tokens),
                                      args.draft)
     opts = options_from_args(args, conditions)
     rep = run_bench(make_client(args, conditions), opts)
@@ -126,6 +119,65 @@ def cmd_demo(args) -> int:
     return rc
 
 
+def cmd_tune(args) -> int:
+    from draftwise.bench import report as report_mod
+    from draftwise.bench.lab import conditions_from, run_bench
+    from draftwise.bench.tune import choose, spec_config_for, vllm_line
+
+    conditions = conditions_from(["none"] + [m.strip() for m in args.methods.split(",") if m.strip() != "none"],
+                                 int_list(args.num_speculative_tokens), args.draft)
+    rep = run_bench(make_client(args, conditions), options_from_args(args, conditions))
+    print(report_mod.text_table(rep))
+    pick = choose(rep)
+    by_id = {c.id: c for c in conditions}
+    for cond, s in sorted(pick["scores"].items(), key=lambda kv: -(kv[1]["score"] or 0)):
+        print(f"{cond:18s} median {s['median']:.3f}  MAD {s['mad']:.3f}  median-MAD {s['score']:.3f}  "
+              f"95% CI {s['ci_low']:.2f}-{s['ci_high']:.2f}  n={s['n']}")
+    w = by_id.get(pick["winner"])
+    spec = spec_config_for(w.__dict__ if w else None)
+    if spec:
+        print(f"winner: {pick['winner']}")
+        print(f"draftwise serve --model {args.model} --speculative-config '{json.dumps(spec)}'")
+    else:
+        print("winner: none — no condition beats plain decoding on a typical prompt; serve without speculation")
+        print(f"draftwise serve --model {args.model}")
+    print(vllm_line(args.model, spec))
+    (Path(args.out) / "tune.json").write_text(json.dumps({**pick, "speculative_config": spec}, indent=1))
+    print(json.dumps({"winner": pick["winner"], "speculative_config": spec, "vllm": vllm_line(args.model, spec)}))
+    return 0
+
+
+def cmd_memory(args) -> int:
+    from draftwise.bench.memory import HEADROOM, available_memory, estimate, format_estimate
+
+    e = estimate(args.model, args.draft, args.max_model_len, args.concurrency, args.dtype, args.weights,
+                 args.draft_dtype, args.num_speculative_tokens)
+    if args.device == "cuda":
+        e["available_bytes"], e["available_kind"] = available_memory("cuda")
+        e["fits"] = e["total_bytes"] <= HEADROOM * e["available_bytes"]
+    print(json.dumps(e) if args.json else format_estimate(e))
+    if not e["fits"]:
+        print("warning: the estimate exceeds 90% of available memory", file=sys.stderr)
+    return 0
+
+
+def register_memory(sub) -> None:
+    from draftwise.bench.memory import BYTES
+
+    p = sub.add_parser("memory", help="weights + both KV caches + overhead vs available memory")
+    p.add_argument("--model", default=DEFAULT_TARGET)
+    p.add_argument("--draft", default=None)
+    p.add_argument("--max-model-len", type=int, default=4096)
+    p.add_argument("--concurrency", type=int, default=1, help="KV slots (the engine's --max-num-seqs)")
+    p.add_argument("--dtype", default="float32", choices=list(BYTES))
+    p.add_argument("--draft-dtype", default=None, choices=list(BYTES))
+    p.add_argument("--weights", default=None, choices=list(WEIGHT_FORMATS))
+    p.add_argument("--num-speculative-tokens", type=int, default=8)
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_memory)
+
+
 def register(sub) -> None:
     b = sub.add_parser("bench", help="benchmark speculation vs plain decoding on a workload; ends with a verdict")
     add_bench_args(b)
@@ -135,7 +187,9 @@ def register(sub) -> None:
     add_bench_args(d)
     d.set_defaults(func=cmd_demo, out="demo-out", requests=3, max_tokens=24, dtype="bfloat16", weights="int4+dense")
 
-    from draftwise.bench import memory, tune
+    t = sub.add_parser("tune", help="sweep methods x num_speculative_tokens; print the winner (also as vLLM)")
+    add_bench_args(t)
+    t.set_defaults(func=cmd_tune, methods="ngram,draft_model", num_speculative_tokens="1,2,3,4,5,6,8",
+                   out="tune-out")
 
-    tune.register(sub, add_bench_args)
-    memory.register(sub)
+    register_memory(sub)

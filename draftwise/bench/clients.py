@@ -4,7 +4,7 @@ Two implementations of one small interface (`prepare`, `run_batch`, `manifest`, 
   - InProcessClient drives draftwise's engine directly: one target model in memory, one proposer per
     method (built once, with the largest k of the sweep), switched between conditions; a batch of C requests
     is submitted together and the engine stepped until all finish (continuous batching), so concurrency C
-    is real. Times come from the engine's Request (arrival → first token → finish), DESIGN.md's definitions.
+    is real. Times come from the engine's Request (arrival → first token → finish), the definitions in docs/ARCHITECTURE.md.
   - HTTPClient talks to any OpenAI-compatible server (`/v1/completions`, `/v1/chat/completions`) with
     streaming SSE: TTFT is the first chunk carrying text. Acceptance comes from the server's /metrics,
     read before and after each batch, when it exposes vLLM's `vllm:spec_decode_*` counters (vLLM
@@ -122,68 +122,35 @@ def _join(a: Result, b: Result) -> Result:
 
 # ---- in-process -----------------------------------------------------------------------------------
 class InProcessClient:
-    """Drive a draftwise LLM's engine; conditions share the target weights and switch proposer and k."""
+    """Drive a draftwise LLM's engine; conditions share the target weights and switch speculation through
+    `LLM.set_speculation` (each proposer built once, the draft loaded once). The LLM must have been built
+    with a look-ahead (`max_lookahead`) covering the largest k of the conditions."""
 
-    def __init__(self, llm, draft: str | None = None, draft_dtype: str | None = None, draft_weights: str | None = None,
-                 load_model=None):
+    def __init__(self, llm, draft: str | None = None, draft_dtype: str | None = None, draft_weights: str | None = None):
         self.llm = llm
-        self._load_model = load_model  # (name, dtype, device, weights) -> (Decoder, Tokenizer, info); tests inject
         self.draft, self.draft_dtype, self.draft_weights = draft, draft_dtype, draft_weights
-        self.draft_info: dict | None = None
-        self._proposers: dict[str, object] = {}
-        self._engine = None
+
+    @property
+    def draft_info(self) -> dict | None:
+        return self.llm.draft_info
 
     def prepare(self, conditions: list[Condition]) -> None:
-        """Build one engine sized for the largest k, and each method's proposer once (draft loaded once)."""
-        from draftwise.engine import Engine
-        from draftwise.spec.proposer import build_proposer
+        """Build every condition's proposer up front (loading the draft model once), so no batch pays for it."""
+        for c in conditions:
+            self.llm.set_speculation(self._spec_config(c))
+        self.llm.set_speculation(self._spec_config(conditions[0]))
 
-        k_max = max([c.k for c in conditions] + [0])
-        llm = self.llm
-        for method in dict.fromkeys(c.method for c in conditions):
-            spec = self._spec(method, k_max)
-            self._proposers[method] = llm.proposer if method == llm.config.speculative.method else \
-                build_proposer(spec, self._context())
-        eos = tuple(llm.engine.eos_token_ids)
-        llm.engine = None  # free the LLM's own KV cache before allocating ours (sized for the largest k)
-        self._engine = Engine(llm.model, self._proposers[conditions[0].method], k_max, llm.config.max_num_seqs,
-                              llm.max_model_len, eos, seed=llm.config.seed)
-        llm.engine = self._engine
-
-    def _spec(self, method: str, k_max: int):
-        from draftwise.config import parse_spec_config
-
-        if method == "none":
-            return parse_spec_config(None)
-        d = {"method": method, "num_speculative_tokens": max(1, k_max)}
-        if method == "draft_model":
-            if not self.draft:
+    def _spec_config(self, condition: Condition) -> dict | None:
+        d = condition.spec_config()
+        if d and condition.method == "draft_model":
+            d["model"] = d.get("model") or self.draft
+            if not d["model"]:
                 raise ConfigError("method draft_model needs a draft model (--draft)")
-            d.update(model=self.draft, draft_dtype=self.draft_dtype, draft_weights=self.draft_weights)
-            d = {k: v for k, v in d.items() if v is not None}
-        return parse_spec_config(d)
-
-    def _context(self):
-        from draftwise.api import load_model as default_load
-        from draftwise.spec.proposer import ProposerContext
-
-        llm, load_model = self.llm, self._load_model or default_load
-
-        def load(name, dtype, weights):
-            model, tok, info = load_model(name, dtype, llm.config.device, weights)
-            self.draft_info = info
-            return model, tok
-
-        return ProposerContext(target_vocab_size=llm.model.config.vocab_size, target_tokenizer=llm.tokenizer,
-                               max_num_seqs=llm.config.max_num_seqs, max_model_len=llm.max_model_len,
-                               dtype=llm.config.dtype, device=llm.config.device, load_model=load,
-                               extra={"target_name": llm.config.model})
+            d.update(draft_dtype=self.draft_dtype, draft_weights=self.draft_weights)
+        return {k: v for k, v in d.items() if v is not None} if d else None
 
     def run_batch(self, condition: Condition, items: list[Item], calls: list[Call]) -> tuple[list[Result], dict]:
-        from draftwise.spec.adaptive import FixedK
-
-        # switch arms between batches (the engine is idle here): its proposer and its k policy
-        self._engine.set_speculation(self._proposers[condition.method], FixedK(condition.k))
+        self.llm.set_speculation(self._spec_config(condition))  # between batches the engine is idle
         return run_items(self._run_calls, items, calls), {}
 
     def _run_calls(self, calls: list[Call]) -> list[Result]:
@@ -198,20 +165,17 @@ class InProcessClient:
         start = time.perf_counter()
         for req, _ in pairs:
             req.arrival_time = start  # the batch arrives at once
-            self._engine.add_request(req)
-        while self._engine.has_unfinished():
-            self._engine.step()
+        llm.run([req for req, _ in pairs])
         return [self._result(req, stream) for req, stream in pairs]
 
     @staticmethod
     def _result(req, stream) -> Result:
         stream.finish()
-        s = req.spec
-        spec = s.to_dict() if hasattr(s, "to_dict") else None
         return Result(text=stream.text, num_prompt_tokens=len(req.prompt_ids), num_output_tokens=len(req.output_ids),
                       ttft_s=req.first_token_time - req.arrival_time if req.first_token_time else None,
                       e2e_s=req.finish_time - req.arrival_time if req.finish_time else None,
-                      finish_reason=req.finish_reason, token_ids=list(req.output_ids), spec=spec)
+                      finish_reason=req.finish_reason, token_ids=list(req.output_ids),
+                      spec=req.spec_stats.to_dict())
 
     def identity(self) -> dict:
         """What must not change between a run and its resumption (protocol.json)."""

@@ -1,12 +1,13 @@
-"""`draftwise memory`: will a target (and draft) fit? Weights + both KV caches + runtime overhead vs available.
+"""The estimate behind `draftwise memory` (the command lives in bench/cli.py): will a target (and draft) fit? Weights + both KV caches + runtime overhead vs available.
 
 Owns the estimate. Shapes come from checkpoint metadata only — the converted cache's draftwise_config.json and
 safetensors header, or the GGUF's key-values and tensor table — never by loading weights. Terms:
   weights  = parameters × bytes per element of the weight format (int8: 1 B + a scale per output row;
              int4: 0.5 B + 2 scales per group of 32 — models/quant.py's layouts);
   KV cache = 2 (K and V) × layers × kv_heads × head_dim × bytes × tokens per slot × slots, where the engine
-             preallocates every slot at full length (max_model_len + k + 1; draft: + k + 6) — so concurrency is
-             the number of slots (--max-num-seqs), used or not;
+             preallocates every slot at full length (engine.target_cache_capacity and
+             spec_decode/draft_model.draft_cache_capacity: the same functions the engine and the draft call) —
+             so concurrency is the number of slots (--max-num-seqs), used or not;
   overhead = the interpreter with torch and the tokenizer (measured, RUNTIME_BASE_BYTES) plus prefill
              activations for a full-context prompt (a few hidden-size and MLP-width buffers per token);
   loading  = a model is first built in its dtype (then quantized, if asked), reading the converted float32
@@ -14,22 +15,22 @@ safetensors header, or the GGUF's key-values and tensor table — never by loadi
              plus its largest float32 tensor; the peak is the max of (load target), (target + load draft),
              (serving).
 Available memory: MemAvailable from /proc/meminfo, or free VRAM from torch.cuda.mem_get_info on GPU.
-Knows nothing of the engine's code; it mirrors the engine's allocation rule, stated above.
+Loads no weights; the cache sizes come from the engine's own capacity functions.
 """
 from __future__ import annotations
 
 import json
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from draftwise.config import WEIGHT_FORMATS, ConfigError, ModelConfig
+from draftwise.config import ConfigError, ModelConfig
+from draftwise.engine import target_cache_capacity
 from draftwise.models.safetensors import header_specs
+from draftwise.spec_decode.draft_model import draft_cache_capacity
 
 BYTES = {"float32": 4, "bfloat16": 2}
 RUNTIME_BASE_BYTES = 420 * 2**20  # python + torch + tokenizers + numpy, measured RSS after `import draftwise.api`
 HEADROOM = 0.9  # warn when the estimate exceeds 90% of what is available
-DRAFT_EXTRA_TOKENS = 6  # draft cache capacity = max_model_len + k + MAX_BATCHED_CATCH_UP + 2
 
 
 @dataclass
@@ -119,13 +120,13 @@ def estimate(target: str, draft: str | None, max_model_len: int, concurrency: in
     model costs its unquantized dtype weights plus its largest float32 tensor."""
     t = model_shapes(target, cache_dir)
     rows = {"target_weights": weight_bytes(t, dtype, weights),
-            "target_kv_cache": kv_bytes(t.config, dtype, max_model_len + k + 1, concurrency)}
+            "target_kv_cache": kv_bytes(t.config, dtype, target_cache_capacity(max_model_len, k), concurrency)}
     loading = {"target": RUNTIME_BASE_BYTES + t.num_params * BYTES[dtype] + t.largest_tensor * BYTES["float32"]}
     if draft:
         d = model_shapes(draft, cache_dir)
         dd = draft_dtype or dtype
         rows["draft_weights"] = weight_bytes(d, dd, None)
-        rows["draft_kv_cache"] = kv_bytes(d.config, dd, max_model_len + k + DRAFT_EXTRA_TOKENS, concurrency)
+        rows["draft_kv_cache"] = kv_bytes(d.config, dd, draft_cache_capacity(max_model_len, k), concurrency)
         loading["draft"] = (RUNTIME_BASE_BYTES + rows["target_weights"] + d.num_params * BYTES[dd]
                             + d.largest_tensor * BYTES["float32"])
     rows["runtime_overhead"] = RUNTIME_BASE_BYTES + activation_bytes(t.config, max_model_len)
@@ -167,32 +168,3 @@ def format_estimate(e: dict) -> str:
     lines.append("fits" if e["fits"] else "WARNING: likely out of memory — lower --max-model-len or --concurrency, "
                  "use --dtype bfloat16 or --weights int8/int4")
     return "\n".join(lines)
-
-
-def cmd_memory(args) -> int:
-    e = estimate(args.model, args.draft, args.max_model_len, args.concurrency, args.dtype, args.weights,
-                 args.draft_dtype, args.num_speculative_tokens)
-    if args.device == "cuda":
-        e["available_bytes"], e["available_kind"] = available_memory("cuda")
-        e["fits"] = e["total_bytes"] <= HEADROOM * e["available_bytes"]
-    print(json.dumps(e) if args.json else format_estimate(e))
-    if not e["fits"]:
-        print("warning: the estimate exceeds 90% of available memory", file=sys.stderr)
-    return 0
-
-
-def register(sub) -> None:
-    from draftwise.cli import DEFAULT_TARGET
-
-    p = sub.add_parser("memory", help="weights + both KV caches + overhead vs available memory")
-    p.add_argument("--model", default=DEFAULT_TARGET)
-    p.add_argument("--draft", default=None)
-    p.add_argument("--max-model-len", type=int, default=4096)
-    p.add_argument("--concurrency", type=int, default=1, help="KV slots (the engine's --max-num-seqs)")
-    p.add_argument("--dtype", default="float32", choices=list(BYTES))
-    p.add_argument("--draft-dtype", default=None, choices=list(BYTES))
-    p.add_argument("--weights", default=None, choices=list(WEIGHT_FORMATS))
-    p.add_argument("--num-speculative-tokens", type=int, default=8)
-    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    p.add_argument("--json", action="store_true")
-    p.set_defaults(func=cmd_memory)

@@ -1,6 +1,6 @@
 """The runner: turns workloads × conditions into an interleaved plan of batches and executes it, journaled.
 
-Owns the protocol's mechanics (DESIGN.md "Measurement definitions"; the seed's test plan): identical items,
+Owns the protocol's mechanics (docs/ARCHITECTURE.md, metric definitions; the seed's test plan): identical items,
 sampling, output limits and concurrency for every condition; `warmup` requests then `requests` measured
 per condition and group; conditions interleaved batch by batch, in an order rotated each batch, so machine
 drift hits all conditions alike. Each finished batch is appended to `journal.jsonl` (one line per request,
@@ -195,7 +195,7 @@ def run_batch(client, batch: Batch, workload: Workload, sampling: Sampling) -> l
 
 
 def tpot(e2e_s, ttft_s, n_out) -> float | None:
-    """(E2E − TTFT) / (output tokens − 1), DESIGN.md; undefined for a single token."""
+    """(E2E − TTFT) / (output tokens − 1), docs/ARCHITECTURE.md; undefined for a single token."""
     if e2e_s is None or ttft_s is None or not n_out or n_out < 2:
         return None
     return (e2e_s - ttft_s) / (n_out - 1)

@@ -96,7 +96,7 @@ def conservative_score(ratios: Sequence[float]) -> float | None:
 
 def spec_summary(num_drafts: int, num_draft_tokens: int, num_accepted_tokens: int,
                  accepted_per_position: Sequence[int] = ()) -> dict:
-    """vLLM's spec-decode metrics, one vocabulary (DESIGN.md): rate, mean acceptance length, by position."""
+    """vLLM's spec-decode metrics, one vocabulary (docs/ARCHITECTURE.md): rate, mean acceptance length, by position."""
     rate = num_accepted_tokens / num_draft_tokens if num_draft_tokens else None
     mal = 1 + num_accepted_tokens / num_drafts if num_drafts else None
     by_pos = [a / num_drafts for a in accepted_per_position] if num_drafts else []

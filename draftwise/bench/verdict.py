@@ -1,6 +1,6 @@
 """The verdict: one sentence per segment from the paired speedups' confidence intervals.
 
-Owns the decision rule (DESIGN.md: a verdict needs a CI that excludes 1.0×):
+Owns the decision rule (docs/ARCHITECTURE.md: a verdict needs a CI that excludes 1.0×):
   - some condition's 95% CI of the paired tok/s speedup lies wholly above 1 → "speculate with X", X being the
     one with the highest lower bound (the conservative pick, not the highest point estimate);
   - every condition's CI lies wholly below 1 → "don't speculate";

@@ -89,6 +89,11 @@ CATALOG: dict[str, CatalogEntry] = {
 }
 
 
+# the packaged default pair: what every command uses when no --model / --draft is given
+DEFAULT_TARGET = "qwen2.5-coder-1.5b-instruct"
+DEFAULT_DRAFT = "qwen2.5-coder-0.5b-instruct"
+
+
 def get_entry(name: str) -> CatalogEntry:
     """The catalog entry for `name`, or ConfigError listing the catalog."""
     if name not in CATALOG:

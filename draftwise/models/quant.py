@@ -6,7 +6,7 @@ w = (q - 8) * scale + zero with q in [0, 15] packed by `_convert_weight_to_int4p
 GGUF's Q4_K sub-blocks (scale and min per 32 weights), so Q4_K weights re-quantize almost exactly.
 Activations stay in the model dtype. "int4+dense" keeps the dense weights too and uses them for calls with
 more than DENSE_ABOVE_ROWS tokens per sequence (prefill): the int4 kernel's cost grows with rows while a dense matmul's hardly
-does, and they cross near 10-12 rows on this CPU (DESIGN.md's table). Knows nothing of checkpoints or the engine.
+does, and they cross near 10-12 rows on this CPU (docs/ARCHITECTURE.md, hardware facts). Knows nothing of checkpoints or the engine.
 """
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ embedding scale, activation, attention scale, sliding-window layers with their o
 embeddings); there is no per-family copy of the forward pass. Parameter names equal HF transformers' names
 so a checkpoint's tensors load as they are.
 
-Contract (DESIGN.md): forward(token_ids[B,T], positions[B,T], cache, slots[B]) -> logits[B,T,V].
+Contract (docs/ARCHITECTURE.md): forward(token_ids[B,T], positions[B,T], cache, slots[B]) -> logits[B,T,V].
 The forward writes K/V at `positions` into `cache` and extends each slot's length to max(position)+1;
 rollback is the caller's `cache.truncate`. Knows nothing about requests, sampling or speculation.
 """

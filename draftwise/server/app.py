@@ -36,7 +36,7 @@ DISCONNECT_POLL_S = 0.5  # non-streaming requests: how often to check whether th
 def create_app(llm, served_model_name: str, api_key: str | None = None,
                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
     metrics = ServerMetrics(served_model_name, llm.engine.num_free_slots + len(llm.engine.running),
-                            getattr(llm.engine, "k", 0))
+                            llm.engine.k_policy.max_k)
     runner = EngineRunner(llm, metrics)
 
     @asynccontextmanager

@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import os
 
+from draftwise.cli_args import add_model_args, llm_from_args
+
 API_KEY_ENV = "DRAFTWISE_API_KEY"
 
 
 def register(sub) -> None:
-    from draftwise.cli import add_model_args
-
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions)")
     add_model_args(p)
     p.add_argument("--host", default="127.0.0.1", help="bind address (default: local only)")
@@ -32,14 +32,13 @@ def resolve_api_key(flag: str | None, environ) -> str | None:
 def cmd_serve(args) -> int:
     import uvicorn
 
-    from draftwise.cli import llm_from_args
     from draftwise.server.app import DEFAULT_MAX_BODY_BYTES, create_app
 
     api_key = resolve_api_key(args.api_key, os.environ)
     llm = llm_from_args(args)
     app = create_app(llm, args.served_model_name or args.model, api_key=api_key,
                      max_body_bytes=args.max_body_bytes or DEFAULT_MAX_BODY_BYTES)
-    spec = llm.config.speculative
+    spec = llm.spec_config
     print(f"draftwise: serving {args.model!r} on http://{args.host}:{args.port}/v1 "
           f"(speculation: {spec.method}, max_num_seqs {args.max_num_seqs}, context {llm.max_model_len}, "
           f"api key {'required' if api_key else 'off'}); loaded in {llm.load_time_s:.1f}s", flush=True)

@@ -52,7 +52,7 @@ class ServerMetrics:
         self.e2e = hist("e2e_request_latency_seconds", "Arrival to last output token.", E2E_BUCKETS)
         self.tpot = hist("request_time_per_output_token_seconds", "(E2E - TTFT) / (output tokens - 1).",
                          TPOT_BUCKETS)
-        self.spec = {f: counter(f"spec_decode_{f}", f"Speculative decoding: {f.replace('_', ' ')}.")
+        self.spec_counters = {f: counter(f"spec_decode_{f}", f"Speculative decoding: {f.replace('_', ' ')}.")
                      for f in _SPEC_FIELDS}
         self.per_pos = Counter(PREFIX + "spec_decode_num_accepted_tokens_per_pos",
                                "Accepted draft tokens by position in the draft (0 = first guess).",
@@ -89,7 +89,7 @@ class ServerMetrics:
         for f in _SPEC_FIELDS:
             now = int(getattr(stats, f))
             if now > self._seen[f]:
-                self.spec[f].inc(now - self._seen[f])
+                self.spec_counters[f].inc(now - self._seen[f])
                 self._seen[f] = now
         per_pos = list(stats.accepted_per_position)
         for i, now in enumerate(per_pos):

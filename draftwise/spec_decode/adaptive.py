@@ -16,6 +16,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections import deque
+from typing import Protocol
 
 import torch
 
@@ -27,12 +28,30 @@ MARGIN = 1.1  # guess only when the model predicts >= 10% more tokens/s than pla
 EXPLORE_EVERY = 16  # steps between forced speculative steps while plain decoding wins (acceptance can change)
 
 
-class FixedK:
-    def __init__(self, k: int):
-        self.k = k
+class KPolicy(Protocol):
+    """How the engine asks for k each step and reports back what happened."""
+
+    max_k: int  # the most guesses this policy ever asks for (the engine checks it against its look-ahead cap)
 
     def choose(self, req) -> int:
-        return self.k
+        """Guesses to ask the proposer for on this request's next step (0 = a plain step)."""
+
+    def observe(self, req, k: int, num_accepted: int) -> None:
+        """The request's step guessed k tokens and the target kept the first num_accepted."""
+
+    def observe_step(self, width: int, num_draft_tokens: int, draft_s: float, verify_s: float) -> None:
+        """One engine step: verification width (1 + longest draft), guesses in the batch, and its two timings."""
+
+    def end(self, req) -> None:
+        """The request finished; forget it."""
+
+
+class FixedK:
+    def __init__(self, k: int):
+        self.max_k = k
+
+    def choose(self, req) -> int:
+        return self.max_k
 
     def observe(self, req, k: int, num_accepted: int) -> None:
         pass

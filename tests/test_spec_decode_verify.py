@@ -1,4 +1,4 @@
-"""Invariants of spec/verify.py: greedy verification cases, seeded determinism, and the centrepiece — speculative
+"""Invariants of spec_decode/verify.py: greedy verification cases, seeded determinism, and the centrepiece — speculative
 sampling reproduces the target's exactly enumerated distribution (chi-square), while deliberately broken
 verifiers fail the same test.
 
@@ -15,7 +15,7 @@ import torch
 from scipy.stats import chisquare
 
 from draftwise.sampling import SamplingParams, process_logits, sample
-from draftwise.spec.verify import VerifyResult, greedy_verify, rejection_verify, verify
+from draftwise.spec_decode.verify import VerifyResult, greedy_verify, rejection_verify, verify
 
 VOCAB = 8
 PROMPT = (3, 5)

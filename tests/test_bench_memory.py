@@ -1,10 +1,8 @@
-"""`draftwise memory` (shapes from metadata only, the KV formula by hand) and `draftwise tune` (conservative
-winner, our and vLLM's command lines)."""
-import json
-
+"""`draftwise memory`'s estimate: shapes from metadata only, the KV formula by hand, and cache sizes that are
+the engine's own (the estimate and the engine call the same capacity functions)."""
 import pytest
 
-from draftwise.bench import memory, tune
+from draftwise.bench import memory
 from draftwise.config import ModelConfig
 
 
@@ -47,29 +45,15 @@ def test_estimate_phases(tiny_gguf_path, monkeypatch):
     assert "WARNING" in memory.format_estimate(memory.estimate(str(tiny_gguf_path), None, 512, 4))
 
 
-def _report(per_prompt: dict[str, list[float]]) -> dict:
-    return {"segments": {"s@c1": {"speedups": {c: {"tok_s": {"per_prompt": dict(enumerate(v))}}
-                                               for c, v in per_prompt.items()}}}}
+@pytest.mark.parametrize("spec", [None, {"method": "ngram", "num_speculative_tokens": 3},
+                                  {"method": "draft_model", "model": "tiny-draft", "num_speculative_tokens": 5}])
+def test_kv_estimate_equals_what_the_engine_allocates(spec):
+    from tests.harness import tiny_llm
 
-
-def test_tune_picks_conservatively():
-    pick = tune.choose(_report({
-        "ngram-k8": [1.0, 1.0, 1.0, 3.0, 3.0, 0.9, 1.0, 3.0],  # higher mean, but a typical prompt gains nothing
-        "ngram-k3": [1.2, 1.25, 1.3, 1.2, 1.25, 1.3, 1.2, 1.25],
-    }))
-    assert pick["winner"] == "ngram-k3"
-    assert pick["scores"]["ngram-k3"]["score"] == pytest.approx(1.25 - 0.05)
-    assert tune.choose(_report({"ngram-k2": [0.9, 1.0, 1.1, 0.95]}))["winner"] == "none"
-
-
-def test_command_lines():
-    spec = tune.spec_config_for({"method": "draft_model", "k": 4, "draft": "qwen2.5-coder-0.5b-instruct"})
-    assert spec == {"method": "draft_model", "num_speculative_tokens": 4, "model": "qwen2.5-coder-0.5b-instruct"}
-    line = tune.vllm_line("qwen2.5-coder-1.5b-instruct", spec)
-    assert line.startswith("vllm serve Qwen/Qwen2.5-Coder-1.5B-Instruct --speculative-config '")
-    cfg = json.loads(line.split("'")[1])
-    assert cfg == {"method": "draft_model", "num_speculative_tokens": 4, "model": "Qwen/Qwen2.5-Coder-0.5B-Instruct"}
-    ngram = json.loads(tune.vllm_line("x", {"method": "ngram", "num_speculative_tokens": 5}).split("'")[1])
-    assert ngram["prompt_lookup_max"] == 3 and ngram["prompt_lookup_min"] == 1
-    assert tune.vllm_line("some/model", None) == "vllm serve some/model"
-    assert tune.spec_config_for({"method": "none", "k": 0, "draft": None}) is None
+    llm = tiny_llm(spec, max_num_seqs=3, max_model_len=200)
+    k = llm.engine.max_lookahead
+    capacity = memory.target_cache_capacity(200, k)
+    assert memory.kv_bytes(llm.model.config, "float32", capacity, 3) == llm.engine.cache.nbytes
+    if spec and spec["method"] == "draft_model":
+        capacity = memory.draft_cache_capacity(200, k)
+        assert memory.kv_bytes(llm.proposer.model.config, "float32", capacity, 3) == llm.proposer.cache.nbytes

@@ -5,7 +5,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from tests.test_server import Server
+from tests.harness import Server
 
 pytestmark = pytest.mark.integration
 

@@ -8,7 +8,7 @@ import pytest
 from draftwise.bench.clients import Condition, HTTPClient, InProcessClient, parse_spec_metrics
 from draftwise.bench.lab import BenchOptions, conditions_from, run_bench
 from draftwise.bench.workloads import Item, Workload
-from tests.test_server import MODEL, PROMPTS, Server, TinyLLM, noisy_draft, tiny_tokenizer
+from tests.harness import MODEL, PROMPTS, Server, tiny_llm
 
 from draftwise.server.app import create_app
 
@@ -21,8 +21,7 @@ def tiny_workload():
 
 def test_in_process_conditions_share_one_engine(tmp_path):
     conds = conditions_from(["none", "ngram", "draft_model"], [2, 3], "tiny-draft")
-    client = InProcessClient(TinyLLM(max_num_seqs=2), draft="tiny-draft",
-                             load_model=lambda name, dtype, device, weights: (noisy_draft(), tiny_tokenizer(), {"name": name}))
+    client = InProcessClient(tiny_llm(max_num_seqs=2, max_lookahead=3), draft="tiny-draft")
     opts = BenchOptions([tiny_workload()], conds, tmp_path / "out", warmup=1, requests=5, concurrency=[2],
                         progress=False, plots=False)
     rep = run_bench(client, opts)
@@ -60,7 +59,7 @@ def test_parse_spec_metrics_vllm_and_ours():
 @pytest.fixture(scope="module")
 def servers():
     spec = {"method": "ngram", "num_speculative_tokens": 3}
-    with Server(create_app(TinyLLM(), MODEL)) as plain, Server(create_app(TinyLLM(spec), MODEL)) as ngram:
+    with Server(create_app(tiny_llm(), MODEL)) as plain, Server(create_app(tiny_llm(spec), MODEL)) as ngram:
         yield plain, ngram
 
 

@@ -1,17 +1,17 @@
-"""The Proposer protocol and the registry of proposers by method name.
+"""The Proposer protocol: what every proposer implements, the Draft it returns, and plain decoding's NoProposer.
 
 A proposer guesses up to k next tokens for a sequence slot; the engine verifies them with the target. The
 engine talks to every proposer through this protocol only (never isinstance-checks), so `none` — plain
-decoding — is a proposer that never proposes. Modelled on llama.cpp's speculative "common" interface.
+decoding — is a proposer that never proposes. Modelled on llama.cpp's speculative "common" interface: `accept`
+is the one explicit rollback call. Which proposer a method name builds lives in builders.py.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Callable, Protocol
+from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
-from draftwise.config import ConfigError, SpecConfig
 from draftwise.sampling import SamplingParams
 
 
@@ -42,40 +42,6 @@ class Proposer(Protocol):
         """The sequence in `slot` finished; forget it."""
 
 
-@dataclass
-class ProposerContext:
-    """What a proposer factory may need from the engine's world: a slice, not the whole engine config."""
-
-    target_vocab_size: int
-    target_tokenizer: object
-    max_num_seqs: int
-    max_model_len: int
-    dtype: str
-    device: str
-    load_model: Callable[..., object] | None = None  # (name, dtype, weights) -> (Decoder, Tokenizer)
-    extra: dict = field(default_factory=dict)
-
-
-_REGISTRY: dict[str, Callable[[SpecConfig, ProposerContext], Proposer]] = {}
-
-
-def register(method: str):
-    def deco(factory):
-        _REGISTRY[method] = factory
-        return factory
-
-    return deco
-
-
-def build_proposer(spec: SpecConfig, ctx: ProposerContext) -> Proposer:
-    # importing the modules registers their methods
-    from draftwise.spec import draft_model, ngram  # noqa: F401
-
-    if spec.method not in _REGISTRY:
-        raise ConfigError(f"no proposer for method {spec.method!r}; known: {sorted(_REGISTRY)}")
-    return _REGISTRY[spec.method](spec, ctx)
-
-
 class NoProposer:
     """Plain decoding through the same engine path: never proposes anything."""
 
@@ -91,5 +57,3 @@ class NoProposer:
     def end(self, slot):
         pass
 
-
-register("none")(lambda spec, ctx: NoProposer())

@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from draftwise.spec.proposer import EMPTY_DRAFT_IDS, Draft, register
+from draftwise.spec_decode.proposer import EMPTY_DRAFT_IDS, Draft
 
 
 class NgramProposer:
@@ -51,8 +51,3 @@ def lookup(tokens: np.ndarray, min_n: int, max_n: int, k: int) -> list[int]:  # 
             start = int(hits[-1]) + n
             return tokens[start : start + k].tolist()
     return []
-
-
-@register("ngram")
-def _build(spec, ctx):
-    return NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)

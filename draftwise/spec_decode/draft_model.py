@@ -13,9 +13,15 @@ import torch
 from draftwise.config import ConfigError
 from draftwise.kv_cache import KVCache
 from draftwise.sampling import SamplingParams, process_logits, sample
-from draftwise.spec.proposer import EMPTY_DRAFT_IDS, Draft, register
+from draftwise.spec_decode.proposer import EMPTY_DRAFT_IDS, Draft
 
 MAX_BATCHED_CATCH_UP = 4  # rows with more unseen tokens than this (a new prompt) are prefilled alone
+
+
+def draft_cache_capacity(max_model_len: int, max_lookahead: int) -> int:
+    """Tokens per slot in the draft's KV cache: the context, k guesses, a batched catch-up and two spare
+    positions (the draft may run one token ahead of the target's context before a rollback)."""
+    return max_model_len + max_lookahead + MAX_BATCHED_CATCH_UP + 2
 
 
 class DraftModelProposer:
@@ -140,13 +146,3 @@ def check_compatible(target_tok, draft_tok, target_name: str, draft_name: str) -
             f"draft {draft_name!r} special tokens differ from target {target_name!r}: "
             f"bos {draft_tok.bos_token_id} vs {target_tok.bos_token_id}, eos {draft_tok.eos_token_ids} vs {target_tok.eos_token_ids}"
         )
-
-
-@register("draft_model")
-def _build(spec, ctx):
-    dtype = spec.draft_dtype or ctx.dtype
-    model, tok = ctx.load_model(spec.model, dtype, spec.draft_weights)
-    if ctx.target_tokenizer is not None and tok is not None:
-        check_compatible(ctx.target_tokenizer, tok, ctx.extra.get("target_name", "target"), spec.model)
-    capacity = ctx.max_model_len + spec.max_speculative_tokens + MAX_BATCHED_CATCH_UP + 2
-    return DraftModelProposer(model, ctx.max_num_seqs, capacity, ctx.target_vocab_size)

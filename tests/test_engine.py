@@ -6,9 +6,9 @@ import torch
 
 from draftwise.engine import ContextLengthError, Engine, Request
 from draftwise.sampling import SamplingParams
-from draftwise.spec.draft_model import DraftModelProposer
-from draftwise.spec.ngram import NgramProposer, lookup
-from draftwise.spec.proposer import NoProposer
+from draftwise.spec_decode.draft_model import DraftModelProposer
+from draftwise.spec_decode.ngram import NgramProposer, lookup
+from draftwise.spec_decode.proposer import NoProposer
 from tests.tiny_models import tiny_decoder
 
 import numpy as np
@@ -124,7 +124,7 @@ def test_greedy_equivalence_holds_for_quantized_weights(fmt, dtype):
 
 
 def test_adaptive_k_stays_exact(target, drafts):
-    from draftwise.spec.adaptive import AdaptiveK
+    from draftwise.spec_decode.adaptive import AdaptiveK
 
     proposer = draft_proposer(drafts["noisy"])
     policy = AdaptiveK.calibrate(target, 6, proposer)
@@ -139,7 +139,7 @@ class _Req:
 
 
 def test_adaptive_k_cost_model_choices():
-    from draftwise.spec.adaptive import AdaptiveK
+    from draftwise.spec_decode.adaptive import AdaptiveK
 
     req = _Req()
     # verification that costs 10x per extra token: guessing cannot pay, k = 0 (plain decoding)

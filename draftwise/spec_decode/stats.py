@@ -1,6 +1,6 @@
 """Speculation statistics in the one vocabulary the engine, bench, server /metrics and reports share.
 
-Owns the counters (DESIGN.md "Stats"): num_drafts, num_draft_tokens, num_accepted_tokens,
+Owns the counters (docs/ARCHITECTURE.md, metric definitions): num_drafts, num_draft_tokens, num_accepted_tokens,
 accepted_per_position, and the derived acceptance rate (accepted / draft tokens) and mean acceptance length
 (1 + accepted / drafts, as vLLM and Spec-Bench define it). It does not know what produced the drafts or
 how they were verified; callers `record` one verified draft at a time and `merge` across requests.
@@ -42,6 +42,11 @@ class SpecStats:
             self.drafted_per_position[i] += 1
         for i in range(num_accepted):
             self.accepted_per_position[i] += 1
+
+    def add_times(self, draft_time_s: float, verify_time_s: float) -> None:
+        """Charge seconds of proposing and of verification to these counters (a share of a batched step)."""
+        self.draft_time_s += draft_time_s
+        self.verify_time_s += verify_time_s
 
     def merge(self, other: SpecStats) -> SpecStats:
         """Add `other`'s counters into this one (in place); returns self so totals can be folded."""

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from draftwise.spec.stats import SpecStats
+from draftwise.spec_decode.stats import SpecStats
 
 
 def _example() -> SpecStats:

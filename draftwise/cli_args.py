@@ -1,0 +1,64 @@
+"""Command-line arguments shared by the sub-commands: model/engine flags, sampling flags, and the two
+conversions argparse values → `api.LLM` and → `SamplingParams`.
+
+Owns flag names, defaults and help text; imports nothing from the sub-command modules (they import this).
+Catalog defaults come from models/catalog.py; the work itself lives in the modules each command calls.
+"""
+from __future__ import annotations
+
+import argparse
+
+from draftwise.config import WEIGHT_FORMATS, ConfigError
+from draftwise.models.catalog import DEFAULT_TARGET
+
+
+def int_list(s: str) -> list[int]:
+    """'2,4,6' -> [2, 4, 6], or a ConfigError naming the value."""
+    try:
+        return [int(x) for x in s.split(",") if x.strip()]
+    except ValueError:
+        raise ConfigError(f"expected comma-separated integers, got {s!r}") from None
+
+
+def add_model_args(p: argparse.ArgumentParser, spec: bool = True) -> None:
+    p.add_argument("--model", default=DEFAULT_TARGET, help="catalog name, .gguf file, HF checkpoint dir or hub id")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--weights", default=None, choices=list(WEIGHT_FORMATS),
+                   help="weight-only quantization of the target's linear layers")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=8)
+    p.add_argument("--seed", type=int, default=0, help="engine seed (requests without their own seed derive from it)")
+    if spec:
+        p.add_argument("--speculative-config", default=None,
+                       help='vLLM-style JSON, e.g. \'{"method":"ngram","num_speculative_tokens":5}\'')
+
+
+def llm_from_args(args, **overrides):
+    from draftwise.api import LLM
+
+    kw = dict(model=args.model, dtype=args.dtype, device=args.device, weights=args.weights, threads=args.threads,
+              max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs, seed=args.seed,
+              speculative_config=getattr(args, "speculative_config", None))
+    kw.update(overrides)
+    return LLM(**kw)
+
+
+def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int = 128) -> None:
+    p.add_argument("--max-tokens", type=int, default=max_tokens)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--request-seed", dest="request_seed", type=int, default=None,
+                   help="per-request sampling seed (default: derived from --seed)")
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--ignore-eos", action="store_true")
+
+
+def sampling_from_args(args):
+    from draftwise.sampling import SamplingParams
+
+    return SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                          max_tokens=args.max_tokens, seed=args.request_seed, stop=args.stop,
+                          ignore_eos=args.ignore_eos)

@@ -1,0 +1,62 @@
+"""Which proposer a `--speculative-config` method builds: one explicit table, method name → builder.
+
+Owns the ProposerContext (the slice of the engine's world a builder may use) and `build_proposer`. Each
+builder receives the parsed SpecConfig and the context and returns a Proposer; loading a draft model goes
+through the context's `load_draft`, so this module never touches checkpoints itself. Knows nothing of the
+engine's scheduling or of how k is chosen.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from draftwise.config import ConfigError, SpecConfig
+from draftwise.spec_decode.draft_model import DraftModelProposer, check_compatible, draft_cache_capacity
+from draftwise.spec_decode.ngram import NgramProposer
+from draftwise.spec_decode.proposer import NoProposer, Proposer
+
+
+@dataclass
+class ProposerContext:
+    """What a proposer builder may need from the engine's world: a slice, not the whole engine config."""
+
+    target_name: str
+    target_vocab_size: int
+    target_tokenizer: object
+    max_num_seqs: int
+    max_model_len: int
+    max_lookahead: int  # the engine's cap on guesses per step (sizes the draft's cache)
+    dtype: str
+    # (name, dtype, weights) -> (Decoder, Tokenizer, info dict); None when drafts cannot be loaded
+    load_draft: Callable[[str, str, str | None], tuple] | None = None
+
+
+def _build_none(spec: SpecConfig, ctx: ProposerContext) -> Proposer:
+    return NoProposer()
+
+
+def _build_ngram(spec: SpecConfig, ctx: ProposerContext) -> Proposer:
+    return NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
+
+
+def _build_draft_model(spec: SpecConfig, ctx: ProposerContext) -> Proposer:
+    if ctx.load_draft is None:
+        raise ConfigError("method draft_model needs a way to load the draft model")
+    model, tok, _info = ctx.load_draft(spec.model, spec.draft_dtype or ctx.dtype, spec.draft_weights)
+    if ctx.target_tokenizer is not None and tok is not None:
+        check_compatible(ctx.target_tokenizer, tok, ctx.target_name, spec.model)
+    capacity = draft_cache_capacity(ctx.max_model_len, ctx.max_lookahead)
+    return DraftModelProposer(model, ctx.max_num_seqs, capacity, ctx.target_vocab_size)
+
+
+PROPOSER_BUILDERS: dict[str, Callable[[SpecConfig, ProposerContext], Proposer]] = {
+    "none": _build_none,
+    "ngram": _build_ngram,
+    "draft_model": _build_draft_model,
+}
+
+
+def build_proposer(spec: SpecConfig, ctx: ProposerContext) -> Proposer:
+    if spec.method not in PROPOSER_BUILDERS:
+        raise ConfigError(f"no proposer for method {spec.method!r}; known: {sorted(PROPOSER_BUILDERS)}")
+    return PROPOSER_BUILDERS[spec.method](spec, ctx)

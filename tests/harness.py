@@ -1,0 +1,95 @@
+"""What the tests share: a tiny LLM (random qwen2 decoder + word-level tokenizer, assembled through
+`LLM.from_parts`), a noisy draft, prompts, and a real uvicorn server on a free loopback port with an `openai`
+client and a /metrics reader. No downloads. Test files import from here, never from each other."""
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import httpx
+import openai
+import torch
+import uvicorn
+from prometheus_client.parser import text_string_to_metric_families
+from tokenizers import Tokenizer as BackendTokenizer
+from tokenizers.models import WordLevel
+from tokenizers.pre_tokenizers import WhitespaceSplit
+
+from draftwise.api import LLM
+from draftwise.tokenizer import Tokenizer
+from tests.tiny_models import tiny_decoder
+
+VOCAB = 64
+EOS = "<|im_end|>"
+MODEL = "tiny"
+CHAT_TEMPLATE = "{% for m in messages %}{{ m.role }} {{ m.content }} {% endfor %}{% if add_generation_prompt %}assistant{% endif %}"
+PROMPTS = ["w1 w2 w3 w1 w2 w3 w1 w2", "w9 w8 w7", "w5 w5 w5 w5 w6 w5 w5 w5 w5", "w10 w20 w30 w40 w10 w20"]
+
+
+def tiny_tokenizer() -> Tokenizer:
+    words = ["[UNK]", "user", "assistant", "system"] + [f"w{i}" for i in range(VOCAB - 5)] + [EOS]
+    backend = BackendTokenizer(WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
+    backend.pre_tokenizer = WhitespaceSplit()
+    return Tokenizer(backend, chat_template=CHAT_TEMPLATE, eos_token=EOS)
+
+
+def tiny_llm(spec=None, max_num_seqs: int = 4, max_model_len: int = 256, max_lookahead: int | None = None) -> LLM:
+    """api.LLM assembled around a tiny random model (no checkpoint loading); method draft_model gets a noisy
+    copy of the target, whatever draft name is asked for."""
+    tok = tiny_tokenizer()
+    return LLM.from_parts(tiny_decoder("qwen2", 0, VOCAB), tok, name=MODEL, speculative_config=spec,
+                          max_num_seqs=max_num_seqs, max_model_len=max_model_len, max_lookahead=max_lookahead,
+                          load_draft=lambda name, dtype, weights: (noisy_draft(), tok, {"name": name}))
+
+
+def noisy_draft():
+    """The target's weights plus noise: agrees often, not always (both accept and reject paths run)."""
+    draft = tiny_decoder("qwen2", 0, VOCAB)
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in draft.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=g))
+    return draft
+
+
+class Server:
+    """uvicorn serving `app` in a thread on a free 127.0.0.1 port."""
+
+    def __init__(self, app):
+        self.app = app
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
+
+    def __enter__(self):
+        self.thread.start()
+        deadline = time.time() + 30
+        while not self.server.started:
+            assert time.time() < deadline and self.thread.is_alive(), "server did not start"
+            time.sleep(0.02)
+        return self
+
+    def __exit__(self, *exc):
+        self.server.should_exit = True
+        self.thread.join(10)
+        self.sock.close()
+
+    def client(self, api_key="none") -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=api_key, max_retries=0, timeout=60)
+
+    def metrics(self, headers=None) -> dict:
+        """{(name, frozenset(labels)): value} for every sample (model_name label dropped)."""
+        text = httpx.get(self.url + "/metrics", headers=headers).text
+        out = {}
+        for fam in text_string_to_metric_families(text):
+            for s in fam.samples:
+                labels = frozenset((k, v) for k, v in s.labels.items() if k != "model_name")
+                out[(s.name, labels)] = s.value
+        return out
+
+
+def metric(m: dict, name: str, **labels) -> float:
+    return m.get((name, frozenset(labels.items())), 0.0)
