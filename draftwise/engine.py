@@ -66,6 +66,10 @@ class StepOutput:
     request: Request
     new_token_ids: list[int]
     finished: bool
+    num_draft_tokens: int = 0  # k of this step's draft (0: a prefill or plain step)
+    # the first num_accepted of new_token_ids are accepted guesses; the one after them (if emitted) is the
+    # target's own recovered or bonus token
+    num_accepted: int = 0
 
 
 class Engine:
@@ -197,16 +201,18 @@ class Engine:
             k = d.num_tokens
             res = verify(d.token_ids.to(dev), d.probs, logits[row, : k + 1], r.params, r.generator)
             self.cache.truncate(r.slot, base_lengths[row] + 1 + res.num_accepted)
-            # every step is counted in the k histogram (k = 0: a plain step, e.g. chosen by the adaptive policy)
-            r.spec_stats.record(k, res.num_accepted)
-            self.stats.record(k, res.num_accepted)
             if k:
-                self.k_policy.observe(r, k, res.num_accepted)
+                self.k_policy.observe(r, k, res.num_accepted)  # the policy learns what the target agreed with
             slot = r.slot
             emitted = self._emit(r, res.token_ids)
+            # accepted guesses discarded after a stop (EOS, stop string) inside the run do not count as accepted;
+            # every step is counted in the k histogram (k = 0: a plain step, e.g. chosen by the adaptive policy)
+            num_accepted = min(res.num_accepted, len(emitted))
+            r.spec_stats.record(k, num_accepted)
+            self.stats.record(k, num_accepted)
             if not r.finished:
                 self.proposer.accept(slot, res.num_accepted, res.token_ids[-1])
-            outputs.append(StepOutput(r, emitted, r.finished))
+            outputs.append(StepOutput(r, emitted, r.finished, k, num_accepted))
         t2 = time.perf_counter()
         share = 1.0 / len(reqs)
         for r, d in zip(reqs, drafts):

@@ -158,3 +158,28 @@ def test_adaptive_k_cost_model_choices():
         bad.observe(req, 6, 0)
     assert bad.choose(req) == 0
     assert bad.acceptance(req)[0] < 0.05
+
+
+def test_guesses_discarded_after_a_stop_are_not_counted_as_accepted(target, drafts):
+    """Draft == target: every guess is accepted. A stop string completing at output token i (the on_token
+    callback, as TextStream reports it) inside the accepted run discards the rest of the run; the stats and the
+    step output count only the emitted guesses."""
+    ref = plain(target)[0]
+    i = 5
+    seen = []
+
+    def stop_at_i(token_id: int) -> bool:
+        seen.append(token_id)
+        return len(seen) == i + 1
+
+    eng = Engine(target, draft_proposer(drafts["exact"]), 8, 1, MAX_LEN, eos_token_ids=())
+    req = Request("s", PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=24), on_token=stop_at_i)
+    eng.add_request(req)
+    outputs = []
+    while eng.has_unfinished():
+        outputs.extend(eng.step())
+    assert req.output_ids == ref[: i + 1] and req.finish_reason == "stop"
+    # prefill emitted ref[0]; one step guessed ref[1..8], all accepted, and stopped at ref[i]
+    assert req.spec_stats.num_draft_tokens == 8 and req.spec_stats.num_accepted_tokens == i
+    assert eng.stats.num_accepted_tokens == i
+    assert [(o.num_draft_tokens, o.num_accepted, len(o.new_token_ids)) for o in outputs] == [(0, 0, 1), (8, i, i)]
