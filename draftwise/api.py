@@ -46,6 +46,7 @@ class RequestOutput:
     total_s: float | None = None
     spec: dict | None = None  # speculation stats (None when speculation is off)
     metrics: dict = field(default_factory=dict)
+    error: str | None = None  # what failed when the finish reason is "error" (engine.Request.error)
 
     @property
     def num_output_tokens(self) -> int:
@@ -139,7 +140,8 @@ class LLM:
         self.config = replace(config, max_model_len=self.max_model_len)
         self.draft_info: dict | None = None
         self._load_draft = load_draft
-        self._speculation: dict[SpecConfig, tuple[Proposer, KPolicy]] = {}
+        self._proposers: dict[SpecConfig, Proposer] = {}  # by the config without k
+        self._k_policies: dict[SpecConfig, KPolicy] = {}
         lookahead = max(max_lookahead or 0, config.spec_config.max_speculative_tokens)
         proposer, k_policy = self._proposer_and_policy(config.spec_config, lookahead)
         eos = tuple(tokenizer.eos_token_ids) or tuple(mc.eos_token_ids)
@@ -165,17 +167,22 @@ class LLM:
         return spec_config
 
     def _proposer_and_policy(self, spec_config: SpecConfig, lookahead: int) -> tuple[Proposer, KPolicy]:
+        """The proposer is built once per proposer identity (the config without k: arms that differ only in k
+        share it, so a draft model loads once); the k policy once per config (AdaptiveK calibrates)."""
         if spec_config.max_speculative_tokens > lookahead:
             raise ConfigError(f"num_speculative_tokens {spec_config.max_speculative_tokens} exceeds the engine's "
                               f"look-ahead of {lookahead} tokens; build the LLM with max_lookahead >= it")
-        if spec_config not in self._speculation:
-            proposer = build_proposer(spec_config, self._proposer_context(lookahead))
+        identity = replace(spec_config, num_speculative_tokens=0)
+        if identity not in self._proposers:
+            self._proposers[identity] = build_proposer(spec_config, self._proposer_context(lookahead))
+        proposer = self._proposers[identity]
+        if spec_config not in self._k_policies:
             if spec_config.adaptive:
-                k_policy = AdaptiveK.calibrate(self.model, spec_config.max_speculative_tokens, proposer)
+                self._k_policies[spec_config] = AdaptiveK.calibrate(self.model, spec_config.max_speculative_tokens,
+                                                                    proposer)
             else:
-                k_policy = FixedK(spec_config.max_speculative_tokens)
-            self._speculation[spec_config] = proposer, k_policy
-        return self._speculation[spec_config]
+                self._k_policies[spec_config] = FixedK(spec_config.max_speculative_tokens)
+        return proposer, self._k_policies[spec_config]
 
     def _proposer_context(self, lookahead: int) -> ProposerContext:
         def load_draft(name: str, dtype: str, weights: str | None):
@@ -206,7 +213,8 @@ class LLM:
         bad = [t for t in ids if not 0 <= t < self.model.config.vocab_size]
         if bad:
             raise ConfigError(f"prompt token ids out of the vocabulary (size {self.model.config.vocab_size}): {bad[:5]}")
-        stream = TextStream(self.tokenizer, params.stop)
+        self.engine.check_vocab_limit(ids)  # a draft model with fewer embedding rows than the target
+        stream = TextStream.for_params(self.tokenizer, params)
         req = Request(uuid.uuid4().hex[:16], ids, params, on_token=stream.add, prompt_text=text)
         return req, stream
 
@@ -265,7 +273,7 @@ class LLM:
         return RequestOutput(
             request_id=req.request_id, prompt=req.prompt_text, prompt_token_ids=req.prompt_ids,
             outputs=[CompletionOutput(0, text, list(req.output_ids), req.finish_reason)],
-            finished=req.finished, ttft_s=ttft, total_s=total, spec=spec,
+            finished=req.finished, ttft_s=ttft, total_s=total, spec=spec, error=req.error,
         )
 
 

@@ -23,7 +23,8 @@ def test_switching_speculation_keeps_greedy_output_and_builds_each_proposer_once
     llm, loads = counting_llm(max_num_seqs=2, max_model_len=128, max_lookahead=4)
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     arms = [None, {"method": "ngram", "num_speculative_tokens": 3},
-            {"method": "draft_model", "model": "d", "num_speculative_tokens": 4}]
+            {"method": "draft_model", "model": "d", "num_speculative_tokens": 4},
+            {"method": "draft_model", "model": "d", "num_speculative_tokens": 2}]
     texts = {}
     for _ in range(2):
         for arm in arms:
@@ -32,8 +33,9 @@ def test_switching_speculation_keeps_greedy_output_and_builds_each_proposer_once
             texts.setdefault(str(arm), [o.outputs[0].token_ids for o in outs])
             assert [o.outputs[0].token_ids for o in outs] == texts[str(arm)]
             assert (outs[0].spec is None) == (arm is None)
-    assert texts[str(arms[0])] == texts[str(arms[1])] == texts[str(arms[2])]
-    assert loads == [("d", "float32", None)]  # the draft was loaded once, however often the arm came back
+    assert all(texts[str(arm)] == texts[str(arms[0])] for arm in arms)
+    # the draft was loaded once: arms that differ only in k share it, and returning arms reuse it
+    assert loads == [("d", "float32", None)]
     assert llm.draft_info == {"name": "d"}
 
 

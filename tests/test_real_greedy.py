@@ -56,30 +56,12 @@ def test_greedy_matches_transformers(name):
     {"method": "ngram", "num_speculative_tokens": 5},
 ])
 def test_default_pair_speculative_greedy_equals_plain(spec, default_target_plain):
-    from draftwise.config import parse_spec_config
     from draftwise.equivalence import run_engine
-    from draftwise.spec_decode.proposer import ProposerContext, build_proposer
 
     llm, plain = default_target_plain
-    ctx = ProposerContext(llm.model.config.vocab_size, llm.tokenizer, 4, llm.max_model_len, "float32", "cpu",
-                          load_model=_load_draft)
-    sc = parse_spec_config(spec)
-    proposer = build_proposer(sc, ctx)
     prompts = [llm.tokenizer.encode(p) for p in PROMPTS[:4]]
-    spec_out = run_engine(llm, proposer, sc.max_speculative_tokens, prompts, [SPEC_GREEDY] * len(prompts))
+    spec_out = run_engine(llm, spec, prompts, [SPEC_GREEDY] * len(prompts))
     assert spec_out == plain
-
-
-_DRAFTS: dict = {}
-
-
-def _load_draft(name, dtype, weights):
-    """The draft model, loaded once for this module's conditions."""
-    from draftwise.api import load_model
-
-    if name not in _DRAFTS:
-        _DRAFTS[name] = load_model(name, dtype, weights=weights)[:2]
-    return _DRAFTS[name]
 
 
 @pytest.fixture(scope="module")
@@ -87,8 +69,7 @@ def default_target_plain():
     require_packaged("qwen2.5-coder-1.5b-instruct")
     require_packaged("qwen2.5-coder-0.5b-instruct")
     from draftwise.equivalence import run_engine
-    from draftwise.spec_decode.proposer import NoProposer
 
-    llm = LLM("qwen2.5-coder-1.5b-instruct", dtype="float32", max_num_seqs=4, max_model_len=256)
+    llm = LLM("qwen2.5-coder-1.5b-instruct", dtype="float32", max_num_seqs=4, max_model_len=256, max_lookahead=5)
     prompts = [llm.tokenizer.encode(p) for p in PROMPTS[:4]]
-    return llm, run_engine(llm, NoProposer(), 0, prompts, [SPEC_GREEDY] * len(prompts))
+    return llm, run_engine(llm, None, prompts, [SPEC_GREEDY] * len(prompts))
