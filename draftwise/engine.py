@@ -1,9 +1,16 @@
 """The engine: continuous batching of requests over one target decoder and one proposer.
 
 step(): admit waiting requests into free slots (prefill, first token) → ask the proposer for up to k guesses
-per running sequence → one batched target forward over [pending token, guesses...] for every sequence →
-verify each row (pure function) → roll the target cache back to what was accepted → emit tokens.
-Plain decoding is the same path with a proposer that never guesses.
+per running sequence → mask: under structured outputs, cut each draft at its first token the grammar forbids →
+one batched target forward over [pending token, guesses...] for every sequence → verify each row (pure
+function; under a grammar, row i's logits masked by the grammar state after guesses 1..i) → roll the target
+cache back to what was accepted → emit tokens (advancing the request's grammar state along them, and only
+them). Plain decoding is the same path with a proposer that never guesses.
+
+A failing step fails only the request(s) it can be pinned on: a batched prefill that raises is retried prompt by
+prompt; a decode step that raises is rolled back (truncate, generator states) and retried once; whatever still
+fails finishes with finish_reason "error" and `Request.error`, and step() goes on. When the proposer declares a
+vocab_limit (a draft with fewer embedding rows), prompts beyond it are refused and sampling is masked to it.
 
 The engine knows token ids, not text or HTTP: stop strings are checked by a per-request callback.
 """
@@ -21,9 +28,10 @@ from draftwise.kv_cache import KVCache
 from draftwise.models.transformer import Decoder
 from draftwise.sampling import SamplingParams, make_generator
 from draftwise.spec_decode.adaptive import FixedK, KPolicy
-from draftwise.spec_decode.proposer import EMPTY_DRAFT_IDS, Proposer
+from draftwise.spec_decode.proposer import EMPTY_DRAFT_IDS, Draft, Proposer
 from draftwise.spec_decode.stats import SpecStats
 from draftwise.spec_decode.verify import verify
+from draftwise.structured.matcher import GrammarError, GrammarMatcher, mask_logits
 
 
 PREFILL_TOKENS_PER_STEP = 1024  # prompt tokens admitted per step (at least one request always)
@@ -48,6 +56,7 @@ class Request:
     on_token: Callable[[int], bool] | None = None
     output_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
+    error: str | None = None  # what failed, when finish_reason is "error" (its step raised; others went on)
     slot: int | None = None
     generator: torch.Generator | None = None
     arrival_time: float = field(default_factory=time.perf_counter)
@@ -55,6 +64,9 @@ class Request:
     finish_time: float | None = None
     spec_stats: SpecStats = field(default_factory=SpecStats)
     prompt_text: str | None = None  # carried for the caller's output; the engine never reads it
+    speculate: bool = True  # False: this request decodes plainly (k = 0 every step) whatever the policy says
+    grammar: object | None = None  # structured.CompiledGrammar of params.structured_outputs (LLM.new_request)
+    matcher: GrammarMatcher | None = None  # the output's grammar state: the engine advances it along emitted ids
 
     @property
     def finished(self) -> bool:
@@ -110,6 +122,11 @@ class Engine:
                 f"prompt ({len(req.prompt_ids)} tokens) + max_tokens ({req.params.max_tokens}) = {need} tokens "
                 f"exceeds the context length of {self.max_model_len} tokens"
             )
+        self.check_vocab_limit(req.prompt_ids)
+        if req.params.structured_outputs is not None and req.grammar is None:
+            raise ConfigError("structured_outputs need the grammar compiled for the tokenizer (LLM.new_request)")
+        if req.grammar is not None and req.matcher is None:
+            req.matcher = req.grammar.matcher()
         if req.generator is None:
             req.generator = make_generator(req.params.seed, self.seed + next(self._counter), str(self.target.device))
         self.waiting.append(req)
@@ -131,6 +148,28 @@ class Engine:
             raise ConfigError(f"num_speculative_tokens {k_policy.max_k} exceeds this engine's look-ahead of "
                               f"{self.max_lookahead} tokens (its KV cache was sized for that)")
         self.proposer, self.k_policy = proposer, k_policy
+
+    @property
+    def vocab_limit(self) -> int | None:
+        """The proposer's vocab_limit (spec_decode/proposer.py): prompts must stay below it and the target's
+        sampling is masked to it; None = the target's whole vocabulary."""
+        return getattr(self.proposer, "vocab_limit", None)
+
+    def check_vocab_limit(self, prompt_ids: list[int]) -> None:
+        limit = self.vocab_limit
+        bad = [t for t in prompt_ids if limit is not None and t >= limit]
+        if bad:
+            raise ConfigError(f"prompt token id {bad[0]} cannot be used with this draft model: it embeds only ids "
+                              f"0..{limit - 1} (the target has {self.target.config.vocab_size})")
+
+    def _shared_vocab(self, logits: torch.Tensor) -> torch.Tensor:  # [..., V] -> [..., V]
+        """Ids at or beyond vocab_limit get -inf: greedy, p and the first token never pick what the draft can't
+        embed (the draft's own q is already zero there), so verification stays exact under the mask."""
+        limit = self.vocab_limit
+        if limit is None or limit >= logits.shape[-1]:
+            return logits
+        beyond = torch.arange(limit, logits.shape[-1], device=logits.device)
+        return logits.index_fill(-1, beyond, float("-inf"))
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -158,61 +197,79 @@ class Engine:
         return outputs
 
     def _prefill(self, reqs: list[Request]) -> list[StepOutput]:
-        """One batched forward over the new prompts (right-padded), then each one's first token."""
+        """One batched forward over the new prompts (right-padded), then each one's first token. If the batched
+        forward fails (e.g. out of memory in one big prefill), each prompt is retried alone and only one that
+        still fails finishes with "error"; the others proceed."""
+        for r in reqs:
+            r.slot = self.free_slots.pop()
+            self.running.append(r)
+        outputs = []
+        try:
+            rows = list(zip(reqs, self._prefill_forward(reqs)))
+        except Exception as e:  # noqa: BLE001 — which prompt caused it is unknown: each one alone
+            if len(reqs) == 1:
+                return [self._fail(reqs[0], e)]
+            rows = []
+            for r in reqs:
+                try:
+                    rows.append((r, self._prefill_forward([r])[0]))
+                except Exception as e_alone:  # noqa: BLE001 — this prompt fails on its own: only it ends
+                    outputs.append(self._fail(r, e_alone))
+        for r, row_logits in rows:
+            try:
+                outputs.append(self._first_token(r, row_logits))
+            except Exception as e:  # noqa: BLE001
+                outputs.append(self._fail(r, e))
+        return outputs
+
+    def _prefill_forward(self, reqs: list[Request]) -> torch.Tensor:  # -> [B, 1, V] at each prompt's last token
         dev = self.target.device
         width = max(len(r.prompt_ids) for r in reqs)
         ids = torch.zeros(len(reqs), width, dtype=torch.int64)
         for row, r in enumerate(reqs):
-            r.slot = self.free_slots.pop()
-            self.running.append(r)
             self.cache.free(r.slot)
             ids[row, : len(r.prompt_ids)] = torch.tensor(r.prompt_ids)
         pos = torch.arange(width)[None].expand(len(reqs), width)  # padding sits past each prompt: rolled back
         last = torch.tensor([len(r.prompt_ids) - 1 for r in reqs], device=dev)
         slots = torch.tensor([r.slot for r in reqs], device=dev)
         logits = self.target(ids.to(dev), pos.to(dev), self.cache, slots, logit_index=last)  # [B, 1, V]
-        outputs = []
-        for row, r in enumerate(reqs):
-            self.cache.truncate(r.slot, len(r.prompt_ids))
-            self.proposer.begin(r.slot, r.prompt_ids, r.params, r.generator)
-            token = verify(EMPTY_DRAFT_IDS, None, logits[row], r.params, r.generator).token_ids[0]
-            self.proposer.accept(r.slot, 0, token)
-            outputs.append(StepOutput(r, self._emit(r, [token]), r.finished))
-        return outputs
+        return self._shared_vocab(logits)
+
+    def _first_token(self, r: Request, logits: torch.Tensor) -> StepOutput:  # logits [1, V]
+        self.cache.truncate(r.slot, len(r.prompt_ids))
+        self.proposer.begin(r.slot, r.prompt_ids, r.params, r.generator, r.matcher)
+        _, mask = self._grammar_cut(r, Draft(EMPTY_DRAFT_IDS))  # [1, V] or None
+        token = verify(EMPTY_DRAFT_IDS, None, self._masked(r, logits, mask), r.params, r.generator).token_ids[0]
+        self.proposer.accept(r.slot, 0, token)
+        return StepOutput(r, self._emit(r, [token]), r.finished)
 
     def _decode(self, reqs: list[Request]) -> list[StepOutput]:
         slots = [r.slot for r in reqs]
         ks = [self._k_for(r) for r in reqs]
-        t0 = time.perf_counter()
-        drafts = self.proposer.propose(slots, ks)
-        t1 = time.perf_counter()
-        width = 1 + max(d.num_tokens for d in drafts)
-        dev = self.target.device
-        ids = torch.zeros(len(reqs), width, dtype=torch.int64)
-        pos = torch.zeros(len(reqs), width, dtype=torch.int64)
-        for row, (r, d) in enumerate(zip(reqs, drafts)):
-            ids[row, 0] = self._pending[r.slot]
-            ids[row, 1 : 1 + d.num_tokens] = d.token_ids
-            pos[row] = self.cache.lengths[r.slot] + torch.arange(width)  # padding lands past the end, rolled back
         base_lengths = [self.cache.lengths[s] for s in slots]
-        logits = self.target(ids.to(dev), pos.to(dev), self.cache, torch.tensor(slots, device=dev))  # [B, width, V]
+        rng_states = [r.generator.get_state() for r in reqs]  # a retried step draws the same numbers
+        for attempt in (1, 2):
+            try:
+                t0 = time.perf_counter()
+                drafts = self.proposer.propose(slots, ks)
+                t1 = time.perf_counter()
+                # mask: cut at the grammar's first forbidden guess (rejected at no cost) and keep the k+1 masks
+                drafts, masks = zip(*(self._grammar_cut(r, d) for r, d in zip(reqs, drafts)))
+                logits = self._verify_forward(reqs, drafts)  # [B, width, V]
+                break
+            except Exception as e:  # noqa: BLE001 — a failed batched step can't be pinned on one request
+                # roll back to the pre-step state (propose is idempotent between accepts), then retry once
+                for r, n, state in zip(reqs, base_lengths, rng_states):
+                    self.cache.truncate(r.slot, n)
+                    r.generator.set_state(state)
+                if attempt == 2:
+                    return [self._fail(r, e) for r in reqs]
         outputs = []
         for row, (r, d) in enumerate(zip(reqs, drafts)):
-            k = d.num_tokens
-            res = verify(d.token_ids.to(dev), d.probs, logits[row, : k + 1], r.params, r.generator)
-            self.cache.truncate(r.slot, base_lengths[row] + 1 + res.num_accepted)
-            if k:
-                self.k_policy.observe(r, k, res.num_accepted)  # the policy learns what the target agreed with
-            slot = r.slot
-            emitted = self._emit(r, res.token_ids)
-            # accepted guesses discarded after a stop (EOS, stop string) inside the run do not count as accepted;
-            # every step is counted in the k histogram (k = 0: a plain step, e.g. chosen by the adaptive policy)
-            num_accepted = min(res.num_accepted, len(emitted))
-            r.spec_stats.record(k, num_accepted)
-            self.stats.record(k, num_accepted)
-            if not r.finished:
-                self.proposer.accept(slot, res.num_accepted, res.token_ids[-1])
-            outputs.append(StepOutput(r, emitted, r.finished, k, num_accepted))
+            try:
+                outputs.append(self._settle(r, d, logits[row], base_lengths[row], masks[row]))
+            except Exception as e:  # noqa: BLE001 — this request's own verification or emission failed
+                outputs.append(self._fail(r, e))
         t2 = time.perf_counter()
         share = 1.0 / len(reqs)
         for r, d in zip(reqs, drafts):
@@ -221,10 +278,80 @@ class Engine:
         num_guessed = sum(d.num_tokens for d in drafts)
         if num_guessed:
             self.stats.add_times(t1 - t0, t2 - t1)
-        self.k_policy.observe_step(width, num_guessed, t1 - t0, t2 - t1)
+        self.k_policy.observe_step(logits.shape[1], num_guessed, t1 - t0, t2 - t1)
         return outputs
 
+    def _verify_forward(self, reqs: list[Request], drafts: list[Draft]) -> torch.Tensor:  # -> [B, 1 + max k, V]
+        """One batched target forward over [pending token, guesses...] per sequence."""
+        width = 1 + max(d.num_tokens for d in drafts)
+        dev = self.target.device
+        ids = torch.zeros(len(reqs), width, dtype=torch.int64)
+        pos = torch.zeros(len(reqs), width, dtype=torch.int64)
+        for row, (r, d) in enumerate(zip(reqs, drafts)):
+            ids[row, 0] = self._pending[r.slot]
+            ids[row, 1 : 1 + d.num_tokens] = d.token_ids
+            pos[row] = self.cache.lengths[r.slot] + torch.arange(width)  # padding lands past the end, rolled back
+        slots = torch.tensor([r.slot for r in reqs], device=dev)
+        return self._shared_vocab(self.target(ids.to(dev), pos.to(dev), self.cache, slots))  # [B, width, V]
+
+    def _settle(self, r: Request, d: Draft, logits: torch.Tensor, base_length: int,  # logits [width, V]
+                mask: torch.Tensor | None = None) -> StepOutput:  # mask [k + 1, V] bool (structured outputs)
+        """Verify one sequence's draft (pure), roll its cache back to what was accepted, emit."""
+        k = d.num_tokens
+        rows = self._masked(r, logits[: k + 1], mask)  # [k + 1, V]
+        res = verify(d.token_ids.to(logits.device), d.probs, rows, r.params, r.generator)
+        self.cache.truncate(r.slot, base_length + 1 + res.num_accepted)
+        if k:
+            self.k_policy.observe(r, k, res.num_accepted)  # the policy learns what the target agreed with
+        slot = r.slot
+        emitted = self._emit(r, res.token_ids)
+        # accepted guesses discarded after a stop (EOS, stop string) inside the run do not count as accepted;
+        # every step is counted in the k histogram (k = 0: a plain step, e.g. chosen by the adaptive policy)
+        num_accepted = min(res.num_accepted, len(emitted))
+        r.spec_stats.record(k, num_accepted, num_forced=d.num_forced)
+        self.stats.record(k, num_accepted, num_forced=d.num_forced)
+        if not r.finished:
+            self.proposer.accept(slot, res.num_accepted, res.token_ids[-1])
+        return StepOutput(r, emitted, r.finished, k, num_accepted)
+
+    # ---- structured outputs -------------------------------------------------------------------
+    def _grammar_cut(self, r: Request, d: Draft) -> tuple[Draft, torch.Tensor | None]:  # mask [k' + 1, V] bool
+        """Under a grammar: the draft cut before its first forbidden token (k' <= k guesses) and the masks of
+        the k' + 1 positions verification scores (row i: the state after guesses 1..i); (d, None) without."""
+        if r.matcher is None:
+            return d, None
+        t0 = time.perf_counter()
+        masks, num_valid = r.matcher.masks_along(d.token_ids, self.target.config.vocab_size)  # [k + 1, V]
+        if not masks[0].any():  # only a tokenizer that cannot spell the constraint's next bytes gets here
+            raise GrammarError("no token of the vocabulary can continue the output under its constraint")
+        if num_valid < d.num_tokens:
+            d = Draft(d.token_ids[:num_valid], None if d.probs is None else d.probs[:num_valid],
+                      min(d.num_forced, num_valid))
+        self._charge_mask(r, t0)
+        return d, masks[: num_valid + 1]
+
+    def _masked(self, r: Request, logits: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:  # [n, V]
+        if mask is None:
+            return logits
+        t0 = time.perf_counter()
+        out = mask_logits(logits, mask)
+        self._charge_mask(r, t0)
+        return out
+
+    def _advance_grammar(self, r: Request, tok: int) -> None:
+        t0 = time.perf_counter()
+        if not r.matcher.advance(tok):
+            raise GrammarError(f"token {tok} was emitted but the grammar forbids it here")
+        self._charge_mask(r, t0)
+
+    def _charge_mask(self, r: Request, t0: float) -> None:
+        dt = time.perf_counter() - t0
+        r.spec_stats.mask_time_s += dt
+        self.stats.mask_time_s += dt
+
     def _k_for(self, req: Request) -> int:
+        if not req.speculate:  # a per-request opt-out: plain steps through the same path
+            return 0
         k = min(self.k_policy.choose(req), self.max_lookahead)
         # never guess past max_tokens or the context (the pending token takes one position)
         room_out = req.params.max_tokens - len(req.output_ids) - 1
@@ -239,6 +366,8 @@ class Engine:
         for tok in token_ids:
             req.output_ids.append(tok)
             emitted.append(tok)
+            if req.matcher is not None:
+                self._advance_grammar(req, tok)
             reason = self._stop_reason(req, tok)
             if reason:
                 self._finish(req, reason)
@@ -253,9 +382,17 @@ class Engine:
             return "stop"
         if req.on_token is not None and req.on_token(tok):
             return "stop"
+        if req.matcher is not None and req.matcher.is_finished():
+            return "stop"  # the grammar is complete and admits nothing more (or only EOS)
         if len(req.output_ids) >= p.max_tokens:
             return "length"
         return None
+
+    def _fail(self, req: Request, exc: Exception) -> StepOutput:
+        """Finish a request whose step raised: finish_reason "error", `error` says what; its slot is freed."""
+        req.error = f"{type(exc).__name__}: {exc}"
+        self._finish(req, "error")
+        return StepOutput(req, [], True)
 
     def _finish(self, req: Request, reason: str) -> None:
         req.finish_reason = reason

@@ -12,6 +12,11 @@ import torch
 
 from draftwise.config import ConfigError
 
+MAX_TEMPERATURE = 100.0  # higher is indistinguishable from uniform sampling over the kept tokens
+# below this a temperature is greedy (vLLM's _SAMPLING_EPS): logits / 1e-40 overflow to inf and softmax gives NaN
+GREEDY_BELOW = 1e-5
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # the range torch.Generator.manual_seed accepts
+
 
 @dataclass
 class SamplingParams:
@@ -26,6 +31,12 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     n: int = 1
+    include_stop_str_in_output: bool = False  # keep the matched stop string at the end of the text (vLLM)
+    skip_special_tokens: bool = True  # leave special tokens out of the text (vLLM)
+    # what the output must match (vLLM's shape): a structured.StructuredOutputsSpec, or a dict like vLLM's
+    # StructuredOutputsParams ({"json": schema} / {"regex": ...} / {"choice": [...]} / {"grammar": ...} /
+    # {"json_object": true}, + disable_any_whitespace, whitespace_pattern); parsed and checked here, None = free
+    structured_outputs: object | None = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -34,8 +45,14 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == -1:
             self.top_k = 0
-        if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
-            raise ConfigError(f"temperature must be >= 0, got {self.temperature!r}")
+        if (isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float))
+                or not 0 <= self.temperature <= MAX_TEMPERATURE):  # NaN fails the comparison too
+            raise ConfigError(f"temperature must be a number in [0, {MAX_TEMPERATURE:g}], got {self.temperature!r}")
+        if self.temperature < GREEDY_BELOW:
+            self.temperature = 0.0
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
+                                      or not SEED_MIN <= self.seed <= SEED_MAX):
+            raise ConfigError(f"seed must be an integer in [-2^63, 2^64 - 1], got {self.seed!r}")
         if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
             raise ConfigError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
@@ -44,6 +61,11 @@ class SamplingParams:
             raise ConfigError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         if self.n != 1:
             raise ConfigError("only n=1 is supported")
+        if self.structured_outputs is not None:
+            from draftwise.structured.spec import StructuredOutputsSpec, parse_structured_outputs
+
+            if not isinstance(self.structured_outputs, StructuredOutputsSpec):  # a spec is checked when compiled
+                self.structured_outputs = parse_structured_outputs(self.structured_outputs)  # ConfigError names it
 
     @property
     def greedy(self) -> bool:
@@ -56,9 +78,10 @@ def process_logits(
     top_k: int = 0,
     top_p: float = 1.0,
 ) -> torch.Tensor:  # [..., vocab_size] float32 probabilities
-    """Temperature, then top-k, then top-p (nucleus), then softmax. Temperature 0 gives a one-hot argmax."""
+    """Temperature, then top-k, then top-p (nucleus), then softmax. Temperature 0 (or below GREEDY_BELOW, where
+    dividing would overflow to inf and give NaN probabilities) gives a one-hot argmax."""
     logits = logits.float()
-    if temperature == 0:
+    if not temperature >= GREEDY_BELOW:
         return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
     logits = logits / temperature
     vocab = logits.shape[-1]

@@ -84,23 +84,37 @@ class Tokenizer:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     # -- chat -------------------------------------------------------------------------------------
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> str:
-        """Render `messages` with the model's template, as transformers' apply_chat_template(tokenize=False)."""
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            continue_final_message: bool = False, **kwargs) -> str:
+        """Render `messages` with the model's template, as transformers' apply_chat_template(tokenize=False).
+        continue_final_message: end the text right after the last message's content (no end-of-turn marker), so
+        the model continues that message (transformers' and vLLM's option of that name)."""
         if not self.chat_template:
             raise ConfigError("this model has no chat template (a base model?); send a plain prompt instead")
+        if continue_final_message and add_generation_prompt:
+            raise ConfigError("continue_final_message and add_generation_prompt cannot both be true")
         if self._template is None:
             self._template = _compile_template(self.chat_template)
-        return self._template.render(
+        text = self._template.render(
             messages=messages,
             add_generation_prompt=add_generation_prompt,
             bos_token=self.bos_token or "",
             eos_token=self.eos_token or "",
             **kwargs,
         )
+        if continue_final_message:
+            final = (messages[-1].get("content") or "").strip() if messages else ""
+            at = text.rfind(final) if final else -1
+            if at < 0:
+                raise ConfigError("continue_final_message: the final message's content is not in the rendered chat")
+            text = text[: at + len(final)]
+        return text
 
-    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> list[int]:
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True,
+                    continue_final_message: bool = False, **kwargs) -> list[int]:
         """Token ids of the rendered chat; templates that write the BOS themselves do not get a second one."""
-        text = self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, **kwargs)
+        text = self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                        continue_final_message=continue_final_message, **kwargs)
         writes_bos = bool(self.bos_token) and text.startswith(self.bos_token)
         return self.encode(text, add_special_tokens=not writes_bos)
 

@@ -13,6 +13,7 @@ import torch
 import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 from tokenizers import Tokenizer as BackendTokenizer
+from tokenizers import decoders, models, pre_tokenizers, trainers
 from tokenizers.models import WordLevel
 from tokenizers.pre_tokenizers import WhitespaceSplit
 
@@ -51,6 +52,52 @@ def noisy_draft():
         for p in draft.parameters():
             p.add_(0.05 * torch.randn(p.shape, generator=g))
     return draft
+
+
+# ---- structured outputs: JSON must be expressible, so a small byte-level BPE instead of the word-level one ----
+JSON_EOS = "<|endoftext|>"
+JSON_CORPUS = [
+    '{"name": "Ada Lovelace", "age": 36, "tags": ["math", "poetry"], "active": true}',
+    '{"name": "Alan", "age": 41, "tags": [], "active": false, "city": null}',
+    '{"tool": "get_weather", "arguments": {"location": "Paris", "unit": "celsius", "days": 3}}',
+    '{"id": 12, "items": [{"sku": "A-1", "qty": 2}, {"sku": "B-22", "qty": 10}], "total": 99.5}',
+    "positive negative neutral mixed 2024-05-01 (1+2)*3-4/5 user assistant system",
+] * 4
+_json_tok: Tokenizer | None = None
+
+
+def json_tokenizer() -> Tokenizer:
+    """Byte-level BPE (~350 ids) trained on JSON_CORPUS (deterministic; built once per process)."""
+    global _json_tok
+    if _json_tok is None:
+        backend = BackendTokenizer(models.BPE())
+        backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        backend.decoder = decoders.ByteLevel()
+        trainer = trainers.BpeTrainer(vocab_size=350, special_tokens=[JSON_EOS], show_progress=False,
+                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+        backend.train_from_iterator(JSON_CORPUS, trainer)
+        _json_tok = Tokenizer(backend, chat_template=CHAT_TEMPLATE, eos_token=JSON_EOS)
+    return _json_tok
+
+
+def json_llm(spec=None, max_num_seqs: int = 4, max_model_len: int = 256, max_lookahead: int | None = None,
+             seed: int = 0) -> LLM:
+    """tiny_llm's shape over json_tokenizer(): a random qwen2 decoder as wide as that vocabulary, and a noisy
+    copy of it as the draft for method draft_model."""
+    tok = json_tokenizer()
+    vocab = tok.vocab_size
+
+    def draft(name, dtype, weights):
+        d = tiny_decoder("qwen2", 0, vocab)
+        g = torch.Generator().manual_seed(1)
+        with torch.no_grad():
+            for p in d.parameters():
+                p.add_(0.05 * torch.randn(p.shape, generator=g))
+        return d, tok, {"name": name}
+
+    return LLM.from_parts(tiny_decoder("qwen2", 0, vocab), tok, name=MODEL, speculative_config=spec,
+                          max_num_seqs=max_num_seqs, max_model_len=max_model_len, max_lookahead=max_lookahead,
+                          load_draft=draft, seed=seed)
 
 
 class Server:

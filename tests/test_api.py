@@ -56,3 +56,39 @@ def test_run_finishes_every_request_and_reports_each_once():
     assert sorted(r.request_id for r in finished) == sorted(r.request_id for r in reqs)
     assert all(r.finish_reason == "length" and len(r.output_ids) == 8 for r in reqs)
     assert not llm.engine.has_unfinished() and llm.engine.num_free_slots == 2
+
+
+def test_prompt_ids_beyond_a_smaller_drafts_vocabulary_are_a_config_error():
+    """Issue 11, item 2: a draft with fewer embedding rows than the target; `prompt: [id]` beyond them is refused
+    up front (the server's 400), not an exception inside engine.step that fails every in-flight request."""
+    spec = {"method": "draft_model", "model": "small", "num_speculative_tokens": 3}
+    llm = LLM.from_parts(tiny_decoder("qwen2", 0, VOCAB), tiny_tokenizer(), name=MODEL, speculative_config=spec,
+                         load_draft=lambda name, dtype, weights: (tiny_decoder("qwen2", 1, 48), None, {}))
+    with pytest.raises(ConfigError, match="prompt token id 50 .*embeds only ids 0..47"):
+        llm.new_request([3, 50], SamplingParams(max_tokens=4))
+    with pytest.raises(ConfigError, match="prompt token id 63 "):
+        llm.generate({"prompt_token_ids": [63]}, SamplingParams(max_tokens=4))
+    outs = llm.generate([[3, 4, 5]], SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True, seed=0))
+    assert outs[0].outputs[0].finish_reason == "length" and max(outs[0].outputs[0].token_ids) < 48
+    llm.set_speculation(None)  # plain decoding: the whole target vocabulary again
+    assert llm.generate([[50]], SamplingParams(max_tokens=2, ignore_eos=True))[0].outputs[0].finish_reason == "length"
+
+
+def test_generate_surfaces_a_failed_request_as_finish_reason_error(monkeypatch):
+    """Issue 11, item 8: a request whose step keeps failing ends with finish_reason "error" and the message;
+    generate does not raise and the other requests of the batch finish normally."""
+    llm, _ = counting_llm(max_num_seqs=4, speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+    forward = llm.model.forward
+    bad_len = len(llm.tokenizer.encode(PROMPTS[2]))
+
+    def flaky(token_ids, positions, cache, slots, **kw):
+        if "logit_index" in kw and token_ids.shape[1] == bad_len:
+            raise RuntimeError("injected: CUDA out of memory")
+        return forward(token_ids, positions, cache, slots, **kw)
+
+    monkeypatch.setattr(llm.model, "forward", flaky)
+    outs = llm.generate(PROMPTS, SamplingParams(max_tokens=6, ignore_eos=True))
+    reasons = [o.outputs[0].finish_reason for o in outs]
+    assert reasons == ["length", "length", "error", "length"]
+    assert outs[2].error == "RuntimeError: injected: CUDA out of memory" and outs[0].error is None
+    assert not llm.engine.has_unfinished() and llm.engine.num_free_slots == 4

@@ -82,3 +82,42 @@ def test_endpoint_mode_against_our_server(servers, tmp_path):
     assert rep["manifest"]["client"]["mode"] == "endpoint"
     recs = [json.loads(x) for x in (tmp_path / "out" / "journal.jsonl").read_text().splitlines()]
     assert {r["condition"] for r in recs} == {"none", "ngram-k3"}
+
+
+def _fake_endpoint(body: str, content_type: str = "text/event-stream"):
+    """An httpx transport answering every completion with `body` (an SSE stream or a JSON body)."""
+    import httpx
+
+    return httpx.MockTransport(lambda request: httpx.Response(200, headers={"content-type": content_type},
+                                                              content=body.encode()))
+
+
+def _sse(*events) -> str:
+    return "".join(f"data: {e if isinstance(e, str) else json.dumps(e)}\n\n" for e in events)
+
+
+def test_http_client_counts_an_in_stream_error_as_an_error():
+    """Issue 11, item 10: a stream whose last event is `data: {"error": ...}` (the server failed mid-request), or
+    a 200 body holding an `error` object, is an error — not a success with the text that came before it."""
+    from draftwise.bench.clients import Call
+
+    call = Call("p", None, 8)
+    chunk = {"choices": [{"index": 0, "text": "partial", "finish_reason": None}]}
+    error = {"error": {"message": "engine failed: out of memory", "type": "server_error"}}
+    ok = {"choices": [{"index": 0, "text": "!", "finish_reason": "length"}],
+          "usage": {"prompt_tokens": 1, "completion_tokens": 2}}
+    cases = {
+        "stream error": (_sse(chunk, error, "[DONE]"), "text/event-stream"),
+        "stream error, no [DONE]": (_sse(chunk, error), "text/event-stream"),
+        "body error": (json.dumps(error), "application/json"),
+        "fine": (_sse(chunk, ok, "[DONE]"), "text/event-stream"),
+    }
+    results = {}
+    for name, (body, ctype) in cases.items():
+        client = HTTPClient(model="m", transport=_fake_endpoint(body, ctype))
+        client._models["http://x"] = "m"
+        results[name] = client._stream("http://x", call)
+    for name in ("stream error", "stream error, no [DONE]", "body error"):
+        assert results[name].error and "engine failed: out of memory" in results[name].error, name
+    assert results["fine"].error is None and results["fine"].text == "partial!"
+    assert results["fine"].num_output_tokens == 2

@@ -184,3 +184,65 @@ def test_humaneval_harness_runs_code_honestly():
         return
     assert res["none"]["pass_at_1"] == 1.0
     assert res["ngram-k2"]["pass_at_1"] == 0.0 and res["ngram-k4"]["pass_at_1"] == 0.0
+
+
+# ---- resume keys on content, batches complete by identity, foreign lines are torn (issue 11, item 11) -----
+def test_resume_refuses_an_edited_workload_or_switched_turns(tmp_path):
+    """Same workload names, different content: an edited prompt, an edited output limit, or MT-Bench turns read
+    with --turns all instead of first. Resuming would reuse records measured on other prompts; it is refused
+    with a message naming the workloads (the chosen rule: refuse, and --fresh or another --out starts over)."""
+    def mt_bench(turns: str):
+        conv = ["Write a haiku.", "Now another."]
+        items = [Item(f"mt-{i}", "mt", messages=[{"role": "user", "content": conv[0]}]) if turns == "first"
+                 else Item(f"mt-{i}", "mt", turns=conv) for i in range(4)]
+        return Workload("mt", items, max_tokens=8)
+
+    run_bench(FakeClient(SPEED), options(tmp_path))
+    edited = workload()
+    edited.items[3].prompt = "something else"
+    limit = workload()
+    limit.items[0].max_tokens = 3
+    for changed in (edited, limit):
+        with pytest.raises(ConfigError, match=r"different protocol \(differs in \['workloads'\]"):
+            run_bench(FakeClient(SPEED), options(tmp_path, workloads=[changed]))
+    mt_out, first = tmp_path / "mt", FakeClient(SPEED)
+    run_bench(first, options(mt_out, workloads=[mt_bench("first")]))
+    with pytest.raises(ConfigError, match="different protocol"):
+        run_bench(FakeClient(SPEED), options(mt_out, workloads=[mt_bench("all")]))
+    fresh = FakeClient(SPEED)
+    run_bench(fresh, options(mt_out, workloads=[mt_bench("all")], fresh=True))
+    assert len(fresh.calls) == len(first.calls)  # started over, nothing reused
+
+
+def test_resume_drops_foreign_and_wrong_records_with_a_warning(tmp_path, monkeypatch):
+    """Mid-file lines that parse but are not records of this plan (another object, a list, a record of another
+    protocol, a record whose item is not the batch's) and a truncated last line are dropped with a warning, never
+    a crash and never reused: exactly the batches they touched rerun. The rewrite is durable: the temp file is
+    fsynced before it replaces the journal, the folder after."""
+    import os
+
+    opts = options(tmp_path, concurrency=[2])
+    run_bench(FakeClient(SPEED), opts)
+    journal = tmp_path / "out" / "journal.jsonl"
+    recs = [json.loads(line) for line in journal.read_text().splitlines()]
+    total = len(recs)
+    foreign = dict(recs[4], protocol="0123456789abcdef")  # same batch and item, another protocol
+    wrong_item = dict(recs[7], item_id="w-7")  # the batch's count is right, its set is not
+    lines = [json.dumps(r) for r in recs]
+    lines[7] = json.dumps(wrong_item)
+    lines[4:4] = ['{"not": "a record"}', "[1, 2, 3]", json.dumps(foreign), "\x00garbage"]
+    journal.write_text("\n".join(lines) + "\n" + json.dumps(recs[-1])[:25])
+    again, events = FakeClient(SPEED), []
+    fsync, replace = os.fsync, os.replace
+    monkeypatch.setattr(os, "fsync", lambda fd: (events.append(os.readlink(f"/proc/self/fd/{fd}")), fsync(fd))[1])
+    monkeypatch.setattr(os, "replace", lambda a, b: (events.append(("replace", str(a), str(b))), replace(a, b))[1])
+    with pytest.warns(UserWarning, match="dropped 6 line"):  # a runner.JournalWarning
+        run_bench(again, opts)
+    at = next(i for i, e in enumerate(events) if isinstance(e, tuple) and e[2] == str(journal))
+    assert events[at][1] in events[:at] and str(journal.parent) in events[at + 1:]
+    touched = {recs[4]["batch"], recs[7]["batch"]}
+    assert sorted({(c, i) for c, i in again.calls}) == sorted(
+        {(r["condition"], r["item_id"]) for r in recs if r["batch"] in touched})
+    after = [json.loads(line) for line in journal.read_text().splitlines()]
+    assert len(after) == total and len({(r["batch"], r["item_id"], r["repeat"]) for r in after}) == total
+    assert all(r["protocol"] == after[0]["protocol"] for r in after)

@@ -89,3 +89,25 @@ def test_models_lists_catalog(capsys):
     code, out, _ = run(capsys, "models", "--json")
     names = [r["name"] for r in json.loads(out)]
     assert code == 0 and "qwen2.5-coder-0.5b-instruct" in names and "gemma-3-270m" in names
+
+
+def test_generate_json_schema(capsys, tiny_gguf_path, tmp_path):
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+              "additionalProperties": False}
+    path = tmp_path / "schema.json"
+    path.write_text(json.dumps(schema))
+    spec = '{"method":"grammar","num_speculative_tokens":4,"then":{"method":"ngram"}}'
+    code, out, err = run(capsys, "generate", "--model", str(tiny_gguf_path), "--prompt", "hello", "--max-tokens",
+                         "40", "--json", "--json-schema", str(path), "--speculative-config", spec)
+    assert code == 0, err
+    d = json.loads(out.strip().splitlines()[-1])
+    if d["finish_reason"] == "stop":  # free whitespace may run past 40 tokens: then it says "length"
+        assert isinstance(json.loads(d["text"])["ok"], bool)
+    assert d["spec"]["num_forced_tokens"] > 0 and "num_accepted_forced_tokens" in d["spec"]
+    code, _, err = run(capsys, "generate", "--model", str(tiny_gguf_path), "--prompt", "hello",
+                       "--json-schema", str(tmp_path / "missing.json"))
+    assert code == 2 and "--json-schema" in err and "Traceback" not in err
+    path.write_text(json.dumps({"type": "array", "uniqueItems": True}))
+    code, _, err = run(capsys, "generate", "--model", str(tiny_gguf_path), "--prompt", "hello",
+                       "--json-schema", str(path))
+    assert code == 2 and "uniqueItems" in err

@@ -4,8 +4,10 @@ and stats add up."""
 import pytest
 import torch
 
+from draftwise.config import ConfigError
 from draftwise.engine import ContextLengthError, Engine, Request
 from draftwise.sampling import SamplingParams
+from draftwise.spec_decode.adaptive import FixedK
 from draftwise.spec_decode.draft_model import DraftModelProposer
 from draftwise.spec_decode.ngram import NgramProposer, lookup
 from draftwise.spec_decode.proposer import NoProposer
@@ -183,3 +185,119 @@ def test_guesses_discarded_after_a_stop_are_not_counted_as_accepted(target, draf
     assert req.spec_stats.num_draft_tokens == 8 and req.spec_stats.num_accepted_tokens == i
     assert eng.stats.num_accepted_tokens == i
     assert [(o.num_draft_tokens, o.num_accepted, len(o.new_token_ids)) for o in outputs] == [(0, 0, 1), (8, i, i)]
+
+
+# ---- a draft with fewer embedding rows than the target (issue 11, item 2) ---------------------------------
+SHARED = 48  # the small draft embeds ids 0..47; the target has 64 rows
+SHARED_PROMPTS = [[t % SHARED for t in p] for p in PROMPTS]
+
+
+class FavourIds(torch.nn.Module):
+    """The target with its logits for ids >= `start` (the rows the draft cannot embed) boosted, so an unmasked
+    engine would pick them."""
+
+    def __init__(self, inner, start: int, boost: float = 20.0):
+        super().__init__()
+        self.inner, self.start, self.boost = inner, start, boost
+        self.config, self.dtype, self.device = inner.config, inner.dtype, inner.device
+
+    @torch.inference_mode()
+    def forward(self, *args, **kwargs):
+        logits = self.inner(*args, **kwargs).clone()
+        logits[..., self.start:] += self.boost
+        return logits
+
+
+def small_vocab_proposer():
+    return draft_proposer(tiny_decoder("qwen2", seed=3, vocab_size=SHARED))
+
+
+@pytest.mark.parametrize("favour_padded", [False, True])
+def test_sampling_is_masked_to_the_vocabulary_a_smaller_draft_shares(target, favour_padded):
+    """Greedy spec == greedy plain under the same mask (the draft proposer with k = 0), and no emitted id,
+    greedy or sampled, is one the draft cannot embed — even when the target's logits favour those ids."""
+    tgt = FavourIds(target, SHARED) if favour_padded else target
+    spec, _, reqs = run_engine(tgt, small_vocab_proposer(), 3, prompts=SHARED_PROMPTS)
+    masked_plain, _, _ = run_engine(tgt, small_vocab_proposer(), 3, prompts=SHARED_PROMPTS, k_policy=FixedK(0))
+    assert spec == masked_plain
+    assert all(r.finish_reason == "length" for r in reqs)
+    sampled = SamplingParams(temperature=1.0, max_tokens=24, ignore_eos=True, seed=5)
+    outs, _, reqs = run_engine(tgt, small_vocab_proposer(), 3, prompts=SHARED_PROMPTS, params=sampled)
+    assert all(r.finish_reason == "length" for r in reqs)
+    ids = [t for o in spec + outs for t in o]
+    assert max(ids) < SHARED
+    if not favour_padded:  # without the boost the mask changes nothing: plain unmasked decoding agrees
+        assert spec == plain(target, prompts=SHARED_PROMPTS)
+    assert small_vocab_proposer().vocab_limit == SHARED
+
+
+def test_prompt_ids_a_smaller_draft_cannot_embed_are_refused(target):
+    eng = Engine(target, small_vocab_proposer(), 3, 2, MAX_LEN, eos_token_ids=(0,))
+    with pytest.raises(ConfigError, match="prompt token id 50 "):
+        eng.add_request(Request("r", [1, 2, 50], SamplingParams(max_tokens=4)))
+    assert not eng.has_unfinished()
+    for proposer in (NoProposer(), NgramProposer(1, 3)):
+        assert proposer.vocab_limit is None
+        Engine(target, proposer, 3, 2, MAX_LEN, eos_token_ids=(0,)).add_request(Request("r", [50], SamplingParams()))
+
+
+# ---- a failing step fails only the request(s) it can be pinned on (issue 11, item 8) ----------------------
+def inject_failures(target, monkeypatch, when):
+    """Make the target's forward raise MemoryError whenever `when(token_ids, is_prefill)` is true."""
+    forward = target.forward
+
+    def flaky(token_ids, positions, cache, slots, **kw):
+        if when(token_ids, "logit_index" in kw):
+            raise MemoryError("injected: out of memory")
+        return forward(token_ids, positions, cache, slots, **kw)
+
+    monkeypatch.setattr(target, "forward", flaky)
+
+
+def test_a_failing_prefill_fails_only_the_prompt_that_caused_it(target, monkeypatch):
+    ref = plain(target)
+    long_prompt = list(range(1, 41))
+    inject_failures(target, monkeypatch, lambda ids, prefill: prefill and ids.shape[1] >= len(long_prompt))
+    outs, eng, reqs = run_engine(target, NgramProposer(1, 3), 3, prompts=PROMPTS + [long_prompt], max_num_seqs=5)
+    assert reqs[-1].finish_reason == "error" and "MemoryError: injected" in reqs[-1].error
+    assert outs[:-1] == ref and all(r.finish_reason == "length" and r.error is None for r in reqs[:-1])
+    assert not eng.has_unfinished() and eng.num_free_slots == 5
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_a_failing_decode_step_is_retried_once_exactly(target, drafts, monkeypatch, method):
+    """One decode forward fails: the step is rolled back (target cache, draft cache, generators) and retried,
+    so the seeded sampled output is exactly that of a run without the failure."""
+    params = SamplingParams(temperature=0.8, max_tokens=24, ignore_eos=True, seed=11)
+    make = (lambda: NgramProposer(1, 3)) if method == "ngram" else (lambda: draft_proposer(drafts["noisy"]))
+    ref, _, _ = run_engine(target, make(), 3, params=params)
+    decode_calls = []
+
+    def third_decode_forward(token_ids, prefill):
+        if not prefill:
+            decode_calls.append(token_ids.shape)
+        return not prefill and len(decode_calls) == 3
+
+    inject_failures(target, monkeypatch, third_decode_forward)
+    outs, _, reqs = run_engine(target, make(), 3, params=params)
+    assert len(decode_calls) > 3 and decode_calls[2] == decode_calls[3]  # failed mid-run, then the same step again
+    assert outs == ref and all(r.finish_reason == "length" for r in reqs)
+
+
+def test_a_decode_step_failing_twice_fails_its_requests_and_the_engine_goes_on(target, drafts, monkeypatch):
+    eng = Engine(target, draft_proposer(drafts["noisy"]), 3, 4, MAX_LEN, eos_token_ids=(0,))
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    reqs = [Request(f"r{i}", p, params) for i, p in enumerate(PROMPTS)]
+    inject_failures(target, monkeypatch, lambda ids, prefill: not prefill)
+    for r in reqs:
+        eng.add_request(r)
+    while eng.has_unfinished():
+        eng.step()  # never raises
+    assert all(r.finish_reason == "error" and "MemoryError" in r.error and len(r.output_ids) == 1 for r in reqs)
+    assert eng.num_free_slots == 4
+    monkeypatch.undo()
+    again = Request("again", PROMPTS[0], params)
+    eng.add_request(again)
+    while eng.has_unfinished():
+        eng.step()
+    assert again.output_ids == plain(target)[0]

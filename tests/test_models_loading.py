@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import shutil
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -258,3 +259,91 @@ def test_non_gguf_file_is_refused(tmp_path, draftwise_cache_dir):
     f.write_bytes(b"not a model")
     with pytest.raises(ConfigError, match="not a GGUF file"):
         load_checkpoint(f, draftwise_cache_dir)
+
+
+# ---- corrupt files, manifests, durable writes, confined index paths (issue 11, item 12) ---------------------
+def _converted(tiny_gguf_path, tmp_path, cache_dir):
+    user_file = tmp_path / "mine.gguf"
+    shutil.copy(tiny_gguf_path, user_file)
+    ck = load_checkpoint(user_file, cache_dir, progress=False)
+    return user_file, ck, dict(ck.tensors()), Path(ck.info["converted_path"]) / "model.safetensors"
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip bytes"])
+def test_a_corrupt_converted_cache_is_converted_again(tiny_gguf_path, tmp_path, draftwise_cache_dir, capsys, damage):
+    """A converted file cut short (a crash, a full disk) or changed in place is caught by the manifest written at
+    conversion (size always; sha256 when the mtime moved) and converted again — never loaded as weights."""
+    user_file, _, ref, weights = _converted(tiny_gguf_path, tmp_path, draftwise_cache_dir)
+    data = bytearray(weights.read_bytes())
+    if damage == "truncate":
+        data = data[:-100]
+    else:
+        data[-100:] = bytes(100)
+    weights.write_bytes(bytes(data))
+    capsys.readouterr()
+    again = load_checkpoint(user_file, draftwise_cache_dir, progress=False)
+    assert "unusable" in capsys.readouterr().err
+    got = dict(again.tensors())
+    assert all(torch.equal(got[n], t) for n, t in ref.items())
+    assert weights.stat().st_size == len(data) + (100 if damage == "truncate" else 0)
+    meta = json.loads((weights.parent / "draftwise_config.json").read_text())
+    assert meta["files"]["model.safetensors"]["size"] == weights.stat().st_size
+    assert len(meta["files"]["model.safetensors"]["sha256"]) == 64 and "tokenizer.json" in meta["files"]
+
+
+def test_a_truncated_safetensors_file_is_a_clear_error(tiny_hf_dir, tmp_path):
+    """Reads are length-checked: a short file is a ConfigError naming the file, offset and expected bytes, before
+    any tensor is read, and a file that shrinks while being read fails the short read (no uninitialised memory)."""
+    shard = tmp_path / "shard.safetensors"
+    shutil.copy(st.weight_files(tiny_hf_dir)[0], shard)
+    full = shard.read_bytes()
+    shard.write_bytes(full[:-10])
+    with pytest.raises(ConfigError, match=r"shard\.safetensors is truncated: .* its header needs"):
+        list(st.iter_tensors([shard]))
+    shard.write_bytes(full)
+    tensors = st.iter_tensors([shard])
+    next(tensors)
+    shard.write_bytes(full[:-10])  # truncated under the open reader
+    with pytest.raises(ConfigError, match=r"shard\.safetensors: tensor .* truncated: expected \d+ bytes at offset \d+"):
+        list(tensors)
+    shard.write_bytes(full[:4])
+    with pytest.raises(ConfigError, match="expected 8 header-length bytes at offset 0, read 4"):
+        list(st.iter_tensors([shard]))
+
+
+@pytest.mark.parametrize("bad", ["../outside.safetensors", "/abs/outside.safetensors", "sub/../../outside.safetensors"])
+def test_index_weight_paths_must_stay_inside_the_checkpoint(tiny_hf_dir, tmp_path, bad):
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(tiny_hf_dir, ckpt)
+    shutil.copy(st.weight_files(ckpt)[0], tmp_path / "outside.safetensors")  # a real file out there
+    index = ckpt / "model.safetensors.index.json"
+    data = json.loads(index.read_text())
+    first = next(iter(data["weight_map"]))
+    data["weight_map"][first] = bad.replace("/abs", str(tmp_path)) if bad.startswith("/abs") else bad
+    index.write_text(json.dumps(data))
+    with pytest.raises(ConfigError, match="is not a relative path inside the checkpoint folder"):
+        load_checkpoint(ckpt)
+
+
+def test_every_cache_write_is_fsynced_before_its_rename(tiny_gguf_path, tmp_path, draftwise_cache_dir, monkeypatch):
+    """Conversion folder, fp32 and bf16 copies: each file and folder is fsynced before the rename, the parent after."""
+    import os
+
+    events = []
+    fsync, replace = os.fsync, os.replace
+    monkeypatch.setattr(os, "fsync", lambda fd: (events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}"))),
+                                                 fsync(fd))[1])
+    monkeypatch.setattr(os, "replace", lambda a, b: (events.append(("replace", str(a), str(b))), replace(a, b))[1])
+    _, ck, _, weights = _converted(tiny_gguf_path, tmp_path, draftwise_cache_dir)
+    dict(ck.tensors(torch.bfloat16))
+    renames = [e for e in events if e[0] == "replace"]
+    for event in renames:
+        _, src, dst = event
+        at = events.index(event)
+        synced = {e[1] for e in events[:at] if e[0] == "fsync"}
+        assert src in synced, dst  # the file, or the folder ...
+        if Path(dst).is_dir():
+            assert str(Path(src) / "tokenizer.json") in synced  # ... and every file in it
+        assert ("fsync", str(Path(dst).parent)) in events[at + 1:], dst  # then the rename itself
+    assert {Path(d).name for _, _, d in renames} >= {weights.parent.name, "model.safetensors",
+                                                       "model.bfloat16.safetensors"}

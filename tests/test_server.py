@@ -159,15 +159,20 @@ def test_still_serving_after_bad_input(server):
     assert out.usage.completion_tokens >= 1
 
 
-def test_internal_error_fails_one_request_not_the_server(server, monkeypatch):
+def test_internal_error_fails_one_request_not_the_server(server, monkeypatch, caplog):
+    """A 500 names a request id and never the exception text; the traceback goes to the server log."""
     llm = server.app.state.llm
 
     def broken(req, text):
         raise RuntimeError("boom")
 
     monkeypatch.setattr(llm, "to_output", broken)
-    err = assert_error_shape(httpx.post(server.url + "/v1/completions", json=GOOD), 500)
-    assert "boom" in err["message"] and err["type"] == "server_error"
+    with caplog.at_level("ERROR", logger="draftwise.server"):
+        err = assert_error_shape(httpx.post(server.url + "/v1/completions", json=GOOD), 500)
+    assert "boom" not in err["message"] and err["type"] == "server_error"
+    rid = err["message"].split("request id ", 1)[1].split(";", 1)[0]
+    logged = [r for r in caplog.records if rid in r.getMessage()]
+    assert logged and "boom" in str(logged[0].exc_info[1])
     monkeypatch.undo()
     wait_for_idle(server)
     assert server.client().completions.create(model=MODEL, prompt="w1", max_tokens=3).choices[0].text is not None

@@ -47,10 +47,24 @@ def llama_cpp_permute(weight: np.ndarray, num_heads: int) -> np.ndarray:
             .swapaxes(1, 2).reshape(weight.shape))
 
 
-def _hf_tensors(arch: str, vocab_size: int, tie: bool, seed: int) -> dict[str, np.ndarray]:
+def random_q4k_blocks(N: int, K: int, rng) -> np.ndarray:
+    """A valid GGUF Q4_K tensor [N, K / 256 * 144] uint8 with random contents (the Python gguf package cannot
+    quantize to Q4_K): small positive fp16 d / dmin, random 6-bit scales and mins (any 12 bytes are valid), random
+    nibbles."""
+    nb = N * K // 256
+    blocks = rng.integers(0, 256, size=(nb, 144), dtype=np.uint8)
+    blocks[:, 0:2] = rng.uniform(1e-4, 3e-4, nb).astype(np.float16).view(np.uint8).reshape(nb, 2)
+    blocks[:, 2:4] = rng.uniform(1e-4, 3e-4, nb).astype(np.float16).view(np.uint8).reshape(nb, 2)
+    return blocks.reshape(N, K // 256 * 144)
+
+
+Q4K_DIMS = dict(hidden=256, heads=4, kv_heads=2, head_dim=64, intermediate=256, layers=2)  # K % 256 == 0 everywhere
+
+
+def _hf_tensors(arch: str, vocab_size: int, tie: bool, seed: int, dims: dict | None = None) -> dict[str, np.ndarray]:
     """Random weights in HF layout ([out, in]) for a tiny decoder of `arch`."""
     rng = np.random.default_rng(seed)
-    d = TINY_DIMS
+    d = dims or TINY_DIMS
     q_out, kv_out = d["heads"] * d["head_dim"], d["kv_heads"] * d["head_dim"]
     r = lambda *shape: rng.standard_normal(shape).astype(np.float32) * 0.1  # noqa: E731
     out = {"model.embed_tokens.weight": r(vocab_size, d["hidden"]), "model.norm.weight": 1 + r(d["hidden"])}
@@ -93,15 +107,18 @@ def _gguf_name(hf: str) -> str:
 
 
 def write_tiny_gguf(path: Path, arch: str = "qwen2", tie: bool = False, seed: int = 0,
-                    quantize: tuple[str, ...] = ()) -> dict[str, np.ndarray]:
+                    quantize: tuple[str, ...] = (), q4k: tuple[str, ...] = (),
+                    dims: dict | None = None) -> dict[str, np.ndarray]:
     """Write a tiny random GGUF as llama.cpp would (llama Q/K permuted); return the HF-layout weights.
 
-    Tensors whose HF name ends with a string in `quantize` are stored as Q8_0."""
+    Tensors whose HF name ends with a string in `quantize` are stored as Q8_0; with one in `q4k`, as random Q4_K
+    blocks (needs K % 256 == 0: dims=Q4K_DIMS), and the returned weight is what those blocks dequantize to."""
     import gguf
 
     tokens, merges = _train_tiny_bpe()
-    hf = _hf_tensors(arch, len(tokens), tie, seed)
-    d = TINY_DIMS
+    hf = _hf_tensors(arch, len(tokens), tie, seed, dims)
+    d = dims or TINY_DIMS
+    rng = np.random.default_rng(seed + 1000)
     w = gguf.GGUFWriter(str(path), arch)
     w.add_name(f"tiny random {arch}")
     w.add_block_count(d["layers"])
@@ -121,11 +138,21 @@ def write_tiny_gguf(path: Path, arch: str = "qwen2", tie: bool = False, seed: in
     w.add_eos_token_id(tokens.index("<|im_end|>"))
     w.add_add_bos_token(False)
     w.add_chat_template(TINY_CHAT_TEMPLATE)
-    for name, value in hf.items():
+    for name, value in list(hf.items()):
+        heads = None
         if arch == "llama" and ".self_attn.q_proj." in name:
-            value = llama_cpp_permute(value, d["heads"])
+            heads = d["heads"]
         elif arch == "llama" and ".self_attn.k_proj." in name:
-            value = llama_cpp_permute(value, d["kv_heads"])
+            heads = d["kv_heads"]
+        if q4k and name.endswith(q4k) and value.ndim == 2:
+            blocks = random_q4k_blocks(*value.shape, rng)  # rows in HF order
+            hf[name] = gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType.Q4_K).reshape(value.shape)
+            if heads:
+                blocks = llama_cpp_permute(blocks, heads)  # whole rows move: the blocks travel with them
+            w.add_tensor(_gguf_name(name), blocks, raw_dtype=gguf.GGMLQuantizationType.Q4_K)
+            continue
+        if heads:
+            value = llama_cpp_permute(value, heads)
         if name.endswith(quantize) and value.ndim == 2:
             w.add_tensor(_gguf_name(name), gguf.quants.quantize(value, gguf.GGMLQuantizationType.Q8_0),
                          raw_dtype=gguf.GGMLQuantizationType.Q8_0)

@@ -76,8 +76,15 @@ def spec_totals(recs: list[dict]) -> dict | None:
     for p in parts:
         for i, a in enumerate(p.get("accepted_per_position") or []):
             per_pos[i] += a
-    total = {k: sum(int(p.get(k, 0)) for p in parts) for k in ("num_drafts", "num_draft_tokens", "num_accepted_tokens")}
-    return stats.spec_summary(total["num_drafts"], total["num_draft_tokens"], total["num_accepted_tokens"], per_pos)
+    total = {k: sum(int(p.get(k, 0)) for p in parts) for k in ("num_drafts", "num_draft_tokens", "num_accepted_tokens",
+                                                                 "num_forced_tokens", "num_accepted_forced_tokens")}
+    out = stats.spec_summary(total["num_drafts"], total["num_draft_tokens"], total["num_accepted_tokens"], per_pos)
+    # structured outputs: the grammar's forced tokens, and the share of output tokens that were accepted forced ones
+    n_out = sum(r.get("num_output_tokens") or 0 for r in recs if r.get("spec"))
+    out.update(num_forced_tokens=total["num_forced_tokens"], num_accepted_forced_tokens=total["num_accepted_forced_tokens"],
+               forced_share=total["num_accepted_forced_tokens"] / n_out if n_out else None,
+               mask_time_s=sum(float(p.get("mask_time_s") or 0.0) for p in parts))
+    return out
 
 
 def peak_memory(recs: list[dict]) -> dict:

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 from draftwise.cli_args import add_model_args, int_list, llm_from_args
-from draftwise.config import WEIGHT_FORMATS, ConfigError
+from draftwise.config import DTYPES, WEIGHT_FORMATS, ConfigError
 from draftwise.models.catalog import DEFAULT_DRAFT, DEFAULT_TARGET
 
 
@@ -23,7 +23,7 @@ def add_bench_args(p) -> None:
     p.add_argument("--methods", default="none,ngram,draft_model")
     p.add_argument("--num-speculative-tokens", default="2,4,6")
     p.add_argument("--draft", default=DEFAULT_DRAFT, help="draft model for method draft_model")
-    p.add_argument("--draft-dtype", default=None, choices=["float32", "bfloat16"])
+    p.add_argument("--draft-dtype", default=None, choices=list(DTYPES), help="default: the target's --dtype")
     p.add_argument("--draft-weights", default=None, choices=list(WEIGHT_FORMATS))
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--requests", type=int, default=30, help="measured requests per condition and group")
@@ -107,8 +107,8 @@ def cmd_demo(args) -> int:
     args.temperature, args.top_p = 0.0, 1.0
     args.endpoint, args.api_key, args.served_model = [], None, None
     args.watts, args.price_per_kwh, args.fresh, args.no_plots, args.no_humaneval = None, None, True, False, False
-    # the fastest formats measured on this CPU (scripts/compare.py): int4 decode with dense prefill, int4 draft
-    args.draft_dtype, args.draft_weights = None, args.draft_weights or "int4"
+    # target and draft in the kernels the autotuner measures fastest on this machine (--weights/--dtype auto),
+    # unless given explicitly
     print(f"draftwise demo: {args.model} with draft {args.draft}; {args.requests} measured requests per condition "
           f"and group, {args.max_tokens} output tokens — below the 5 + 30 protocol, so treat the verdict as a "
           "smoke test; numbers on a shared 2-core machine are noisy.", file=sys.stderr)
@@ -185,7 +185,7 @@ def register(sub) -> None:
 
     d = sub.add_parser("demo", help="a quick bench on the default target/draft pair (what `make demo` runs)")
     add_bench_args(d)
-    d.set_defaults(func=cmd_demo, out="demo-out", requests=3, max_tokens=24, dtype="bfloat16", weights="int4+dense")
+    d.set_defaults(func=cmd_demo, out="demo-out", requests=3, max_tokens=24)
 
     t = sub.add_parser("tune", help="sweep methods x num_speculative_tokens; print the winner (also as vLLM)")
     add_bench_args(t)

@@ -6,7 +6,8 @@ Two implementations of one small interface (`prepare`, `run_batch`, `manifest`, 
     is submitted together and the engine stepped until all finish (continuous batching), so concurrency C
     is real. Times come from the engine's Request (arrival → first token → finish), the definitions in docs/ARCHITECTURE.md.
   - HTTPClient talks to any OpenAI-compatible server (`/v1/completions`, `/v1/chat/completions`) with
-    streaming SSE: TTFT is the first chunk carrying text. Acceptance comes from the server's /metrics,
+    streaming SSE: TTFT is the first chunk carrying text. A stream that ends with an `error` event (or a body
+    holding an `error` object, even with HTTP 200) is an error, never a success. Acceptance comes from the server's /metrics,
     read before and after each batch, when it exposes vLLM's `vllm:spec_decode_*` counters (vLLM
     v1/spec_decode/metrics.py) or ours (`draftwise:spec_decode_*`, same names).
 Multi-turn items (MT-Bench `turns`) are answered turn by turn with the model's own previous answers.
@@ -43,10 +44,14 @@ class Condition:
         return "none" if self.method == "none" else f"{self.method}-k{self.k}"
 
     def spec_config(self) -> dict | None:
+        """The speculative config; "grammar+ngram" / "grammar+draft_model" put the second method in `then`."""
         if self.method == "none":
             return None
-        d = {"method": self.method, "num_speculative_tokens": self.k}
-        if self.method == "draft_model":
+        first, _, then = self.method.partition("+")
+        d = {"method": first, "num_speculative_tokens": self.k}
+        if then:
+            d["then"] = {"method": then, "model": self.draft} if then == "draft_model" else {"method": then}
+        elif self.method == "draft_model":
             d["model"] = self.draft
         return d
 
@@ -62,6 +67,7 @@ class Call:
     top_p: float = 1.0
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
+    structured_outputs: dict | None = None  # vLLM's shape ({"json": schema}); sent as `structured_outputs`
 
 
 @dataclass
@@ -98,7 +104,8 @@ def run_items(run_calls, items: list[Item], calls: list[Call]) -> list[Result]:
             c = calls[i]
             if items[i].turns:
                 convs[i].append({"role": "user", "content": items[i].turns[t]})
-                batch.append(Call(None, list(convs[i]), c.max_tokens, c.temperature, c.top_p, c.seed, c.stop))
+                batch.append(Call(None, list(convs[i]), c.max_tokens, c.temperature, c.top_p, c.seed, c.stop,
+                                  c.structured_outputs))
             else:
                 batch.append(c)
         for i, r in zip(idx, run_calls(batch)):
@@ -142,12 +149,15 @@ class InProcessClient:
 
     def _spec_config(self, condition: Condition) -> dict | None:
         d = condition.spec_config()
-        if d and condition.method == "draft_model":
-            d["model"] = d.get("model") or self.draft
-            if not d["model"]:
-                raise ConfigError("method draft_model needs a draft model (--draft)")
-            d.update(draft_dtype=self.draft_dtype, draft_weights=self.draft_weights)
-        return {k: v for k, v in d.items() if v is not None} if d else None
+        for part in (d, (d or {}).get("then")):
+            if part and part["method"] == "draft_model":
+                part["model"] = part.get("model") or self.draft
+                if not part["model"]:
+                    raise ConfigError("method draft_model needs a draft model (--draft)")
+                part.update(draft_dtype=self.draft_dtype, draft_weights=self.draft_weights)
+                for k in [k for k, v in part.items() if v is None]:
+                    del part[k]
+        return d
 
     def run_batch(self, condition: Condition, items: list[Item], calls: list[Call]) -> tuple[list[Result], dict]:
         self.llm.set_speculation(self._spec_config(condition))  # between batches the engine is idle
@@ -160,7 +170,7 @@ class InProcessClient:
         for c in calls:
             prompt = c.prompt if c.messages is None else {"prompt_token_ids": llm.tokenizer.encode_chat(c.messages)}
             params = SamplingParams(temperature=c.temperature, top_p=c.top_p, max_tokens=c.max_tokens, seed=c.seed,
-                                    stop=c.stop)
+                                    stop=c.stop, structured_outputs=c.structured_outputs)
             pairs.append(llm.new_request(prompt, params))
         start = time.perf_counter()
         for req, _ in pairs:
@@ -175,7 +185,7 @@ class InProcessClient:
                       ttft_s=req.first_token_time - req.arrival_time if req.first_token_time else None,
                       e2e_s=req.finish_time - req.arrival_time if req.finish_time else None,
                       finish_reason=req.finish_reason, token_ids=list(req.output_ids),
-                      spec=req.spec_stats.to_dict())
+                      spec=req.spec_stats.to_dict(), error=req.error)
 
     def identity(self) -> dict:
         """What must not change between a run and its resumption (protocol.json)."""
@@ -313,6 +323,8 @@ class HTTPClient:
         if call.stop:
             body["stop"] = call.stop
         body.update({"messages": call.messages} if chat else {"prompt": call.prompt})
+        if call.structured_outputs:
+            body["structured_outputs"] = call.structured_outputs  # vLLM's field; draftwise serve takes it too
         url = base + ("/v1/chat/completions" if chat else "/v1/completions")
         res, chunks, parts = Result(), 0, []
         t0 = time.perf_counter()
@@ -321,6 +333,9 @@ class HTTPClient:
                 if r.status_code != 200:
                     r.read()
                     return Result(error=f"HTTP {r.status_code}: {r.text[:300]}", e2e_s=time.perf_counter() - t0)
+                if r.headers.get("content-type", "").startswith("application/json"):
+                    r.read()  # a whole JSON body instead of a stream: an error object, or one full completion
+                    return _body_result(r.json(), chat, time.perf_counter() - t0)
                 for line in r.iter_lines():
                     if not line.startswith("data:"):
                         continue
@@ -328,6 +343,9 @@ class HTTPClient:
                     if data == "[DONE]":
                         break
                     obj = json.loads(data)
+                    if obj.get("error"):  # the server failed mid-stream: an error, whatever came before it
+                        res.error = f"stream error: {_error_message(obj['error'])}"
+                        break
                     if obj.get("usage"):
                         res.num_prompt_tokens = obj["usage"].get("prompt_tokens")
                         res.num_output_tokens = obj["usage"].get("completion_tokens") or 0
@@ -340,6 +358,8 @@ class HTTPClient:
                             chunks += 1
                         if ch.get("finish_reason"):
                             res.finish_reason = ch["finish_reason"]
+                if res.finish_reason == "error" and res.error is None:
+                    res.error = "stream error: finish_reason error"
         except Exception as e:  # noqa: BLE001 — a failed request is recorded, not fatal to the run
             res.error = f"{type(e).__name__}: {e}"
         res.e2e_s = time.perf_counter() - t0
@@ -359,3 +379,22 @@ class HTTPClient:
         if self._rss:
             out["server_rss_bytes_by_condition"] = dict(self._rss)
         return out
+
+
+def _error_message(err) -> str:
+    """The message of an OpenAI-style error object ({"message": ...}) or whatever else the server sent."""
+    return str(err.get("message") or err) if isinstance(err, dict) else str(err)
+
+
+def _body_result(obj: dict, chat: bool, e2e_s: float) -> Result:
+    """A non-stream response body: an `error` object is an error even with HTTP 200; otherwise one completion."""
+    if not isinstance(obj, dict) or obj.get("error"):
+        return Result(error=f"body error: {_error_message(obj.get('error') if isinstance(obj, dict) else obj)}",
+                      e2e_s=e2e_s)
+    choice = (obj.get("choices") or [{}])[0]
+    text = (choice.get("message") or {}).get("content") if chat else choice.get("text")
+    usage = obj.get("usage") or {}
+    reason = choice.get("finish_reason")
+    return Result(text=text or "", num_prompt_tokens=usage.get("prompt_tokens"),
+                  num_output_tokens=usage.get("completion_tokens") or 0, e2e_s=e2e_s, finish_reason=reason,
+                  error="body error: finish_reason error" if reason == "error" else None)

@@ -36,15 +36,19 @@ class BenchOptions:
     humaneval_timeout_s: float = 5.0
 
 
+# grammar+X: the grammar's forced tokens first, then X fills the rest of k (structured outputs)
+METHODS = ("ngram", "draft_model", "grammar", "grammar+ngram", "grammar+draft_model")
+
+
 def conditions_from(methods: list[str], ks: list[int], draft: str | None) -> list[Condition]:
     """methods × k, with `none` once (k = 0) and first: the baseline every other condition is paired with."""
     conds = [Condition("none", 0)] if "none" in methods else []
     for m in methods:
         if m == "none":
             continue
-        if m not in ("ngram", "draft_model"):
-            raise ConfigError(f"--methods: unknown method {m!r} (none, ngram, draft_model)")
-        conds += [Condition(m, k, draft if m == "draft_model" else None) for k in ks]
+        if m not in METHODS:
+            raise ConfigError(f"--methods: unknown method {m!r} ({', '.join(('none',) + METHODS)})")
+        conds += [Condition(m, k, draft if "draft_model" in m else None) for k in ks]
     if not conds:
         raise ConfigError("--methods selects no condition")
     return conds
@@ -56,16 +60,19 @@ def run_bench(client, opts: BenchOptions) -> dict:
     plan = runner.build_plan(opts.workloads, opts.conditions, opts.warmup, opts.requests, opts.concurrency)
     protocol = runner.protocol_dict(opts.workloads, opts.conditions, opts.warmup, opts.requests, opts.concurrency,
                                     opts.sampling, target=getattr(client, "identity", lambda: {})())
-    runner.check_protocol(out, protocol, opts.fresh)
+    key = runner.check_protocol(out, protocol, opts.fresh)
     wl = {w.name: w for w in opts.workloads}
-    records = runner.run(client, plan, wl, opts.sampling, out, opts.progress)
+    records = runner.run(client, plan, wl, opts.sampling, out, opts.progress, protocol_key=key)
     analysis = analyze_mod.analyze(records, opts.watts, opts.price_per_kwh, seed=opts.sampling.seed)
     quality = quality_by_segment(records, opts)
     verdicts = {seg: decide(a["speedups"], quality.get(seg, {}).get("identical")) for seg, a in analysis.items()}
     planned = {runner.segment_id(w.name, g, c): len(items) for w in opts.workloads
                for c in (opts.concurrency or list(w.concurrency)) for g, items in select(w, opts.requests).items()}
     devs = report_mod.deviations(opts.warmup, opts.requests, planned, asdict(opts.sampling))
-    manifest = {"versions": report_mod.versions(), "hardware": report_mod.hardware(), "client": client.manifest(),
+    from draftwise.kernels.probe import probe
+
+    manifest = {"versions": report_mod.versions(), "hardware": {**report_mod.hardware(), "probe": probe()},
+                "client": client.manifest(),
                 "sampling": asdict(opts.sampling), "seeds": {"base": opts.sampling.seed,
                                                            "per_item": "base + crc32(item_id)",
                                                            "bootstrap": opts.sampling.seed},
@@ -87,5 +94,9 @@ def quality_by_segment(records: list[dict], opts: BenchOptions) -> dict:
             q["identical"] = quality_mod.identical_share(rs)
         if opts.humaneval and any(r.get("task_id") for r in rs):
             q["pass_at_1"] = quality_mod.humaneval_pass_at_1(rs, opts.humaneval_timeout_s)
+        constraints = {it.item_id: it.structured_outputs for w in opts.workloads for it in w.items
+                       if it.structured_outputs and any(r["workload"] == w.name for r in rs)}
+        if constraints:
+            q["validity"] = quality_mod.validity(rs, constraints)
         out[seg] = q
     return out

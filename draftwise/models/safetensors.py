@@ -8,6 +8,7 @@ It does not know GGUF, tokenizers or the hub; it yields tensors in their stored 
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -130,16 +131,31 @@ def load_config(checkpoint_dir: str | os.PathLike) -> ModelConfig:
 
 
 def weight_files(checkpoint_dir: str | os.PathLike) -> list[Path]:
-    """The safetensors files of a checkpoint, in index order when sharded."""
+    """The safetensors files of a checkpoint, in index order when sharded; an index may only name files inside
+    the checkpoint folder (no absolute paths, no `..`)."""
     d = Path(checkpoint_dir)
     index = d / "model.safetensors.index.json"
     if index.is_file():
-        shards = dict.fromkeys(_read_json(index)["weight_map"].values())
+        weight_map = _read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise ConfigError(f"{index}: no \"weight_map\" object naming the weight files")
+        shards = dict.fromkeys(weight_map.values())
+        for shard in shards:
+            if not _inside_folder(shard):
+                raise ConfigError(f"{index}: weight file {shard!r} is not a relative path inside the checkpoint folder")
         return [d / s for s in shards]
     files = sorted(d.glob("*.safetensors"))
     if not files:
         raise ConfigError(f"{d} has no *.safetensors weights (only safetensors checkpoints are supported)")
     return files
+
+
+def _inside_folder(name) -> bool:
+    """A relative path with no `..` (symlinks inside the folder, e.g. a hub snapshot's, stay allowed)."""
+    if not isinstance(name, str) or not name or "\\" in name or "\0" in name:
+        return False
+    p = Path(name)
+    return not p.is_absolute() and not p.drive and ".." not in p.parts
 
 
 def hf_name(name: str) -> str | None:
@@ -161,6 +177,7 @@ def iter_tensors(files: Iterable[Path]) -> Iterator[tuple[str, torch.Tensor]]:
     for path in files:
         with open(path, "rb") as f:
             entries, base = _read_header(f)
+            _check_size(path, entries, base, os.fstat(f.fileno()).st_size)
             for key, spec in entries:
                 name = hf_name(key)
                 if name is None:
@@ -168,8 +185,33 @@ def iter_tensors(files: Iterable[Path]) -> Iterator[tuple[str, torch.Tensor]]:
                 start, end = spec["data_offsets"]
                 buf = torch.empty(end - start, dtype=torch.uint8)
                 f.seek(base + start)
-                f.readinto(memoryview(buf.numpy()))
+                got = f.readinto(memoryview(buf.numpy()))
+                if got != end - start:  # the file shrank under us: never hand out uninitialised memory
+                    raise ConfigError(f"{path}: tensor {key!r} is truncated: expected {end - start} bytes at offset "
+                                      f"{base + start}, read {got or 0}")
                 yield name, buf.view(_TORCH_DTYPES[spec["dtype"]]).reshape(spec["shape"])
+
+
+def is_complete(path: str | os.PathLike) -> bool:
+    """Whether a safetensors file holds every byte its header promises (a cheap check: the header and a stat)."""
+    try:
+        with open(path, "rb") as f:
+            entries, base = _read_header(f)
+            return os.fstat(f.fileno()).st_size >= _data_end(entries, base)
+    except (OSError, ConfigError):
+        return False
+
+
+def _data_end(entries: list[tuple[str, dict]], base: int) -> int:
+    return base + max((spec["data_offsets"][1] for _, spec in entries), default=0)
+
+
+def _check_size(path, entries: list[tuple[str, dict]], base: int, size: int) -> None:
+    need = _data_end(entries, base)
+    if size < need:
+        last = max(entries, key=lambda kv: kv[1]["data_offsets"][1])[0]
+        raise ConfigError(f"{path} is truncated: {size} bytes, but its header needs {need} (tensor {last!r} ends at "
+                          f"offset {need}); delete it to have it rebuilt, or re-download the checkpoint")
 
 
 def header_specs(path: Path) -> list[tuple[str, tuple[int, ...]]]:
@@ -181,11 +223,31 @@ def header_specs(path: Path) -> list[tuple[str, tuple[int, ...]]]:
 def _read_header(f) -> tuple[list[tuple[str, dict]], int]:
     """The (name, entry) pairs of an open safetensors file in data order, and where the data starts.
 
-    Format (huggingface/safetensors): u64 little-endian header length, JSON header, then raw data."""
-    (n,) = struct.unpack("<Q", f.read(8))
-    header = json.loads(f.read(n))
-    header.pop("__metadata__", None)
+    Format (huggingface/safetensors): u64 little-endian header length, JSON header, then raw data. A short or
+    malformed header, or an entry whose offsets do not match its dtype and shape, is a ConfigError naming the file."""
+    path = getattr(f, "name", "safetensors file")
+    raw = f.read(8)
+    if len(raw) != 8:
+        raise ConfigError(f"{path}: truncated safetensors file (expected 8 header-length bytes at offset 0, read {len(raw)})")
+    (n,) = struct.unpack("<Q", raw)
+    blob = f.read(n) if n <= _MAX_HEADER else b""
+    if len(blob) != n:
+        raise ConfigError(f"{path}: truncated or invalid safetensors header (expected {n} bytes at offset 8, "
+                          f"read {len(blob)})")
+    try:
+        header = json.loads(blob)
+        header.pop("__metadata__", None)
+        for key, spec in header.items():
+            start, end = spec["data_offsets"]
+            nbytes = math.prod(spec["shape"]) * torch.tensor([], dtype=_TORCH_DTYPES[spec["dtype"]]).element_size()
+            if not 0 <= start <= end or end - start != nbytes:
+                raise ValueError(f"tensor {key!r}: offsets {start}..{end} do not hold {spec['dtype']} {spec['shape']}")
+    except (ValueError, TypeError, KeyError, AttributeError) as e:
+        raise ConfigError(f"{path}: invalid safetensors header ({type(e).__name__}: {e})") from None
     return sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0]), 8 + n
+
+
+_MAX_HEADER = 100 * 1024 * 1024  # the safetensors format's own limit on the JSON header
 
 
 _TORCH_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64,
@@ -193,6 +255,44 @@ _TORCH_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.floa
 
 
 _DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
+_ANY_DTYPES = {v: k for k, v in _TORCH_DTYPES.items()}  # torch dtype -> safetensors name
+
+
+def read_metadata(path: str | os.PathLike) -> dict[str, str]:
+    """A safetensors file's __metadata__ (string to string), from its header alone."""
+    with open(path, "rb") as f:
+        raw = f.read(8)
+        (n,) = struct.unpack("<Q", raw) if len(raw) == 8 else (0,)
+        try:
+            return dict(json.loads(f.read(n) if 0 < n <= _MAX_HEADER else b"{}").get("__metadata__") or {})
+        except ValueError as e:
+            raise ConfigError(f"{path}: invalid safetensors header ({e})") from None
+
+
+def write_tensors(path: str | os.PathLike, tensors: list[tuple[str, torch.Tensor]],
+                  metadata: dict[str, str] | None = None) -> str:
+    """Write tensors of mixed dtypes (each kept as it is) to a safetensors file, flushed and fsynced; returns the
+    sha256 of the bytes written. For caches of prepared weights, which are in memory anyway."""
+    header: dict = {"__metadata__": metadata or {}}
+    offset = 0
+    for name, t in tensors:
+        size = t.numel() * t.element_size()
+        header[name] = {"dtype": _ANY_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)  # data starts 8-byte aligned
+    digest = hashlib.sha256()
+    with open(path, "wb") as out:
+        for chunk in (struct.pack("<Q", len(blob)), blob):
+            out.write(chunk)
+            digest.update(chunk)
+        for _, t in tensors:
+            data = t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().data
+            out.write(data)
+            digest.update(data)
+        out.flush()
+        os.fsync(out.fileno())
+    return digest.hexdigest()
 
 
 def write_streaming(
@@ -201,8 +301,9 @@ def write_streaming(
     tensors: Iterable[tuple[str, torch.Tensor]],
     metadata: dict[str, str] | None = None,
     dtype: torch.dtype = torch.float32,
-) -> None:
-    """Write a safetensors file whose header is known up front (`specs`: name, shape in yield order).
+) -> str:
+    """Write a safetensors file whose header is known up front (`specs`: name, shape in yield order); returns
+    the sha256 of the bytes written (for a cache's manifest). The file is flushed and fsynced before returning.
 
     Format (huggingface/safetensors): u64 little-endian header length, JSON header, then raw data."""
     header: dict = {"__metadata__": metadata or {}}
@@ -214,9 +315,11 @@ def write_streaming(
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)  # data starts 8-byte aligned
     expected = iter(specs)
+    digest = hashlib.sha256()
     with open(path, "wb") as out:
-        out.write(struct.pack("<Q", len(blob)))
-        out.write(blob)
+        for head in (struct.pack("<Q", len(blob)), blob):
+            out.write(head)
+            digest.update(head)
         for name, tensor in tensors:
             want_name, want_shape = next(expected)
             if name != want_name or tuple(tensor.shape) != tuple(want_shape):
@@ -224,5 +327,9 @@ def write_streaming(
             data = tensor.to(dtype).contiguous()
             data = data.view(torch.int16) if dtype == torch.bfloat16 else data  # numpy has no bfloat16
             out.write(data.numpy().data)
+            digest.update(data.numpy().data)
+        out.flush()
+        os.fsync(out.fileno())
     if next(expected, None) is not None:
         raise ValueError("fewer tensors than specs were written")
+    return digest.hexdigest()

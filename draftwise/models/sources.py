@@ -1,9 +1,13 @@
 """Resolve a model name to a Checkpoint: packaged catalog name | .gguf file | HF checkpoint dir | hub id.
 
 This module owns the resolution order, the clear errors when nothing matches, and the conversion cache:
-a GGUF source is converted once (dequantized to float32 safetensors + tokenizer.json + tokenizer_config.json
-+ draftwise_config.json) under cache_dir/converted/<sha256[:16]>/, and later loads read that cache
-(memory-mapped) without opening the GGUF again. The hub is used only when online (huggingface_hub).
+a GGUF source's tokenizer and config are converted once (tokenizer.json + tokenizer_config.json +
+draftwise_config.json) under cache_dir/converted/<sha256[:16]>/; its tensors are cached there only in the form a
+load asks for: prepared kernel weights (prepared-<key>.safetensors, e.g. q4x8's packed blocks), or a dense
+float32 (model.safetensors, then in the manifest) or bfloat16 copy. Later loads read those caches. draftwise_config.json, written last, holds the manifest: each file's size,
+sha256 and mtime. Every load checks the sizes; a file whose mtime changed is hashed again; a mismatch means
+the cache is corrupt and is converted again. Every cache write is fsynced before its rename. The hub is used
+only when online (huggingface_hub).
 
 It does not know tensor layouts or quirks (gguf.py, safetensors.py), tokenization (tokenizer.py) or how
 the decoder consumes tensors.
@@ -26,7 +30,8 @@ from draftwise.models import catalog
 from draftwise.models import safetensors as st
 from draftwise.tokenizer import Tokenizer
 
-CONVERSION_VERSION = 1  # bump when the converted layout changes; old caches are then rebuilt
+CONVERSION_VERSION = 3  # bump when the converted layout changes; old caches are then rebuilt (2: the manifest;
+# 3: tensors split from the conversion: only tokenizer + config at first, dense or prepared weights when asked)
 _CONFIG_FILE = "draftwise_config.json"
 _WEIGHTS_FILE = "model.safetensors"
 _HUB_PATTERNS = ["*.json", "*.safetensors", "*.jinja"]
@@ -40,21 +45,41 @@ class Checkpoint:
     tokenizer: Tokenizer
     tensor_source: Callable[[], Iterator[tuple[str, torch.Tensor]]] = field(repr=False)
     info: dict = field(default_factory=dict)  # kind, name, path, sha256, description, converted_path
+    progress: bool = True  # progress bars while caches are written
 
     def tensors(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-        """Tensors as stored; with `dtype` (bfloat16) for a converted GGUF, from a cached copy in that dtype,
-        written on first use, so a bf16 load reads half the bytes and skips the cast."""
-        if dtype not in (torch.bfloat16, torch.float16) or "converted_path" not in self.info:
+        """Tensors as stored; for a GGUF, from a dense cached copy written on first use from the GGUF: float32
+        (model.safetensors, in the manifest) by default, or `dtype` (bfloat16) so a bf16 load reads half the
+        bytes, skips the cast and never writes a float32 copy."""
+        if "converted_path" not in self.info:
             return self.tensor_source()
         folder = Path(self.info["converted_path"])
+        if dtype not in (torch.bfloat16, torch.float16):
+            _ensure_fp32_cache(folder, Path(self.info["path"]), self.progress)
+            return self.tensor_source()
         path = folder / f"model.{str(dtype).removeprefix('torch.')}.safetensors"
-        if not path.is_file():
+        if not st.is_complete(path):  # absent, or cut short by a crash: (re)write it
             with catalog.file_lock(path.with_name(path.name + ".lock")):
-                if not path.is_file():
+                if not st.is_complete(path):
                     tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
-                    st.write_streaming(tmp, st.header_specs(folder / _WEIGHTS_FILE), self.tensor_source(), dtype=dtype)
-                    os.replace(tmp, path)
+                    gguf_file = self.gguf()
+                    st.write_streaming(tmp, gguf_file.tensor_specs(), gguf_file.tensors(), dtype=dtype)
+                    catalog.replace_durably(tmp, path)
         return st.iter_tensors([path])
+
+    def gguf(self):
+        """The source GGUFFile (GGUF checkpoints only)."""
+        from draftwise.models.gguf import GGUFFile
+
+        return GGUFFile(self.info["path"])
+
+    def prepared(self, step: str, prefill: str, dtype: torch.dtype, embed_dtype: torch.dtype,
+                 progress: bool | None = None) -> Iterator[tuple[str, torch.Tensor | torch.nn.Module]]:
+        """For Decoder.from_tensors: a GGUF's linears built straight from its blocks in the plan's kernels
+        (models/quant.py, prepared_tensors), cached as their packed tensors under the converted folder
+        (prepared-<key>.safetensors, keyed by the GGUF's sha256, the plan and PREPARED_FORMAT_VERSION), so a
+        later load reads the packed form and neither dequantizes nor quantizes."""
+        return _prepared(self, step, prefill, dtype, embed_dtype, self.progress if progress is None else progress)
 
 
 def load_checkpoint(name_or_path: str | os.PathLike, cache_dir: str | os.PathLike | None = None,
@@ -107,9 +132,12 @@ def converted_dir(sha256: str, cache_dir: str | os.PathLike) -> Path:
 
 def _load_gguf(path: Path, sha256: str, cache_dir: Path, info: dict, progress: bool) -> Checkpoint:
     target = converted_dir(sha256, cache_dir)
-    if not _conversion_complete(target, sha256):
+    if _cache_problem(target, sha256):
         with catalog.file_lock(target.with_name(target.name + ".lock")):
-            if not _conversion_complete(target, sha256):  # another process may have finished it meanwhile
+            problem = _cache_problem(target, sha256)  # another process may have finished it meanwhile
+            if problem:
+                if (target / _CONFIG_FILE).exists():
+                    print(f"the converted cache {target} is unusable ({problem}); converting again", file=sys.stderr)
                 _convert_gguf(path, sha256, target, progress)
     meta = json.loads((target / _CONFIG_FILE).read_text())
     config = ModelConfig.from_dict(meta["config"])
@@ -117,25 +145,130 @@ def _load_gguf(path: Path, sha256: str, cache_dir: Path, info: dict, progress: b
     info = {**info, "description": info.get("description") or meta.get("description"), "converted_path": str(target),
             "architecture": config.architecture}
     weights = [target / _WEIGHTS_FILE]
-    return Checkpoint(config, tokenizer, lambda: st.iter_tensors(weights), info)
+    return Checkpoint(config, tokenizer, lambda: st.iter_tensors(weights), info, progress)
 
 
-def _conversion_complete(target: Path, sha256: str) -> bool:
-    try:
-        meta = json.loads((target / _CONFIG_FILE).read_text())
-    except (OSError, ValueError):
-        return False
-    return (meta.get("sha256") == sha256 and meta.get("version") == CONVERSION_VERSION
-            and (target / _WEIGHTS_FILE).is_file() and (target / "tokenizer.json").is_file())
-
-
-def _convert_gguf(path: Path, sha256: str, target: Path, progress: bool) -> None:
-    """Dequantize once into a temporary folder, then rename it into place (atomic for readers)."""
+def _ensure_fp32_cache(folder: Path, gguf_path: Path, progress: bool) -> None:
+    """Write the float32 dequantized copy (model.safetensors) once, durably, and add it to the manifest."""
+    path = folder / _WEIGHTS_FILE
+    meta_path = folder / _CONFIG_FILE
+    if _WEIGHTS_FILE in json.loads(meta_path.read_text()).get("files", {}) and path.exists():
+        return  # checked against the manifest by _cache_problem at load
     from tqdm import tqdm
 
     from draftwise.models.gguf import GGUFFile
 
-    print(f"converting {path.name} once into {target} ...", file=sys.stderr)
+    with catalog.file_lock(path.with_name(path.name + ".lock")):
+        meta = json.loads(meta_path.read_text())
+        if _WEIGHTS_FILE in meta.get("files", {}) and path.exists():
+            return
+        gguf_file = GGUFFile(gguf_path)
+        specs = gguf_file.tensor_specs()
+        tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+        bar = tqdm(gguf_file.tensors(), total=len(specs), desc=f"dequantize {gguf_path.name}", unit="tensor",
+                   file=sys.stderr, disable=not progress)
+        sha = st.write_streaming(tmp, specs, bar, metadata={"format": "pt", "source_sha256": meta["sha256"]})
+        catalog.replace_durably(tmp, path)
+        stat = path.stat()
+        meta["files"][_WEIGHTS_FILE] = {"size": stat.st_size, "sha256": sha, "mtime_ns": stat.st_mtime_ns}
+        catalog.write_text_durably(meta_path, json.dumps(meta, indent=1))
+
+
+def _prepared(ckpt: Checkpoint, step: str, prefill: str, dtype: torch.dtype, embed_dtype: torch.dtype,
+              progress: bool) -> Iterator[tuple[str, torch.Tensor | torch.nn.Module]]:
+    import hashlib
+
+    from draftwise.models import quant
+
+    folder = Path(ckpt.info["converted_path"])
+    key = hashlib.sha256(json.dumps([ckpt.info["sha256"], quant.PREPARED_FORMAT_VERSION, step, prefill, str(dtype),
+                                     str(embed_dtype)]).encode()).hexdigest()[:16]
+    path = folder / f"prepared-{key}.safetensors"
+    if not st.is_complete(path):
+        with catalog.file_lock(path.with_name(path.name + ".lock")):
+            if not st.is_complete(path):
+                print(f"preparing {ckpt.info.get('name')} for kernels {step}/{prefill} once into {path} ...",
+                      file=sys.stderr)
+                items = ckpt.gguf().items()
+                tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+                built = list(quant.prepared_tensors(items, ckpt.config, step, prefill, dtype, progress))
+                tensors, kinds = [], {}
+                for name, value in built:
+                    if isinstance(value, torch.nn.Module):
+                        kinds[name], state = quant.linear_state(value)
+                        tensors += [(f"{name}.{n}", t) for n, t in state.items()]
+                    else:
+                        tensors.append((name, value.to(embed_dtype if name == "model.embed_tokens.weight" else dtype)))
+                st.write_tensors(tmp, tensors, {"format": "draftwise-prepared", "source_sha256": ckpt.info["sha256"],
+                                                "linears": json.dumps(kinds)})
+                catalog.replace_durably(tmp, path)
+                return iter(built)  # built once: hand the modules over as they are
+    kinds = json.loads(st.read_metadata(path)["linears"])
+    return _prepared_from_cache(path, kinds)
+
+
+def _prepared_from_cache(path: Path, kinds: dict) -> Iterator[tuple[str, torch.Tensor | torch.nn.Module]]:
+    from draftwise.models import quant
+
+    pending: dict[str, dict[str, torch.Tensor]] = {}
+    for name, t in st.iter_tensors([path]):
+        owner = next((p for p in (name.rpartition(".")[0], name.rpartition(".")[0].rpartition(".")[0]) if p in kinds),
+                     None)
+        if owner is None:
+            yield name, t
+            continue
+        pending.setdefault(owner, {})[name[len(owner) + 1:]] = t
+    for owner, tensors in pending.items():
+        yield owner, quant.linear_from_state(kinds[owner], tensors)
+
+
+def _cache_problem(target: Path, sha256: str) -> str | None:
+    """Why the converted cache in `target` cannot be used (None: it can). Sizes are always checked against the
+    manifest; a file whose mtime differs from the recorded one is hashed again (and the new mtime recorded)."""
+    try:
+        meta = json.loads((target / _CONFIG_FILE).read_text())
+    except (OSError, ValueError):
+        return f"no readable {_CONFIG_FILE}"
+    if not isinstance(meta, dict) or meta.get("sha256") != sha256 or meta.get("version") != CONVERSION_VERSION:
+        return "converted from another source or by another version"
+    files = meta.get("files")
+    if not isinstance(files, dict) or "tokenizer.json" not in files:
+        return "no manifest"
+    touched = False
+    for name, want in files.items():
+        try:
+            stat = (target / name).stat()
+        except OSError:
+            return f"{name} is missing"
+        if stat.st_size != want.get("size"):
+            return f"{name} is {stat.st_size} bytes, its manifest says {want.get('size')}"
+        if stat.st_mtime_ns != want.get("mtime_ns"):
+            if catalog.sha256_file(target / name, progress=False) != want.get("sha256"):
+                return f"{name} has changed since conversion (its sha256 differs from the manifest)"
+            want["mtime_ns"], touched = stat.st_mtime_ns, True
+    if touched:  # verified again (e.g. a copied cache): remember, so the next load is cheap
+        catalog.write_text_durably(target / _CONFIG_FILE, json.dumps(meta, indent=1))
+    return None
+
+
+def _manifest(folder: Path, known_sha256: dict[str, str]) -> dict:
+    """Size, sha256 and mtime of every file in `folder` (hashes already computed while writing are reused)."""
+    out = {}
+    for p in sorted(folder.iterdir()):
+        if p.is_file():
+            stat = p.stat()
+            sha = known_sha256.get(p.name) or catalog.sha256_file(p, progress=False)
+            out[p.name] = {"size": stat.st_size, "sha256": sha, "mtime_ns": stat.st_mtime_ns}
+    return out
+
+
+def _convert_gguf(path: Path, sha256: str, target: Path, progress: bool) -> None:
+    """Tokenizer + config once into a temporary folder, then rename it into place (atomic for readers). Tensors are
+    not converted here: dense copies (Checkpoint.tensors) and prepared kernels (Checkpoint.prepared) are cached
+    next to them when a load asks for them."""
+    from draftwise.models.gguf import GGUFFile
+
+    print(f"converting {path.name}'s tokenizer and config once into {target} ...", file=sys.stderr)
     gguf_file = GGUFFile(path)
     config = gguf_file.config
     tokenizer = Tokenizer.from_gguf(path)
@@ -145,15 +278,12 @@ def _convert_gguf(path: Path, sha256: str, target: Path, progress: bool) -> None
     tmp.mkdir(parents=True)
     try:
         tokenizer.save(tmp)
-        specs = gguf_file.tensor_specs()
-        bar = tqdm(gguf_file.tensors(), total=len(specs), desc=f"dequantize {path.name}", unit="tensor",
-                   file=sys.stderr, disable=not progress)
-        st.write_streaming(tmp / _WEIGHTS_FILE, specs, bar, metadata={"format": "pt", "source_sha256": sha256})
         meta = {"version": CONVERSION_VERSION, "sha256": sha256, "source": str(path),
-                "description": gguf_file.field("general.name"), "config": config.to_dict()}
-        (tmp / _CONFIG_FILE).write_text(json.dumps(meta, indent=1))
+                "description": gguf_file.field("general.name"), "config": config.to_dict(),
+                "files": _manifest(tmp, {})}
+        (tmp / _CONFIG_FILE).write_text(json.dumps(meta, indent=1))  # last: its presence marks a finished conversion
         shutil.rmtree(target, ignore_errors=True)
-        os.replace(tmp, target)
+        catalog.replace_durably(tmp, target)  # every file and the folder fsynced, then renamed into place
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 

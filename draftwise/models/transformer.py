@@ -162,32 +162,53 @@ class Decoder(nn.Module):
         self.model = Body(cfg)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self._rope_tables: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.act_dtype: torch.dtype | None = None  # activations (and the KV cache); None: the embedding's dtype
 
     # ---- construction -------------------------------------------------------------------------
     @classmethod
     def from_tensors(
         cls,
         cfg: ModelConfig,
-        tensors: Iterable[tuple[str, torch.Tensor]],
+        tensors: Iterable[tuple[str, torch.Tensor | nn.Module]],
         dtype: torch.dtype = torch.float32,
         device: str = "cpu",
+        embed_dtype: torch.dtype | None = None,
     ) -> "Decoder":
+        """`tensors` yields (parameter name, tensor) or (linear module path, prepared module): a module built by
+        models/quant.py (a kernel's packed weights) takes that nn.Linear's place with its weight and bias; a
+        prepared "lm_head" is used even when the embeddings are tied. `embed_dtype` (default `dtype`): the
+        embedding table's storage dtype; looked-up rows are cast to `dtype`."""
         with torch.device("meta"):
             model = cls(cfg)
         params = dict(model.named_parameters())
+        linears = {n: m for n, m in model.named_modules() if isinstance(m, nn.Linear)}
         loaded = set()
+        prepared_head = False
         for name, t in tensors:
+            if isinstance(t, nn.Module):
+                want = linears.get(name)
+                if want is None:
+                    raise ValueError(f"prepared module {name!r} has no linear layer to replace in the decoder")
+                if (t.in_features, t.out_features) != (want.in_features, want.out_features):
+                    raise ValueError(f"{name}: prepared shape {t.out_features}x{t.in_features} != expected "
+                                     f"{want.out_features}x{want.in_features}")
+                _set_module(model, name, t.to(device))
+                loaded.update(p for p in (f"{name}.weight", f"{name}.bias") if p in params)
+                prepared_head |= name == "lm_head"
+                continue
             if name == "lm_head.weight" and cfg.tie_word_embeddings:
                 continue
             if name not in params:
                 raise ValueError(f"checkpoint tensor {name!r} has no place in the {cfg.architecture} decoder")
             if tuple(t.shape) != tuple(params[name].shape):
                 raise ValueError(f"{name}: checkpoint shape {tuple(t.shape)} != expected {tuple(params[name].shape)}")
-            _set_param(model, name, t.to(device=device, dtype=dtype))
+            want_dtype = embed_dtype if embed_dtype is not None and name == "model.embed_tokens.weight" else dtype
+            _set_param(model, name, t.to(device=device, dtype=want_dtype))
             loaded.add(name)
-        if cfg.tie_word_embeddings:
+        if cfg.tie_word_embeddings and not prepared_head:
             model.lm_head.weight = model.model.embed_tokens.weight
             loaded.add("lm_head.weight")
+        model.act_dtype = dtype
         missing = sorted(set(params) - loaded)
         if missing:
             raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
@@ -209,8 +230,8 @@ class Decoder(nn.Module):
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
     @property
-    def dtype(self) -> torch.dtype:
-        return self.model.embed_tokens.weight.dtype
+    def dtype(self) -> torch.dtype:  # of the activations and the KV cache
+        return self.act_dtype or self.model.embed_tokens.weight.dtype
 
     @property
     def device(self) -> torch.device:
@@ -230,6 +251,8 @@ class Decoder(nn.Module):
         cfg = self.config
         kv_len = int(positions.max()) + 1
         x = self.model.embed_tokens(token_ids)
+        if x.dtype != self.dtype:  # an embedding table stored narrower than the activations (bf16 rows -> fp32)
+            x = x.to(self.dtype)
         if cfg.embed_scale != 1.0:
             x = x * torch.tensor(cfg.embed_scale, dtype=x.dtype)
         ropes = {kind: self.rope_for(kind, positions, x.dtype) for kind in self._rope_tables}
@@ -255,6 +278,14 @@ class Decoder(nn.Module):
         if window is not None:
             mask = mask & (key_pos > q_pos - window)
         return mask  # [B, 1, T, kv_len]
+
+
+def _set_module(model: nn.Module, name: str, module: nn.Module) -> None:
+    *path, leaf = name.split(".")
+    parent = model
+    for p in path:
+        parent = getattr(parent, p)
+    setattr(parent, leaf, module)
 
 
 def _set_param(model: nn.Module, name: str, value: torch.Tensor) -> None:

@@ -1,91 +1,133 @@
-"""The FastAPI app: OpenAI-compatible routes, SSE streaming, /metrics, /health and OpenAI-shaped errors.
+"""The FastAPI app: OpenAI-compatible routes, SSE streaming, /metrics, /health and OpenAI-shaped errors; the
+playground page at / (static files in server/static/) and what it reads, GET /draftwise/info.
 
 `create_app(llm, served_model_name, api_key=None, max_body_bytes=...)` wraps an already loaded `api.LLM` (or
 anything with its shape: .engine, .tokenizer, .new_request, .to_output, .max_model_len), so tests build it
 around a tiny model without uvicorn. The engine runs on its own thread (runner.py); routes only submit,
-await events and format them. Knows no argv or environment: the CLI passes everything in.
+await events and format them. Request bodies are decoded, validated (validation.py) and tokenized in a small
+worker pool, never on the event loop, and checked against the context before they are queued; each request
+has a deadline (`request_timeout`); `app.state.drain(timeout)` is the graceful shutdown (shutdown.py calls
+it). Every request first passes guard.py (host, origin, API key, JSON-only bodies). Knows no argv or
+environment: the CLI passes everything in.
 """
 from __future__ import annotations
 
 import asyncio
 import hmac
+from concurrent.futures import ThreadPoolExecutor
 import json
 import logging
 import time
 from contextlib import asynccontextmanager
+from pathlib import Path
 
 import jinja2
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.middleware.cors import CORSMiddleware
+from fastapi.openapi.utils import get_openapi
+from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
+from fastapi.staticfiles import StaticFiles
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from draftwise.config import ConfigError
-from draftwise.server import protocol
+from draftwise.server import protocol, validation
 from draftwise.server.errors import APIError, error_body, error_response, from_api_error
+from draftwise.server.guard import LOOPBACK_HOSTS, Guard
 from draftwise.server.metrics import ServerMetrics
 from draftwise.server.runner import EngineRunner
+from draftwise.server.limits import (DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_WAITING, DEFAULT_REQUEST_TIMEOUT_S,
+                                     RequestLimits)
 
 log = logging.getLogger("draftwise.server")
 
-DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
+STATIC_DIR = Path(__file__).parent / "static"  # the playground page (package data)
 DISCONNECT_POLL_S = 0.5  # non-streaming requests: how often to check whether the client is still there
+PREP_WORKERS = 2  # threads that decode, validate and tokenize request bodies
 
 
 def create_app(llm, served_model_name: str, api_key: str | None = None,
-               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
-    metrics = ServerMetrics(served_model_name, llm.engine.num_free_slots + len(llm.engine.running),
-                            llm.engine.k_policy.max_k)
-    runner = EngineRunner(llm, metrics)
+               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, limits: RequestLimits | None = None,
+               max_waiting: int = DEFAULT_MAX_WAITING, request_timeout: float | None = DEFAULT_REQUEST_TIMEOUT_S,
+               allowed_hosts=LOOPBACK_HOSTS, allowed_origins=()) -> FastAPI:
+    max_num_seqs = llm.engine.num_free_slots + len(llm.engine.running)
+    metrics = ServerMetrics(served_model_name, max_num_seqs, llm.engine.k_policy.max_k)
+    runner = EngineRunner(llm, metrics, max_waiting=max_waiting)
+    pool = ThreadPoolExecutor(PREP_WORKERS, thread_name_prefix="draftwise-prep")
 
     @asynccontextmanager
     async def lifespan(app):
         runner.start()
         yield
         runner.stop()
+        pool.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="draftwise", lifespan=lifespan)
     app.state.runner, app.state.metrics, app.state.llm = runner, metrics, llm
     _add_error_handlers(app)
+    if allowed_origins:  # CORS is off unless origins are listed
+        app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["GET", "POST"],
+                           allow_headers=["Authorization", "Content-Type"], expose_headers=["X-Request-Id"])
+    app.add_middleware(Guard, api_key=api_key, allowed_hosts=tuple(allowed_hosts),
+                       allowed_origins=tuple(allowed_origins))
     auth = [Depends(_api_key_checker(api_key))]
-    ctx = _Ctx(llm, runner, served_model_name, max_body_bytes)
+    ctx = _Ctx(llm, runner, served_model_name, max_body_bytes, limits or RequestLimits(), request_timeout, pool)
+    app.openapi = lambda: _openapi(app)
+
+    async def drain(timeout: float) -> None:
+        """Graceful shutdown: refuse new requests (503), let those in flight finish for up to `timeout` s, then end
+        the rest with an error (a stream gets an error event and [DONE])."""
+        runner.draining = True
+        deadline = time.monotonic() + timeout
+        while runner.in_flight and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if runner.in_flight:
+            log.warning("shutdown: %d requests still in flight after %g s; ending them", runner.in_flight, timeout)
+            runner.fail_all(503, "the server is shutting down", code="shutting_down")
+
+    app.state.drain = drain
 
     @app.get("/health")
     async def health():
         if not runner.alive:
             return error_response(503, "the engine thread is not running")
+        if runner.draining:
+            return error_response(503, "the server is shutting down")
         return {"status": "ok"}
 
     @app.get("/v1/models", dependencies=auth)
     async def models():
         card = {"id": served_model_name, "object": "model", "created": int(time.time()), "owned_by": "draftwise",
                 "max_model_len": llm.max_model_len}
+        info = getattr(llm, "model_info", None) or {}  # the resolved formats (weights/dtype "auto" → what ran)
+        card["draftwise"] = {k: info[k] for k in ("weights", "dtype", "kernels") if k in info}
         return {"object": "list", "data": [card]}
+
+    @app.get("/draftwise/info", dependencies=auth)
+    async def info():
+        """What this server runs (the playground shows it read-only)."""
+        return {"model": served_model_name, "speculative_config": llm.spec_config.to_dict(),
+                "max_model_len": llm.max_model_len, "max_num_seqs": max_num_seqs,
+                "max_lookahead": llm.engine.max_lookahead}
+
+    @app.get("/", include_in_schema=False)
+    async def playground():  # public, like /static: the page asks for the API key itself
+        return FileResponse(STATIC_DIR / "index.html", headers={"Cache-Control": "no-cache"})
+
+    app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
 
     @app.get("/metrics", dependencies=auth)
     async def prometheus():
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
-    @app.post("/v1/completions", dependencies=auth)
+    @app.post("/v1/completions", dependencies=auth, openapi_extra=_body_schema(protocol.CompletionRequest))
     async def completions(request: Request):
-        req = protocol.parse(protocol.CompletionRequest, await _read_json(request, max_body_bytes))
-        ctx.check_model(req.model)
-        prompt = protocol.completion_prompt(req)
-        params = protocol.sampling_params(req, protocol.DEFAULT_COMPLETION_MAX_TOKENS)
-        return await ctx.generate(request, prompt, params, req, chat=False)
+        return await ctx.handle(request, chat=False)
 
-    @app.post("/v1/chat/completions", dependencies=auth)
+    @app.post("/v1/chat/completions", dependencies=auth, openapi_extra=_body_schema(protocol.ChatRequest))
     async def chat_completions(request: Request):
-        req = protocol.parse(protocol.ChatRequest, await _read_json(request, max_body_bytes))
-        ctx.check_model(req.model)
-        try:
-            ids = llm.tokenizer.encode_chat(protocol.chat_messages(req))
-        except (ConfigError, jinja2.TemplateError) as e:
-            raise APIError(400, f"could not apply the chat template: {e}", param="messages") from None
-        # OpenAI's chat default is "as many as fit": whatever the context leaves after the prompt
-        params = protocol.sampling_params(req, max(1, llm.max_model_len - len(ids)))
-        return await ctx.generate(request, {"prompt_token_ids": ids}, params, req, chat=True)
+        return await ctx.handle(request, chat=True)
 
     return app
 
@@ -93,18 +135,73 @@ def create_app(llm, served_model_name: str, api_key: str | None = None,
 class _Ctx:
     """What the generation routes share: the runner, the served name and response assembly."""
 
-    def __init__(self, llm, runner: EngineRunner, served_model_name: str, max_body_bytes: int):
+    def __init__(self, llm, runner: EngineRunner, served_model_name: str, max_body_bytes: int,
+                 limits: RequestLimits, request_timeout: float | None, pool: ThreadPoolExecutor):
         self.llm, self.runner, self.name, self.max_body_bytes = llm, runner, served_model_name, max_body_bytes
+        self.limits, self.request_timeout, self.pool = limits, request_timeout, pool
 
     def check_model(self, model: str) -> None:
         if model != self.name:
             raise APIError(404, f"the model {model!r} does not exist; this server serves {self.name!r}",
                            param="model", code="model_not_found")
 
-    async def generate(self, request: Request, prompt, params, req, chat: bool):
-        rid, q = self.runner.submit(prompt, params)
+    async def handle(self, request: Request, chat: bool):
+        """Admission check, body, then decode + validate + tokenize in the worker pool, then generate."""
+        loop = asyncio.get_running_loop()
+        deadline = None if self.request_timeout is None else loop.time() + self.request_timeout
+        refusal = self.runner.admission_error()  # before reading a body the server would refuse anyway
+        if refusal is not None:
+            raise refusal
+        body = await _read_body(request, self.max_body_bytes)
+        prepared, req = await loop.run_in_executor(self.pool, self.prepare, body, chat)
+        return await self.generate(request, prepared, req, chat, deadline)
+
+    def prepare(self, body: bytes, chat: bool):
+        """Worker thread: strict JSON, field policy and limits, then tokens, then the context check."""
+        obj = validation.loads(body, self.limits.max_json_depth)
+        req = protocol.parse(protocol.ChatRequest if chat else protocol.CompletionRequest, obj)
+        self.check_model(req.model)
+        validation.check_limits(req, self.limits)
+        context = self.llm.max_model_len
+        if chat:
+            messages = protocol.chat_messages(req)
+            try:
+                ids = self.llm.tokenizer.encode_chat(messages, add_generation_prompt=req.add_generation_prompt,
+                                                     continue_final_message=req.continue_final_message)
+            except (ConfigError, jinja2.TemplateError) as e:
+                raise APIError(400, f"could not apply the chat template: {e}", param="messages") from None
+            # OpenAI's chat default is "as many as fit": whatever the context leaves after the prompt
+            params = protocol.sampling_params(req, max(1, context - len(ids)))
+            prompt, field = {"prompt_token_ids": ids}, "messages"
+        else:
+            prompt, field = protocol.completion_prompt(req), "prompt"
+            params = protocol.sampling_params(req, protocol.DEFAULT_COMPLETION_MAX_TOKENS)
+        prepared = self.runner.prepare(prompt, params, speculate=req.draftwise.speculation,
+                                       provenance=req.stream and req.draftwise.provenance)
+        n = len(prepared[0].prompt_ids)
+        if n >= context:
+            raise APIError(400, f"the prompt ({n} tokens) does not fit the context length of {context} tokens",
+                           param=field, code="context_length_exceeded")
+        if n + params.max_tokens > context:
+            raise APIError(400, f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) = {n + params.max_tokens} "
+                                f"tokens exceeds the context length of {context} tokens", param="max_tokens",
+                           code="context_length_exceeded")
+        return prepared, req
+
+    def _timeout(self, deadline: float | None) -> float | None:
+        return None if deadline is None else deadline - asyncio.get_running_loop().time()
+
+    def _timed_out(self) -> APIError:
+        return APIError(504, f"the request did not finish within the server's request timeout of "
+                             f"{self.request_timeout:g} s", code="timeout")
+
+    async def generate(self, request: Request, prepared, req, chat: bool, deadline: float | None = None):
+        rid, q = self.runner.enqueue(prepared)
         try:
-            first = await q.get()
+            first = await asyncio.wait_for(q.get(), self._timeout(deadline))
+        except asyncio.TimeoutError:
+            self.runner.abort(rid)
+            raise self._timed_out() from None
         except asyncio.CancelledError:
             self.runner.abort(rid)
             raise
@@ -112,17 +209,23 @@ class _Ctx:
             raise first.error
         fmt = protocol.ResponseFormat(chat, self.name)
         if req.stream:
-            return StreamingResponse(self._sse(rid, q, fmt, req.include_usage), media_type="text/event-stream",
+            return StreamingResponse(self._sse(rid, q, fmt, req.include_usage, req.draftwise.provenance, deadline),
+                                     media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        return JSONResponse(await self._collect(request, rid, q, fmt))
+        return JSONResponse(await self._collect(request, rid, q, fmt, deadline))
 
-    async def _collect(self, request: Request, rid: str, q: asyncio.Queue, fmt: protocol.ResponseFormat):
+    async def _collect(self, request: Request, rid: str, q: asyncio.Queue, fmt: protocol.ResponseFormat,
+                       deadline: float | None = None):
         parts, done = [], False
         next_check = time.monotonic() + DISCONNECT_POLL_S
         try:
             while True:
+                left = self._timeout(deadline)
+                if left is not None and left <= 0:
+                    raise self._timed_out()  # `finally` aborts the request and frees its slot
                 try:
-                    ev = await asyncio.wait_for(q.get(), DISCONNECT_POLL_S)
+                    ev = await asyncio.wait_for(q.get(), DISCONNECT_POLL_S if left is None else
+                                                min(DISCONNECT_POLL_S, left))
                 except asyncio.TimeoutError:
                     ev = None
                 if time.monotonic() >= next_check:  # tokens may arrive faster than the poll: check by the clock
@@ -143,22 +246,32 @@ class _Ctx:
             if not done:
                 self.runner.abort(rid)
 
-    async def _sse(self, rid: str, q: asyncio.Queue, fmt: protocol.ResponseFormat, include_usage: bool):
+    async def _sse(self, rid: str, q: asyncio.Queue, fmt: protocol.ResponseFormat, include_usage: bool,
+                   provenance: bool = False, deadline: float | None = None):
+        """OpenAI's chunks; with `provenance`, every engine step is a chunk (even one whose text is held back)
+        carrying its token provenance, and the finish chunk carries the request's figures (as `_extra`)."""
         done = False
         try:
             for chunk in fmt.first_chunks(include_usage):
                 yield _sse_line(chunk)
             while True:
-                ev = await q.get()
+                try:
+                    ev = await asyncio.wait_for(q.get(), self._timeout(deadline))
+                except asyncio.TimeoutError:  # past the deadline: free the slot, end with an error and [DONE]
+                    self.runner.abort(rid)
+                    done, err = True, self._timed_out()
+                    yield _sse_line(error_body(err.status, err.message, err.param, err.code))
+                    break
                 if ev.error:  # headers are sent: report in-band, the way OpenAI streams report errors
                     done = True
                     yield _sse_line(error_body(ev.error.status, ev.error.message, ev.error.param, ev.error.code))
                     break
-                if ev.text:
-                    yield _sse_line(fmt.chunk(ev.text, None, include_usage))
+                if ev.text or (provenance and ev.num_new_tokens):
+                    yield _sse_line(fmt.chunk(ev.text, None, include_usage, ev.provenance))
                 if ev.finished:
                     done = True
-                    yield _sse_line(fmt.chunk("", ev.finish_reason, include_usage))
+                    yield _sse_line(fmt.chunk("", ev.finish_reason, include_usage,
+                                              _extra(ev.output) if provenance else None))
                     if include_usage:
                         out = ev.output
                         yield _sse_line(fmt.usage_chunk(protocol.usage(len(out.prompt_token_ids),
@@ -178,8 +291,27 @@ def _extra(out) -> dict:
     return {"ttft_s": out.ttft_s, "e2e_s": out.total_s, "spec": out.spec}
 
 
-async def _read_json(request: Request, limit: int):
-    """The body as JSON, refusing more than `limit` bytes (413) before reading it all when the size is declared."""
+def _body_schema(model) -> dict:
+    """The OpenAPI request body of a route that reads raw JSON (its model's schema goes in `_openapi`)."""
+    return {"requestBody": {"required": True, "content": {"application/json": {
+        "schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}}
+
+
+def _openapi(app: FastAPI) -> dict:
+    """FastAPI's schema plus the request models the generation routes validate by hand (protocol.py)."""
+    if app.openapi_schema is None:
+        schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+        components = schema.setdefault("components", {}).setdefault("schemas", {})
+        for model in (protocol.CompletionRequest, protocol.ChatRequest):
+            js = model.model_json_schema(ref_template="#/components/schemas/{model}")
+            components.update(js.pop("$defs", {}))
+            components[model.__name__] = js
+        app.openapi_schema = schema
+    return app.openapi_schema
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    """The raw body, refusing more than `limit` bytes (413) before reading it all when the size is declared."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise APIError(413, f"request body of {declared} bytes exceeds the limit of {limit} bytes")
@@ -189,10 +321,7 @@ async def _read_json(request: Request, limit: int):
         if size > limit:
             raise APIError(413, f"request body exceeds the limit of {limit} bytes")
         chunks.append(chunk)
-    try:
-        return json.loads(b"".join(chunks))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise APIError(400, f"malformed JSON in the request body: {e}") from None
+    return b"".join(chunks)
 
 
 def _api_key_checker(api_key: str | None):
@@ -222,6 +351,9 @@ def _add_error_handlers(app: FastAPI) -> None:
         return error_response(400, str(e.errors()[:1]))
 
     @app.exception_handler(Exception)
-    async def internal_error(request, e: Exception):
-        log.exception("unhandled error")
-        return error_response(500, f"internal error: {type(e).__name__}: {e}")
+    async def internal_error(request, e: Exception):  # the trace goes to the log, the client gets an id
+        rid = request.scope.get("state", {}).get("request_id", "-")
+        log.exception("unhandled error (request id %s)", rid)
+        # this handler runs outside the middleware (starlette's ServerErrorMiddleware): set the id header here
+        return error_response(500, f"internal error (request id {rid}; the server log has the details)",
+                              code="internal_error", headers={"X-Request-Id": rid})

@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 
 from draftwise.cli_args import add_model_args, llm_from_args
+from draftwise.server import limits as L
 
 API_KEY_ENV = "DRAFTWISE_API_KEY"
 
@@ -19,8 +20,36 @@ def register(sub) -> None:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=None, help=f"require 'Authorization: Bearer KEY' (or set ${API_KEY_ENV})")
     p.add_argument("--served-model-name", default=None, help="the model name clients send (default: --model)")
-    p.add_argument("--max-body-bytes", type=int, default=None, help="largest request body accepted (413 above)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    g = p.add_argument_group("limits (README: Running it safely)")
+    d = L.RequestLimits()
+    g.add_argument("--max-body-bytes", type=int, default=L.DEFAULT_MAX_BODY_BYTES,
+                   help="largest request body accepted, 413 above (default: %(default)s)")
+    g.add_argument("--max-prompt-chars", type=int, default=d.max_prompt_chars,
+                   help="prompt characters (all message contents for chat), checked before tokenizing (default: "
+                        "%(default)s)")
+    g.add_argument("--max-stop-strings", type=int, default=d.max_stop_strings,
+                   help="entries in `stop` (default: %(default)s)")
+    g.add_argument("--max-stop-length", type=int, default=d.max_stop_length,
+                   help="characters in one stop string (default: %(default)s)")
+    g.add_argument("--max-stop-token-ids", type=int, default=d.max_stop_token_ids,
+                   help="entries in `stop_token_ids` (default: %(default)s)")
+    g.add_argument("--max-json-depth", type=int, default=d.max_json_depth,
+                   help="nesting of objects and arrays in a request body (default: %(default)s)")
+    g.add_argument("--max-waiting", type=int, default=L.DEFAULT_MAX_WAITING,
+                   help="requests queued beyond the --max-num-seqs slots; 429 with Retry-After above "
+                        "(default: %(default)s)")
+    g.add_argument("--request-timeout", type=float, default=L.DEFAULT_REQUEST_TIMEOUT_S,
+                   help="seconds a request may take, queueing included; then it is aborted (504, or an error "
+                        "event and [DONE] on a stream) (default: %(default)s)")
+    g.add_argument("--shutdown-timeout", type=float, default=L.DEFAULT_SHUTDOWN_TIMEOUT_S,
+                   help="on SIGTERM: 503 for new requests, this many seconds for those in flight, then each "
+                        "remaining stream ends with an error event and [DONE] (default: %(default)s)")
+    g.add_argument("--allowed-hosts", default=None,
+                   help="comma-separated Host names accepted ('*' = any; default: localhost, 127.0.0.1, ::1 and "
+                        "--host)")
+    g.add_argument("--allowed-origins", default=None,
+                   help="comma-separated browser origins allowed cross-origin (CORS; '*' = any; default: none)")
     p.set_defaults(func=cmd_serve)
 
 
@@ -30,17 +59,34 @@ def resolve_api_key(flag: str | None, environ) -> str | None:
 
 
 def cmd_serve(args) -> int:
-    import uvicorn
-
-    from draftwise.server.app import DEFAULT_MAX_BODY_BYTES, create_app
+    from draftwise.server.app import create_app
+    from draftwise.server.guard import LOOPBACK_HOSTS
+    from draftwise.server.shutdown import serve
 
     api_key = resolve_api_key(args.api_key, os.environ)
     llm = llm_from_args(args)
+    limits = L.RequestLimits(max_stop_strings=args.max_stop_strings, max_stop_length=args.max_stop_length,
+                             max_stop_token_ids=args.max_stop_token_ids, max_prompt_chars=args.max_prompt_chars,
+                             max_json_depth=args.max_json_depth)
     app = create_app(llm, args.served_model_name or args.model, api_key=api_key,
-                     max_body_bytes=args.max_body_bytes or DEFAULT_MAX_BODY_BYTES)
+                     max_body_bytes=args.max_body_bytes, limits=limits, max_waiting=args.max_waiting,
+                     request_timeout=args.request_timeout or None,
+                     allowed_hosts=allowed_hosts(args.allowed_hosts, args.host, LOOPBACK_HOSTS),
+                     allowed_origins=_split(args.allowed_origins))
     spec = llm.spec_config
     print(f"draftwise: serving {args.model!r} on http://{args.host}:{args.port}/v1 "
           f"(speculation: {spec.method}, max_num_seqs {args.max_num_seqs}, context {llm.max_model_len}, "
           f"api key {'required' if api_key else 'off'}); loaded in {llm.load_time_s:.1f}s", flush=True)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
+    serve(app, args.host, args.port, args.shutdown_timeout, log_level=args.log_level)
     return 0
+
+
+def _split(value: str | None) -> tuple[str, ...]:
+    return tuple(v.strip() for v in (value or "").split(",") if v.strip())
+
+
+def allowed_hosts(flag: str | None, bind_host: str, loopback: tuple[str, ...]) -> tuple[str, ...]:
+    """--allowed-hosts wins; else the loopback names plus the bound host (unless it is a wildcard address)."""
+    if flag:
+        return _split(flag)
+    return loopback + (() if bind_host in ("0.0.0.0", "::", "") else (bind_host,))

@@ -3,7 +3,8 @@
 Owns one CollectorRegistry per app (so tests can build several apps in one process) with request counts,
 TTFT / E2E / time-per-output-token histograms, prompt and generation token counters, running / waiting
 gauges, free KV slots, process RSS (ProcessCollector), and the spec-decode counters in the shared stats
-vocabulary (num_drafts, num_draft_tokens, num_accepted_tokens, accepted per position). Fed by the engine
+vocabulary (num_drafts, num_draft_tokens, num_accepted_tokens, num_forced_tokens, num_accepted_forced_tokens,
+accepted per position). Fed by the engine
 thread; knows nothing of HTTP.
 """
 from __future__ import annotations
@@ -19,7 +20,9 @@ E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 4
                480.0, 960.0, 1920.0, 7680.0)
 TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
                 40.0, 80.0)
-_SPEC_FIELDS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
+# + the grammar's forced tokens (structured outputs), a subset of the draft tokens, and how many were accepted
+_SPEC_FIELDS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens", "num_forced_tokens",
+                "num_accepted_forced_tokens")
 
 
 class ServerMetrics:

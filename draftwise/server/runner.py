@@ -3,8 +3,16 @@
 The event loop submits requests and aborts through a thread-safe inbox; a single thread drains it between
 steps, runs engine.step() while there is work (blocking on the inbox when idle) and hands each request's
 text deltas to its asyncio.Queue via loop.call_soon_threadsafe. Continuous batching is the engine's: new
-requests join at the next step, finished or aborted ones free their KV slot before the next step.
-Knows no HTTP: routes turn Events into responses.
+requests join at the next step, finished or aborted ones free their KV slot before the next step. A request's
+outputs of one step become one Event; a request that asked for token provenance (server/provenance.py) gets
+its step's per-token pieces and draft figures on that Event.
+
+Admission control lives here too: at most `max_num_seqs + max_waiting` requests in flight (429 beyond), 503 at
+once when the engine thread is down or the server is draining, and every request submitted gets exactly one
+terminal Event (finished or error), whatever happens to the thread. A step that raises is retried once, then
+fails what is in flight; a request the engine itself finishes with finish_reason "error" fails alone. 500s
+carry a request id, never exception text (the traceback goes to the log). Knows no HTTP: routes turn Events
+into responses.
 """
 from __future__ import annotations
 
@@ -17,6 +25,7 @@ from dataclasses import dataclass
 from draftwise.config import ConfigError
 from draftwise.engine import ContextLengthError
 from draftwise.server.errors import APIError
+from draftwise.server.provenance import TokenProvenance
 
 log = logging.getLogger("draftwise.server")
 
@@ -32,6 +41,7 @@ class Event:
     output: object | None = None  # api.RequestOutput once finished
     error: APIError | None = None
     admitted: bool = False
+    provenance: dict | None = None  # this step's token provenance, when the request asked for it (provenance.py)
 
 
 @dataclass
@@ -40,15 +50,26 @@ class _Sink:
     queue: asyncio.Queue
     request: object  # engine.Request
     stream: object  # output.TextStream
+    provenance: TokenProvenance | None = None
+
+
+RETRY_AFTER_S = 1  # what a 429 tells the client to wait
 
 
 class EngineRunner:
-    def __init__(self, llm, metrics):
+    def __init__(self, llm, metrics, max_waiting: int | None = None):
         self.llm, self.engine, self.metrics = llm, llm.engine, metrics
         self._inbox: queue.Queue = queue.Queue()
         self._sinks: dict[str, _Sink] = {}  # engine thread only
         self._thread = threading.Thread(target=self._run, name="draftwise-engine", daemon=True)
         self.last_error: str | None = None
+        slots = llm.engine.num_free_slots + len(llm.engine.running)
+        self.max_in_flight = None if max_waiting is None else slots + max_waiting
+        self._lock = threading.Lock()  # guards the two below
+        self._in_flight = 0  # submitted, no terminal Event yet
+        self._closed = False  # the engine thread has stopped: nothing more is accepted
+        self.draining = False  # shutting down: nothing new is accepted, what is in flight finishes
+        self._step_failures = 0  # consecutive engine.step() exceptions
 
     # ---- event-loop side --------------------------------------------------------------------------
     def start(self) -> None:
@@ -61,29 +82,92 @@ class EngineRunner:
 
     @property
     def alive(self) -> bool:
-        return self._thread.is_alive()
+        return self._thread.is_alive() and not self._closed
 
-    def submit(self, prompt, params) -> tuple[str, asyncio.Queue]:
-        """Queue a request for the engine thread; its first Event says admitted or error."""
+    @property
+    def in_flight(self) -> int:
+        return self._in_flight
+
+    def submit(self, prompt, params, speculate: bool = True, provenance: bool = False) -> tuple[str, asyncio.Queue]:
+        """Queue a request for the engine thread; its first Event says admitted or error. `speculate=False`
+        decodes it plainly; `provenance=True` puts each step's token provenance on its Events."""
+        return self.enqueue(self.prepare(prompt, params, speculate, provenance))
+
+    def prepare(self, prompt, params, speculate: bool = True, provenance: bool = False) -> tuple:
+        """Tokenize and build the engine request (any thread: the server runs this in its worker pool)."""
         try:
             req, stream = self.llm.new_request(prompt, params)
         except ConfigError as e:
             raise APIError(400, str(e), param="prompt") from None
+        req.speculate = speculate
+        tracker = None
+        if provenance:
+            tracker = TokenProvenance(stream, self.llm.spec_config.method if speculate else "none")
+            req.on_token = tracker.add
+        return req, stream, tracker
+
+    def enqueue(self, prepared: tuple) -> tuple[str, asyncio.Queue]:
+        """Admit a prepared request (event loop): 503 when the engine is down or draining, 429 when full."""
+        req, stream, tracker = prepared
         q: asyncio.Queue = asyncio.Queue()
-        self._inbox.put(("add", _Sink(asyncio.get_running_loop(), q, req, stream)))
+        with self._lock:
+            refusal = self.admission_error()
+            if refusal is not None:
+                raise refusal
+            self._in_flight += 1
+            self._inbox.put(("add", _Sink(asyncio.get_running_loop(), q, req, stream, tracker)))
         return req.request_id, q
+
+    def admission_error(self) -> APIError | None:
+        """Why a new request would be refused right now (None: it would be queued)."""
+        if self._closed or not self._thread.is_alive():
+            return APIError(503, "the engine thread is not running", code="engine_unavailable")
+        if self.draining:
+            return APIError(503, "the server is shutting down", code="shutting_down")
+        if self.max_in_flight is not None and self._in_flight >= self.max_in_flight:
+            return APIError(429, f"the server is busy ({self._in_flight} requests in flight, the most it takes); "
+                                 f"retry after {RETRY_AFTER_S} s", code="queue_full",
+                            headers={"Retry-After": str(RETRY_AFTER_S)})
+        return None
 
     def abort(self, request_id: str) -> None:
         self._inbox.put(("abort", request_id))
 
+    def fail_all(self, status: int, message: str, code: str | None = None) -> None:
+        """End every request in flight with this error (graceful shutdown once its timeout has passed)."""
+        self._inbox.put(("fail_all", APIError(status, message, code=code)))
+
+    def _release(self) -> None:
+        with self._lock:
+            self._in_flight -= 1
+
     # ---- engine thread ----------------------------------------------------------------------------
     def _run(self) -> None:
-        while self._drain(block=not self.engine.has_unfinished()):
-            if self.engine.has_unfinished():
-                self._step()
-            self.metrics.sync_engine(self.engine)
-        for rid in list(self._sinks):  # shutting down: nobody will read these
-            self._abort(rid)
+        try:
+            while self._drain(block=not self.engine.has_unfinished()):
+                if self.engine.has_unfinished():
+                    self._step()
+                self.metrics.sync_engine(self.engine)
+        except BaseException:  # the thread ends either way; _close tells every request (503 from now on)
+            log.exception("the engine thread died")
+        finally:
+            self._close()
+
+    def _close(self) -> None:
+        """The thread is ending: refuse new work, and give every request still here its terminal Event."""
+        with self._lock:
+            self._closed = True
+        gone = APIError(503, "the engine thread stopped", code="engine_unavailable")
+        for rid in list(self._sinks):
+            self._fail(rid, gone)
+        while True:
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if item is not None and item[0] == "add":
+                self._release()
+                self._post(item[1], Event(error=gone))
 
     def _drain(self, block: bool) -> bool:
         """Handle every queued command; False once asked to stop."""
@@ -100,17 +184,24 @@ class EngineRunner:
         if kind == "abort":
             self._abort(arg)
             return
+        if kind == "fail_all":
+            for rid in list(self._sinks):
+                self._fail(rid, arg)
+            return
         sink: _Sink = arg
         try:
             self.engine.add_request(sink.request)
         except ConfigError as e:
             too_long = isinstance(e, ContextLengthError)
+            self._release()
             self._post(sink, Event(error=APIError(400, str(e), param="max_tokens" if too_long else "prompt",
                                                   code="context_length_exceeded" if too_long else None)))
             return
-        except Exception as e:  # a bug must not take the engine thread down
-            log.exception("add_request failed")
-            self._post(sink, Event(error=APIError(500, f"internal error: {type(e).__name__}: {e}")))
+        except Exception:  # a bug must not take the engine thread down
+            rid = sink.request.request_id
+            log.exception("add_request failed (request id %s)", rid)
+            self._release()
+            self._post(sink, Event(error=internal_error(rid)))
             return
         self._sinks[sink.request.request_id] = sink
         self.metrics.on_admitted(len(sink.request.prompt_ids))
@@ -120,58 +211,75 @@ class EngineRunner:
         sink = self._sinks.pop(request_id, None)
         if sink is None:  # already finished (the abort raced the last token)
             return
+        self._release()
         self.engine.abort(request_id)
         self.metrics.on_finished("abort", None, None, len(sink.request.output_ids))
 
     def _step(self) -> None:
         try:
             outputs = self.engine.step()
-        except Exception as e:  # a bug must not take the server down: fail what is in flight, keep serving
-            log.exception("engine step failed")
+        except Exception as e:  # a bug must not take the server down: retry once, then fail what is in flight
+            self._step_failures += 1
             self.last_error = f"{type(e).__name__}: {e}"
-            self._fail_all(f"internal error in the engine: {self.last_error}")
+            rids = ", ".join(self._sinks) or "none"
+            if self._step_failures == 1:
+                log.exception("engine step failed; retrying once (requests in flight: %s)", rids)
+                return
+            log.exception("engine step failed again; failing the requests in flight: %s", rids)
+            self._step_failures = 0
+            for rid in list(self._sinks):
+                self._fail(rid, internal_error(rid))
             return
+        self._step_failures = 0
+        by_request: dict[str, list] = {}  # a request admitted this step has two outputs: prefill, first decode
         for out in outputs:
-            sink = self._sinks.get(out.request.request_id)
+            by_request.setdefault(out.request.request_id, []).append(out)
+        for rid, outs in by_request.items():
+            sink = self._sinks.get(rid)
             if sink is None:
                 continue
             try:
-                self._deliver(sink, out)
-            except Exception as e:  # e.g. detokenization: fail this request only
-                log.exception("delivering output failed")
-                self._fail(out.request.request_id, f"internal error: {type(e).__name__}: {e}")
+                self._deliver(sink, outs)
+            except Exception:  # e.g. detokenization: fail this request only
+                log.exception("delivering output failed (request id %s)", rid)
+                self._fail(rid, internal_error(rid))
 
-    def _deliver(self, sink: _Sink, out) -> None:
-        req, n = out.request, len(out.new_token_ids)
+    def _deliver(self, sink: _Sink, outs: list) -> None:
+        """One Event for the request's outputs of this step (their text is one delta: the tokens are all in)."""
+        out = outs[-1]
+        req, n = out.request, sum(len(o.new_token_ids) for o in outs)
         self.metrics.on_tokens(n)
         if n and len(req.output_ids) == n and req.first_token_time is not None:
             self.metrics.on_first_token(req.first_token_time - req.arrival_time)
+        if req.finish_reason == "error":  # the engine failed this request alone (Request.error)
+            log.error("the engine failed request %s: %s", req.request_id, getattr(req, "error", None))
+            self._fail(req.request_id, internal_error(req.request_id))
+            return
         text = sink.stream.delta()
         if not out.finished:
             if text or n:
-                self._post(sink, Event(text=text, num_new_tokens=n))
+                self._post(sink, Event(text=text, num_new_tokens=n, provenance=_provenance(sink, outs, text)))
             return
         text += sink.stream.finish()
+        prov = _provenance(sink, outs, text)
         output = self.llm.to_output(req, sink.stream.text)
         del self._sinks[req.request_id]  # only now: if anything above raised, _fail still finds the sink
+        self._release()
         self.metrics.on_finished(req.finish_reason, output.total_s, output.ttft_s, len(req.output_ids))
         self._post(sink, Event(text=text, num_new_tokens=n, finished=True, finish_reason=req.finish_reason,
-                               output=output))
+                               output=output, provenance=prov))
 
-    def _fail_all(self, message: str) -> None:
-        for rid in list(self._sinks):
-            self._fail(rid, message)
-
-    def _fail(self, request_id: str, message: str) -> None:
+    def _fail(self, request_id: str, error: APIError) -> None:
         sink = self._sinks.pop(request_id, None)
         if sink is None:
             return
+        self._release()
         try:
             self.engine.abort(request_id)
         except Exception:  # the engine is already in trouble; the request is failed either way
             log.exception("abort after a failure")
         self.metrics.on_finished("error", None, None, len(sink.request.output_ids))
-        self._post(sink, Event(error=APIError(500, message)))
+        self._post(sink, Event(error=error))
 
     @staticmethod
     def _post(sink: _Sink, event: Event) -> None:
@@ -179,3 +287,15 @@ class EngineRunner:
             sink.loop.call_soon_threadsafe(sink.queue.put_nowait, event)
         except RuntimeError:  # the event loop is closed (server shutting down)
             pass
+
+
+def internal_error(request_id: str) -> APIError:
+    """A 500 that names the request id the log has the traceback under, and nothing else."""
+    return APIError(500, f"internal error (request id {request_id}; the server log has the details)",
+                    code="internal_error")
+
+
+def _provenance(sink: _Sink, outs: list, text: str) -> dict | None:
+    if sink.provenance is None:
+        return None
+    return sink.provenance.chunk(text, [(len(o.new_token_ids), o.num_draft_tokens, o.num_accepted) for o in outs])

@@ -12,6 +12,7 @@ from typing import Callable
 
 from draftwise.config import ConfigError, SpecConfig
 from draftwise.spec_decode.draft_model import DraftModelProposer, check_compatible, draft_cache_capacity
+from draftwise.spec_decode.grammar import GrammarProposer
 from draftwise.spec_decode.ngram import NgramProposer
 from draftwise.spec_decode.proposer import NoProposer, Proposer
 
@@ -29,6 +30,8 @@ class ProposerContext:
     dtype: str
     # (name, dtype, weights) -> (Decoder, Tokenizer, info dict); None when drafts cannot be loaded
     load_draft: Callable[[str, str, str | None], tuple] | None = None
+    # the caller's cached builder (a composite method reuses the proposer its part already has); None = build
+    proposer_for: Callable[[SpecConfig], Proposer] | None = None
 
 
 def _build_none(spec: SpecConfig, ctx: ProposerContext) -> Proposer:
@@ -49,10 +52,19 @@ def _build_draft_model(spec: SpecConfig, ctx: ProposerContext) -> Proposer:
     return DraftModelProposer(model, ctx.max_num_seqs, capacity, ctx.target_vocab_size)
 
 
+def _build_grammar(spec: SpecConfig, ctx: ProposerContext) -> Proposer:
+    """The grammar's forced tokens first, then `spec.then` (ngram / draft_model) fills the rest of k."""
+    if spec.then is None:
+        return GrammarProposer()
+    then = ctx.proposer_for(spec.then) if ctx.proposer_for is not None else build_proposer(spec.then, ctx)
+    return GrammarProposer(then)
+
+
 PROPOSER_BUILDERS: dict[str, Callable[[SpecConfig, ProposerContext], Proposer]] = {
     "none": _build_none,
     "ngram": _build_ngram,
     "draft_model": _build_draft_model,
+    "grammar": _build_grammar,
 }
 
 

@@ -3,7 +3,10 @@
 Owns the draft's per-slot token history and cache length. After the target's verdict it rolls its cache back
 with `truncate` (the only rollback); the all-accepted case — the last guess was never fed to the draft — is
 handled by feeding every token the draft has not seen yet on the next call. Draft distributions are processed
-with the request's own temperature/top-k/top-p so rejection sampling compares like with like.
+with the request's own temperature/top-k/top-p so rejection sampling compares like with like. Under structured
+outputs each slot keeps its own copy of the request's grammar state: guesses are drawn from the draft's
+distribution masked by it (so q is a proper distribution over the allowed ids, as the target's p is), it is
+advanced along the guesses, and `accept` rolls the guesses back and advances what the target emitted.
 Knows nothing of the target model or the engine's scheduling.
 """
 from __future__ import annotations
@@ -14,6 +17,7 @@ from draftwise.config import ConfigError
 from draftwise.kv_cache import KVCache
 from draftwise.sampling import SamplingParams, process_logits, sample
 from draftwise.spec_decode.proposer import EMPTY_DRAFT_IDS, Draft
+from draftwise.structured.matcher import GrammarError, GrammarMatcher, mask_logits
 
 MAX_BATCHED_CATCH_UP = 4  # rows with more unseen tokens than this (a new prompt) are prefilled alone
 
@@ -30,25 +34,38 @@ class DraftModelProposer:
         self.model = model
         self.cache = KVCache(c.num_layers, num_slots, c.num_kv_heads, capacity, c.head_dim, model.dtype, model.device)
         self.target_vocab_size = target_vocab_size
+        # ids the draft can embed: fewer rows than the target (padding) -> the engine masks to the shared ids
+        self.vocab_limit = c.vocab_size if c.vocab_size < target_vocab_size else None
         self.tokens: dict[int, list[int]] = {}  # context per slot: prompt + accepted output
         self.seen: dict[int, int] = {}  # tokens of `tokens` (then of the guesses) held in the draft cache
         self.params: dict[int, SamplingParams] = {}
         self.generators: dict[int, torch.Generator] = {}
         self._last: dict[int, list[int]] = {}
+        self.grammars: dict[int, GrammarMatcher] = {}  # per slot: the accepted output's grammar state ...
+        self._advanced: dict[int, int] = {}  # ... plus this many tokens of the last draft, rolled back in accept
 
-    def begin(self, slot, prompt_ids, params, generator):
+    def begin(self, slot, prompt_ids, params, generator, grammar=None):
         self.tokens[slot] = list(prompt_ids)
         self.seen[slot] = 0
         self.cache.free(slot)
         self.params[slot], self.generators[slot] = params, generator
         self._last[slot] = []
+        if grammar is not None:
+            self.grammars[slot] = grammar.copy()
+            self._advanced[slot] = 0
 
     def end(self, slot):
-        for d in (self.tokens, self.seen, self.params, self.generators, self._last):
+        for d in (self.tokens, self.seen, self.params, self.generators, self._last, self.grammars, self._advanced):
             d.pop(slot, None)
         self.cache.free(slot)
 
     def accept(self, slot, num_accepted, token_id):
+        m = self.grammars.get(slot)
+        if m is not None:
+            self._rewind_grammar(slot)
+            kept = self._last[slot][:num_accepted] + [token_id]
+            if m.advance_many(kept) != len(kept):
+                raise GrammarError(f"the draft's grammar state refused the emitted tokens {kept}")
         old = len(self.tokens[slot])
         self.tokens[slot].extend(self._last[slot][:num_accepted])
         self.tokens[slot].append(token_id)
@@ -57,47 +74,89 @@ class DraftModelProposer:
         self._last[slot] = []
 
     # ---- proposing ----------------------------------------------------------------------------
-    def propose(self, slots, max_tokens):
+    def propose(self, slots, max_tokens, after=None):
+        before = {s: list(after[i]) if after else [] for i, s in enumerate(slots)}
+        for s in slots:
+            self._rewind(s)
+            self._last[s] = before[s]
+            m = self.grammars.get(s)
+            if m is not None and before[s]:
+                self._advanced[s] = m.advance_many(before[s])
         active = [(s, k) for s, k in zip(slots, max_tokens) if k > 0]
         out = {s: Draft(EMPTY_DRAFT_IDS) for s in slots}
         if active:
             act_slots = [s for s, _ in active]
             k_max = max(k for _, k in active)
-            logits = self._catch_up(act_slots)  # [B, V_draft] next-token logits after each context
+            logits = self._catch_up(act_slots, before)  # [B, V_draft] next-token logits after each context
             guesses, probs = [[] for _ in active], [[] for _ in active]
+            # a row stops at its k, or once its grammar admits nothing more; only live rows are fed on
+            done = [s in self.grammars and self.grammars[s].is_finished() for s in act_slots]
             for step in range(k_max):
-                for row, s in enumerate(act_slots):
+                for row, (s, k) in enumerate(active):
+                    if done[row]:
+                        continue
                     tok, p = self._draw(s, logits[row])
                     guesses[row].append(tok)
                     probs[row].append(p)
-                if step + 1 < k_max:
-                    logits = self._forward(act_slots, [[g[-1]] for g in guesses])
+                    done[row] = len(guesses[row]) >= k or (s in self.grammars and self.grammars[s].is_finished())
+                live = [row for row in range(len(active)) if not done[row]]
+                if not live:
+                    break
+                fed = self._forward([act_slots[r] for r in live], [[guesses[r][-1]] for r in live])  # [L, V]
+                logits = {r: fed[i] for i, r in enumerate(live)}
             for row, (s, k) in enumerate(active):
-                self._last[s] = guesses[row][:k]
+                self._last[s] = before[s] + guesses[row][:k]
+                if not guesses[row]:
+                    continue
                 q = None if self.params[s].greedy else torch.stack(probs[row][:k])
                 out[s] = Draft(torch.tensor(guesses[row][:k], dtype=torch.int64), q)
         return [out[s] for s in slots]
 
+    def _rewind_grammar(self, slot: int) -> None:
+        """Back to the accepted output's grammar state (the last draft's advances undone)."""
+        if slot in self.grammars:
+            self.grammars[slot].rollback(self._advanced[slot])
+            self._advanced[slot] = 0
+
+    def _rewind(self, slot: int) -> None:
+        """Start from the accepted context: drop whatever an earlier propose fed beyond it (its guesses, or a
+        half-done forward of a step that failed and is being retried), so propose is idempotent. The last
+        context token is always fed again (its logits start the guesses); after `accept` it is unseen anyway."""
+        self.seen[slot] = min(self.seen[slot], len(self.tokens[slot]) - 1)
+        self.cache.truncate(slot, self.seen[slot])  # a forward extends the cache before `seen` moves: never below
+        self._rewind_grammar(slot)
+
     def _draw(self, slot: int, logits: torch.Tensor) -> tuple[int, torch.Tensor | None]:  # logits [V_draft]
         params = self.params[slot]
         logits = _fit_vocab(logits, self.target_vocab_size)
+        m = self.grammars.get(slot)
+        if m is not None:
+            logits = mask_logits(logits, m.allowed(logits.shape[-1]))  # [V]: q lives on the allowed ids
         if params.greedy:
-            return int(logits.argmax()), None
-        q = process_logits(logits[None], params.temperature, params.top_k, params.top_p)  # [1, V]
-        return int(sample(q, self.generators[slot])[0]), q[0]
+            tok, q = int(logits.argmax()), None
+        else:
+            q = process_logits(logits[None], params.temperature, params.top_k, params.top_p)[0]  # [V]
+            tok = int(sample(q[None], self.generators[slot])[0])
+        if m is not None:
+            if not m.advance(tok):
+                raise GrammarError(f"the draft drew token {tok}, which its grammar mask forbids")
+            self._advanced[slot] += 1
+        return tok, q
 
-    def _catch_up(self, slots: list[int]) -> torch.Tensor:  # -> [B, V_draft]
-        """Feed each slot every context token its cache lacks; return logits after the last one."""
+    def _catch_up(self, slots: list[int], before: dict[int, list[int]]) -> torch.Tensor:  # -> [B, V_draft]
+        """Feed each slot every context token its cache lacks, then its `before` tokens; return logits after
+        the last one. Rows with many unseen context tokens (a new prompt) go alone."""
         rows: dict[int, torch.Tensor] = {}
         small = []
         for s in slots:
             unseen = len(self.tokens[s]) - self.seen[s]
             if unseen > MAX_BATCHED_CATCH_UP:
-                rows[s] = self._forward([s], [self.tokens[s][self.seen[s]:]])[0]
+                rows[s] = self._forward([s], [self.tokens[s][self.seen[s]:] + before[s]])[0]
             else:
                 small.append(s)
         if small:
-            for s, row in zip(small, self._forward(small, [self.tokens[s][self.seen[s]:] for s in small])):
+            feeds = [self.tokens[s][self.seen[s]:] + before[s] for s in small]
+            for s, row in zip(small, self._forward(small, feeds)):
                 rows[s] = row
         return torch.stack([rows[s] for s in slots])
 

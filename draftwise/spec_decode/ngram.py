@@ -1,7 +1,8 @@
 """N-gram (prompt lookup) proposer: no model; guesses that the text will continue as it did after the most
 recent earlier occurrence of its last n tokens (n from prompt_lookup_max down to prompt_lookup_min),
-searching prompt + generated tokens. Same knobs as vLLM's `ngram` method (Saxena 2023, "prompt lookup
-decoding"). Knows nothing of models or the engine.
+searching prompt + generated tokens (+ the tokens of `after`, e.g. the grammar's forced ones). Same knobs as
+vLLM's `ngram` method (Saxena 2023, "prompt lookup decoding"). Ignores grammars: the engine cuts a draft at
+its first token the grammar forbids. Knows nothing of models or the engine.
 """
 from __future__ import annotations
 
@@ -12,20 +13,24 @@ from draftwise.spec_decode.proposer import EMPTY_DRAFT_IDS, Draft
 
 
 class NgramProposer:
+    vocab_limit = None  # guesses are ids already in the sequence
+
     def __init__(self, min_n: int, max_n: int):
         self.min_n, self.max_n = min_n, max_n
         self.tokens: dict[int, list[int]] = {}
         self._last: dict[int, list[int]] = {}
 
-    def begin(self, slot, prompt_ids, params, generator):
+    def begin(self, slot, prompt_ids, params, generator, grammar=None):
         self.tokens[slot] = list(prompt_ids)
         self._last[slot] = []
 
-    def propose(self, slots, max_tokens):
+    def propose(self, slots, max_tokens, after=None):
         drafts = []
-        for slot, k in zip(slots, max_tokens):
-            guess = lookup(np.asarray(self.tokens[slot], dtype=np.int64), self.min_n, self.max_n, k) if k > 0 else []
-            self._last[slot] = guess
+        for i, (slot, k) in enumerate(zip(slots, max_tokens)):
+            before = list(after[i]) if after else []
+            context = np.asarray(self.tokens[slot] + before, dtype=np.int64)
+            guess = lookup(context, self.min_n, self.max_n, k) if k > 0 else []
+            self._last[slot] = before + guess
             drafts.append(Draft(torch.tensor(guess, dtype=torch.int64) if guess else EMPTY_DRAFT_IDS))
         return drafts
 

@@ -4,6 +4,12 @@ A proposer guesses up to k next tokens for a sequence slot; the engine verifies 
 engine talks to every proposer through this protocol only (never isinstance-checks), so `none` — plain
 decoding — is a proposer that never proposes. Modelled on llama.cpp's speculative "common" interface: `accept`
 is the one explicit rollback call. Which proposer a method name builds lives in builders.py.
+
+Structured outputs: `begin` hands a proposer the request's grammar state (a structured.GrammarMatcher at the
+start of the output, or None); a proposer that uses it keeps its own `copy()`, advances it along its guesses
+and along what `accept` reports. `propose(..., after=...)` lets a proposer continue a draft another one began
+(the grammar proposer's forced tokens): it guesses as if `after[i]` followed the context, returns only its own
+guesses, and counts `accept`'s num_accepted over `after[i]` + its guesses.
 """
 from __future__ import annotations
 
@@ -13,12 +19,14 @@ from typing import Protocol
 import torch
 
 from draftwise.sampling import SamplingParams
+from draftwise.structured.matcher import GrammarMatcher
 
 
 @dataclass
 class Draft:
     token_ids: torch.Tensor  # [k] int64
     probs: torch.Tensor | None = None  # [k, target_vocab] processed draft distribution; None = point masses
+    num_forced: int = 0  # the first num_forced tokens are forced by the grammar (point masses)
 
     @property
     def num_tokens(self) -> int:
@@ -29,14 +37,24 @@ EMPTY_DRAFT_IDS = torch.zeros(0, dtype=torch.int64)
 
 
 class Proposer(Protocol):
-    def begin(self, slot: int, prompt_ids: list[int], params: SamplingParams, generator: torch.Generator) -> None:
-        """A sequence starts in `slot` with these prompt ids."""
+    # Token ids this proposer can take in: None = any id of the target's vocabulary. A draft model with fewer
+    # embedding rows than the target declares its row count; the engine then refuses prompt ids >= it and masks
+    # the target's sampling to ids < it (p, q and plain steps alike), so no such id ever reaches `accept`.
+    vocab_limit: int | None
 
-    def propose(self, slots: list[int], max_tokens: list[int]) -> list[Draft]:
-        """Up to max_tokens[i] guesses for each slot (fewer, or none, is fine)."""
+    def begin(self, slot: int, prompt_ids: list[int], params: SamplingParams, generator: torch.Generator,
+              grammar: GrammarMatcher | None = None) -> None:
+        """A sequence starts in `slot` with these prompt ids; `grammar`: its output constraint's state at the
+        start of the output (copy it to use it; never advance the caller's object)."""
+
+    def propose(self, slots: list[int], max_tokens: list[int], after: list[list[int]] | None = None) -> list[Draft]:
+        """Up to max_tokens[i] guesses for each slot (fewer, or none, is fine), after the tokens `after[i]`
+        (None: right after the context; see the module docstring). Idempotent between two `accept`s: the
+        engine calls it again when a step failed and is retried (the same generators state)."""
 
     def accept(self, slot: int, num_accepted: int, token_id: int) -> None:
-        """The target kept the first `num_accepted` guesses of the last draft, then emitted `token_id`."""
+        """The target kept the first `num_accepted` guesses of the last draft (`after` tokens first), then
+        emitted `token_id`."""
 
     def end(self, slot: int) -> None:
         """The sequence in `slot` finished; forget it."""
@@ -45,10 +63,12 @@ class Proposer(Protocol):
 class NoProposer:
     """Plain decoding through the same engine path: never proposes anything."""
 
-    def begin(self, slot, prompt_ids, params, generator):
+    vocab_limit = None
+
+    def begin(self, slot, prompt_ids, params, generator, grammar=None):
         pass
 
-    def propose(self, slots, max_tokens):
+    def propose(self, slots, max_tokens, after=None):
         return [Draft(EMPTY_DRAFT_IDS) for _ in slots]
 
     def accept(self, slot, num_accepted, token_id):

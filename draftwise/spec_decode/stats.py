@@ -2,7 +2,9 @@
 
 Owns the counters (docs/ARCHITECTURE.md, metric definitions): num_drafts, num_draft_tokens, num_accepted_tokens,
 accepted_per_position, and the derived acceptance rate (accepted / draft tokens) and mean acceptance length
-(1 + accepted / drafts, as vLLM and Spec-Bench define it). It does not know what produced the drafts or
+(1 + accepted / drafts, as vLLM and Spec-Bench define it); with structured outputs, the **forced** tokens (the
+grammar's only continuation, proposed at the front of a draft) and their acceptance, counted apart, and the
+seconds spent on grammar masks. It does not know what produced the drafts or
 how they were verified; callers `record` one verified draft at a time and `merge` across requests.
 """
 from __future__ import annotations
@@ -23,11 +25,19 @@ class SpecStats:
     draft_time_s: float = 0.0
     verify_time_s: float = 0.0
     k_histogram: dict[int, int] = field(default_factory=dict)  # num_speculative_tokens used -> steps
+    num_forced_tokens: int = 0  # draft tokens the grammar forced (a subset of num_draft_tokens)
+    num_accepted_forced_tokens: int = 0  # of those, accepted (a subset of num_accepted_tokens)
+    mask_time_s: float = 0.0  # grammar masks for the target (structured outputs), plain steps included
 
-    def record(self, k: int, num_accepted: int, *, draft_time_s: float = 0.0, verify_time_s: float = 0.0) -> None:
-        """Count one step that proposed `k` tokens of which the first `num_accepted` were kept."""
-        if k < 0 or not 0 <= num_accepted <= k:
-            raise ValueError(f"need 0 <= num_accepted <= k, got k={k}, num_accepted={num_accepted}")
+    def record(self, k: int, num_accepted: int, *, draft_time_s: float = 0.0, verify_time_s: float = 0.0,
+               num_forced: int = 0) -> None:
+        """Count one step that proposed `k` tokens of which the first `num_accepted` were kept; the first
+        `num_forced` of the k were forced by the grammar."""
+        if k < 0 or not 0 <= num_accepted <= k or not 0 <= num_forced <= k:
+            raise ValueError(f"need 0 <= num_accepted, num_forced <= k, got k={k}, num_accepted={num_accepted}, "
+                             f"num_forced={num_forced}")
+        self.num_forced_tokens += num_forced
+        self.num_accepted_forced_tokens += min(num_forced, num_accepted)
         self.k_histogram[k] = self.k_histogram.get(k, 0) + 1
         self.draft_time_s += draft_time_s
         self.verify_time_s += verify_time_s
@@ -62,6 +72,9 @@ class SpecStats:
                 mine[i] += count
         self.draft_time_s += other.draft_time_s
         self.verify_time_s += other.verify_time_s
+        self.num_forced_tokens += other.num_forced_tokens
+        self.num_accepted_forced_tokens += other.num_accepted_forced_tokens
+        self.mask_time_s += other.mask_time_s
         for k, count in other.k_histogram.items():
             self.k_histogram[k] = self.k_histogram.get(k, 0) + count
         return self
@@ -79,6 +92,13 @@ class SpecStats:
         if self.num_drafts == 0:
             return None
         return 1.0 + self.num_accepted_tokens / self.num_drafts
+
+    @property
+    def forced_acceptance_rate(self) -> float | None:
+        """Accepted / proposed forced tokens; None before any (a target may prefer another tokenization)."""
+        if self.num_forced_tokens == 0:
+            return None
+        return self.num_accepted_forced_tokens / self.num_forced_tokens
 
     @property
     def acceptance_rate_per_position(self) -> list[float]:
@@ -99,6 +119,10 @@ class SpecStats:
             "acceptance_rate": self.acceptance_rate,
             "mean_acceptance_length": self.mean_acceptance_length,
             "acceptance_rate_per_position": self.acceptance_rate_per_position,
+            "num_forced_tokens": self.num_forced_tokens,
+            "num_accepted_forced_tokens": self.num_accepted_forced_tokens,
+            "forced_acceptance_rate": self.forced_acceptance_rate,
+            "mask_time_s": self.mask_time_s,
         }
 
 

@@ -1,0 +1,172 @@
+// q4x8: the torch operator (torch.ops.draftwise_q4x8.*), the run-time ISA dispatch and the scalar path.
+// Owns: argument checks, threading over output-column blocks (at::parallel_for, torch's thread count) and
+// which ISA path runs (cpuid at run time, or the caller's explicit choice for tests). Knows nothing of
+// models or of how weights were quantized; the layout and the arithmetic are defined in q4x8.h.
+// The scalar path performs the exact float sequence of the SIMD paths (std::fma), so it is their oracle.
+#include <torch/library.h>
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <cmath>
+#include <vector>
+#include "q4x8.h"
+
+namespace {
+
+enum Path : int64_t { AUTO = -1, SCALAR = 0, AVX2 = 1, AVX512 = 2 };
+
+bool cpu_has_avx2() {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+#else
+    return false;
+#endif
+}
+
+bool cpu_has_avx512() {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
+#else
+    return false;
+#endif
+}
+
+std::vector<int64_t> available_paths() {
+    std::vector<int64_t> p{SCALAR};
+#ifdef DW_HAVE_X86
+    if (cpu_has_avx2()) p.push_back(AVX2);
+    if (cpu_has_avx512()) p.push_back(AVX512);
+#endif
+    return p;
+}
+
+int64_t best_path() {
+    static const int64_t best = available_paths().back();
+    return best;
+}
+
+}  // namespace
+
+extern "C" void dw_q8_rows_scalar(const float* x, int64_t K, int8_t* q, float* dx, float* xs, int64_t r0,
+                                  int64_t r1) {
+    const int64_t G = K / 32;
+    for (int64_t r = r0; r < r1; ++r) {
+        for (int64_t g = 0; g < G; ++g) {
+            const float* p = x + r * K + g * 32;
+            float amax = 0.0f;
+            for (int i = 0; i < 32; ++i) amax = std::fmax(amax, std::fabs(p[i]));
+            const float id = amax > 0.0f ? 127.0f / amax : 0.0f;
+            int32_t qsum = 0;
+            for (int i = 0; i < 32; ++i) {
+                const int32_t v = (int32_t)std::nearbyint(p[i] * id);
+                q[r * K + g * 32 + i] = (int8_t)v;
+                qsum += v;
+            }
+            const float d = amax / 127.0f;
+            dx[r * G + g] = d;
+            xs[r * G + g] = d * (float)qsum;
+        }
+    }
+}
+
+extern "C" void dw_gemm_scalar(const DwQ4* w, const DwQ8* a, float* out, int64_t b0, int64_t b1) {
+    const int64_t K = w->K, G = w->G, S = w->S, N = w->N;
+    for (int64_t b = b0; b < b1; ++b) {
+        for (int j = 0; j < 16; ++j) {
+            const int64_t n = b * 16 + j;
+            if (n >= N) break;
+            for (int64_t m = 0; m < a->M; ++m) {
+                float acc = 0.0f;
+                for (int64_t g = 0; g < G; ++g) {
+                    const float d = w->d[(b * S + g / 8) * 16 + j], dm = w->dmin[(b * S + g / 8) * 16 + j];
+                    const float s = d * (float)w->sc[(b * G + g) * 16 + j];
+                    const float negmm = 0.0f - dm * (float)w->mn[(b * G + g) * 16 + j];
+                    const uint8_t* P = w->packed + (b * G + g) * 256;
+                    const int8_t* xq = a->q + m * K + g * 32;
+                    int32_t isum = 0;
+                    for (int c = 0; c < 4; ++c)
+                        for (int t = 0; t < 4; ++t) {
+                            const uint8_t byte = P[c * 64 + j * 4 + t];
+                            isum += (int32_t)(byte & 15) * xq[c * 4 + t] + (int32_t)(byte >> 4) * xq[16 + c * 4 + t];
+                        }
+                    acc = std::fma((float)isum, s * a->dx[m * G + g], acc);
+                    acc = std::fma(negmm, a->xs[m * G + g], acc);
+                }
+                out[m * N + n] = acc + (w->bias ? w->bias[n] : 0.0f);
+            }
+        }
+    }
+}
+
+namespace {
+
+// x [M, K] float32 -> y [M, N] float32
+at::Tensor q4x8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& sc, const at::Tensor& mn,
+                       const at::Tensor& d, const at::Tensor& dmin, const std::optional<at::Tensor>& bias, int64_t N,
+                       int64_t path) {
+    TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be [M, K] float32 contiguous");
+    const int64_t M = x.size(0), K = x.size(1);
+    TORCH_CHECK(K % 32 == 0, "K must be a multiple of 32");
+    const int64_t G = K / 32, S = (G + 7) / 8, NB = (N + 15) / 16;
+    TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous() && packed.numel() == NB * G * 256, "packed: bad shape");
+    TORCH_CHECK(sc.scalar_type() == at::kByte && sc.is_contiguous() && sc.numel() == NB * G * 16, "sc: bad shape");
+    TORCH_CHECK(mn.scalar_type() == at::kByte && mn.is_contiguous() && mn.numel() == NB * G * 16, "mn: bad shape");
+    TORCH_CHECK(d.scalar_type() == at::kFloat && d.is_contiguous() && d.numel() == NB * S * 16, "d: bad shape");
+    TORCH_CHECK(dmin.scalar_type() == at::kFloat && dmin.is_contiguous() && dmin.numel() == NB * S * 16, "dmin: bad shape");
+    const float* bias_p = nullptr;
+    if (bias.has_value() && bias->defined()) {
+        TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N, "bias must be [N] float32");
+        bias_p = bias->data_ptr<float>();
+    }
+    if (path == AUTO) path = best_path();
+    const auto avail = available_paths();
+    TORCH_CHECK(std::find(avail.begin(), avail.end(), path) != avail.end(), "q4x8 path ", path, " cannot run on this CPU");
+
+    at::Tensor y = at::empty({M, N}, x.options());
+    if (M == 0) return y;
+    at::Tensor q = at::empty({M, K}, x.options().dtype(at::kChar));
+    at::Tensor dx = at::empty({M, G}, x.options());
+    at::Tensor xs = at::empty({M, G}, x.options());
+    const float* xp = x.data_ptr<float>();
+    int8_t* qp = q.data_ptr<int8_t>();
+    float* dxp = dx.data_ptr<float>();
+    float* xsp = xs.data_ptr<float>();
+    auto quant = path == AVX512 ? dw_q8_rows_avx512 : path == AVX2 ? dw_q8_rows_avx2 : dw_q8_rows_scalar;
+    auto gemm = path == AVX512 ? dw_gemm_avx512 : path == AVX2 ? dw_gemm_avx2 : dw_gemm_scalar;
+#ifndef DW_HAVE_X86
+    quant = dw_q8_rows_scalar;
+    gemm = dw_gemm_scalar;
+#endif
+    if (M * K >= (1 << 16)) {
+        at::parallel_for(0, M, 1, [&](int64_t r0, int64_t r1) { quant(xp, K, qp, dxp, xsp, r0, r1); });
+    } else {
+        quant(xp, K, qp, dxp, xsp, 0, M);
+    }
+    DwQ4 w{packed.data_ptr<uint8_t>(), sc.data_ptr<uint8_t>(), mn.data_ptr<uint8_t>(), d.data_ptr<float>(),
+           dmin.data_ptr<float>(), bias_p, N, K, G, S};
+    DwQ8 a{qp, dxp, xsp, M};
+    float* yp = y.data_ptr<float>();
+    at::parallel_for(0, NB, 1, [&](int64_t b0, int64_t b1) { gemm(&w, &a, yp, b0, b1); });
+    return y;
+}
+
+std::vector<int64_t> paths() { return available_paths(); }
+
+}  // namespace
+
+#ifndef DW_HAVE_X86
+extern "C" void dw_q8_rows_avx2(const float*, int64_t, int8_t*, float*, float*, int64_t, int64_t) {}
+extern "C" void dw_q8_rows_avx512(const float*, int64_t, int8_t*, float*, float*, int64_t, int64_t) {}
+extern "C" void dw_gemm_avx2(const DwQ4*, const DwQ8*, float*, int64_t, int64_t) {}
+extern "C" void dw_gemm_avx512(const DwQ4*, const DwQ8*, float*, int64_t, int64_t) {}
+#endif
+
+TORCH_LIBRARY(draftwise_q4x8, m) {
+    m.def("linear(Tensor x, Tensor packed, Tensor sc, Tensor mn, Tensor d, Tensor dmin, Tensor? bias, int N, int path) -> Tensor");
+    m.def("paths() -> int[]", &paths);
+}
+
+TORCH_LIBRARY_IMPL(draftwise_q4x8, CPU, m) { m.impl("linear", &q4x8_linear); }

@@ -1,0 +1,122 @@
+"""Machine probe: what this CPU can do, as the kernels and the autotuner need to know it.
+
+Owns: reading instruction-set flags (/proc/cpuinfo on Linux, sysctl on macOS), the CPU model name,
+torch's own view (ATen CPU capability, threads, version) and a short measured memory bandwidth.
+Knows nothing of models or of which kernel is chosen; `probe()` returns a plain dict (JSON-able)
+that bench manifests can record as it is, and `format_probe()` prints it for people.
+"""
+from __future__ import annotations
+
+import os
+import platform
+import subprocess
+import time
+
+import torch
+
+# flag names as /proc/cpuinfo spells them (x86) -> the key we report
+X86_FLAGS = (
+    "avx2", "fma", "f16c",
+    "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "avx512_bf16", "avx512_fp16",
+    "avx_vnni", "amx_tile", "amx_bf16", "amx_int8",
+)
+ARM_FLAGS = ("asimd", "asimddp", "i8mm", "bf16", "sve", "sve2")
+
+_CACHE: dict | None = None
+
+
+def _cpuinfo() -> tuple[str, set[str]]:
+    """(model name, flags) from /proc/cpuinfo, or from sysctl on macOS; empty where neither exists."""
+    name, flags = "", set()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                key = key.strip().lower()
+                if key in ("model name", "hardware", "cpu model") and not name:
+                    name = value.strip()
+                elif key in ("flags", "features") and not flags:
+                    flags = set(value.split())
+    except OSError:
+        pass
+    if not name and platform.system() == "Darwin":
+        try:
+            name = subprocess.run(["sysctl", "-n", "machdep.cpu.brand_string"], capture_output=True,
+                                  text=True, timeout=2, check=False).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            pass
+        if platform.machine() == "arm64":
+            flags |= {"asimd", "asimddp"}  # every Apple silicon core has NEON with dot product
+    return name or platform.processor() or "unknown", flags
+
+
+def measure_bandwidth(mib: int = 128, seconds: float = 0.5) -> float:
+    """Memory read bandwidth in GB/s with torch's threads: a matrix-vector product over a float32 matrix far
+    larger than the caches (it streams the matrix once, like a decode step streams the weights); the best
+    of a few passes within `seconds`, since a shared machine's other jobs only ever make a pass slower."""
+    cols = 4096
+    rows = mib * 1024 * 1024 // 4 // cols
+    mat = torch.ones(rows, cols, dtype=torch.float32)  # [rows, cols], touched once so every page is mapped
+    vec = torch.ones(cols, dtype=torch.float32)  # [cols]
+    torch.mv(mat, vec)
+    best, t_end = float("inf"), time.perf_counter() + seconds
+    for i in range(50):
+        t0 = time.perf_counter()
+        torch.mv(mat, vec)
+        best = min(best, time.perf_counter() - t0)
+        if i >= 2 and time.perf_counter() > t_end:
+            break
+    return rows * cols * 4 / best / 1e9
+
+
+def probe(bandwidth: bool = True, refresh: bool = False) -> dict:
+    """Everything the kernels need to know about this machine (cached per process)."""
+    global _CACHE
+    if _CACHE is not None and not refresh and (not bandwidth or "bandwidth_gbs" in _CACHE):
+        return dict(_CACHE)
+    name, raw = _cpuinfo()
+    machine = platform.machine().lower()
+    x86 = machine in ("x86_64", "amd64", "i386", "i686")
+    arm = machine in ("aarch64", "arm64")
+    flags = {f: f in raw for f in (X86_FLAGS if x86 else ARM_FLAGS if arm else ())}
+    if arm:
+        flags["neon"] = flags.get("asimd", False) or machine == "arm64"
+    try:
+        capability = torch.backends.cpu.get_cpu_capability()
+    except (AttributeError, RuntimeError):  # older torch
+        capability = "unknown"
+    out = {
+        "cpu": name,
+        "machine": machine,
+        "flags": flags,
+        "torch_cpu_capability": capability,
+        "torch_threads": torch.get_num_threads(),
+        "os_cpus": os.cpu_count(),
+        "torch_version": torch.__version__,
+        "fbgemm": "fbgemm" in torch.backends.quantized.supported_engines,
+    }
+    if bandwidth:
+        out["bandwidth_gbs"] = round(measure_bandwidth(), 1)
+    _CACHE = out
+    return dict(out)
+
+
+def flag_summary(p: dict) -> str:
+    """The present flags as one short string, e.g. 'avx2 fma avx512f ... avx512_vnni avx512_bf16'."""
+    return " ".join(k for k, v in p["flags"].items() if v) or "none of the tracked flags"
+
+
+def format_probe(p: dict) -> str:
+    lines = [
+        f"cpu               {p['cpu']} ({p['machine']}, {p['os_cpus']} logical cpus)",
+        f"instruction sets  {flag_summary(p)}",
+        (f"torch             {p['torch_version']}, ATen capability {p['torch_cpu_capability']}, "
+        f"{p['torch_threads']} threads, fbgemm {'yes' if p['fbgemm'] else 'no'}"),
+    ]
+    if "bandwidth_gbs" in p:
+        lines.append(f"memory read       {p['bandwidth_gbs']:.1f} GB/s (measured, {p['torch_threads']} threads)")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    print(format_probe(probe()))

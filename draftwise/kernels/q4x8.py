@@ -1,0 +1,325 @@
+"""Our CPU kernel "q4x8": int4 weights (groups of 32 along K, asymmetric like GGUF Q4_K) x int8 activations
+(quantized per row in blocks of 32, symmetric like Q8_0), a C++ torch operator with an AVX-512 VNNI path and
+an AVX2 path chosen at run time from cpuid (one binary serves both kinds of CPU).
+
+Owns: building the extension (JIT on first use, cached under ${DRAFTWISE_CACHE_DIR:-~/.cache/draftwise}/kernels/
+<hash of sources + torch version + compiler>; `build()` is what `make setup` calls), quantizing an fp32 weight
+to the Q4_K-style representation, mapping Q4_K sub-blocks onto it exactly, packing it into the kernel's layout
+(csrc/q4x8.h documents it) and the nn.Module `Q4x8Linear`. Knows nothing of checkpoints or decoders.
+
+Exactness: every output row is bitwise the same whatever M is and whatever other rows share the call, on a
+given path; the AVX-512, AVX2 and scalar paths perform the same float sequence, so they agree bitwise too.
+Why it is fast for verification: each weight block is unpacked once and used for all rows of the call
+(up to 8 rows per tile on AVX-512, 4 on AVX2, further tiles re-read it from L1/L2), so decode is bound by
+weight bandwidth (4.75 bits per weight) and a 9-row call costs little more than a 1-row call.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+from torch import nn
+
+GROUP = 32  # K values per scale/min group (a Q4_K sub-block)
+SUPER = 8  # groups per super-block (Q4_K: 8 x 32 = 256), which share the fp32 d and dmin
+COLS = 16  # output columns per packed block
+QUANT_CHUNK_ROWS = 8192
+PATHS = {"auto": -1, "scalar": 0, "avx2": 1, "avx512": 2}
+CSRC = Path(__file__).parent / "csrc"
+SOURCES = ("q4x8.h", "q4x8.cpp", "q4x8_avx2.cpp", "q4x8_avx512.cpp")
+_X86 = platform.machine().lower() in ("x86_64", "amd64")
+
+
+class KernelBuildError(RuntimeError):
+    """The C++ extension could not be compiled or loaded here (no compiler, unsupported platform)."""
+
+
+_lock = threading.Lock()
+_loaded: str | None = None
+_failed: str | None = None
+
+
+def cache_dir() -> Path:
+    base = os.environ.get("DRAFTWISE_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "draftwise")
+    return Path(base) / "kernels"
+
+
+def _compiler() -> str:
+    cxx = os.environ.get("CXX") or "g++"
+    if shutil.which(cxx) is None:
+        raise KernelBuildError(f"no C++ compiler ({cxx!r}) on PATH; install g++ or set CXX")
+    return cxx
+
+
+def _flags() -> tuple[list[str], list[str], list[str]]:
+    """(common compile flags, include flags, link flags) for this torch."""
+    from torch.utils import cpp_extension
+
+    abi = int(getattr(torch._C, "_GLIBCXX_USE_CXX11_ABI", 1))
+    common = ["-O3", "-std=c++20", "-fPIC", "-ffp-contract=off", "-fno-math-errno", f"-D_GLIBCXX_USE_CXX11_ABI={abi}"]
+    includes = [f"-I{p}" for p in cpp_extension.include_paths()] + [f"-I{CSRC}"]
+    libdir = cpp_extension.library_paths()[0]
+    link = [f"-L{libdir}", "-lc10", "-ltorch_cpu", "-ltorch", f"-Wl,-rpath,{libdir}", "-fopenmp"]
+    return common, includes, link
+
+
+def _units() -> list[tuple[str, list[str]]]:
+    """(source, extra flags) per translation unit; the ISA units get their own -m flags and no torch headers."""
+    main = ("q4x8.cpp", ["-fopenmp", "-w"] + (["-DDW_HAVE_X86"] if _X86 else []))
+    if not _X86:
+        return [main]
+    return [
+        main,
+        ("q4x8_avx2.cpp", ["-mavx2", "-mfma"]),
+        ("q4x8_avx512.cpp", ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mfma"]),
+    ]
+
+
+def library_path() -> Path:
+    """Where the built library lives for these sources, this torch and this compiler."""
+    h = hashlib.sha256()
+    for name in SOURCES:
+        h.update(name.encode())
+        h.update((CSRC / name).read_bytes())
+    h.update(torch.__version__.encode())
+    h.update(platform.machine().encode())
+    h.update(repr(_flags()[0]).encode())
+    h.update(repr(_units()).encode())
+    try:
+        h.update(subprocess.run([_compiler(), "--version"], capture_output=True, text=True, timeout=30, check=False).stdout.encode())
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return cache_dir() / h.hexdigest()[:16] / "draftwise_q4x8.so"
+
+
+def build(verbose: bool = False) -> Path:
+    """Compile the extension into the cache if it is not there yet; returns the library's path."""
+    target = library_path()
+    if target.exists():
+        return target
+    cxx = _compiler()
+    common, includes, link = _flags()
+    target.parent.mkdir(parents=True, exist_ok=True)
+    print(f"draftwise: building the q4x8 CPU kernel once (~20-40 s) into {target.parent}", file=sys.stderr, flush=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        procs = []
+        for src, extra in _units():
+            obj = os.path.join(tmp, src.replace(".cpp", ".o"))
+            cmd = [cxx, *common, *extra, *includes, "-c", str(CSRC / src), "-o", obj]
+            if verbose:
+                print(" ".join(cmd), file=sys.stderr)
+            procs.append((obj, cmd, subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)))
+        for obj, cmd, p in procs:
+            out = p.communicate()[0]
+            if p.returncode != 0:
+                raise KernelBuildError(f"compiling {' '.join(cmd)} failed:\n{out[-4000:]}")
+        so = os.path.join(tmp, "draftwise_q4x8.so")
+        cmd = [cxx, "-shared", "-o", so, *[o for o, _, _ in procs], *link]
+        r = subprocess.run(cmd, capture_output=True, text=True, check=False)
+        if r.returncode != 0:
+            raise KernelBuildError(f"linking failed:\n{(r.stdout + r.stderr)[-4000:]}")
+        os.replace(so, target)  # atomic: a concurrent builder either sees nothing or a whole library
+    return target
+
+
+def load() -> object:
+    """Build if needed, load once per process; returns the `torch.ops.draftwise_q4x8` namespace."""
+    global _loaded, _failed
+    with _lock:
+        if _loaded is None:
+            if _failed is not None:
+                raise KernelBuildError(_failed)
+            try:
+                path = build()
+                torch.ops.load_library(str(path))
+            except (KernelBuildError, OSError, RuntimeError) as e:
+                _failed = str(e)
+                raise KernelBuildError(_failed) from e
+            _loaded = str(path)
+    return torch.ops.draftwise_q4x8
+
+
+def cpu_paths() -> list[str]:
+    """The ISA paths the loaded kernel can run on this CPU, slowest first (the last is what 'auto' picks)."""
+    ids = list(load().paths())
+    return [name for name, i in PATHS.items() if i in ids]
+
+
+# ---- weights -------------------------------------------------------------------------------------------------
+
+def quantize_q4(weight: torch.Tensor) -> dict[str, torch.Tensor]:
+    """fp32 weight [N, K] -> Q4_K-style parts: q [N, K] uint8 (0..15), sc/mn [N, G] uint8, d/dmin [N, S] float32,
+    with w ~= d * sc * q - dmin * mn per group of 32 (the group's range min(w, 0)..max(w), like Q4_K, but with
+    8-bit sub-scales where Q4_K has 6)."""
+    N, K = weight.shape
+    if K % GROUP:
+        raise ValueError(f"q4x8 needs K divisible by {GROUP}, got K={K}")
+    if N > QUANT_CHUNK_ROWS:  # rows are independent: bound the float32 temporaries (an LM head is 150k rows)
+        chunks = [quantize_q4(weight[i:i + QUANT_CHUNK_ROWS]) for i in range(0, N, QUANT_CHUNK_ROWS)]
+        return {k: torch.cat([c[k] for c in chunks]) for k in chunks[0]}
+    w = weight.detach().float()
+    G = K // GROUP
+    S = (G + SUPER - 1) // SUPER
+    wg = w.view(N, G, GROUP)
+    lo = wg.amin(-1).clamp(max=0.0)  # [N, G]
+    hi = wg.amax(-1)
+    scale = (hi - lo) / 15.0  # [N, G] >= 0
+    minv = -lo  # [N, G] >= 0
+
+    def split(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # v [N, G] >= 0 -> d [N, S], code [N, G]
+        pad = torch.zeros(N, S * SUPER, dtype=v.dtype)
+        pad[:, :G] = v
+        d = pad.view(N, S, SUPER).amax(-1) / 255.0  # [N, S]
+        dg = d.repeat_interleave(SUPER, dim=1)[:, :G]
+        code = torch.where(dg > 0, (v / dg.clamp(min=1e-30)).round(), torch.zeros_like(v)).clamp(0, 255)
+        return d.contiguous(), code.to(torch.uint8)
+
+    d, sc = split(scale)
+    dmin, mn = split(minv)
+    s_eff, m_eff = effective_scale_min(d, sc, dmin, mn)  # [N, G] each, exactly as the kernel computes them
+    q = torch.where(s_eff[..., None] > 0, ((wg + m_eff[..., None]) / s_eff[..., None].clamp(min=1e-30)).round(),
+                    torch.zeros_like(wg))
+    q = q.clamp(0, 15).to(torch.uint8).view(N, K)
+    return {"q": q, "sc": sc, "mn": mn, "d": d, "dmin": dmin}
+
+
+def effective_scale_min(d, sc, dmin, mn) -> tuple[torch.Tensor, torch.Tensor]:
+    """d/dmin [N, S] float32, sc/mn [N, G] uint8 -> per-group scale and min [N, G] float32 (fp32 products)."""
+    G = sc.shape[1]
+    s = d.repeat_interleave(SUPER, dim=1)[:, :G] * sc.float()
+    m = dmin.repeat_interleave(SUPER, dim=1)[:, :G] * mn.float()
+    return s, m
+
+
+def dequantize_q4(parts: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The weight [N, K] float32 that the parts represent (w = s * q - m)."""
+    q = parts["q"]
+    N, K = q.shape
+    s, m = effective_scale_min(parts["d"], parts["sc"], parts["dmin"], parts["mn"])
+    return (s[..., None] * q.view(N, K // GROUP, GROUP).float() - m[..., None]).view(N, K)
+
+
+def pack(parts: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Q4 parts -> the kernel's layout (csrc/q4x8.h): packed [NB, G, 4, 64], sc/mn [NB, G, 16], d/dmin [NB, S, 16]."""
+    q, sc, mn, d, dmin = (parts[k] for k in ("q", "sc", "mn", "d", "dmin"))
+    N, K = q.shape
+    G = K // GROUP
+    NB = (N + COLS - 1) // COLS
+    Np = NB * COLS
+
+    def pad(t: torch.Tensor) -> torch.Tensor:
+        if t.shape[0] == Np:
+            return t
+        out = torch.zeros(Np, *t.shape[1:], dtype=t.dtype)
+        out[:N] = t
+        return out
+
+    qb = pad(q).view(NB, COLS, G, 2, 4, 4).permute(0, 2, 4, 1, 5, 3)  # [b, g, c, col, t, half]
+    packed = (qb[..., 0] | (qb[..., 1] << 4)).contiguous().view(NB, G, 4, 64)
+    cols = lambda t: pad(t).view(NB, COLS, -1).transpose(1, 2).contiguous()
+    return {"packed": packed, "sc": cols(sc), "mn": cols(mn), "d": cols(d.float()), "dmin": cols(dmin.float())}
+
+
+def q4k_parts(q: torch.Tensor, d: torch.Tensor, dmin: torch.Tensor, sc: torch.Tensor, mn: torch.Tensor) -> dict:
+    """GGUF Q4_K, already unpacked per row: q [N, K] (0..15), d/dmin [N, K/256] (the fp16 super-block scales, any
+    float dtype), sc/mn [N, K/32] (the 6-bit sub-block scales and mins). The kernel represents these exactly:
+    w = d * sc * q - dmin * mn, as ggml defines Q4_K."""
+    if q.shape[1] % (GROUP * SUPER):
+        raise ValueError("Q4_K rows are whole super-blocks of 256")
+    return {"q": q.to(torch.uint8), "sc": sc.to(torch.uint8), "mn": mn.to(torch.uint8),
+            "d": d.float().contiguous(), "dmin": dmin.float().contiguous()}
+
+
+Q4K_BLOCK_BYTES = 144  # GGUF Q4_K: fp16 d, fp16 dmin, 12 bytes of 6-bit scales/mins, 128 bytes of nibbles
+
+
+def q4k_from_blocks(blocks, N: int, K: int) -> dict:
+    """A GGUF Q4_K tensor's raw bytes (N rows of K / 256 blocks, 144 bytes each: any uint8 array or tensor) ->
+    q4x8 parts that represent it exactly. Block layout (ggml): d and dmin as fp16; 8 sub-block scales and mins
+    of 6 bits packed in 12 bytes (sub-blocks 0-3 in the low 6 bits of bytes 0-3 and 4-7, sub-blocks 4-7 in the
+    nibbles of bytes 8-11 plus the top 2 bits of bytes 0-7); 128 bytes where byte i of the j-th 32 holds
+    sub-block 2j's value i in its low nibble and sub-block 2j+1's in its high nibble."""
+    if K % 256:
+        raise ValueError("Q4_K rows are whole super-blocks of 256")
+    nb = K // 256
+    raw = torch.as_tensor(blocks).reshape(-1).view(torch.uint8).reshape(N * nb, Q4K_BLOCK_BYTES)
+    d = raw[:, 0:2].contiguous().view(torch.float16).float().view(N, nb)
+    dmin = raw[:, 2:4].contiguous().view(torch.float16).float().view(N, nb)
+    sb = raw[:, 4:16].to(torch.int32)  # [blocks, 12]
+    lo_sc, lo_mn = sb[:, 0:4] & 63, sb[:, 4:8] & 63
+    hi_sc = (sb[:, 8:12] & 15) | ((sb[:, 0:4] >> 6) << 4)
+    hi_mn = (sb[:, 8:12] >> 4) | ((sb[:, 4:8] >> 6) << 4)
+    sc = torch.cat([lo_sc, hi_sc], 1).to(torch.uint8).view(N, nb * 8)
+    mn = torch.cat([lo_mn, hi_mn], 1).to(torch.uint8).view(N, nb * 8)
+    qs = raw[:, 16:].reshape(N * nb, 4, 32)
+    q = torch.stack([qs & 15, qs >> 4], dim=2).reshape(N, K)  # [N, K]: chunk j -> sub-blocks 2j, 2j + 1
+    return q4k_parts(q, d, dmin, sc, mn)
+
+
+class Q4x8Linear(nn.Module):
+    """y = x W^T + b with W in q4x8's int4 format and x quantized to int8 per row on the fly.
+
+    Q4x8Linear(weight [N, K] float, bias [N] | None, path="auto") quantizes `weight`;
+    Q4x8Linear.from_parts(parts, bias) takes `quantize_q4` / `q4k_parts` output as it is (exact for Q4_K).
+    forward(x [..., K] any float dtype) -> [..., N] in x's dtype. `path` ("auto", "avx512", "avx2", "scalar")
+    exists for tests and benchmarks; every path gives bitwise the same result.
+    """
+
+    def __init__(self, weight: torch.Tensor | None = None, bias: torch.Tensor | None = None, path: str = "auto",
+                 parts: dict | None = None):
+        super().__init__()
+        if parts is None:
+            parts = quantize_q4(weight)
+        load()
+        if path not in PATHS:
+            raise ValueError(f"path must be one of {sorted(PATHS)}")
+        if path != "auto" and path not in cpu_paths():
+            raise KernelBuildError(f"q4x8 path {path!r} cannot run on this CPU (it can run {cpu_paths()})")
+        N, K = parts["q"].shape
+        self.out_features, self.in_features = N, K
+        self.path = path
+        for name, t in pack(parts).items():
+            self.register_buffer(name, t)
+        self.register_buffer("bias", None if bias is None else bias.detach().float().contiguous())
+
+    @classmethod
+    def from_parts(cls, parts: dict, bias: torch.Tensor | None = None, path: str = "auto") -> Q4x8Linear:
+        return cls(bias=bias, path=path, parts=parts)
+
+    PACKED = ("packed", "sc", "mn", "d", "dmin")  # the buffers `pack` returns, as a module's state holds them
+
+    @classmethod
+    def from_packed(cls, tensors: dict, out_features: int, bias: torch.Tensor | None = None) -> Q4x8Linear:
+        """A module around tensors `pack` returned (or a module's buffers read back from a cache): no quantizing,
+        no packing. packed [NB, G, 4, 64] uint8 gives K = G * 32; `out_features` <= NB * 16 is N."""
+        load()
+        mod = cls.__new__(cls)
+        nn.Module.__init__(mod)
+        packed = tensors["packed"]
+        if packed.dim() != 4 or packed.dtype != torch.uint8 or not 0 < out_features <= packed.shape[0] * COLS:
+            raise ValueError(f"not a packed q4x8 weight for N={out_features}: {tuple(packed.shape)} {packed.dtype}")
+        mod.out_features, mod.in_features, mod.path = out_features, packed.shape[1] * GROUP, "auto"
+        for name in cls.PACKED:
+            mod.register_buffer(name, tensors[name].contiguous())
+        mod.register_buffer("bias", None if bias is None else bias.detach().float().contiguous())
+        return mod
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [..., K] -> [..., N]
+        x2 = x.reshape(-1, self.in_features)
+        if x2.dtype != torch.float32 or not x2.is_contiguous():
+            x2 = x2.float().contiguous()
+        y = torch.ops.draftwise_q4x8.linear(x2, self.packed, self.sc, self.mn, self.d, self.dmin, self.bias, self.out_features,
+                            PATHS[self.path])
+        y = y.view(*x.shape[:-1], self.out_features)
+        return y if y.dtype == x.dtype else y.to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, path={self.path}"

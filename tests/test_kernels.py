@@ -1,0 +1,277 @@
+"""draftwise.kernels: the probe, every linear implementation against the fp32 reference, our q4x8 kernel's
+exactness (rows independent of M and of the other rows, every ISA path bitwise the same, Q4_K exact), and the
+autotuner's choice logic and cache with injected timing tables. No timing asserts. The first run builds the
+C++ extension once into ~/.cache/draftwise/kernels (or $DRAFTWISE_CACHE_DIR)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from draftwise.kernels import autotune, q4x8
+from draftwise.kernels.linear import IMPLS, available_impls, make_linear
+from draftwise.kernels.probe import format_probe, measure_bandwidth, probe
+
+
+@pytest.fixture(scope="module")
+def machine() -> dict:
+    return probe(bandwidth=False)
+
+
+@pytest.fixture(scope="module")
+def paths(machine) -> list[str]:
+    if "q4x8" not in available_impls(machine):
+        pytest.skip("q4x8 cannot run here (no AVX2/AVX-512 VNNI, or no C++ compiler)")
+    return q4x8.cpu_paths()
+
+
+def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((y.double() - ref.double()).norm() / ref.double().norm())
+
+
+# ---- probe -----------------------------------------------------------------------------------------------
+
+def test_probe_reports_machine(machine):
+    for key in ("cpu", "machine", "flags", "torch_cpu_capability", "torch_threads", "torch_version", "fbgemm"):
+        assert key in machine
+    assert all(isinstance(v, bool) for v in machine["flags"].values())
+    if machine["machine"] in ("x86_64", "amd64"):
+        assert {"avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile"} <= set(machine["flags"])
+    assert measure_bandwidth(mib=8, seconds=0.01) > 0
+    assert "instruction sets" in format_probe(machine)
+    json.dumps(machine)
+
+
+# ---- every implementation vs the fp32 reference -----------------------------------------------------------
+
+@pytest.mark.parametrize("name", list(IMPLS))
+def test_impl_matches_fp32_reference(name, machine):
+    if not IMPLS[name].available(machine):
+        pytest.skip(f"{name} cannot run here")
+    g = torch.Generator().manual_seed(1)
+    for N, K in ((272, 512), (64, 1536)):
+        weight = torch.randn(N, K, generator=g) / K ** 0.5  # [N, K]
+        bias = torch.randn(N, generator=g) * 0.1  # [N]
+        lin = make_linear(name, weight, bias)
+        assert lin.weight_bytes > 0
+        for M in (1, 3, 9, 17):
+            x = torch.randn(M, K, generator=g)  # [M, K]
+            ref = F.linear(x.double(), weight.double(), bias.double())
+            y = lin(x)
+            assert y.shape == (M, N) and y.dtype == torch.float32
+            assert rel_err(y, ref) <= lin.tolerance, (name, N, K, M, rel_err(y, ref))
+        xb = torch.randn(2, 5, K, generator=g).bfloat16()  # [B, T, K] in the caller's dtype
+        yb = lin(xb)
+        assert yb.shape == (2, 5, N) and yb.dtype == torch.bfloat16
+        ref = F.linear(xb.double(), weight.double(), bias.double())
+        assert rel_err(yb, ref) <= lin.tolerance + 0.01
+
+
+# ---- q4x8: exactness -------------------------------------------------------------------------------------
+
+def _case(N: int, K: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    weight = torch.randn(N, K, generator=g) / K ** 0.5  # [N, K]
+    bias = torch.randn(N, generator=g)  # [N]
+    return weight, bias, g
+
+
+def test_q4x8_matches_its_dequantized_weights_tightly(paths):
+    weight, bias, g = _case(200, 416)  # N not a multiple of 16; K = 13 groups: a short last super-block
+    parts = q4x8.quantize_q4(weight)
+    wq = q4x8.dequantize_q4(parts)
+    assert rel_err(wq, weight) < 0.1
+    x = torch.randn(9, 416, generator=g) * 3  # [9, K]
+    ref = F.linear(x.double(), wq.double(), bias.double())
+    for path in paths:
+        y = q4x8.Q4x8Linear.from_parts(parts, bias, path=path)(x)
+        assert rel_err(y, ref) < 0.01, (path, rel_err(y, ref))  # only the int8 activations remain
+
+
+def test_q4x8_rows_are_bitwise_independent_of_m_and_other_rows(paths):
+    for path in paths:
+        N, K = (48, 256) if path == "scalar" else (520, 1536)
+        weight, bias, g = _case(N, K, seed=2)
+        lin = q4x8.Q4x8Linear(weight, bias, path=path)
+        x = torch.randn(17, K, generator=g)  # [17, K]
+        alone = torch.cat([lin(x[i:i + 1].clone()) for i in range(17)])  # each row on its own, M = 1
+        for M in (2, 5, 9, 16, 17):
+            mixed = x[:M].clone()
+            mixed[1:] = torch.randn(M - 1, K, generator=g) * 10  # other rows: different values and scales
+            y = lin(mixed)
+            assert torch.equal(y[0], alone[0]), (path, M)
+            assert torch.equal(lin(x[:M].clone()), alone[:M]), (path, M)
+
+
+def test_q4x8_all_isa_paths_agree_bitwise(paths):
+    if len(paths) < 2:
+        pytest.skip("only one path can run on this CPU")
+    weight, bias, g = _case(200, 416, seed=3)
+    parts = q4x8.quantize_q4(weight)
+    x = torch.randn(11, 416, generator=g)  # [11, K]
+    ys = {p: q4x8.Q4x8Linear.from_parts(parts, bias, path=p)(x) for p in paths}
+    for p in paths[1:]:
+        assert torch.equal(ys[p], ys[paths[0]]), (p, paths[0])
+
+
+def test_q4x8_forced_avx2_path_matches_reference(paths):
+    if "avx2" not in paths:
+        pytest.skip("no AVX2 here")
+    weight, bias, g = _case(272, 1536, seed=4)
+    lin = q4x8.Q4x8Linear(weight, bias, path="avx2")
+    assert lin.path == "avx2"
+    x = torch.randn(9, 1536, generator=g)  # [9, K]
+    assert rel_err(lin(x), F.linear(x.double(), weight.double(), bias.double())) <= IMPLS["q4x8"].tolerance
+
+
+def test_q4x8_represents_q4k_blocks_exactly(paths):
+    N, K = 32, 512  # two Q4_K super-blocks per row
+    g = torch.Generator().manual_seed(5)
+    q = torch.randint(0, 16, (N, K), generator=g)
+    sc = torch.randint(0, 64, (N, K // 32), generator=g)  # 6-bit sub-block scales
+    mn = torch.randint(0, 64, (N, K // 32), generator=g)  # 6-bit sub-block mins
+    d = (torch.rand(N, K // 256, generator=g) * 1e-3).half()  # fp16 super-block scales
+    dmin = (torch.rand(N, K // 256, generator=g) * 1e-3).half()
+    # ggml's Q4_K: y = d * sc * q - dmin * m, with d * sc and dmin * m formed in float32
+    dg, dmg = d.float().repeat_interleave(8, 1), dmin.float().repeat_interleave(8, 1)  # [N, K/32]
+    ggml = ((dg * sc.float())[..., None] * q.view(N, K // 32, 32).float()
+            - (dmg * mn.float())[..., None]).view(N, K)
+    parts = q4x8.q4k_parts(q, d, dmin, sc, mn)
+    assert torch.equal(q4x8.dequantize_q4(parts), ggml)
+    x = torch.randn(3, K, generator=g)  # [3, K]
+    y = q4x8.Q4x8Linear.from_parts(parts, path=paths[-1])(x)
+    assert rel_err(y, F.linear(x.double(), ggml.double())) < 0.01
+
+
+def test_q4x8_rejects_a_path_this_cpu_lacks(paths):
+    weight, _, _ = _case(16, 64)
+    with pytest.raises(ValueError):
+        q4x8.Q4x8Linear(weight, path="neon")
+    if "avx512" not in paths:
+        with pytest.raises(q4x8.KernelBuildError):
+            q4x8.Q4x8Linear(weight, path="avx512")
+
+
+def test_q4x8_library_lives_under_the_cache_dir(monkeypatch, tmp_path):
+    monkeypatch.setenv("DRAFTWISE_CACHE_DIR", str(tmp_path))
+    path = q4x8.library_path()
+    assert path.parent.parent == tmp_path / "kernels" and path.name.endswith(".so")
+
+
+# ---- autotuner: choice logic with injected timings ----------------------------------------------------------
+
+def _table(ms: dict, indep: dict, rows=(1, 2, 4, 8, 16, 128)) -> dict:
+    return {"rows": list(rows), "prefill_rows": 128, "ms": ms, "row_independent": indep}
+
+
+def test_choose_prefers_flat_cost_over_cheapest_single_row():
+    ms = {
+        "int4_torch": {1: 10.0, 2: 20, 4: 35, 8: 60, 16: 110, 128: 900},  # cheapest at M=1, steep in rows
+        "q4x8": {1: 12.0, 2: 12.5, 4: 13, 8: 15, 16: 23, 128: 150},  # flat up to 8-16 rows
+        "dense_fp32": {1: 40.0, 2: 41, 4: 42, 8: 44, 16: 48, 128: 100},
+    }
+    choice = autotune.choose(_table(ms, {n: True for n in ms}))
+    assert choice["step"] == "q4x8"  # (12 + 16) / 2 = 14 beats (10 + 66.25) / 2
+    assert choice["prefill"] == "dense_fp32"
+    assert choice["step_score_ms"]["q4x8"] == pytest.approx((12 + 16) / 2)
+    assert choice["verify_over_decode"]["q4x8"] == pytest.approx(16 / 12)
+
+
+def test_choose_never_takes_a_row_dependent_step_kernel_when_an_exact_one_exists():
+    ms = {"int8_fbgemm_dynamic": {1: 5.0, 8: 5, 16: 6, 128: 50}, "q4x8": {1: 9.0, 8: 10, 16: 12, 128: 60}}
+    choice = autotune.choose(_table(ms, {"int8_fbgemm_dynamic": False, "q4x8": True}, rows=(1, 8, 16, 128)))
+    assert choice["step"] == "q4x8" and choice["step_eligible"] == ["q4x8"]
+    assert choice["prefill"] == "q4x8"  # prefill must be row-exact too: batched prompts == each prompt alone
+    fallback = autotune.choose(_table(ms, {}, rows=(1, 8, 16, 128)))  # nothing exact: every one is eligible
+    assert fallback["step"] == "int8_fbgemm_dynamic" and fallback["prefill"] == "int8_fbgemm_dynamic"
+
+
+def test_choose_breaks_ties_in_registry_order_and_rejects_empty_tables():
+    same = {1: 1.0, 8: 1, 16: 1, 128: 1}
+    choice = autotune.choose(_table({"q4x8": dict(same), "dense_fp32": dict(same)}, {"q4x8": True, "dense_fp32": True},
+                                    rows=(1, 8, 16, 128)))
+    assert choice["step"] == "dense_fp32" and choice["prefill"] == "dense_fp32"
+    with pytest.raises(ValueError):
+        autotune.choose(_table({}, {}))
+
+
+def test_cost_interpolation():
+    curve = {1: 1.0, 8: 8.0, 16: 24.0}
+    assert autotune.cost_at(curve, 9) == pytest.approx(10.0)
+    assert autotune.cost_at(curve, 1) == 1.0 and autotune.cost_at(curve, 64) == 24.0
+
+
+def test_decoder_shapes_of_the_15b():
+    shapes = autotune.decoder_shapes(1536, 8960, 12, 2, 128, 28, 151936)
+    by = {(s.N, s.K): s for s in shapes}
+    assert by[(1536, 1536)].count == 56 and by[(256, 1536)].count == 56
+    assert by[(8960, 1536)].count == 56 and by[(1536, 8960)].count == 28 and by[(151936, 1536)].count == 1
+
+
+def test_autotune_caches_its_choice(monkeypatch, tmp_path):
+    monkeypatch.setenv("DRAFTWISE_CACHE_DIR", str(tmp_path))
+    shapes = autotune.decoder_shapes(64, 128, 2, 1, 32, 2, 256)
+    ms = {"dense_fp32": {1: 2.0, 2: 2, 4: 2, 8: 2, 16: 3, 128: 10}, "q4x8": {1: 1.0, 2: 1, 4: 1, 8: 1, 16: 2, 128: 30}}
+    calls = []
+    monkeypatch.setattr(autotune, "measure", lambda shapes, **kw: calls.append(kw) or
+                        _table(ms, {"dense_fp32": True, "q4x8": True}))
+    first = autotune.autotune(shapes, progress=False)
+    assert first["choice"]["step"] == "q4x8" and first["choice"]["prefill"] == "dense_fp32"
+    files = list((tmp_path / "kernels" / "autotune").glob("*.json"))
+    assert len(files) == 1 and files[0].stem == first["key"]
+    again = autotune.autotune(shapes, progress=False)
+    assert len(calls) == 1 and again["choice"] == first["choice"] and again["table"]["ms"] == ms
+    other = autotune.autotune(autotune.decoder_shapes(64, 256, 2, 1, 32, 2, 256), progress=False)
+    assert len(calls) == 2 and other["key"] != first["key"]
+    assert "<- step" in autotune.format_table(first["table"], first["choice"], first["probe"])
+    fast = autotune.autotune(shapes, progress=False, fast=True)  # the trimmed load-time tuning: its own entry
+    assert len(calls) == 3 and fast["key"] != first["key"]
+    assert calls[-1]["rows"] == autotune.FAST_ROWS and calls[-1]["prefill_samples"] == 1
+    assert set(calls[-1]["names"]) <= {"q4x8", "int4_torch", "dense_bf16", "dense_fp32"}
+    autotune.autotune(shapes, progress=False, fast=True)
+    assert len(calls) == 3
+
+
+def test_load_candidates_time_bf16_only_where_it_is_native():
+    base = {"flags": {"avx2": True, "fma": True}, "machine": "x86_64"}
+    assert "dense_bf16" not in autotune.load_candidates(base)
+    assert "dense_bf16" in autotune.load_candidates({**base, "flags": {**base["flags"], "avx512_bf16": True}})
+    assert "dense_fp32" in autotune.load_candidates(base) and "int8_fbgemm_dynamic" not in autotune.load_candidates(base)
+
+
+def test_measure_produces_a_table_on_tiny_shapes(machine):
+    names = [n for n in ("dense_fp32", "q4x8") if IMPLS[n].available(machine)]
+    shapes = [autotune.ProjShape("a", 48, 64, 2), autotune.ProjShape("b", 32, 96, 1)]
+    table = autotune.measure(shapes, names, rows=(1, 2), prefill_rows=4, samples=1, cold=False, progress=False)
+    assert set(table["ms"]) == set(names) and table["rows"] == [1, 2, 4]
+    assert all(v > 0 for c in table["ms"].values() for v in c.values())
+    if "q4x8" in names:
+        assert table["row_independent"]["q4x8"] is True
+    assert autotune.choose(table)["step"] in names
+
+
+def test_q4x8_maps_gguf_q4k_bytes_exactly(paths):
+    quants = pytest.importorskip("gguf.quants")
+    from gguf import GGMLQuantizationType
+
+    N, K = 24, 512
+    g = torch.Generator().manual_seed(6)
+    blocks = torch.randint(0, 256, (N, K // 256, 144), generator=g, dtype=torch.int32).to(torch.uint8)
+    scales = (torch.rand(N, K // 256, 2, generator=g) * 1e-2).half()  # finite fp16 d and dmin
+    blocks[:, :, 0:4] = scales.view(torch.uint8).view(N, K // 256, 4)
+    ggml = torch.from_numpy(quants.dequantize(blocks.numpy().reshape(N, -1), GGMLQuantizationType.Q4_K)).float()
+    parts = q4x8.q4k_from_blocks(blocks, N, K)
+    assert torch.equal(q4x8.dequantize_q4(parts), ggml.view(N, K))
+    x = torch.randn(5, K, generator=g)  # [5, K]
+    y = q4x8.Q4x8Linear.from_parts(parts, path=paths[-1])(x)
+    assert rel_err(y, F.linear(x.double(), ggml.double())) < 0.01
+
+
+def test_q4x8_quantizes_wide_weights_in_row_chunks(monkeypatch):
+    weight, _, _ = _case(40, 64, seed=7)
+    whole = q4x8.quantize_q4(weight)
+    monkeypatch.setattr(q4x8, "QUANT_CHUNK_ROWS", 16)
+    chunked = q4x8.quantize_q4(weight)
+    assert all(torch.equal(whole[k], chunked[k]) for k in whole)
