@@ -4,9 +4,12 @@ greedy, same output limit. Prints output tok/s per request (output tokens / end-
 prompts) per workload group, and each engine's ratio to llama.cpp plain. Not a test; llama-cpp-python and
 transformers are optional (`pip install -e .[compare]`); a missing one is skipped and said so.
 
-    .venv/bin/python scripts/compare.py --groups code_repeated,chat --per-group 3 --max-tokens 64 \
-        --ours '{"name":"dw plain int4","weights":"int4","dtype":"bfloat16"}' \
-        --ours '{"name":"dw ngram k=4","dtype":"bfloat16","spec":{"method":"ngram","num_speculative_tokens":4}}'
+    .venv/bin/python scripts/compare.py --groups repeated,chat --per-group 3 --max-tokens 128
+
+Without --ours it runs draftwise's defaults (`--dtype auto --weights auto`: the kernels the autotuner picked on
+this machine) plain, with n-gram lookup and with the draft model (draft also auto), and with adaptive k. The
+machine probe (instruction sets, measured memory bandwidth) is printed beside the table.
+    .venv/bin/python scripts/compare.py --ours '{"name":"dw plain int4+dense","weights":"int4+dense","dtype":"bfloat16"}'
 """
 from __future__ import annotations
 
@@ -35,7 +38,7 @@ def timed(fn) -> tuple[int, float]:
 def run_ours(conf: dict, model: str, prompts: dict, max_tokens: int, threads: int) -> dict:
     from draftwise import LLM, SamplingParams
 
-    llm = LLM(model, dtype=conf.get("dtype", "bfloat16"), weights=conf.get("weights"), threads=threads,
+    llm = LLM(model, dtype=conf.get("dtype", "auto"), weights=conf.get("weights", "auto"), threads=threads,
               speculative_config=conf.get("spec"), max_num_seqs=1, max_model_len=2048)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     llm.generate([{"prompt_token_ids": next(iter(prompts.values()))[0]}], params)  # warm-up
@@ -109,9 +112,23 @@ def main() -> None:
     ap.add_argument("--skip", default="", help="comma list of: llamacpp,hf")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    from draftwise.api import load_model
+    from draftwise.kernels.probe import format_probe, probe
+    from draftwise.models.sources import load_checkpoint
 
-    _, tok, info = load_model(args.model, "bfloat16")
+    machine = format_probe(probe())
+    print(machine, flush=True)
+    ckpt = load_checkpoint(args.model)
+    tok, info = ckpt.tokenizer, ckpt.info
+    if not args.ours:
+        draft = {"method": "draft_model", "model": args.draft}
+        args.ours = [json.dumps(c) for c in (
+            {"name": "draftwise auto plain"},
+            {"name": f"draftwise auto ngram k={args.lookup_k}",
+             "spec": {"method": "ngram", "num_speculative_tokens": args.lookup_k}},
+            {"name": "draftwise auto ngram k=auto", "spec": {"method": "ngram", "num_speculative_tokens": "auto"}},
+            {"name": "draftwise auto draft k=4", "spec": {**draft, "num_speculative_tokens": 4}},
+            {"name": "draftwise auto draft k=auto", "spec": {**draft, "num_speculative_tokens": "auto"}},
+        )]
     groups = args.groups.split(",")
     items = [i for w in ("code", "chat") for i in load_workload(w).items if i.group in groups]
     prompts = {g: [item_ids(tok, i) for i in items if i.group == g][: args.per_group] for g in groups}
@@ -137,7 +154,8 @@ def main() -> None:
         results["transformers bf16 assisted (0.5B draft)"] = run_hf(None, hf, prompts, args.max_tokens,
                                                                      assistant_model=draft)
     ref = results.get("llama.cpp plain")
-    print(f"\n{args.model} ({info['path'].rsplit('/', 1)[-1]}), {args.threads} threads, greedy, {args.max_tokens} "
+    print("\n" + machine)
+    print(f"{args.model} ({info['path'].rsplit('/', 1)[-1]}), {args.threads} threads, greedy, {args.max_tokens} "
           f"output tokens, {args.per_group} prompts/group; output tok/s per request (median); ratio vs llama.cpp plain")
     print(f"{'engine':44s}" + "".join(f"{g:>26s}" for g in groups))
     for name, r in results.items():

@@ -45,9 +45,10 @@ def _valid(text: str) -> dict:
     return obj
 
 
-@pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_chat_json_schema_non_streaming_and_streaming(server, temperature):
+def test_chat_json_schema_non_streaming_and_streaming(server):
+    # sampled: a random model's greedy choice may be whitespace forever (JSON allows it); see the compact cases
     c = server.client()
+    temperature = 1.0
     for seed in range(3):
         full = c.chat.completions.create(model=MODEL, messages=MESSAGES, response_format=RESPONSE_FORMAT,
                                          max_tokens=200, temperature=temperature, seed=seed)
@@ -63,10 +64,10 @@ def test_chat_json_schema_non_streaming_and_streaming(server, temperature):
 
 def test_completions_json_schema_and_json_object(server):
     c = server.client()
-    out = c.completions.create(model=MODEL, prompt='{"sku": "B-22", "qty": 10} ->', max_tokens=200, temperature=0,
-                               extra_body={"response_format": RESPONSE_FORMAT})
+    out = c.completions.create(model=MODEL, prompt='{"sku": "B-22", "qty": 10} ->', max_tokens=200, temperature=1,
+                               seed=1, extra_body={"response_format": RESPONSE_FORMAT})
     _valid(out.choices[0].text)
-    stream = c.completions.create(model=MODEL, prompt="JSON:", max_tokens=200, temperature=0, stream=True,
+    stream = c.completions.create(model=MODEL, prompt="JSON:", max_tokens=200, temperature=1, seed=2, stream=True,
                                   extra_body={"response_format": RESPONSE_FORMAT})
     _valid("".join(ch.choices[0].text for ch in stream))
     obj = c.completions.create(model=MODEL, prompt="JSON:", max_tokens=60, temperature=0,
@@ -95,9 +96,11 @@ def test_text_response_format_is_unconstrained(server):
         "guided_grammar"])
 def test_vllm_extras_on_both_routes(server, extra, check):
     c = server.client()
-    chat = c.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=200, temperature=0, extra_body=extra)
+    chat = c.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=200, temperature=1, seed=3,
+                                     extra_body=extra)
     assert chat.choices[0].finish_reason == "stop" and check(chat.choices[0].message.content)
-    comp = c.completions.create(model=MODEL, prompt="answer:", max_tokens=200, temperature=0, extra_body=extra)
+    comp = c.completions.create(model=MODEL, prompt="answer:", max_tokens=200, temperature=1, seed=4,
+                                extra_body=extra)
     assert comp.choices[0].finish_reason == "stop" and check(comp.choices[0].text)
 
 

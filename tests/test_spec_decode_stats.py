@@ -90,4 +90,21 @@ def test_to_dict_is_json_ready():
         "acceptance_rate": pytest.approx(5 / 11),
         "mean_acceptance_length": pytest.approx(8 / 3),
         "acceptance_rate_per_position": pytest.approx([2 / 3, 2 / 3, 1 / 3, 0.0, 0.0]),
+        "num_forced_tokens": 0,
+        "num_accepted_forced_tokens": 0,
+        "forced_acceptance_rate": None,
+        "mask_time_s": 0.0,
     }
+
+
+def test_forced_tokens_are_counted_apart():
+    s = SpecStats()
+    s.record(5, 3, num_forced=4)  # 4 forced tokens at the front, the first 3 accepted
+    s.record(2, 2, num_forced=1)
+    s.record(3, 0)
+    assert (s.num_forced_tokens, s.num_accepted_forced_tokens) == (5, 4)
+    assert s.forced_acceptance_rate == pytest.approx(4 / 5) and s.num_draft_tokens == 10
+    merged = SpecStats().merge(s)
+    assert merged.to_dict() == s.to_dict()
+    with pytest.raises(ValueError):
+        s.record(2, 1, num_forced=3)

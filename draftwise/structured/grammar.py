@@ -23,7 +23,8 @@ import torch
 
 from draftwise.config import ConfigError
 from draftwise.structured.matcher import GrammarMatcher
-from draftwise.structured.spec import StructuredOutputsSpec
+# StructuredOutputsSpec (spec.py) appears in annotations only: spec.py imports this module to validate, and
+# importing it back would be a cycle (tests/test_package_layers.py)
 from draftwise.tokenizer import Tokenizer
 
 CACHE_SIZE = 256  # compiled grammars kept per tokenizer
