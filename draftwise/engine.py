@@ -232,7 +232,8 @@ class Engine:
         pos = torch.arange(width)[None].expand(len(reqs), width)  # padding sits past each prompt: rolled back
         last = torch.tensor([len(r.prompt_ids) - 1 for r in reqs], device=dev)
         slots = torch.tensor([r.slot for r in reqs], device=dev)
-        logits = self.target(ids.to(dev), pos.to(dev), self.cache, slots, logit_index=last)  # [B, 1, V]
+        logits = self.target(ids.to(dev), pos.to(dev), self.cache, slots, logit_index=last,
+                             num_tokens=[len(r.prompt_ids) for r in reqs])  # [B, 1, V]
         return self._shared_vocab(logits)
 
     def _first_token(self, r: Request, logits: torch.Tensor) -> StepOutput:  # logits [1, V]
@@ -292,7 +293,10 @@ class Engine:
             ids[row, 1 : 1 + d.num_tokens] = d.token_ids
             pos[row] = self.cache.lengths[r.slot] + torch.arange(width)  # padding lands past the end, rolled back
         slots = torch.tensor([r.slot for r in reqs], device=dev)
-        return self._shared_vocab(self.target(ids.to(dev), pos.to(dev), self.cache, slots))  # [B, width, V]
+        # num_tokens: row-exact attention, so each verified row equals the plain decode step at its position
+        logits = self.target(ids.to(dev), pos.to(dev), self.cache, slots,
+                             num_tokens=[1 + d.num_tokens for d in drafts])  # [B, width, V]
+        return self._shared_vocab(logits)
 
     def _settle(self, r: Request, d: Draft, logits: torch.Tensor, base_length: int,  # logits [width, V]
                 mask: torch.Tensor | None = None) -> StepOutput:  # mask [k + 1, V] bool (structured outputs)

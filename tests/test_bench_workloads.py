@@ -78,3 +78,31 @@ def test_missing_and_empty_files(tmp_path):
         load_workload(str(tmp_path / "nope.jsonl"))
     with pytest.raises(WorkloadError, match="no prompts"):
         read_jsonl(write(tmp_path, [""]), "user")
+
+
+def test_structured_workload_and_validity(tmp_path):
+    from draftwise.bench.clients import Condition
+    from draftwise.bench.lab import conditions_from
+    from draftwise.bench.quality import validity
+
+    w = load_workload("structured")
+    assert len(w.items) == 30 and all(i.messages and "json" in i.structured_outputs for i in w.items)
+    assert len({i.item_id for i in w.items}) == 30
+    tools = [i for i in w.items if i.item_id.endswith("-tool")]
+    assert 8 <= len(tools) <= 22  # both extraction and tool-call prompts
+    item = next(i for i in w.items if i.item_id == "weather-tool")
+    good = json.dumps({"name": "get_weather", "arguments": {"city": "Oslo", "unit": "celsius", "days": 3}})
+    bad = json.dumps({"name": "get_weather", "arguments": {"city": "Oslo", "unit": "kelvin", "days": 3}})
+    recs = [{"phase": "measured", "condition": c, "item_id": item.item_id, "text": t, "finish_reason": f}
+            for c, t, f in [("none", good, "stop"), ("grammar-k4", good, "stop"), ("grammar-k4", bad, "stop"),
+                            ("grammar-k4", good[:20], "length")]]
+    v = validity(recs, {item.item_id: item.structured_outputs})
+    assert v["none"]["rate"] == 1.0 and v["grammar-k4"]["valid"] == 1 and v["grammar-k4"]["n"] == 3
+    assert [x["finish_reason"] for x in v["grammar-k4"]["invalid_items"]] == ["stop", "length"]
+    conds = conditions_from(["none", "grammar+draft_model", "grammar+ngram"], [4], "draft-0.5b")
+    assert conds[1].spec_config() == {"method": "grammar", "num_speculative_tokens": 4,
+                                      "then": {"method": "draft_model", "model": "draft-0.5b"}}
+    assert conds[2].spec_config()["then"] == {"method": "ngram"} and conds[2].id == "grammar+ngram-k4"
+    with pytest.raises(WorkloadError, match="line 1"):
+        read_jsonl(write(tmp_path, [{"prompt": "p", "schema": {"type": "objekt"}}]), "user")
+    assert Condition("grammar", 2).spec_config() == {"method": "grammar", "num_speculative_tokens": 2}

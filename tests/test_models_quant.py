@@ -210,3 +210,32 @@ def test_dense_requests_still_get_the_dense_cache(tiny_gguf_path, draftwise_cach
     model, _, info = load_model(str(tiny_gguf_path), "float32", weights=None, cache_dir=str(draftwise_cache_dir))
     assert info["weights"] == "fp32" and "kernels" not in info
     assert isinstance(model.lm_head, torch.nn.Linear)
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "gemma3"])
+def test_verification_rows_equal_single_steps_bit_for_bit(arch):
+    """The invariant greedy exactness rests on with int8 activations: a (k + 1)-row verification forward gives
+    each row the very logits a one-token decode step gives at that position (row-exact kernels + attention
+    one query at a time), and a padded batch gives each sequence what it gets alone."""
+    from draftwise.kv_cache import KVCache
+    from draftwise.models.quant import build_linears
+    from tests.tiny_models import tiny_decoder
+
+    m = tiny_decoder(arch, 0, 64)
+    build_linears(m, "q4x8", "q4x8")
+    c = m.config
+    cache = KVCache(c.num_layers, 3, c.num_kv_heads, 128, c.head_dim, m.dtype, m.device)
+    g = torch.Generator().manual_seed(3)
+    prompt, chunk = torch.randint(1, 64, (1, 20), generator=g), torch.randint(1, 64, (1, 6), generator=g)
+    for s in range(3):
+        m(prompt, torch.arange(20)[None], cache, torch.tensor([s]), num_tokens=[20])
+    single = torch.cat([m(chunk[:, t:t + 1], torch.tensor([[20 + t]]), cache, torch.tensor([0]), num_tokens=[1])
+                        for t in range(6)], 1)
+    verify = m(chunk, 20 + torch.arange(6)[None], cache, torch.tensor([1]), num_tokens=[6])
+    assert torch.equal(single, verify)
+    # slot 2 verifies 3 of the tokens beside slot 1's 6 (padded to 6): slot 2's rows are unchanged by the batch
+    for s in (1, 2):
+        cache.truncate(s, 20)
+    both = m(torch.cat([chunk, torch.cat([chunk[:, :3], torch.zeros(1, 3, dtype=torch.int64)], 1)]),
+             20 + torch.arange(6)[None].expand(2, 6), cache, torch.tensor([1, 2]), num_tokens=[6, 3])
+    assert torch.equal(both[0], single[0]) and torch.equal(both[1, :3], single[0, :3])

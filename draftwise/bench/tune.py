@@ -36,10 +36,9 @@ def spec_config_for(cond: dict | None) -> dict | None:
     """cond: the Condition dict from protocol.json."""
     if not cond or cond["method"] == "none":
         return None
-    d = {"method": cond["method"], "num_speculative_tokens": cond["k"]}
-    if cond["method"] == "draft_model":
-        d["model"] = cond["draft"]
-    return d
+    from draftwise.bench.clients import Condition
+
+    return Condition(cond["method"], cond["k"], cond.get("draft")).spec_config()  # grammar+X: X in "then"
 
 
 def hub_id(name: str | None) -> str | None:

@@ -196,12 +196,15 @@ class GGUFFile:
         if eot is not None:
             ids.append(int(eot))
         tokens_field = self.reader.fields.get("tokenizer.ggml.tokens")
+        types = self.field("tokenizer.ggml.token_type")  # llama.cpp's token types: 3 = control
         if tokens_field is not None:
             wanted = set(END_OF_TURN_TOKENS)
             for i, idx in enumerate(tokens_field.data):
                 if len(tokens_field.parts[idx]) <= 20:  # cheap filter before decoding bytes
                     text = bytes(tokens_field.parts[idx]).decode("utf-8", "replace")
-                    if text in wanted:
+                    # "</s>" is ordinary text in Qwen's vocabulary and a user-defined tag in Gemma's: only control
+                    # tokens end a turn (as transformers' generation config has it)
+                    if text in wanted and (types is None or int(types[i]) == 3):
                         ids.append(i)
         return tuple(dict.fromkeys(ids))
 

@@ -30,8 +30,9 @@ from draftwise.models import catalog
 from draftwise.models import safetensors as st
 from draftwise.tokenizer import Tokenizer
 
-CONVERSION_VERSION = 3  # bump when the converted layout changes; old caches are then rebuilt (2: the manifest;
-# 3: tensors split from the conversion: only tokenizer + config at first, dense or prepared weights when asked)
+CONVERSION_VERSION = 4  # bump when the converted layout changes; old caches are then rebuilt (2: the manifest;
+# 3: tensors split from the conversion: only tokenizer + config at first, dense or prepared weights when asked;
+# 4: end-of-turn ids only from control tokens)
 _CONFIG_FILE = "draftwise_config.json"
 _WEIGHTS_FILE = "model.safetensors"
 _HUB_PATTERNS = ["*.json", "*.safetensors", "*.jinja"]

@@ -57,6 +57,9 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Te
     raise ValueError(f"unsupported rope scaling type {kind!r} (supported: default, linear, llama3)")
 
 
+ROW_EXACT_MAX_TOKENS = 16  # chunks up to this many tokens attend one query at a time (decode, verification)
+
+
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)
@@ -77,6 +80,7 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = nh, nkv, hd
         self.scale = (cfg.query_pre_attn_scalar or hd) ** -0.5
         self.sliding = layer_type == "sliding_attention"
+        self.window = cfg.sliding_window if self.sliding else None
 
     def forward(
         self,
@@ -88,6 +92,7 @@ class Attention(nn.Module):
         slots: torch.Tensor,  # [B]
         positions: torch.Tensor,  # [B, T]
         kv_len: int,
+        num_tokens: list[int] | None = None,  # real (unpadded) tokens per row: the row-exact path
     ) -> torch.Tensor:  # [B, T, hidden]
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, self.num_heads, self.head_dim)
@@ -100,11 +105,44 @@ class Attention(nn.Module):
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
         cache.write(layer, slots, positions, k, v)
-        keys, values = cache.read(layer, slots, kv_len)  # [B, H_kv, kv_len, D]
-        out = F.scaled_dot_product_attention(
-            q, keys, values, attn_mask=mask, scale=self.scale, enable_gqa=self.num_kv_heads != self.num_heads
-        )
+        if num_tokens is None:
+            keys, values = cache.read(layer, slots, kv_len)  # [B, H_kv, kv_len, D]
+            out = F.scaled_dot_product_attention(
+                q, keys, values, attn_mask=mask, scale=self.scale, enable_gqa=self.num_kv_heads != self.num_heads
+            )
+        else:
+            out = self._attend_exact(q, cache, layer, slots, positions, num_tokens)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
+
+    def _attend_exact(self, q: torch.Tensor, cache: KVCache, layer: int, slots: torch.Tensor,  # q [B, H, T, D]
+                      positions: torch.Tensor, num_tokens: list[int]) -> torch.Tensor:  # -> [B, H, T, D]
+        """Attention whose result for a token does not depend on what else is in the batch. Each sequence is
+        attended on its own, over exactly its keys (no padding); a chunk of up to ROW_EXACT_MAX_TOKENS tokens
+        (a decode step, a verification) one query at a time, the very call a plain decode step makes at that
+        position — so k + 1 verified rows equal k + 1 single steps bit for bit, and with row-exact linear
+        kernels greedy speculation equals plain decoding even where int8 activations would amplify the
+        last-bit differences of differently shaped matmuls. Longer chunks (prompts) take one causal call."""
+        out = torch.zeros_like(q)
+        gqa = self.num_kv_heads != self.num_heads
+        for b, n in enumerate(num_tokens):
+            first = int(positions[b, 0])
+            keys, values = cache.read(layer, slots[b : b + 1], first + n)  # [1, H_kv, first + n, D]
+            if n <= ROW_EXACT_MAX_TOKENS:
+                for t in range(n):
+                    end = first + t + 1
+                    start = max(0, end - self.window) if self.window else 0
+                    out[b : b + 1, :, t : t + 1] = F.scaled_dot_product_attention(
+                        q[b : b + 1, :, t : t + 1], keys[:, :, start:end], values[:, :, start:end], scale=self.scale,
+                        enable_gqa=gqa)
+                continue
+            key_pos = torch.arange(first + n, device=q.device)
+            q_pos = positions[b, :n, None]  # [n, 1]
+            mask = key_pos <= q_pos
+            if self.window:
+                mask = mask & (key_pos > q_pos - self.window)
+            out[b : b + 1, :, :n] = F.scaled_dot_product_attention(
+                q[b : b + 1, :, :n], keys, values, attn_mask=mask[None, None], scale=self.scale, enable_gqa=gqa)
+        return out
 
 
 class MLP(nn.Module):
@@ -138,8 +176,8 @@ class DecoderLayer(nn.Module):
             self.pre_feedforward_layernorm = norm()
             self.post_feedforward_layernorm = norm()
 
-    def forward(self, x, rope, mask, cache, layer, slots, positions, kv_len):
-        h = self.self_attn(self.input_layernorm(x), rope, mask, cache, layer, slots, positions, kv_len)
+    def forward(self, x, rope, mask, cache, layer, slots, positions, kv_len, num_tokens=None):
+        h = self.self_attn(self.input_layernorm(x), rope, mask, cache, layer, slots, positions, kv_len, num_tokens)
         if self.sandwich:
             x = x + self.post_attention_layernorm(h)
             return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
@@ -247,6 +285,7 @@ class Decoder(nn.Module):
         slots: torch.Tensor,  # [B] int64
         last_only: bool = False,
         logit_index: torch.Tensor | None = None,  # [B]: only this position's logits per row
+        num_tokens: list[int] | None = None,  # real tokens per row (the rest is padding): row-exact attention
     ) -> torch.Tensor:  # [B, T, V] (or [B, 1, V] when last_only / logit_index is given)
         cfg = self.config
         kv_len = int(positions.max()) + 1
@@ -256,10 +295,11 @@ class Decoder(nn.Module):
         if cfg.embed_scale != 1.0:
             x = x * torch.tensor(cfg.embed_scale, dtype=x.dtype)
         ropes = {kind: self.rope_for(kind, positions, x.dtype) for kind in self._rope_tables}
-        masks = {kind: self._mask(kind, positions, kv_len) for kind in self._rope_tables}
+        masks = {kind: None if num_tokens is not None else self._mask(kind, positions, kv_len)
+                 for kind in self._rope_tables}
         for i, layer in enumerate(self.model.layers):
             kind = cfg.layer_types[i]
-            x = layer(x, ropes[kind], masks[kind], cache, i, slots, positions, kv_len)
+            x = layer(x, ropes[kind], masks[kind], cache, i, slots, positions, kv_len, num_tokens)
         cache.extend(slots.tolist(), (positions.max(dim=1).values + 1).tolist())
         if logit_index is not None:
             x = x[torch.arange(x.shape[0], device=x.device), logit_index][:, None]
