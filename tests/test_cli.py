@@ -103,7 +103,9 @@ def test_generate_json_schema(capsys, tiny_gguf_path, tmp_path):
     d = json.loads(out.strip().splitlines()[-1])
     if d["finish_reason"] == "stop":  # free whitespace may run past 40 tokens: then it says "length"
         assert isinstance(json.loads(d["text"])["ok"], bool)
-    assert d["spec"]["num_forced_tokens"] > 0 and "num_accepted_forced_tokens" in d["spec"]
+    # whether free-whitespace JSON forces any token depends on the model (tests/test_structured_engine.py pins
+    # forced tokens with compact JSON); the counters are reported either way
+    assert 0 <= d["spec"]["num_accepted_forced_tokens"] <= d["spec"]["num_forced_tokens"]
     code, _, err = run(capsys, "generate", "--model", str(tiny_gguf_path), "--prompt", "hello",
                        "--json-schema", str(tmp_path / "missing.json"))
     assert code == 2 and "--json-schema" in err and "Traceback" not in err
