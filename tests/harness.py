@@ -9,6 +9,7 @@ import time
 
 import httpx
 import openai
+import pytest
 import torch
 import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
@@ -140,3 +141,13 @@ class Server:
 
 def metric(m: dict, name: str, **labels) -> float:
     return m.get((name, frozenset(labels.items())), 0.0)
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """For modules of tiny tensors: intra-op threads only add synchronisation (and stall on a busy 2-core box).
+    Use with `pytestmark = pytest.mark.usefixtures("one_torch_thread")` after importing it."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

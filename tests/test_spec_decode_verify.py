@@ -16,6 +16,7 @@ from scipy.stats import chisquare
 
 from draftwise.sampling import SamplingParams, process_logits, sample
 from draftwise.spec_decode.verify import VerifyResult, greedy_verify, rejection_verify, verify
+from tests.harness import one_torch_thread  # noqa: F401 (a fixture)
 
 VOCAB = 8
 PROMPT = (3, 5)
@@ -31,13 +32,7 @@ CASES = {  # (temperature, top_k, top_p)
 }
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # these tensors are tiny; intra-op threads only add synchronisation (and stall badly on a busy 2-core box)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _tables() -> tuple[torch.Tensor, torch.Tensor]:

@@ -21,7 +21,7 @@ from draftwise.sampling import SamplingParams, process_logits
 from draftwise.spec_decode.grammar import GrammarProposer
 from draftwise.spec_decode.ngram import NgramProposer
 from draftwise.structured import mask_logits, parse_structured_outputs
-from tests.harness import json_llm
+from tests.harness import json_llm, one_torch_thread  # noqa: F401 (a fixture)
 
 PERSON = {  # bounded: every string and number has a maximum length, so a random model completes it
     "type": "object",
@@ -50,13 +50,7 @@ PROMPTS = ['{"name": "Ada", "age": 36, "mood": "positive", "active": true} user'
            "system 2024-05-01 mixed"]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # tiny tensors: intra-op threads only add synchronisation (and stall on a busy 2-core box)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
