@@ -1,15 +1,22 @@
-"""Side by side in one run (issue 6): draftwise configurations, llama.cpp (llama-cpp-python) plain and prompt
+"""Side by side in one run (issue 10): draftwise configurations, llama.cpp (llama-cpp-python) plain and prompt
 lookup, HF transformers plain and assisted generation — same GGUF file, same prompt token ids, same threads,
-greedy, same output limit. Prints output tok/s per request (output tokens / end-to-end time, median over
-prompts) per workload group, and each engine's ratio to llama.cpp plain. Not a test; llama-cpp-python and
-transformers are optional (`pip install -e .[compare]`); a missing one is skipped and said so.
+greedy, same output limit. Not a test; llama-cpp-python and transformers are optional (`pip install -e
+.[compare]`); a missing one is skipped and said so.
 
-    .venv/bin/python scripts/compare.py --groups repeated,chat --per-group 3 --max-tokens 128
+Interleaved, because a shared machine's speed drifts (we have seen +-30% within minutes): every engine is loaded
+first, then for each round and each prompt every engine runs that prompt, in an order rotated per prompt, so
+each engine's run of a prompt sits next to llama.cpp plain's run of the same prompt. Reported per workload
+group: output tok/s per request (output tokens / end-to-end seconds, prefill included; median over prompts x
+rounds) and the median of the PAIRED ratios to llama.cpp plain (same prompt, same round), with their min-max.
+
+    .venv/bin/python scripts/compare.py --groups repeated,chat --per-group 3 --rounds 2 --max-tokens 128
 
 Without --ours it runs draftwise's defaults (`--dtype auto --weights auto`: the kernels the autotuner picked on
-this machine) plain, with n-gram lookup and with the draft model (draft also auto), and with adaptive k. The
-machine probe (instruction sets, measured memory bandwidth) is printed beside the table.
-    .venv/bin/python scripts/compare.py --ours '{"name":"dw plain int4+dense","weights":"int4+dense","dtype":"bfloat16"}'
+this machine) plain, with n-gram lookup and with the draft model (draft also auto), and with adaptive k, all on
+one loaded model (LLM.set_speculation switches between them). --formats adds fixed weight formats (each loaded
+once, plain and with each --format-spec) beside auto for issue 10's "auto vs the best fixed format" table. The
+machine probe (instruction sets, measured memory bandwidth) is printed beside the tables.
+    .venv/bin/python scripts/compare.py --skip llamacpp,hf --formats q4x8,int4,bf16
 """
 from __future__ import annotations
 
@@ -17,10 +24,18 @@ import argparse
 import json
 import statistics
 import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 
 from draftwise.bench.workloads import load_workload
+
+FORMATS = {  # --formats name -> (dtype, weights) of a fixed format
+    "fp32": ("float32", None), "bf16": ("bfloat16", None), "int8": ("bfloat16", "int8"),
+    "int4": ("bfloat16", "int4"), "int4+dense": ("bfloat16", "int4+dense"), "q4x8": ("float32", "q4x8"),
+    "q4x8+dense": ("float32", "q4x8+dense"),
+}
 
 
 def item_ids(tok, item) -> list[int]:
@@ -29,30 +44,38 @@ def item_ids(tok, item) -> list[int]:
     return tok.encode_chat(item.messages or [{"role": "user", "content": item.turns[0]}])
 
 
-def timed(fn) -> tuple[int, float]:
-    t0 = time.perf_counter()
-    n = fn()
-    return n, time.perf_counter() - t0
+@dataclass
+class Runner:
+    name: str
+    run: Callable[[list[int]], int]  # prompt ids -> output tokens generated (greedy, max_tokens)
+    rates: dict = field(default_factory=dict)  # (group, prompt index, round) -> output tok/s
+
+    def timed(self, ids: list[int]) -> float:
+        t0 = time.perf_counter()
+        n = self.run(ids)
+        return n / (time.perf_counter() - t0)
 
 
-def run_ours(conf: dict, model: str, prompts: dict, max_tokens: int, threads: int) -> dict:
+def ours(llm_cache: dict, model: str, conf: dict, max_tokens: int, threads: int) -> Runner:
     from draftwise import LLM, SamplingParams
 
-    llm = LLM(model, dtype=conf.get("dtype", "auto"), weights=conf.get("weights", "auto"), threads=threads,
-              speculative_config=conf.get("spec"), max_num_seqs=1, max_model_len=2048)
+    fmt = (conf.get("dtype", "auto"), conf.get("weights", "auto"))
+    if fmt not in llm_cache:
+        llm_cache[fmt] = LLM(model, dtype=fmt[0], weights=fmt[1], threads=threads, max_num_seqs=1,
+                             max_model_len=2048, max_lookahead=16)
+    llm = llm_cache[fmt]
+    spec = conf.get("spec")
+    llm.set_speculation(spec)  # builds (and calibrates) the proposer now, not inside the first timed run
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    llm.generate([{"prompt_token_ids": next(iter(prompts.values()))[0]}], params)  # warm-up
-    out = {}
-    for group, plist in prompts.items():
-        rates = []
-        for ids in plist:
-            r = llm.generate([{"prompt_token_ids": ids}], params)[0]
-            rates.append(r.num_output_tokens / r.total_s)
-        out[group] = statistics.median(rates)
-    return out
+
+    def run(ids):
+        llm.set_speculation(spec)
+        return llm.generate([{"prompt_token_ids": ids}], params)[0].num_output_tokens
+
+    return Runner(conf.get("name", json.dumps(conf)), run)
 
 
-def run_llamacpp(path: str, prompts: dict, max_tokens: int, threads: int, lookup: int | None) -> dict:
+def llamacpp(path: str, max_tokens: int, threads: int, lookup: int | None) -> Runner:
     from llama_cpp import Llama
 
     kw = {}
@@ -62,27 +85,23 @@ def run_llamacpp(path: str, prompts: dict, max_tokens: int, threads: int, lookup
         kw["draft_model"] = LlamaPromptLookupDecoding(num_pred_tokens=lookup)
     llm = Llama(model_path=path, n_threads=threads, n_threads_batch=threads, n_ctx=2048, verbose=False, **kw)
 
-    def gen(ids):
+    def run(ids):
         llm.reset()
         r = llm.create_completion(ids, max_tokens=max_tokens, temperature=0.0, top_k=1)
         return r["usage"]["completion_tokens"]
 
-    gen(next(iter(prompts.values()))[0])
-    return {g: statistics.median(n / t for n, t in (timed(lambda: gen(ids)) for ids in plist))
-            for g, plist in prompts.items()}
+    return Runner(f"llama.cpp prompt lookup k={lookup}" if lookup else "llama.cpp plain", run)
 
 
-def run_hf(llm_model, hf, prompts: dict, max_tokens: int, **gen_kw) -> dict:
+def hf_runner(name: str, hf, max_tokens: int, **gen_kw) -> Runner:
     kw = dict(do_sample=False, max_new_tokens=max_tokens, min_new_tokens=max_tokens, pad_token_id=0, **gen_kw)
 
-    def gen(ids):
+    def run(ids):
         x = torch.tensor([ids])
         with torch.inference_mode():
             return hf.generate(x, attention_mask=torch.ones_like(x), **kw).shape[1] - x.shape[1]
 
-    gen(next(iter(prompts.values()))[0])
-    return {g: statistics.median(n / t for n, t in (timed(lambda: gen(ids)) for ids in plist))
-            for g, plist in prompts.items()}
+    return Runner(name, run)
 
 
 def hf_from(model_name: str, dtype: torch.dtype):
@@ -91,12 +110,46 @@ def hf_from(model_name: str, dtype: torch.dtype):
 
     from draftwise.api import load_model
 
-    ours, _, info = load_model(model_name, "float32")
+    ours_model, _, info = load_model(model_name, "float32")
     folder, file = info["path"].rsplit("/", 1)
     hf = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder, gguf_file=file), dtype=dtype).eval()
-    hf.load_state_dict(ours.state_dict(), strict=False)
+    hf.load_state_dict(ours_model.state_dict(), strict=False)
     hf.tie_weights()
     return hf, info["path"]
+
+
+def interleave(runners: list[Runner], prompts: dict[str, list[list[int]]], rounds: int) -> None:
+    """Every runner runs every prompt once per round, the order rotated per (round, prompt)."""
+    for r in runners:  # warm-up: first-call costs (thread pools, caches) stay out of the table
+        r.timed(next(iter(prompts.values()))[0])
+    jobs = [(g, i, ids) for g, plist in prompts.items() for i, ids in enumerate(plist)]
+    for rnd in range(rounds):
+        for j, (g, i, ids) in enumerate(jobs):
+            shift = (rnd * len(jobs) + j) % len(runners)
+            for r in runners[shift:] + runners[:shift]:
+                r.rates[(g, i, rnd)] = r.timed(ids)
+            print(f"  round {rnd + 1}/{rounds}, {g} prompt {i + 1}: "
+                  + ", ".join(f"{r.name} {r.rates[(g, i, rnd)]:.1f}" for r in runners), flush=True)
+
+
+def table(runners: list[Runner], groups: list[str], ref: Runner | None) -> dict:
+    out = {}
+    print(f"{'engine':44s}" + "".join(f"{g:>34s}" for g in groups))
+    for r in runners:
+        cells, out[r.name] = "", {}
+        for g in groups:
+            keys = [k for k in r.rates if k[0] == g]
+            rate = statistics.median(r.rates[k] for k in keys)
+            out[r.name][g] = {"tok_s": rate}
+            if ref is None:
+                cells += f"{rate:14.2f}" + " " * 20
+                continue
+            ratios = sorted(r.rates[k] / ref.rates[k] for k in keys)
+            med = statistics.median(ratios)
+            out[r.name][g].update(ratio=med, ratio_min=ratios[0], ratio_max=ratios[-1])
+            cells += f"{rate:14.2f} {med:5.2f}x [{ratios[0]:4.2f},{ratios[-1]:4.2f}]"
+        print(f"{r.name:44s}{cells}")
+    return out
 
 
 def main() -> None:
@@ -105,11 +158,16 @@ def main() -> None:
     ap.add_argument("--draft", default="qwen2.5-coder-0.5b-instruct")
     ap.add_argument("--groups", default="repeated,chat")
     ap.add_argument("--per-group", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=2, help="each prompt runs this many times per engine")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--ours", action="append", default=[], help="JSON: name, dtype, weights, spec")
+    ap.add_argument("--formats", default="", help=f"comma list of fixed formats beside auto: {','.join(FORMATS)}")
+    ap.add_argument("--format-spec", action="append", default=[],
+                    help="JSON spec config each --formats entry also runs (default: ngram k=4 and draft k=4)")
     ap.add_argument("--lookup-k", type=int, default=4)
     ap.add_argument("--skip", default="", help="comma list of: llamacpp,hf")
+    ap.add_argument("--json", default="", help="write the results here")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     from draftwise.kernels.probe import format_probe, probe
@@ -119,49 +177,62 @@ def main() -> None:
     print(machine, flush=True)
     ckpt = load_checkpoint(args.model)
     tok, info = ckpt.tokenizer, ckpt.info
+    draft = {"method": "draft_model", "model": args.draft}
+    ngram = {"method": "ngram", "num_speculative_tokens": args.lookup_k}
     if not args.ours:
-        draft = {"method": "draft_model", "model": args.draft}
         args.ours = [json.dumps(c) for c in (
             {"name": "draftwise auto plain"},
-            {"name": f"draftwise auto ngram k={args.lookup_k}",
-             "spec": {"method": "ngram", "num_speculative_tokens": args.lookup_k}},
+            {"name": f"draftwise auto ngram k={args.lookup_k}", "spec": ngram},
             {"name": "draftwise auto ngram k=auto", "spec": {"method": "ngram", "num_speculative_tokens": "auto"}},
             {"name": "draftwise auto draft k=4", "spec": {**draft, "num_speculative_tokens": 4}},
             {"name": "draftwise auto draft k=auto", "spec": {**draft, "num_speculative_tokens": "auto"}},
         )]
+    specs = [json.loads(s) for s in args.format_spec] or [ngram, {**draft, "num_speculative_tokens": 4}]
+    for fmt in [f for f in args.formats.split(",") if f]:
+        dtype, weights = FORMATS[fmt]
+        base = {"dtype": dtype, **({"weights": weights} if weights else {"weights": None})}
+        args.ours.append(json.dumps({"name": f"draftwise {fmt} plain", **base}))
+        for s in specs:
+            label = f"{s['method']} k={s.get('num_speculative_tokens')}"
+            args.ours.append(json.dumps({"name": f"draftwise {fmt} {label}", **base, "spec": s}))
+
     groups = args.groups.split(",")
     items = [i for w in ("code", "chat") for i in load_workload(w).items if i.group in groups]
     prompts = {g: [item_ids(tok, i) for i in items if i.group == g][: args.per_group] for g in groups}
-    results: dict[str, dict] = {}
     skip = set(args.skip.split(","))
+    runners: list[Runner] = []
     if "llamacpp" not in skip:
         try:
-            results["llama.cpp plain"] = run_llamacpp(info["path"], prompts, args.max_tokens, args.threads, None)
-            results[f"llama.cpp prompt lookup k={args.lookup_k}"] = run_llamacpp(
-                info["path"], prompts, args.max_tokens, args.threads, args.lookup_k)
+            runners.append(llamacpp(info["path"], args.max_tokens, args.threads, None))
+            runners.append(llamacpp(info["path"], args.max_tokens, args.threads, args.lookup_k))
         except ImportError as e:
             print(f"llama.cpp skipped: {e}")
+    llms: dict = {}
     for conf in args.ours:
         c = json.loads(conf)
-        results[c.get("name", conf)] = run_ours(c, args.model, prompts, args.max_tokens, args.threads)
-        print(f"  done: {c.get('name', conf)} {results[c.get('name', conf)]}", flush=True)
+        print(f"  loading: {c.get('name', conf)}", flush=True)
+        runners.append(ours(llms, args.model, c, args.max_tokens, args.threads))
     if "hf" not in skip:
         hf, _ = hf_from(args.model, torch.bfloat16)
-        results["transformers bf16 plain"] = run_hf(None, hf, prompts, args.max_tokens)
-        results[f"transformers bf16 prompt lookup k={args.lookup_k}"] = run_hf(
-            None, hf, prompts, args.max_tokens, prompt_lookup_num_tokens=args.lookup_k)
-        draft, _ = hf_from(args.draft, torch.bfloat16)
-        results["transformers bf16 assisted (0.5B draft)"] = run_hf(None, hf, prompts, args.max_tokens,
-                                                                     assistant_model=draft)
-    ref = results.get("llama.cpp plain")
+        runners.append(hf_runner("transformers bf16 plain", hf, args.max_tokens))
+        runners.append(hf_runner(f"transformers bf16 prompt lookup k={args.lookup_k}", hf, args.max_tokens,
+                                 prompt_lookup_num_tokens=args.lookup_k))
+        hf_draft, _ = hf_from(args.draft, torch.bfloat16)
+        runners.append(hf_runner("transformers bf16 assisted (0.5B draft)", hf, args.max_tokens,
+                                 assistant_model=hf_draft))
+    interleave(runners, prompts, args.rounds)
+
+    ref = next((r for r in runners if r.name == "llama.cpp plain"), None)
+    if ref is None:  # no llama.cpp: ratios against our auto plain
+        ref = next((r for r in runners if r.name == "draftwise auto plain"), None)
     print("\n" + machine)
     print(f"{args.model} ({info['path'].rsplit('/', 1)[-1]}), {args.threads} threads, greedy, {args.max_tokens} "
-          f"output tokens, {args.per_group} prompts/group; output tok/s per request (median); ratio vs llama.cpp plain")
-    print(f"{'engine':44s}" + "".join(f"{g:>26s}" for g in groups))
-    for name, r in results.items():
-        cells = "".join(f"{r[g]:14.2f}" + (f" ({r[g] / ref[g]:5.2f}x)  " if ref else " " * 11) for g in groups)
-        print(f"{name:44s}{cells}")
-    print(json.dumps(results))
+          f"output tokens, {args.per_group} prompts/group x {args.rounds} rounds, interleaved; output tok/s per "
+          f"request (median) and the median [min, max] of paired ratios vs {ref.name if ref else '-'}")
+    results = table(runners, groups, ref)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"machine": machine, "reference": ref.name if ref else None, "results": results}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -5,7 +5,7 @@ speculative config) on the given target and reports, per generated token, the en
 (masks along the draft, masking logits, advancing the matcher: SpecStats.mask_time_s) against the wall time of
 the decode, in ms and as a share. Not a test; run on a quiet machine.
 
-    .venv/bin/python scripts/mask_overhead.py --dtype bfloat16 --weights int4+dense --requests 5
+    .venv/bin/python scripts/mask_overhead.py --requests 10 [--speculative-config '{"method": "grammar"}']
 """
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import time
 
 from draftwise.api import LLM
 from draftwise.bench.workloads import load_workload
+from draftwise.kernels.probe import format_probe, probe
 from draftwise.models.catalog import DEFAULT_TARGET
 from draftwise.sampling import SamplingParams
 
@@ -22,13 +23,14 @@ from draftwise.sampling import SamplingParams
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default=DEFAULT_TARGET)
-    ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--weights", default="int4+dense")
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--weights", default="auto")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--requests", type=int, default=5)
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--speculative-config", default=None)
     args = ap.parse_args()
+    print(format_probe(probe()), flush=True)
     llm = LLM(args.model, dtype=args.dtype, weights=args.weights, threads=args.threads,
               speculative_config=args.speculative_config, max_num_seqs=1)
     items = load_workload("structured").items[: args.requests]
