@@ -151,3 +151,17 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+def fixed_tune(step: str, prefill: str):
+    """An injected autotuner (`tune=` of load_model / resolve_formats / memory.estimate) whose timing table makes
+    `step` the step kernel and `prefill` the prefill kernel: no timing, no cache."""
+    from draftwise.kernels import autotune
+    from draftwise.kernels.probe import probe
+
+    ms = {n: {1: 1.0, 9: 1.0, 128: 1.0} for n in {step, prefill}}
+    ms[step] = {1: 0.5, 9: 0.6, 128: 5.0}
+    ms[prefill] = {**ms.get(prefill, {}), 128: 0.1, 1: ms[prefill].get(1, 1.0), 9: ms[prefill].get(9, 1.0)}
+    table = {"rows": [1, 9, 128], "prefill_rows": 128, "ms": ms, "row_independent": {n: True for n in ms}}
+    return lambda shapes: {"key": "injected", "probe": probe(bandwidth=False), "table": table,
+                           "choice": autotune.choose(table)}

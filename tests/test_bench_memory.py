@@ -21,8 +21,10 @@ def test_shapes_from_gguf_metadata_match_the_loaded_model(tiny_gguf_path):
     assert s.config == g.config
     assert s.num_params == sum(t.numel() for _, t in g.tensors())
     assert 0 < s.num_linear_params < s.num_params
-    assert memory.weight_bytes(s, "bfloat16", None) == 2 * s.num_params
-    assert memory.weight_bytes(s, "float32", "int4") < memory.weight_bytes(s, "float32", "int8") < 4 * s.num_params
+    plan = lambda dtype, weights: memory.resolve_plan(s, dtype, weights)  # noqa: E731
+    assert memory.weight_bytes(s, plan("bfloat16", None)) == 2 * s.num_params
+    assert (memory.weight_bytes(s, plan("float32", "int4")) < memory.weight_bytes(s, plan("float32", "int8"))
+            < 4 * s.num_params)
 
 
 def test_safetensors_header_only(tiny_hf_dir):
@@ -35,14 +37,14 @@ def test_safetensors_header_only(tiny_hf_dir):
 
 
 def test_estimate_phases(tiny_gguf_path, monkeypatch):
-    e = memory.estimate(str(tiny_gguf_path), str(tiny_gguf_path), 512, 4, "bfloat16")
+    e = memory.estimate(str(tiny_gguf_path), str(tiny_gguf_path), 512, 4, "bfloat16", weights=None)
     rows = e["bytes"]
     assert set(rows) == {"target_weights", "target_kv_cache", "draft_weights", "draft_kv_cache", "runtime_overhead"}
     assert e["serving_bytes"] == sum(rows.values())
     assert e["total_bytes"] == max(e["serving_bytes"], *e["loading_peak_bytes"].values())
     monkeypatch.setattr(memory, "available_memory", lambda device="cpu": (1, "test"))
-    assert not memory.estimate(str(tiny_gguf_path), None, 512, 4)["fits"]
-    assert "WARNING" in memory.format_estimate(memory.estimate(str(tiny_gguf_path), None, 512, 4))
+    assert not memory.estimate(str(tiny_gguf_path), None, 512, 4, "float32", None)["fits"]
+    assert "WARNING" in memory.format_estimate(memory.estimate(str(tiny_gguf_path), None, 512, 4, "float32", None))
 
 
 @pytest.mark.parametrize("spec", [None, {"method": "ngram", "num_speculative_tokens": 3},
@@ -57,3 +59,47 @@ def test_kv_estimate_equals_what_the_engine_allocates(spec):
     if spec and spec["method"] == "draft_model":
         capacity = memory.draft_cache_capacity(200, k)
         assert memory.kv_bytes(llm.proposer.model.config, "float32", capacity, 3) == llm.proposer.cache.nbytes
+
+
+def held_bytes(model) -> int:
+    """What a loaded model really holds: every distinct storage behind its parameters and buffers, once."""
+    storages = {}
+    for t in [*model.parameters(), *model.buffers()]:
+        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    return sum(storages.values())
+
+
+PLANS = [("q4x8", "q4x8"), ("q4x8", "dense_fp32"), ("q4x8", "dense_bf16"), ("int4_torch", "int4_torch"),
+         ("dense_fp32", "dense_fp32"), ("dense_bf16", "dense_bf16")]
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+@pytest.mark.parametrize("step,prefill", PLANS, ids=["/".join(p) for p in PLANS])
+def test_weight_and_kv_estimates_equal_what_the_loaded_model_allocates(step, prefill, tied, tiny_gguf_path,
+                                                                       tiny_llama_gguf_path, tmp_path):
+    """For every plan `auto` can pick (injected timing tables): the estimate's weight bytes, computed from shapes
+    and the formats' layouts alone (q4x8 4.75 bits per weight, a compact embedding shared with a tied head,
+    lm_heads a kernel cannot take left dense), equal the bytes the loaded model's tensors occupy, first load and
+    reload from the prepared cache alike; the draft (its own auto) gets the same; the KV rows in the resolved
+    activation dtype equal the engine's caches."""
+    from draftwise.api import LLM, load_model
+    from draftwise.kernels.linear import IMPLS
+    from draftwise.kernels.probe import probe
+    from tests.harness import fixed_tune
+
+    if not all(IMPLS[n].available(probe(bandwidth=False)) for n in (step, prefill)):
+        pytest.skip(f"{step}/{prefill} cannot run here")
+    path, cache = str(tiny_llama_gguf_path if tied else tiny_gguf_path), str(tmp_path / "cache")
+    tune = fixed_tune(step, prefill)
+    e = memory.estimate(path, path, 64, 2, k=4, cache_dir=cache, tune=tune)
+    model, tok, info = load_model(path, cache_dir=cache, tune=tune)
+    assert e["plans"]["target"]["step"] == step and e["plans"]["target"]["dtype"] == info["dtype"]
+    assert e["bytes"]["target_weights"] == held_bytes(model) == e["bytes"]["draft_weights"]
+    again, _, _ = load_model(path, cache_dir=cache, tune=tune)  # from the prepared cache
+    assert held_bytes(again) == held_bytes(model)
+    assert f"step {step}, prefill {prefill}" in memory.format_estimate(e)
+    llm = LLM.from_parts(model, tok, max_num_seqs=2, max_model_len=64, max_lookahead=4,
+                         speculative_config={"method": "draft_model", "model": "d", "num_speculative_tokens": 4},
+                         load_draft=lambda name, d, w: (again, tok, {"name": name}))
+    assert e["bytes"]["target_kv_cache"] == llm.engine.cache.nbytes
+    assert e["bytes"]["draft_kv_cache"] == llm.proposer.cache.nbytes

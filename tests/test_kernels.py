@@ -275,3 +275,45 @@ def test_q4x8_quantizes_wide_weights_in_row_chunks(monkeypatch):
     monkeypatch.setattr(q4x8, "QUANT_CHUNK_ROWS", 16)
     chunked = q4x8.quantize_q4(weight)
     assert all(torch.equal(whole[k], chunked[k]) for k in whole)
+
+
+# ---- q4x8 embedding table (the packed layout read row by row) ------------------------------------------
+
+def test_q4x8_embedding_rows_are_exact_row_exact_and_within_the_quantization_bound():
+    """Q4x8Embedding reads an id's row straight out of the packed layout: bitwise the row of the dequantized table
+    (so a tied head and the embedding agree), the same vector alone or in any batch, refused past the table; and
+    the table is within the documented bound of the float32 weights: |w' - w| <= max(s / 2, 7.5 d + dmin / 2)
+    per group of 32 (s the group's scale, d / dmin its super-block's), for Gaussian rows with outliers too."""
+    weight, _, g = _case(200, 416, seed=8)  # 200 rows: a padded last block of 16; 13 groups: a short super-block
+    weight[::17, ::5] *= 30  # outliers
+    parts = q4x8.quantize_q4(weight)
+    table = q4x8.dequantize_q4(parts)
+    emb = q4x8.Q4x8Embedding.from_parts(parts)
+    assert (emb.num_embeddings, emb.embedding_dim) == (200, 416)
+    ids = torch.randint(0, 200, (3, 7), generator=g)
+    ids[0, :3] = torch.tensor([0, 199, 0])
+    got = emb(ids)  # [3, 7, 416]
+    assert got.dtype == torch.float32 and torch.equal(got, table[ids])
+    assert all(torch.equal(emb(torch.tensor([int(i)]))[0], got.view(-1, 416)[n]) for n, i in enumerate(ids.view(-1)))
+    with pytest.raises(IndexError):
+        emb(torch.tensor([200]))
+    s, _ = q4x8.effective_scale_min(parts["d"], parts["sc"], parts["dmin"], parts["mn"])  # [N, G]
+    G = s.shape[1]
+    d = parts["d"].repeat_interleave(q4x8.SUPER, 1)[:, :G]
+    dmin = parts["dmin"].repeat_interleave(q4x8.SUPER, 1)[:, :G]
+    bound = torch.maximum(s / 2, 7.5 * d + dmin / 2)  # [N, G]
+    err = (table - weight).view(200, G, 32).abs().amax(-1)
+    assert bool((err <= bound * (1 + 1e-6) + 1e-7).all())
+    plain = torch.arange(200) % 17 != 0  # the rows without outliers: Gaussian, the linears' documented tolerance
+    assert rel_err(table[plain], weight[plain]) < IMPLS["q4x8"].tolerance
+
+
+def test_q4x8_embedding_shares_a_linears_buffers_and_counts_its_bytes(paths):
+    weight, _, _ = _case(40, 512, seed=9)
+    lin = q4x8.Q4x8Linear(weight, path=paths[-1])
+    emb = q4x8.Q4x8Embedding.from_linear(lin)
+    assert all(getattr(emb, n).data_ptr() == getattr(lin, n).data_ptr() for n in q4x8.Q4x8Linear.PACKED)
+    assert torch.equal(emb(torch.arange(40)), q4x8.dequantize_q4(q4x8.quantize_q4(weight)))
+    held = sum(getattr(emb, n).numel() * getattr(emb, n).element_size() for n in q4x8.Q4x8Linear.PACKED)
+    assert held == q4x8.packed_bytes(40, 512) == 48 * 512 // 2 + 48 * 16 * 2 + 48 * 2 * 8  # N padded to 48
+    assert q4x8.packed_bytes(4096, 4096) * 8 == 4.75 * 4096 * 4096  # 4.75 bits per weight

@@ -5,18 +5,18 @@ timing asserts); the GGUF-direct path maps Q4_K blocks exactly; the prepared cac
 from __future__ import annotations
 
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
 
 from draftwise.api import LLM, load_model
-from draftwise.kernels import autotune
 from draftwise.kernels.linear import IMPLS
 from draftwise.kernels.probe import probe
 from draftwise.kv_cache import KVCache
 from draftwise.models import quant
 from draftwise.sampling import SamplingParams
-from tests.harness import PROMPTS, VOCAB, tiny_tokenizer
+from tests.harness import PROMPTS, VOCAB, fixed_tune, tiny_tokenizer
 from tests.tiny_checkpoints import Q4K_DIMS, write_tiny_gguf
 from tests.tiny_models import tiny_decoder
 
@@ -102,22 +102,13 @@ def test_logits_stay_within_the_kernels_tolerance_of_fp32(label, step, prefill, 
 
 # ---- auto: resolution with an injected timing table ------------------------------------------------------
 
-def _fake_tune(step: str, prefill: str):
-    ms = {n: {1: 1.0, 9: 1.0, 128: 1.0} for n in {step, prefill}}
-    ms[step] = {1: 0.5, 9: 0.6, 128: 5.0}
-    ms[prefill] = {**ms.get(prefill, {}), 128: 0.1, 1: ms[prefill].get(1, 1.0), 9: ms[prefill].get(9, 1.0)}
-    table = {"rows": [1, 9, 128], "prefill_rows": 128, "ms": ms, "row_independent": {n: True for n in ms}}
-    return lambda shapes: {"key": "injected", "probe": probe(bandwidth=False), "table": table,
-                           "choice": autotune.choose(table)}
-
-
 @pytest.mark.parametrize("step,prefill,dtype", [("q4x8", "q4x8", "float32"), ("q4x8", "dense_bf16", "float32"),
                                                 ("int4_torch", "int4_torch", "bfloat16"),
                                                 ("dense_fp32", "dense_fp32", "float32")])
 def test_auto_takes_what_the_timing_table_says(step, prefill, dtype, tiny_gguf_path, draftwise_cache_dir):
     if not _available(step, prefill):
         pytest.skip(f"{step}/{prefill} cannot run here")
-    tune = _fake_tune(step, prefill)
+    tune = fixed_tune(step, prefill)
     assert (tune(None)["choice"]["step"], tune(None)["choice"]["prefill"]) == (step, prefill)
     model, _, info = load_model(str(tiny_gguf_path), "auto", weights="auto", cache_dir=str(draftwise_cache_dir),
                                 tune=tune)
@@ -127,6 +118,14 @@ def test_auto_takes_what_the_timing_table_says(step, prefill, dtype, tiny_gguf_p
     assert "Linear" not in kinds  # every projection went to a kernel
     if step != prefill:
         assert "SplitLinear" in kinds
+    # every kernel plan, torch int4 included, is built from the GGUF into the prepared cache: no dense copy on disk
+    files = {p.name for p in Path(info["converted_path"]).iterdir()}
+    assert not {f for f in files if f.startswith("model.")} and any(f.startswith("prepared-") for f in files)
+    assert ("Q4x8Embedding" in kinds) == bool({step, prefill} & set(quant.COMPACT_EMBEDDING_KERNELS))
+    again, _, _ = load_model(str(tiny_gguf_path), "auto", weights="auto", cache_dir=str(draftwise_cache_dir),
+                             tune=tune)  # read back from the prepared cache
+    ids = list(range(3, 30))
+    assert torch.equal(_logits(again, ids), _logits(model, ids))
 
 
 def test_explicit_values_win_and_bad_values_are_named():
@@ -135,7 +134,7 @@ def test_explicit_values_win_and_bad_values_are_named():
     assert quant.resolve_formats("q4x8", "auto", cfg, tune=boom) == quant.Plan("q4x8", "float32", "q4x8", "q4x8")
     assert quant.resolve_formats("int4+dense", "auto", cfg, tune=boom).dtype == "bfloat16"
     assert quant.resolve_formats(None, "float32", cfg, tune=boom) == quant.Plan("fp32", "float32")
-    plan = quant.resolve_formats("auto", "bfloat16", cfg, tune=_fake_tune("q4x8", "q4x8"))
+    plan = quant.resolve_formats("auto", "bfloat16", cfg, tune=fixed_tune("q4x8", "q4x8"))
     assert plan.dtype == "bfloat16" and plan.step == "q4x8"  # an explicit dtype wins over auto's
     from draftwise.config import ConfigError
 
@@ -176,21 +175,101 @@ def test_q4k_tensors_load_exactly_and_the_cache_round_trips(q4k_gguf, tmp_path, 
         owner = name.removesuffix(".weight")
         if not name.endswith("_proj.weight") and name != "lm_head.weight":
             continue
-        mod = linears[owner]
+        mod, rows = _merged_rows(linears, owner)
         assert isinstance(mod, q4x8.Q4x8Linear)
-        parts = _unpack(mod)
+        parts = {k: v[rows] for k, v in _unpack(mod).items()}
         assert torch.equal(q4x8.dequantize_q4(parts), torch.from_numpy(want)), name
     ids = list(range(3, 40))
     first = _logits(model, ids)
     folder = load_checkpoint(str(user), cache, progress=False).info["converted_path"]
-    from pathlib import Path
-
     files = {p.name for p in Path(folder).iterdir()}
     assert "model.safetensors" not in files and any(f.startswith("prepared-") for f in files)
 
     monkeypatch.setattr(gguf_module, "GGUFFile", lambda *a: pytest.fail("reopened the GGUF"))
     again, _, _ = load_model(str(user), "auto", weights="q4x8", cache_dir=str(cache))
     assert torch.equal(_logits(again, ids), first)
+
+
+MERGED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+          "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+
+
+def _merged_rows(modules: dict, owner: str) -> tuple[torch.nn.Module, slice]:
+    """The module holding HF linear `owner` and its output rows there: itself, or its slice of the merged q/k/v
+    or gate/up module (Decoder.merge_projections)."""
+    if owner in modules:
+        return modules[owner], slice(None)
+    parent, _, leaf = owner.rpartition(".")
+    merged_name, index = MERGED[leaf]
+    block = modules[parent]
+    sizes = block.qkv_sizes if merged_name == "qkv_proj" else (block.intermediate,) * 2
+    start = sum(sizes[:index])
+    return modules[f"{parent}.{merged_name}"], slice(start, start + sizes[index])
+
+
+@pytest.fixture(scope="module")
+def tied_q4k_gguf(tmp_path_factory):
+    """A llama with tied embeddings (no output.weight) whose table, and so its LM head, is Q4_K."""
+    path = tmp_path_factory.mktemp("q4k") / "tiny-tied-q4k.gguf"
+    hf = write_tiny_gguf(path, "llama", tie=True, dims=Q4K_DIMS, q4k=("_proj.weight", "embed_tokens.weight"))
+    return path, hf
+
+
+def test_a_tied_q4k_table_is_exact_shared_with_the_head_and_stored_once(tied_q4k_gguf, tmp_path, monkeypatch):
+    """A 4-bit plan keeps the embedding table in q4x8's packed form: from Q4_K blocks its rows are bitwise the
+    GGUF's float32 table; the tied LM head and the embedding hold one copy (the same buffers) and the prepared
+    cache stores it once (no embed_tokens tensor at all); a reload from the cache shares again and gives the same
+    logits; greedy speculation over it equals plain decoding."""
+    if not _available("q4x8", "q4x8"):
+        pytest.skip("q4x8 cannot run here")
+    from draftwise.kernels.q4x8 import Q4x8Embedding, Q4x8Linear
+    from draftwise.models import gguf as gguf_module
+    from draftwise.models.safetensors import header_specs
+
+    path, hf = tied_q4k_gguf
+    cache = str(tmp_path / "cache")
+    model, tok, info = load_model(str(path), "auto", weights="q4x8", cache_dir=cache)
+    emb, head = model.model.embed_tokens, model.lm_head
+    assert isinstance(emb, Q4x8Embedding) and isinstance(head, Q4x8Linear)
+    assert emb.packed.data_ptr() == head.packed.data_ptr() and emb.d.data_ptr() == head.d.data_ptr()
+    table = torch.from_numpy(hf["model.embed_tokens.weight"])  # what the GGUF's Q4_K blocks dequantize to
+    assert torch.equal(emb(torch.arange(table.shape[0])), table)
+    prepared = next(Path(info["converted_path"]).glob("prepared-*.safetensors"))
+    names = [n for n, _ in header_specs(prepared)]
+    assert "lm_head.packed" in names and not [n for n in names if n.startswith("model.embed_tokens")]
+
+    monkeypatch.setattr(gguf_module, "GGUFFile", lambda *a: pytest.fail("reopened the GGUF"))
+    again, _, _ = load_model(str(path), "auto", weights="q4x8", cache_dir=cache)
+    assert again.model.embed_tokens.packed.data_ptr() == again.lm_head.packed.data_ptr()
+    ids = list(range(3, 40))
+    assert torch.equal(_logits(again, ids), _logits(model, ids))
+
+    llm = LLM.from_parts(model, tok, max_lookahead=4, max_num_seqs=3,
+                         load_draft=lambda name, d, w: (again, tok, {"name": name}))
+    plain = _greedy(llm, None)
+    for k in (1, 4):
+        for spec in ({"method": "ngram", "num_speculative_tokens": k},
+                     {"method": "draft_model", "model": "same", "num_speculative_tokens": k}):
+            assert _greedy(llm, spec) == plain, spec
+
+
+def test_a_requantized_table_stays_within_its_documented_tolerance(q4k_gguf, tmp_path):
+    """A table stored in another GGUF type (here Q8_0; the real 0.5B draft's is Q5_0) is dequantized once and
+    quantized to q4x8: its rows are bitwise dequantize_q4(quantize_q4(table)), within the per-group bound
+    test_kernels checks, and an untied head keeps its own buffers."""
+    if not _available("q4x8", "q4x8"):
+        pytest.skip("q4x8 cannot run here")
+    from draftwise.kernels import q4x8
+    from draftwise.models.gguf import GGUFFile
+
+    path, _ = q4k_gguf
+    model, _, _ = load_model(str(path), "auto", weights="q4x8", cache_dir=str(tmp_path / "cache"))
+    emb = model.model.embed_tokens
+    assert isinstance(emb, q4x8.Q4x8Embedding) and emb.packed.data_ptr() != model.lm_head.packed.data_ptr()
+    ref = GGUFFile(path).items()["model.embed_tokens.weight"].dense()  # the float32 reference
+    got = emb(torch.arange(ref.shape[0]))
+    assert torch.equal(got, q4x8.dequantize_q4(q4x8.quantize_q4(ref)))
+    assert float((got - ref).norm() / ref.norm()) < IMPLS["q4x8"].tolerance
 
 
 def _unpack(mod) -> dict:
@@ -239,3 +318,59 @@ def test_verification_rows_equal_single_steps_bit_for_bit(arch):
     both = m(torch.cat([chunk, torch.cat([chunk[:, :3], torch.zeros(1, 3, dtype=torch.int64)], 1)]),
              20 + torch.arange(6)[None].expand(2, 6), cache, torch.tensor([1, 2]), num_tokens=[6, 3])
     assert torch.equal(both[0], single[0]) and torch.equal(both[1, :3], single[0, :3])
+
+
+# ---- merged projections (Decoder.merge_projections, quant.merge_linears) -----------------------------------
+
+@pytest.mark.parametrize("step,prefill", [("q4x8", "q4x8"), ("q4x8", "dense_fp32")])
+@pytest.mark.parametrize("arch", ["qwen2", "gemma3"])
+def test_merged_projections_are_bitwise_the_separate_calls(arch, step, prefill, monkeypatch):
+    """q/k/v and gate/up merged into one q4x8 call each give bitwise the logits of the separate calls, for a
+    prompt (the prefill kernel: a merged q4x8, or the dense parts side by side), a decode step and a verification."""
+    if not _available(step, prefill):
+        pytest.skip(f"{step}/{prefill} cannot run here")
+    from draftwise.kernels.q4x8 import Q4x8Linear
+
+    merged, separate = tiny_decoder(arch, 0, 64), tiny_decoder(arch, 0, 64)
+    monkeypatch.setattr(separate, "merge_projections", lambda merge=None: 0)
+    quant.build_linears(merged, step, prefill)
+    quant.build_linears(separate, step, prefill)
+    attn, mlp = merged.model.layers[0].self_attn, merged.model.layers[0].mlp
+    assert not hasattr(attn, "q_proj") and not hasattr(mlp, "up_proj")
+    if step == prefill:
+        assert isinstance(attn.qkv_proj, Q4x8Linear) and isinstance(mlp.gate_up_proj, Q4x8Linear)
+    else:
+        assert isinstance(attn.qkv_proj.step, Q4x8Linear) and isinstance(attn.qkv_proj.prefill, quant.ConcatLinear)
+    assert separate.model.layers[0].self_attn.qkv_proj is None
+    c = merged.config
+    outs = []
+    for m in (merged, separate):
+        cache = KVCache(c.num_layers, 1, c.num_kv_heads, 64, c.head_dim, m.dtype)
+        ids = torch.arange(3, 33)[None]
+        outs.append(torch.cat([m(ids[:, :20], torch.arange(20)[None], cache, torch.tensor([0]), num_tokens=[20]),
+                               m(ids[:, 20:21], torch.tensor([[20]]), cache, torch.tensor([0]), num_tokens=[1]),
+                               m(ids[:, 21:], torch.arange(21, 30)[None], cache, torch.tensor([0]), num_tokens=[9])],
+                              1))
+    assert torch.equal(outs[0], outs[1])
+
+
+def test_merge_linears_merges_only_where_exact():
+    if not _available("q4x8", "q4x8"):
+        pytest.skip("q4x8 cannot run here")
+    from draftwise.kernels.linear import make_linear
+    from draftwise.kernels.q4x8 import Q4x8Linear
+
+    g = torch.Generator().manual_seed(9)
+    K = 64
+    lin = lambda N, bias=True, K=K: Q4x8Linear(torch.randn(N, K, generator=g),  # noqa: E731
+                                               torch.randn(N, generator=g) if bias else None)
+    x = torch.randn(5, K, generator=g)
+    parts = [lin(32), lin(16, bias=False), lin(20)]  # the last may be ragged; a missing bias is zeros
+    merged = quant.merge_linears(parts)
+    assert merged.out_features == 68 and torch.equal(merged(x), torch.cat([p(x) for p in parts], -1))
+    assert quant.merge_linears([lin(20), lin(16)]) is None  # padding columns would sit in the middle
+    assert quant.merge_linears([lin(16), lin(16, K=96)]) is None  # different inputs
+    dense = [make_linear("dense_fp32", torch.randn(16, K, generator=g)) for _ in range(2)]
+    assert quant.merge_linears(dense) is None  # a GEMM's blocking may depend on N: not exact by construction
+    assert quant.merge_linears([torch.nn.Linear(K, 16), torch.nn.Linear(K, 16)]) is None
+    assert quant.merge_linears([quant.SplitLinear(dense[0], lin(16)), quant.SplitLinear(dense[1], lin(16))]) is None

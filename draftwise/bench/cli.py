@@ -151,7 +151,7 @@ def cmd_memory(args) -> int:
     from draftwise.bench.memory import HEADROOM, available_memory, estimate, format_estimate
 
     e = estimate(args.model, args.draft, args.max_model_len, args.concurrency, args.dtype, args.weights,
-                 args.draft_dtype, args.num_speculative_tokens)
+                 args.draft_dtype, args.num_speculative_tokens, device=args.device)
     if args.device == "cuda":
         e["available_bytes"], e["available_kind"] = available_memory("cuda")
         e["fits"] = e["total_bytes"] <= HEADROOM * e["available_bytes"]
@@ -162,16 +162,17 @@ def cmd_memory(args) -> int:
 
 
 def register_memory(sub) -> None:
-    from draftwise.bench.memory import BYTES
-
     p = sub.add_parser("memory", help="weights + both KV caches + overhead vs available memory")
     p.add_argument("--model", default=DEFAULT_TARGET)
     p.add_argument("--draft", default=None)
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--concurrency", type=int, default=1, help="KV slots (the engine's --max-num-seqs)")
-    p.add_argument("--dtype", default="float32", choices=list(BYTES))
-    p.add_argument("--draft-dtype", default=None, choices=list(BYTES))
-    p.add_argument("--weights", default=None, choices=list(WEIGHT_FORMATS))
+    p.add_argument("--dtype", default="auto", choices=list(DTYPES),
+                   help="activation dtype, as generate's (auto: what the chosen kernels want)")
+    p.add_argument("--draft-dtype", default=None, choices=list(DTYPES))
+    p.add_argument("--weights", default="auto", choices=list(WEIGHT_FORMATS),
+                   help="as generate's; auto: the kernels the autotuner picks here (its cached choice, else measured "
+                        "now, a few seconds per model, and cached for the load)")
     p.add_argument("--num-speculative-tokens", type=int, default=8)
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--json", action="store_true")

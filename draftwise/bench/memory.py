@@ -2,20 +2,28 @@
 
 Owns the estimate. Shapes come from checkpoint metadata only — the converted cache's draftwise_config.json and
 safetensors header, or the GGUF's key-values and tensor table — never by loading weights. Terms:
-  weights  = parameters × bytes per element of the weight format (int8: 1 B + a scale per output row;
-             int4: 0.5 B + 2 scales per group of 32 — models/quant.py's layouts);
+  weights  = for kernel plans (q4x8, auto's choice: the plan load_model resolves, models/quant.py
+             resolve_formats — auto's cached choice for these shapes here, measured first if there is none), each
+             linear's stored layout (kernels/linear.py `nbytes`: q4x8 4.75 bits per weight, kernels/q4x8.py
+             packed_bytes; torch int4 4.5; dense 16 or 32; a SplitLinear both), the embedding table as
+             load_model keeps it (q4x8 packed for 4-bit plans, shared with a tied head; else dense), norms in the
+             activation dtype — the bytes the loaded model holds (tests/test_bench_memory.py checks them against
+             the module's tensors); legacy formats: parameters × bytes per element (int8: 1 B + a scale per output
+             row; int4: 0.5 B + 2 scales per group of 32);
   KV cache = 2 (K and V) × layers × kv_heads × head_dim × bytes × tokens per slot × slots, where the engine
              preallocates every slot at full length (engine.target_cache_capacity and
              spec_decode/draft_model.draft_cache_capacity: the same functions the engine and the draft call) —
              so concurrency is the number of slots (--max-num-seqs), used or not;
   overhead = the interpreter with torch and the tokenizer (measured, RUNTIME_BASE_BYTES) plus prefill
              activations for a full-context prompt (a few hidden-size and MLP-width buffers per token);
-  loading  = a model is first built in its dtype (then quantized, if asked), reading the converted float32
-             cache one tensor at a time (models/safetensors.py), so while loading it costs its dtype weights
-             plus its largest float32 tensor; the peak is the max of (load target), (target + load draft),
-             (serving).
+  loading  = a kernel plan's modules are built one tensor at a time from the GGUF (or read back packed), and a
+             dense model is built in its dtype (then quantized, if asked) from a dense cache read one tensor at a
+             time (models/safetensors.py), so while loading a model costs its final weights (dense: its dtype
+             weights) plus its largest tensor in float32; the peak is the max of (load target), (target + load
+             draft), (serving).
 Available memory: MemAvailable from /proc/meminfo, or free VRAM from torch.cuda.mem_get_info on GPU.
-Loads no weights; the cache sizes come from the engine's own capacity functions.
+Loads no weights (auto with no cached choice for the shapes times the kernels on random weights first, as a
+first load would, and caches the choice for it); the cache sizes come from the engine's own capacity functions.
 """
 from __future__ import annotations
 
@@ -40,6 +48,8 @@ class Shapes:
     num_linear_params: int  # parameters in the decoder layers' linear weights (what int8/int4 quantize)
     largest_tensor: int  # elements of the biggest single tensor (read in float32 while loading)
     source: str
+    specs: tuple[tuple[str, tuple[int, ...]], ...] = ()  # (name, shape) of every stored tensor
+    gguf: bool = False  # a GGUF source: kernel plans load it through the prepared path (compact embedding)
 
 
 def model_shapes(name: str, cache_dir: str | None = None) -> Shapes:
@@ -53,7 +63,7 @@ def model_shapes(name: str, cache_dir: str | None = None) -> Shapes:
         conv = cache / "converted" / entry.sha256[:16]
         if (conv / "draftwise_config.json").is_file() and (conv / "model.safetensors").is_file():
             cfg = ModelConfig.from_dict(json.loads((conv / "draftwise_config.json").read_text())["config"])
-            return _from_specs(cfg, header_specs(conv / "model.safetensors"), str(conv))
+            return _from_specs(cfg, header_specs(conv / "model.safetensors"), str(conv), gguf=True)
         path = catalog.assembled_path(entry, cache)
         if not path.is_file():
             raise ConfigError(f"{name} is not assembled yet in {cache}; run `draftwise generate --model {name}` once")
@@ -73,10 +83,10 @@ def _from_gguf(path: Path) -> Shapes:
     from draftwise.models.gguf import GGUFFile
 
     g = GGUFFile(path)
-    return _from_specs(g.config, g.tensor_specs(), str(path))
+    return _from_specs(g.config, g.tensor_specs(), str(path), gguf=True)
 
 
-def _from_specs(cfg: ModelConfig, specs, source: str) -> Shapes:
+def _from_specs(cfg: ModelConfig, specs, source: str, gguf: bool = False) -> Shapes:
     total = linear = largest = 0
     for name, shape in specs:
         if cfg.tie_word_embeddings and name.endswith("lm_head.weight"):
@@ -88,18 +98,76 @@ def _from_specs(cfg: ModelConfig, specs, source: str) -> Shapes:
         largest = max(largest, numel)
         if ".layers." in name and name.endswith("proj.weight"):
             linear += numel
-    return Shapes(cfg, total, linear, largest, source)
+    return Shapes(cfg, total, linear, largest, source, tuple((name, tuple(shape)) for name, shape in specs), gguf)
 
 
-def weight_bytes(s: Shapes, dtype: str, weights: str | None) -> int:
-    b = BYTES[dtype]
-    if weights == "int8":
-        return (s.num_params - s.num_linear_params) * b + s.num_linear_params * 1 + s.num_linear_params // 1000 * 4
-    if weights == "int4+dense":
-        return s.num_params * b + s.num_linear_params // 2 + s.num_linear_params // 32 * 2 * 2
-    if weights == "int4":
-        return (s.num_params - s.num_linear_params) * b + s.num_linear_params // 2 + s.num_linear_params // 32 * 2 * 2
-    return s.num_params * b
+def resolve_plan(s: Shapes, dtype: str, weights: str | None, device: str = "cpu", tune=None):
+    """The formats load_model would load this model in (models/quant.py resolve_formats, the same call): explicit
+    values as given, "auto" the autotuner's cached choice for these shapes here (measured now if none is cached)."""
+    from draftwise.models import quant
+
+    return quant.resolve_formats(weights, dtype, s.config, device, tune=tune)
+
+
+def weight_bytes(s: Shapes, plan) -> int:
+    """Bytes of the weights a model loaded under `plan` (a quant.Plan) holds."""
+    if plan.step is not None:
+        return _kernel_weight_bytes(s, plan)
+    b, n, lin = BYTES[plan.dtype], s.num_params, s.num_linear_params
+    if plan.weights == "int8":
+        return (n - lin) * b + lin * 1 + lin // 1000 * 4
+    if plan.weights == "int4+dense":
+        return n * b + lin // 2 + lin // 32 * 2 * 2
+    if plan.weights == "int4":
+        return (n - lin) * b + lin // 2 + lin // 32 * 2 * 2
+    return n * b
+
+
+def _kernel_weight_bytes(s: Shapes, plan) -> int:
+    """A kernel plan: each linear in its implementations' layouts (kernels/linear.py nbytes; a tied head built from
+    the embedding's shape), the embedding as load_model keeps it (from a GGUF: q4x8 packed for 4-bit plans,
+    nothing more when a tied head's q4x8 buffers serve it, else bf16 when large; from a checkpoint folder: dense
+    in the activation dtype), every other tensor in the activation dtype."""
+    import torch
+
+    from draftwise.kernels.linear import IMPLS
+    from draftwise.kernels.q4x8 import packed_bytes
+    from draftwise.models import quant
+
+    cfg, dtype = s.config, getattr(torch, plan.dtype)
+    specs = dict(s.specs)
+    embed = f"{quant.EMBED}.weight"
+    linears = {path: name for name in specs if (path := quant.linear_path(name))}
+    if cfg.tie_word_embeddings:
+        linears["lm_head"] = embed
+    total, head = 0, []
+    for path, name in linears.items():
+        N, K = specs[name]
+        impls = quant.plan_impls(plan.step, plan.prefill, N, K, dtype)
+        total += sum(IMPLS[i].nbytes(N, K, f"{path}.bias" in specs) for i in impls)
+        head = impls if path == "lm_head" else head
+    biases = {f"{path}.bias" for path in linears}
+    for name, shape in specs.items():
+        if name in biases or (quant.linear_path(name) is not None):
+            continue
+        numel = 1
+        for dim in shape:
+            numel *= dim
+        if name == embed and s.gguf and quant.compact_embedding(plan.step, plan.prefill, cfg.hidden_size):
+            total += 0 if cfg.tie_word_embeddings and "q4x8" in head else packed_bytes(*shape)
+        elif name == embed and s.gguf:
+            total += numel * torch.tensor([], dtype=quant.embed_storage_dtype(*shape, dtype)).element_size()
+        else:
+            total += numel * BYTES[plan.dtype]
+    return total
+
+
+def loading_bytes(s: Shapes, plan) -> int:
+    """A model's own peak while it loads: its final weights plus its largest tensor in float32 (a GGUF in a kernel
+    plan: modules built one tensor at a time); a dense build first holds every weight in the activation dtype."""
+    if plan.step is not None and s.gguf:
+        return weight_bytes(s, plan) + s.largest_tensor * BYTES["float32"]
+    return s.num_params * BYTES[plan.dtype] + s.largest_tensor * BYTES["float32"]
 
 
 def kv_bytes(cfg: ModelConfig, dtype: str, tokens_per_slot: int, slots: int) -> int:
@@ -112,33 +180,41 @@ def activation_bytes(cfg: ModelConfig, context: int) -> int:
     return per_token * context
 
 
-def estimate(target: str, draft: str | None, max_model_len: int, concurrency: int, dtype: str = "float32",
-             weights: str | None = None, draft_dtype: str | None = None, k: int = 8, cache_dir: str | None = None) -> dict:
+def estimate(target: str, draft: str | None, max_model_len: int, concurrency: int, dtype: str = "auto",
+             weights: str | None = "auto", draft_dtype: str | None = None, k: int = 8, cache_dir: str | None = None,
+             device: str = "cpu", tune=None) -> dict:
     """Steady-state rows, and the peak over the three phases of LLM(...): load target, load draft, serve.
 
-    Loading builds a model in its dtype from the float32 cache read one tensor at a time, so for a while a
-    model costs its unquantized dtype weights plus its largest float32 tensor."""
+    Each model in the formats load_model resolves for it (`resolve_plan`; the draft as LLM loads it: its own
+    "auto" when the target's weights are "auto", else dense in `draft_dtype` or the target's dtype); `tune`
+    injects the autotuner's result (tests). While a model loads it costs loading_bytes."""
     t = model_shapes(target, cache_dir)
-    rows = {"target_weights": weight_bytes(t, dtype, weights),
-            "target_kv_cache": kv_bytes(t.config, dtype, target_cache_capacity(max_model_len, k), concurrency)}
-    loading = {"target": RUNTIME_BASE_BYTES + t.num_params * BYTES[dtype] + t.largest_tensor * BYTES["float32"]}
+    tp = resolve_plan(t, dtype, weights, device, tune)
+    rows = {"target_weights": weight_bytes(t, tp),
+            "target_kv_cache": kv_bytes(t.config, tp.dtype, target_cache_capacity(max_model_len, k), concurrency)}
+    plans = {"target": _plan_dict(tp)}
+    loading = {"target": RUNTIME_BASE_BYTES + loading_bytes(t, tp)}
     if draft:
         d = model_shapes(draft, cache_dir)
-        dd = draft_dtype or dtype
-        rows["draft_weights"] = weight_bytes(d, dd, None)
-        rows["draft_kv_cache"] = kv_bytes(d.config, dd, draft_cache_capacity(max_model_len, k), concurrency)
-        loading["draft"] = (RUNTIME_BASE_BYTES + rows["target_weights"] + d.num_params * BYTES[dd]
-                            + d.largest_tensor * BYTES["float32"])
+        dp = resolve_plan(d, draft_dtype or dtype, "auto" if weights == "auto" else None, device, tune)
+        plans["draft"] = _plan_dict(dp)
+        rows["draft_weights"] = weight_bytes(d, dp)
+        rows["draft_kv_cache"] = kv_bytes(d.config, dp.dtype, draft_cache_capacity(max_model_len, k), concurrency)
+        loading["draft"] = RUNTIME_BASE_BYTES + rows["target_weights"] + loading_bytes(d, dp)
     rows["runtime_overhead"] = RUNTIME_BASE_BYTES + activation_bytes(t.config, max_model_len)
     serving = sum(rows.values())
     total = max(serving, *loading.values())
     avail, kind = available_memory()
     return {"target": target, "draft": draft, "max_model_len": max_model_len, "concurrency": concurrency,
-            "dtype": dtype, "weights": weights, "num_speculative_tokens": k, "bytes": rows,
+            "dtype": dtype, "weights": weights, "plans": plans, "num_speculative_tokens": k, "bytes": rows,
             "serving_bytes": serving, "loading_peak_bytes": loading, "total_bytes": total,
             "available_bytes": avail, "available_kind": kind,
             "fits": avail is None or total <= HEADROOM * avail,
             "sources": {"target": t.source, **({"draft": d.source} if draft else {})}}
+
+
+def _plan_dict(plan) -> dict:
+    return {"weights": plan.weights, "dtype": plan.dtype, "step": plan.step, "prefill": plan.prefill}
 
 
 def available_memory(device: str = "cpu") -> tuple[int | None, str]:
@@ -158,10 +234,12 @@ def available_memory(device: str = "cpu") -> tuple[int | None, str]:
 
 def format_estimate(e: dict) -> str:
     gb = lambda x: f"{x / 2**30:7.2f} GiB"  # noqa: E731
-    lines = [f"{k.replace('_', ' '):18s} {gb(v)}" for k, v in e["bytes"].items()]
+    lines = [f"{what + ' plan':18s} weights {p['weights']}" + (f" (step {p['step']}, prefill {p['prefill']})"
+             if p.get("step") else "") + f", {p['dtype']} activations" for what, p in e.get("plans", {}).items()]
+    lines += [f"{k.replace('_', ' '):18s} {gb(v)}" for k, v in e["bytes"].items()]
     lines.append(f"{'serving':18s} {gb(e['serving_bytes'])}  (steady state, full-context prefill)")
     for what, v in e["loading_peak_bytes"].items():
-        lines.append(f"{'loading ' + what:18s} {gb(v)}  (dtype weights + largest float32 tensor during the load)")
+        lines.append(f"{'loading ' + what:18s} {gb(v)}  (its weights + largest tensor in float32 during the load)")
     lines.append(f"{'peak':18s} {gb(e['total_bytes'])}")
     if e["available_bytes"] is not None:
         lines.append(f"{'available':18s} {gb(e['available_bytes'])}  ({e['available_kind']})")

@@ -6,7 +6,8 @@ int8 (bf16 activations), fbgemm's dynamic int8 (x86), and ours, q4x8 (int4 weigh
 Every implementation: `available(probe) -> bool` (can it run on this machine), `supports(N, K) -> bool`
 (can it take this shape), `tolerance` (documented bound on the relative error ||y - y_ref|| / ||y_ref|| against
 the fp32 reference x W^T + b, for Gaussian weights and activations, the test's distribution; real weights with
-outliers quantize worse), `weight_bytes` (what one call streams from memory) and forward(x [..., K]) ->
+outliers quantize worse), `weight_bytes` (what one call streams from memory), `nbytes(N, K, bias)` (what the
+module holds: `draftwise memory` counts with it) and forward(x [..., K]) ->
 [..., N] in x's dtype. Knows nothing of models, checkpoints or which implementation is chosen (autotune.py).
 """
 from __future__ import annotations
@@ -44,6 +45,11 @@ class LinearImpl(nn.Module):
     def supports(cls, N: int, K: int) -> bool:
         return True
 
+    @classmethod
+    def nbytes(cls, N: int, K: int, bias: bool = False) -> int:
+        """Bytes this implementation's module holds for a weight [N, K] (and a bias [N]): its stored layout."""
+        raise NotImplementedError(cls.name)
+
     def _shape(self, weight: torch.Tensor) -> None:  # weight [N, K]
         if weight.dim() != 2:
             raise ValueError(f"weight must be [N, K], got {tuple(weight.shape)}")
@@ -67,6 +73,10 @@ class DenseF32(LinearImpl):
         self.register_buffer("bias", _bias(bias, torch.float32))
         self.weight_bytes = self.weight.numel() * 4
 
+    @classmethod
+    def nbytes(cls, N: int, K: int, bias: bool = False) -> int:
+        return 4 * N * K + (4 * N if bias else 0)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [..., K] -> [..., N]
         return F.linear(x.float(), self.weight, self.bias).to(x.dtype)
 
@@ -82,6 +92,10 @@ class DenseBF16(LinearImpl):
         self.register_buffer("weight", weight.detach().to(torch.bfloat16).contiguous())
         self.register_buffer("bias", _bias(bias, torch.bfloat16))
         self.weight_bytes = self.weight.numel() * 2
+
+    @classmethod
+    def nbytes(cls, N: int, K: int, bias: bool = False) -> int:
+        return 2 * N * K + (2 * N if bias else 0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [..., K] -> [..., N]
         return F.linear(x.to(torch.bfloat16), self.weight, self.bias).to(x.dtype)
@@ -119,6 +133,27 @@ class TorchInt4BF16(LinearImpl):
         self.register_buffer("scales_and_zeros", sz.to(torch.bfloat16))
         self.register_buffer("bias", _bias(bias, torch.bfloat16))
         self.weight_bytes = N * K // 2 + sz.numel() * 2
+
+    @classmethod
+    def from_packed(cls, packed: torch.Tensor, scales_and_zeros: torch.Tensor,
+                    bias: torch.Tensor | None = None) -> TorchInt4BF16:
+        """A module around the buffers of one built before (a cache's stored form): packed [N, K / 2] uint8 as
+        torch._convert_weight_to_int4pack_for_cpu returns it (torch-version specific), scales_and_zeros
+        [K / 32, N, 2] bf16."""
+        mod = cls.__new__(cls)
+        nn.Module.__init__(mod)
+        mod.out_features, mod.in_features = int(packed.shape[0]), int(scales_and_zeros.shape[0]) * cls.GROUP
+        if packed.dtype != torch.uint8 or tuple(packed.shape) != (mod.out_features, mod.in_features // 2):
+            raise ValueError(f"not a packed int4 weight: {tuple(packed.shape)} {packed.dtype}")
+        mod.register_buffer("packed", packed.contiguous())
+        mod.register_buffer("scales_and_zeros", scales_and_zeros.to(torch.bfloat16).contiguous())
+        mod.register_buffer("bias", _bias(bias, torch.bfloat16))
+        mod.weight_bytes = packed.numel() + scales_and_zeros.numel() * 2
+        return mod
+
+    @classmethod
+    def nbytes(cls, N: int, K: int, bias: bool = False) -> int:  # nibbles + bf16 scale and zero per 32
+        return N * K // 2 + (K // cls.GROUP) * N * 2 * 2 + (2 * N if bias else 0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [..., K] -> [..., N]
         x2 = x.reshape(-1, self.in_features).to(torch.bfloat16)
@@ -216,6 +251,12 @@ class Q4x8(LinearImpl):
         self.inner = Q4x8Linear(weight, bias, path=path)
         N, K = weight.shape
         self.weight_bytes = N * K // 2 + N * (K // 32) * 2 + N * (-(-K // 256)) * 8
+
+    @classmethod
+    def nbytes(cls, N: int, K: int, bias: bool = False) -> int:  # kernels/q4x8.py packed_bytes: 4.75 bits/weight
+        from draftwise.kernels.q4x8 import packed_bytes
+
+        return packed_bytes(N, K) + (4 * N if bias else 0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [..., K] -> [..., N]
         return self.inner(x)

@@ -3,7 +3,8 @@
 an AVX2 path chosen at run time from cpuid (one binary serves both kinds of CPU).
 
 Owns: building the extension (JIT on first use, cached under ${DRAFTWISE_CACHE_DIR:-~/.cache/draftwise}/kernels/
-<hash of sources + torch version + compiler>; `build()` is what `make setup` calls), quantizing an fp32 weight
+<hash of sources + torch version + compiler>; `build()` is what `make setup` calls; the same library carries the
+attention op of kernels/attention.py), quantizing an fp32 weight
 to the Q4_K-style representation, mapping Q4_K sub-blocks onto it exactly, packing it into the kernel's layout
 (csrc/q4x8.h documents it) and the nn.Module `Q4x8Linear`. Knows nothing of checkpoints or decoders.
 
@@ -34,7 +35,9 @@ COLS = 16  # output columns per packed block
 QUANT_CHUNK_ROWS = 8192
 PATHS = {"auto": -1, "scalar": 0, "avx2": 1, "avx512": 2}
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = ("q4x8.h", "q4x8.cpp", "q4x8_avx2.cpp", "q4x8_avx512.cpp")
+SOURCES = ("q4x8.h", "q4x8.cpp", "q4x8_avx2.cpp", "q4x8_avx512.cpp",  # + the attention op (kernels/attention.py)
+           "attention.h", "attention_kernel.h", "attention.cpp", "attention_avx2.cpp", "attention_avx512.cpp",
+           "glue.cpp")  # + the decoder glue ops (kernels/glue.py)
 _X86 = platform.machine().lower() in ("x86_64", "amd64")
 
 
@@ -73,13 +76,16 @@ def _flags() -> tuple[list[str], list[str], list[str]]:
 
 def _units() -> list[tuple[str, list[str]]]:
     """(source, extra flags) per translation unit; the ISA units get their own -m flags and no torch headers."""
-    main = ("q4x8.cpp", ["-fopenmp", "-w"] + (["-DDW_HAVE_X86"] if _X86 else []))
+    main_flags = ["-fopenmp", "-w"] + (["-DDW_HAVE_X86"] if _X86 else [])
+    mains = [("q4x8.cpp", main_flags), ("attention.cpp", main_flags), ("glue.cpp", main_flags)]
     if not _X86:
-        return [main]
-    return [
-        main,
+        return mains
+    return mains + [
         ("q4x8_avx2.cpp", ["-mavx2", "-mfma"]),
         ("q4x8_avx512.cpp", ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mfma"]),
+        ("attention_avx2.cpp", ["-mavx2", "-mfma"]),
+        ("attention_avx512.cpp", ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma",
+                                  "-mprefer-vector-width=512"]),
     ]
 
 
@@ -108,7 +114,8 @@ def build(verbose: bool = False) -> Path:
     cxx = _compiler()
     common, includes, link = _flags()
     target.parent.mkdir(parents=True, exist_ok=True)
-    print(f"draftwise: building the q4x8 CPU kernel once (~20-40 s) into {target.parent}", file=sys.stderr, flush=True)
+    print(f"draftwise: building the CPU kernels (q4x8, attention) once (~20-40 s) into {target.parent}", file=sys.stderr,
+          flush=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         procs = []
         for src, extra in _units():
@@ -131,7 +138,8 @@ def build(verbose: bool = False) -> Path:
 
 
 def load() -> object:
-    """Build if needed, load once per process; returns the `torch.ops.draftwise_q4x8` namespace."""
+    """Build if needed, load once per process; returns the `torch.ops.draftwise_q4x8` namespace (the same library
+    also registers `torch.ops.draftwise_attn`, see kernels/attention.py)."""
     global _loaded, _failed
     with _lock:
         if _loaded is None:
@@ -323,3 +331,59 @@ class Q4x8Linear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, path={self.path}"
+
+
+def packed_bytes(N: int, K: int) -> int:
+    """Bytes of `pack`'s output for a weight [N, K] (csrc/q4x8.h): N padded to NB = ceil(N / 16) blocks of 16
+    columns; per block and group of 32 K values 256 bytes of nibbles (0.5 B per weight) and 16 + 16 bytes of sc and
+    mn; per block and super-block of 8 groups 16 + 16 float32 d and dmin. 4.75 bits per weight when N % 16 == 0 and
+    K % 256 == 0: 4 (nibbles) + 0.5 (sc, mn) + 0.25 (d, dmin)."""
+    NB, G = -(-N // COLS), K // GROUP
+    S = -(-G // SUPER)
+    return NB * G * (4 * 64 + 2 * COLS) + NB * S * COLS * 4 * 2
+
+
+class Q4x8Embedding(nn.Module):
+    """An embedding table [V, H] kept in q4x8's packed layout (`pack`'s tensors: 4.75 bits per weight instead of
+    16 or 32); `from_linear` shares a Q4x8Linear's buffers, so a tied LM head and the embedding hold one copy.
+
+    forward(ids [...] int64) -> [..., H] float32: gathers each id's column of its 16-column block and dequantizes
+    that row only, w = (d * sc) * q - dmin * mn in float32 — `dequantize_q4`'s very operations, so a row equals
+    the corresponding row of dequantize_q4(parts) bitwise, and the same id always gives the same vector whatever
+    else is in the batch (row-exact). Pure torch: needs no C++ (only the B x T looked-up rows are touched)."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor], num_embeddings: int):
+        super().__init__()
+        packed = tensors["packed"]
+        if packed.dim() != 4 or packed.dtype != torch.uint8 or not 0 < num_embeddings <= packed.shape[0] * COLS:
+            raise ValueError(f"not a packed q4x8 table for {num_embeddings} rows: {tuple(packed.shape)} {packed.dtype}")
+        self.num_embeddings, self.embedding_dim = num_embeddings, packed.shape[1] * GROUP
+        for name in Q4x8Linear.PACKED:
+            self.register_buffer(name, tensors[name])  # as given: a tied head's buffers stay shared
+
+    @classmethod
+    def from_parts(cls, parts: dict[str, torch.Tensor]) -> Q4x8Embedding:
+        """From `quantize_q4` / `q4k_from_blocks` output for the table [V, H] (exact for Q4_K)."""
+        return cls(pack(parts), parts["q"].shape[0])
+
+    @classmethod
+    def from_linear(cls, linear: Q4x8Linear) -> Q4x8Embedding:
+        """The table a Q4x8Linear over it holds (a tied LM head: weight [V, H]), sharing its buffers (no copy)."""
+        return cls({name: getattr(linear, name) for name in Q4x8Linear.PACKED}, linear.out_features)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:  # ids [...] -> [..., H] float32
+        flat = ids.reshape(-1)
+        if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= self.num_embeddings):
+            raise IndexError(f"token id out of range for an embedding of {self.num_embeddings} rows")
+        block, col = flat // COLS, flat % COLS
+        NB, G = self.packed.shape[:2]
+        nib = self.packed.view(NB, G, 4, COLS, 4)[block, :, :, col]  # [M, G, chunk, t]: column col's bytes
+        q = torch.cat([(nib & 15).reshape(-1, G, 16), (nib >> 4).reshape(-1, G, 16)], dim=-1)  # [M, G, 32]
+        sc, mn = self.sc[block, :, col], self.mn[block, :, col]  # [M, G]
+        d, dmin = self.d[block, :, col], self.dmin[block, :, col]  # [M, S]
+        s, m = effective_scale_min(d, sc, dmin, mn)  # [M, G]
+        w = s[..., None] * q.float() - m[..., None]  # [M, G, 32]
+        return w.reshape(*ids.shape, self.embedding_dim)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, q4x8 packed"

@@ -1,6 +1,12 @@
 """Linear layers in the chosen weight formats, the choice itself (`resolve_formats`: "auto" asks the kernel
 autotuner), the pass that swaps them into a Decoder, and the prepared path that builds them straight from a
-GGUF's blocks (`prepared_tensors`) with its on-disk form (`linear_state` / `linear_from_state`).
+GGUF's blocks (`prepared_tensors`) with its on-disk form (`linear_state` / `linear_from_state`), and the
+embedding table of 4-bit plans kept in q4x8's packed form (`prepared_weights`, `module_state`; shared with a
+tied LM head), so neither memory nor the cache holds a dense copy of it.
+
+Merged projections (`merge_linears`, which Decoder.merge_projections applies after loading, so the prepared cache
+keeps one entry per HF linear): q/k/v and gate/up become one module each wherever its output is bitwise the
+separate calls' (q4x8; a SplitLinear's non-mergeable prefill half becomes a ConcatLinear); elsewhere the parts stay.
 
 Kernel formats (draftwise/kernels): a plan names one step implementation (every call with at most
 DENSE_ABOVE_ROWS tokens per sequence: decode and verification, so greedy speculative output equals plain output)
@@ -30,7 +36,9 @@ from draftwise.config import ConfigError
 
 INT4_GROUP = 32
 DENSE_ABOVE_ROWS = 12
-PREPARED_FORMAT_VERSION = 1  # bump when a prepared module's stored tensors change; cached copies are then rebuilt
+PREPARED_FORMAT_VERSION = 2  # bump when a prepared module's stored tensors change; cached copies are then rebuilt
+# (2: the embedding table in q4x8's packed form, shared with a tied head; torch int4 linears prepared too). Bump
+# sources.CONVERSION_VERSION with it: the converted folder is rebuilt, so the old prepared files leave the disk.
 
 
 class Int8Linear(nn.Module):
@@ -161,12 +169,66 @@ def build_linears(model: nn.Module, step: str, prefill: str) -> int:
         N, K = child.weight.shape
         setattr(parent, name, kernel_linear(step, prefill, N, K, dtype, child.weight.detach().float(),
                                             None if child.bias is None else child.bias.detach().float()))
+    if hasattr(model, "merge_projections"):  # a Decoder: q/k/v and gate/up into one call each where exact
+        model.merge_projections(merge_linears)
     return len(targets)
+
+
+# ---- merged projections: q/k/v and gate/up as one call ----------------------------------------------------
+
+class ConcatLinear(nn.Module):
+    """torch.cat([part(x) for part in parts], -1): the stand-in for a merge that is not exact (e.g. the dense
+    prefill half of a SplitLinear whose q4x8 step half merged), so a merged projection is always one module."""
+
+    def __init__(self, parts: list[nn.Module]):
+        super().__init__()
+        self.parts = nn.ModuleList(parts)
+        self.in_features, self.out_features = parts[0].in_features, sum(p.out_features for p in parts)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., K] -> [..., sum N]
+        return torch.cat([p(x) for p in self.parts], dim=-1)
+
+
+def merge_linears(parts: list[nn.Module]) -> nn.Module | None:
+    """One module whose output is bitwise torch.cat([part(x) for part in parts], -1), from linears over the same
+    input (q/k/v, gate/up), or None where that is not exact by construction (then the caller keeps the parts).
+
+    q4x8: the packed layout is per 16-output-column block and the activations are quantized per row,
+    independently of N, so concatenating the blocks along N is exact when every part but the last has
+    N % 16 == 0 (no padding columns in the middle); a missing bias is a zero one (the kernel adds 0 without
+    one). SplitLinear: the step halves must merge; the prefill halves merge or become a ConcatLinear. Dense
+    and torch-kernel linears are never merged: a GEMM's reduction blocking may depend on N, so the merged
+    result could differ in the last bits from the separate calls."""
+    from draftwise.kernels.q4x8 import COLS, Q4x8Linear
+
+    if len(parts) < 2:
+        return None
+    if all(isinstance(p, SplitLinear) for p in parts):
+        step = merge_linears([p.step for p in parts])
+        if step is None:
+            return None
+        prefills = [p.prefill for p in parts]
+        prefill = merge_linears(prefills)
+        return SplitLinear(step, ConcatLinear(prefills) if prefill is None else prefill)
+    if not all(type(p) is Q4x8Linear for p in parts):
+        return None
+    if len({(p.in_features, p.path, p.packed.device) for p in parts}) != 1:
+        return None
+    if any(p.out_features % COLS for p in parts[:-1]):
+        return None
+    tensors = {n: torch.cat([getattr(p, n) for p in parts]) for n in Q4x8Linear.PACKED}
+    bias = None
+    if any(p.bias is not None for p in parts):
+        bias = torch.cat([p.bias if p.bias is not None else torch.zeros(p.out_features, device=p.packed.device)
+                          for p in parts])
+    merged = Q4x8Linear.from_packed(tensors, sum(p.out_features for p in parts), bias)
+    merged.path = parts[0].path
+    return merged
 
 
 def linear_state(module: nn.Module) -> tuple[dict, dict[str, torch.Tensor]]:
     """(kind, tensors) of a module kernel_linear built: what a cache stores to rebuild it without quantizing."""
-    from draftwise.kernels.linear import DenseBF16, DenseF32
+    from draftwise.kernels.linear import DenseBF16, DenseF32, TorchInt4BF16
     from draftwise.kernels.q4x8 import Q4x8Linear
 
     if isinstance(module, SplitLinear):
@@ -176,7 +238,7 @@ def linear_state(module: nn.Module) -> tuple[dict, dict[str, torch.Tensor]]:
                                       **{f"prefill.{n}": t for n, t in t2.items()}})
     if isinstance(module, Q4x8Linear):
         kind = "q4x8"
-    elif isinstance(module, (DenseF32, DenseBF16)):
+    elif isinstance(module, (DenseF32, DenseBF16, TorchInt4BF16)):
         kind = module.name
     else:
         raise ValueError(f"{type(module).__name__} has no stored form")
@@ -195,6 +257,8 @@ def linear_from_state(kind: dict, tensors: dict[str, torch.Tensor]) -> nn.Module
                            linear_from_state(kind["split"][1], sub("prefill.")))
     if kind["impl"] == "q4x8":
         return Q4x8Linear.from_packed(tensors, kind["N"], tensors.get("bias"))
+    if kind["impl"] == "int4_torch":
+        return IMPLS["int4_torch"].from_packed(tensors["packed"], tensors["scales_and_zeros"], tensors.get("bias"))
     return IMPLS[kind["impl"]](tensors["weight"], tensors.get("bias"))  # dense: already in its dtype, no copy
 
 
@@ -215,10 +279,12 @@ def embed_storage_dtype(vocab: int, hidden: int, dtype: torch.dtype) -> torch.dt
 
 
 def prepared_tensors(items: dict, cfg, step: str, prefill: str, dtype: torch.dtype,
-                     progress: bool = True) -> Iterator[tuple[str, torch.Tensor | nn.Module]]:
+                     progress: bool = True, dense_embedding: bool = True,
+                     ) -> Iterator[tuple[str, torch.Tensor | nn.Module]]:
     """A GGUF's lazy tensors (gguf.GGUFFile.items()) -> what Decoder.from_tensors takes: each linear as a module
     built from its blocks (Q4_K exact for q4x8; other types dequantized once), the rest as float tensors.
-    A tied LM head is built from the embedding's blocks."""
+    A tied LM head is built from the embedding's blocks. `dense_embedding=False` leaves the embedding table out
+    (prepared_weights builds it compact)."""
     import sys
 
     from tqdm import tqdm
@@ -228,7 +294,7 @@ def prepared_tensors(items: dict, cfg, step: str, prefill: str, dtype: torch.dty
         linears["lm_head"] = "model.embed_tokens.weight"
     biases = {f"{path}.bias" for path in linears}
     for name, item in items.items():
-        if name not in biases and linear_path(name) is None:
+        if name not in biases and linear_path(name) is None and (dense_embedding or name != f"{EMBED}.weight"):
             yield name, item.dense()
     uses_q4x8 = "q4x8" in (step, prefill)
     for path, name in tqdm(linears.items(), desc="preparing weights", unit="linear", file=sys.stderr,
@@ -243,6 +309,86 @@ def prepared_tensors(items: dict, cfg, step: str, prefill: str, dtype: torch.dty
 
             parts = q4k_from_blocks(blocks, N, K)
         yield path, kernel_linear(step, prefill, N, K, dtype, item.dense, bias, parts)
+
+
+# ---- the embedding table in the prepared form ------------------------------------------------------------
+
+EMBED = "model.embed_tokens"
+COMPACT_EMBEDDING_KERNELS = ("q4x8", "int4_torch")  # plans with 4-bit linears keep a 4-bit embedding table too
+
+
+def plan_impls(step: str, prefill: str, N: int, K: int, dtype: torch.dtype) -> list[str]:
+    """The implementations kernel_linear builds for a weight [N, K] under a plan: one, or a SplitLinear's two."""
+    return list(dict.fromkeys((_impl(step, N, K, dtype), _impl(prefill, N, K, dtype))))
+
+
+def compact_embedding(step: str | None, prefill: str | None, hidden: int) -> bool:
+    """Whether a plan keeps the embedding table in q4x8's packed form (kernels/q4x8.py Q4x8Embedding, 4.75 bits
+    per weight): when its linears are 4-bit and the rows are whole groups of 32. Dense plans keep a dense table
+    (embed_storage_dtype)."""
+    return any(k in COMPACT_EMBEDDING_KERNELS for k in (step, prefill)) and hidden % 32 == 0
+
+
+def prepared_weights(items: dict, cfg, step: str, prefill: str, dtype: torch.dtype,
+                     progress: bool = True) -> Iterator[tuple[str, torch.Tensor | nn.Module]]:
+    """prepared_tensors, with the embedding table as a module when compact_embedding says so (EMBED, after the
+    linears): a tied LM head's q4x8 buffers shared (one copy serves both), else built from the table's own Q4_K
+    blocks exactly, or dequantized (this one tensor) and quantized to q4x8."""
+    compact = compact_embedding(step, prefill, cfg.hidden_size)
+    head = None
+    for name, value in prepared_tensors(items, cfg, step, prefill, dtype, progress, dense_embedding=not compact):
+        if name == "lm_head":
+            head = value
+        yield name, value
+    if compact:
+        yield EMBED, _q4x8_embedding(items[f"{EMBED}.weight"], head if cfg.tie_word_embeddings else None)
+
+
+def _q4x8_embedding(item, tied_head: nn.Module | None) -> nn.Module:
+    from draftwise.kernels.q4x8 import Q4x8Embedding, q4k_from_blocks, quantize_q4
+
+    shared = _q4x8_part(tied_head)
+    if shared is not None:
+        return Q4x8Embedding.from_linear(shared)
+    V, H = item.shape
+    blocks = item.q4k_blocks()
+    return Q4x8Embedding.from_parts(q4k_from_blocks(blocks, V, H) if blocks is not None else quantize_q4(item.dense()))
+
+
+def _q4x8_part(module: nn.Module | None):
+    """The Q4x8Linear a built linear holds (itself, or a SplitLinear's step or prefill), or None."""
+    from draftwise.kernels.q4x8 import Q4x8Linear
+
+    for m in (module, getattr(module, "step", None), getattr(module, "prefill", None)):
+        if isinstance(m, Q4x8Linear):
+            return m
+    return None
+
+
+def module_state(module: nn.Module, modules: dict[str, nn.Module]) -> tuple[dict, dict[str, torch.Tensor]]:
+    """linear_state, and for a Q4x8Embedding its packed tensors, or none but the name of the module in `modules`
+    whose q4x8 buffers it shares (a tied head: the cache stores the table once)."""
+    from draftwise.kernels.q4x8 import Q4x8Embedding, Q4x8Linear
+
+    if not isinstance(module, Q4x8Embedding):
+        return linear_state(module)
+    kind = {"embedding": "q4x8", "N": module.num_embeddings}
+    for owner, other in modules.items():
+        part = _q4x8_part(other)
+        if other is not module and part is not None and part.packed.data_ptr() == module.packed.data_ptr():
+            return {**kind, "shares": owner}, {}
+    return kind, {n: getattr(module, n) for n in Q4x8Linear.PACKED}
+
+
+def module_from_state(kind: dict, tensors: dict[str, torch.Tensor], modules: dict[str, nn.Module]) -> nn.Module:
+    """The inverse of module_state (`modules`: those already rebuilt, for a shared table)."""
+    from draftwise.kernels.q4x8 import Q4x8Embedding
+
+    if kind.get("embedding") == "q4x8":
+        if "shares" in kind:
+            return Q4x8Embedding.from_linear(_q4x8_part(modules[kind["shares"]]))
+        return Q4x8Embedding(tensors, kind["N"])
+    return linear_from_state(kind, tensors)
 
 
 @dataclass(frozen=True)

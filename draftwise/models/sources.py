@@ -3,8 +3,10 @@
 This module owns the resolution order, the clear errors when nothing matches, and the conversion cache:
 a GGUF source's tokenizer and config are converted once (tokenizer.json + tokenizer_config.json +
 draftwise_config.json) under cache_dir/converted/<sha256[:16]>/; its tensors are cached there only in the form a
-load asks for: prepared kernel weights (prepared-<key>.safetensors, e.g. q4x8's packed blocks), or a dense
-float32 (model.safetensors, then in the manifest) or bfloat16 copy. Later loads read those caches. draftwise_config.json, written last, holds the manifest: each file's size,
+load asks for: prepared kernel weights (prepared-<key>.safetensors, e.g. q4x8's packed blocks and, for 4-bit
+plans, the embedding table packed too — every plan `auto` can pick, so the defaults never write a dense copy), or
+a dense float32 (model.safetensors, then in the manifest) or bfloat16 copy, only when dense or legacy formats are
+asked for. Later loads read those caches. draftwise_config.json, written last, holds the manifest: each file's size,
 sha256 and mtime. Every load checks the sizes; a file whose mtime changed is hashed again; a mismatch means
 the cache is corrupt and is converted again. Every cache write is fsynced before its rename. The hub is used
 only when online (huggingface_hub).
@@ -30,9 +32,10 @@ from draftwise.models import catalog
 from draftwise.models import safetensors as st
 from draftwise.tokenizer import Tokenizer
 
-CONVERSION_VERSION = 4  # bump when the converted layout changes; old caches are then rebuilt (2: the manifest;
+CONVERSION_VERSION = 5  # bump when the converted layout changes; old caches are then rebuilt (2: the manifest;
 # 3: tensors split from the conversion: only tokenizer + config at first, dense or prepared weights when asked;
-# 4: end-of-turn ids only from control tokens)
+# 4: end-of-turn ids only from control tokens; 5: with quant.PREPARED_FORMAT_VERSION 2, the embedding packed in
+# prepared caches — the folder is rebuilt so older prepared files, keyed by the old version, do not linger on disk)
 _CONFIG_FILE = "draftwise_config.json"
 _WEIGHTS_FILE = "model.safetensors"
 _HUB_PATTERNS = ["*.json", "*.safetensors", "*.jinja"]
@@ -77,9 +80,11 @@ class Checkpoint:
     def prepared(self, step: str, prefill: str, dtype: torch.dtype, embed_dtype: torch.dtype,
                  progress: bool | None = None) -> Iterator[tuple[str, torch.Tensor | torch.nn.Module]]:
         """For Decoder.from_tensors: a GGUF's linears built straight from its blocks in the plan's kernels
-        (models/quant.py, prepared_tensors), cached as their packed tensors under the converted folder
-        (prepared-<key>.safetensors, keyed by the GGUF's sha256, the plan and PREPARED_FORMAT_VERSION), so a
-        later load reads the packed form and neither dequantizes nor quantizes."""
+        (models/quant.py, prepared_weights; for 4-bit plans the embedding table too, as a Q4x8Embedding, once
+        when its head is tied), cached as their packed tensors under the converted folder
+        (prepared-<key>.safetensors, keyed by the GGUF's sha256, the plan, PREPARED_FORMAT_VERSION and, for torch
+        int4, torch's version), so a later load reads the packed form and neither dequantizes nor quantizes.
+        `embed_dtype`: a dense table's storage dtype (plans that keep one)."""
         return _prepared(self, step, prefill, dtype, embed_dtype, self.progress if progress is None else progress)
 
 
@@ -182,8 +187,10 @@ def _prepared(ckpt: Checkpoint, step: str, prefill: str, dtype: torch.dtype, emb
     from draftwise.models import quant
 
     folder = Path(ckpt.info["converted_path"])
-    key = hashlib.sha256(json.dumps([ckpt.info["sha256"], quant.PREPARED_FORMAT_VERSION, step, prefill, str(dtype),
-                                     str(embed_dtype)]).encode()).hexdigest()[:16]
+    plan = [ckpt.info["sha256"], quant.PREPARED_FORMAT_VERSION, step, prefill, str(dtype), str(embed_dtype)]
+    if "int4_torch" in (step, prefill):  # torch's int4 packing is its own, and may change between versions
+        plan.append(torch.__version__)
+    key = hashlib.sha256(json.dumps(plan).encode()).hexdigest()[:16]
     path = folder / f"prepared-{key}.safetensors"
     if not st.is_complete(path):
         with catalog.file_lock(path.with_name(path.name + ".lock")):
@@ -192,11 +199,12 @@ def _prepared(ckpt: Checkpoint, step: str, prefill: str, dtype: torch.dtype, emb
                       file=sys.stderr)
                 items = ckpt.gguf().items()
                 tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
-                built = list(quant.prepared_tensors(items, ckpt.config, step, prefill, dtype, progress))
+                built = list(quant.prepared_weights(items, ckpt.config, step, prefill, dtype, progress))
                 tensors, kinds = [], {}
+                modules = {name: value for name, value in built if isinstance(value, torch.nn.Module)}
                 for name, value in built:
                     if isinstance(value, torch.nn.Module):
-                        kinds[name], state = quant.linear_state(value)
+                        kinds[name], state = quant.module_state(value, modules)
                         tensors += [(f"{name}.{n}", t) for n, t in state.items()]
                     else:
                         tensors.append((name, value.to(embed_dtype if name == "model.embed_tokens.weight" else dtype)))
@@ -219,8 +227,12 @@ def _prepared_from_cache(path: Path, kinds: dict) -> Iterator[tuple[str, torch.T
             yield name, t
             continue
         pending.setdefault(owner, {})[name[len(owner) + 1:]] = t
+    built: dict[str, torch.nn.Module] = {}
     for owner, tensors in pending.items():
-        yield owner, quant.linear_from_state(kinds[owner], tensors)
+        built[owner] = quant.module_from_state(kinds[owner], tensors, built)
+        yield owner, built[owner]
+    for owner in kinds.keys() - pending.keys():  # stored as a reference to another module's tensors (a tied table)
+        yield owner, quant.module_from_state(kinds[owner], {}, built)
 
 
 def _cache_problem(target: Path, sha256: str) -> str | None:

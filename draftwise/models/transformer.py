@@ -3,11 +3,17 @@
 Families differ only by ModelConfig fields (qkv bias, q/k norm, sandwich norms and norm weight offset,
 embedding scale, activation, attention scale, sliding-window layers with their own RoPE base, tied
 embeddings); there is no per-family copy of the forward pass. Parameter names equal HF transformers' names
-so a checkpoint's tensors load as they are.
+so a checkpoint's tensors load as they are. After loading, `merge_projections` puts each layer's q/k/v and
+gate/up into one module each where that is bitwise the separate calls (models/quant.py, merge_linears: q4x8),
+and `use_fused_glue` routes the glue between the matmuls (RMSNorm, residual add + norm, q/k norm + RoPE + the
+K/V cache write, act(gate) * up) through kernels/glue.py's C++ ops for float32 on CPU; the torch code here is
+their reference and what other dtypes and devices run. Both keep the decoder row-exact.
 
 Contract (docs/ARCHITECTURE.md): forward(token_ids[B,T], positions[B,T], cache, slots[B]) -> logits[B,T,V].
 The forward writes K/V at `positions` into `cache` and extends each slot's length to max(position)+1;
 rollback is the caller's `cache.truncate`. Knows nothing about requests, sampling or speculation.
+With `num_tokens` (the engine's decode and verification calls) attention is row-exact: `Attention._attend_exact`,
+one C++ call per layer (kernels/attention.py) or, without it, one SDPA call per query.
 """
 from __future__ import annotations
 
@@ -19,17 +25,23 @@ import torch.nn.functional as F
 from torch import nn
 
 from draftwise.config import ModelConfig
+from draftwise.kernels import attention as attention_op
+from draftwise.kernels import glue
 from draftwise.kv_cache import KVCache
 
 
 class RMSNorm(nn.Module):
+    fused = False  # Decoder.use_fused_glue: one C++ call (kernels/glue.py) instead of the torch reference below
+
     def __init__(self, dim: int, eps: float, weight_offset: float):
         super().__init__()
         self.weight = nn.Parameter(torch.zeros(dim) if weight_offset else torch.ones(dim))
-        self.eps = eps
-        self.weight_offset = weight_offset
+        self.eps = float(eps)
+        self.weight_offset = float(weight_offset)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., dim]
+        if self.fused:
+            return glue.rms_norm(x, self.weight, self.eps, self.weight_offset)
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         if self.weight_offset:  # gemma: computed in float32, scaled by (1 + w)
@@ -66,6 +78,8 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class Attention(nn.Module):
+    fused = False  # Decoder.use_fused_glue: q/k norm + RoPE + the K/V write in one C++ call; rope [B * T, D / 2]
+
     def __init__(self, cfg: ModelConfig, layer_type: str):
         super().__init__()
         hd, nh, nkv = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
@@ -81,11 +95,22 @@ class Attention(nn.Module):
         self.scale = (cfg.query_pre_attn_scalar or hd) ** -0.5
         self.sliding = layer_type == "sliding_attention"
         self.window = cfg.sliding_window if self.sliding else None
+        self.qkv_proj = None  # q | k | v in one module once merge_projections found an exact merge
+        self.qkv_sizes = (nh * hd, nkv * hd, nkv * hd)
+
+    def merge_projections(self, merge) -> bool:
+        """Replace q_proj, k_proj, v_proj with merge([q, k, v]) (one call, its output split into views) unless
+        that is None (no exact merge: the separate calls stay)."""
+        if self.qkv_proj is not None or (merged := merge([self.q_proj, self.k_proj, self.v_proj])) is None:
+            return False
+        del self.q_proj, self.k_proj, self.v_proj
+        self.qkv_proj = merged
+        return True
 
     def forward(
         self,
         x: torch.Tensor,  # [B, T, hidden]
-        rope: tuple[torch.Tensor, torch.Tensor],  # cos, sin [B, 1, T, head_dim]
+        rope: tuple[torch.Tensor, torch.Tensor],  # cos, sin [B, 1, T, head_dim] (fused: [B * T, head_dim / 2])
         mask: torch.Tensor | None,  # [B, 1, T, kv_len] bool, True = attend
         cache: KVCache,
         layer: int,
@@ -95,16 +120,28 @@ class Attention(nn.Module):
         num_tokens: list[int] | None = None,  # real (unpadded) tokens per row: the row-exact path
     ) -> torch.Tensor:  # [B, T, hidden]
         B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = q.transpose(1, 2), k.transpose(1, 2)  # [B, H, T, D]
+        if self.qkv_proj is not None:
+            q, k, v = self.qkv_proj(x).split(self.qkv_sizes, dim=-1)  # views of one [B, T, Nq + 2 Nkv] output
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         cos, sin = rope
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
-        cache.write(layer, slots, positions, k, v)
+        if self.fused:  # one C++ call: q/k norm, RoPE, K/V into the (float32) cache as KVCache.write stores them;
+            # bitwise the reference below up to the q/k norm's summation (kernels/glue.py)
+            qn, kn = (self.q_norm.weight, self.k_norm.weight) if self.qk_norm else (None, None)
+            eps, off = (self.q_norm.eps, self.q_norm.weight_offset) if self.qk_norm else (0.0, 0.0)
+            q = glue.rope_qk_cache(q, k, v, cos, sin, self.head_dim, qn, kn, eps, off, cache.keys[layer],
+                                   cache.values[layer], slots, positions)
+            q = q.view(B, T, self.num_heads, self.head_dim).transpose(1, 2)  # [B, H, T, D]
+        else:
+            v = v.view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
+            q = q.view(B, T, self.num_heads, self.head_dim)
+            k = k.view(B, T, self.num_kv_heads, self.head_dim)
+            if self.qk_norm:
+                q, k = self.q_norm(q), self.k_norm(k)
+            q, k = q.transpose(1, 2), k.transpose(1, 2)  # [B, H, T, D]
+            q = q * cos + rotate_half(q) * sin
+            k = k * cos + rotate_half(k) * sin
+            cache.write(layer, slots, positions, k, v)
         if num_tokens is None:
             keys, values = cache.read(layer, slots, kv_len)  # [B, H_kv, kv_len, D]
             out = F.scaled_dot_product_attention(
@@ -118,13 +155,26 @@ class Attention(nn.Module):
                       positions: torch.Tensor, num_tokens: list[int]) -> torch.Tensor:  # -> [B, H, T, D]
         """Attention whose result for a token does not depend on what else is in the batch. Each sequence is
         attended on its own, over exactly its keys (no padding); a chunk of up to ROW_EXACT_MAX_TOKENS tokens
-        (a decode step, a verification) one query at a time, the very call a plain decode step makes at that
-        position — so k + 1 verified rows equal k + 1 single steps bit for bit, and with row-exact linear
+        (a decode step, a verification) one query at a time, the very computation a plain decode step makes at
+        that position — so k + 1 verified rows equal k + 1 single steps bit for bit, and with row-exact linear
         kernels greedy speculation equals plain decoding even where int8 activations would amplify the
-        last-bit differences of differently shaped matmuls. Longer chunks (prompts) take one causal call."""
-        out = torch.zeros_like(q)
+        last-bit differences of differently shaped matmuls. Longer chunks (prompts) take one causal call.
+        The short chunks of all sequences go through ONE call of our C++ op (kernels/attention.py: each query a
+        fixed float sequence over exactly its keys, read from the cache in place) when it is built and the
+        dtype is float32 / bfloat16; otherwise one SDPA call per query (the loop below), equally row-exact."""
+        short = [n if n <= ROW_EXACT_MAX_TOKENS else 0 for n in num_tokens]
+        if any(short) and attention_op.usable(q, cache.keys[layer]):
+            out = attention_op.attend_rows(q, cache.keys[layer], cache.values[layer], slots, positions, short,
+                                           self.scale, self.window)  # padding and long chunks' rows: zero
+            if short == num_tokens:
+                return out
+            done = [n > 0 for n in short]
+        else:
+            out, done = torch.zeros_like(q), [False] * len(num_tokens)
         gqa = self.num_kv_heads != self.num_heads
         for b, n in enumerate(num_tokens):
+            if done[b] or n == 0:
+                continue
             first = int(positions[b, 0])
             keys, values = cache.read(layer, slots[b : b + 1], first + n)  # [1, H_kv, first + n, D]
             if n <= ROW_EXACT_MAX_TOKENS:
@@ -146,23 +196,46 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
+    fused = False  # Decoder.use_fused_glue: act(gate) * up in one C++ call (bitwise the reference)
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_up_proj = None  # gate | up in one module once merge_projections found an exact merge
+        self.intermediate = cfg.intermediate_size
         if cfg.hidden_act == "silu":
-            self.act = F.silu
+            self.act, self.act_name = F.silu, "silu"
         elif cfg.hidden_act in ("gelu_pytorch_tanh", "gelu_tanh"):
-            self.act = lambda t: F.gelu(t, approximate="tanh")
+            self.act, self.act_name = (lambda t: F.gelu(t, approximate="tanh")), "gelu_tanh"
         else:
             raise ValueError(f"unsupported activation {cfg.hidden_act!r}")
 
+    def merge_projections(self, merge) -> bool:
+        """Replace gate_proj and up_proj with merge([gate, up]) unless that is None (as Attention's)."""
+        if self.gate_up_proj is not None or (merged := merge([self.gate_proj, self.up_proj])) is None:
+            return False
+        del self.gate_proj, self.up_proj
+        self.gate_up_proj = merged
+        return True
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_up_proj is not None:
+            gu = self.gate_up_proj(x)  # [..., 2 I]: gate | up
+            if self.fused:
+                return self.down_proj(glue.glu(gu, None, self.act_name))
+            g, u = gu.split(self.intermediate, dim=-1)
+        else:
+            g, u = self.gate_proj(x), self.up_proj(x)
+            if self.fused:
+                return self.down_proj(glue.glu(g, u, self.act_name))
+        return self.down_proj(self.act(g) * u)
 
 
 class DecoderLayer(nn.Module):
+    fused = False  # Decoder.use_fused_glue: the residual add and the pre-MLP norm in one C++ call
+
     def __init__(self, cfg: ModelConfig, layer_type: str):
         super().__init__()
         norm = lambda: RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_weight_offset)  # noqa: E731
@@ -181,6 +254,10 @@ class DecoderLayer(nn.Module):
         if self.sandwich:
             x = x + self.post_attention_layernorm(h)
             return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+        if self.fused:
+            norm = self.post_attention_layernorm
+            x, h = glue.add_rms_norm(x, h, norm.weight, norm.eps, norm.weight_offset)
+            return x + self.mlp(h)
         x = x + h
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -194,12 +271,15 @@ class Body(nn.Module):
 
 
 class Decoder(nn.Module):
+    fused = False  # use_fused_glue: the per-layer glue through kernels/glue.py (from_tensors turns it on)
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.config = cfg
         self.model = Body(cfg)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self._rope_tables: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._angles_table: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # kind -> cos, sin [n, D/2]
         self.act_dtype: torch.dtype | None = None  # activations (and the KV cache); None: the embedding's dtype
 
     # ---- construction -------------------------------------------------------------------------
@@ -213,23 +293,23 @@ class Decoder(nn.Module):
         embed_dtype: torch.dtype | None = None,
     ) -> "Decoder":
         """`tensors` yields (parameter name, tensor) or (linear module path, prepared module): a module built by
-        models/quant.py (a kernel's packed weights) takes that nn.Linear's place with its weight and bias; a
+        models/quant.py (a kernel's packed weights) takes that nn.Linear's place with its weight and bias, and a
+        prepared "model.embed_tokens" (e.g. q4x8's packed table) the embedding's; a
         prepared "lm_head" is used even when the embeddings are tied. `embed_dtype` (default `dtype`): the
         embedding table's storage dtype; looked-up rows are cast to `dtype`."""
         with torch.device("meta"):
             model = cls(cfg)
         params = dict(model.named_parameters())
-        linears = {n: m for n, m in model.named_modules() if isinstance(m, nn.Linear)}
+        linears = {n: m for n, m in model.named_modules() if isinstance(m, (nn.Linear, nn.Embedding))}
         loaded = set()
         prepared_head = False
         for name, t in tensors:
             if isinstance(t, nn.Module):
                 want = linears.get(name)
                 if want is None:
-                    raise ValueError(f"prepared module {name!r} has no linear layer to replace in the decoder")
-                if (t.in_features, t.out_features) != (want.in_features, want.out_features):
-                    raise ValueError(f"{name}: prepared shape {t.out_features}x{t.in_features} != expected "
-                                     f"{want.out_features}x{want.in_features}")
+                    raise ValueError(f"prepared module {name!r} has no linear or embedding layer to replace")
+                if _dims(t) != _dims(want):
+                    raise ValueError(f"{name}: prepared shape {_dims(t)} != expected {_dims(want)}")
                 _set_module(model, name, t.to(device))
                 loaded.update(p for p in (f"{name}.weight", f"{name}.bias") if p in params)
                 prepared_head |= name == "lm_head"
@@ -251,7 +331,29 @@ class Decoder(nn.Module):
         if missing:
             raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
         model._build_rope(device)
+        model.merge_projections()
+        model.use_fused_glue()
         return model.eval()
+
+    def merge_projections(self, merge=None) -> int:
+        """Each layer's q/k/v and gate/up into one module each where `merge` can (default: models/quant.py's
+        merge_linears, which merges only where the result is bitwise the separate calls': q4x8); returns how
+        many were merged. from_tensors and quant.build_linears call it; parameter names stay HF's until then."""
+        if merge is None:
+            from draftwise.models.quant import merge_linears as merge
+        return sum(layer.self_attn.merge_projections(merge) + layer.mlp.merge_projections(merge)
+                   for layer in self.model.layers)
+
+    def use_fused_glue(self, enable: bool = True) -> bool:
+        """Route the norms, RoPE (after the q/k norm) and the gated activation through kernels/glue.py's C++ ops,
+        or (enable=False) back to the torch reference. On only for float32 activations on CPU where the library
+        builds; returns whether it is on. The ops are row-exact; against the reference they differ only in the
+        RMSNorm's summation (glue.NORM_TOLERANCE)."""
+        on = bool(enable) and self.dtype == torch.float32 and self.device.type == "cpu" and glue.available()
+        for m in self.modules():
+            if isinstance(m, (RMSNorm, Attention, MLP, DecoderLayer, Decoder)):
+                m.fused = on
+        return on
 
     def _build_rope(self, device) -> None:
         cfg = self.config
@@ -261,11 +363,30 @@ class Decoder(nn.Module):
             inv_freq = rope_inv_freq(cfg.head_dim, theta, None if local else cfg.rope_scaling)
             self._rope_tables[kind] = (inv_freq.to(device), None)
 
-    def rope_for(self, kind: str, positions: torch.Tensor, dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        inv_freq = self._rope_tables[kind][0]  # [D/2]
-        freqs = positions[..., None].float() * inv_freq  # [B, T, D/2]
-        emb = torch.cat((freqs, freqs), dim=-1)[:, None]  # [B, 1, T, D]
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+    def angles(self, kind: str, positions: torch.Tensor,
+               kv_len: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # cos, sin [B * T, D/2] float32
+        """Each position's RoPE cos / sin, looked up in a per-kind table that only ever grows: a position's row is
+        computed once (float32 position * inv_freq, then cos / sin, as HF does) and never again, so its angles do
+        not depend on the batch it is in (an elementwise cos over a tensor may round its vectorised body and its
+        scalar tail differently). `kv_len`: max(positions) + 1 when the caller knows it."""
+        cos, sin = self._angles_table.get(kind, (None, None))
+        have = 0 if cos is None else cos.shape[0]
+        need = int(positions.max()) + 1 if kv_len is None else kv_len
+        if need > have:
+            inv_freq = self._rope_tables[kind][0]  # [D/2]
+            freqs = torch.arange(have, max(need, 2 * have, 256), device=inv_freq.device).float()[:, None] * inv_freq
+            c, s = freqs.cos(), freqs.sin()
+            cos, sin = (c, s) if cos is None else (torch.cat((cos, c)), torch.cat((sin, s)))
+            self._angles_table[kind] = (cos, sin)
+        index = positions.reshape(-1)
+        return cos.index_select(0, index), sin.index_select(0, index)
+
+    def rope_for(self, kind: str, positions: torch.Tensor, dtype,
+                 kv_len: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # cos, sin [B, 1, T, D]
+        B, T = positions.shape
+        cos, sin = self.angles(kind, positions, kv_len)
+        cos, sin = cos.view(B, T, -1), sin.view(B, T, -1)
+        return torch.cat((cos, cos), dim=-1)[:, None].to(dtype), torch.cat((sin, sin), dim=-1)[:, None].to(dtype)
 
     @property
     def dtype(self) -> torch.dtype:  # of the activations and the KV cache
@@ -273,7 +394,7 @@ class Decoder(nn.Module):
 
     @property
     def device(self) -> torch.device:
-        return self.model.embed_tokens.weight.device
+        return self.model.norm.weight.device  # (the embedding may be a prepared module without a `weight`)
 
     # ---- forward ------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -294,7 +415,8 @@ class Decoder(nn.Module):
             x = x.to(self.dtype)
         if cfg.embed_scale != 1.0:
             x = x * torch.tensor(cfg.embed_scale, dtype=x.dtype)
-        ropes = {kind: self.rope_for(kind, positions, x.dtype) for kind in self._rope_tables}
+        ropes = {kind: self.angles(kind, positions, kv_len) if self.fused else
+                 self.rope_for(kind, positions, x.dtype, kv_len) for kind in self._rope_tables}
         masks = {kind: None if num_tokens is not None else self._mask(kind, positions, kv_len)
                  for kind in self._rope_tables}
         for i, layer in enumerate(self.model.layers):
@@ -318,6 +440,13 @@ class Decoder(nn.Module):
         if window is not None:
             mask = mask & (key_pos > q_pos - window)
         return mask  # [B, 1, T, kv_len]
+
+
+def _dims(m: nn.Module) -> tuple[int, int]:
+    """(rows, columns) a prepared module must match: an embedding's (rows, dim), a linear's (out, in)."""
+    if hasattr(m, "num_embeddings"):
+        return m.num_embeddings, m.embedding_dim
+    return m.out_features, m.in_features
 
 
 def _set_module(model: nn.Module, name: str, module: nn.Module) -> None:

@@ -1,0 +1,68 @@
+"""Row-exact decode/verification attention: one C++ call per layer (csrc/attention*.{h,cpp}) computes, for every
+real query (b, t) of a chunk, softmax(scale * q K^T) V over exactly keys [start, first_b + t] of sequence b's
+cache slot (start = max(0, end - window) on sliding-window layers), GQA included, float32 or bfloat16 (fp32
+accumulation), in parallel over (b, t, head) items.
+
+Owns: whether the op can run here (it is built into the q4x8 library: `q4x8.load`, KernelBuildError without a
+compiler) and its Python signature. Knows nothing of models beyond the KV cache's layout ([slots, kv heads,
+capacity, head_dim], one tensor per layer, passed as it is: no copy).
+
+Exactness: one query's result is a fixed sequence of float operations on that query, its keys and its values
+(csrc/attention.h documents it), never on B, T, the other queries or the thread split — so a token attended
+inside a k + 1 verification chunk or a padded batch is bitwise the token attended alone (T = 1, B = 1). The
+baseline (no -m flags), AVX2 and AVX-512 builds compile one source with fused multiply-adds off: they agree
+bitwise, and the library still loads on CPUs without AVX-512.
+"""
+from __future__ import annotations
+
+import torch
+
+from draftwise.kernels import q4x8
+
+PATHS = {"auto": -1, "scalar": 0, "avx2": 1, "avx512": 2}
+DTYPES = (torch.float32, torch.bfloat16)
+
+
+_available: bool | None = None
+
+
+def available() -> bool:
+    """The op is built and loaded (built on first use; False, once and for all, where it cannot be)."""
+    global _available
+    if _available is None:
+        try:
+            q4x8.load()
+            _available = True
+        except q4x8.KernelBuildError:
+            _available = False
+    return _available
+
+
+def usable(q: torch.Tensor, keys: torch.Tensor) -> bool:
+    """The op can compute attention for these tensors (CPU, float32 or bfloat16 alike, library available)."""
+    return (q.device.type == "cpu" and keys.device.type == "cpu" and q.dtype in DTYPES and keys.dtype == q.dtype
+            and available())
+
+
+def cpu_paths() -> list[str]:
+    """The ISA paths the op can run on this CPU, slowest first (the last is what 'auto' picks)."""
+    q4x8.load()
+    ids = list(torch.ops.draftwise_attn.paths())
+    return [name for name, i in PATHS.items() if i in ids]
+
+
+def attend_rows(
+    q: torch.Tensor,  # [B, H, T, D], D contiguous
+    keys: torch.Tensor,  # one layer's cache [S, H_kv, C, D]
+    values: torch.Tensor,  # [S, H_kv, C, D]
+    slots: torch.Tensor,  # [B] int64
+    positions: torch.Tensor,  # [B, T] int64; positions[b, t] = positions[b, 0] + t
+    num_tokens: list[int],  # real queries per sequence; rows t >= num_tokens[b] come back zero
+    scale: float,
+    window: int | None = None,  # sliding window: query at position p sees keys p - window + 1 .. p
+    path: str = "auto",
+) -> torch.Tensor:  # [B, H, T, D], a view of contiguous [B, T, H, D] storage
+    """Query t of sequence b attends over keys [max(0, end - window), end) of slot slots[b], end = positions[b, 0]
+    + t + 1 (the K/V of the chunk itself must already be in the cache)."""
+    return torch.ops.draftwise_attn.decode(q, keys, values, slots, positions, num_tokens, float(scale),
+                                           int(window or 0), PATHS[path])

@@ -1,0 +1,122 @@
+// Row-exact attention: the torch operator torch.ops.draftwise_attn.decode, the run-time ISA dispatch and the
+// baseline path (attention_kernel.h compiled without -m flags, so this library still loads on any x86-64).
+// Owns: argument checks, the output layout and threading over (b, kv head, t, head) items (at::parallel_for,
+// torch's thread count). The float sequence of one query is fixed in attention.h / attention_kernel.h; how
+// items are split among threads cannot change any result. Knows nothing of models or of speculation.
+#include <torch/library.h>
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <algorithm>
+#include <vector>
+#include "attention_kernel.h"
+
+extern "C" void dw_attn_rows_scalar(const DwAttnArgs* a, int64_t i0, int64_t i1, float* scratch) {
+    dwattn::run(a, i0, i1, scratch);
+}
+
+#ifndef DW_HAVE_X86
+extern "C" void dw_attn_rows_avx2(const DwAttnArgs*, int64_t, int64_t, float*) {}
+extern "C" void dw_attn_rows_avx512(const DwAttnArgs*, int64_t, int64_t, float*) {}
+#endif
+
+namespace {
+
+enum Path : int64_t { AUTO = -1, SCALAR = 0, AVX2 = 1, AVX512 = 2 };
+
+std::vector<int64_t> available_paths() {
+    std::vector<int64_t> p{SCALAR};
+#if defined(DW_HAVE_X86) && (defined(__x86_64__) || defined(__i386__))
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) p.push_back(AVX2);
+    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+        __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq"))
+        p.push_back(AVX512);
+#endif
+    return p;
+}
+
+int64_t best_path() {
+    static const int64_t best = available_paths().back();
+    return best;
+}
+
+// q [B, H, T, D] (D contiguous, any other strides), keys/values: one layer's cache [S, Hkv, C, D];
+// slots [B] int64; positions [B, >=1] int64 (positions[b, 0]: the first query's position, the rest follow);
+// num_tokens [B]: real queries per sequence. -> [B, H, T, D], a transposed view of a contiguous [B, T, H, D]
+// (so the caller's transpose(1, 2).reshape(B, T, H * D) is free); rows t >= num_tokens[b] are zero.
+at::Tensor attn_decode(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, const at::Tensor& slots,
+                       const at::Tensor& positions, at::IntArrayRef num_tokens, double scale, int64_t window,
+                       int64_t path) {
+    TORCH_CHECK(q.dim() == 4 && keys.dim() == 4 && values.dim() == 4, "q and the cache must be 4-d");
+    const auto dt = q.scalar_type();
+    TORCH_CHECK(dt == at::kFloat || dt == at::kBFloat16, "attention: float32 or bfloat16 only, got ", dt);
+    TORCH_CHECK(keys.scalar_type() == dt && values.scalar_type() == dt, "q, keys and values must share a dtype");
+    TORCH_CHECK(q.device().is_cpu() && keys.device().is_cpu() && values.device().is_cpu() && slots.device().is_cpu() &&
+                    positions.device().is_cpu(), "CPU tensors only");
+    TORCH_CHECK(keys.sizes() == values.sizes() && keys.strides() == values.strides(), "keys and values differ in layout");
+    const at::Tensor qc = q.stride(3) == 1 ? q : q.contiguous();
+    const int64_t B = q.size(0), H = q.size(1), T = q.size(2), D = q.size(3);
+    const int64_t S = keys.size(0), Hkv = keys.size(1), C = keys.size(2);
+    TORCH_CHECK(keys.size(3) == D && keys.stride(3) == 1, "cache must be [S, Hkv, C, D] with D contiguous");
+    TORCH_CHECK(Hkv > 0 && H % Hkv == 0, "num_heads must be a multiple of num_kv_heads");
+    TORCH_CHECK(slots.dim() == 1 && slots.size(0) == B && slots.scalar_type() == at::kLong, "slots must be [B] int64");
+    TORCH_CHECK(positions.dim() == 2 && positions.size(0) == B && positions.size(1) >= 1 &&
+                    positions.scalar_type() == at::kLong, "positions must be [B, T] int64");
+    TORCH_CHECK((int64_t)num_tokens.size() == B, "num_tokens must have B entries");
+    TORCH_CHECK(window >= 0, "window must be >= 0");
+
+    std::vector<int64_t> slot(B), first(B), ntok(B);
+    const int64_t* sp = slots.data_ptr<int64_t>();
+    const int64_t* pp = positions.data_ptr<int64_t>();
+    int64_t max_len = 1;
+    for (int64_t b = 0; b < B; ++b) {
+        slot[b] = sp[b * slots.stride(0)];
+        first[b] = pp[b * positions.stride(0)];
+        ntok[b] = num_tokens[b];
+        TORCH_CHECK(0 <= ntok[b] && ntok[b] <= T, "num_tokens[", b, "] = ", ntok[b], " outside 0..", T);
+        if (ntok[b] == 0) continue;
+        TORCH_CHECK(0 <= slot[b] && slot[b] < S, "slot ", slot[b], " outside the cache's ", S, " slots");
+        TORCH_CHECK(first[b] >= 0 && first[b] + ntok[b] <= C, "positions ", first[b], "..", first[b] + ntok[b] - 1,
+                    " outside the cache's capacity ", C);
+        const int64_t len = first[b] + ntok[b];
+        max_len = std::max(max_len, window > 0 ? std::min(len, window) : len);
+    }
+    if (path == AUTO) path = best_path();
+    const auto avail = available_paths();
+    TORCH_CHECK(std::find(avail.begin(), avail.end(), path) != avail.end(), "attention path ", path,
+                " cannot run on this CPU");
+
+    at::Tensor out = at::empty({B, T, H, D}, q.options());
+    const int64_t items = B * H * T;
+    if (items > 0 && D > 0) {
+        DwAttnArgs a{qc.data_ptr(), qc.stride(0), qc.stride(1), qc.stride(2),
+                     keys.data_ptr(), values.data_ptr(), keys.stride(0), keys.stride(1), keys.stride(2),
+                     out.data_ptr(), slot.data(), first.data(), ntok.data(),
+                     B, T, H, Hkv, D, (float)scale, window, dt == at::kBFloat16 ? DW_ATTN_BF16 : DW_ATTN_F32};
+        auto fn = path == AVX512 ? dw_attn_rows_avx512 : path == AVX2 ? dw_attn_rows_avx2 : dw_attn_rows_scalar;
+#ifndef DW_HAVE_X86
+        fn = dw_attn_rows_scalar;
+#endif
+        if (D % 16 != 0) fn = dw_attn_rows_scalar;  // the SIMD paths take whole 16-lane chunks of head_dim
+        const int64_t nscratch = dw_attn_scratch_floats(max_len, D);
+        const int64_t grain = std::max<int64_t>(1, 32768 / (max_len * D));  // ~64k flops per chunk at least
+        at::parallel_for(0, items, grain, [&](int64_t i0, int64_t i1) {
+            std::vector<float> scratch(nscratch);
+            fn(&a, i0, i1, scratch.data());
+        });
+    }
+    return out.transpose(1, 2);
+}
+
+std::vector<int64_t> paths() { return available_paths(); }
+
+}  // namespace
+
+TORCH_LIBRARY(draftwise_attn, m) {
+    m.def("decode(Tensor q, Tensor keys, Tensor values, Tensor slots, Tensor positions, int[] num_tokens, float scale, "
+          "int window, int path) -> Tensor");
+    m.def("paths() -> int[]", &paths);
+}
+
+TORCH_LIBRARY_IMPL(draftwise_attn, CPU, m) { m.impl("decode", &attn_decode); }

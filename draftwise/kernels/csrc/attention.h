@@ -1,0 +1,55 @@
+// Row-exact decode/verification attention: the plain-C interface shared by the ISA translation units.
+//
+// Owns: the argument block and the float sequence of one query, described here once (attention_kernel.h is its
+// portable implementation and the oracle; the AVX2 and AVX-512 units perform the very same operations with
+// intrinsics, so all paths agree bitwise). Knows nothing of torch (the ISA units include only this header,
+// attention_kernel.h and <immintrin.h>), of models or of speculation.
+//
+// Work item (b, t, h): query t of sequence b, head h; kv head g = h / (H / Hkv) (GQA). It attends over exactly
+// the keys [start, end) of cache slot slots[b]: end = first[b] + t + 1, start = max(0, end - window) when
+// window > 0, else 0. Items with t >= ntok[b] (padding) write zeros.
+// The float sequence of one item (fp32 throughout; bf16 inputs are widened exactly, the output is rounded to
+// nearest even once at the end), with L = end - start, j = 0..L-1 counted from start, 16 "lanes":
+//   s_j   = dot(q, k_j) * scale,  dot = lanes l = i mod 16 summed in i order (a tail after the last whole 16
+//           goes to lanes 0..), then lanes folded 8+8, 4+4, 2+2, 1+1 (a[l] += a[l + w]);
+//   m     = max_j s_j;
+//   p_j   = dw_exp(s_j - m) (attention_kernel.h: Cephes-style polynomial, 0 below -80);
+//   sum   = the p_j in lanes l = j mod 16 (j order), folded like dot;
+//   o[d]  = (sum over j in order of p_j * v_j[d], starting from 0) / sum.
+// No fused multiply-adds (-ffp-contract=off) and no reassociation: it depends only on the query, its keys and
+// its values, never on B, T, the other items or how items are split among threads.
+#pragma once
+#include <stdint.h>
+
+extern "C" {
+
+enum DwAttnDtype { DW_ATTN_F32 = 0, DW_ATTN_BF16 = 1 };
+
+struct DwAttnArgs {
+    const void* q;            // [B, H, T, D] with strides q_sb, q_sh, q_st (elements); D contiguous
+    int64_t q_sb, q_sh, q_st;
+    const void* k;            // the layer's cache [S, Hkv, C, D] with strides kv_ss, kv_sh, kv_sc; D contiguous
+    const void* v;            // same shape and strides as k
+    int64_t kv_ss, kv_sh, kv_sc;
+    void* out;                // [B, T, H, D] contiguous
+    const int64_t* slots;     // [B] cache slot of each sequence
+    const int64_t* first;     // [B] position of each sequence's first query
+    const int64_t* ntok;      // [B] real queries per sequence (<= T)
+    int64_t B, T, H, Hkv, D;
+    float scale;
+    int64_t window;           // 0: attend from position 0
+    int64_t dtype;            // DwAttnDtype of q, k, v and out
+};
+
+// Items [i0, i1) in the order (b, g, t, h within g): consecutive items share keys. scratch: at least
+// dw_attn_scratch_floats(max L, D) floats, owned by the calling thread.
+void dw_attn_rows_scalar(const DwAttnArgs* a, int64_t i0, int64_t i1, float* scratch);
+void dw_attn_rows_avx2(const DwAttnArgs* a, int64_t i0, int64_t i1, float* scratch);
+void dw_attn_rows_avx512(const DwAttnArgs* a, int64_t i0, int64_t i1, float* scratch);
+
+}
+
+static inline int64_t dw_attn_scratch_floats(int64_t max_len, int64_t D) {
+    const int64_t dp = (D + 15) / 16 * 16;
+    return 2 * dp + (max_len + 15) / 16 * 16 + 16;
+}

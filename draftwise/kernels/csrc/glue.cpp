@@ -1,0 +1,291 @@
+// The decoder's per-layer glue as torch operators (torch.ops.draftwise_glue.*): RMSNorm (alone and fused with
+// the residual add before it), RoPE on q and k (with the per-head q/k norm of qwen3 / gemma3 first; optionally
+// storing k and v into the layer's KV cache), and the gated activation act(gate) * up. One call each instead of
+// the 5-15 small aten calls of the torch reference, which for a one-token decode step cost more than their
+// arithmetic (kernels/glue.py is the Python side).
+//
+// Owns: the float sequence of each op, fixed here and the same for every row whatever M is, whichever rows
+// share the call and however at::parallel_for splits rows among threads (each row is computed by one thread,
+// start to end) — so the decoder stays row-exact (docs/ARCHITECTURE.md, Decoder contract). float32 only (the
+// Python side keeps the torch reference for other dtypes and devices). Knows nothing of models.
+//
+// Against the torch reference (transformer.py):
+//   rms_norm: the mean of squares is summed in double in a fixed order and 1 / sqrt(mean + eps) rounded once
+//     to float (the reference rounds the float mean, eps add and rsqrt): |difference| <= a few float ulps of
+//     the output. The rest is the reference's sequence: y = w * (x * r), or (x * r) * (offset + w) (gemma).
+//   add_rms_norm: s = x + h (bitwise the reference's add), then rms_norm(s).
+//   rope_qk: out1 = x1 * cos - x2 * sin, out2 = x2 * cos + x1 * sin per head half, which with -ffp-contract=off
+//     is bitwise the reference's x * cos + rotate_half(x) * sin (round(-a) = -round(a)).
+//   rope_qk_cache: rope_qk, and k', v copied into the cache (bitwise KVCache.write).
+//   glu: at::silu / at::gelu(tanh) then mul_: bitwise the reference (the same aten kernels, minus the Python).
+#include <torch/library.h>
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/gelu.h>
+#include <ATen/ops/silu.h>
+#include <cmath>
+#include <cstring>
+#include <tuple>
+#include <vector>
+
+namespace {
+
+constexpr int64_t ROW_GRAIN = 16;  // rows per parallel task: decode calls (1-16 rows) stay on the calling thread
+
+// x viewed as rows [R, N] with a constant row stride: the last dim contiguous and the leading dims collapsible
+// (e.g. a column slice of the merged q/k/v output). Returns the row stride, or -1 when x is not like that.
+int64_t row_stride(const at::Tensor& x) {
+    if (x.dim() == 0 || x.stride(-1) != 1) return -1;
+    const int64_t N = x.size(-1);
+    int64_t stride = -1, expect = -1;
+    for (int64_t i = x.dim() - 2; i >= 0; --i) {
+        if (x.size(i) == 1) continue;
+        if (stride < 0) {
+            stride = x.stride(i);
+            expect = stride * x.size(i);
+            if (stride < N) return -1;
+        } else {
+            if (x.stride(i) != expect) return -1;
+            expect *= x.size(i);
+        }
+    }
+    return stride < 0 ? N : stride;
+}
+
+at::Tensor rows_of(const at::Tensor& x, int64_t& stride) {  // x, or a contiguous copy when not row-strided
+    stride = row_stride(x);
+    if (stride >= 0) return x;
+    at::Tensor c = x.contiguous();
+    stride = c.size(-1);
+    return c;
+}
+
+void check_f32_cpu(const at::Tensor& t, const char* name) {
+    TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat, name, " must be a float32 CPU tensor");
+}
+
+// 1 / sqrt(mean(x^2) + eps) for one row of n floats: double sums in 8 fixed lanes, combined in a fixed order.
+inline float inv_rms(const float* x, int64_t n, double eps) {
+    double acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        for (int j = 0; j < 8; ++j) acc[j] += (double)x[i + j] * (double)x[i + j];
+    for (; i < n; ++i) acc[i & 7] += (double)x[i] * (double)x[i];
+    const double s = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+    return (float)(1.0 / std::sqrt(s / (double)n + eps));
+}
+
+// y = w * (x * r) (offset == 0), or (x * r) * (offset + w) in float32 (gemma's 1 + w).
+inline void norm_row(const float* x, const float* w, float* y, int64_t n, double eps, float offset) {
+    const float r = inv_rms(x, n, eps);
+    if (offset != 0.0f) {
+        for (int64_t i = 0; i < n; ++i) y[i] = (x[i] * r) * (offset + w[i]);
+    } else {
+        for (int64_t i = 0; i < n; ++i) y[i] = w[i] * (x[i] * r);
+    }
+}
+
+void check_norm(const at::Tensor& x, const at::Tensor& w) {
+    check_f32_cpu(x, "x");
+    check_f32_cpu(w, "weight");
+    TORCH_CHECK(w.dim() == 1 && w.is_contiguous() && x.dim() >= 1 && w.size(0) == x.size(-1),
+                "weight must be [dim] for x [..., dim]");
+}
+
+// x [..., N] -> RMSNorm(x) [..., N] contiguous
+at::Tensor rms_norm(const at::Tensor& x_in, const at::Tensor& w, double eps, double offset) {
+    check_norm(x_in, w);
+    int64_t xs;
+    const at::Tensor x = rows_of(x_in, xs);
+    const int64_t N = x.size(-1), R = N ? x.numel() / N : 0;
+    at::Tensor y = at::empty(x.sizes(), x.options().memory_format(at::MemoryFormat::Contiguous));
+    const float* xp = x.data_ptr<float>();
+    const float* wp = w.data_ptr<float>();
+    float* yp = y.data_ptr<float>();
+    at::parallel_for(0, R, ROW_GRAIN, [&](int64_t r0, int64_t r1) {
+        for (int64_t r = r0; r < r1; ++r) norm_row(xp + r * xs, wp, yp + r * N, N, eps, (float)offset);
+    });
+    return y;
+}
+
+// (x + h, RMSNorm(x + h)): the residual add and the next norm in one pass; both outputs contiguous.
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x_in, const at::Tensor& h_in, const at::Tensor& w,
+                                                double eps, double offset) {
+    check_norm(x_in, w);
+    check_f32_cpu(h_in, "h");
+    TORCH_CHECK(x_in.sizes() == h_in.sizes(), "x and h must have the same shape");
+    int64_t xs, hs;
+    const at::Tensor x = rows_of(x_in, xs), h = rows_of(h_in, hs);
+    const int64_t N = x.size(-1), R = N ? x.numel() / N : 0;
+    at::Tensor s = at::empty(x.sizes(), x.options().memory_format(at::MemoryFormat::Contiguous));
+    at::Tensor y = at::empty(x.sizes(), x.options().memory_format(at::MemoryFormat::Contiguous));
+    const float* xp = x.data_ptr<float>();
+    const float* hp = h.data_ptr<float>();
+    const float* wp = w.data_ptr<float>();
+    float* sp = s.data_ptr<float>();
+    float* yp = y.data_ptr<float>();
+    at::parallel_for(0, R, ROW_GRAIN, [&](int64_t r0, int64_t r1) {
+        for (int64_t r = r0; r < r1; ++r) {
+            float* srow = sp + r * N;
+            for (int64_t i = 0; i < N; ++i) srow[i] = xp[r * xs + i] + hp[r * hs + i];
+            norm_row(srow, wp, yp + r * N, N, eps, (float)offset);
+        }
+    });
+    return {s, y};
+}
+
+// One head of D values: optional norm (into tmp), then the rotation with this row's cos/sin halves [D / 2].
+inline void rope_head(const float* x, float* out, const float* c, const float* s, int64_t D, const float* nw,
+                      double eps, float offset, float* tmp) {
+    if (nw != nullptr) {
+        norm_row(x, nw, tmp, D, eps, offset);
+        x = tmp;
+    }
+    const int64_t half = D / 2;
+    for (int64_t i = 0; i < half; ++i) {
+        const float x1 = x[i], x2 = x[half + i];
+        out[i] = x1 * c[i] - x2 * s[i];
+        out[half + i] = x2 * c[i] + x1 * s[i];
+    }
+}
+
+void rope_rows(const at::Tensor& x, int64_t xs, at::Tensor& out, const at::Tensor& cos, const at::Tensor& sin,
+               int64_t D, const float* nw, double eps, float offset) {
+    const int64_t N = x.size(-1), R = N ? x.numel() / N : 0, H = N / D, half = D / 2;
+    const float* xp = x.data_ptr<float>();
+    const float* cp = cos.data_ptr<float>();
+    const float* sp = sin.data_ptr<float>();
+    float* op = out.data_ptr<float>();
+    at::parallel_for(0, R, ROW_GRAIN, [&](int64_t r0, int64_t r1) {
+        std::vector<float> tmp(nw ? D : 0);
+        for (int64_t r = r0; r < r1; ++r)
+            for (int64_t hd = 0; hd < H; ++hd)
+                rope_head(xp + r * xs + hd * D, op + r * N + hd * D, cp + r * half, sp + r * half, D, nw, eps, offset,
+                          tmp.data());
+    });
+}
+
+// q [..., Hq * D], k [..., Hk * D] with the same leading dims (R rows in all); cos, sin [R, D / 2] (this row's
+// position's angles, the first half of the reference's duplicated table); q_norm / k_norm [D] or None.
+// -> (q', k'), contiguous, same shapes.
+std::tuple<at::Tensor, at::Tensor> rope_qk(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& cos,
+                                           const at::Tensor& sin, int64_t head_dim,
+                                           const std::optional<at::Tensor>& q_norm,
+                                           const std::optional<at::Tensor>& k_norm, double eps, double offset) {
+    check_f32_cpu(q_in, "q");
+    check_f32_cpu(k_in, "k");
+    check_f32_cpu(cos, "cos");
+    check_f32_cpu(sin, "sin");
+    const int64_t D = head_dim;
+    TORCH_CHECK(D > 0 && D % 2 == 0 && q_in.size(-1) % D == 0 && k_in.size(-1) % D == 0, "bad head_dim");
+    int64_t qs, ks;
+    const at::Tensor q = rows_of(q_in, qs), k = rows_of(k_in, ks);
+    const int64_t R = q.numel() / q.size(-1);
+    TORCH_CHECK(k.numel() / k.size(-1) == R, "q and k must have the same rows");
+    TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.numel() == R * (D / 2) && sin.numel() == cos.numel(),
+                "cos and sin must be contiguous [rows, head_dim / 2]");
+    const float* qn = nullptr;
+    const float* kn = nullptr;
+    if (q_norm.has_value() && q_norm->defined()) {
+        check_f32_cpu(*q_norm, "q_norm");
+        TORCH_CHECK(q_norm->dim() == 1 && q_norm->is_contiguous() && q_norm->size(0) == D, "q_norm must be [head_dim]");
+        qn = q_norm->data_ptr<float>();
+    }
+    if (k_norm.has_value() && k_norm->defined()) {
+        check_f32_cpu(*k_norm, "k_norm");
+        TORCH_CHECK(k_norm->dim() == 1 && k_norm->is_contiguous() && k_norm->size(0) == D, "k_norm must be [head_dim]");
+        kn = k_norm->data_ptr<float>();
+    }
+    at::Tensor qo = at::empty(q.sizes(), q.options().memory_format(at::MemoryFormat::Contiguous));
+    at::Tensor ko = at::empty(k.sizes(), k.options().memory_format(at::MemoryFormat::Contiguous));
+    rope_rows(q, qs, qo, cos, sin, D, qn, eps, (float)offset);
+    rope_rows(k, ks, ko, cos, sin, D, kn, eps, (float)offset);
+    return {qo, ko};
+}
+
+// rope_qk, then k' and v stored straight into one layer's KV cache (keys / values [S, Hkv, C, D], contiguous, as
+// kv_cache.py allocates them) at [slots[b], :, positions[b, t]] — KVCache.write's index_put, without the ~12 small
+// aten calls it takes per layer; the slot lengths stay the caller's (`cache.extend`). Returns q' only.
+at::Tensor rope_qk_cache(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cos,
+                         const at::Tensor& sin, int64_t head_dim, const std::optional<at::Tensor>& q_norm,
+                         const std::optional<at::Tensor>& k_norm, double eps, double offset, const at::Tensor& keys,
+                         const at::Tensor& values, const at::Tensor& slots, const at::Tensor& positions) {
+    auto [qo, ko] = rope_qk(q, k, cos, sin, head_dim, q_norm, k_norm, eps, offset);
+    check_f32_cpu(v, "v");
+    check_f32_cpu(keys, "keys");
+    check_f32_cpu(values, "values");
+    const int64_t D = head_dim;
+    TORCH_CHECK(keys.dim() == 4 && keys.is_contiguous() && values.sizes() == keys.sizes() && values.is_contiguous() &&
+                    keys.size(3) == D, "keys / values must be contiguous [slots, kv heads, capacity, head_dim]");
+    const int64_t S = keys.size(0), Hkv = keys.size(1), C = keys.size(2);
+    TORCH_CHECK(positions.dim() == 2 && positions.scalar_type() == at::kLong && slots.dim() == 1 &&
+                    slots.scalar_type() == at::kLong && slots.size(0) == positions.size(0),
+                "slots [B] and positions [B, T] must be int64");
+    const int64_t B = positions.size(0), T = positions.size(1);
+    TORCH_CHECK(ko.size(-1) == Hkv * D && ko.numel() == B * T * Hkv * D, "k must be [B, T, kv heads * head_dim]");
+    TORCH_CHECK(v.size(-1) == Hkv * D && v.numel() == ko.numel(), "v must be shaped like k");
+    int64_t vs;
+    const at::Tensor vr = rows_of(v, vs);
+    const at::Tensor sl = slots.contiguous(), ps = positions.contiguous();
+    const int64_t* slp = sl.data_ptr<int64_t>();
+    const int64_t* pp = ps.data_ptr<int64_t>();
+    for (int64_t b = 0; b < B; ++b) {
+        TORCH_CHECK(slp[b] >= 0 && slp[b] < S, "slot ", slp[b], " out of range [0, ", S, ")");
+        for (int64_t t = 0; t < T; ++t)
+            TORCH_CHECK(pp[b * T + t] >= 0 && pp[b * T + t] < C, "position ", pp[b * T + t],
+                        " beyond the cache capacity ", C);
+    }
+    const float* kp = ko.data_ptr<float>();
+    const float* vp = vr.data_ptr<float>();
+    float* K = keys.data_ptr<float>();
+    float* V = values.data_ptr<float>();
+    for (int64_t b = 0; b < B; ++b)
+        for (int64_t t = 0; t < T; ++t) {
+            const int64_t r = b * T + t;
+            for (int64_t h = 0; h < Hkv; ++h) {
+                const int64_t dst = ((slp[b] * Hkv + h) * C + pp[r]) * D;
+                std::memcpy(K + dst, kp + r * Hkv * D + h * D, D * sizeof(float));
+                std::memcpy(V + dst, vp + r * vs + h * D, D * sizeof(float));
+            }
+        }
+    return qo;
+}
+
+// act(gate) * up with act = silu (kind 0) or gelu tanh (kind 1); with `up` None, gate is [..., 2 I] holding
+// gate | up (a merged gate/up projection's output).
+at::Tensor glu(const at::Tensor& gate, const std::optional<at::Tensor>& up, int64_t kind) {
+    at::Tensor g = gate, u;
+    if (up.has_value() && up->defined()) {
+        u = *up;
+    } else {
+        const int64_t I = gate.size(-1) / 2;
+        TORCH_CHECK(gate.size(-1) == 2 * I, "a merged gate/up output must have an even last dim");
+        g = gate.narrow(-1, 0, I);
+        u = gate.narrow(-1, I, I);
+    }
+    TORCH_CHECK(kind == 0 || kind == 1, "kind: 0 = silu, 1 = gelu tanh");
+    at::Tensor a = kind == 0 ? at::silu(g) : at::gelu(g, "tanh");
+    return a.mul_(u);
+}
+
+}  // namespace
+
+TORCH_LIBRARY(draftwise_glue, m) {
+    m.def("rms_norm(Tensor x, Tensor weight, float eps, float offset) -> Tensor");
+    m.def("add_rms_norm(Tensor x, Tensor h, Tensor weight, float eps, float offset) -> (Tensor, Tensor)");
+    m.def("rope_qk(Tensor q, Tensor k, Tensor cos, Tensor sin, int head_dim, Tensor? q_norm, Tensor? k_norm, "
+          "float eps, float offset) -> (Tensor, Tensor)");
+    m.def("rope_qk_cache(Tensor q, Tensor k, Tensor v, Tensor cos, Tensor sin, int head_dim, Tensor? q_norm, "
+          "Tensor? k_norm, float eps, float offset, Tensor(a!) keys, Tensor(b!) values, Tensor slots, "
+          "Tensor positions) -> Tensor");
+    m.def("glu(Tensor gate, Tensor? up, int kind) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(draftwise_glue, CPU, m) {
+    m.impl("rms_norm", &rms_norm);
+    m.impl("add_rms_norm", &add_rms_norm);
+    m.impl("rope_qk", &rope_qk);
+    m.impl("rope_qk_cache", &rope_qk_cache);
+    m.impl("glu", &glu);
+}

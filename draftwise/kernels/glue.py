@@ -1,0 +1,70 @@
+"""The decoder's per-layer glue as single C++ calls (csrc/glue.cpp, built into the q4x8 library): RMSNorm, the
+residual add fused with the norm after it, RoPE on q and k (after the optional per-head q/k norm; `rope_qk_cache`
+also stores k and v into the layer's KV cache), and the gated activation act(gate) * up. The torch reference
+takes ~77 top-level calls per layer (180 aten events), which with the Python around them cost ~15 of the ~38 ms
+of a one-token step of the 1.5B; with these ops (and merged projections) a layer makes ~23.
+
+Owns: whether the ops can run here (`available`: the library builds and loads; `q4x8.load`) and their Python
+signatures. float32 CPU tensors only: the decoder (models/transformer.py) keeps its torch reference for other
+dtypes and devices and where the library cannot be built. Knows nothing of models beyond these shapes and the KV
+cache's layout ([slots, kv heads, capacity, head_dim] per layer, written in place as KVCache.write would).
+
+Exactness (csrc/glue.cpp documents the float sequences): every op computes a row from that row alone, the same
+way for any number of rows and any thread split (row-exact). rope_qk(_cache) and glu are bitwise the torch
+reference; rms_norm / add_rms_norm sum the squares in double, so they differ from the float reference by a few
+ulps (NORM_TOLERANCE, relative, is what the tests hold them to).
+"""
+from __future__ import annotations
+
+import torch
+
+from draftwise.kernels import q4x8
+
+NORM_TOLERANCE = 1e-6  # max |fused - reference| / max |reference| of rms_norm (float32)
+ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}
+
+
+def available() -> bool:
+    """The ops are built and loaded (built on first use; False, once and for all, where they cannot be)."""
+    try:
+        q4x8.load()
+    except q4x8.KernelBuildError:
+        return False
+    return True
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0) -> torch.Tensor:
+    """x [..., N] float32 (last dim contiguous) -> weight * (x / rms(x)), or (x / rms(x)) * (offset + weight)."""
+    return torch.ops.draftwise_glue.rms_norm(x, weight, eps, offset)
+
+
+def add_rms_norm(x: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, eps: float,
+                 offset: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x + h, rms_norm(x + h)): a residual add and the norm that follows it in one pass."""
+    return torch.ops.draftwise_glue.add_rms_norm(x, h, weight, eps, offset)
+
+
+def rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_dim: int,
+            q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None, eps: float = 0.0,
+            offset: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [..., Hq * D], k [..., Hk * D] (R rows each; column slices of one merged projection are fine) -> rotated
+    (q, k), contiguous. cos / sin [R, D / 2]: each row's angles (the reference's table holds them twice).
+    q_norm / k_norm [D]: an RMSNorm over each head first (qwen3, gemma3), with `eps` and `offset`."""
+    return torch.ops.draftwise_glue.rope_qk(q, k, cos, sin, head_dim, q_norm, k_norm, eps, offset)
+
+
+def rope_qk_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                  head_dim: int, q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, eps: float, offset: float,
+                  keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor,
+                  positions: torch.Tensor) -> torch.Tensor:
+    """rope_qk, then the rotated k and v (rows b * T + t of [B, T, Hk * D]) stored into one layer's KV cache
+    (keys / values [S, Hk, C, D] as kv_cache.py holds them) at [slots[b], :, positions[b, t]] — what
+    KVCache.write does, in the same call; slot lengths are the caller's (`KVCache.extend`). Returns the rotated
+    q, contiguous [..., Hq * D]."""
+    return torch.ops.draftwise_glue.rope_qk_cache(q, k, v, cos, sin, head_dim, q_norm, k_norm, eps, offset, keys,
+                                                  values, slots, positions)
+
+
+def glu(gate: torch.Tensor, up: torch.Tensor | None, activation: str) -> torch.Tensor:
+    """act(gate) * up; with `up` None, `gate` is a merged gate/up output [..., 2 I] (gate | up)."""
+    return torch.ops.draftwise_glue.glu(gate, up, ACTIVATIONS[activation])

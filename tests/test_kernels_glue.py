@@ -1,0 +1,165 @@
+"""draftwise.kernels.glue: the decoder's per-layer glue ops against the torch reference the decoder otherwise runs
+(RMSNorm within NORM_TOLERANCE; RoPE, the K/V cache write and the gated activation bitwise), their row-exactness
+(a row's result is bitwise the same alone, inside any batch, from a strided slice, at any thread count), and the
+decoder's use of them (fused == reference within the norm's tolerance for every family; merged + fused
+verification rows are bitwise single steps). Tiny tensors; no timing asserts. The first run builds the C++
+extension once (shared with q4x8)."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from draftwise.kernels import glue
+from draftwise.kv_cache import KVCache
+from draftwise.models.transformer import rotate_half
+from tests.harness import one_torch_thread  # noqa: F401 (a fixture)
+from tests.tiny_models import FAMILIES, tiny_decoder
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def built():
+    if not glue.available():
+        pytest.skip("the C++ extension cannot be built here (no compiler)")
+
+
+def ref_norm(x, w, eps, offset):  # transformer.RMSNorm's torch reference (float32)
+    xf = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return xf * (offset + w) if offset else w * xf
+
+
+def ref_rope(x, cos, sin):  # x [..., D], cos / sin [..., D / 2] -> the reference's x * cos + rotate_half(x) * sin
+    c, s = torch.cat((cos, cos), -1), torch.cat((sin, sin), -1)
+    return x * c + rotate_half(x) * s
+
+
+def angles(n, D, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    pos = torch.randint(0, 4000, (n,), generator=g).float()
+    freqs = pos[:, None] * (1.0 / (1e6 ** (torch.arange(0, D, 2).float() / D)))
+    return freqs.cos(), freqs.sin()  # [n, D / 2]
+
+
+@pytest.mark.parametrize("offset", [0.0, 1.0])
+def test_rms_norm_within_tolerance_and_add_is_bitwise(offset):
+    g = torch.Generator().manual_seed(0)
+    for shape in ((1, 1, 1536), (3, 7, 896), (5, 64)):
+        x, h = torch.randn(shape, generator=g) * 3, torch.randn(shape, generator=g)
+        w = torch.randn(shape[-1], generator=g)
+        ref = ref_norm(x, w, 1e-6, offset)
+        y = glue.rms_norm(x, w, 1e-6, offset)
+        assert y.shape == x.shape and y.is_contiguous()
+        assert (y - ref).abs().max() <= glue.NORM_TOLERANCE * ref.abs().max()
+        s, n = glue.add_rms_norm(x, h, w, 1e-6, offset)
+        assert torch.equal(s, x + h)
+        assert torch.equal(n, glue.rms_norm(x + h, w, 1e-6, offset))
+    wide = torch.randn(4, 2 * 640, generator=g)  # a column slice of a wider tensor (row stride != N)
+    w = torch.randn(640, generator=g)
+    assert torch.equal(glue.rms_norm(wide[:, 640:], w, 1e-6, offset), glue.rms_norm(wide[:, 640:].contiguous(), w,
+                                                                                     1e-6, offset))
+
+
+def test_rope_is_bitwise_the_reference_on_slices_of_a_merged_projection():
+    g = torch.Generator().manual_seed(1)
+    B, T, H, Hk, D = 2, 5, 6, 2, 64
+    qkv = torch.randn(B, T, (H + 2 * Hk) * D, generator=g)
+    q, k, _ = qkv.split([H * D, Hk * D, Hk * D], dim=-1)  # strided views, as the decoder passes them
+    cos, sin = angles(B * T, D)
+    rq, rk = glue.rope_qk(q, k, cos, sin, D)
+    ref_q = ref_rope(q.reshape(B * T, H, D), cos[:, None], sin[:, None]).reshape(B, T, H * D)
+    ref_k = ref_rope(k.reshape(B * T, Hk, D), cos[:, None], sin[:, None]).reshape(B, T, Hk * D)
+    assert torch.equal(rq, ref_q) and torch.equal(rk, ref_k)
+    # with the per-head q / k norm first (qwen3, gemma3): the norm's tolerance, then the same rotation
+    qn, kn = torch.randn(D, generator=g), torch.randn(D, generator=g)
+    for offset in (0.0, 1.0):
+        rq, rk = glue.rope_qk(q, k, cos, sin, D, qn, kn, 1e-6, offset)
+        want_q = ref_rope(ref_norm(q.reshape(B * T, H, D), qn, 1e-6, offset), cos[:, None], sin[:, None])
+        want_k = ref_rope(ref_norm(k.reshape(B * T, Hk, D), kn, 1e-6, offset), cos[:, None], sin[:, None])
+        assert (rq.reshape(B * T, H, D) - want_q).abs().max() <= 4 * glue.NORM_TOLERANCE * want_q.abs().max()
+        assert (rk.reshape(B * T, Hk, D) - want_k).abs().max() <= 4 * glue.NORM_TOLERANCE * want_k.abs().max()
+
+
+def test_rope_cache_write_is_kvcache_write():
+    """The fused op stores exactly what KVCache.write stores (scrambled slots, several positions), and returns
+    rope_qk's q."""
+    g = torch.Generator().manual_seed(2)
+    B, T, H, Hk, D = 3, 4, 4, 2, 16
+    ours, ref = (KVCache(1, 5, Hk, 32, D, torch.float32) for _ in range(2))
+    for c in (ours, ref):  # stale contents that must survive outside the written positions
+        c.keys[0].copy_(torch.arange(c.keys[0].numel()).view_as(c.keys[0]).float())
+        c.values[0].copy_(-c.keys[0])
+    qkv = torch.randn(B, T, (H + 2 * Hk) * D, generator=g)
+    q, k, v = qkv.split([H * D, Hk * D, Hk * D], dim=-1)
+    slots = torch.tensor([4, 0, 2])
+    positions = torch.tensor([[3, 4, 5, 6], [0, 1, 2, 3], [20, 21, 22, 23]])
+    cos, sin = angles(B * T, D, seed=3)
+    rq = glue.rope_qk_cache(q, k, v, cos, sin, D, None, None, 0.0, 0.0, ours.keys[0], ours.values[0], slots,
+                            positions)
+    want_q, want_k = glue.rope_qk(q, k, cos, sin, D)
+    assert torch.equal(rq, want_q)
+    ref.write(0, slots, positions, want_k.view(B, T, Hk, D).transpose(1, 2), v.reshape(B, T, Hk, D).transpose(1, 2))
+    assert torch.equal(ours.keys[0], ref.keys[0]) and torch.equal(ours.values[0], ref.values[0])
+    with pytest.raises(RuntimeError, match="capacity"):
+        glue.rope_qk_cache(q, k, v, cos, sin, D, None, None, 0.0, 0.0, ours.keys[0], ours.values[0], slots,
+                           positions + 30)
+
+
+@pytest.mark.parametrize("activation", list(glue.ACTIVATIONS))
+def test_glu_is_bitwise_the_reference(activation):
+    g = torch.Generator().manual_seed(4)
+    act = F.silu if activation == "silu" else (lambda t: F.gelu(t, approximate="tanh"))
+    gu = torch.randn(2, 3, 2 * 96, generator=g) * 4
+    gate, up = gu.split(96, dim=-1)
+    assert torch.equal(glue.glu(gu, None, activation), act(gate) * up)
+    assert torch.equal(glue.glu(gate.contiguous(), up.contiguous(), activation), act(gate) * up)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_every_op_is_row_exact(threads):
+    """Each row's result is bitwise the same alone (a one-token decode step) and inside any batch: 9 rows
+    (a verification), 100 rows (a prompt, split among threads)."""
+    torch.set_num_threads(threads)
+    g = torch.Generator().manual_seed(5)
+    N, D, H, Hk = 256, 32, 4, 2
+    x, h, w = torch.randn(100, N, generator=g), torch.randn(100, N, generator=g), torch.randn(N, generator=g)
+    qkv = torch.randn(100, (H + 2 * Hk) * D, generator=g)
+    q, k, _ = qkv.split([H * D, Hk * D, Hk * D], dim=-1)
+    cos, sin = angles(100, D)
+    nw = torch.randn(D, generator=g)
+    gu = torch.randn(100, 2 * N, generator=g)
+
+    def ops(rows: slice):
+        out = [glue.rms_norm(x[rows], w, 1e-6, 1.0), *glue.add_rms_norm(x[rows], h[rows], w, 1e-6, 0.0),
+               *glue.rope_qk(q[rows], k[rows], cos[rows], sin[rows], D, nw, nw, 1e-6, 0.0),
+               glue.glu(gu[rows], None, "silu")]
+        return out
+
+    full = ops(slice(0, 100))
+    for lo, hi in ((0, 1), (37, 38), (99, 100), (10, 19), (50, 100)):
+        for part, whole in zip(ops(slice(lo, hi)), full):
+            assert torch.equal(part, whole[lo:hi])
+
+
+# ---- the decoder's use of the ops ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_fused_decoder_matches_the_reference_path(family):
+    """use_fused_glue(False) runs the torch reference: the logits differ only through the norms' summation."""
+    model = tiny_decoder(family, seed=6)
+    assert model.fused and all(layer.mlp.fused for layer in model.model.layers)
+    c = model.config
+    ids = torch.randint(0, c.vocab_size, (2, 11), generator=torch.Generator().manual_seed(7))
+    pos = torch.arange(11)[None].expand(2, 11)
+
+    def logits() -> torch.Tensor:
+        cache = KVCache(c.num_layers, 2, c.num_kv_heads, 32, c.head_dim, model.dtype)
+        prompt = model(ids[:, :8], pos[:, :8], cache, torch.tensor([0, 1]), num_tokens=[8, 8])
+        return torch.cat([prompt, model(ids[:, 8:], pos[:, 8:], cache, torch.tensor([0, 1]), num_tokens=[3, 3])], 1)
+
+    fused = logits()
+    assert not model.use_fused_glue(False) and not model.fused
+    ref = logits()
+    assert model.use_fused_glue(True)
+    assert (fused - ref).abs().max() <= 1e-5 * ref.abs().max()
