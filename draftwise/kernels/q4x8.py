@@ -272,6 +272,16 @@ def q4k_from_blocks(blocks, N: int, K: int) -> dict:
     return q4k_parts(q, d, dmin, sc, mn)
 
 
+_OP = []
+
+
+def _linear_op():
+    """torch.ops.draftwise_q4x8.linear.default, resolved once (the attribute chain costs microseconds per call)."""
+    if not _OP:
+        _OP.append(load().linear.default)
+    return _OP[0]
+
+
 class Q4x8Linear(nn.Module):
     """y = x W^T + b with W in q4x8's int4 format and x quantized to int8 per row on the fly.
 
@@ -324,8 +334,9 @@ class Q4x8Linear(nn.Module):
         x2 = x.reshape(-1, self.in_features)
         if x2.dtype != torch.float32 or not x2.is_contiguous():
             x2 = x2.float().contiguous()
-        y = torch.ops.draftwise_q4x8.linear(x2, self.packed, self.sc, self.mn, self.d, self.dmin, self.bias, self.out_features,
-                            PATHS[self.path])
+        b = self._buffers  # read directly: five nn.Module.__getattr__ lookups cost more than a small call's kernel
+        y = _linear_op()(x2, b["packed"], b["sc"], b["mn"], b["d"], b["dmin"], b["bias"], self.out_features,
+                         PATHS[self.path])
         y = y.view(*x.shape[:-1], self.out_features)
         return y if y.dtype == x.dtype else y.to(x.dtype)
 
