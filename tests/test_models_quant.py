@@ -122,6 +122,20 @@ def test_auto_takes_what_the_timing_table_says(step, prefill, dtype, tiny_gguf_p
     files = {p.name for p in Path(info["converted_path"]).iterdir()}
     assert not {f for f in files if f.startswith("model.")} and any(f.startswith("prepared-") for f in files)
     assert ("Q4x8Embedding" in kinds) == bool({step, prefill} & set(quant.COMPACT_EMBEDDING_KERNELS))
+    if step == "q4x8" and prefill.startswith("dense"):  # the dense half is derived from the q4x8 one, not stored
+        from safetensors import safe_open
+
+        from draftwise.kernels.q4x8 import Q4x8Embedding, Q4x8Linear
+
+        prepared = next(p for p in Path(info["converted_path"]).iterdir() if p.name.startswith("prepared-"))
+        with safe_open(str(prepared), "pt") as f:
+            assert not [k for k in f.keys() if ".prefill." in k]
+        splits = [m for m in model.modules() if isinstance(m, quant.SplitLinear) and isinstance(m.step, Q4x8Linear)
+                  and hasattr(m.prefill, "weight")]
+        assert splits
+        for m in splits:
+            rows = Q4x8Embedding.from_linear(m.step)(torch.arange(m.step.out_features))  # the q4x8 weight, dequantized
+            assert torch.equal(m.prefill.weight, rows.to(m.prefill.weight.dtype))
     again, _, _ = load_model(str(tiny_gguf_path), "auto", weights="auto", cache_dir=str(draftwise_cache_dir),
                              tune=tune)  # read back from the prepared cache
     ids = list(range(3, 30))

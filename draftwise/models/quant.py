@@ -36,8 +36,9 @@ from draftwise.config import ConfigError
 
 INT4_GROUP = 32
 DENSE_ABOVE_ROWS = 12
-PREPARED_FORMAT_VERSION = 2  # bump when a prepared module's stored tensors change; cached copies are then rebuilt
-# (2: the embedding table in q4x8's packed form, shared with a tied head; torch int4 linears prepared too). Bump
+PREPARED_FORMAT_VERSION = 3  # bump when a prepared module's stored tensors change; cached copies are then rebuilt
+# (2: the embedding table in q4x8's packed form, shared with a tied head; torch int4 linears prepared too;
+# 3: a q4x8 step + dense prefill split stores only the q4x8 half, the dense one is derived at load). Bump
 # sources.CONVERSION_VERSION with it: the converted folder is rebuilt, so the old prepared files leave the disk.
 
 
@@ -102,6 +103,7 @@ def _quantizable(linear: nn.Linear, fmt: str) -> bool:
 
 # ---- kernel formats (draftwise.kernels) ------------------------------------------------------------------
 
+DEQUANT_CHUNK = 8192  # rows dequantized at a time when a dense half is derived from q4x8 (bounds the fp32 temporary)
 KERNEL_FORMATS = {"q4x8": ("q4x8", "q4x8"), "q4x8+dense": ("q4x8", "dense")}  # weights -> (step, prefill)
 _LABELS = {"q4x8": "q4x8", "int4_torch": "int4", "dense_bf16": "bf16", "dense_fp32": "fp32"}
 
@@ -157,7 +159,24 @@ def kernel_linear(step: str, prefill: str, N: int, K: int, dtype: torch.dtype, w
     step_mod = one(step)
     if _impl(step, N, K, dtype) == _impl(prefill, N, K, dtype):
         return step_mod
+    if isinstance(step_mod, Q4x8Linear) and _impl(prefill, N, K, dtype).startswith("dense"):
+        return derived_split(step_mod, _impl(prefill, N, K, dtype), bias)
     return SplitLinear(step_mod, one(prefill))
+
+
+def derived_split(step: nn.Module, dense_impl: str, bias: torch.Tensor | None) -> SplitLinear:
+    """A q4x8 step kernel with a dense prefill half holding the same weights: the q4x8 weight dequantized
+    (bitwise the GGUF's values for Q4_K sources; the 4-bit requantization of other types). Only the q4x8 half is
+    stored in a cache, the dense half is rebuilt from it at load, so a split plan costs no disk beyond q4x8."""
+    from draftwise.kernels.linear import make_linear
+    from draftwise.kernels.q4x8 import Q4x8Embedding
+
+    rows = Q4x8Embedding.from_linear(step)  # row n of the table = row n of the dequantized weight [N, K]
+    N = step.out_features
+    chunks = [rows(torch.arange(i, min(i + DEQUANT_CHUNK, N))) for i in range(0, N, DEQUANT_CHUNK)]
+    split = SplitLinear(step, make_linear(dense_impl, torch.cat(chunks) if len(chunks) > 1 else chunks[0], bias))
+    split.derived = True
+    return split
 
 
 def build_linears(model: nn.Module, step: str, prefill: str) -> int:
@@ -231,6 +250,9 @@ def linear_state(module: nn.Module) -> tuple[dict, dict[str, torch.Tensor]]:
     from draftwise.kernels.linear import DenseBF16, DenseF32, TorchInt4BF16
     from draftwise.kernels.q4x8 import Q4x8Linear
 
+    if isinstance(module, SplitLinear) and getattr(module, "derived", False):  # the dense half comes from the step
+        k1, t1 = linear_state(module.step)
+        return {"split": [k1, {"impl": module.prefill.name, "derived": True}]}, {f"step.{n}": t for n, t in t1.items()}
     if isinstance(module, SplitLinear):
         k1, t1 = linear_state(module.step)
         k2, t2 = linear_state(module.prefill)
@@ -253,6 +275,9 @@ def linear_from_state(kind: dict, tensors: dict[str, torch.Tensor]) -> nn.Module
 
     if "split" in kind:
         sub = lambda prefix: {n[len(prefix):]: t for n, t in tensors.items() if n.startswith(prefix)}  # noqa: E731
+        if kind["split"][1].get("derived"):
+            step = linear_from_state(kind["split"][0], sub("step."))
+            return derived_split(step, kind["split"][1]["impl"], step.bias)
         return SplitLinear(linear_from_state(kind["split"][0], sub("step.")),
                            linear_from_state(kind["split"][1], sub("prefill.")))
     if kind["impl"] == "q4x8":

@@ -32,10 +32,11 @@ from draftwise.models import catalog
 from draftwise.models import safetensors as st
 from draftwise.tokenizer import Tokenizer
 
-CONVERSION_VERSION = 5  # bump when the converted layout changes; old caches are then rebuilt (2: the manifest;
+CONVERSION_VERSION = 6  # bump when the converted layout changes; old caches are then rebuilt (2: the manifest;
 # 3: tensors split from the conversion: only tokenizer + config at first, dense or prepared weights when asked;
 # 4: end-of-turn ids only from control tokens; 5: with quant.PREPARED_FORMAT_VERSION 2, the embedding packed in
-# prepared caches — the folder is rebuilt so older prepared files, keyed by the old version, do not linger on disk)
+# prepared caches — the folder is rebuilt so older prepared files, keyed by the old version, do not linger on disk;
+# 6: with PREPARED_FORMAT_VERSION 3, split plans store only their q4x8 half)
 _CONFIG_FILE = "draftwise_config.json"
 _WEIGHTS_FILE = "model.safetensors"
 _HUB_PATTERNS = ["*.json", "*.safetensors", "*.jinja"]
