@@ -276,10 +276,8 @@ class Engine:
         for r, d in zip(reqs, drafts):
             if d.num_tokens:
                 r.spec_stats.add_times((t1 - t0) * share, (t2 - t1) * share)
-        num_guessed = sum(d.num_tokens for d in drafts)
-        if num_guessed:
+        if any(d.num_tokens for d in drafts):
             self.stats.add_times(t1 - t0, t2 - t1)
-        self.k_policy.observe_step(logits.shape[1], num_guessed, t1 - t0, t2 - t1)
         return outputs
 
     def _verify_forward(self, reqs: list[Request], drafts: list[Draft]) -> torch.Tensor:  # -> [B, 1 + max k, V]

@@ -1,31 +1,52 @@
 """How many tokens to guess: a fixed k, or a cost model that picks k per step to maximise tokens per second.
 
-Cost model (in the spirit of Leviathan et al. 2023, §3.4, with measured rather than assumed costs):
-with per-position conditional acceptance a_1..a_k, the expected tokens from one step is
-E(k) = 1 + sum_{j<=k} prod_{i<=j} a_i, and its time is verify(k+1) + draft_per_token * k. We pick the k in
-0..max_k with the highest E(k)/time(k); k = 0 is plain decoding, chosen whenever guessing cannot pay.
-verify(width) is timed at start-up (one target forward per width) and refined online from measured steps
-(median of the last few, kept monotone in width); the proposer's cost for k guesses is timed at start-up
-through the Proposer protocol on a scratch slot, in the steady state (one unseen token) — online draft timings
-mix in catch-up prefills after plain steps, which would make guessing look dearer than it is. Acceptance by
-position is learned online (per request, falling back to engine-wide counts, with a mild prior).
+Cost model (Leviathan et al. 2023, arXiv 2211.17192, §3.4, with measured costs): with α the chance that a
+guess is accepted (their i.i.d. assumption; the 0.5B draft's measured acceptance is flat across positions),
+
+    E(k)    = (1 − α^(k+1)) / (1 − α)                                 tokens one step yields (their eq. 1)
+    time(k) = verify(k + 1) + draft(k) + catch_up · (behind − 1) · E(k) / remaining          (k ≥ 1)
+
+and k = argmax E(k)/time(k) over 0..max_k (k = 0: a plain step, time(0) = verify(1)). Guessing starts when the
+best k predicts MARGIN more tokens/s than plain and stops when it predicts less than plain (KEEP_MARGIN):
+stopping is free, restarting is not. `behind`: context tokens the proposer has not read (1 in the steady
+state; a request's prompt before its first guess; + 1 per plain step, for a draft model that reads only on
+`propose`). Catching up is paid once, so it is spread over the steps left if each yields E(k) (remaining =
+output tokens left).
+
+Costs: the choice compares E/time across k at one moment, so only the costs' ratios matter, and only timings
+taken together give ratios on a shared machine. `calibrate` times, in interleaved rounds, a target forward at
+every width 1..max_k+1 after CONTEXT tokens, and through the Proposer protocol the proposer guessing k in the
+steady state and after CATCH_UP unseen tokens; each cost keeps its fastest round (load only adds time, and a
+burst spoils a round, not a width). Nothing is refined online: per-width medians of step timings compared
+widths timed minutes apart on a machine drifting ±30%, and a width never chosen kept its stale time (issue 10).
+
+α is learned per request, older guesses decayed (DECAY per guess: a chat answer turns into code and back),
+behind PRIOR_GUESSES pseudo-guesses at the engine's α, which each finished request moves ENGINE_MIX of the way
+to its own: the last few requests set a new request's start, and no workload's long history outvotes a
+request's own evidence. While plain decoding wins, a k = PROBE_K probe after EXPLORE_EVERY plain steps keeps
+the estimate alive, the gap doubling after each probe (every probe pays the proposer's catch-up).
 Knows nothing of models' internals or the proposer's type.
 """
 from __future__ import annotations
 
-import statistics
 import time
-from collections import deque
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
 
 from draftwise.kv_cache import KVCache
 
-WINDOW = 15  # cost measurements kept (per verification width, and for the draft); the median is used
-PRIOR_ACCEPT = (1.0, 1.0)  # Beta(1, 1) pseudo-counts for each position's acceptance
-MARGIN = 1.1  # guess only when the model predicts >= 10% more tokens/s than plain decoding (estimates are noisy)
-EXPLORE_EVERY = 16  # steps between forced speculative steps while plain decoding wins (acceptance can change)
+ROUNDS = 5  # interleaved calibration rounds; every cost keeps its fastest
+CONTEXT = 128  # context tokens before the timed target forwards (a typical request's; attention grows with it)
+CATCH_UP = 16  # unseen tokens before the timed catch-up guess (a probe after EXPLORE_EVERY - 1 plain steps)
+PRIOR_GUESSES = 4.0  # weight of the engine's α in a request's estimate, in guesses of the request's own
+DECAY = 0.9  # per guess: how much of a request's older evidence is kept
+ENGINE_MIX = 0.5  # a finished request's share in the engine's α (the last few requests count)
+MARGIN = 1.1  # start guessing only when the model predicts >= 10% more tokens/s than plain decoding ...
+KEEP_MARGIN = 1.0  # ... and stop when it predicts less than plain (stopping is free, restarting costs a catch-up)
+EXPLORE_EVERY = 16  # plain steps before a probe (then 32, 64, ...: the gap doubles after each probe)
+PROBE_K = 2  # guesses of a probe
 
 
 class KPolicy(Protocol):
@@ -37,10 +58,7 @@ class KPolicy(Protocol):
         """Guesses to ask the proposer for on this request's next step (0 = a plain step)."""
 
     def observe(self, req, k: int, num_accepted: int) -> None:
-        """The request's step guessed k tokens and the target kept the first num_accepted."""
-
-    def observe_step(self, width: int, num_draft_tokens: int, draft_s: float, verify_s: float) -> None:
-        """One engine step: verification width (1 + longest draft), guesses in the batch, and its two timings."""
+        """The request's step guessed k tokens (k >= 1) and the target kept the first num_accepted."""
 
     def end(self, req) -> None:
         """The request finished; forget it."""
@@ -56,103 +74,113 @@ class FixedK:
     def observe(self, req, k: int, num_accepted: int) -> None:
         pass
 
-    def observe_step(self, width: int, num_draft_tokens: int, draft_s: float, verify_s: float) -> None:
-        pass
-
     def end(self, req) -> None:
         pass
 
 
 class AdaptiveK:
-    def __init__(self, max_k: int, verify_cost: dict[int, float], draft_cost: dict[int, float] | None = None):
+    def __init__(self, max_k: int, verify_cost: dict[int, float], draft_cost: dict[int, float] | None = None,
+                 catch_up_cost: float = 0.0):
         self.max_k = max_k
-        self._verify_times = {w: deque([t], maxlen=WINDOW) for w, t in verify_cost.items()}
-        self.verify_cost = _monotone(verify_cost)  # width -> seconds per step (median of recent steps)
+        self.verify_cost = _monotone(verify_cost)  # width -> seconds of one target forward
         self.draft_cost = _monotone(draft_cost or {k: 0.0 for k in range(max_k + 1)})  # k -> seconds to guess k
-        self.global_counts = [[0, 0] for _ in range(max_k)]  # per position: [reached, accepted]
-        self.req_counts: dict[str, list[list[int]]] = {}
+        self.catch_up_cost = catch_up_cost  # seconds per context token the proposer has not seen yet
+        self.engine_alpha: float | None = None  # α of the last few finished requests; None before the first
+        self.req_counts: dict[str, tuple[float, float]] = {}
         self.k_histogram: dict[int, int] = {}
-        self._since_spec: dict[str, int] = {}
+        self._behind: dict[str, int] = {}  # request -> context tokens its proposer has not seen
+        self._plain_run: dict[str, int] = {}  # request -> plain steps since its last guess
+        self._probe_gap: dict[str, int] = {}
 
     @classmethod
-    def calibrate(cls, target, max_k: int, proposer=None, repeats: int = 5) -> "AdaptiveK":
-        """Time one target forward at each verification width 1..max_k+1 on a scratch cache, and the proposer."""
-        c = target.config
-        scratch = KVCache(c.num_layers, 1, c.num_kv_heads, 64 + max_k + 1, c.head_dim, target.dtype, target.device)
-        slot = torch.tensor([0], device=target.device)
-        target(torch.zeros(1, 32, dtype=torch.int64, device=target.device),
-               torch.arange(32, device=target.device)[None], scratch, slot)
-        costs = {}
-        for width in range(1, max_k + 2):
-            times = []
-            for _ in range(repeats + 1):
-                scratch.truncate(0, 32)
-                ids = torch.zeros(1, width, dtype=torch.int64, device=target.device)
-                t0 = time.perf_counter()
-                target(ids, 32 + torch.arange(width, device=target.device)[None], scratch, slot)
-                times.append(time.perf_counter() - t0)
-            costs[width] = statistics.median(times[1:])
-        return cls(max_k, costs, _time_proposer(proposer, max_k, repeats) if proposer is not None else None)
+    def calibrate(cls, target, max_k: int, proposer=None, rounds: int = ROUNDS) -> AdaptiveK:
+        """Time a target forward at each verification width 1..max_k+1 after CONTEXT tokens (on a scratch cache,
+        as the engine verifies: `num_tokens`), and the proposer (on its scratch slot 0, before any request)."""
+        c, dev = target.config, target.device
+        context = min(CONTEXT, c.max_position_embeddings - max_k - 1)
+        scratch = KVCache(c.num_layers, 1, c.num_kv_heads, context + max_k + 1, c.head_dim, target.dtype, dev)
+        slot = torch.tensor([0], device=dev)
+        target(torch.zeros(1, context, dtype=torch.int64, device=dev), torch.arange(context, device=dev)[None],
+               scratch, slot)
+
+        def verify(width: int) -> float:
+            scratch.truncate(0, context)
+            ids = torch.zeros(1, width, dtype=torch.int64, device=dev)
+            pos = context + torch.arange(width, device=dev)[None]
+            return _timed(dev, target, ids, pos, scratch, slot, num_tokens=[width])
+
+        timer = (lambda: _time_proposer(proposer, max_k, dev)) if proposer is not None else None
+        return cls.from_timers(max_k, verify, timer, rounds)
+
+    @classmethod
+    def from_timers(cls, max_k: int, verify: Callable[[int], float],
+                    proposer: Callable[[], tuple[list[float], float]] | None, rounds: int = ROUNDS) -> AdaptiveK:
+        """`rounds` interleaved rounds of verify(width) for every width and proposer() -> (seconds to guess
+        k = 1..max_k in the steady state, seconds to guess 1 after CATCH_UP unseen tokens); the fastest of each."""
+        verify_cost = {w: float("inf") for w in range(1, max_k + 2)}
+        draft_cost, behind = {k: float("inf") for k in range(max_k + 1)}, float("inf")
+        for _ in range(rounds):
+            verify_cost = {w: min(t, verify(w)) for w, t in verify_cost.items()}
+            steady, late = proposer() if proposer is not None else ([0.0] * max_k, 0.0)
+            for k, t in enumerate([0.0, *steady]):
+                draft_cost[k] = min(draft_cost[k], t)
+            behind = min(behind, late)
+        catch_up = max(0.0, behind - draft_cost[1]) / (CATCH_UP - 1) if max_k else 0.0
+        return cls(max_k, verify_cost, draft_cost, catch_up)
 
     # ---- policy -------------------------------------------------------------------------------
-    def acceptance(self, req) -> list[float]:
-        counts = self.req_counts.get(req.request_id)
-        out = []
-        for i in range(self.max_k):
-            reached, accepted = self.global_counts[i]
-            a0, b0 = PRIOR_ACCEPT
-            # the request's own history counts double: acceptance is workload- and prompt-specific
-            if counts:
-                reached, accepted = reached + 2 * counts[i][0], accepted + 2 * counts[i][1]
-            out.append((accepted + a0) / (reached + a0 + b0))
-        return out
+    def acceptance(self, req) -> float:
+        """α for this request: its own decayed counts behind PRIOR_GUESSES pseudo-guesses at the engine's α
+        (one at 0.5 before any request has finished)."""
+        reached, accepted = self.req_counts.get(req.request_id, (0.0, 0.0))
+        prior, weight = (0.5, 1.0) if self.engine_alpha is None else (self.engine_alpha, PRIOR_GUESSES)
+        return (accepted + weight * prior) / (reached + weight)
 
-    def expected_rate(self, k: int, acceptance: list[float]) -> float:
-        """Expected tokens per second of one step that guesses k tokens."""
-        tokens, run = 1.0, 1.0
-        for a in acceptance[:k]:
-            run *= a
-            tokens += run
-        return tokens / (self.verify_cost[k + 1] + self.draft_cost[k])
+    def expected_rate(self, k: int, alpha: float, behind: int = 1, remaining: int = 1 << 30) -> float:
+        """E(k)/time(k): expected tokens per second of a step that guesses k tokens (module docstring)."""
+        tokens = sum(alpha ** i for i in range(k + 1))  # E(k) = (1 - α^(k+1)) / (1 - α)
+        catch_up = self.catch_up_cost * (behind - 1) * tokens / max(remaining, 1) if k else 0.0
+        return tokens / (self.verify_cost[k + 1] + self.draft_cost[k] + catch_up)
 
     def choose(self, req) -> int:
-        acc = self.acceptance(req)
-        rates = [self.expected_rate(k, acc) for k in range(self.max_k + 1)]
-        best = max(range(1, self.max_k + 1), key=rates.__getitem__) if self.max_k else 0
-        if rates[best] < MARGIN * rates[0]:
+        rid = req.request_id
+        behind = self._behind.get(rid, len(req.prompt_ids) + 1)
+        remaining = req.params.max_tokens - len(req.output_ids)
+        alpha = self.acceptance(req)
+        rates = [self.expected_rate(k, alpha, behind, remaining) for k in range(self.max_k + 1)]
+        best = max(range(self.max_k + 1), key=rates.__getitem__)
+        guessing = self._plain_run.get(rid) == 0  # its last step guessed: stopping is free, restarting is not
+        if rates[best] < (KEEP_MARGIN if guessing else MARGIN) * rates[0]:
             best = 0
-        if best == 0:
-            since = self._since_spec.get(req.request_id, 0) + 1
-            self._since_spec[req.request_id] = since
-            if since >= EXPLORE_EVERY:
-                best = min(2, self.max_k)  # a cheap probe keeps the acceptance estimate alive
-        if best:
-            self._since_spec[req.request_id] = 0
+        plain_run = self._plain_run.get(rid, 0) + 1 if best == 0 else 0
+        gap = self._probe_gap.get(rid, EXPLORE_EVERY)
+        if plain_run >= gap:  # a cheap probe keeps the acceptance estimate alive, less often each time
+            best, plain_run, self._probe_gap[rid] = min(PROBE_K, self.max_k), 0, 2 * gap
+        self._plain_run[rid] = plain_run
+        self._behind[rid] = behind + 1 if best == 0 else behind  # observe() resets it once the proposer guessed
         self.k_histogram[best] = self.k_histogram.get(best, 0) + 1
         return best
 
     def observe(self, req, k: int, num_accepted: int) -> None:
-        counts = self.req_counts.setdefault(req.request_id, [[0, 0] for _ in range(self.max_k)])
-        for i in range(min(k, num_accepted + 1)):  # positions reached: all accepted ones and the first rejected
-            hit = int(i < num_accepted)
-            counts[i][0] += 1
-            counts[i][1] += hit
-            self.global_counts[i][0] += 1
-            self.global_counts[i][1] += hit
-
-    def observe_step(self, width: int, num_draft_tokens: int, draft_s: float, verify_s: float) -> None:
-        if width in self._verify_times:
-            self._verify_times[width].append(verify_s)
-            self.verify_cost = _monotone({w: statistics.median(t) for w, t in self._verify_times.items()})
-
+        """Guesses reached: every accepted one and the first rejected; older evidence decays per guess."""
+        self._behind[req.request_id] = 1
+        reached = min(k, num_accepted + 1)
+        own = self.req_counts.get(req.request_id, (0.0, 0.0))
+        keep = DECAY ** reached
+        self.req_counts[req.request_id] = (own[0] * keep + reached, own[1] * keep + num_accepted)
 
     def end(self, req) -> None:
-        self.req_counts.pop(req.request_id, None)
-        self._since_spec.pop(req.request_id, None)
+        """The request's own α (its recent guesses) moves the engine's, the prior of the next requests."""
+        reached, accepted = self.req_counts.get(req.request_id, (0.0, 0.0))
+        if reached:
+            mix = ENGINE_MIX if self.engine_alpha is not None else 1.0
+            self.engine_alpha = (1 - mix) * (self.engine_alpha or 0.0) + mix * accepted / reached
+        for d in (self.req_counts, self._behind, self._plain_run, self._probe_gap):
+            d.pop(req.request_id, None)
 
 
 def _monotone(costs: dict[int, float]) -> dict[int, float]:
-    """A wider verification never costs less than a narrower one: a timing that says so is noise."""
+    """Guessing more never costs less: a timing that says so is noise."""
     out, running = {}, 0.0
     for w in sorted(costs):
         running = max(running, costs[w])
@@ -160,23 +188,32 @@ def _monotone(costs: dict[int, float]) -> dict[int, float]:
     return out
 
 
-def _time_proposer(proposer, max_k: int, repeats: int) -> dict[int, float]:
-    """Seconds for the proposer to guess k tokens, k = 0..max_k, timed through the protocol on scratch slot 0
-    (before any request uses it) with every guess rejected, so each call has exactly one unseen token."""
+def _timed(device, fn, *args, **kwargs) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    t0 = time.perf_counter()
+    fn(*args, **kwargs)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - t0
+
+
+def _time_proposer(proposer, max_k: int, device) -> tuple[list[float], float]:
+    """Seconds for the proposer to guess k = 1..max_k tokens in the steady state (every guess rejected, so each
+    call has one unseen token), and to guess one after CATCH_UP unseen tokens (plain steps: asked for nothing,
+    told each emitted token), through the protocol on scratch slot 0 (before any request uses it)."""
     from draftwise.sampling import SamplingParams
 
-    greedy = SamplingParams(temperature=0.0)
-    proposer.begin(0, list(range(1, 33)), greedy, None)
-    proposer.propose([0], [1])  # the prompt prefill, not part of the steady state
+    proposer.begin(0, list(range(1, 33)), SamplingParams(temperature=0.0), None)
+    proposer.propose([0], [1])  # the prompt, not part of the steady state
     proposer.accept(0, 0, 1)
-    costs = {0: 0.0}
+    steady = []
     for k in range(1, max_k + 1):
-        times = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            proposer.propose([0], [k])
-            times.append(time.perf_counter() - t0)
-            proposer.accept(0, 0, 1)
-        costs[k] = statistics.median(times)
+        steady.append(_timed(device, proposer.propose, [0], [k]))
+        proposer.accept(0, 0, 1)
+    for _ in range(CATCH_UP - 1):
+        proposer.propose([0], [0])
+        proposer.accept(0, 0, 1)
+    late = _timed(device, proposer.propose, [0], [1])
     proposer.end(0)
-    return costs
+    return steady, late
