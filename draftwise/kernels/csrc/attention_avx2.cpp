@@ -52,24 +52,14 @@ inline __m256 exp8(__m256 x) {
 template <class E>
 void one(const DwAttnArgs* a, int64_t b, int64_t t, int64_t h, float* scratch) {
     const int64_t D = a->D, dp = (D + 15) / 16 * 16;
-    E* o = (E*)a->out + ((b * a->T + t) * a->H + h) * D;
-    if (t >= a->ntok[b]) {
-        for (int64_t d = 0; d < D; ++d) dwattn::store(o, d, 0.0f);
-        return;
-    }
     float* qf = scratch;
     float* res = scratch + dp;
     float* s = scratch + 2 * dp;
-    const int64_t end = a->first[b] + t + 1;
-    const int64_t start = a->window > 0 && end > a->window ? end - a->window : 0;
-    const int64_t L = end - start;
-    const int64_t g = h / (a->H / a->Hkv);
-    const int64_t base = a->slots[b] * a->kv_ss + g * a->kv_sh + start * a->kv_sc;
-    const E* K = (const E*)a->k + base;
-    const E* V = (const E*)a->v + base;
-    const int64_t sc = a->kv_sc;
-    const E* qp = (const E*)a->q + b * a->q_sb + h * a->q_sh + t * a->q_st;
-    for (int64_t d = 0; d < D; ++d) qf[d] = dwattn::load(qp, d);
+    dwattn::Query<E> q;
+    if (!dwattn::query(a, b, t, h, qf, q)) return;
+    E* o = q.o;
+    const E *K = q.K, *V = q.V;
+    const int64_t L = q.L, sc = q.sc;
 
     // scores, 8 keys at a time (missing keys of the last block stay 0 and are not stored)
     const __m256 vscale = _mm256_set1_ps(a->scale);

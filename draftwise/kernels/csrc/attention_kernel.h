@@ -78,28 +78,51 @@ inline float dot(const float* q, const E* k, int64_t D) {
     return fold(acc);
 }
 
+// The keys one query attends to and where its operands live. Every ISA path starts here, so the key range of
+// the row-exact contract (keys [start, first_b + t], start = end - window on sliding layers) is written once.
+template <class E>
+struct Query {
+    E* o;          // the output row [D]
+    const E* K;    // the first key attended; key j at K + j * sc
+    const E* V;    // the first value, same stride
+    int64_t L;     // keys attended
+    int64_t sc;    // key / value stride
+};
+
+// false for a padding query (its output row is zeroed); otherwise its q row is loaded into qf[D] as float
+template <class E>
+inline bool query(const DwAttnArgs* a, int64_t b, int64_t t, int64_t h, float* qf, Query<E>& q) {
+    const int64_t D = a->D;
+    q.o = (E*)a->out + ((b * a->T + t) * a->H + h) * D;
+    if (t >= a->ntok[b]) {
+        for (int64_t d = 0; d < D; ++d) store(q.o, d, 0.0f);
+        return false;
+    }
+    const int64_t end = a->first[b] + t + 1;
+    const int64_t start = a->window > 0 && end > a->window ? end - a->window : 0;
+    const int64_t g = h / (a->H / a->Hkv);
+    const int64_t base = a->slots[b] * a->kv_ss + g * a->kv_sh + start * a->kv_sc;
+    q.K = (const E*)a->k + base;
+    q.V = (const E*)a->v + base;
+    q.L = end - start;
+    q.sc = a->kv_sc;
+    const E* qp = (const E*)a->q + b * a->q_sb + h * a->q_sh + t * a->q_st;
+    for (int64_t d = 0; d < D; ++d) qf[d] = load(qp, d);
+    return true;
+}
+
 // One item: query t of sequence b, head h (see attention.h).
 template <class E>
 void one(const DwAttnArgs* a, int64_t b, int64_t t, int64_t h, float* scratch) {
     const int64_t D = a->D, dp = (D + 15) / 16 * 16;
-    E* o = (E*)a->out + ((b * a->T + t) * a->H + h) * D;
-    if (t >= a->ntok[b]) {
-        for (int64_t d = 0; d < D; ++d) store(o, d, 0.0f);
-        return;
-    }
     float* qf = scratch;       // [dp]
     float* acc = scratch + dp;  // [dp]
     float* s = scratch + 2 * dp;  // [L]
-    const int64_t end = a->first[b] + t + 1;
-    const int64_t start = a->window > 0 && end > a->window ? end - a->window : 0;
-    const int64_t L = end - start;
-    const int64_t g = h / (a->H / a->Hkv);
-    const int64_t base = a->slots[b] * a->kv_ss + g * a->kv_sh + start * a->kv_sc;
-    const E* K = (const E*)a->k + base;
-    const E* V = (const E*)a->v + base;
-    const int64_t sc = a->kv_sc;
-    const E* qp = (const E*)a->q + b * a->q_sb + h * a->q_sh + t * a->q_st;
-    for (int64_t d = 0; d < D; ++d) qf[d] = load(qp, d);
+    Query<E> q;
+    if (!query(a, b, t, h, qf, q)) return;
+    E* o = q.o;
+    const E *K = q.K, *V = q.V;
+    const int64_t L = q.L, sc = q.sc;
 
     float m = -__builtin_inff();
     for (int64_t j = 0; j < L; ++j) {
