@@ -107,7 +107,10 @@ class GrammarCompiler:
             raise ConfigError("structured outputs need an end-of-sequence token id (the tokenizer has none)")
         self.eos_token_ids: tuple[int, ...] = eos
         self.never_allowed = _placeholder_ids(tokenizer)  # [P] int64
-        self.ll_tokenizer = ll.LLTokenizer(backend.to_str(), n_vocab=self.vocab_size, eos_token=list(eos))
+        try:
+            self.ll_tokenizer = ll.LLTokenizer(backend.to_str(), n_vocab=self.vocab_size, eos_token=list(eos))
+        except ValueError as e:  # e.g. a tokenizer.json without a decoder llguidance can read: the request's fault
+            raise ConfigError(f"structured outputs are not available for this model's tokenizer ({e})") from e
         self.cache_size = cache_size
         self._cache: OrderedDict[tuple, CompiledGrammar] = OrderedDict()
         self._lock = threading.Lock()
