@@ -106,3 +106,14 @@ def test_structured_workload_and_validity(tmp_path):
     with pytest.raises(WorkloadError, match="line 1"):
         read_jsonl(write(tmp_path, [{"prompt": "p", "schema": {"type": "objekt"}}]), "user")
     assert Condition("grammar", 2).spec_config() == {"method": "grammar", "num_speculative_tokens": 2}
+
+
+def test_structured_compact_is_the_structured_prompts_without_free_whitespace():
+    from draftwise.structured.spec import parse_structured_outputs
+
+    loose, compact = load_workload("structured"), load_workload("structured-compact")
+    assert [i.item_id for i in compact.items] == [i.item_id for i in loose.items]
+    for a, b in zip(loose.items, compact.items):
+        assert b.messages == a.messages and b.structured_outputs["json"] == a.structured_outputs["json"]
+        assert parse_structured_outputs(b.structured_outputs).compact_json
+        assert not parse_structured_outputs(a.structured_outputs).compact_json

@@ -13,12 +13,13 @@ from pathlib import Path
 
 from draftwise.cli_args import add_model_args, int_list, llm_from_args
 from draftwise.config import DTYPES, WEIGHT_FORMATS, ConfigError
+from draftwise.bench.workloads import BUILTIN
 from draftwise.models.catalog import DEFAULT_DRAFT, DEFAULT_TARGET
 
 
 def add_bench_args(p) -> None:
     add_model_args(p, spec=False)
-    p.add_argument("--workload", default="chat", help="chat | code | longform | FILE.jsonl (comma-separated for several)")
+    p.add_argument("--workload", default="chat", help=" | ".join(BUILTIN) + " | FILE.jsonl (comma-separated for several)")
     p.add_argument("--turns", default="first", choices=["first", "all"], help="MT-Bench files: first turn, or all")
     p.add_argument("--methods", default="none,ngram,draft_model")
     p.add_argument("--num-speculative-tokens", default="2,4,6")

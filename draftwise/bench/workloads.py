@@ -2,7 +2,8 @@
 
 Owns the built-in workflow tests of the seed's protocol (chat, code in two groups, longform), the `structured`
 workload (30 extraction and tool-call chat prompts written for the project, each with its JSON schema: the
-output is constrained to it and its validity is checked, quality.py) and the parser for user files (`prompt` |
+output is constrained to it and its validity is checked, quality.py; `structured-compact` is the same prompts with
+vLLM's `disable_any_whitespace`, the compact JSON of tool calls, where keys and separators are forced) and the parser for user files (`prompt` |
 `messages` | MT-Bench `turns`, one JSON object per line, optionally a `schema` or vLLM `structured_outputs`).
 Every bad line is reported as "FILE line N: what is wrong". Knows nothing of models, timing or HTTP: an Item is data.
 
@@ -66,7 +67,7 @@ class Workload:
         return list(dict.fromkeys(i.group for i in self.items))
 
 
-BUILTIN = ("chat", "code", "longform", "structured")
+BUILTIN = ("chat", "code", "longform", "structured", "structured-compact")
 
 
 def load_workload(spec: str, turns: str = "first") -> Workload:
@@ -78,6 +79,12 @@ def load_workload(spec: str, turns: str = "first") -> Workload:
     if spec == "structured":
         return Workload("structured", read_jsonl(DATA_DIR / "structured.jsonl", "structured"), 256, (1,),
                         "draftwise/bench/data/structured.jsonl")
+    if spec == "structured-compact":
+        items = read_jsonl(DATA_DIR / "structured.jsonl", "structured")
+        for it in items:
+            it.structured_outputs = {**it.structured_outputs, "disable_any_whitespace": True}
+        return Workload("structured-compact", items, 256, (1,),
+                        "draftwise/bench/data/structured.jsonl, disable_any_whitespace")
     if spec == "longform":
         return Workload("longform", read_jsonl(DATA_DIR / "longform.jsonl", "longform"), 1024, (1, 4),
                         "draftwise/bench/data/longform.jsonl")
