@@ -91,6 +91,9 @@ class SpecConfig:
     prompt_lookup_max: int = 3
     draft_dtype: str | None = None
     draft_weights: str | None = None
+    # method draft_model: the draft's output head covers only ids [0, draft_vocab_size) plus the EOS ids
+    # (FR-Spec, spec_decode/draft_model.py); None = the draft's whole vocabulary
+    draft_vocab_size: int | None = None
     # method grammar: the proposer that fills the rest of k after the forced tokens (its own keys, no k)
     then: SpecConfig | None = None
 
@@ -152,7 +155,7 @@ def parse_spec_config(value: str | dict | SpecConfig | None) -> SpecConfig:
     if method == "draft_model" and not d.get("model"):
         raise ConfigError("method draft_model needs \"model\" (a draft model name or path)")
     if method != "draft_model":
-        for key in ("model", "draft_dtype", "draft_weights"):
+        for key in ("model", "draft_dtype", "draft_weights", "draft_vocab_size"):
             if d.get(key) is not None:
                 raise ConfigError(f"speculative-config key {key!r} only applies to method draft_model")
     lo, hi = d.get("prompt_lookup_min", 1), d.get("prompt_lookup_max", 3)
@@ -165,6 +168,10 @@ def parse_spec_config(value: str | dict | SpecConfig | None) -> SpecConfig:
         raise ConfigError(f"draft_dtype must be one of {list(DTYPES)}, got {d['draft_dtype']!r}")
     if d.get("draft_weights") is not None and d["draft_weights"] not in WEIGHT_FORMATS:
         raise ConfigError(f"draft_weights must be one of {list(WEIGHT_FORMATS)}, got {d['draft_weights']!r}")
+    n = d.get("draft_vocab_size")
+    if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+        # the upper bound (the draft's vocabulary) is checked when the draft is loaded (spec_decode/builders.py)
+        raise ConfigError(f"draft_vocab_size must be an integer >= 1 (ids kept in the draft's head), got {n!r}")
     d["method"] = method
     d["num_speculative_tokens"] = 0 if method == "none" else k
     return SpecConfig(**d)

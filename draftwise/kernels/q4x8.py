@@ -340,6 +340,35 @@ class Q4x8Linear(nn.Module):
         y = y.view(*x.shape[:-1], self.out_features)
         return y if y.dtype == x.dtype else y.to(x.dtype)
 
+    def rows(self, n: int) -> Q4x8Linear:
+        """The first n outputs (weight rows) as their own module: the first ceil(n / 16) blocks of every packed
+        buffer, a view (no copy). Bitwise this module's first n outputs: a column is computed from its own block
+        and the row's int8 activations alone (quantized per row, independently of N; see merge_linears)."""
+        if not 0 < n <= self.out_features:
+            raise ValueError(f"rows({n}) of a q4x8 linear with {self.out_features} outputs")
+        nb = -(-n // COLS)
+        b = self._buffers
+        bias = None if b["bias"] is None else b["bias"][:n]
+        mod = Q4x8Linear.from_packed({name: b[name][:nb] for name in self.PACKED}, n, bias)
+        mod.path = self.path
+        return mod
+
+    def blocks_of(self, ids: torch.Tensor) -> tuple[Q4x8Linear, torch.Tensor]:  # ids [M] int64
+        """A module over just the 16-column blocks holding `ids` (copied: a few blocks) and each id's column in
+        its output [M]: module(x)[..., cols] is bitwise this module's outputs at `ids`."""
+        blocks, inverse = torch.unique(ids // COLS, return_inverse=True)  # [nb], [M]
+        b = self._buffers
+        tensors = {name: b[name].index_select(0, blocks.to(b[name].device)) for name in self.PACKED}
+        bias = None
+        if b["bias"] is not None:  # padding columns past out_features get 0
+            bias = torch.zeros(len(blocks) * COLS, device=b["bias"].device)
+            cols = blocks[:, None] * COLS + torch.arange(COLS)  # [nb, 16]
+            real = cols < self.out_features
+            bias.view(-1, COLS)[real] = b["bias"][cols[real]]
+        mod = Q4x8Linear.from_packed(tensors, len(blocks) * COLS, bias)
+        mod.path = self.path
+        return mod, inverse * COLS + ids % COLS
+
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, path={self.path}"
 

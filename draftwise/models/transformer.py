@@ -407,6 +407,7 @@ class Decoder(nn.Module):
         last_only: bool = False,
         logit_index: torch.Tensor | None = None,  # [B]: only this position's logits per row
         num_tokens: list[int] | None = None,  # real tokens per row (the rest is padding): row-exact attention
+        head: nn.Module | None = None,  # in place of lm_head: hidden [..., H] -> logits [..., V] (a draft's own)
     ) -> torch.Tensor:  # [B, T, V] (or [B, 1, V] when last_only / logit_index is given)
         cfg = self.config
         kv_len = int(positions.max()) + 1
@@ -427,7 +428,7 @@ class Decoder(nn.Module):
             x = x[torch.arange(x.shape[0], device=x.device), logit_index][:, None]
         elif last_only:
             x = x[:, -1:]
-        return self.lm_head(self.model.norm(x))
+        return (self.lm_head if head is None else head)(self.model.norm(x))
 
     def _mask(self, kind: str, positions: torch.Tensor, kv_len: int) -> torch.Tensor | None:
         window = self.config.sliding_window if kind == "sliding_attention" else None

@@ -49,7 +49,10 @@ def _build_draft_model(spec: SpecConfig, ctx: ProposerContext) -> Proposer:
     if ctx.target_tokenizer is not None and tok is not None:
         check_compatible(ctx.target_tokenizer, tok, ctx.target_name, spec.model)
     capacity = draft_cache_capacity(ctx.max_model_len, ctx.max_lookahead)
-    return DraftModelProposer(model, ctx.max_num_seqs, capacity, ctx.target_vocab_size)
+    # a trimmed head keeps every id that ends a turn: the tokenizer's and the checkpoint config's EOS ids
+    eos = (*(getattr(tok, "eos_token_ids", None) or ()), *model.config.eos_token_ids)
+    return DraftModelProposer(model, ctx.max_num_seqs, capacity, ctx.target_vocab_size,
+                              draft_vocab_size=spec.draft_vocab_size, eos_token_ids=eos)
 
 
 def _build_grammar(spec: SpecConfig, ctx: ProposerContext) -> Proposer:

@@ -7,11 +7,26 @@ with the request's own temperature/top-k/top-p so rejection sampling compares li
 outputs each slot keeps its own copy of the request's grammar state: guesses are drawn from the draft's
 distribution masked by it (so q is a proper distribution over the allowed ids, as the target's p is), it is
 advanced along the guesses, and `accept` rolls the guesses back and advances what the target emitted.
+
+A trimmed head (`draft_vocab_size`, after FR-Spec: Zhao et al. 2025, "FR-Spec: Accelerating Large-Vocabulary
+Language Models via Frequency-Ranked Speculative Sampling", arXiv 2502.14856; EAGLE-3 drafts over 32k ids too):
+the draft computes logits only for the kept ids — the first `draft_vocab_size` ids plus every EOS id — and
+`TrimmedHead` scatters them into a [..., V] row at -inf, so the draft never proposes another id and its q is 0
+there; everything after (process_logits, grammar masks, sampling, Draft.probs [k, V]) is unchanged, and
+verification keeps the target's distribution for any q the guesses were really drawn from. Which ids: byte-level
+BPE vocabularies (Qwen, GPT-2) number tokens in merge order, which follows corpus frequency, so the first N ids
+stand in for FR-Spec's frequency ranking when no corpus counts are at hand; EOS ids are always kept so the draft
+can still propose the end. On a 151,936-id vocabulary with hidden 896 (qwen2.5-coder-0.5b) the head is 27% of
+the draft's weight reads per token. The head's first N rows are a view of the draft's own lm_head where its
+format allows one (q4x8: whole 16-column blocks, bitwise the full head's logits; dense: row slices); the EOS
+rows are a small copy; other formats (torch int4 / int8 kernels) compute the full head and pick the kept ids.
 Knows nothing of the target model or the engine's scheduling.
 """
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
+from torch import nn
 
 from draftwise.config import ConfigError
 from draftwise.kv_cache import KVCache
@@ -29,9 +44,17 @@ def draft_cache_capacity(max_model_len: int, max_lookahead: int) -> int:
 
 
 class DraftModelProposer:
-    def __init__(self, model, num_slots: int, capacity: int, target_vocab_size: int):
+    def __init__(self, model, num_slots: int, capacity: int, target_vocab_size: int,
+                 draft_vocab_size: int | None = None, eos_token_ids: tuple[int, ...] = ()):
         c = model.config
         self.model = model
+        # the draft's own head over the kept ids (None: the model's lm_head, the whole vocabulary)
+        self.head = None
+        if draft_vocab_size is not None and not 1 <= draft_vocab_size <= c.vocab_size:
+            raise ConfigError(f"draft_vocab_size {draft_vocab_size} must be in 1..{c.vocab_size} "
+                              f"(the draft's vocabulary)")
+        if draft_vocab_size is not None and draft_vocab_size < c.vocab_size:
+            self.head = TrimmedHead(model.lm_head, c.vocab_size, kept_ids(draft_vocab_size, c.vocab_size, eos_token_ids))
         self.cache = KVCache(c.num_layers, num_slots, c.num_kv_heads, capacity, c.head_dim, model.dtype, model.device)
         self.target_vocab_size = target_vocab_size
         # ids the draft can embed: fewer rows than the target (padding) -> the engine masks to the shared ids
@@ -96,6 +119,9 @@ class DraftModelProposer:
                     if done[row]:
                         continue
                     tok, p = self._draw(s, logits[row])
+                    if tok is None:  # a trimmed head under a grammar that admits none of its ids
+                        done[row] = True
+                        continue
                     guesses[row].append(tok)
                     probs[row].append(p)
                     done[row] = len(guesses[row]) >= k or (s in self.grammars and self.grammars[s].is_finished())
@@ -126,12 +152,15 @@ class DraftModelProposer:
         self.cache.truncate(slot, self.seen[slot])  # a forward extends the cache before `seen` moves: never below
         self._rewind_grammar(slot)
 
-    def _draw(self, slot: int, logits: torch.Tensor) -> tuple[int, torch.Tensor | None]:  # logits [V_draft]
+    def _draw(self, slot: int, logits: torch.Tensor) -> tuple[int | None, torch.Tensor | None]:  # logits [V_draft]
+        """One guess and its q [V] (None under greedy); (None, None) when no kept id is allowed."""
         params = self.params[slot]
         logits = _fit_vocab(logits, self.target_vocab_size)
         m = self.grammars.get(slot)
         if m is not None:
             logits = mask_logits(logits, m.allowed(logits.shape[-1]))  # [V]: q lives on the allowed ids
+            if self.head is not None and not bool(torch.isfinite(logits).any()):
+                return None, None  # the grammar admits no id of the trimmed head: no guess here
         if params.greedy:
             tok, q = int(logits.argmax()), None
         else:
@@ -169,12 +198,137 @@ class DraftModelProposer:
             ids[r, : len(toks)] = torch.tensor(toks)
             pos[r] = self.seen[s] + torch.arange(T)  # padding sits past the real tokens and is rolled back below
         dev = self.model.device
-        logits = self.model(ids.to(dev), pos.to(dev), self.cache, torch.tensor(slots, device=dev))
         last = torch.tensor([len(t) - 1 for t in new_tokens], device=dev)
+        # the head only at each row's last real token (a prompt's catch-up would otherwise score every position),
+        # padding told apart by num_tokens (one attention call per layer)
+        logits = self.model(ids.to(dev), pos.to(dev), self.cache, torch.tensor(slots, device=dev), logit_index=last,
+                            num_tokens=[len(t) for t in new_tokens], head=self.head)  # [B, 1, V_draft]
         for s, toks in zip(slots, new_tokens):
             self.seen[s] += len(toks)
             self.cache.truncate(s, self.seen[s])
-        return logits[torch.arange(len(slots), device=dev), last].float()
+        return logits[:, 0].float()
+
+
+# ---- the trimmed head (FR-Spec) ---------------------------------------------------------------------------
+
+def kept_ids(draft_vocab_size: int, vocab: int, eos_token_ids) -> torch.Tensor:  # -> [N + extra] int64
+    """The ids a trimmed head scores: [0, draft_vocab_size) (merge order ~ frequency order), then every EOS id
+    beyond it (sorted), so the draft can still end a turn."""
+    extra = sorted({int(e) for e in eos_token_ids if draft_vocab_size <= int(e) < vocab})
+    return torch.cat([torch.arange(draft_vocab_size), torch.tensor(extra, dtype=torch.int64)])
+
+
+class TrimmedHead(nn.Module):
+    """hidden [..., H] -> logits [..., V] with the scores of `ids` only and -inf elsewhere.
+
+    `ids` [M]: a prefix 0..n-1 then any other ids (the EOS ids). The prefix is a row view of `head` (q4x8:
+    Q4x8Linear.rows; dense weights: a slice), the rest a small module over just their rows; a head of another
+    format is computed whole and the kept ids picked (the same logits, no saving)."""
+
+    def __init__(self, head: nn.Module, vocab: int, ids: torch.Tensor):  # ids [M] int64
+        super().__init__()
+        n = int((ids == torch.arange(len(ids))).cumprod(0).sum())  # length of the 0..n-1 prefix
+        self.vocab, self.n = vocab, n
+        self.first = _head_rows(head, n) if n else None  # [..., n]
+        self.rest_ids = ids[n:] if self.first is not None else ids  # [M - n], or all M without a prefix view
+        self.rest = _head_gather(head, self.rest_ids) if len(self.rest_ids) else None
+        if self.first is None:
+            self.n = 0
+        # weight rows read per token (x hidden = the head's weights; the full head reads `vocab` rows)
+        self.rows_read = sum(_rows_read(m) for m in (self.first, self.rest) if m is not None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [..., H] -> logits [..., V]
+        parts = [m(x) for m in (self.first, self.rest) if m is not None]  # [..., n], [..., M - n]
+        out = torch.full((*parts[0].shape[:-1], self.vocab), float("-inf"), dtype=parts[0].dtype,
+                         device=parts[0].device)
+        if self.first is not None:
+            out[..., : self.n] = parts[0]
+        if self.rest is not None:
+            out[..., self.rest_ids.to(out.device)] = parts[-1].to(out.dtype)
+        return out
+
+
+class _Columns(nn.Module):
+    """module(x)[..., cols]: a head over more outputs than wanted (whole q4x8 blocks, or a whole head)."""
+
+    def __init__(self, module: nn.Module, cols: torch.Tensor):  # cols [M] int64
+        super().__init__()
+        self.module, self.cols = module, cols
+        self.in_features, self.out_features = getattr(module, "in_features", None), len(cols)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [..., H] -> [..., M]
+        y = self.module(x)
+        return y.index_select(-1, self.cols.to(y.device))
+
+
+class _DenseRows(nn.Module):
+    """F.linear over some rows of a dense head's weight, in the weight's dtype as the dense kernels compute."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):  # weight [M, H], bias [M]
+        super().__init__()
+        self.weight, self.bias = weight, bias
+        self.out_features, self.in_features = weight.shape
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [..., H] -> [..., M]
+        return F.linear(x.to(self.weight.dtype), self.weight, self.bias).to(x.dtype)
+
+
+def _dense_weight(head: nn.Module) -> torch.Tensor | None:  # -> weight [V, H] of a dense head, else None
+    from draftwise.kernels.linear import DenseBF16, DenseF32
+
+    if isinstance(head, (nn.Linear, DenseF32, DenseBF16)):
+        return head.weight.detach()
+    return None
+
+
+def _head_rows(head: nn.Module, n: int) -> nn.Module | None:
+    """A module computing `head`'s first n outputs from views of its weights; None for a format without one."""
+    from draftwise.kernels.linear import Q4x8
+    from draftwise.kernels.q4x8 import Q4x8Linear
+    from draftwise.models.quant import SplitLinear
+
+    if isinstance(head, Q4x8Linear):
+        return head.rows(n)
+    if isinstance(head, Q4x8):
+        return head.inner.rows(n)
+    if isinstance(head, SplitLinear):
+        step, prefill = _head_rows(head.step, n), _head_rows(head.prefill, n)
+        return None if step is None or prefill is None else SplitLinear(step, prefill)
+    w = _dense_weight(head)
+    if w is not None:
+        b = head.bias
+        return _DenseRows(w[:n], None if b is None else b.detach()[:n])
+    return None
+
+
+def _head_gather(head: nn.Module, ids: torch.Tensor) -> nn.Module:  # ids [M] int64
+    """A module computing `head`'s outputs at `ids` [..., M]: q4x8 over the few blocks holding them (bitwise the
+    full head's), dense over the gathered rows, else the whole head with the columns picked."""
+    from draftwise.kernels.linear import Q4x8
+    from draftwise.kernels.q4x8 import Q4x8Linear
+    from draftwise.models.quant import SplitLinear
+
+    if isinstance(head, Q4x8):
+        head = head.inner
+    if isinstance(head, Q4x8Linear):
+        return _Columns(*head.blocks_of(ids))
+    if isinstance(head, SplitLinear):
+        return SplitLinear(_head_gather(head.step, ids), _head_gather(head.prefill, ids))
+    w = _dense_weight(head)
+    if w is not None:
+        b = head.bias
+        return _DenseRows(w.index_select(0, ids.to(w.device)),
+                          None if b is None else b.detach().index_select(0, ids.to(b.device)))
+    return _Columns(head, ids)
+
+
+def _rows_read(module: nn.Module) -> int:
+    """Weight rows a head part reads per call (q4x8: whole 16-column blocks; the whole head for a fallback)."""
+    if isinstance(module, _Columns):
+        return _rows_read(module.module)
+    if hasattr(module, "step"):  # SplitLinear: one half runs per call
+        return _rows_read(module.step)
+    return int(module.out_features)
 
 
 def _fit_vocab(logits: torch.Tensor, vocab: int) -> torch.Tensor:
