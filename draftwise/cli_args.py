@@ -20,6 +20,15 @@ def int_list(s: str) -> list[int]:
         raise ConfigError(f"expected comma-separated integers, got {s!r}") from None
 
 
+def k_list(s: str) -> list[int | str]:
+    """--num-speculative-tokens: '2,4,auto' -> [2, 4, 'auto'] ('auto': the cost-model policy), or a ConfigError."""
+    parts = [x.strip() for x in s.split(",") if x.strip()]
+    try:
+        return [x if x == "auto" else int(x) for x in parts]
+    except ValueError:
+        raise ConfigError(f"expected comma-separated integers or 'auto', got {s!r}") from None
+
+
 def add_model_args(p: argparse.ArgumentParser, spec: bool = True) -> None:
     p.add_argument("--model", default=DEFAULT_TARGET, help="catalog name, .gguf file, HF checkpoint dir or hub id")
     p.add_argument("--dtype", default="auto", choices=list(DTYPES),

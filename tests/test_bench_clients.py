@@ -121,3 +121,22 @@ def test_http_client_counts_an_in_stream_error_as_an_error():
         assert results[name].error and "engine failed: out of memory" in results[name].error, name
     assert results["fine"].error is None and results["fine"].text == "partial!"
     assert results["fine"].num_output_tokens == 2
+
+
+def test_k_auto_is_a_bench_condition(tmp_path):
+    from draftwise.bench.tune import vllm_line
+    from draftwise.cli_args import k_list
+    from draftwise.config import ConfigError
+
+    assert k_list("2, 4,auto") == [2, 4, "auto"]
+    with pytest.raises(ConfigError, match="'auto'"):
+        k_list("2,fast")
+    conds = conditions_from(["none", "ngram"], ["auto"], None)
+    assert conds[1].id == "ngram-kauto" and conds[1].spec_config() == {"method": "ngram", "num_speculative_tokens": "auto"}
+    assert "--speculative-config" not in vllm_line("qwen2.5-coder-1.5b-instruct", conds[1].spec_config())
+    client = InProcessClient(tiny_llm(max_num_seqs=1, max_lookahead=8), draft="tiny-draft")
+    opts = BenchOptions([tiny_workload()], conds, tmp_path / "out", warmup=1, requests=3, concurrency=[1],
+                        progress=False, plots=False)
+    seg = run_bench(client, opts)["segments"]["tiny@c1"]
+    assert seg["conditions"]["ngram-kauto"]["n"] == 3 and seg["conditions"]["ngram-kauto"]["errors"] == 0
+    assert seg["quality"]["identical"]["ngram-kauto"]["share"] == 1.0

@@ -11,8 +11,8 @@ import sys
 import time
 from pathlib import Path
 
-from draftwise.cli_args import add_model_args, int_list, llm_from_args
-from draftwise.config import DTYPES, WEIGHT_FORMATS, ConfigError
+from draftwise.cli_args import add_model_args, int_list, k_list, llm_from_args
+from draftwise.config import DTYPES, WEIGHT_FORMATS, ConfigError, parse_spec_config
 from draftwise.bench.workloads import BUILTIN
 from draftwise.models.catalog import DEFAULT_DRAFT, DEFAULT_TARGET
 
@@ -22,7 +22,8 @@ def add_bench_args(p) -> None:
     p.add_argument("--workload", default="chat", help=" | ".join(BUILTIN) + " | FILE.jsonl (comma-separated for several)")
     p.add_argument("--turns", default="first", choices=["first", "all"], help="MT-Bench files: first turn, or all")
     p.add_argument("--methods", default="none,ngram,draft_model")
-    p.add_argument("--num-speculative-tokens", default="2,4,6")
+    p.add_argument("--num-speculative-tokens", default="2,4,6",
+                   help="comma list of k; 'auto' = the cost-model policy that picks k per step (or plain decoding)")
     p.add_argument("--draft", default=DEFAULT_DRAFT, help="draft model for method draft_model")
     p.add_argument("--draft-dtype", default=None, choices=list(DTYPES), help="default: the target's --dtype")
     p.add_argument("--draft-weights", default=None, choices=list(WEIGHT_FORMATS))
@@ -76,7 +77,7 @@ def make_client(args, conditions):
     from draftwise.bench.clients import InProcessClient
 
     conc = max(int_list(args.concurrency) if args.concurrency else [4 if "longform" in args.workload else 1])
-    k_max = max([c.k for c in conditions] + [0])
+    k_max = max([parse_spec_config(c.spec_config()).max_speculative_tokens for c in conditions] + [0])
     llm = llm_from_args(args, max_num_seqs=max(conc, 1), speculative_config=None, max_lookahead=k_max)
     return InProcessClient(llm, args.draft, args.draft_dtype, args.draft_weights)
 
@@ -88,7 +89,7 @@ def cmd_bench(args) -> int:
     if args.endpoint:
         conditions = endpoint_conditions(args.endpoint)
     else:
-        conditions = conditions_from([m.strip() for m in args.methods.split(",")], int_list(args.num_speculative_tokens),
+        conditions = conditions_from([m.strip() for m in args.methods.split(",")], k_list(args.num_speculative_tokens),
                                      args.draft)
     opts = options_from_args(args, conditions)
     rep = run_bench(make_client(args, conditions), opts)
@@ -103,7 +104,7 @@ def cmd_bench(args) -> int:
 def cmd_demo(args) -> int:
     """A quick bench on the default pair: few requests (below protocol, marked so), well under 10 minutes."""
     args.workload, args.turns = "chat,code", "first"
-    args.methods, args.num_speculative_tokens = "none,ngram,draft_model", "3"
+    args.methods, args.num_speculative_tokens = "none,ngram,draft_model", "auto"
     args.warmup, args.requests, args.concurrency = 1, args.requests, None
     args.temperature, args.top_p = 0.0, 1.0
     args.endpoint, args.api_key, args.served_model = [], None, None
@@ -126,7 +127,7 @@ def cmd_tune(args) -> int:
     from draftwise.bench.tune import choose, spec_config_for, vllm_line
 
     conditions = conditions_from(["none"] + [m.strip() for m in args.methods.split(",") if m.strip() != "none"],
-                                 int_list(args.num_speculative_tokens), args.draft)
+                                 k_list(args.num_speculative_tokens), args.draft)
     rep = run_bench(make_client(args, conditions), options_from_args(args, conditions))
     print(report_mod.text_table(rep))
     pick = choose(rep)

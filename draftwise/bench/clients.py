@@ -32,7 +32,7 @@ class Condition:
     """One arm of the comparison: a speculation method and k (or a named endpoint)."""
 
     method: str = "none"
-    k: int = 0
+    k: int | str = 0  # guesses per step, or "auto" (the engine's cost-model policy)
     draft: str | None = None
     endpoint: str | None = None  # HTTP mode: the server that runs this condition
     label: str | None = None

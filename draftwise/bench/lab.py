@@ -40,7 +40,7 @@ class BenchOptions:
 METHODS = ("ngram", "draft_model", "grammar", "grammar+ngram", "grammar+draft_model")
 
 
-def conditions_from(methods: list[str], ks: list[int], draft: str | None) -> list[Condition]:
+def conditions_from(methods: list[str], ks: list[int | str], draft: str | None) -> list[Condition]:
     """methods × k, with `none` once (k = 0) and first: the baseline every other condition is paired with."""
     conds = [Condition("none", 0)] if "none" in methods else []
     for m in methods:

@@ -56,5 +56,7 @@ def vllm_line(target: str, spec: dict | None) -> str:
             s.setdefault("prompt_lookup_min", 1)
         if "model" in s:
             s["model"] = hub_id(s["model"])
+        if s.get("num_speculative_tokens") == "auto":  # draftwise's cost-model policy; vLLM takes a fixed k
+            return line + "  # vLLM has no adaptive k: use the best fixed-k condition of the table instead"
         line += f" --speculative-config '{json.dumps(s)}'"
     return line
