@@ -15,6 +15,7 @@ import torch
 
 from draftwise.config import ConfigError, EngineConfig, SpecConfig, parse_spec_config
 from draftwise.engine import Engine, Request
+from draftwise.kernels.threads import ThreadGuard
 from draftwise.models.transformer import Decoder
 from draftwise.output import TextStream
 from draftwise.sampling import SamplingParams
@@ -118,10 +119,11 @@ class LLM:
         seed: int = 0,
         cache_dir: str | None = None,
         max_lookahead: int | None = None,
+        thread_guard: bool = True,
     ):
         config = EngineConfig(model=model, dtype=dtype, device=device, weights=weights, threads=threads,
                               max_num_seqs=max_num_seqs, max_model_len=max_model_len,
-                              spec_config=parse_spec_config(speculative_config), seed=seed)
+                              spec_config=parse_spec_config(speculative_config), seed=seed, thread_guard=thread_guard)
         if threads:
             torch.set_num_threads(threads)
         t0 = time.perf_counter()
@@ -167,7 +169,17 @@ class LLM:
         eos = tuple(tokenizer.eos_token_ids) or tuple(mc.eos_token_ids)
         self.eos_token_ids = eos  # what ends a sequence; a grammar allows them exactly when the output is complete
         self.engine = Engine(model, proposer, lookahead, config.max_num_seqs, self.max_model_len, eos,
-                             seed=config.seed, k_policy=k_policy)
+                             seed=config.seed, k_policy=k_policy, thread_guard=self._thread_guard(config, model_info))
+
+    @staticmethod
+    def _thread_guard(config: EngineConfig, model_info: dict) -> ThreadGuard | None:
+        """A ThreadGuard where a thread count cannot change a result: on the CPU, with q4x8 for every width (it
+        splits work by output column, never a reduction; so do our attention and glue ops). Torch's dense and
+        int4 kernels may split a reduction by thread, so there the thread count stays as set."""
+        kernels = model_info.get("kernels") or {}
+        if not config.thread_guard or config.device != "cpu" or {kernels.get("step"), kernels.get("prefill")} != {"q4x8"}:
+            return None
+        return ThreadGuard(config.threads or torch.get_num_threads())
 
     # ---- speculation --------------------------------------------------------------------------
     @property

@@ -38,6 +38,9 @@ def add_model_args(p: argparse.ArgumentParser, spec: bool = True) -> None:
                    help="weight format of the linear layers; auto: the kernels measured fastest on this machine "
                         "for this model (`draftwise kernels` shows the table)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--no-thread-guard", dest="thread_guard", action="store_false",
+                   help="keep --threads even while other processes hold cores (default: fewer threads then, "
+                        "with q4x8 kernels, where results cannot change)")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=8)
     p.add_argument("--seed", type=int, default=0, help="engine seed (requests without their own seed derive from it)")
@@ -51,7 +54,8 @@ def llm_from_args(args, **overrides):
 
     kw = dict(model=args.model, dtype=args.dtype, device=args.device, weights=args.weights, threads=args.threads,
               max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs, seed=args.seed,
-              speculative_config=getattr(args, "speculative_config", None))
+              speculative_config=getattr(args, "speculative_config", None),
+              thread_guard=getattr(args, "thread_guard", True))
     kw.update(overrides)
     return LLM(**kw)
 

@@ -215,6 +215,8 @@ class EngineConfig:
     max_model_len: int | None = None  # None = min(model's context, 4096)
     spec_config: SpecConfig = field(default_factory=SpecConfig)
     seed: int = 0
+    # fewer torch threads while other processes hold cores (kernels/threads.py); only where results can't change
+    thread_guard: bool = True
 
     def __post_init__(self):
         if self.dtype not in DTYPES:

@@ -24,6 +24,7 @@ from typing import Callable
 import torch
 
 from draftwise.config import ConfigError
+from draftwise.kernels.threads import ThreadGuard
 from draftwise.kv_cache import KVCache
 from draftwise.models.transformer import Decoder
 from draftwise.sampling import SamplingParams, make_generator
@@ -95,9 +96,11 @@ class Engine:
         eos_token_ids: tuple[int, ...],
         seed: int = 0,
         k_policy: KPolicy | None = None,
+        thread_guard: ThreadGuard | None = None,
     ):
         c = target.config
         self.target = target
+        self.thread_guard = thread_guard  # fewer torch threads while other processes hold cores (kernels/threads.py)
         self.max_lookahead = max_lookahead  # the most guesses any step may verify: sizes the cache's look-ahead
         self.max_model_len = max_model_len
         self.eos_token_ids = set(eos_token_ids)
@@ -181,6 +184,8 @@ class Engine:
     # ---- one step -----------------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
         outputs: list[StepOutput] = []
+        if self.thread_guard is not None:
+            self.thread_guard.tick()
         # admit waiting requests up to a prompt-token budget, so running sequences keep decoding meanwhile
         admit, budget = [], PREFILL_TOKENS_PER_STEP
         while self.waiting and len(admit) < len(self.free_slots):

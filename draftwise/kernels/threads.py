@@ -1,0 +1,91 @@
+"""Intra-op threads under CPU contention: fewer torch threads while other processes hold cores.
+
+Every parallel region of a forward (a q4x8 projection, an attention call: ~700 per 1-row forward of the 1.5B)
+ends at a barrier that waits for all of torch's threads. When another process takes a core, each barrier waits
+for a descheduled thread's next time slice. Measured on a 2-core Zen 4 (scripts/verify_cost.py, two processes at
+once): a 1-row forward of qwen2.5-coder-1.5b took 179-198 ms with 2 threads each and 62-65 ms with 1 thread each
+(37 ms alone); beside one `yes` hog 110 ms with 2 threads and 81 ms with 1.
+
+ThreadGuard measures, over windows of at least WINDOW_S, how many cores the OTHER processes keep busy:
+(busy jiffies of the whole machine from /proc/stat − this process's CPU time from /proc/self/stat) / jiffies per
+core, and runs with threads = max(1, min(requested, cores − others rounded to the nearest core)) once two
+windows in a row agree.
+With the machine to itself it returns to the requested count. The engine calls `tick` once per step; it costs
+two small file reads per window. Used only where a thread count cannot change a result (api.py: kernels that
+split work by output, never a reduction, i.e. q4x8 and our attention), so greedy output stays identical.
+Knows nothing of models or of the engine; Linux only (no /proc/stat: never changes anything).
+"""
+from __future__ import annotations
+
+import os
+import sys
+import time
+from collections.abc import Callable
+
+import torch
+
+WINDOW_S = 1.0  # seconds of engine time per measurement window
+
+
+def read_proc() -> tuple[int, int] | None:
+    """(busy jiffies of all CPUs, CPU jiffies of this process) or None where /proc is missing."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(v) for v in f.readline().split()[1:]]
+        with open("/proc/self/stat") as f:
+            stat = f.read().rsplit(")", 1)[1].split()  # after the command name, which may hold spaces
+    except (OSError, ValueError, IndexError):
+        return None
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+    return sum(fields[:8]) - idle, int(stat[11]) + int(stat[12])  # user..steal busy; utime + stime
+
+
+def threads_for(requested: int, cores: int, others: float) -> int:
+    """Threads to run with when other processes keep `others` cores busy (pure; tests inject the numbers)."""
+    return max(1, min(requested, cores - int(max(0.0, others) + 0.5)))
+
+
+class ThreadGuard:
+    def __init__(self, requested: int | None = None, cores: int | None = None,
+                 read: Callable[[], tuple[int, int] | None] = read_proc, clock: Callable[[], float] = time.monotonic,
+                 set_threads: Callable[[int], None] = torch.set_num_threads, hz: int | None = None,
+                 log: bool = True):
+        self.requested = requested or torch.get_num_threads()
+        if cores is None:
+            cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        self.cores = cores
+        self.read, self.clock, self.set_threads, self.log = read, clock, set_threads, log
+        self.hz = hz or (os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100)
+        self.threads = self.requested
+        self.others = 0.0  # cores the other processes kept busy in the last window
+        self.changes = 0
+        self._last = (self.clock(), self.read())
+        self._proposal: int | None = None  # the previous window's count, if it differed from the current one
+
+    def tick(self) -> int | None:
+        """Call once per engine step. Returns the new thread count when it changed, else None."""
+        now = self.clock()
+        t0, prev = self._last
+        if now - t0 < WINDOW_S or prev is None:
+            return None
+        cur = self.read()
+        self._last = (now, cur)
+        if cur is None:
+            return None
+        per_core = (now - t0) * self.hz  # jiffies one core has in the window
+        self.others = max(0.0, ((cur[0] - prev[0]) - (cur[1] - prev[1])) / per_core)
+        want = threads_for(self.requested, self.cores, self.others)
+        if want == self.threads:
+            self._proposal = None
+            return None
+        if self._proposal != want:  # one window is a blip: wait for a second that agrees
+            self._proposal = want
+            return None
+        self._proposal = None
+        if self.log:
+            print(f"draftwise: other processes keep ~{self.others:.1f} of {self.cores} cores busy: {want} torch "
+                  f"thread(s) (was {self.threads})", file=sys.stderr)
+        self.threads = want
+        self.changes += 1
+        self.set_threads(want)
+        return want
