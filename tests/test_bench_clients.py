@@ -37,6 +37,7 @@ def test_in_process_conditions_share_one_engine(tmp_path):
     # greedy speculation reproduces plain greedy output token for token, under every condition
     assert all(q["share"] == 1.0 for q in seg["quality"]["identical"].values())
     assert rep["manifest"]["client"]["draft"] == {"name": "tiny-draft"}
+    assert rep["manifest"]["client"]["thread_guard"] is None  # from_parts: no kernels info, no guard
 
 
 def test_parse_spec_metrics_vllm_and_ours():

@@ -77,11 +77,18 @@ def test_no_proc_means_no_change():
 
 
 def test_read_proc_reads_this_machine():
+    from draftwise.kernels.threads import our_cpus
+
     r = read_proc()
     if r is None:
         pytest.skip("no /proc here")
     busy, mine = r
     assert busy >= mine >= 0
+    cpus = our_cpus()
+    if cpus:
+        ours = read_proc(cpus)
+        assert ours is not None and 0 <= ours[0] <= read_proc()[0] + 100  # our CPUs' busy time, within a tick
+        assert read_proc({max(cpus) + 1000})[0] == 0  # a CPU that does not exist is never busy
 
 
 def test_engine_ticks_the_guard_once_per_step():

@@ -196,9 +196,12 @@ class InProcessClient:
 
     def manifest(self) -> dict:
         llm = self.llm
+        g = llm.engine.thread_guard  # a guard that changed the thread count mid-run says so here
         return {"mode": "in-process", "target": llm.model_info, "draft": self.draft_info,
                 "max_model_len": llm.max_model_len, "max_num_seqs": llm.config.max_num_seqs,
-                "device": llm.config.device, "seed": llm.config.seed}
+                "device": llm.config.device, "seed": llm.config.seed,
+                "thread_guard": None if g is None else {"requested": g.requested, "threads": g.threads,
+                                                        "changes": g.changes}}
 
     def memory(self) -> dict:
         out = {"peak_rss_bytes": peak_rss_bytes()}

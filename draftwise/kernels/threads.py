@@ -7,8 +7,8 @@ once): a 1-row forward of qwen2.5-coder-1.5b took 179-198 ms with 2 threads each
 (37 ms alone); beside one `yes` hog 110 ms with 2 threads and 81 ms with 1.
 
 ThreadGuard measures, over windows of at least WINDOW_S, how many cores the OTHER processes keep busy:
-(busy jiffies of the whole machine from /proc/stat − this process's CPU time from /proc/self/stat) / jiffies per
-core, and runs with threads = max(1, min(requested, cores − others rounded to the nearest core)) once two
+(busy jiffies of the CPUs this process may run on, from /proc/stat − this process's CPU time from
+/proc/self/stat) / jiffies per core, and runs with threads = max(1, min(requested, cores − others rounded to the nearest core)) once two
 windows in a row agree.
 With the machine to itself it returns to the requested count. The engine calls `tick` once per step; it costs
 two small file reads per window. Used only where a thread count cannot change a result (api.py: kernels that
@@ -27,17 +27,29 @@ import torch
 WINDOW_S = 1.0  # seconds of engine time per measurement window
 
 
-def read_proc() -> tuple[int, int] | None:
-    """(busy jiffies of all CPUs, CPU jiffies of this process) or None where /proc is missing."""
+def our_cpus() -> set[int] | None:
+    """The CPUs this process may run on (None where the OS does not say)."""
+    return set(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
+
+
+def read_proc(cpus: set[int] | None = None) -> tuple[int, int] | None:
+    """(busy jiffies of `cpus` — all CPUs when None —, CPU jiffies of this process) or None where /proc is missing.
+    Only our own CPUs count: a neighbour pinned to other CPUs takes nothing from us."""
     try:
+        busy = 0
         with open("/proc/stat") as f:
-            fields = [int(v) for v in f.readline().split()[1:]]
+            for line in f:
+                name, *values = line.split()
+                if not name.startswith("cpu"):
+                    break
+                if (cpus is None and name == "cpu") or (cpus is not None and name[3:].isdigit() and int(name[3:]) in cpus):
+                    fields = [int(v) for v in values]
+                    busy += sum(fields[:8]) - fields[3] - (fields[4] if len(fields) > 4 else 0)  # minus idle, iowait
         with open("/proc/self/stat") as f:
             stat = f.read().rsplit(")", 1)[1].split()  # after the command name, which may hold spaces
     except (OSError, ValueError, IndexError):
         return None
-    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
-    return sum(fields[:8]) - idle, int(stat[11]) + int(stat[12])  # user..steal busy; utime + stime
+    return busy, int(stat[11]) + int(stat[12])  # utime + stime
 
 
 def threads_for(requested: int, cores: int, others: float) -> int:
@@ -47,14 +59,14 @@ def threads_for(requested: int, cores: int, others: float) -> int:
 
 class ThreadGuard:
     def __init__(self, requested: int | None = None, cores: int | None = None,
-                 read: Callable[[], tuple[int, int] | None] = read_proc, clock: Callable[[], float] = time.monotonic,
+                 read: Callable[[], tuple[int, int] | None] | None = None, clock: Callable[[], float] = time.monotonic,
                  set_threads: Callable[[int], None] = torch.set_num_threads, hz: int | None = None,
                  log: bool = True):
         self.requested = requested or torch.get_num_threads()
-        if cores is None:
-            cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-        self.cores = cores
-        self.read, self.clock, self.set_threads, self.log = read, clock, set_threads, log
+        cpus = our_cpus()
+        self.cores = cores or (len(cpus) if cpus else os.cpu_count() or 1)
+        self.read = read or (lambda: read_proc(cpus))
+        self.clock, self.set_threads, self.log = clock, set_threads, log
         self.hz = hz or (os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100)
         self.threads = self.requested
         self.others = 0.0  # cores the other processes kept busy in the last window
