@@ -179,7 +179,7 @@ class LLM:
         kernels = model_info.get("kernels") or {}
         if not config.thread_guard or config.device != "cpu" or {kernels.get("step"), kernels.get("prefill")} != {"q4x8"}:
             return None
-        return ThreadGuard(config.threads or torch.get_num_threads())
+        return ThreadGuard(config.threads)  # None: the thread count torch runs with now
 
     # ---- speculation --------------------------------------------------------------------------
     @property

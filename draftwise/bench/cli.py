@@ -11,9 +11,9 @@ import sys
 import time
 from pathlib import Path
 
+from draftwise.bench.workloads import BUILTIN
 from draftwise.cli_args import add_model_args, int_list, k_list, llm_from_args
 from draftwise.config import DTYPES, WEIGHT_FORMATS, ConfigError, parse_spec_config
-from draftwise.bench.workloads import BUILTIN
 from draftwise.models.catalog import DEFAULT_DRAFT, DEFAULT_TARGET
 
 

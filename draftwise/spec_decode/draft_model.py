@@ -228,12 +228,12 @@ class TrimmedHead(nn.Module):
     def __init__(self, head: nn.Module, vocab: int, ids: torch.Tensor):  # ids [M] int64
         super().__init__()
         n = int((ids == torch.arange(len(ids))).cumprod(0).sum())  # length of the 0..n-1 prefix
-        self.vocab, self.n = vocab, n
         self.first = _head_rows(head, n) if n else None  # [..., n]
-        self.rest_ids = ids[n:] if self.first is not None else ids  # [M - n], or all M without a prefix view
+        if self.first is None:  # no prefix view for this format: every kept id goes through `rest`
+            n = 0
+        self.vocab, self.n = vocab, n
+        self.rest_ids = ids[n:]  # [M - n]
         self.rest = _head_gather(head, self.rest_ids) if len(self.rest_ids) else None
-        if self.first is None:
-            self.n = 0
         # weight rows read per token (x hidden = the head's weights; the full head reads `vocab` rows)
         self.rows_read = sum(_rows_read(m) for m in (self.first, self.rest) if m is not None)
 
