@@ -6,6 +6,7 @@ schema) and turning finished engine requests into RequestOutputs with timing and
 """
 from __future__ import annotations
 
+import os
 import time
 import uuid
 from dataclasses import dataclass, field, replace
@@ -15,6 +16,7 @@ import torch
 
 from draftwise.config import ConfigError, EngineConfig, SpecConfig, parse_spec_config
 from draftwise.engine import Engine, Request
+from draftwise.kernels import hugepages
 from draftwise.kernels.threads import ThreadGuard
 from draftwise.models.transformer import Decoder
 from draftwise.output import TextStream
@@ -95,6 +97,9 @@ def load_model(name: str, dtype: str = "auto", device: str = "cpu", weights: str
     info = dict(ckpt.info, dtype=plan.dtype, weights=plan.weights)
     if plan.kernels() is not None:
         info["kernels"] = plan.kernels()
+    if device == "cpu" and os.environ.get("DRAFTWISE_HUGE_PAGES", "1") != "0":  # weights streamed per step: 2 MiB pages
+        placed = hugepages.place_in_huge_pages(model)
+        info["huge_pages"] = {"thp": placed["mode"], "bytes": placed["moved_bytes"]}
     return model, ckpt.tokenizer, info
 
 

@@ -14,4 +14,6 @@ get back modules with `forward(x [..., K]) -> [..., N]`.
     glue.py      the decoder's glue between the matmuls as row-exact C++ ops (in q4x8's library)
     linear.py    every implementation behind one interface (IMPLS), each with where it runs and its tolerance
     autotune.py  time the candidates on real shapes, choose one step kernel and one prefill kernel, cache it
+    threads.py   fewer torch threads while other processes hold cores (q4x8 plans), back when they stop
+    hugepages.py a loaded model's weight storages moved into transparent huge pages (2 MiB), bitwise the same
 """

@@ -1,7 +1,8 @@
 """Machine probe: what this CPU can do, as the kernels and the autotuner need to know it.
 
 Owns: reading instruction-set flags (/proc/cpuinfo on Linux, sysctl on macOS), the CPU model name,
-torch's own view (ATen CPU capability, threads, version) and a short measured memory bandwidth.
+torch's own view (ATen CPU capability, threads, version), the kernel's transparent-huge-page policy
+(kernels/hugepages.py places weights there) and a short measured memory bandwidth.
 Knows nothing of models or of which kernel is chosen; `probe()` returns a plain dict (JSON-able)
 that bench manifests can record as it is, and `format_probe()` prints it for people.
 """
@@ -13,6 +14,8 @@ import subprocess
 import time
 
 import torch
+
+from draftwise.kernels.hugepages import thp_mode
 
 # flag names as /proc/cpuinfo spells them (x86) -> the key we report
 X86_FLAGS = (
@@ -94,6 +97,7 @@ def probe(bandwidth: bool = True, refresh: bool = False) -> dict:
         "os_cpus": os.cpu_count(),
         "torch_version": torch.__version__,
         "fbgemm": "fbgemm" in torch.backends.quantized.supported_engines,
+        "thp": thp_mode(),
     }
     if bandwidth:
         out["bandwidth_gbs"] = round(measure_bandwidth(), 1)
@@ -113,6 +117,9 @@ def format_probe(p: dict) -> str:
         (f"torch             {p['torch_version']}, ATen capability {p['torch_cpu_capability']}, "
         f"{p['torch_threads']} threads, fbgemm {'yes' if p['fbgemm'] else 'no'}"),
     ]
+    if "thp" in p:  # probes recorded before it was added lack it
+        lines.append(f"huge pages        transparent, policy {p['thp']!r}"
+                     + (" (weights placed there at load)" if p["thp"] in ("madvise", "always") else ""))
     if "bandwidth_gbs" in p:
         lines.append(f"memory read       {p['bandwidth_gbs']:.1f} GB/s (measured, {p['torch_threads']} threads)")
     return "\n".join(lines)
