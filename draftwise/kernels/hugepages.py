@@ -47,7 +47,7 @@ def huge_bytes() -> int | None:
     return None
 
 
-def _tensors(module: nn.Module):  # (owner, kind, name, tensor) for every parameter and buffer, each once
+def tensors_of(module: nn.Module):  # (owner, kind, name, tensor): every parameter and buffer slot of a module tree
     for owner in module.modules():
         for name, p in owner._parameters.items():
             if p is not None:
@@ -70,7 +70,7 @@ def place_in_huge_pages(module: nn.Module, min_bytes: int = MIN_BYTES, mode: str
         return report
     groups: dict[int, list] = {}  # storage data_ptr -> [(owner, kind, name, tensor, offset, size, stride), ...]
     sizes: dict[int, int] = {}
-    for owner, kind, name, t in _tensors(module):
+    for owner, kind, name, t in tensors_of(module):
         if t.device.type != "cpu":
             continue
         st = t.untyped_storage()
