@@ -315,8 +315,8 @@ class Engine:
         # accepted guesses discarded after a stop (EOS, stop string) inside the run do not count as accepted;
         # every step is counted in the k histogram (k = 0: a plain step, e.g. chosen by the adaptive policy)
         num_accepted = min(res.num_accepted, len(emitted))
-        r.spec_stats.record(k, num_accepted, num_forced=d.num_forced)
-        self.stats.record(k, num_accepted, num_forced=d.num_forced)
+        r.spec_stats.record(k, num_accepted, forced=d.forced)
+        self.stats.record(k, num_accepted, forced=d.forced)
         if not r.finished:
             self.proposer.accept(slot, res.num_accepted, res.token_ids[-1])
         return StepOutput(r, emitted, r.finished, k, num_accepted)
@@ -333,7 +333,7 @@ class Engine:
             raise GrammarError("no token of the vocabulary can continue the output under its constraint")
         if num_valid < d.num_tokens:
             d = Draft(d.token_ids[:num_valid], None if d.probs is None else d.probs[:num_valid],
-                      min(d.num_forced, num_valid))
+                      tuple(i for i in d.forced if i < num_valid))
         self._charge_mask(r, t0)
         return d, masks[: num_valid + 1]
 

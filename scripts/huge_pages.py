@@ -13,11 +13,11 @@ import os
 import statistics
 
 import torch
+from verify_cost import forward_ms
 
 from draftwise.api import load_model
 from draftwise.kernels import hugepages
 from draftwise.kernels.probe import format_probe, probe
-from verify_cost import forward_ms
 
 
 def main() -> None:

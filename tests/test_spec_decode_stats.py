@@ -99,12 +99,15 @@ def test_to_dict_is_json_ready():
 
 def test_forced_tokens_are_counted_apart():
     s = SpecStats()
-    s.record(5, 3, num_forced=4)  # 4 forced tokens at the front, the first 3 accepted
-    s.record(2, 2, num_forced=1)
+    s.record(5, 3, forced=(0, 1, 2, 3))  # 4 forced tokens at the front, the first 3 accepted
+    s.record(2, 2, forced=(1,))
     s.record(3, 0)
-    assert (s.num_forced_tokens, s.num_accepted_forced_tokens) == (5, 4)
-    assert s.forced_acceptance_rate == pytest.approx(4 / 5) and s.num_draft_tokens == 10
+    s.record(6, 3, forced=(2, 4, 5))  # forced between other guesses: only position 2 was kept
+    assert (s.num_forced_tokens, s.num_accepted_forced_tokens) == (8, 5)
+    assert s.forced_acceptance_rate == pytest.approx(5 / 8) and s.num_draft_tokens == 16
     merged = SpecStats().merge(s)
     assert merged.to_dict() == s.to_dict()
     with pytest.raises(ValueError):
-        s.record(2, 1, num_forced=3)
+        s.record(2, 1, forced=(0, 2))  # position 2 of a 2-token draft
+    with pytest.raises(ValueError):
+        s.record(3, 1, forced=(1, 1))

@@ -20,6 +20,7 @@ from draftwise.kv_cache import KVCache
 from draftwise.sampling import SamplingParams, process_logits
 from draftwise.spec_decode.grammar import GrammarProposer
 from draftwise.spec_decode.ngram import NgramProposer
+from draftwise.spec_decode.proposer import EMPTY_DRAFT_IDS, Draft
 from draftwise.structured import mask_logits, parse_structured_outputs
 from tests.harness import json_llm, one_torch_thread  # noqa: F401 (a fixture)
 
@@ -36,6 +37,9 @@ PERSON = {  # bounded: every string and number has a maximum length, so a random
 }
 CONSTRAINTS = {
     "json_schema": {"json": PERSON, "disable_any_whitespace": True},
+    # pretty-printed JSON as a regex (a random model would fill free JSON whitespace forever): the layout and keys
+    # are forced between the values, so the grammar proposer interleaves forced stretches with n-gram guesses
+    "layout": {"regex": r'\{\n  "name": "[a-z]{1,5}",\n  "age": [0-9]{1,2},\n  "mood": "(positive|negative)"\n\}'},
     "regex": {"regex": r"(\d{3}-\d{4}|[a-z]{2,6}@[a-z]{3,5}\.(com|org))"},
     "choice": {"choice": ["positive", "negative", "neutral", "mixed"]},
 }
@@ -72,7 +76,7 @@ def _check_valid(name, text):
     else:
         import re
 
-        assert re.fullmatch(CONSTRAINTS["regex"]["regex"], text), text
+        assert re.fullmatch(CONSTRAINTS[name]["regex"], text), text
 
 
 @pytest.mark.parametrize("method", list(METHODS))
@@ -220,6 +224,92 @@ def test_grammar_proposer_proposes_forced_tokens_then_the_other_method(llm):
     plain = NgramProposer(1, 3)
     plain.begin(1, prompt, SamplingParams(temperature=0.0), None)
     assert d.token_ids.tolist() == plain.propose([1], [4])[0].token_ids.tolist() != []
+
+
+class OracleProposer:
+    """A `then` proposer that knows the output (`full`, token ids): after a draft that is a prefix of it, it
+    guesses the next tokens of `full` up to the next index in `stops`, then one wrong token; it records its calls."""
+
+    vocab_limit = None
+
+    def __init__(self, full: list[int], stops: list[int], wrong: int):
+        self.full, self.stops, self.wrong = full, stops, wrong
+        self.calls, self.accepted = [], []
+
+    def begin(self, slot, prompt_ids, params, generator, grammar=None):
+        pass
+
+    def propose(self, slots, max_tokens, after=None):
+        self.calls.append((list(max_tokens), [list(a) for a in after]))
+        out = []
+        for k, a in zip(max_tokens, after):
+            n = len(a)
+            ids = []
+            if k > 0 and self.full[:n] == a:
+                ids = self.full[n:next((s for s in self.stops if s > n), n)] + [self.wrong]
+            ids = ids[:k]
+            out.append(Draft(torch.tensor(ids, dtype=torch.int64) if ids else EMPTY_DRAFT_IDS))
+        return out
+
+    def accept(self, slot, num_accepted, token_id):
+        self.accepted.append((num_accepted, token_id))
+
+    def end(self, slot):
+        pass
+
+
+def _ends(tok, full: list[int], text: str) -> int:  # the shortest prefix of `full` whose text ends with `text`
+    return next(i for i in range(1, len(full) + 1) if tok.decode(full[:i]).endswith(text))
+
+
+def test_grammar_proposer_interleaves_forced_tokens_with_the_other_methods_allowed_guesses(llm):
+    tok = llm.tokenizer
+    text = "say:hello;to;the;world;and;bye;now"
+    params = SamplingParams(temperature=0.0, max_tokens=60,
+                            structured_outputs={"regex": "say:(hello|howdy);to;the;world;and;(bye|ciao);now"})
+    matcher = llm.compile_grammar(params).matcher()
+    full = tok.encode(text)
+    lead = matcher.forced_tokens(60)
+    assert lead and full[: len(lead)] == lead and not tok.decode(lead).endswith("hello")  # forced up to a choice
+    wrong = tok.encode("x")[0]
+    oracle = OracleProposer(full, [_ends(tok, full, "hello"), _ends(tok, full, "bye")], wrong)
+    p = GrammarProposer(oracle)
+    p.begin(0, tok.encode("user"), params, None, matcher)
+    k = len(full) + 5
+    d = p.propose([0], [k])[0]
+    ids = d.token_ids.tolist()
+    # forced lead, the oracle's "...hello" (cut at its wrong token), forced ";to;the;world;and;", the oracle's
+    # "bye" (cut), forced ";now"; then the oracle has nothing but a wrong token
+    assert ids == full and tok.decode(ids) == text
+    guessed = set(range(len(lead), oracle.stops[0])) | set(range(len(oracle.calls[1][1][0]), oracle.stops[1]))
+    assert guessed and set(d.forced) == set(range(len(ids))) - guessed  # the oracle's guesses are not "forced"
+    assert tok.decode([ids[i] for i in d.forced if oracle.stops[0] <= i < oracle.stops[1]]).startswith(";to;the;")
+    # asked after the lead, after ";and;", after ";now" (only a wrong guess), then told the final draft
+    assert [c[1][0] for c in oracle.calls[:3]] == [lead, full[: len(oracle.calls[1][1][0])], full]
+    assert tok.decode(oracle.calls[1][1][0]).endswith(";and;") and oracle.calls[3] == ([0], [full])
+    assert len(oracle.calls) == 4
+    mid = matcher.copy()
+    assert mid.advance_many(ids) == len(ids)
+    nxt = int(mid.allowed(llm.model.config.vocab_size).nonzero()[0])  # the grammar is complete: an EOS
+    p.accept(0, len(ids), nxt)
+    assert oracle.accepted == [(len(ids), nxt)] and p.grammars[0].num_tokens == len(ids) + 1
+
+
+def test_grammar_proposer_asks_the_other_method_once_when_its_guesses_fill_k(llm):
+    tok = llm.tokenizer
+    text = "say:hello;to;the;world"
+    params = SamplingParams(temperature=0.0, max_tokens=40,
+                            structured_outputs={"regex": "say:(hello|howdy);to;the;world"})
+    matcher = llm.compile_grammar(params).matcher()
+    full = tok.encode(text)
+    lead = matcher.forced_tokens(40)
+    oracle = OracleProposer(full, [len(full)], tok.encode("x")[0])
+    p = GrammarProposer(oracle)
+    p.begin(0, tok.encode("user"), params, None, matcher)
+    k = len(lead) + 1  # room for one guess of the oracle's
+    d = p.propose([0], [k])[0]
+    assert d.token_ids.tolist() == full[:k] and list(d.forced) == list(range(len(lead)))
+    assert oracle.calls == [([1], [lead])]  # filled k: asked once, and what it guessed is the draft: no re-telling
 
 
 def test_grammar_config_parsing():

@@ -1,12 +1,14 @@
 """Grammar proposer: under structured outputs, guess the tokens the grammar forces — no model, always allowed.
 
 Where the constraint admits exactly one continuation (`{"name": "` after `{` in compact JSON, the rest of an
-enum value once its prefix is unique, a closing `"}`), those tokens are known without any model:
-`GrammarMatcher.forced_tokens(k)` returns them (at most k). The proposer puts them at the front of the draft
-as point masses (`Draft.num_forced` counts them) and lets another proposer (`then`: n-gram, a draft model, or
-none) fill the rest of k from the context extended by them (`propose(..., after=forced)`). Without a grammar
-it proposes only what `then` proposes. A target may still reject a forced token (it prefers another
-tokenization of the same bytes): forced tokens are proposals, verified like any other.
+enum value once its prefix is unique, a closing `"}`, the next key of a schema whose keys come in order),
+those tokens are known without any model: `GrammarMatcher.forced_tokens(k)` returns them (at most k). The
+proposer puts them in the draft as point masses (`Draft.forced` holds their positions) and lets another
+proposer (`then`: n-gram, a draft model, or none) continue from the context extended by them
+(`propose(..., after=...)`); `then`'s guesses are kept up to the first one the grammar forbids, the tokens
+forced after those follow, and `then` is asked again from there, until k guesses or nothing new (`propose`).
+Without a grammar it proposes only what `then` proposes. A target may still reject a forced token (it prefers
+another tokenization of the same bytes): forced tokens are proposals, verified like any other.
 
 Owns one grammar state per slot (a copy of the request's, advanced along what `accept` reports). Knows
 nothing of the engine's scheduling, of models, or of how the other proposer guesses.
@@ -33,21 +35,64 @@ class GrammarProposer:
         self.then.begin(slot, prompt_ids, params, generator, grammar)
 
     def propose(self, slots, max_tokens, after=None):
+        """Per slot: the forced tokens, then `then`'s guesses up to the first one the grammar forbids, then the
+        tokens forced after those, then `then` again from there ... until k guesses or nothing new. JSON with
+        free whitespace alternates like this: the model's own layout (`",\n  "`, which n-gram lookup finds in the
+        output so far) and the schema's next key (forced). `then` is asked again (for all such slots in one
+        call, so a draft model still batches) only where forced tokens extended the draft since its last answer:
+        the same context would give the same guesses."""
         befores = [list(a) for a in after] if after else [[] for _ in slots]
-        owns = [self._forced(s, b, k) for s, b, k in zip(slots, befores, max_tokens)]
-        rest = self.then.propose(slots, [k - len(o) for k, o in zip(max_tokens, owns)],
-                                 after=[b + o for b, o in zip(befores, owns)])
+        ids: list[list[int]] = [[] for _ in slots]
+        rows: list[list] = [[] for _ in slots]  # per guess: its q row [V] from `then`, or None (a point mass)
+        forced: list[list[int]] = [[] for _ in slots]
+        seen: list[list[int] | None] = [None for _ in slots]  # the draft `then` last guessed after, + its guesses
+        live = list(range(len(slots)))
+        while live:
+            ask = []
+            for i in live:
+                own = self._forced(slots[i], befores[i] + ids[i], max_tokens[i] - len(ids[i]))
+                forced[i] += range(len(ids[i]), len(ids[i]) + len(own))
+                ids[i] += own
+                rows[i] += [None] * len(own)
+                if len(ids[i]) < max_tokens[i] and (seen[i] is None or own):
+                    ask.append(i)
+            if not ask:
+                break
+            answers = self.then.propose([slots[i] for i in ask], [max_tokens[i] - len(ids[i]) for i in ask],
+                                        after=[befores[i] + ids[i] for i in ask])
+            live = []
+            for i, d in zip(ask, answers):
+                guesses = d.token_ids.tolist()
+                seen[i] = befores[i] + ids[i] + guesses
+                valid = self._valid(slots[i], befores[i] + ids[i], guesses)
+                forced[i] += (len(ids[i]) + j for j in d.forced if j < valid)
+                ids[i] += guesses[:valid]
+                rows[i] += [None] * valid if d.probs is None else list(d.probs[:valid])
+                if valid and len(ids[i]) < max_tokens[i]:
+                    live.append(i)  # cut by the grammar or out of guesses: forced tokens may follow
+        stale = [i for i in range(len(slots)) if seen[i] != befores[i] + ids[i]]
+        if stale:  # not asked, its last guesses were cut, or forced tokens follow them: `accept` counts over ours
+            self.then.propose([slots[i] for i in stale], [0] * len(stale), after=[befores[i] + ids[i] for i in stale])
         drafts = []
-        for slot, before, own, d in zip(slots, befores, owns, rest):
-            self._last[slot] = before + own + d.token_ids.tolist()
-            ids = torch.cat([torch.tensor(own, dtype=torch.int64), d.token_ids])  # [num_forced + k_then]
-            probs = d.probs
-            if probs is not None and own:  # forced positions are point masses
-                point = torch.zeros(len(own), probs.shape[1], dtype=probs.dtype, device=probs.device)
-                point[torch.arange(len(own)), torch.tensor(own)] = 1.0
-                probs = torch.cat([point, probs])  # [num_forced + k_then, V]
-            drafts.append(Draft(ids, probs, num_forced=len(own) + d.num_forced))
+        for i, slot in enumerate(slots):
+            self._last[slot] = befores[i] + ids[i]
+            drafts.append(Draft(torch.tensor(ids[i], dtype=torch.int64), _probs(ids[i], rows[i]), tuple(forced[i])))
         return drafts
+
+    def _valid(self, slot: int, before: list[int], guesses: list[int]) -> int:
+        """How many of `guesses` the grammar allows in a row after the accepted output + `before`."""
+        m = self.grammars.get(slot)
+        if m is None or not guesses:
+            return len(guesses)
+        n = m.advance_many(before)
+        try:
+            if n != len(before):
+                return 0
+            v = m.advance_many(guesses)
+            m.rollback(v)
+            return v
+        finally:
+            m.rollback(n)
 
     def _forced(self, slot: int, before: list[int], k: int) -> list[int]:
         """Up to k tokens the grammar forces after the accepted output + `before` (state left unchanged)."""
@@ -73,3 +118,17 @@ class GrammarProposer:
         self.grammars.pop(slot, None)
         self._last.pop(slot, None)
         self.then.end(slot)
+
+
+def _probs(ids: list[int], rows: list) -> torch.Tensor | None:  # -> [k, V] or None (all point masses)
+    """A draft model's q rows with point masses at the forced (and n-gram) guesses; None when every guess is one."""
+    ref = next((r for r in rows if r is not None), None)
+    if ref is None:
+        return None
+    out = torch.zeros(len(ids), ref.shape[0], dtype=ref.dtype, device=ref.device)  # [k, V]
+    for j, (t, r) in enumerate(zip(ids, rows)):
+        if r is None:
+            out[j, t] = 1.0
+        else:
+            out[j] = r
+    return out

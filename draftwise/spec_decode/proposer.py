@@ -26,11 +26,15 @@ from draftwise.structured.matcher import GrammarMatcher
 class Draft:
     token_ids: torch.Tensor  # [k] int64
     probs: torch.Tensor | None = None  # [k, target_vocab] processed draft distribution; None = point masses
-    num_forced: int = 0  # the first num_forced tokens are forced by the grammar (point masses)
+    forced: tuple[int, ...] = ()  # positions (ascending) of the guesses the grammar forced (point masses)
 
     @property
     def num_tokens(self) -> int:
         return int(self.token_ids.shape[0])
+
+    @property
+    def num_forced(self) -> int:
+        return len(self.forced)
 
 
 EMPTY_DRAFT_IDS = torch.zeros(0, dtype=torch.int64)

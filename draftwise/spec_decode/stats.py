@@ -3,7 +3,7 @@
 Owns the counters (docs/ARCHITECTURE.md, metric definitions): num_drafts, num_draft_tokens, num_accepted_tokens,
 accepted_per_position, and the derived acceptance rate (accepted / draft tokens) and mean acceptance length
 (1 + accepted / drafts, as vLLM and Spec-Bench define it); with structured outputs, the **forced** tokens (the
-grammar's only continuation, proposed at the front of a draft) and their acceptance, counted apart, and the
+grammar's only continuation, anywhere in a draft) and their acceptance, counted apart, and the
 seconds spent on grammar masks. It does not know what produced the drafts or
 how they were verified; callers `record` one verified draft at a time and `merge` across requests.
 """
@@ -30,14 +30,15 @@ class SpecStats:
     mask_time_s: float = 0.0  # grammar masks for the target (structured outputs), plain steps included
 
     def record(self, k: int, num_accepted: int, *, draft_time_s: float = 0.0, verify_time_s: float = 0.0,
-               num_forced: int = 0) -> None:
-        """Count one step that proposed `k` tokens of which the first `num_accepted` were kept; the first
-        `num_forced` of the k were forced by the grammar."""
-        if k < 0 or not 0 <= num_accepted <= k or not 0 <= num_forced <= k:
-            raise ValueError(f"need 0 <= num_accepted, num_forced <= k, got k={k}, num_accepted={num_accepted}, "
-                             f"num_forced={num_forced}")
-        self.num_forced_tokens += num_forced
-        self.num_accepted_forced_tokens += min(num_forced, num_accepted)
+               forced: tuple[int, ...] = ()) -> None:
+        """Count one step that proposed `k` tokens of which the first `num_accepted` were kept; the guesses at
+        positions `forced` (0-based, distinct) were forced by the grammar."""
+        if k < 0 or not 0 <= num_accepted <= k or len(set(forced)) != len(forced) or any(
+                not 0 <= i < k for i in forced):
+            raise ValueError(f"need 0 <= num_accepted <= k and distinct forced positions in 0..k-1, got k={k}, "
+                             f"num_accepted={num_accepted}, forced={forced}")
+        self.num_forced_tokens += len(forced)
+        self.num_accepted_forced_tokens += sum(1 for i in forced if i < num_accepted)
         self.k_histogram[k] = self.k_histogram.get(k, 0) + 1
         self.draft_time_s += draft_time_s
         self.verify_time_s += verify_time_s
