@@ -262,14 +262,16 @@ def _ends(tok, full: list[int], text: str) -> int:  # the shortest prefix of `fu
     return next(i for i in range(1, len(full) + 1) if tok.decode(full[:i]).endswith(text))
 
 
-def test_grammar_proposer_interleaves_forced_tokens_with_the_other_methods_allowed_guesses(llm):
-    tok = llm.tokenizer
-    text = "say:hello;to;the;world;and;bye;now"
-    params = SamplingParams(temperature=0.0, max_tokens=60,
-                            structured_outputs={"regex": "say:(hello|howdy);to;the;world;and;(bye|ciao);now"})
+def _regex_case(llm, regex: str, text: str):
+    """(tokenizer, params, a fresh matcher, `text`'s token ids, the tokens the grammar forces at the start)."""
+    params = SamplingParams(temperature=0.0, max_tokens=60, structured_outputs={"regex": regex})
     matcher = llm.compile_grammar(params).matcher()
-    full = tok.encode(text)
-    lead = matcher.forced_tokens(60)
+    return llm.tokenizer, params, matcher, llm.tokenizer.encode(text), matcher.forced_tokens(60)
+
+
+def test_grammar_proposer_interleaves_forced_tokens_with_the_other_methods_allowed_guesses(llm):
+    text = "say:hello;to;the;world;and;bye;now"
+    tok, params, matcher, full, lead = _regex_case(llm, "say:(hello|howdy);to;the;world;and;(bye|ciao);now", text)
     assert lead and full[: len(lead)] == lead and not tok.decode(lead).endswith("hello")  # forced up to a choice
     wrong = tok.encode("x")[0]
     oracle = OracleProposer(full, [_ends(tok, full, "hello"), _ends(tok, full, "bye")], wrong)
@@ -296,13 +298,7 @@ def test_grammar_proposer_interleaves_forced_tokens_with_the_other_methods_allow
 
 
 def test_grammar_proposer_asks_the_other_method_once_when_its_guesses_fill_k(llm):
-    tok = llm.tokenizer
-    text = "say:hello;to;the;world"
-    params = SamplingParams(temperature=0.0, max_tokens=40,
-                            structured_outputs={"regex": "say:(hello|howdy);to;the;world"})
-    matcher = llm.compile_grammar(params).matcher()
-    full = tok.encode(text)
-    lead = matcher.forced_tokens(40)
+    tok, params, matcher, full, lead = _regex_case(llm, "say:(hello|howdy);to;the;world", "say:hello;to;the;world")
     oracle = OracleProposer(full, [len(full)], tok.encode("x")[0])
     p = GrammarProposer(oracle)
     p.begin(0, tok.encode("user"), params, None, matcher)
@@ -310,6 +306,51 @@ def test_grammar_proposer_asks_the_other_method_once_when_its_guesses_fill_k(llm
     d = p.propose([0], [k])[0]
     assert d.token_ids.tolist() == full[:k] and list(d.forced) == list(range(len(lead)))
     assert oracle.calls == [([1], [lead])]  # filled k: asked once, and what it guessed is the draft: no re-telling
+
+
+def test_grammar_proposer_learns_layout_and_never_content(llm):
+    tok = llm.tokenizer
+    params = SamplingParams(temperature=0.0, max_tokens=80, structured_outputs={"json": PERSON})  # free whitespace
+    pretty = '{\n  "name": "Ada",\n  "age": 36,\n  "mood": "positive",\n  "active": true\n}'
+    ids = tok.encode(pretty)
+    grammar = llm.compile_grammar(params)
+    assert grammar.matcher().advance_many(ids) == len(ids)
+    fresh = GrammarProposer()
+    fresh.begin(1, tok.encode("user"), params, None, grammar.matcher())
+    before = fresh.propose([1], [len(ids)])[0].token_ids.tolist()
+    p = GrammarProposer()
+    p.begin(0, tok.encode("user"), params, None, grammar.matcher())
+    for t in ids:  # the target wrote `pretty` one token per step
+        p.propose([0], [0])
+        p.accept(0, 0, t)
+    p.end(0)
+    layout = grammar.matcher().layout_ids
+    assert p.layout
+    learned = set(p.layout.next) | {t for c in [*p.layout.next.values(), *p.layout.at.values()] for t in c}
+    assert learned and learned <= layout
+    p.begin(1, tok.encode("user"), params, None, grammar.matcher())
+    d = p.propose([1], [len(ids)])[0]
+    got = d.token_ids.tolist()
+    assert ids[: len(got)] == got and len(got) > len(before)  # the learned layout, up to the first value
+    assert tok.decode(got).startswith('{\n  "name": "') and "Ada" not in tok.decode(got)
+    assert all(t in layout for i, t in enumerate(got) if i not in d.forced)  # only forced tokens carry content
+    hot = SamplingParams(temperature=1.0, max_tokens=80, structured_outputs={"json": PERSON})
+    p.begin(2, tok.encode("user"), hot, None, grammar.matcher())
+    # a sampled request is guided only by its own output's layout: its seed alone decides its tokens
+    assert p.propose([2], [len(ids)])[0].token_ids.tolist() == before
+
+
+def test_free_whitespace_json_greedy_speculation_equals_plain(llm):
+    """A random target fills free JSON whitespace (`\\r` after `\\r`): the learned layout proposes long runs of it."""
+    so = {"json": PERSON}
+    plain = _run(llm, so)
+    proposed = 0
+    for k in (1, 3, 8):
+        outs = _run(llm, so, {"method": "grammar", "num_speculative_tokens": k, "then": {"method": "ngram"}})
+        for p, s in zip(plain, outs):
+            assert s.outputs[0].token_ids == p.outputs[0].token_ids, (k, s.outputs[0].text)
+            proposed += s.spec["num_draft_tokens"] - s.spec["num_forced_tokens"]
+    assert proposed > 0
 
 
 def test_grammar_config_parsing():

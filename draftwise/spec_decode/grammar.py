@@ -15,6 +15,8 @@ nothing of the engine's scheduling, of models, or of how the other proposer gues
 """
 from __future__ import annotations
 
+from collections import Counter
+
 import torch
 
 from draftwise.spec_decode.proposer import Draft, NoProposer, Proposer
@@ -27,11 +29,23 @@ class GrammarProposer:
         self.vocab_limit = getattr(self.then, "vocab_limit", None)
         self.grammars: dict[int, GrammarMatcher] = {}  # per slot: the accepted output's grammar state
         self._last: dict[int, list[int]] = {}  # per slot: the last draft (forced tokens + then's guesses)
+        self._tail: dict[int, int | None] = {}  # per slot: the accepted output's last token (None: none yet)
+        # layout the target wrote (tokens of only whitespace and JSON punctuation, so no request's content),
+        # counted: the layout tokens it wrote right after a layout token, and where the grammar forced bytes whose
+        # token the engine held back (`"` after a key, written as `":`). `layout` is learned across requests and
+        # guides greedy requests only (their output cannot depend on proposals); a sampled request uses what its
+        # own output taught (`_own`), so its seed alone decides its tokens, as without speculation.
+        self.layout = Layout()
+        self._own: dict[int, Layout] = {}
+        self._greedy: dict[int, bool] = {}
 
     def begin(self, slot, prompt_ids, params, generator, grammar=None):
         if grammar is not None:
             self.grammars[slot] = grammar.copy()
         self._last[slot] = []
+        self._tail[slot] = None
+        self._own[slot] = Layout()
+        self._greedy[slot] = params.greedy
         self.then.begin(slot, prompt_ids, params, generator, grammar)
 
     def propose(self, slots, max_tokens, after=None):
@@ -50,11 +64,18 @@ class GrammarProposer:
         while live:
             ask = []
             for i in live:
-                own = self._forced(slots[i], befores[i] + ids[i], max_tokens[i] - len(ids[i]))
-                forced[i] += range(len(ids[i]), len(ids[i]) + len(own))
-                ids[i] += own
-                rows[i] += [None] * len(own)
-                if len(ids[i]) < max_tokens[i] and (seen[i] is None or own):
+                grew = False
+                while len(ids[i]) < max_tokens[i]:  # forced tokens and learned layout, as long as either adds
+                    own = self._forced(slots[i], befores[i] + ids[i], max_tokens[i] - len(ids[i]))
+                    forced[i] += range(len(ids[i]), len(ids[i]) + len(own))
+                    ids[i] += own
+                    lay = self._layout(slots[i], befores[i] + ids[i], max_tokens[i] - len(ids[i]))
+                    ids[i] += lay
+                    rows[i] += [None] * (len(own) + len(lay))
+                    grew = grew or bool(own or lay)
+                    if not lay:
+                        break
+                if len(ids[i]) < max_tokens[i] and (seen[i] is None or grew):
                     ask.append(i)
             if not ask:
                 break
@@ -94,6 +115,46 @@ class GrammarProposer:
         finally:
             m.rollback(n)
 
+    def _layout(self, slot: int, before: list[int], k: int) -> list[int]:
+        """Up to k layout tokens the target wrote before in this grammar position, each allowed here, after the
+        accepted output + `before`; stops where the grammar forces tokens again (the caller takes those)."""
+        m = self.grammars.get(slot)
+        layout = self.layout if self._greedy.get(slot) else self._own.get(slot)
+        if m is None or k <= 0 or layout is None or not layout:
+            return []
+        n = m.advance_many(before)
+        out: list[int] = []
+        try:
+            if n != len(before):
+                return []
+            last = before[-1] if before else self._tail.get(slot)
+            while len(out) < k:
+                held = m.held_back_bytes()
+                counts = layout.at.get(held) if held else layout.next.get(last)
+                # the most frequent one the grammar allows here
+                t = next((t for t, _ in counts.most_common() if m.advance(t)), None) if counts else None
+                if t is None:
+                    break
+                out.append(t)
+                last = t
+                if m.forced_tokens(1):
+                    break
+            m.rollback(len(out))
+            return out
+        finally:
+            m.rollback(n)
+
+    def _learn(self, slot: int, m: GrammarMatcher, last: int | None, t: int) -> None:
+        """Remember the layout token `t` the target wrote in `m`'s state (before advancing it) after `last`."""
+        if t not in m.layout_ids:
+            return
+        held = m.held_back_bytes()
+        for layout in (self.layout, self._own[slot]):
+            if held:
+                layout.at.setdefault(held, Counter())[t] += 1
+            elif last in m.layout_ids:
+                layout.next.setdefault(last, Counter())[t] += 1
+
     def _forced(self, slot: int, before: list[int], k: int) -> list[int]:
         """Up to k tokens the grammar forces after the accepted output + `before` (state left unchanged)."""
         m = self.grammars.get(slot)
@@ -107,16 +168,24 @@ class GrammarProposer:
 
     def accept(self, slot, num_accepted, token_id):
         m = self.grammars.get(slot)
+        kept = self._last[slot][:num_accepted] + [token_id]
         if m is not None:
-            kept = self._last[slot][:num_accepted] + [token_id]
-            if m.advance_many(kept) != len(kept):
-                raise GrammarError(f"the grammar proposer's state refused the emitted tokens {kept}")
+            last = self._tail.get(slot)
+            for t in kept:
+                self._learn(slot, m, last, t)
+                if not m.advance(t):
+                    raise GrammarError(f"the grammar proposer's state refused the emitted tokens {kept}")
+                last = t
+        self._tail[slot] = kept[-1]
         self._last[slot] = []
         self.then.accept(slot, num_accepted, token_id)
 
     def end(self, slot):
         self.grammars.pop(slot, None)
         self._last.pop(slot, None)
+        self._tail.pop(slot, None)
+        self._own.pop(slot, None)
+        self._greedy.pop(slot, None)
         self.then.end(slot)
 
 
@@ -132,3 +201,15 @@ def _probs(ids: list[int], rows: list) -> torch.Tensor | None:  # -> [k, V] or N
         else:
             out[j] = r
     return out
+
+
+class Layout:
+    """Counted layout tokens: `next[a][b]`: the target wrote layout token b right after layout token a;
+    `at[bytes][b]`: it wrote b where the grammar forced `bytes` whose token the engine held back."""
+
+    def __init__(self):
+        self.next: dict[int, Counter[int]] = {}
+        self.at: dict[bytes, Counter[int]] = {}
+
+    def __bool__(self) -> bool:
+        return bool(self.next or self.at)

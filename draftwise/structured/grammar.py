@@ -5,7 +5,8 @@ millisecond compiles, masks in tens of microseconds on the 152k Qwen vocabulary,
 fast-forward tokens, and it names the JSON-schema keywords it does not implement instead of ignoring
 them), the translation of a spec into an llguidance grammar, the per-tokenizer engine tokenizer (about
 1.5 s to build for 152k tokens, so built once per tokenizer and EOS set), the ids that are never allowed
-(GGUF vocabularies padded with `[PAD<id>]` placeholders up to the embedding size), and an LRU of
+(GGUF vocabularies padded with `[PAD<id>]` placeholders up to the embedding size), the layout ids (tokens of
+only whitespace and JSON punctuation, which the grammar proposer may learn across requests), and an LRU of
 compiled grammars per tokenizer keyed by the spec (schemas repeat across requests).
 
 It does not know models, sampling or the engine; per-sequence state lives in `matcher.py`.
@@ -30,6 +31,7 @@ from draftwise.tokenizer import Tokenizer
 CACHE_SIZE = 256  # compiled grammars kept per tokenizer
 
 _PAD_PLACEHOLDER = re.compile(r"\[PAD(\d+)\]")
+LAYOUT_BYTES = frozenset(b' \n\t\r{}[]:,"')  # whitespace and JSON punctuation: a token of only these is layout
 
 
 def _llguidance():
@@ -92,7 +94,8 @@ class CompiledGrammar:
     def matcher(self) -> GrammarMatcher:
         """A fresh per-sequence matcher at the start of the output."""
         c = self._compiler
-        return GrammarMatcher(self._template.deep_copy(), c.vocab_size, c.eos_token_ids, c.never_allowed)
+        return GrammarMatcher(self._template.deep_copy(), c.vocab_size, c.eos_token_ids, c.never_allowed,
+                              c.layout_ids)
 
 
 class GrammarCompiler:
@@ -111,6 +114,9 @@ class GrammarCompiler:
             self.ll_tokenizer = ll.LLTokenizer(backend.to_str(), n_vocab=self.vocab_size, eos_token=list(eos))
         except ValueError as e:  # e.g. a tokenizer.json without a decoder llguidance can read: the request's fault
             raise ConfigError(f"structured outputs are not available for this model's tokenizer ({e})") from e
+        # ids whose bytes are only whitespace and JSON punctuation (`{\n`, `",\n`, `  `, `":`): layout, no content
+        self.layout_ids = frozenset(i for i in range(self.vocab_size)
+                                    if (b := self.ll_tokenizer.decode_bytes([i])) and set(b) <= LAYOUT_BYTES)
         self.cache_size = cache_size
         self._cache: OrderedDict[tuple, CompiledGrammar] = OrderedDict()
         self._lock = threading.Lock()

@@ -27,8 +27,10 @@ class GrammarError(RuntimeError):
 class GrammarMatcher:
     """The grammar state of one sequence. Not thread-safe; one per sequence (use `copy()` to branch)."""
 
-    def __init__(self, ll_matcher, vocab_size: int, eos_token_ids: Sequence[int], never_allowed: torch.Tensor):
+    def __init__(self, ll_matcher, vocab_size: int, eos_token_ids: Sequence[int], never_allowed: torch.Tensor,
+                 layout_ids: frozenset[int] = frozenset()):
         self._m = ll_matcher
+        self.layout_ids = layout_ids  # tokens of only whitespace and JSON punctuation (the compiler's; shared)
         self.vocab_size = vocab_size  # the tokenizer's ids; the model may have more rows
         self.eos_token_ids = tuple(eos_token_ids)
         self._eos = frozenset(self.eos_token_ids)
@@ -166,6 +168,14 @@ class GrammarMatcher:
         finally:
             self.rollback(len(out))
         return out
+
+    def held_back_bytes(self) -> bytes:
+        """Bytes the grammar forces here that `forced_tokens` does not give as tokens (the engine holds back a
+        token that could still merge with what follows: `"` after a JSON key, since `":` is one token); b""
+        where the forced bytes were given as tokens or nothing is forced."""
+        if self._finished or self._m.compute_ff_tokens():
+            return b""
+        return bytes(self._m.compute_ff_bytes())
 
     def _only_allowed_token(self) -> int | None:
         if self._m.is_accepting() or self._m.is_stopped():
