@@ -3,7 +3,7 @@ guesses) with the weight formats `auto` chose on this machine, after a 128-token
 probe, the chosen kernels, ms per forward and the ratio to one row (issue 10's goal: 9 rows <= 1.5x one row).
 Not a test; run on a quiet machine.
 
-    .venv/bin/python scripts/verify_cost.py --model qwen2.5-coder-1.5b-instruct --repeats 7
+    .venv/bin/python scripts/verify_cost.py --model qwen2.5-coder-1.5b-instruct --rounds 9
 """
 from __future__ import annotations
 
@@ -42,7 +42,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rows", default="1,2,3,4,5,6,7,8,9,12,16")
     ap.add_argument("--context", type=int, default=128)
-    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=5)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     print(format_probe(probe()), flush=True)
@@ -50,14 +51,19 @@ def main() -> None:
     kernels = info.get("kernels", {})
     print(f"{args.model}: dtype {info['dtype']}, weights {info['weights']}, step kernel {kernels.get('step')}, "
           f"prefill kernel {kernels.get('prefill')}; {args.threads} threads, context {args.context} tokens, "
-          f"median of {args.repeats}")
-    base = None
-    print(f"{'rows':>5s} {'ms/forward':>11s} {'x 1 row':>8s} {'ms/row':>8s}")
-    for rows in [int(r) for r in args.rows.split(",")]:
-        ms = forward_ms(model, rows, args.context, args.repeats)
-        base = base or ms
-        print(f"{rows:5d} {ms:11.1f} {ms / base:8.2f} {ms / rows:8.1f}", flush=True)
-
+          f"median over rounds of the median of {args.repeats}")
+    widths = [int(r) for r in args.rows.split(",")]
+    # rounds interleave the widths (one short median per width per round), so a host whose speed drifts during
+    # the run slows every width alike instead of skewing the ratios; the figure is the median over rounds
+    per = {r: [] for r in widths}
+    for _ in range(args.rounds):
+        for r in widths:
+            per[r].append(forward_ms(model, r, args.context, args.repeats))
+    print(f"{'rows':>5s} {'ms/forward':>11s} {'x 1 row':>8s} {'ms/row':>8s}   ({args.rounds} rounds)")
+    base = statistics.median(per[widths[0]])
+    for r in widths:
+        ms = statistics.median(per[r])
+        print(f"{r:5d} {ms:11.1f} {ms / base:8.2f} {ms / r:8.1f}", flush=True)
 
 if __name__ == "__main__":
     main()

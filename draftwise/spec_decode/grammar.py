@@ -7,11 +7,14 @@ proposer puts them in the draft as point masses (`Draft.forced` holds their posi
 proposer (`then`: n-gram, a draft model, or none) continue from the context extended by them
 (`propose(..., after=...)`); `then`'s guesses are kept up to the first one the grammar forbids, the tokens
 forced after those follow, and `then` is asked again from there, until k guesses or nothing new (`propose`).
-Without a grammar it proposes only what `then` proposes. A target may still reject a forced token (it prefers
-another tokenization of the same bytes): forced tokens are proposals, verified like any other.
+Between forced stretches it also proposes layout the target wrote before in the same place (`Layout`: tokens of
+only whitespace and JSON punctuation, `{\n`, `  `, ` "`, `":`), so pretty-printed JSON's indentation and
+separators are guessed too. Without a grammar it proposes only what `then` proposes. A target may still reject
+a forced token (it prefers another tokenization of the same bytes): forced tokens are proposals, verified like
+any other.
 
-Owns one grammar state per slot (a copy of the request's, advanced along what `accept` reports). Knows
-nothing of the engine's scheduling, of models, or of how the other proposer guesses.
+Owns one grammar state per slot (a copy of the request's, advanced along what `accept` reports) and the learned
+layout. Knows nothing of the engine's scheduling, of models, or of how the other proposer guesses.
 """
 from __future__ import annotations
 
@@ -49,12 +52,12 @@ class GrammarProposer:
         self.then.begin(slot, prompt_ids, params, generator, grammar)
 
     def propose(self, slots, max_tokens, after=None):
-        """Per slot: the forced tokens, then `then`'s guesses up to the first one the grammar forbids, then the
-        tokens forced after those, then `then` again from there ... until k guesses or nothing new. JSON with
-        free whitespace alternates like this: the model's own layout (`",\n  "`, which n-gram lookup finds in the
-        output so far) and the schema's next key (forced). `then` is asked again (for all such slots in one
-        call, so a draft model still batches) only where forced tokens extended the draft since its last answer:
-        the same context would give the same guesses."""
+        """Per slot: the forced tokens and learned layout, then `then`'s guesses up to the first one the grammar
+        forbids, then the forced tokens and layout after those, then `then` again from there ... until k guesses
+        or nothing new. Pretty-printed JSON alternates like this: layout (`",\n  "`), the schema's next key
+        (forced), `":` (layout), a value (n-gram lookup in the prompt). `then` is asked again (for all such slots
+        in one call, so a draft model still batches) only where forced tokens or layout extended the draft since
+        its last answer: the same context would give the same guesses."""
         befores = [list(a) for a in after] if after else [[] for _ in slots]
         ids: list[list[int]] = [[] for _ in slots]
         rows: list[list] = [[] for _ in slots]  # per guess: its q row [V] from `then`, or None (a point mass)
