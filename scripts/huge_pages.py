@@ -1,5 +1,5 @@
 """What transparent huge pages buy: the target's forward time by rows with its weights in ordinary 4 KiB pages
-(as torch allocated them) and in one 2 MiB-page mapping (kernels/hugepages.py, what load_model does by default),
+(as torch allocated them) and in one 2 MiB-page mapping (kernels/hugepages.py, what DRAFTWISE_HUGE_PAGES=1 does),
 the same model object switched between the two sets of storages, interleaved in one process. Prints the probe,
 how much of the process the kernel backs with huge pages, and the median and minimum ms per forward of each.
 Not a test; run on a quiet machine.
@@ -30,10 +30,11 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     print(format_probe(probe()), flush=True)
-    os.environ["DRAFTWISE_HUGE_PAGES"] = "0"  # load into torch's own allocations, then copy once
+    os.environ["DRAFTWISE_HUGE_PAGES"] = "0"  # load into torch's own allocations (the default), then copy once
     model, _, info = load_model(args.model)
     small = {(id(o), k, n): t for o, k, n, t in hugepages.tensors_of(model)}
     hugepages.place_in_huge_pages(model, mode="madvise")
+    hugepages.collapse_pending(background=False)  # measure once the kernel collapsed it
     huge = {(id(o), k, n): t for o, k, n, t in hugepages.tensors_of(model)}
     print(f"{args.model}: kernels {info.get('kernels', {}).get('step')}; huge pages now back "
           f"{(hugepages.huge_bytes() or 0) / 2**20:.0f} MiB of this process; {args.threads} threads, context 128")

@@ -1,6 +1,7 @@
 """kernels/hugepages.py: the THP policy read from an injected sysfs file, and the move itself — bitwise the same
-model after it (logits, tied weights still one storage, views still views), every large storage in one advised
-mapping, small ones left alone, nothing moved where the policy says "never"; load_model reports what it did."""
+model after it and after the background collapse (logits, tied weights still one storage, views still views),
+every large storage in one mapping, small ones left alone, nothing moved where the policy says "never";
+load_model does it only when asked (DRAFTWISE_HUGE_PAGES=1) and reports it."""
 import mmap
 
 import pytest
@@ -44,7 +45,9 @@ def test_the_move_keeps_every_value_and_every_sharing():
     small = {p: n for p, n in _storages(model).items() if n < 64 * 1024}
     report = hugepages.place_in_huge_pages(model, min_bytes=64 * 1024, mode="madvise")
     assert report["mode"] == "madvise" and report["storages"] >= 1 and report["moved_bytes"] >= 512 * 1024
-    assert torch.equal(_logits(model, ids), before)
+    assert torch.equal(_logits(model, ids), before)  # before the collapse
+    hugepages.collapse_pending().join(120)
+    assert torch.equal(_logits(model, ids), before)  # and after it
     head, table = model.lm_head.weight, model.model.embed_tokens.weight
     assert (head.untyped_storage().data_ptr() == table.untyped_storage().data_ptr()) == tied
     after = _storages(model)
@@ -64,6 +67,7 @@ def test_views_and_shared_parameters_stay_shared():
     x = torch.randn(3, 256)
     ref = (lin(x), mod.packed.clone(), mod.view.clone(), mod.b(x))
     hugepages.place_in_huge_pages(mod, min_bytes=1, mode="madvise")
+    hugepages.collapse_pending(background=False)
     assert mod.b.weight is mod.a.weight and torch.equal(mod.a(x), ref[0]) and torch.equal(mod.b(x), ref[3])
     assert torch.equal(mod.packed, ref[1]) and torch.equal(mod.view, ref[2])
     assert mod.view.storage_offset() == 10 * 512 + 5 and mod.view.stride() == (512, 1)
@@ -82,8 +86,9 @@ def test_policy_never_moves_nothing():
 def test_load_model_reports_the_placement(tiny_gguf_path, draftwise_cache_dir, monkeypatch):
     from draftwise.api import load_model
 
+    monkeypatch.delenv("DRAFTWISE_HUGE_PAGES", raising=False)
+    _, _, info = load_model(str(tiny_gguf_path), "float32", weights=None, cache_dir=str(draftwise_cache_dir))
+    assert "huge_pages" not in info  # opt-in
+    monkeypatch.setenv("DRAFTWISE_HUGE_PAGES", "1")
     _, _, info = load_model(str(tiny_gguf_path), "float32", weights=None, cache_dir=str(draftwise_cache_dir))
     assert info["huge_pages"]["thp"] == hugepages.thp_mode() and info["huge_pages"]["bytes"] >= 0
-    monkeypatch.setenv("DRAFTWISE_HUGE_PAGES", "0")
-    _, _, info = load_model(str(tiny_gguf_path), "float32", weights=None, cache_dir=str(draftwise_cache_dir))
-    assert "huge_pages" not in info

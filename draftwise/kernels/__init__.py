@@ -15,5 +15,5 @@ get back modules with `forward(x [..., K]) -> [..., N]`.
     linear.py    every implementation behind one interface (IMPLS), each with where it runs and its tolerance
     autotune.py  time the candidates on real shapes, choose one step kernel and one prefill kernel, cache it
     threads.py   fewer torch threads while other processes hold cores (q4x8 plans), back when they stop
-    hugepages.py a loaded model's weight storages moved into transparent huge pages (2 MiB), bitwise the same
+    hugepages.py opt-in: a loaded model's weight storages moved into transparent huge pages (2 MiB), bitwise
 """

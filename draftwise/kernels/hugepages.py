@@ -1,21 +1,30 @@
 """Model weights in transparent huge pages (2 MiB) where the kernel offers them only on request.
 
 Owns: whether this machine's Linux hands out transparent huge pages (THP) on request (`thp_mode`), one
-anonymous private mapping advised MADV_HUGEPAGE per model (`place_in_huge_pages`) into which every large
-parameter and buffer storage of a module tree is copied and rebound (views and tensors sharing a storage, such
-as a tied embedding and LM head, stay shared), and how much of this process the kernel backs with huge pages
-(`huge_bytes`). Knows nothing of models, formats or the engine: it moves storages, the values stay bitwise.
+anonymous private mapping per model (`place_in_huge_pages`) into which every large parameter and buffer storage
+of a module tree is copied and rebound (views and tensors sharing a storage, such as a tied embedding and LM
+head, stay shared), the collapse of those mappings into huge pages once the caller is done loading
+(`collapse_pending`: MADV_COLLAPSE, Linux 6.1+, in chunks, on a daemon thread; MADV_HUGEPAGE lets khugepaged do it
+slowly where that is missing), and how much of this process the kernel backs with huge pages (`huge_bytes`).
+The collapse keeps every address, so nothing is rebound while the engine already runs. Measured on this VM:
+faulting the mapping in as huge pages directly cost 1.8 s per GiB at load (the kernel compacts memory first);
+the copy in 4 KiB pages costs 0.34 s for the 1.5B, its collapse ~1.6 s; a collapse (ours or khugepaged's)
+while the next model loaded slowed that load by seconds (its page faults wait for the collapse's lock), hence
+"once the caller is done".
+Knows nothing of models, formats or the engine: it moves storages, the values stay bitwise.
 
 Why: decoding streams every weight once per step. With 4 KiB pages the 1.5B model's ~1 GB is ~260k pages, far
-beyond the TLB, and the hardware prefetchers stop at page boundaries; with 2 MiB pages it is ~500. Measured on
-AMD Zen 4, 2 threads (docs/ARCHITECTURE.md, hardware facts): a 1-row forward of the packaged 1.5B took 35.0 ms
-instead of 41.3 ms. Most distributions ship THP in "madvise" mode, where ordinary allocations (torch's, via
-malloc) never get huge pages; under "always" they may already have them and the copy changes little; under
-"never" (or off Linux) nothing is done.
+beyond the TLB, and the hardware prefetchers stop at page boundaries; with 2 MiB pages it is ~500. Most
+distributions ship THP in "madvise" mode, where ordinary allocations (torch's, via malloc) never get huge pages;
+under "always" they may already have them and the copy changes little; under "never" (or off Linux) nothing is
+done. Opt-in (api.load_model with DRAFTWISE_HUGE_PAGES=1): on AMD Zen 4 it sped the kernel up in a harness but did
+not show end to end beyond a noisy host's spread, while costing seconds of load (docs/ARCHITECTURE.md, Kernels).
 """
 from __future__ import annotations
 
+import errno
 import mmap
+import threading
 from pathlib import Path
 
 import torch
@@ -23,6 +32,8 @@ from torch import nn
 
 HUGE = 2 << 20  # bytes in one x86-64 / arm64 transparent huge page
 MIN_BYTES = 1 << 20  # storages smaller than this stay where they are (not worth a copy; a page holds several)
+MADV_COLLAPSE = getattr(mmap, "MADV_COLLAPSE", 25)  # Linux 6.1+; Python 3.11's mmap module does not name it
+COLLAPSE_CHUNK = 32 << 20  # bytes collapsed per call, so other threads keep running between calls
 _THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
 
@@ -58,12 +69,13 @@ def tensors_of(module: nn.Module):  # (owner, kind, name, tensor): every paramet
 
 
 def place_in_huge_pages(module: nn.Module, min_bytes: int = MIN_BYTES, mode: str | None = None) -> dict:
-    """Copy every CPU parameter/buffer storage of `module` of at least `min_bytes` into one anonymous mapping
-    advised MADV_HUGEPAGE and rebind the tensors to it, in place. A storage is copied once and every tensor on it
-    (views, tied weights) is rebound at its own offset, shape and strides, so sharing survives. Old storages are
-    freed as their last tensor moves, so the peak stays near the model's size plus one storage.
-    Returns {"mode", "moved_bytes", "storages"}; moves nothing unless `mode` (default: `thp_mode()`) is
-    "madvise" or "always" and this Python can advise a mapping."""
+    """Copy every CPU parameter/buffer storage of `module` of at least `min_bytes` into one anonymous mapping and
+    rebind the tensors to it, in place; then a daemon thread collapses the mapping into huge pages. A storage is
+    copied once and every tensor on it (views, tied weights) is rebound at its own offset, shape and strides, so
+    sharing survives. Old storages are freed as their last tensor moves, so the peak stays near the model's size
+    plus one storage. The mapping waits for `collapse_pending()`. Returns {"mode", "moved_bytes", "storages"};
+    moves nothing unless `mode` (default: `thp_mode()`) is "madvise" or "always" and this Python can advise a
+    mapping."""
     mode = thp_mode() if mode is None else mode
     report = {"mode": mode, "moved_bytes": 0, "storages": 0}
     if mode not in ("madvise", "always") or not hasattr(mmap, "MADV_HUGEPAGE"):
@@ -85,12 +97,8 @@ def place_in_huge_pages(module: nn.Module, min_bytes: int = MIN_BYTES, mode: str
     for ptr in groups:  # each storage starts on a 64-byte boundary (what torch's allocator guarantees)
         offsets[ptr] = total
         total += -(-sizes[ptr] // 64) * 64
-    arena = mmap.mmap(-1, -(-total // HUGE) * HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    try:
-        arena.madvise(mmap.MADV_HUGEPAGE)
-    except OSError:  # a kernel built without THP refuses the advice: leave everything where it is
-        arena.close()
-        return report
+    length = -(-total // HUGE) * HUGE
+    arena = mmap.mmap(-1, length, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # faulted in 4 KiB pages by the copy
     base = torch.frombuffer(arena, dtype=torch.uint8)  # keeps `arena` alive as long as any view of it lives
     for ptr, users in groups.items():
         raw = base[offsets[ptr]:offsets[ptr] + sizes[ptr]]
@@ -104,4 +112,47 @@ def place_in_huge_pages(module: nn.Module, min_bytes: int = MIN_BYTES, mode: str
                 owner._buffers[name] = moved
         report["moved_bytes"] += sizes[ptr]
         report["storages"] += 1
+    with _lock:
+        _pending.append(arena)
     return report
+
+
+_pending: list[mmap.mmap] = []  # mappings placed and not yet collapsed
+_lock = threading.Lock()
+
+
+def collapse_pending(background: bool = True) -> threading.Thread | None:
+    """Collapse every mapping placed so far into huge pages: on a daemon thread (returned; join it to wait), or
+    now. Call once loading is over (api.LLM does, after assembling the engine)."""
+    with _lock:
+        arenas = list(_pending)
+        _pending.clear()
+    if not arenas:
+        return None
+    if not background:
+        for a in arenas:
+            _collapse(a, len(a))
+        return None
+    thread = threading.Thread(target=lambda: [_collapse(a, len(a)) for a in arenas], daemon=True,
+                              name="draftwise-huge-pages")
+    thread.start()
+    return thread
+
+
+def _collapse(arena: mmap.mmap, length: int) -> None:
+    """Ask the kernel to back `arena` with huge pages, COLLAPSE_CHUNK bytes per call (same addresses, same bytes).
+    Advised only now: advised at once, khugepaged started collapsing it while the next model loaded, and every page
+    fault of that load waited for it (the KV caches' zeroing took 2.7 s instead of ~0.3)."""
+    try:
+        arena.madvise(mmap.MADV_HUGEPAGE)  # khugepaged's to collapse where MADV_COLLAPSE is missing
+    except (OSError, ValueError):  # a kernel built without THP, or the mapping is closed: stay in 4 KiB pages
+        return
+    for off in range(0, length, COLLAPSE_CHUNK):
+        try:
+            arena.madvise(MADV_COLLAPSE, off, min(COLLAPSE_CHUNK, length - off))
+        except OSError as e:
+            if e.errno == errno.EINVAL:  # a kernel before 6.1: leave it to khugepaged
+                return
+            # EAGAIN / ENOMEM: no free huge page for this chunk now; the rest may still get one
+        except ValueError:  # the mapping was closed (the model is gone)
+            return

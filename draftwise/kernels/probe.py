@@ -118,8 +118,7 @@ def format_probe(p: dict) -> str:
         f"{p['torch_threads']} threads, fbgemm {'yes' if p['fbgemm'] else 'no'}"),
     ]
     if "thp" in p:  # probes recorded before it was added lack it
-        lines.append(f"huge pages        transparent, policy {p['thp']!r}"
-                     + (" (weights placed there at load)" if p["thp"] in ("madvise", "always") else ""))
+        lines.append(f"huge pages        transparent, policy {p['thp']!r} (DRAFTWISE_HUGE_PAGES=1 moves weights there)")
     if "bandwidth_gbs" in p:
         lines.append(f"memory read       {p['bandwidth_gbs']:.1f} GB/s (measured, {p['torch_threads']} threads)")
     return "\n".join(lines)
