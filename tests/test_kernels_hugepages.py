@@ -92,3 +92,15 @@ def test_load_model_reports_the_placement(tiny_gguf_path, draftwise_cache_dir, m
     monkeypatch.setenv("DRAFTWISE_HUGE_PAGES", "1")
     _, _, info = load_model(str(tiny_gguf_path), "float32", weights=None, cache_dir=str(draftwise_cache_dir))
     assert info["huge_pages"]["thp"] == hugepages.thp_mode() and info["huge_pages"]["bytes"] >= 0
+
+
+@needs_madvise
+def test_a_dropped_model_frees_its_mapping_before_any_collapse():
+    import gc
+
+    hugepages.collapse_pending(background=False)  # whatever earlier tests left
+    mod = torch.nn.Linear(512, 1024)
+    hugepages.place_in_huge_pages(mod, min_bytes=1, mode="madvise")
+    del mod
+    gc.collect()
+    assert hugepages.collapse_pending() is None  # nothing pending held the dropped model's mapping alive

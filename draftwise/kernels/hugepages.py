@@ -25,6 +25,7 @@ from __future__ import annotations
 import errno
 import mmap
 import threading
+import weakref
 from pathlib import Path
 
 import torch
@@ -70,10 +71,10 @@ def tensors_of(module: nn.Module):  # (owner, kind, name, tensor): every paramet
 
 def place_in_huge_pages(module: nn.Module, min_bytes: int = MIN_BYTES, mode: str | None = None) -> dict:
     """Copy every CPU parameter/buffer storage of `module` of at least `min_bytes` into one anonymous mapping and
-    rebind the tensors to it, in place; then a daemon thread collapses the mapping into huge pages. A storage is
+    rebind the tensors to it, in place; `collapse_pending()` later has the kernel back it with huge pages. A storage is
     copied once and every tensor on it (views, tied weights) is rebound at its own offset, shape and strides, so
     sharing survives. Old storages are freed as their last tensor moves, so the peak stays near the model's size
-    plus one storage. The mapping waits for `collapse_pending()`. Returns {"mode", "moved_bytes", "storages"};
+    plus one storage. Returns {"mode", "moved_bytes", "storages"};
     moves nothing unless `mode` (default: `thp_mode()`) is "madvise" or "always" and this Python can advise a
     mapping."""
     mode = thp_mode() if mode is None else mode
@@ -113,11 +114,12 @@ def place_in_huge_pages(module: nn.Module, min_bytes: int = MIN_BYTES, mode: str
         report["moved_bytes"] += sizes[ptr]
         report["storages"] += 1
     with _lock:
-        _pending.append(arena)
+        _pending.append(weakref.ref(arena))
     return report
 
 
-_pending: list[mmap.mmap] = []  # mappings placed and not yet collapsed
+# mappings placed and not yet collapsed, weakly: a model dropped before `collapse_pending` frees its mapping
+_pending: list[weakref.ref[mmap.mmap]] = []
 _lock = threading.Lock()
 
 
@@ -125,21 +127,20 @@ def collapse_pending(background: bool = True) -> threading.Thread | None:
     """Collapse every mapping placed so far into huge pages: on a daemon thread (returned; join it to wait), or
     now. Call once loading is over (api.LLM does, after assembling the engine)."""
     with _lock:
-        arenas = list(_pending)
+        arenas = [a for ref in _pending if (a := ref()) is not None]
         _pending.clear()
     if not arenas:
         return None
     if not background:
         for a in arenas:
-            _collapse(a, len(a))
+            _collapse(a)
         return None
-    thread = threading.Thread(target=lambda: [_collapse(a, len(a)) for a in arenas], daemon=True,
-                              name="draftwise-huge-pages")
+    thread = threading.Thread(target=lambda: [_collapse(a) for a in arenas], daemon=True, name="draftwise-huge-pages")
     thread.start()
     return thread
 
 
-def _collapse(arena: mmap.mmap, length: int) -> None:
+def _collapse(arena: mmap.mmap) -> None:
     """Ask the kernel to back `arena` with huge pages, COLLAPSE_CHUNK bytes per call (same addresses, same bytes).
     Advised only now: advised at once, khugepaged started collapsing it while the next model loaded, and every page
     fault of that load waited for it (the KV caches' zeroing took 2.7 s instead of ~0.3)."""
@@ -147,6 +148,7 @@ def _collapse(arena: mmap.mmap, length: int) -> None:
         arena.madvise(mmap.MADV_HUGEPAGE)  # khugepaged's to collapse where MADV_COLLAPSE is missing
     except (OSError, ValueError):  # a kernel built without THP, or the mapping is closed: stay in 4 KiB pages
         return
+    length = len(arena)
     for off in range(0, length, COLLAPSE_CHUNK):
         try:
             arena.madvise(MADV_COLLAPSE, off, min(COLLAPSE_CHUNK, length - off))

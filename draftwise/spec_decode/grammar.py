@@ -19,6 +19,8 @@ layout. Knows nothing of the engine's scheduling, of models, or of how the other
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 
@@ -103,33 +105,39 @@ class GrammarProposer:
             drafts.append(Draft(torch.tensor(ids[i], dtype=torch.int64), _probs(ids[i], rows[i]), tuple(forced[i])))
         return drafts
 
+    @contextmanager
+    def _after(self, slot: int, before: list[int]) -> Iterator[GrammarMatcher | None]:
+        """The slot's grammar state advanced along `before` (the draft so far), rolled back on exit; None without
+        a grammar or where `before` leaves it."""
+        m = self.grammars.get(slot)
+        n = 0 if m is None else m.advance_many(before)
+        try:
+            yield m if m is not None and n == len(before) else None
+        finally:
+            if m is not None:
+                m.rollback(n)
+
     def _valid(self, slot: int, before: list[int], guesses: list[int]) -> int:
         """How many of `guesses` the grammar allows in a row after the accepted output + `before`."""
-        m = self.grammars.get(slot)
-        if m is None or not guesses:
+        if slot not in self.grammars or not guesses:
             return len(guesses)
-        n = m.advance_many(before)
-        try:
-            if n != len(before):
+        with self._after(slot, before) as m:
+            if m is None:
                 return 0
             v = m.advance_many(guesses)
             m.rollback(v)
             return v
-        finally:
-            m.rollback(n)
 
     def _layout(self, slot: int, before: list[int], k: int) -> list[int]:
         """Up to k layout tokens the target wrote before in this grammar position, each allowed here, after the
         accepted output + `before`; stops where the grammar forces tokens again (the caller takes those)."""
-        m = self.grammars.get(slot)
         layout = self.layout if self._greedy.get(slot) else self._own.get(slot)
-        if m is None or k <= 0 or layout is None or not layout:
+        if k <= 0 or not layout:
             return []
-        n = m.advance_many(before)
-        out: list[int] = []
-        try:
-            if n != len(before):
+        with self._after(slot, before) as m:
+            if m is None:
                 return []
+            out: list[int] = []
             last = before[-1] if before else self._tail.get(slot)
             while len(out) < k:
                 held = m.held_back_bytes()
@@ -144,8 +152,6 @@ class GrammarProposer:
                     break
             m.rollback(len(out))
             return out
-        finally:
-            m.rollback(n)
 
     def _learn(self, slot: int, m: GrammarMatcher, last: int | None, t: int) -> None:
         """Remember the layout token `t` the target wrote in `m`'s state (before advancing it) after `last`."""
@@ -160,14 +166,10 @@ class GrammarProposer:
 
     def _forced(self, slot: int, before: list[int], k: int) -> list[int]:
         """Up to k tokens the grammar forces after the accepted output + `before` (state left unchanged)."""
-        m = self.grammars.get(slot)
-        if m is None or k <= 0:
+        if k <= 0:
             return []
-        n = m.advance_many(before)
-        try:
-            return m.forced_tokens(k) if n == len(before) else []
-        finally:
-            m.rollback(n)
+        with self._after(slot, before) as m:
+            return m.forced_tokens(k) if m is not None else []
 
     def accept(self, slot, num_accepted, token_id):
         m = self.grammars.get(slot)
