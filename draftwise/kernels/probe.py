@@ -2,7 +2,7 @@
 
 Owns: reading instruction-set flags (/proc/cpuinfo on Linux, sysctl on macOS), the CPU model name,
 torch's own view (ATen CPU capability, threads, version), the kernel's transparent-huge-page policy
-(kernels/hugepages.py places weights there) and a short measured memory bandwidth.
+(kernels/hugepages.py places weights there on request) and a short measured memory bandwidth.
 Knows nothing of models or of which kernel is chosen; `probe()` returns a plain dict (JSON-able)
 that bench manifests can record as it is, and `format_probe()` prints it for people.
 """
