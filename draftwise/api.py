@@ -16,10 +16,12 @@ import torch
 
 from draftwise.config import ConfigError, EngineConfig, SpecConfig, parse_spec_config
 from draftwise.engine import Engine, Request
+from draftwise.kernels import attention as attention_op
 from draftwise.kernels import hugepages
 from draftwise.kernels.threads import ThreadGuard
 from draftwise.models.transformer import Decoder
 from draftwise.output import TextStream
+from draftwise.prefix_cache import PrefixCache
 from draftwise.sampling import SamplingParams
 from draftwise.spec_decode.adaptive import AdaptiveK, FixedK, KPolicy
 from draftwise.spec_decode.builders import ProposerContext, build_proposer
@@ -51,6 +53,7 @@ class RequestOutput:
     spec: dict | None = None  # speculation stats (None when speculation is off)
     metrics: dict = field(default_factory=dict)
     error: str | None = None  # what failed when the finish reason is "error" (engine.Request.error)
+    num_cached_tokens: int = 0  # prompt tokens taken from the prefix cache (vLLM's RequestOutput field)
 
     @property
     def num_output_tokens(self) -> int:
@@ -127,10 +130,12 @@ class LLM:
         cache_dir: str | None = None,
         max_lookahead: int | None = None,
         thread_guard: bool = True,
+        enable_prefix_caching: bool | None = None,
     ):
         config = EngineConfig(model=model, dtype=dtype, device=device, weights=weights, threads=threads,
                               max_num_seqs=max_num_seqs, max_model_len=max_model_len,
-                              spec_config=parse_spec_config(speculative_config), seed=seed, thread_guard=thread_guard)
+                              spec_config=parse_spec_config(speculative_config), seed=seed, thread_guard=thread_guard,
+                              enable_prefix_caching=enable_prefix_caching)
         if threads:
             torch.set_num_threads(threads)
         t0 = time.perf_counter()
@@ -151,13 +156,13 @@ class LLM:
                    speculative_config: str | dict | SpecConfig | None = None, max_num_seqs: int = 8,
                    max_model_len: int | None = None, seed: int = 0, max_lookahead: int | None = None,
                    load_draft: Callable[[str, str, str | None], tuple] | None = None,
-                   model_info: dict | None = None) -> "LLM":
+                   model_info: dict | None = None, enable_prefix_caching: bool | None = None) -> "LLM":
         """An LLM around an already built decoder and tokenizer; `load_draft(name, dtype, weights)` returns
         (Decoder, Tokenizer, info) for method draft_model."""
         llm = cls.__new__(cls)
         config = EngineConfig(model=name, dtype=dtype, device=str(model.device.type), max_num_seqs=max_num_seqs,
                               max_model_len=max_model_len, spec_config=parse_spec_config(speculative_config),
-                              seed=seed)
+                              seed=seed, enable_prefix_caching=enable_prefix_caching)
         llm._assemble(config, model, tokenizer, model_info or {}, load_draft, max_lookahead)
         llm.load_time_s = 0.0
         return llm
@@ -177,17 +182,33 @@ class LLM:
         eos = tuple(tokenizer.eos_token_ids) or tuple(mc.eos_token_ids)
         self.eos_token_ids = eos  # what ends a sequence; a grammar allows them exactly when the output is complete
         self.engine = Engine(model, proposer, lookahead, config.max_num_seqs, self.max_model_len, eos,
-                             seed=config.seed, k_policy=k_policy, thread_guard=self._thread_guard(config, model_info))
+                             seed=config.seed, k_policy=k_policy, thread_guard=self._thread_guard(config, model_info),
+                             prefix_cache=self._prefix_cache(config, model, model_info))
 
     @staticmethod
-    def _thread_guard(config: EngineConfig, model_info: dict) -> ThreadGuard | None:
-        """A ThreadGuard where a thread count cannot change a result: on the CPU, with q4x8 for every width (it
-        splits work by output column, never a reduction; so do our attention and glue ops). Torch's dense and
-        int4 kernels may split a reduction by thread, so there the thread count stays as set."""
+    def _q4x8_everywhere(config: EngineConfig, model_info: dict) -> bool:
+        """q4x8 for every width on the CPU: each output row bitwise independent of the other rows, of how many
+        there are and of the thread count (it splits work by output column, never a reduction; so do our
+        attention and glue ops). Torch's dense and int4 kernels may split a reduction by shape or thread."""
         kernels = model_info.get("kernels") or {}
-        if not config.thread_guard or config.device != "cpu" or {kernels.get("step"), kernels.get("prefill")} != {"q4x8"}:
+        return config.device == "cpu" and {kernels.get("step"), kernels.get("prefill")} == {"q4x8"}
+
+    @classmethod
+    def _thread_guard(cls, config: EngineConfig, model_info: dict) -> ThreadGuard | None:
+        """A ThreadGuard where a thread count cannot change a result (q4x8 everywhere)."""
+        if not config.thread_guard or not cls._q4x8_everywhere(config, model_info):
             return None
         return ThreadGuard(config.threads)  # None: the thread count torch runs with now
+
+    @classmethod
+    def _prefix_cache(cls, config: EngineConfig, model: Decoder, model_info: dict) -> PrefixCache | None:
+        """A PrefixCache when asked; by default where it cannot change a token: q4x8 everywhere and our attention
+        op for every prompt row, so a prompt prefilled after a cached prefix is bitwise one prefilled whole."""
+        enabled = config.enable_prefix_caching
+        if enabled is None:
+            enabled = (cls._q4x8_everywhere(config, model_info) and model.dtype in attention_op.DTYPES
+                       and attention_op.available())
+        return PrefixCache() if enabled else None
 
     # ---- speculation --------------------------------------------------------------------------
     @property
@@ -329,6 +350,7 @@ class LLM:
             request_id=req.request_id, prompt=req.prompt_text, prompt_token_ids=req.prompt_ids,
             outputs=[CompletionOutput(0, text, list(req.output_ids), req.finish_reason)],
             finished=req.finished, ttft_s=ttft, total_s=total, spec=spec, error=req.error,
+            num_cached_tokens=req.num_cached_tokens,
         )
 
 

@@ -41,6 +41,10 @@ def add_model_args(p: argparse.ArgumentParser, spec: bool = True) -> None:
     p.add_argument("--no-thread-guard", dest="thread_guard", action="store_false",
                    help="keep --threads even while other processes hold cores (default: fewer threads then, "
                         "with q4x8 kernels, where results cannot change)")
+    p.add_argument("--enable-prefix-caching", dest="enable_prefix_caching", default=None,
+                   action=argparse.BooleanOptionalAction,
+                   help="reuse the K/V of a prompt's longest prefix seen before (default: on where it changes no "
+                        "token, i.e. q4x8 kernels for every width with our attention op)")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=8)
     p.add_argument("--seed", type=int, default=0, help="engine seed (requests without their own seed derive from it)")
@@ -55,7 +59,8 @@ def llm_from_args(args, **overrides):
     kw = dict(model=args.model, dtype=args.dtype, device=args.device, weights=args.weights, threads=args.threads,
               max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs, seed=args.seed,
               speculative_config=getattr(args, "speculative_config", None),
-              thread_guard=getattr(args, "thread_guard", True))
+              thread_guard=getattr(args, "thread_guard", True),
+              enable_prefix_caching=getattr(args, "enable_prefix_caching", None))
     kw.update(overrides)
     return LLM(**kw)
 

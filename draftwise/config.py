@@ -217,6 +217,8 @@ class EngineConfig:
     seed: int = 0
     # fewer torch threads while other processes hold cores (kernels/threads.py); only where results can't change
     thread_guard: bool = True
+    # keep recent prompts' K/V and reuse their longest common prefix (prefix_cache.py); None = where it is exact
+    enable_prefix_caching: bool | None = None
 
     def __post_init__(self):
         if self.dtype not in DTYPES:

@@ -1,6 +1,7 @@
 """The engine: continuous batching of requests over one target decoder and one proposer.
 
-step(): admit waiting requests into free slots (prefill, first token) → ask the proposer for up to k guesses
+step(): admit waiting requests into free slots (prefill from the end of the prompt's longest prefix in the
+prefix cache, first token) → ask the proposer for up to k guesses
 per running sequence → mask: under structured outputs, cut each draft at its first token the grammar forbids →
 one batched target forward over [pending token, guesses...] for every sequence → verify each row (pure
 function; under a grammar, row i's logits masked by the grammar state after guesses 1..i) → roll the target
@@ -27,6 +28,7 @@ from draftwise.config import ConfigError
 from draftwise.kernels.threads import ThreadGuard
 from draftwise.kv_cache import KVCache
 from draftwise.models.transformer import Decoder
+from draftwise.prefix_cache import PrefixCache
 from draftwise.sampling import SamplingParams, make_generator
 from draftwise.spec_decode.adaptive import FixedK, KPolicy
 from draftwise.spec_decode.proposer import EMPTY_DRAFT_IDS, Draft, Proposer
@@ -68,6 +70,7 @@ class Request:
     speculate: bool = True  # False: this request decodes plainly (k = 0 every step) whatever the policy says
     grammar: object | None = None  # structured.CompiledGrammar of params.structured_outputs (LLM.new_request)
     matcher: GrammarMatcher | None = None  # the output's grammar state: the engine advances it along emitted ids
+    num_cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache (not recomputed)
 
     @property
     def finished(self) -> bool:
@@ -97,10 +100,12 @@ class Engine:
         seed: int = 0,
         k_policy: KPolicy | None = None,
         thread_guard: ThreadGuard | None = None,
+        prefix_cache: PrefixCache | None = None,
     ):
         c = target.config
         self.target = target
         self.thread_guard = thread_guard  # fewer torch threads while other processes hold cores (kernels/threads.py)
+        self.prefix_cache = prefix_cache  # K/V of recent prompts: a prompt's cached prefix is not recomputed
         self.max_lookahead = max_lookahead  # the most guesses any step may verify: sizes the cache's look-ahead
         self.max_model_len = max_model_len
         self.eos_token_ids = set(eos_token_ids)
@@ -229,20 +234,36 @@ class Engine:
 
     def _prefill_forward(self, reqs: list[Request]) -> torch.Tensor:  # -> [B, 1, V] at each prompt's last token
         dev = self.target.device
-        width = max(len(r.prompt_ids) for r in reqs)
+        starts = [self._load_prefix(r) for r in reqs]  # each prompt's tokens already in its slot (prefix cache)
+        width = max(len(r.prompt_ids) - s for r, s in zip(reqs, starts))
+        if max(starts) + width > self.cache.capacity:  # padding after a long cached prefix would not fit: alone
+            return torch.cat([self._prefill_forward([r]) for r in reqs])
         ids = torch.zeros(len(reqs), width, dtype=torch.int64)
-        for row, r in enumerate(reqs):
-            self.cache.free(r.slot)
-            ids[row, : len(r.prompt_ids)] = torch.tensor(r.prompt_ids)
-        pos = torch.arange(width)[None].expand(len(reqs), width)  # padding sits past each prompt: rolled back
-        last = torch.tensor([len(r.prompt_ids) - 1 for r in reqs], device=dev)
+        for row, (r, s) in enumerate(zip(reqs, starts)):
+            ids[row, : len(r.prompt_ids) - s] = torch.tensor(r.prompt_ids[s:])
+        # each row from its first uncached position; padding sits past each prompt: rolled back
+        pos = torch.tensor(starts)[:, None] + torch.arange(width)[None]
+        num_tokens = [len(r.prompt_ids) - s for r, s in zip(reqs, starts)]
+        last = torch.tensor([n - 1 for n in num_tokens], device=dev)
         slots = torch.tensor([r.slot for r in reqs], device=dev)
         logits = self.target(ids.to(dev), pos.to(dev), self.cache, slots, logit_index=last,
-                             num_tokens=[len(r.prompt_ids) for r in reqs])  # [B, 1, V]
+                             num_tokens=num_tokens)  # [B, 1, V]
         return self._shared_vocab(logits)
+
+    def _load_prefix(self, r: Request) -> int:
+        """Empty r's slot, then fill it with the longest cached prefix of its prompt; returns that length."""
+        self.cache.free(r.slot)
+        r.num_cached_tokens = 0
+        if self.prefix_cache is not None:
+            entry, r.num_cached_tokens = self.prefix_cache.match(r.prompt_ids)
+            self.prefix_cache.load(entry, r.num_cached_tokens, self.cache, r.slot)
+        return r.num_cached_tokens
 
     def _first_token(self, r: Request, logits: torch.Tensor) -> StepOutput:  # logits [1, V]
         self.cache.truncate(r.slot, len(r.prompt_ids))
+        if self.prefix_cache is not None:
+            self.prefix_cache.count(len(r.prompt_ids), r.num_cached_tokens)
+            self.prefix_cache.store(r.prompt_ids, self.cache, r.slot)
         self.proposer.begin(r.slot, r.prompt_ids, r.params, r.generator, r.matcher)
         _, mask = self._grammar_cut(r, Draft(EMPTY_DRAFT_IDS))  # [1, V] or None
         token = verify(EMPTY_DRAFT_IDS, None, self._masked(r, logits, mask), r.params, r.generator).token_ids[0]

@@ -10,7 +10,7 @@ import draftwise
 
 ROOT = Path(draftwise.__file__).parent
 LAYERS = [
-    ("config", "kv_cache", "sampling", "tokenizer", "output", "models", "kernels", "structured"),
+    ("config", "kv_cache", "prefix_cache", "sampling", "tokenizer", "output", "models", "kernels", "structured"),
     ("spec_decode",),
     ("engine",),
     ("api",),

@@ -172,6 +172,9 @@ class InProcessClient:
             params = SamplingParams(temperature=c.temperature, top_p=c.top_p, max_tokens=c.max_tokens, seed=c.seed,
                                     stop=c.stop, structured_outputs=c.structured_outputs)
             pairs.append(llm.new_request(prompt, params))
+        if llm.engine.prefix_cache is not None:  # every request arrives new: it reuses only what it shares with
+            for req, _ in pairs:  # other prompts (a system prompt), never its own earlier run in another condition
+                llm.engine.prefix_cache.forget(req.prompt_ids)
         start = time.perf_counter()
         for req, _ in pairs:
             req.arrival_time = start  # the batch arrives at once
@@ -192,7 +195,8 @@ class InProcessClient:
         c = self.llm.config
         return {"model": c.model, "dtype": c.dtype, "weights": c.weights, "device": c.device, "threads": c.threads,
                 "max_model_len": self.llm.max_model_len, "max_num_seqs": c.max_num_seqs,
-                "draft": self.draft, "draft_dtype": self.draft_dtype, "draft_weights": self.draft_weights}
+                "draft": self.draft, "draft_dtype": self.draft_dtype, "draft_weights": self.draft_weights,
+                "prefix_caching": self.llm.engine.prefix_cache is not None}
 
     def manifest(self) -> dict:
         llm = self.llm
@@ -201,7 +205,11 @@ class InProcessClient:
                 "max_model_len": llm.max_model_len, "max_num_seqs": llm.config.max_num_seqs,
                 "device": llm.config.device, "seed": llm.config.seed,
                 "thread_guard": None if g is None else {"requested": g.requested, "threads": g.threads,
-                                                        "changes": g.changes}}
+                                                        "changes": g.changes},
+                "prefix_cache": None if (pc := llm.engine.prefix_cache) is None else
+                {"queried_tokens": pc.queries, "reused_tokens": pc.hits, "entries": len(pc), "bytes": pc.nbytes,
+                 "policy": "each request's own prompt forgotten before it runs: only prefixes shared with other "
+                           "prompts are reused"}}
 
     def memory(self) -> dict:
         out = {"peak_rss_bytes": peak_rss_bytes()}

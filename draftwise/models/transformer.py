@@ -12,8 +12,8 @@ their reference and what other dtypes and devices run. Both keep the decoder row
 Contract (docs/ARCHITECTURE.md): forward(token_ids[B,T], positions[B,T], cache, slots[B]) -> logits[B,T,V].
 The forward writes K/V at `positions` into `cache` and extends each slot's length to max(position)+1;
 rollback is the caller's `cache.truncate`. Knows nothing about requests, sampling or speculation.
-With `num_tokens` (the engine's decode and verification calls) attention is row-exact: `Attention._attend_exact`,
-one C++ call per layer (kernels/attention.py) or, without it, one SDPA call per query.
+With `num_tokens` (every engine call: prefill, decode, verification) attention is row-exact: `Attention._attend_exact`,
+one C++ call per layer (kernels/attention.py) or, without it, one SDPA call per query of a short chunk.
 """
 from __future__ import annotations
 
@@ -69,7 +69,7 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Te
     raise ValueError(f"unsupported rope scaling type {kind!r} (supported: default, linear, llama3)")
 
 
-ROW_EXACT_MAX_TOKENS = 16  # chunks up to this many tokens attend one query at a time (decode, verification)
+ROW_EXACT_MAX_TOKENS = 16  # without our attention op: chunks up to this many tokens attend one query at a time
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -153,27 +153,24 @@ class Attention(nn.Module):
 
     def _attend_exact(self, q: torch.Tensor, cache: KVCache, layer: int, slots: torch.Tensor,  # q [B, H, T, D]
                       positions: torch.Tensor, num_tokens: list[int]) -> torch.Tensor:  # -> [B, H, T, D]
-        """Attention whose result for a token does not depend on what else is in the batch. Each sequence is
-        attended on its own, over exactly its keys (no padding); a chunk of up to ROW_EXACT_MAX_TOKENS tokens
-        (a decode step, a verification) one query at a time, the very computation a plain decode step makes at
-        that position — so k + 1 verified rows equal k + 1 single steps bit for bit, and with row-exact linear
-        kernels greedy speculation equals plain decoding even where int8 activations would amplify the
-        last-bit differences of differently shaped matmuls. Longer chunks (prompts) take one causal call.
-        The short chunks of all sequences go through ONE call of our C++ op (kernels/attention.py: each query a
-        fixed float sequence over exactly its keys, read from the cache in place) when it is built and the
-        dtype is float32 / bfloat16; otherwise one SDPA call per query (the loop below), equally row-exact."""
-        short = [n if n <= ROW_EXACT_MAX_TOKENS else 0 for n in num_tokens]
-        if any(short) and attention_op.usable(q, cache.keys[layer]):
-            out = attention_op.attend_rows(q, cache.keys[layer], cache.values[layer], slots, positions, short,
-                                           self.scale, self.window)  # padding and long chunks' rows: zero
-            if short == num_tokens:
-                return out
-            done = [n > 0 for n in short]
-        else:
-            out, done = torch.zeros_like(q), [False] * len(num_tokens)
+        """Attention whose result for a token does not depend on what else is in the batch, nor on how its
+        sequence was cut into forwards. Each sequence is attended on its own, over exactly its keys (no padding).
+        With our C++ op (kernels/attention.py: each query a fixed float sequence over exactly its keys, read from
+        the cache in place; built, and the dtype float32 / bfloat16) every query of every chunk goes through ONE
+        call: k + 1 verified rows equal k + 1 single steps bit for bit, and a prompt prefilled after a cached
+        prefix (or in chunks) equals the prompt prefilled whole — with row-exact linear kernels, greedy
+        speculation equals plain decoding and the prefix cache changes no token, even where int8 activations
+        would amplify the last-bit differences of differently shaped matmuls. (The op is also faster than
+        masked SDPA at prompt lengths: 0.26 vs 0.33 ms at 69 tokens, 33 vs 39 ms at 1,024, 12 heads, 2 threads.)
+        Without it: chunks of up to ROW_EXACT_MAX_TOKENS tokens (decode, verification) one SDPA call per query,
+        equally row-exact; longer chunks (prompts) one causal call."""
+        if attention_op.usable(q, cache.keys[layer]):
+            return attention_op.attend_rows(q, cache.keys[layer], cache.values[layer], slots, positions, num_tokens,
+                                            self.scale, self.window)  # padding rows: zero
+        out = torch.zeros_like(q)
         gqa = self.num_kv_heads != self.num_heads
         for b, n in enumerate(num_tokens):
-            if done[b] or n == 0:
+            if n == 0:
                 continue
             first = int(positions[b, 0])
             keys, values = cache.read(layer, slots[b : b + 1], first + n)  # [1, H_kv, first + n, D]

@@ -240,7 +240,7 @@ class _Ctx:
                 if ev.finished:
                     done = True
                     out = ev.output
-                    use = protocol.usage(len(out.prompt_token_ids), out.num_output_tokens)
+                    use = protocol.usage(out)
                     return fmt.body("".join(parts), ev.finish_reason, use, _extra(out))
         finally:
             if not done:
@@ -273,9 +273,7 @@ class _Ctx:
                     yield _sse_line(fmt.chunk("", ev.finish_reason, include_usage,
                                               _extra(ev.output) if provenance else None))
                     if include_usage:
-                        out = ev.output
-                        yield _sse_line(fmt.usage_chunk(protocol.usage(len(out.prompt_token_ids),
-                                                                       out.num_output_tokens)))
+                        yield _sse_line(fmt.usage_chunk(protocol.usage(ev.output)))
                     break
             yield "data: [DONE]\n\n"
         finally:  # client gone (the generator is cancelled or closed): free the KV slot now

@@ -4,8 +4,8 @@ Owns one CollectorRegistry per app (so tests can build several apps in one proce
 TTFT / E2E / time-per-output-token histograms, prompt and generation token counters, running / waiting
 gauges, free KV slots, process RSS (ProcessCollector), and the spec-decode counters in the shared stats
 vocabulary (num_drafts, num_draft_tokens, num_accepted_tokens, num_forced_tokens, num_accepted_forced_tokens,
-accepted per position). Fed by the engine
-thread; knows nothing of HTTP.
+accepted per position), and the prefix cache's tokens queried / reused. Fed by the engine thread; knows nothing of
+HTTP.
 """
 from __future__ import annotations
 
@@ -62,7 +62,12 @@ class ServerMetrics:
                                ["model_name", "position"], registry=r)
         for i in range(num_speculative_tokens):  # expose zeros up front, as vLLM does
             self.per_pos.labels(model_name, str(i))
+        self.prefix_counters = {  # vLLM's prefix_cache_queries / prefix_cache_hits: tokens, not requests
+            "queries": counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache."),
+            "hits": counter("prefix_cache_hits", "Prompt tokens whose K/V the prefix cache held (not recomputed)."),
+        }
         self._seen = {f: 0 for f in _SPEC_FIELDS}
+        self._seen_prefix = {f: 0 for f in self.prefix_counters}
         self._seen_pos: list[int] = []
 
     # ---- fed by the engine thread -----------------------------------------------------------------
@@ -84,7 +89,8 @@ class ServerMetrics:
             self.tpot.observe((e2e_s - ttft_s) / (num_output - 1))
 
     def sync_engine(self, engine) -> None:
-        """Gauges from the engine's queues; spec counters advanced by what engine.stats gained since last time."""
+        """Gauges from the engine's queues; spec and prefix-cache counters advanced by what engine.stats and
+        engine.prefix_cache gained since last time."""
         self.running.set(len(engine.running))
         self.waiting.set(len(engine.waiting))
         self.slots_free.set(engine.num_free_slots)
@@ -100,6 +106,12 @@ class ServerMetrics:
             if now > before:
                 self.per_pos.labels(self._model, str(i)).inc(now - before)
         self._seen_pos = [int(x) for x in per_pos]
+        if engine.prefix_cache is not None:
+            for f, c in self.prefix_counters.items():
+                now = int(getattr(engine.prefix_cache, f))
+                if now > self._seen_prefix[f]:
+                    c.inc(now - self._seen_prefix[f])
+                    self._seen_prefix[f] = now
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

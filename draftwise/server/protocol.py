@@ -181,8 +181,11 @@ _STRUCTURED = ("response_format", "structured_outputs", "guided_json", "guided_r
 
 
 # ---- responses ------------------------------------------------------------------------------------
-def usage(num_prompt: int, num_output: int) -> dict:
-    return {"prompt_tokens": num_prompt, "completion_tokens": num_output, "total_tokens": num_prompt + num_output}
+def usage(out) -> dict:  # out: api.RequestOutput
+    """OpenAI's usage object; prompt_tokens_details.cached_tokens: prompt tokens taken from the prefix cache."""
+    num_prompt, num_output = len(out.prompt_token_ids), out.num_output_tokens
+    return {"prompt_tokens": num_prompt, "completion_tokens": num_output, "total_tokens": num_prompt + num_output,
+            "prompt_tokens_details": {"cached_tokens": out.num_cached_tokens}}
 
 
 class ResponseFormat:

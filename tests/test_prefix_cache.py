@@ -1,0 +1,205 @@
+"""Prefix cache (draftwise/prefix_cache.py and the engine's use of it).
+
+Invariants: the longest shared prefix is found at token granularity and never the whole prompt; a loaded prefix is
+bitwise the stored K/V; the byte budget holds (least recently used go first); a prompt prefilled after a cached
+prefix gives bitwise the logits and K/V of the prompt prefilled whole (row-exact q4x8 + attention op), so greedy
+outputs with the cache on equal outputs with it off — alone, batched with prompts cached to different depths,
+with speculation, and when the batch has to be split because padding after a long prefix would not fit.
+Tiny random models; no timing asserts.
+"""
+from __future__ import annotations
+
+import httpx
+import pytest
+import torch
+
+from draftwise.api import LLM
+from draftwise.config import EngineConfig
+from draftwise.kv_cache import KVCache
+from draftwise.prefix_cache import PrefixCache
+from draftwise.sampling import SamplingParams
+from tests.harness import MODEL, VOCAB, Server, metric, one_torch_thread, tiny_tokenizer  # noqa: F401
+from tests.tiny_models import tiny_decoder
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+LAYERS, HEADS, DIM = 2, 2, 4
+TOKEN_BYTES = LAYERS * 2 * HEADS * DIM * 4  # K and V, every layer, float32
+
+
+def filled_cache(slots: int = 3, capacity: int = 32) -> KVCache:
+    cache = KVCache(LAYERS, slots, HEADS, capacity, DIM, torch.float32)
+    g = torch.Generator().manual_seed(0)
+    for t in cache.keys + cache.values:
+        t.copy_(torch.randn(t.shape, generator=g))
+    return cache
+
+
+def stored(pc: PrefixCache, cache: KVCache, ids: list[int], slot: int = 0) -> None:
+    cache.lengths[slot] = len(ids)
+    pc.store(ids, cache, slot)
+
+
+def test_match_is_the_longest_shared_prefix_but_never_the_whole_prompt():
+    cache, pc = filled_cache(), PrefixCache()
+    assert pc.match([1, 2, 3]) == (None, 0)
+    stored(pc, cache, [1, 2, 3, 4, 5])
+    stored(pc, cache, [1, 2, 9, 9], slot=1)
+    assert pc.match([1, 2, 3, 4, 7])[1] == 4
+    assert pc.match([1, 2, 9, 5])[1] == 3
+    assert pc.match([1, 2, 3, 4, 5])[1] == 4  # the same prompt again: its last token is still computed
+    assert pc.match([1])[1] == 0 and pc.match([8, 1, 2])[1] == 0
+
+
+def test_load_copies_the_stored_kv_bitwise_into_another_slot():
+    cache, pc = filled_cache(), PrefixCache()
+    stored(pc, cache, [5, 6, 7, 8, 9], slot=0)
+    reference = [t[0, :, :5].clone() for t in cache.keys + cache.values]
+    for t in cache.keys + cache.values:
+        t[0].zero_()  # the slot is reused by someone else: the entry holds its own copy
+    entry, n = pc.match([5, 6, 7, 8, 1, 2])
+    pc.load(entry, n, cache, slot=2)
+    assert n == 4 and cache.lengths[2] == 4
+    for t, ref in zip(cache.keys + cache.values, reference):
+        assert torch.equal(t[2, :, :4], ref[:, :4])
+
+
+def test_covered_prompts_are_not_stored_twice_and_extensions_replace_entries():
+    cache, pc = filled_cache(), PrefixCache()
+    stored(pc, cache, [1, 2, 3, 4])
+    stored(pc, cache, [1, 2, 3])  # already covered
+    assert len(pc) == 1 and pc.nbytes == 4 * TOKEN_BYTES
+    stored(pc, cache, [1, 2, 3, 4, 5, 6])  # extends the entry: it replaces it
+    assert len(pc) == 1 and pc.nbytes == 6 * TOKEN_BYTES
+    assert pc.match([1, 2, 3, 4, 5, 6, 7])[1] == 6
+
+
+def test_budget_evicts_least_recently_used_first():
+    cache, pc = filled_cache(), PrefixCache(max_bytes=10 * TOKEN_BYTES)
+    stored(pc, cache, [1, 1, 1, 1])
+    stored(pc, cache, [2, 2, 2, 2])
+    pc.load(*pc.match([1, 1, 1, 1, 1]), cache, slot=1)  # [1...] used again: [2...] is now the oldest
+    stored(pc, cache, [3, 3, 3, 3])
+    assert pc.nbytes <= pc.max_bytes and len(pc) == 2
+    assert pc.match([2, 2, 2, 2, 2])[1] == 0 and pc.match([1, 1, 1, 1, 1])[1] == 4
+    stored(pc, cache, list(range(11)))  # larger than the whole budget: not kept, nothing evicted for it
+    assert len(pc) == 2 and pc.match(list(range(11)) + [0])[1] == 0
+
+
+def test_forget_drops_the_prompt_and_its_extensions_only():
+    cache, pc = filled_cache(), PrefixCache()
+    stored(pc, cache, [1, 2, 8])
+    stored(pc, cache, [1, 2, 3, 4, 5], slot=1)
+    stored(pc, cache, [7, 8, 9], slot=2)
+    pc.forget([1, 2, 3])
+    assert len(pc) == 2  # [1, 2, 3, 4, 5] went
+    assert pc.match([1, 2, 3, 4, 5, 6])[1] == 2  # what [1, 2, 3] shares with another prompt stays
+    assert pc.match([7, 8, 9, 1])[1] == 3
+    pc.count(10, 4)
+    assert (pc.queries, pc.hits) == (10, 4)
+
+
+# ---- with a model ---------------------------------------------------------------------------------------
+
+def q4x8_decoder():
+    from draftwise.kernels import attention, q4x8
+    from draftwise.models import quant
+
+    try:
+        q4x8.load()
+    except q4x8.KernelBuildError as e:
+        pytest.skip(f"q4x8 cannot be built here: {e}")
+    assert attention.available()
+    model = tiny_decoder("qwen2", 0, VOCAB)
+    quant.build_linears(model, "q4x8", "q4x8")
+    return model
+
+
+def test_prefill_after_a_cached_prefix_is_bitwise_the_whole_prefill():
+    model = q4x8_decoder()
+    c = model.config
+    ids = torch.randint(0, VOCAB, (1, 40), generator=torch.Generator().manual_seed(3))
+    for cut in (1, 7, 16, 17, 39):
+        whole = KVCache(c.num_layers, 1, c.num_kv_heads, 48, c.head_dim, model.dtype)
+        parts = KVCache(c.num_layers, 1, c.num_kv_heads, 48, c.head_dim, model.dtype)
+        slot = torch.tensor([0])
+        a = model(ids, torch.arange(40)[None], whole, slot, last_only=True, num_tokens=[40])
+        model(ids[:, :cut], torch.arange(cut)[None], parts, slot, last_only=True, num_tokens=[cut])
+        b = model(ids[:, cut:], torch.arange(cut, 40)[None], parts, slot, last_only=True, num_tokens=[40 - cut])
+        assert torch.equal(a, b), cut
+        for x, y in zip(whole.keys + whole.values, parts.keys + parts.values):
+            assert torch.equal(x[0, :, :40], y[0, :, :40]), cut
+
+
+def q4x8_llm(enable: bool | None, spec=None, max_model_len: int = 256, max_num_seqs: int = 4) -> LLM:
+    return LLM.from_parts(q4x8_decoder(), tiny_tokenizer(), name=MODEL, speculative_config=spec,
+                          max_num_seqs=max_num_seqs, max_model_len=max_model_len,
+                          model_info={"kernels": {"step": "q4x8", "prefill": "q4x8"}},
+                          enable_prefix_caching=enable)
+
+
+SYSTEM = [3] + list(range(10, 30))  # a shared "system prompt" of 21 tokens
+FIRST = [SYSTEM + [40, 41, 42], SYSTEM + [43, 44], [50, 51, 52, 53, 54, 55]]
+SECOND = [SYSTEM + [40, 41, 42, 45], SYSTEM[:12] + [46, 47], [56, 57, 58], SYSTEM + [43, 44]]
+
+
+@pytest.mark.parametrize("spec", [None, {"method": "ngram", "num_speculative_tokens": 3}],
+                         ids=["plain", "ngram"])
+def test_greedy_outputs_are_the_same_with_and_without_the_cache(spec):
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    outs = {}
+    for enable in (False, True):
+        llm = q4x8_llm(enable, spec)
+        first = llm.generate([{"prompt_token_ids": p} for p in FIRST], params)
+        second = llm.generate([{"prompt_token_ids": p} for p in SECOND], params)  # one batch, different depths
+        outs[enable] = [o.outputs[0].token_ids for o in first + second]
+        cached = [o.num_cached_tokens for o in first + second]
+    assert outs[True] == outs[False]
+    # FIRST: the 2nd prompt shares SYSTEM with the 1st only if that was stored first — same batch: nothing cached
+    assert cached[:3] == [0, 0, 0]
+    assert cached[3:] == [24, 12, 0, 22]  # all of FIRST[0]; SYSTEM[:12]; nothing; FIRST[1] but its last token
+
+
+def test_a_batch_that_would_overflow_the_cache_is_prefilled_prompt_by_prompt():
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    long = list(range(4, 60))  # 56 tokens; capacity is 64 + 0 + 1: 55 cached + 20 padded rows would not fit
+    other = list(range(60, 63)) * 7
+    outs = {}
+    for enable in (False, True):
+        llm = q4x8_llm(enable, max_model_len=64)
+        llm.generate([{"prompt_token_ids": long}], params)
+        res = llm.generate([{"prompt_token_ids": p} for p in (long, other)], params)
+        outs[enable] = [o.outputs[0].token_ids for o in res]
+        if enable:
+            assert [o.num_cached_tokens for o in res] == [55, 0]
+    assert outs[True] == outs[False]
+
+
+def test_on_by_default_only_where_it_changes_no_token():
+    from draftwise.kernels import attention
+
+    model = tiny_decoder("qwen2", 0, VOCAB)
+    q4 = {"kernels": {"step": "q4x8", "prefill": "q4x8"}}
+    mixed = {"kernels": {"step": "q4x8", "prefill": "dense_bf16"}}
+    auto = LLM._prefix_cache(EngineConfig(model="m"), model, q4)
+    assert (auto is not None) == attention.available()
+    assert LLM._prefix_cache(EngineConfig(model="m"), model, mixed) is None
+    assert LLM._prefix_cache(EngineConfig(model="m"), model, {}) is None
+    assert LLM._prefix_cache(EngineConfig(model="m", enable_prefix_caching=True), model, {}) is not None
+    assert LLM._prefix_cache(EngineConfig(model="m", enable_prefix_caching=False), model, q4) is None
+
+
+def test_server_reports_cached_tokens_in_usage_and_metrics():
+    from draftwise.server.app import create_app
+
+    with Server(create_app(q4x8_llm(True), MODEL)) as server:
+        c = server.client()
+        prompt = " ".join(f"w{i}" for i in range(1, 30))
+        first = c.completions.create(model=MODEL, prompt=prompt, max_tokens=3, temperature=0)
+        again = c.completions.create(model=MODEL, prompt=prompt + " w40", max_tokens=3, temperature=0)
+        assert first.usage.prompt_tokens_details.cached_tokens == 0
+        assert again.usage.prompt_tokens_details.cached_tokens == 29
+        m = server.metrics()
+        assert metric(m, "draftwise:prefix_cache_queries_total") == 29 + 30
+        assert metric(m, "draftwise:prefix_cache_hits_total") == 29
+        assert httpx.get(server.url + "/health").status_code == 200
