@@ -57,7 +57,8 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     ks = [int(k) for k in args.ks.split(",")]
     llm = LLM(args.model, dtype=args.dtype, weights=args.weights, max_num_seqs=1, max_model_len=1024,
-              max_lookahead=max(ks + [8 if args.auto else 0]))
+              max_lookahead=max(ks + [8 if args.auto else 0]),
+              enable_prefix_caching=False)  # the same prompts run under every condition: each prefills whole
     items = {g: [] for g in ("repeated", "novel", "chat")}
     for it in load_workload("code").items + load_workload("chat").items:
         if it.group in items and len(items[it.group]) < args.per_group:

@@ -61,8 +61,9 @@ def ours(llm_cache: dict, model: str, conf: dict, max_tokens: int, threads: int)
 
     fmt = (conf.get("dtype", "auto"), conf.get("weights", "auto"))
     if fmt not in llm_cache:
+        # no prefix cache: every run prefills its whole prompt, as llama.cpp does after its reset()
         llm_cache[fmt] = LLM(model, dtype=fmt[0], weights=fmt[1], threads=threads, max_num_seqs=1,
-                             max_model_len=2048, max_lookahead=16)
+                             max_model_len=2048, max_lookahead=16, enable_prefix_caching=False)
     llm = llm_cache[fmt]
     spec = conf.get("spec")
     llm.set_speculation(spec)  # builds (and calibrates) the proposer now, not inside the first timed run
