@@ -108,6 +108,15 @@ def load_model(name: str, dtype: str = "auto", device: str = "cpu", weights: str
     return model, ckpt.tokenizer, info
 
 
+def q4x8_everywhere(device: str, kernels: dict | None) -> bool:
+    """q4x8 for every width on the CPU (`kernels`: load_model's info["kernels"]): each output row is bitwise
+    independent of the other rows, of how many there are and of the thread count (it splits work by output column,
+    never a reduction; so do our attention and glue ops) — where the thread guard and, by default, the prefix cache
+    run. Torch's dense and int4 kernels may split a reduction by shape or thread."""
+    kernels = kernels or {}
+    return device == "cpu" and {kernels.get("step"), kernels.get("prefill")} == {"q4x8"}
+
+
 class LLM:
     """An engine over one target model, optionally speculating with a proposer (vLLM's `LLM` shape).
 
@@ -186,27 +195,19 @@ class LLM:
                              prefix_cache=self._prefix_cache(config, model, model_info))
 
     @staticmethod
-    def _q4x8_everywhere(config: EngineConfig, model_info: dict) -> bool:
-        """q4x8 for every width on the CPU: each output row bitwise independent of the other rows, of how many
-        there are and of the thread count (it splits work by output column, never a reduction; so do our
-        attention and glue ops). Torch's dense and int4 kernels may split a reduction by shape or thread."""
-        kernels = model_info.get("kernels") or {}
-        return config.device == "cpu" and {kernels.get("step"), kernels.get("prefill")} == {"q4x8"}
-
-    @classmethod
-    def _thread_guard(cls, config: EngineConfig, model_info: dict) -> ThreadGuard | None:
+    def _thread_guard(config: EngineConfig, model_info: dict) -> ThreadGuard | None:
         """A ThreadGuard where a thread count cannot change a result (q4x8 everywhere)."""
-        if not config.thread_guard or not cls._q4x8_everywhere(config, model_info):
+        if not config.thread_guard or not q4x8_everywhere(config.device, model_info.get("kernels")):
             return None
         return ThreadGuard(config.threads)  # None: the thread count torch runs with now
 
-    @classmethod
-    def _prefix_cache(cls, config: EngineConfig, model: Decoder, model_info: dict) -> PrefixCache | None:
+    @staticmethod
+    def _prefix_cache(config: EngineConfig, model: Decoder, model_info: dict) -> PrefixCache | None:
         """A PrefixCache when asked; by default where it cannot change a token: q4x8 everywhere and our attention
         op for every prompt row, so a prompt prefilled after a cached prefix is bitwise one prefilled whole."""
         enabled = config.enable_prefix_caching
         if enabled is None:
-            enabled = (cls._q4x8_everywhere(config, model_info) and model.dtype in attention_op.DTYPES
+            enabled = (q4x8_everywhere(config.device, model_info.get("kernels")) and model.dtype in attention_op.DTYPES
                        and attention_op.available())
         return PrefixCache() if enabled else None
 

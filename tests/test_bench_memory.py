@@ -98,6 +98,7 @@ def test_weight_and_kv_estimates_equal_what_the_loaded_model_allocates(step, pre
     again, _, _ = load_model(path, cache_dir=cache, tune=tune)  # from the prepared cache
     assert held_bytes(again) == held_bytes(model)
     assert f"step {step}, prefill {prefill}" in memory.format_estimate(e)
+    assert ("prefix_cache" in e["bytes"]) == (step == prefill == "q4x8")  # where LLM turns it on by default
     llm = LLM.from_parts(model, tok, max_num_seqs=2, max_model_len=64, max_lookahead=4,
                          speculative_config={"method": "draft_model", "model": "d", "num_speculative_tokens": 4},
                          load_draft=lambda name, d, w: (again, tok, {"name": name}))
