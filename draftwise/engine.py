@@ -431,5 +431,9 @@ class Engine:
         if req.slot is not None:
             self._pending.pop(req.slot, None)
             self.proposer.end(req.slot)
+            if self.prefix_cache is not None and reason in ("stop", "length"):  # the next turn of a chat starts
+                # with this prompt and output: keep what the cache holds of them (all but the last token emitted)
+                held = (req.prompt_ids + req.output_ids)[: self.cache.lengths[req.slot]]
+                self.prefix_cache.store(held, self.cache, req.slot)
             self.cache.free(req.slot)
             self.free_slots.append(req.slot)

@@ -1,4 +1,4 @@
-"""Prefix cache: the K/V of recent prompts, kept so a new prompt that starts with the same tokens (a shared system
+"""Prefix cache: the K/V of recent prompts (and of finished requests' prompt + output), kept so a new prompt that starts with the same tokens (a shared system
 prompt, the earlier turns of a chat, a repeated request) skips recomputing them — vLLM's automatic prefix caching,
 llama.cpp's prompt cache.
 

@@ -160,6 +160,20 @@ def test_greedy_outputs_are_the_same_with_and_without_the_cache(spec):
     assert cached[3:] == [24, 12, 0, 22]  # all of FIRST[0]; SYSTEM[:12]; nothing; FIRST[1] but its last token
 
 
+def test_the_next_turn_reuses_the_previous_prompt_and_output():
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    outs, cached = {}, None
+    for enable in (False, True):
+        llm = q4x8_llm(enable, {"method": "ngram", "num_speculative_tokens": 3})
+        first = llm.generate([{"prompt_token_ids": SYSTEM}], params)[0]
+        turn = SYSTEM + first.outputs[0].token_ids + [60, 61]
+        second = llm.generate([{"prompt_token_ids": turn}], params)[0]
+        outs[enable] = (first.outputs[0].token_ids, second.outputs[0].token_ids)
+        cached = second.num_cached_tokens
+    assert outs[True] == outs[False]
+    assert cached == len(SYSTEM) + 6 - 1  # all but the last output token were in the cache when it finished
+
+
 def test_a_batch_that_would_overflow_the_cache_is_prefilled_prompt_by_prompt():
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     long = list(range(4, 60))  # 56 tokens; capacity is 64 + 0 + 1: 55 cached + 20 padded rows would not fit
