@@ -1,6 +1,6 @@
-"""Prefix cache: the K/V of recent prompts (and of finished requests' prompt + output), kept so a new prompt that starts with the same tokens (a shared system
-prompt, the earlier turns of a chat, a repeated request) skips recomputing them — vLLM's automatic prefix caching,
-llama.cpp's prompt cache.
+"""Prefix cache: the K/V of recent prompts (and of finished requests' prompt + output), kept so a new prompt that
+starts with the same tokens (a shared system prompt, the earlier turns of a chat, a repeated request) skips
+recomputing them — vLLM's automatic prefix caching, llama.cpp's prompt cache.
 
 Owns: the stored entries (a prompt's token ids and a copy of its K/V, every layer), the longest-common-prefix
 lookup at token granularity, least-recently-used eviction under a byte budget, and the counters (tokens queried,
