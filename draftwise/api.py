@@ -16,12 +16,12 @@ import torch
 
 from draftwise.config import ConfigError, EngineConfig, SpecConfig, parse_spec_config
 from draftwise.engine import Engine, Request
-from draftwise.kernels import attention as attention_op
 from draftwise.kernels import hugepages
+from draftwise.kernels.linear import q4x8_everywhere
 from draftwise.kernels.threads import ThreadGuard
 from draftwise.models.transformer import Decoder
 from draftwise.output import TextStream
-from draftwise.prefix_cache import PrefixCache
+from draftwise.prefix_cache import PrefixCache, on_by_default
 from draftwise.sampling import SamplingParams
 from draftwise.spec_decode.adaptive import AdaptiveK, FixedK, KPolicy
 from draftwise.spec_decode.builders import ProposerContext, build_proposer
@@ -106,15 +106,6 @@ def load_model(name: str, dtype: str = "auto", device: str = "cpu", weights: str
         placed = hugepages.place_in_huge_pages(model)
         info["huge_pages"] = {"thp": placed["mode"], "bytes": placed["moved_bytes"]}
     return model, ckpt.tokenizer, info
-
-
-def q4x8_everywhere(device: str, kernels: dict | None) -> bool:
-    """q4x8 for every width on the CPU (`kernels`: load_model's info["kernels"]): each output row is bitwise
-    independent of the other rows, of how many there are and of the thread count (it splits work by output column,
-    never a reduction; so do our attention and glue ops) — where the thread guard and, by default, the prefix cache
-    run. Torch's dense and int4 kernels may split a reduction by shape or thread."""
-    kernels = kernels or {}
-    return device == "cpu" and {kernels.get("step"), kernels.get("prefill")} == {"q4x8"}
 
 
 class LLM:
@@ -207,8 +198,7 @@ class LLM:
         op for every prompt row, so a prompt prefilled after a cached prefix is bitwise one prefilled whole."""
         enabled = config.enable_prefix_caching
         if enabled is None:
-            enabled = (q4x8_everywhere(config.device, model_info.get("kernels")) and model.dtype in attention_op.DTYPES
-                       and attention_op.available())
+            enabled = on_by_default(config.device, model_info.get("kernels"), model.dtype)
         return PrefixCache() if enabled else None
 
     # ---- speculation --------------------------------------------------------------------------
@@ -262,6 +252,7 @@ class LLM:
             target_tokenizer=self.tokenizer, max_num_seqs=self.config.max_num_seqs,
             max_model_len=self.max_model_len, max_lookahead=lookahead, dtype=self.config.dtype,
             load_draft=load_draft if self._load_draft is not None else None,
+            prefix_caching=self.config.enable_prefix_caching,
             proposer_for=lambda spec: self._proposer(spec, lookahead))  # grammar + X shares X's proposer
 
     # ---- prompts ------------------------------------------------------------------------------

@@ -131,11 +131,28 @@ def test_prefill_after_a_cached_prefix_is_bitwise_the_whole_prefill():
             assert torch.equal(x[0, :, :40], y[0, :, :40]), cut
 
 
+Q4X8 = {"kernels": {"step": "q4x8", "prefill": "q4x8"}}
+
+
+def q4x8_draft():
+    """A q4x8 copy of the target with noise added first: agrees often, not always."""
+    from draftwise.models import quant
+
+    draft = tiny_decoder("qwen2", 0, VOCAB)
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in draft.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=g))
+    quant.build_linears(draft, "q4x8", "q4x8")
+    return draft
+
+
 def q4x8_llm(enable: bool | None, spec=None, max_model_len: int = 256, max_num_seqs: int = 4) -> LLM:
-    return LLM.from_parts(q4x8_decoder(), tiny_tokenizer(), name=MODEL, speculative_config=spec,
-                          max_num_seqs=max_num_seqs, max_model_len=max_model_len,
-                          model_info={"kernels": {"step": "q4x8", "prefill": "q4x8"}},
-                          enable_prefix_caching=enable)
+    tok = tiny_tokenizer()
+    return LLM.from_parts(q4x8_decoder(), tok, name=MODEL, speculative_config=spec,
+                          max_num_seqs=max_num_seqs, max_model_len=max_model_len, model_info=Q4X8,
+                          enable_prefix_caching=enable,
+                          load_draft=lambda name, dtype, weights: (q4x8_draft(), tok, dict(Q4X8, name=name)))
 
 
 SYSTEM = [3] + list(range(10, 30))  # a shared "system prompt" of 21 tokens
@@ -143,8 +160,11 @@ FIRST = [SYSTEM + [40, 41, 42], SYSTEM + [43, 44], [50, 51, 52, 53, 54, 55]]
 SECOND = [SYSTEM + [40, 41, 42, 45], SYSTEM[:12] + [46, 47], [56, 57, 58], SYSTEM + [43, 44]]
 
 
-@pytest.mark.parametrize("spec", [None, {"method": "ngram", "num_speculative_tokens": 3}],
-                         ids=["plain", "ngram"])
+DRAFT = {"method": "draft_model", "model": "noisy", "num_speculative_tokens": 3}
+
+
+@pytest.mark.parametrize("spec", [None, {"method": "ngram", "num_speculative_tokens": 3}, DRAFT],
+                         ids=["plain", "ngram", "draft_model"])
 def test_greedy_outputs_are_the_same_with_and_without_the_cache(spec):
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     outs = {}
@@ -174,6 +194,22 @@ def test_the_next_turn_reuses_the_previous_prompt_and_output():
     assert cached == len(SYSTEM) + 6 - 1  # all but the last output token were in the cache when it finished
 
 
+def test_the_draft_model_keeps_its_own_cache_and_sampled_tokens_do_not_move():
+    """A sampled request's tokens depend on the draft's q: with the draft's prefix cache (exact, like the target's)
+    the same seed gives the same tokens as without any cache."""
+    params = SamplingParams(temperature=0.8, max_tokens=10, seed=7, ignore_eos=True)
+    outs = {}
+    for enable in (False, True):
+        llm = q4x8_llm(enable, DRAFT)
+        llm.generate([{"prompt_token_ids": p} for p in FIRST], params)
+        res = llm.generate([{"prompt_token_ids": p} for p in SECOND], params)
+        outs[enable] = [o.outputs[0].token_ids for o in res]
+        draft_cache = llm.proposer.prefix_cache
+        assert (draft_cache is not None) == enable
+    assert outs[True] == outs[False]
+    assert draft_cache.hits > 0 and draft_cache.queries == sum(map(len, FIRST + SECOND))
+
+
 def test_a_batch_that_would_overflow_the_cache_is_prefilled_prompt_by_prompt():
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     long = list(range(4, 60))  # 56 tokens; capacity is 64 + 0 + 1: 55 cached + 20 padded rows would not fit
@@ -191,6 +227,9 @@ def test_a_batch_that_would_overflow_the_cache_is_prefilled_prompt_by_prompt():
 
 def test_on_by_default_only_where_it_changes_no_token():
     from draftwise.kernels import attention
+
+    llm = q4x8_llm(None, DRAFT)  # the draft's plan is q4x8 too: it gets one by default, as the target does
+    assert (llm.engine.prefix_cache is not None) == (llm.proposer.prefix_cache is not None) == attention.available()
 
     model = tiny_decoder("qwen2", 0, VOCAB)
     q4 = {"kernels": {"step": "q4x8", "prefill": "q4x8"}}

@@ -14,7 +14,7 @@ safetensors header, or the GGUF's key-values and tensor table — never by loadi
              preallocates every slot at full length (engine.target_cache_capacity and
              spec_decode/draft_model.draft_cache_capacity: the same functions the engine and the draft call) —
              so concurrency is the number of slots (--max-num-seqs), used or not;
-  prefix cache = its byte budget (prefix_cache.py), where it is on by default (q4x8 for every width; api.py);
+  prefix cache = its byte budget (prefix_cache.py) per model, where it is on by default (q4x8 for every width);
   overhead = the interpreter with torch and the tokenizer (measured, RUNTIME_BASE_BYTES) plus prefill
              activations for a full-context prompt (a few hidden-size and MLP-width buffers per token);
   loading  = a kernel plan's modules are built one tensor at a time from the GGUF (or read back packed), and a
@@ -32,9 +32,9 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from draftwise.api import q4x8_everywhere
 from draftwise.config import ConfigError, ModelConfig
 from draftwise.engine import target_cache_capacity
+from draftwise.kernels.linear import q4x8_everywhere
 from draftwise.models.safetensors import header_specs
 from draftwise.prefix_cache import DEFAULT_BYTES as PREFIX_CACHE_BYTES
 from draftwise.spec_decode.draft_model import draft_cache_capacity
@@ -203,6 +203,8 @@ def estimate(target: str, draft: str | None, max_model_len: int, concurrency: in
         plans["draft"] = _plan_dict(dp)
         rows["draft_weights"] = weight_bytes(d, dp)
         rows["draft_kv_cache"] = kv_bytes(d.config, dp.dtype, draft_cache_capacity(max_model_len, k), concurrency)
+        if q4x8_everywhere(device, {"step": dp.step, "prefill": dp.prefill}):
+            rows["draft_prefix_cache"] = PREFIX_CACHE_BYTES
         loading["draft"] = RUNTIME_BASE_BYTES + rows["target_weights"] + loading_bytes(d, dp)
     if q4x8_everywhere(device, {"step": tp.step, "prefill": tp.prefill}):  # on by default there: at most its budget
         rows["prefix_cache"] = PREFIX_CACHE_BYTES

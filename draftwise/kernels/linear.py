@@ -277,3 +277,13 @@ def make_linear(name: str, weight: torch.Tensor, bias: torch.Tensor | None = Non
     if name not in IMPLS:
         raise ValueError(f"unknown linear implementation {name!r} (known: {', '.join(IMPLS)})")
     return IMPLS[name](weight, bias)
+
+
+def q4x8_everywhere(device: str, kernels: dict | None) -> bool:
+    """q4x8 for every width on the CPU (`kernels`: a loaded model's info["kernels"], {"step": .., "prefill": ..}):
+    each output row is then bitwise independent of the other rows, of how many there are and of the thread count
+    (q4x8 splits work by output column, never a reduction; so do our attention and glue ops) — where the thread
+    guard and, by default, the prefix cache run. Torch's dense and int4 kernels may split a reduction by shape or
+    thread."""
+    kernels = kernels or {}
+    return device == "cpu" and {kernels.get("step"), kernels.get("prefill")} == {"q4x8"}

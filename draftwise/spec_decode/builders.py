@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from draftwise.config import ConfigError, SpecConfig
+from draftwise.prefix_cache import PrefixCache, on_by_default
 from draftwise.spec_decode.draft_model import DraftModelProposer, check_compatible, draft_cache_capacity
 from draftwise.spec_decode.grammar import GrammarProposer
 from draftwise.spec_decode.ngram import NgramProposer
@@ -32,6 +33,7 @@ class ProposerContext:
     load_draft: Callable[[str, str, str | None], tuple] | None = None
     # the caller's cached builder (a composite method reuses the proposer its part already has); None = build
     proposer_for: Callable[[SpecConfig], Proposer] | None = None
+    prefix_caching: bool | None = None  # a draft model's own prefix cache: on / off / None = where it is exact
 
 
 def _build_none(spec: SpecConfig, ctx: ProposerContext) -> Proposer:
@@ -45,14 +47,18 @@ def _build_ngram(spec: SpecConfig, ctx: ProposerContext) -> Proposer:
 def _build_draft_model(spec: SpecConfig, ctx: ProposerContext) -> Proposer:
     if ctx.load_draft is None:
         raise ConfigError("method draft_model needs a way to load the draft model")
-    model, tok, _info = ctx.load_draft(spec.model, spec.draft_dtype or ctx.dtype, spec.draft_weights)
+    model, tok, info = ctx.load_draft(spec.model, spec.draft_dtype or ctx.dtype, spec.draft_weights)
     if ctx.target_tokenizer is not None and tok is not None:
         check_compatible(ctx.target_tokenizer, tok, ctx.target_name, spec.model)
     capacity = draft_cache_capacity(ctx.max_model_len, ctx.max_lookahead)
     # a trimmed head keeps every id that ends a turn: the tokenizer's and the checkpoint config's EOS ids
     eos = (*(getattr(tok, "eos_token_ids", None) or ()), *model.config.eos_token_ids)
+    prefix = ctx.prefix_caching
+    if prefix is None:  # exact only: a sampled request's tokens depend on the draft's q, which must not move
+        prefix = on_by_default(model.device.type, (info or {}).get("kernels"), model.dtype)
     return DraftModelProposer(model, ctx.max_num_seqs, capacity, ctx.target_vocab_size,
-                              draft_vocab_size=spec.draft_vocab_size, eos_token_ids=eos)
+                              draft_vocab_size=spec.draft_vocab_size, eos_token_ids=eos,
+                              prefix_cache=PrefixCache() if prefix else None)
 
 
 def _build_grammar(spec: SpecConfig, ctx: ProposerContext) -> Proposer:

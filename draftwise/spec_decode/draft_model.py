@@ -7,6 +7,8 @@ with the request's own temperature/top-k/top-p so rejection sampling compares li
 outputs each slot keeps its own copy of the request's grammar state: guesses are drawn from the draft's
 distribution masked by it (so q is a proper distribution over the allowed ids, as the target's p is), it is
 advanced along the guesses, and `accept` rolls the guesses back and advances what the target emitted.
+With a prefix cache of its own (prefix_cache.py; builders.py turns it on where it is exact, as the target's),
+`begin` copies a new prompt's longest cached prefix into the slot and `end` keeps what the slot holds.
 
 A trimmed head (`draft_vocab_size`, after FR-Spec: Zhao et al. 2025, "FR-Spec: Accelerating Large-Vocabulary
 Language Models via Frequency-Ranked Speculative Sampling", arXiv 2502.14856; EAGLE-3 drafts over 32k ids too):
@@ -30,6 +32,7 @@ from torch import nn
 
 from draftwise.config import ConfigError
 from draftwise.kv_cache import KVCache
+from draftwise.prefix_cache import PrefixCache
 from draftwise.sampling import SamplingParams, process_logits, sample
 from draftwise.spec_decode.proposer import EMPTY_DRAFT_IDS, Draft
 from draftwise.structured.matcher import GrammarError, GrammarMatcher, mask_logits
@@ -45,7 +48,8 @@ def draft_cache_capacity(max_model_len: int, max_lookahead: int) -> int:
 
 class DraftModelProposer:
     def __init__(self, model, num_slots: int, capacity: int, target_vocab_size: int,
-                 draft_vocab_size: int | None = None, eos_token_ids: tuple[int, ...] = ()):
+                 draft_vocab_size: int | None = None, eos_token_ids: tuple[int, ...] = (),
+                 prefix_cache: PrefixCache | None = None):
         c = model.config
         self.model = model
         # the draft's own head over the kept ids (None: the model's lm_head, the whole vocabulary)
@@ -56,6 +60,7 @@ class DraftModelProposer:
         if draft_vocab_size is not None and draft_vocab_size < c.vocab_size:
             self.head = TrimmedHead(model.lm_head, c.vocab_size, kept_ids(draft_vocab_size, c.vocab_size, eos_token_ids))
         self.cache = KVCache(c.num_layers, num_slots, c.num_kv_heads, capacity, c.head_dim, model.dtype, model.device)
+        self.prefix_cache = prefix_cache  # the draft's own: a prompt's cached prefix is not fed again
         self.target_vocab_size = target_vocab_size
         # ids the draft can embed: fewer rows than the target (padding) -> the engine masks to the shared ids
         self.vocab_limit = c.vocab_size if c.vocab_size < target_vocab_size else None
@@ -71,6 +76,10 @@ class DraftModelProposer:
         self.tokens[slot] = list(prompt_ids)
         self.seen[slot] = 0
         self.cache.free(slot)
+        if self.prefix_cache is not None:  # the longest cached prefix goes in; the catch-up feeds the rest
+            entry, self.seen[slot] = self.prefix_cache.match(prompt_ids)
+            self.prefix_cache.load(entry, self.seen[slot], self.cache, slot)
+            self.prefix_cache.count(len(prompt_ids), self.seen[slot])
         self.params[slot], self.generators[slot] = params, generator
         self._last[slot] = []
         if grammar is not None:
@@ -78,6 +87,8 @@ class DraftModelProposer:
             self._advanced[slot] = 0
 
     def end(self, slot):
+        if self.prefix_cache is not None and slot in self.seen:  # what the cache holds of prompt + output
+            self.prefix_cache.store(self.tokens[slot][: self.seen[slot]], self.cache, slot)
         for d in (self.tokens, self.seen, self.params, self.generators, self._last, self.grammars, self._advanced):
             d.pop(slot, None)
         self.cache.free(slot)
