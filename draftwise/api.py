@@ -201,6 +201,14 @@ class LLM:
             enabled = on_by_default(config.device, model_info.get("kernels"), model.dtype)
         return PrefixCache() if enabled else None
 
+    def prefix_caches(self) -> dict[str, PrefixCache]:
+        """The prefix caches in use: "target" and each built draft model's (by its model name)."""
+        caches = {"target": self.engine.prefix_cache}
+        for identity, p in self._proposers.items():
+            vocab = f" (draft_vocab_size {identity.draft_vocab_size})" if identity.draft_vocab_size else ""
+            caches[f"draft {identity.model}{vocab}"] = getattr(p, "prefix_cache", None)
+        return {name: c for name, c in caches.items() if c is not None}
+
     # ---- speculation --------------------------------------------------------------------------
     @property
     def spec_config(self) -> SpecConfig:

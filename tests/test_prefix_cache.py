@@ -206,6 +206,7 @@ def test_the_draft_model_keeps_its_own_cache_and_sampled_tokens_do_not_move():
         outs[enable] = [o.outputs[0].token_ids for o in res]
         draft_cache = llm.proposer.prefix_cache
         assert (draft_cache is not None) == enable
+        assert list(llm.prefix_caches()) == (["target", "draft noisy"] if enable else [])
     assert outs[True] == outs[False]
     assert draft_cache.hits > 0 and draft_cache.queries == sum(map(len, FIRST + SECOND))
 
@@ -256,3 +257,20 @@ def test_server_reports_cached_tokens_in_usage_and_metrics():
         assert metric(m, "draftwise:prefix_cache_queries_total") == 29 + 30
         assert metric(m, "draftwise:prefix_cache_hits_total") == 29
         assert httpx.get(server.url + "/health").status_code == 200
+
+
+def test_the_bench_runs_every_request_as_new_to_the_caches():
+    """The same prompt runs under every condition of a bench: its own earlier run must not shorten its prefill
+    (only what it shares with other prompts may)."""
+    from draftwise.bench.clients import Call, InProcessClient
+
+    llm = q4x8_llm(True, DRAFT)
+    client = InProcessClient(llm)
+    prompt = " ".join(f"w{i}" for i in range(1, 20))
+    for _ in range(2):
+        client._run_calls([Call(prompt=prompt, messages=None, max_tokens=4)])
+    caches = llm.prefix_caches()
+    assert set(caches) == {"target", "draft noisy"}
+    assert all(c.queries == 2 * 19 and c.hits == 0 for c in caches.values())
+    llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=4))  # outside the bench: reused
+    assert caches["target"].hits == 18

@@ -172,9 +172,9 @@ class InProcessClient:
             params = SamplingParams(temperature=c.temperature, top_p=c.top_p, max_tokens=c.max_tokens, seed=c.seed,
                                     stop=c.stop, structured_outputs=c.structured_outputs)
             pairs.append(llm.new_request(prompt, params))
-        if llm.engine.prefix_cache is not None:  # every request arrives new: it reuses only what it shares with
-            for req, _ in pairs:  # other prompts (a system prompt), never its own earlier run in another condition
-                llm.engine.prefix_cache.forget(req.prompt_ids)
+        for cache in llm.prefix_caches().values():  # every request arrives new: it reuses only what it shares
+            for req, _ in pairs:  # with other prompts (a system prompt), never its own run in another condition
+                cache.forget(req.prompt_ids)
         start = time.perf_counter()
         for req, _ in pairs:
             req.arrival_time = start  # the batch arrives at once
@@ -206,10 +206,10 @@ class InProcessClient:
                 "device": llm.config.device, "seed": llm.config.seed,
                 "thread_guard": None if g is None else {"requested": g.requested, "threads": g.threads,
                                                         "changes": g.changes},
-                "prefix_cache": None if (pc := llm.engine.prefix_cache) is None else
-                {"queried_tokens": pc.queries, "reused_tokens": pc.hits, "entries": len(pc), "bytes": pc.nbytes,
-                 "policy": "each request's own prompt forgotten before it runs: only prefixes shared with other "
-                           "prompts are reused"}}
+                "prefix_caches": {name: {"queried_tokens": pc.queries, "reused_tokens": pc.hits, "entries": len(pc),
+                                         "bytes": pc.nbytes} for name, pc in llm.prefix_caches().items()},
+                "prefix_cache_policy": "each request's own prompt forgotten before it runs: only prefixes shared "
+                                       "with other prompts are reused"}
 
     def memory(self) -> dict:
         out = {"peak_rss_bytes": peak_rss_bytes()}
