@@ -40,6 +40,8 @@ class _Entry:
 
 
 class PrefixCache:
+    """Entries of (token ids, their K/V copied out of a KVCache slot), least recently used first."""
+
     def __init__(self, max_bytes: int = DEFAULT_BYTES):
         if max_bytes < 0:
             raise ValueError("the prefix cache's byte budget must be >= 0")
@@ -115,7 +117,3 @@ class PrefixCache:
 
     def _drop(self, key: int) -> None:
         self.nbytes -= self._entries.pop(key).nbytes
-
-    def clear(self) -> None:
-        self._entries.clear()
-        self.nbytes = 0
