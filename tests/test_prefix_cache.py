@@ -18,7 +18,7 @@ from draftwise.config import EngineConfig
 from draftwise.kv_cache import KVCache
 from draftwise.prefix_cache import PrefixCache
 from draftwise.sampling import SamplingParams
-from tests.harness import MODEL, VOCAB, Server, metric, one_torch_thread, tiny_tokenizer  # noqa: F401
+from tests.harness import MODEL, VOCAB, Server, metric, noisy_draft, one_torch_thread, tiny_tokenizer  # noqa: F401
 from tests.tiny_models import tiny_decoder
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -135,14 +135,10 @@ Q4X8 = {"kernels": {"step": "q4x8", "prefill": "q4x8"}}
 
 
 def q4x8_draft():
-    """A q4x8 copy of the target with noise added first: agrees often, not always."""
+    """The harness's noisy copy of the target (agrees often, not always), in q4x8."""
     from draftwise.models import quant
 
-    draft = tiny_decoder("qwen2", 0, VOCAB)
-    g = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for p in draft.parameters():
-            p.add_(0.05 * torch.randn(p.shape, generator=g))
+    draft = noisy_draft()
     quant.build_linears(draft, "q4x8", "q4x8")
     return draft
 
