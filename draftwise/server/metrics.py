@@ -95,11 +95,7 @@ class ServerMetrics:
         self.waiting.set(len(engine.waiting))
         self.slots_free.set(engine.num_free_slots)
         stats = engine.stats
-        for f in _SPEC_FIELDS:
-            now = int(getattr(stats, f))
-            if now > self._seen[f]:
-                self.spec_counters[f].inc(now - self._seen[f])
-                self._seen[f] = now
+        _advance(self.spec_counters, self._seen, stats)
         per_pos = list(stats.accepted_per_position)
         for i, now in enumerate(per_pos):
             before = self._seen_pos[i] if i < len(self._seen_pos) else 0
@@ -107,11 +103,16 @@ class ServerMetrics:
                 self.per_pos.labels(self._model, str(i)).inc(now - before)
         self._seen_pos = [int(x) for x in per_pos]
         if engine.prefix_cache is not None:
-            for f, c in self.prefix_counters.items():
-                now = int(getattr(engine.prefix_cache, f))
-                if now > self._seen_prefix[f]:
-                    c.inc(now - self._seen_prefix[f])
-                    self._seen_prefix[f] = now
+            _advance(self.prefix_counters, self._seen_prefix, engine.prefix_cache)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+def _advance(counters: dict, seen: dict, source) -> None:
+    """Each counter advanced by what `source`'s attribute of the same name gained since `seen` (updated)."""
+    for f, c in counters.items():
+        now = int(getattr(source, f))
+        if now > seen[f]:
+            c.inc(now - seen[f])
+            seen[f] = now
