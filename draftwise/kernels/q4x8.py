@@ -1,6 +1,7 @@
 """Our CPU kernel "q4x8": int4 weights (groups of 32 along K, asymmetric like GGUF Q4_K) x int8 activations
-(quantized per row in blocks of 32, symmetric like Q8_0), a C++ torch operator with an AVX-512 VNNI path and
-an AVX2 path chosen at run time from cpuid (one binary serves both kinds of CPU).
+(quantized per row with one scale per 256 K values, symmetric like GGUF's Q8_K, plus per-32 integer sums for the
+weights' min term), a C++ torch operator with an AVX-512 VNNI path and an AVX2 path chosen at run time from cpuid
+(one binary serves both kinds of CPU).
 
 Owns: building the extension (JIT on first use, cached under ${DRAFTWISE_CACHE_DIR:-~/.cache/draftwise}/kernels/
 <hash of sources + torch version + compiler>; `build()` is what `make setup` calls; the same library carries the
@@ -10,9 +11,12 @@ to the Q4_K-style representation, mapping Q4_K sub-blocks onto it exactly, packi
 
 Exactness: every output row is bitwise the same whatever M is and whatever other rows share the call, on a
 given path; the AVX-512, AVX2 and scalar paths perform the same float sequence, so they agree bitwise too.
+Per super-block of 256 K values the scale and min terms are summed exactly in int32 (sc * isum and mn * qsum,
+csrc/q4x8.h) and only then meet d, dmin and the activation scale in three float operations.
 Why it is fast for verification: each weight block is unpacked once and used for all rows of the call
-(up to 8 rows per tile on AVX-512, 4 on AVX2, further tiles re-read it from L1/L2), so decode is bound by
-weight bandwidth (4.75 bits per weight) and a 9-row call costs little more than a 1-row call.
+(up to 12 rows per tile on AVX-512, 4 on AVX2, further tiles re-read it from L1/L2), so decode is bound by
+weight bandwidth (4.75 bits per weight) and a 9-row call costs little more than a 1-row call; at more rows the
+arithmetic bounds it, and what each row adds per group beyond the dot products is one integer multiply and add.
 """
 from __future__ import annotations
 

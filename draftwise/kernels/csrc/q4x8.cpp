@@ -50,50 +50,57 @@ int64_t best_path() {
 
 }  // namespace
 
-extern "C" void dw_q8_rows_scalar(const float* x, int64_t K, int8_t* q, float* dx, float* xs, int64_t r0,
-                                  int64_t r1) {
-    const int64_t G = K / 32;
+extern "C" void dw_q8_rows_scalar(const float* x, int64_t M, int64_t K, int8_t* q, float* dx, int16_t* qsum,
+                                  int64_t r0, int64_t r1) {
+    const int64_t G = K / 32, S = (G + 7) / 8;
     for (int64_t r = r0; r < r1; ++r) {
-        for (int64_t g = 0; g < G; ++g) {
-            const float* p = x + r * K + g * 32;
+        for (int64_t s = 0; s < S; ++s) {
+            const int64_t g0 = s * 8, ng = g0 + 8 < G ? 8 : G - g0;
+            const float* p = x + r * K + g0 * 32;
             float amax = 0.0f;
-            for (int i = 0; i < 32; ++i) amax = std::fmax(amax, std::fabs(p[i]));
+            for (int64_t i = 0; i < ng * 32; ++i) amax = std::fmax(amax, std::fabs(p[i]));
             const float id = amax > 0.0f ? 127.0f / amax : 0.0f;
-            int32_t qsum = 0;
-            for (int i = 0; i < 32; ++i) {
-                const int32_t v = (int32_t)std::nearbyint(p[i] * id);
-                q[r * K + g * 32 + i] = (int8_t)v;
-                qsum += v;
+            for (int64_t g = 0; g < 8; ++g) {
+                int32_t sum = 0;  // stays 0 past G
+                if (g < ng) {
+                    for (int i = 0; i < 32; ++i) {
+                        const int32_t v = (int32_t)std::nearbyint(p[g * 32 + i] * id);
+                        q[((g0 + g) * M + r) * 32 + i] = (int8_t)v;
+                        sum += v;
+                    }
+                }
+                qsum[(s * M + r) * 8 + g] = (int16_t)sum;
             }
-            const float d = amax / 127.0f;
-            dx[r * G + g] = d;
-            xs[r * G + g] = d * (float)qsum;
+            dx[s * M + r] = amax / 127.0f;
         }
     }
 }
 
 extern "C" void dw_gemm_scalar(const DwQ4* w, const DwQ8* a, float* out, int64_t b0, int64_t b1) {
-    const int64_t K = w->K, G = w->G, S = w->S, N = w->N;
+    const int64_t G = w->G, S = w->S, N = w->N, M = a->M;
     for (int64_t b = b0; b < b1; ++b) {
         for (int j = 0; j < 16; ++j) {
             const int64_t n = b * 16 + j;
             if (n >= N) break;
-            for (int64_t m = 0; m < a->M; ++m) {
+            for (int64_t m = 0; m < M; ++m) {
                 float acc = 0.0f;
-                for (int64_t g = 0; g < G; ++g) {
-                    const float d = w->d[(b * S + g / 8) * 16 + j], dm = w->dmin[(b * S + g / 8) * 16 + j];
-                    const float s = d * (float)w->sc[(b * G + g) * 16 + j];
-                    const float negmm = 0.0f - dm * (float)w->mn[(b * G + g) * 16 + j];
-                    const uint8_t* P = w->packed + (b * G + g) * 256;
-                    const int8_t* xq = a->q + m * K + g * 32;
-                    int32_t isum = 0;
-                    for (int c = 0; c < 4; ++c)
-                        for (int t = 0; t < 4; ++t) {
-                            const uint8_t byte = P[c * 64 + j * 4 + t];
-                            isum += (int32_t)(byte & 15) * xq[c * 4 + t] + (int32_t)(byte >> 4) * xq[16 + c * 4 + t];
-                        }
-                    acc = std::fma((float)isum, s * a->dx[m * G + g], acc);
-                    acc = std::fma(negmm, a->xs[m * G + g], acc);
+                for (int64_t s = 0; s < S; ++s) {
+                    int32_t isc = 0, imn = 0;
+                    for (int64_t g = s * 8; g < s * 8 + 8 && g < G; ++g) {
+                        const uint8_t* P = w->packed + (b * G + g) * 256;
+                        const int8_t* xq = a->q + (g * M + m) * 32;
+                        int32_t isum = 0;
+                        for (int c = 0; c < 4; ++c)
+                            for (int t = 0; t < 4; ++t) {
+                                const uint8_t byte = P[c * 64 + j * 4 + t];
+                                isum += (int32_t)(byte & 15) * xq[c * 4 + t] + (int32_t)(byte >> 4) * xq[16 + c * 4 + t];
+                            }
+                        isc += (int32_t)w->sc[(b * G + g) * 16 + j] * isum;
+                        imn += (int32_t)w->mn[(b * G + g) * 16 + j] * a->qsum[(s * M + m) * 8 + g % 8];
+                    }
+                    float t = (float)isc * w->d[(b * S + s) * 16 + j];
+                    t = std::fma(-(float)imn, w->dmin[(b * S + s) * 16 + j], t);  // = fnmadd((float) imn, dmin, t)
+                    acc = std::fma(t, a->dx[s * M + m], acc);
                 }
                 out[m * N + n] = acc + (w->bias ? w->bias[n] : 0.0f);
             }
@@ -127,13 +134,13 @@ at::Tensor q4x8_linear(const at::Tensor& x, const at::Tensor& packed, const at::
 
     at::Tensor y = at::empty({M, N}, x.options());
     if (M == 0) return y;
-    at::Tensor q = at::empty({M, K}, x.options().dtype(at::kChar));
-    at::Tensor dx = at::empty({M, G}, x.options());
-    at::Tensor xs = at::empty({M, G}, x.options());
+    at::Tensor q = at::empty({G, M, 32}, x.options().dtype(at::kChar));
+    at::Tensor dx = at::empty({S, M}, x.options());
+    at::Tensor qsum = at::empty({S, M, 8}, x.options().dtype(at::kShort));
     const float* xp = x.data_ptr<float>();
     int8_t* qp = q.data_ptr<int8_t>();
     float* dxp = dx.data_ptr<float>();
-    float* xsp = xs.data_ptr<float>();
+    int16_t* qsp = qsum.data_ptr<int16_t>();
     auto quant = path == AVX512 ? dw_q8_rows_avx512 : path == AVX2 ? dw_q8_rows_avx2 : dw_q8_rows_scalar;
     auto gemm = path == AVX512 ? dw_gemm_avx512 : path == AVX2 ? dw_gemm_avx2 : dw_gemm_scalar;
 #ifndef DW_HAVE_X86
@@ -141,13 +148,13 @@ at::Tensor q4x8_linear(const at::Tensor& x, const at::Tensor& packed, const at::
     gemm = dw_gemm_scalar;
 #endif
     if (M * K >= (1 << 16)) {
-        at::parallel_for(0, M, 1, [&](int64_t r0, int64_t r1) { quant(xp, K, qp, dxp, xsp, r0, r1); });
+        at::parallel_for(0, M, 1, [&](int64_t r0, int64_t r1) { quant(xp, M, K, qp, dxp, qsp, r0, r1); });
     } else {
-        quant(xp, K, qp, dxp, xsp, 0, M);
+        quant(xp, M, K, qp, dxp, qsp, 0, M);
     }
     DwQ4 w{packed.data_ptr<uint8_t>(), sc.data_ptr<uint8_t>(), mn.data_ptr<uint8_t>(), d.data_ptr<float>(),
            dmin.data_ptr<float>(), bias_p, N, K, G, S};
-    DwQ8 a{qp, dxp, xsp, M};
+    DwQ8 a{qp, dxp, qsp, M};
     float* yp = y.data_ptr<float>();
     at::parallel_for(0, NB, 1, [&](int64_t b0, int64_t b1) { gemm(&w, &a, yp, b0, b1); });
     return y;
@@ -158,8 +165,8 @@ std::vector<int64_t> paths() { return available_paths(); }
 }  // namespace
 
 #ifndef DW_HAVE_X86
-extern "C" void dw_q8_rows_avx2(const float*, int64_t, int8_t*, float*, float*, int64_t, int64_t) {}
-extern "C" void dw_q8_rows_avx512(const float*, int64_t, int8_t*, float*, float*, int64_t, int64_t) {}
+extern "C" void dw_q8_rows_avx2(const float*, int64_t, int64_t, int8_t*, float*, int16_t*, int64_t, int64_t) {}
+extern "C" void dw_q8_rows_avx512(const float*, int64_t, int64_t, int8_t*, float*, int16_t*, int64_t, int64_t) {}
 extern "C" void dw_gemm_avx2(const DwQ4*, const DwQ8*, float*, int64_t, int64_t) {}
 extern "C" void dw_gemm_avx512(const DwQ4*, const DwQ8*, float*, int64_t, int64_t) {}
 #endif

@@ -12,11 +12,23 @@
 //     n = 16 b + j / 4 and t = j % 4, q[n, 32 g + 4 c + t] in its low nibble and
 //     q[n, 32 g + 16 + 4 c + t] in its high nibble (so one 64-byte chunk is 16 columns x 4 K values).
 //   sc, mn [NB, G, 16] uint8; d, dmin [NB, S, 16] float32.
-// Activations X [M, K] quantized per row in blocks of 32 (symmetric int8, like Q8_0):
-//   amax = max |x|, dx = amax / 127, q = round_half_even(x * (127 / amax)), xs = dx * sum(q).
-// Per output (m, n), in group order, with fused multiply-adds, identically in every ISA path:
-//   acc = fma((float) isum_g, (d * sc) * dx, acc);  acc = fma(-(dmin * mn), xs, acc);  y = acc + bias.
-// isum_g is an exact integer dot product, so a row's result never depends on M or on other rows.
+// Activations X [M, K] quantized per row per super-block of 256 K values (symmetric int8, like GGUF's Q8_K;
+// a short last super-block covers its 32 (G - 8 s) values):
+//   amax = max |x| over the super-block, dx[s, m] = amax / 127, q = round_half_even(x * (127 / amax))
+//   (0 where amax = 0), and per group the integer sum qsum[s, m, g % 8] = sum of its 32 q (|qsum| <= 32 * 127 =
+//   4064; 0 for the groups G..8S-1 past a short last super-block).
+//   Stored group-major, q [G, M, 32], dx [S, M], qsum [S, M, 8] int16: the rows of one group (super-block) are
+//   adjacent, so a tile of rows reads them at constant offsets from one pointer.
+// Per output (m, n) and super-block s, with isum_g = sum_k q[n, k] * q_x[m, k] over group g (|isum_g| <= 60960):
+//   isc = sum_g sc[n, g] * isum_g      int32, exact: |isc| <= 8 * 255 * 60960 = 124,358,400 < 2^31
+//   imn = sum_g mn[n, g] * qsum_g      int32, exact: |imn| <= 8 * 255 * 4064 = 8,290,560 < 2^24, so
+//                                      (float) imn is exact too (AVX-512 sums pairs of groups with VPDPWSSD:
+//                                      |pair| <= 2,072,640, no overflow anywhere)
+//   then, in super-block order, with one rounding per operation, identically in every ISA path:
+//   t = (float) isc * d[n, s];  t = t - (float) imn * dmin[n, s] (fused: fnmadd);  acc = fma(t, dx[s, m], acc)
+//   and y = acc + bias. (float) isc rounds to nearest even above 2^24.
+// Everything before the float steps is exact integer arithmetic on the row's own q, qsum and dx, so a row's
+// result never depends on M or on other rows.
 #pragma once
 #include <stdint.h>
 
@@ -33,16 +45,16 @@ struct DwQ4 {
 };
 
 struct DwQ8 {
-    const int8_t* q;   // [M, K]
-    const float* dx;   // [M, G]
-    const float* xs;   // [M, G]
+    const int8_t* q;       // [G, M, 32]
+    const float* dx;       // [S, M]
+    const int16_t* qsum;   // [S, M, 8], zero past G
     int64_t M;
 };
 
-// x [M, K] float32 -> q [M, K], dx [M, G], xs [M, G] for rows [r0, r1)
-void dw_q8_rows_scalar(const float* x, int64_t K, int8_t* q, float* dx, float* xs, int64_t r0, int64_t r1);
-void dw_q8_rows_avx2(const float* x, int64_t K, int8_t* q, float* dx, float* xs, int64_t r0, int64_t r1);
-void dw_q8_rows_avx512(const float* x, int64_t K, int8_t* q, float* dx, float* xs, int64_t r0, int64_t r1);
+// x [M, K] float32 -> q [G, M, 32], dx [S, M], qsum [S, M, 8]: the entries of rows [r0, r1)
+void dw_q8_rows_scalar(const float* x, int64_t M, int64_t K, int8_t* q, float* dx, int16_t* qsum, int64_t r0, int64_t r1);
+void dw_q8_rows_avx2(const float* x, int64_t M, int64_t K, int8_t* q, float* dx, int16_t* qsum, int64_t r0, int64_t r1);
+void dw_q8_rows_avx512(const float* x, int64_t M, int64_t K, int8_t* q, float* dx, int16_t* qsum, int64_t r0, int64_t r1);
 
 // out [M, N] float32 for the 16-column blocks [b0, b1), all M rows
 void dw_gemm_scalar(const DwQ4* w, const DwQ8* a, float* out, int64_t b0, int64_t b1);

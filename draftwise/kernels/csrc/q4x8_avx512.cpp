@@ -1,4 +1,5 @@
-// q4x8, AVX-512 path (F + BW + VNNI): _mm512_dpbusd_epi32 on 16 columns x 4 K values per instruction.
+// q4x8, AVX-512 path (F + BW + VNNI): _mm512_dpbusd_epi32 on 16 columns x 4 K values per instruction,
+// _mm512_dpwssd_epi32 on 16 columns x 2 groups for the integer min term.
 // Owns only this path's arithmetic (the layout and the float sequence are fixed in q4x8.h); compiled with
 // -mavx512f -mavx512bw -mavx512vl -mavx512vnni and called only after a run-time cpuid check.
 // Includes no C++ library header: nothing inline from here can leak into code run on other CPUs.
@@ -7,20 +8,31 @@
 
 namespace {
 
-inline int32_t load_i32(const int8_t* p) {
+inline int32_t load_i32(const void* p) {
     int32_t v;
     __builtin_memcpy(&v, p, 4);
     return v;
 }
 
+// Columns 0-15 of block b, groups g and g + 1, as int16 pairs: 32-bit lane j holds (mn[j, g], mn[j, g + 1]),
+// the operand VPDPWSSD multiplies by a broadcast pair (qsum[m, g], qsum[m, g + 1]). Group g + 1 = G (past a short
+// last super-block) reads as 0 (its qsum is 0 too; this only avoids reading past the buffer).
+inline __m512i mn_pair(const uint8_t* MN, int64_t g, int64_t G) {
+    const __m128i a = _mm_loadu_si128((const __m128i*)(MN + g * 16));
+    const __m128i b = g + 1 < G ? _mm_loadu_si128((const __m128i*)(MN + (g + 1) * 16)) : _mm_setzero_si128();
+    return _mm512_cvtepu8_epi16(_mm256_set_m128i(_mm_unpackhi_epi8(a, b), _mm_unpacklo_epi8(a, b)));
+}
+
 // Rows [m0, m0 + MT) of one 16-column block b; weights are unpacked once per group for all MT rows.
+// Per group and row: 8 VPDPBUSD (isum), one VPMULLD by sc and one add (isc, int32 over the super-block); per
+// super-block and row: 4 VPDPWSSD for the min term, then the float steps of q4x8.h.
 // With `prefetch`, the next block's weights are requested from memory while this one computes, so a
 // compute-bound call (many rows) overlaps its memory traffic instead of stalling on it. The packed nibbles go to
 // L2 (hint T1), not L1: a block is 12-70 KB (K = 1536-8960) and pulling the next one into a 32 KB L1 evicted the
 // current block and the activations (measured: T1 streamed 10-20% more weight bytes per second at 4-9 rows).
 template <int MT>
 void block_rows(const DwQ4* w, const DwQ8* a, float* out, int64_t b, int64_t m0, bool prefetch) {
-    const int64_t K = w->K, G = w->G, S = w->S, N = w->N;
+    const int64_t G = w->G, S = w->S, N = w->N, M = a->M;
     const uint8_t* P = w->packed + b * G * 256;
     const uint8_t* SC = w->sc + b * G * 16;
     const uint8_t* MN = w->mn + b * G * 16;
@@ -30,53 +42,63 @@ void block_rows(const DwQ4* w, const DwQ8* a, float* out, int64_t b, int64_t m0,
     __m512 acc[MT];
 #pragma GCC unroll 12
     for (int m = 0; m < MT; ++m) acc[m] = _mm512_setzero_ps();
-    __m512 dv = _mm512_setzero_ps(), dmv = _mm512_setzero_ps();
 #pragma GCC unroll 1
-    for (int64_t g = 0; g < G; ++g) {
-        if ((g & 7) == 0) {
-            dv = _mm512_loadu_ps(D + (g >> 3) * 16);
-            dmv = _mm512_loadu_ps(DM + (g >> 3) * 16);
-        }
-        const __m512 s = _mm512_mul_ps(dv, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
-                                               _mm_loadu_si128((const __m128i*)(SC + g * 16)))));
-        const __m512 mm = _mm512_mul_ps(dmv, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
-                                                 _mm_loadu_si128((const __m128i*)(MN + g * 16)))));
-        const __m512 negmm = _mm512_sub_ps(_mm512_setzero_ps(), mm);
-        if (prefetch) {
-            const char* nxt = (const char*)(P + G * 256 + g * 256);
-            _mm_prefetch(nxt, _MM_HINT_T1);
-            _mm_prefetch(nxt + 64, _MM_HINT_T1);
-            _mm_prefetch(nxt + 128, _MM_HINT_T1);
-            _mm_prefetch(nxt + 192, _MM_HINT_T1);
-            if ((g & 3) == 0) {
-                _mm_prefetch((const char*)(SC + G * 16 + g * 16), _MM_HINT_T0);
-                _mm_prefetch((const char*)(MN + G * 16 + g * 16), _MM_HINT_T0);
-            }
-            if ((g & 7) == 0) {
-                _mm_prefetch((const char*)(D + S * 16 + (g >> 3) * 16), _MM_HINT_T0);
-                _mm_prefetch((const char*)(DM + S * 16 + (g >> 3) * 16), _MM_HINT_T0);
-            }
-        }
-        __m512i isum[MT];
+    for (int64_t s = 0; s < S; ++s) {
+        const int64_t g0 = s * 8, g1 = g0 + 8 < G ? g0 + 8 : G;
+        __m512i isc[MT];
 #pragma GCC unroll 12
-        for (int m = 0; m < MT; ++m) isum[m] = _mm512_setzero_si512();
-        const int8_t* xg = a->q + m0 * K + g * 32;
+        for (int m = 0; m < MT; ++m) isc[m] = _mm512_setzero_si512();
+#pragma GCC unroll 1
+        for (int64_t g = g0; g < g1; ++g) {
+            if (prefetch) {
+                const char* nxt = (const char*)(P + G * 256 + g * 256);
+                _mm_prefetch(nxt, _MM_HINT_T1);
+                _mm_prefetch(nxt + 64, _MM_HINT_T1);
+                _mm_prefetch(nxt + 128, _MM_HINT_T1);
+                _mm_prefetch(nxt + 192, _MM_HINT_T1);
+                if ((g & 3) == 0) {
+                    _mm_prefetch((const char*)(SC + G * 16 + g * 16), _MM_HINT_T0);
+                    _mm_prefetch((const char*)(MN + G * 16 + g * 16), _MM_HINT_T0);
+                }
+                if (g == g0) {
+                    _mm_prefetch((const char*)(D + S * 16 + s * 16), _MM_HINT_T0);
+                    _mm_prefetch((const char*)(DM + S * 16 + s * 16), _MM_HINT_T0);
+                }
+            }
+            __m512i isum[MT];
+#pragma GCC unroll 12
+            for (int m = 0; m < MT; ++m) isum[m] = _mm512_setzero_si512();
+            const int8_t* xg = a->q + (g * M + m0) * 32;  // row m of the tile at xg + 32 m
 #pragma GCC unroll 4
-        for (int c = 0; c < 4; ++c) {
-            const __m512i raw = _mm512_loadu_si512((const void*)(P + g * 256 + c * 64));
-            const __m512i wl = _mm512_and_si512(raw, low4);
-            const __m512i wh = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low4);
+            for (int c = 0; c < 4; ++c) {
+                const __m512i raw = _mm512_loadu_si512((const void*)(P + g * 256 + c * 64));
+                const __m512i wl = _mm512_and_si512(raw, low4);
+                const __m512i wh = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low4);
 #pragma GCC unroll 12
-            for (int m = 0; m < MT; ++m) {
-                isum[m] = _mm512_dpbusd_epi32(isum[m], wl, _mm512_set1_epi32(load_i32(xg + m * K + 4 * c)));
-                isum[m] = _mm512_dpbusd_epi32(isum[m], wh, _mm512_set1_epi32(load_i32(xg + m * K + 16 + 4 * c)));
+                for (int m = 0; m < MT; ++m) {
+                    isum[m] = _mm512_dpbusd_epi32(isum[m], wl, _mm512_set1_epi32(load_i32(xg + m * 32 + 4 * c)));
+                    isum[m] = _mm512_dpbusd_epi32(isum[m], wh, _mm512_set1_epi32(load_i32(xg + m * 32 + 16 + 4 * c)));
+                }
             }
+            const __m512i scv = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(SC + g * 16)));
+#pragma GCC unroll 12
+            for (int m = 0; m < MT; ++m) isc[m] = _mm512_add_epi32(isc[m], _mm512_mullo_epi32(isum[m], scv));
         }
+        __m512i mnp[4];
+#pragma GCC unroll 4
+        for (int p = 0; p < 4; ++p) mnp[p] = g0 + 2 * p < g1 ? mn_pair(MN, g0 + 2 * p, G) : _mm512_setzero_si512();
+        const __m512 dv = _mm512_loadu_ps(D + s * 16), dmv = _mm512_loadu_ps(DM + s * 16);
+        const int16_t* QS = a->qsum + (s * M + m0) * 8;  // row m of the tile at QS + 8 m
+        const float* DX = a->dx + s * M + m0;
 #pragma GCC unroll 12
         for (int m = 0; m < MT; ++m) {
-            const int64_t ag = (m0 + m) * G + g;
-            acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[m]), _mm512_mul_ps(s, _mm512_set1_ps(a->dx[ag])), acc[m]);
-            acc[m] = _mm512_fmadd_ps(negmm, _mm512_set1_ps(a->xs[ag]), acc[m]);
+            const int16_t* qs = QS + m * 8;
+            __m512i imn = _mm512_setzero_si512();
+#pragma GCC unroll 4
+            for (int p = 0; p < 4; ++p) imn = _mm512_dpwssd_epi32(imn, mnp[p], _mm512_set1_epi32(load_i32(qs + 2 * p)));
+            __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(isc[m]), dv);
+            t = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(imn), dmv, t);
+            acc[m] = _mm512_fmadd_ps(t, _mm512_set1_ps(DX[m]), acc[m]);
         }
     }
     const int64_t n0 = b * 16;
@@ -88,7 +110,9 @@ void block_rows(const DwQ4* w, const DwQ8* a, float* out, int64_t b, int64_t m0,
         _mm512_mask_storeu_ps(out + (m0 + m) * N + n0, keep, _mm512_add_ps(acc[m], bias));
 }
 
-constexpr int MAX_TILE = 12;  // 12 int + 12 float accumulators + weights and constants fit 32 zmm registers
+// 12 isum + 12 isc accumulators + weights and constants fill the 32 zmm registers; the 12 float acc, touched once
+// per super-block, may live on the stack (measured on a Zen 4: 12 no slower than 8-10 at 9-128 rows)
+constexpr int MAX_TILE = 12;
 
 void block(const DwQ4* w, const DwQ8* a, float* out, int64_t b, bool prefetch) {
     const int64_t M = a->M;
@@ -121,24 +145,31 @@ extern "C" void dw_gemm_avx512(const DwQ4* w, const DwQ8* a, float* out, int64_t
     for (int64_t b = b0; b < b1; ++b) block(w, a, out, b, b + 1 < b1);
 }
 
-extern "C" void dw_q8_rows_avx512(const float* x, int64_t K, int8_t* q, float* dx, float* xs, int64_t r0,
-                                  int64_t r1) {
-    const int64_t G = K / 32;
+extern "C" void dw_q8_rows_avx512(const float* x, int64_t M, int64_t K, int8_t* q, float* dx, int16_t* qsum,
+                                  int64_t r0, int64_t r1) {
+    const int64_t G = K / 32, S = (G + 7) / 8;
     for (int64_t r = r0; r < r1; ++r) {
-        for (int64_t g = 0; g < G; ++g) {
-            const float* p = x + r * K + g * 32;
-            const __m512 v0 = _mm512_loadu_ps(p), v1 = _mm512_loadu_ps(p + 16);
-            const float amax = _mm512_reduce_max_ps(
-                _mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
-            const float id = amax > 0.0f ? 127.0f / amax : 0.0f;
-            const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, _mm512_set1_ps(id)));
-            const __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, _mm512_set1_ps(id)));
-            _mm_storeu_si128((__m128i*)(q + r * K + g * 32), _mm512_cvtsepi32_epi8(q0));
-            _mm_storeu_si128((__m128i*)(q + r * K + g * 32 + 16), _mm512_cvtsepi32_epi8(q1));
-            const int32_t qsum = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
-            const float d = amax / 127.0f;
-            dx[r * G + g] = d;
-            xs[r * G + g] = d * (float)qsum;
+        for (int64_t s = 0; s < S; ++s) {
+            const int64_t g0 = s * 8, ng = g0 + 8 < G ? 8 : G - g0;
+            const float* p = x + r * K + g0 * 32;
+            __m512 mx = _mm512_setzero_ps();
+            for (int64_t i = 0; i < ng * 32; i += 16) mx = _mm512_max_ps(mx, _mm512_abs_ps(_mm512_loadu_ps(p + i)));
+            const float amax = _mm512_reduce_max_ps(mx);
+            const __m512 id = _mm512_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+            int16_t* qs = qsum + (s * M + r) * 8;
+            for (int64_t g = 0; g < 8; ++g) {
+                if (g >= ng) {
+                    qs[g] = 0;
+                    continue;
+                }
+                const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(p + g * 32), id));
+                const __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(p + g * 32 + 16), id));
+                int8_t* o = q + ((g0 + g) * M + r) * 32;
+                _mm_storeu_si128((__m128i*)o, _mm512_cvtsepi32_epi8(q0));
+                _mm_storeu_si128((__m128i*)(o + 16), _mm512_cvtsepi32_epi8(q1));
+                qs[g] = (int16_t)_mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+            }
+            dx[s * M + r] = amax / 127.0f;
         }
     }
 }
