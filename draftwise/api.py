@@ -16,7 +16,7 @@ import torch
 
 from draftwise.config import ConfigError, EngineConfig, SpecConfig, parse_spec_config
 from draftwise.engine import Engine, Request
-from draftwise.kernels import hugepages
+from draftwise.kernels import every_row_exact, hugepages
 from draftwise.kernels.linear import q4x8_everywhere
 from draftwise.kernels.threads import ThreadGuard
 from draftwise.models.transformer import Decoder
@@ -183,7 +183,9 @@ class LLM:
         self.eos_token_ids = eos  # what ends a sequence; a grammar allows them exactly when the output is complete
         self.engine = Engine(model, proposer, lookahead, config.max_num_seqs, self.max_model_len, eos,
                              seed=config.seed, k_policy=k_policy, thread_guard=self._thread_guard(config, model_info),
-                             prefix_cache=self._prefix_cache(config, model, model_info))
+                             prefix_cache=self._prefix_cache(config, model, model_info),
+                             speculate_in_prefill=every_row_exact(config.device, model_info.get("kernels"),
+                                                                  model.dtype))
 
     @staticmethod
     def _thread_guard(config: EngineConfig, model_info: dict) -> ThreadGuard | None:

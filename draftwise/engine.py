@@ -1,8 +1,8 @@
 """The engine: continuous batching of requests over one target decoder and one proposer.
 
 step(): admit waiting requests into free slots (prefill from the end of the prompt's longest prefix in the
-prefix cache, first token) → ask the proposer for up to k guesses
-per running sequence → mask: under structured outputs, cut each draft at its first token the grammar forbids →
+prefix cache; where prompt rows are bitwise decode rows, the prompt's first guesses ride along and are verified
+like a step's, else the first token) → ask the proposer for up to k guesses per running sequence → mask: under structured outputs, cut each draft at its first token the grammar forbids →
 one batched target forward over [pending token, guesses...] for every sequence → verify each row (pure
 function; under a grammar, row i's logits masked by the grammar state after guesses 1..i) → roll the target
 cache back to what was accepted → emit tokens (advancing the request's grammar state along them, and only
@@ -101,11 +101,15 @@ class Engine:
         k_policy: KPolicy | None = None,
         thread_guard: ThreadGuard | None = None,
         prefix_cache: PrefixCache | None = None,
+        speculate_in_prefill: bool = False,
     ):
         c = target.config
         self.target = target
         self.thread_guard = thread_guard  # fewer torch threads while other processes hold cores (kernels/threads.py)
         self.prefix_cache = prefix_cache  # K/V of recent prompts: a prompt's cached prefix is not recomputed
+        # the prefill forward also verifies the first draft: only where a prompt's rows are bitwise the rows a
+        # decode step computes at those positions (kernels.every_row_exact), or greedy output could change
+        self.speculate_in_prefill = speculate_in_prefill
         self.max_lookahead = max_lookahead  # the most guesses any step may verify: sizes the cache's look-ahead
         self.max_model_len = max_model_len
         self.eos_token_ids = set(eos_token_ids)
@@ -207,48 +211,79 @@ class Engine:
         return outputs
 
     def _prefill(self, reqs: list[Request]) -> list[StepOutput]:
-        """One batched forward over the new prompts (right-padded), then each one's first token. If the batched
-        forward fails (e.g. out of memory in one big prefill), each prompt is retried alone and only one that
-        still fails finishes with "error"; the others proceed."""
+        """The proposer learns each prompt and, where the prefill verifies guesses (`speculate_in_prefill`),
+        guesses after it; one batched forward over the new prompts (right-padded), each followed by its guesses;
+        then each one is verified and emits like a decode step (without guesses: its first token). If the
+        batched forward fails (e.g. out of memory in one big prefill), each prompt is retried alone and only one
+        that still fails finishes with "error"; the others proceed."""
+        outputs, begun = [], []
         for r in reqs:
             r.slot = self.free_slots.pop()
             self.running.append(r)
-        outputs = []
+            try:
+                self.proposer.begin(r.slot, r.prompt_ids, r.params, r.generator, r.matcher)
+                begun.append(r)
+            except Exception as e:  # noqa: BLE001
+                outputs.append(self._fail(r, e))
+        reqs = begun
+        drafts, masks = self._first_drafts(reqs)
         try:
-            rows = list(zip(reqs, self._prefill_forward(reqs)))
+            rows = list(zip(reqs, drafts, masks, self._prefill_forward(reqs, drafts)))
         except Exception as e:  # noqa: BLE001 — which prompt caused it is unknown: each one alone
             if len(reqs) == 1:
-                return [self._fail(reqs[0], e)]
+                return outputs + [self._fail(reqs[0], e)]
             rows = []
-            for r in reqs:
+            for r, d, m in zip(reqs, drafts, masks):
                 try:
-                    rows.append((r, self._prefill_forward([r])[0]))
+                    rows.append((r, d, m, self._prefill_forward([r], [d])[0]))
                 except Exception as e_alone:  # noqa: BLE001 — this prompt fails on its own: only it ends
                     outputs.append(self._fail(r, e_alone))
-        for r, row_logits in rows:
+        for r, d, mask, row_logits in rows:
             try:
-                outputs.append(self._first_token(r, row_logits))
+                if self.prefix_cache is not None:
+                    self.prefix_cache.count(len(r.prompt_ids), r.num_cached_tokens)
+                    self.prefix_cache.store(r.prompt_ids, self.cache, r.slot)
+                # the last prompt token plays the pending token's part: the cache keeps the prompt + what is accepted
+                outputs.append(self._settle(r, d, row_logits, len(r.prompt_ids) - 1, mask, prefill=True))
             except Exception as e:  # noqa: BLE001
                 outputs.append(self._fail(r, e))
         return outputs
 
-    def _prefill_forward(self, reqs: list[Request]) -> torch.Tensor:  # -> [B, 1, V] at each prompt's last token
+    def _first_drafts(self, reqs: list[Request]) -> tuple[list[Draft], list[torch.Tensor | None]]:
+        """Each new request's first draft, cut by its grammar, and the masks of its rows (mask [k + 1, V]).
+        No guesses unless the prefill verifies them; a proposer that fails here leaves the requests unguessed."""
+        ks = [self._k_for(r, len(r.prompt_ids) - 1) if self.speculate_in_prefill else 0 for r in reqs]
+        drafts = [Draft(EMPTY_DRAFT_IDS) for _ in reqs]
+        if any(ks):
+            try:
+                drafts = self.proposer.propose([r.slot for r in reqs], ks)
+            except Exception:  # noqa: BLE001 — guessing is optional; the first decode step guesses again
+                pass
+        cut = [self._grammar_cut(r, d) for r, d in zip(reqs, drafts)]
+        return [d for d, _ in cut], [m for _, m in cut]
+
+    def _prefill_forward(self, reqs: list[Request], drafts: list[Draft]) -> list[torch.Tensor]:
+        """-> per request [1 + k, V]: the logits at its last prompt token and at each of its k guesses."""
         dev = self.target.device
         starts = [self._load_prefix(r) for r in reqs]  # each prompt's tokens already in its slot (prefix cache)
-        width = max(len(r.prompt_ids) - s for r, s in zip(reqs, starts))
+        rows = [r.prompt_ids[s:] + d.token_ids.tolist() for r, s, d in zip(reqs, starts, drafts)]
+        width = max(len(row) for row in rows)
         if max(starts) + width > self.cache.capacity:  # padding after a long cached prefix would not fit: alone
-            return torch.cat([self._prefill_forward([r]) for r in reqs])
+            return [self._prefill_forward([r], [d])[0] for r, d in zip(reqs, drafts)]
         ids = torch.zeros(len(reqs), width, dtype=torch.int64)
-        for row, (r, s) in enumerate(zip(reqs, starts)):
-            ids[row, : len(r.prompt_ids) - s] = torch.tensor(r.prompt_ids[s:])
-        # each row from its first uncached position; padding sits past each prompt: rolled back
+        for row, tokens in enumerate(rows):
+            ids[row, : len(tokens)] = torch.tensor(tokens)
+        # each row from its first uncached position; padding sits past each prompt + guesses: rolled back
         pos = torch.tensor(starts)[:, None] + torch.arange(width)[None]
-        num_tokens = [len(r.prompt_ids) - s for r, s in zip(reqs, starts)]
-        last = torch.tensor([n - 1 for n in num_tokens], device=dev)
+        num_tokens = [len(row) for row in rows]
+        ks = [d.num_tokens for d in drafts]
+        # [B, 1 + max k]: the last prompt token's row and each guess's, repeated past a row's own k (sliced off)
+        index = torch.tensor([[min(n - 1 - k + j, n - 1) for j in range(1 + max(ks))] for n, k in zip(num_tokens, ks)],
+                             device=dev)
         slots = torch.tensor([r.slot for r in reqs], device=dev)
-        logits = self.target(ids.to(dev), pos.to(dev), self.cache, slots, logit_index=last,
-                             num_tokens=num_tokens)  # [B, 1, V]
-        return self._shared_vocab(logits)
+        logits = self._shared_vocab(self.target(ids.to(dev), pos.to(dev), self.cache, slots, logit_index=index,
+                                                num_tokens=num_tokens))  # [B, 1 + max k, V]
+        return [logits[row, : 1 + k] for row, k in enumerate(ks)]
 
     def _load_prefix(self, r: Request) -> int:
         """Empty r's slot, then fill it with the longest cached prefix of its prompt; returns that length."""
@@ -258,17 +293,6 @@ class Engine:
             entry, r.num_cached_tokens = self.prefix_cache.match(r.prompt_ids)
             self.prefix_cache.load(entry, r.num_cached_tokens, self.cache, r.slot)
         return r.num_cached_tokens
-
-    def _first_token(self, r: Request, logits: torch.Tensor) -> StepOutput:  # logits [1, V]
-        self.cache.truncate(r.slot, len(r.prompt_ids))
-        if self.prefix_cache is not None:
-            self.prefix_cache.count(len(r.prompt_ids), r.num_cached_tokens)
-            self.prefix_cache.store(r.prompt_ids, self.cache, r.slot)
-        self.proposer.begin(r.slot, r.prompt_ids, r.params, r.generator, r.matcher)
-        _, mask = self._grammar_cut(r, Draft(EMPTY_DRAFT_IDS))  # [1, V] or None
-        token = verify(EMPTY_DRAFT_IDS, None, self._masked(r, logits, mask), r.params, r.generator).token_ids[0]
-        self.proposer.accept(r.slot, 0, token)
-        return StepOutput(r, self._emit(r, [token]), r.finished)
 
     def _decode(self, reqs: list[Request]) -> list[StepOutput]:
         slots = [r.slot for r in reqs]
@@ -323,7 +347,8 @@ class Engine:
         return self._shared_vocab(logits)
 
     def _settle(self, r: Request, d: Draft, logits: torch.Tensor, base_length: int,  # logits [width, V]
-                mask: torch.Tensor | None = None) -> StepOutput:  # mask [k + 1, V] bool (structured outputs)
+                mask: torch.Tensor | None = None,  # [k + 1, V] bool (structured outputs)
+                prefill: bool = False) -> StepOutput:
         """Verify one sequence's draft (pure), roll its cache back to what was accepted, emit."""
         k = d.num_tokens
         rows = self._masked(r, logits[: k + 1], mask)  # [k + 1, V]
@@ -336,8 +361,9 @@ class Engine:
         # accepted guesses discarded after a stop (EOS, stop string) inside the run do not count as accepted;
         # every step is counted in the k histogram (k = 0: a plain step, e.g. chosen by the adaptive policy)
         num_accepted = min(res.num_accepted, len(emitted))
-        r.spec_stats.record(k, num_accepted, forced=d.forced)
-        self.stats.record(k, num_accepted, forced=d.forced)
+        if k or not prefill:  # a prefill without guesses (the first token) is not a decode step
+            r.spec_stats.record(k, num_accepted, forced=d.forced)
+            self.stats.record(k, num_accepted, forced=d.forced)
         if not r.finished:
             self.proposer.accept(slot, res.num_accepted, res.token_ids[-1])
         return StepOutput(r, emitted, r.finished, k, num_accepted)
@@ -377,13 +403,15 @@ class Engine:
         r.spec_stats.mask_time_s += dt
         self.stats.mask_time_s += dt
 
-    def _k_for(self, req: Request) -> int:
+    def _k_for(self, req: Request, context: int | None = None) -> int:
+        """Guesses for req's next step; `context`: tokens in its cache before the pending token (default: the
+        slot's length; a prefill passes its prompt's length - 1, the last prompt token being the pending one)."""
         if not req.speculate:  # a per-request opt-out: plain steps through the same path
             return 0
         k = min(self.k_policy.choose(req), self.max_lookahead)
         # never guess past max_tokens or the context (the pending token takes one position)
         room_out = req.params.max_tokens - len(req.output_ids) - 1
-        room_ctx = self.max_model_len - self.cache.lengths[req.slot] - 1
+        room_ctx = self.max_model_len - (self.cache.lengths[req.slot] if context is None else context) - 1
         return max(0, min(k, room_out, room_ctx))
 
     def _emit(self, req: Request, token_ids: list[int]) -> list[int]:

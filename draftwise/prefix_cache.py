@@ -25,10 +25,9 @@ DEFAULT_BYTES = 256 * 2**20  # 256 MiB of K/V: ~4,700 tokens of the packaged 1.5
 def on_by_default(device: str, kernels: dict | None, dtype: torch.dtype) -> bool:
     """Where a prefix cache changes no token (so LLM turns it on unless told): q4x8 for every width (kernels:
     the model's info["kernels"]) and our row-exact attention op for this dtype, which then takes every prompt row."""
-    from draftwise.kernels import attention
-    from draftwise.kernels.linear import q4x8_everywhere
+    from draftwise.kernels import every_row_exact
 
-    return q4x8_everywhere(device, kernels) and dtype in attention.DTYPES and attention.available()
+    return every_row_exact(device, kernels, dtype)
 
 
 @dataclass

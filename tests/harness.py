@@ -81,12 +81,28 @@ def json_tokenizer() -> Tokenizer:
     return _json_tok
 
 
+Q4X8_INFO = {"kernels": {"step": "q4x8", "prefill": "q4x8"}}  # a model_info whose kernels are q4x8 everywhere
+
+
 def json_llm(spec=None, max_num_seqs: int = 4, max_model_len: int = 256, max_lookahead: int | None = None,
-             seed: int = 0) -> LLM:
+             seed: int = 0, q4x8: bool = False) -> LLM:
     """tiny_llm's shape over json_tokenizer(): a random qwen2 decoder as wide as that vocabulary, and a noisy
-    copy of it as the draft for method draft_model."""
+    copy of it as the draft for method draft_model. `q4x8`: both in our q4x8 kernel (skips where it cannot be
+    built), so every row is exact (prefix cache on, guesses verified inside the prefill)."""
     tok = json_tokenizer()
     vocab = tok.vocab_size
+
+    def build(model):
+        if q4x8:
+            from draftwise.kernels import q4x8 as kernel
+            from draftwise.models import quant
+
+            try:
+                kernel.load()
+            except kernel.KernelBuildError as e:
+                pytest.skip(f"q4x8 cannot be built here: {e}")
+            quant.build_linears(model, "q4x8", "q4x8")
+        return model
 
     def draft(name, dtype, weights):
         d = tiny_decoder("qwen2", 0, vocab)
@@ -94,11 +110,11 @@ def json_llm(spec=None, max_num_seqs: int = 4, max_model_len: int = 256, max_loo
         with torch.no_grad():
             for p in d.parameters():
                 p.add_(0.05 * torch.randn(p.shape, generator=g))
-        return d, tok, {"name": name}
+        return build(d), tok, dict(Q4X8_INFO if q4x8 else {}, name=name)
 
-    return LLM.from_parts(tiny_decoder("qwen2", 0, vocab), tok, name=MODEL, speculative_config=spec,
+    return LLM.from_parts(build(tiny_decoder("qwen2", 0, vocab)), tok, name=MODEL, speculative_config=spec,
                           max_num_seqs=max_num_seqs, max_model_len=max_model_len, max_lookahead=max_lookahead,
-                          load_draft=draft, seed=seed)
+                          load_draft=draft, seed=seed, model_info=Q4X8_INFO if q4x8 else None)
 
 
 class Server:

@@ -17,3 +17,15 @@ get back modules with `forward(x [..., K]) -> [..., N]`.
     threads.py   fewer torch threads while other processes hold cores (q4x8 plans), back when they stop
     hugepages.py opt-in: a loaded model's weight storages moved into transparent huge pages (2 MiB), bitwise
 """
+from __future__ import annotations
+
+
+def every_row_exact(device: str, kernels: dict | None, dtype) -> bool:
+    """True where a row's result never depends on how many rows share the forward: q4x8 for every width
+    (`kernels`: a loaded model's info["kernels"]) and our row-exact attention op for this dtype, which then
+    takes every prompt row. A prompt row is then bitwise the row a decode step computes at that position, so a
+    prefix cache and guesses verified inside the prefill change no token."""
+    from draftwise.kernels import attention
+    from draftwise.kernels.linear import q4x8_everywhere
+
+    return q4x8_everywhere(device, kernels) and dtype in attention.DTYPES and attention.available()

@@ -402,10 +402,10 @@ class Decoder(nn.Module):
         cache: KVCache,
         slots: torch.Tensor,  # [B] int64
         last_only: bool = False,
-        logit_index: torch.Tensor | None = None,  # [B]: only this position's logits per row
+        logit_index: torch.Tensor | None = None,  # [B] or [B, J]: only these positions' logits per row
         num_tokens: list[int] | None = None,  # real tokens per row (the rest is padding): row-exact attention
         head: nn.Module | None = None,  # in place of lm_head: hidden [..., H] -> logits [..., V] (a draft's own)
-    ) -> torch.Tensor:  # [B, T, V] (or [B, 1, V] when last_only / logit_index is given)
+    ) -> torch.Tensor:  # [B, T, V] (or [B, 1, V] when last_only / logit_index [B] is given, [B, J, V] for [B, J])
         cfg = self.config
         kv_len = int(positions.max()) + 1
         x = self.model.embed_tokens(token_ids)
@@ -422,7 +422,8 @@ class Decoder(nn.Module):
             x = layer(x, ropes[kind], masks[kind], cache, i, slots, positions, kv_len, num_tokens)
         cache.extend(slots.tolist(), (positions.max(dim=1).values + 1).tolist())
         if logit_index is not None:
-            x = x[torch.arange(x.shape[0], device=x.device), logit_index][:, None]
+            idx = logit_index if logit_index.dim() == 2 else logit_index[:, None]  # [B, J]
+            x = x[torch.arange(x.shape[0], device=x.device)[:, None], idx]  # [B, J, dim]
         elif last_only:
             x = x[:, -1:]
         return (self.lm_head if head is None else head)(self.model.norm(x))
