@@ -408,3 +408,46 @@ def test_qwen_vocabulary_masks():
     string_pos = next(i for i in range(len(ids)) if "Paris" in qtok.decode(ids[: i + 1]))  # emits free text
     assert masks[string_pos].sum() > 50_000  # free text inside a string (maxLength 5 still admits most tokens)
     assert m.advance_many(ids) == len(ids) and m.is_accepting()
+
+
+EMAIL_TOOL = {"type": "object", "properties": {
+    "name": {"const": "send_email"},
+    "arguments": {"type": "object", "properties": {
+        "to": {"type": "string", "maxLength": 40}, "subject": {"type": "string", "maxLength": 60},
+        "body": {"type": "string", "maxLength": 200},
+        "cc": {"type": "array", "items": {"type": "string", "maxLength": 40}, "maxItems": 5}},
+        "required": ["to", "subject", "body", "cc"], "additionalProperties": False}},
+    "required": ["name", "arguments"], "additionalProperties": False}
+# the 1.5B's greedy output for the structured bench's email-tool item, up to `"cc": ["alice@example`
+EMAIL_PREFIX = [515, 220, 330, 606, 788, 330, 6681, 9172, 756, 220, 330, 16370, 788, 341, 262, 330, 983, 788, 330,
+                47086, 35487, 905, 756, 262, 330, 11501, 788, 330, 10361, 39793, 291, 756, 262, 330, 2599, 788, 330,
+                785, 1895, 374, 22706, 311, 6602, 10346, 262, 330, 638, 788, 4383, 63195, 35487]
+
+
+@pytest.mark.integration
+def test_rollback_restores_exactly_the_state_before():
+    """A draft walked and rolled back must leave no trace: llguidance 1.9.1's own rollback did here (after the
+    detour `.com", <newline>   ` the state allowed a new key without a comma and forbade `}`), and greedy
+    speculation then differed from plain decoding on the structured bench."""
+    from tests.conftest import require_packaged
+
+    require_packaged("qwen2.5-coder-0.5b-instruct")
+    from draftwise.models.sources import load_checkpoint
+
+    ckpt = load_checkpoint("qwen2.5-coder-0.5b-instruct", progress=False)
+    qtok, rows = ckpt.tokenizer, ckpt.config.vocab_size
+    grammar = compile_constraint(parse_structured_outputs({"json": EMAIL_TOOL}), qtok)
+    detour, emitted = [905, 756, 262], [905, 7026]
+    assert qtok.decode(detour) == '.com",\n   ' and qtok.decode(emitted) == '.com"]\n'
+    straight = grammar.matcher()
+    assert straight.advance_many(EMAIL_PREFIX + emitted) == len(EMAIL_PREFIX) + 2
+    m = grammar.matcher()
+    assert m.advance_many(EMAIL_PREFIX) == len(EMAIL_PREFIX)
+    _, valid = m.masks_along(detour, rows)  # advances the detour, then rolls it back
+    assert valid == 3 and m.advance_many(emitted) == 2
+    assert torch.equal(m.allowed(rows), straight.allowed(rows))
+    assert m.allowed(rows)[qtok.encode("}", add_special_tokens=False)[0]]
+    # deeper than the kept snapshots: rebuilt from the start, the same state
+    m.rollback(m.num_tokens - 3)
+    assert m.advance_many(EMAIL_PREFIX[3:] + emitted) == len(EMAIL_PREFIX) - 3 + 2
+    assert torch.equal(m.allowed(rows), straight.allowed(rows))

@@ -3,6 +3,13 @@ the masks along a draft that speculative verification scores positions with.
 
 Owns `GrammarMatcher` (a wrapper over one llguidance matcher with its own token history, so rollback,
 EOS and forbidden tokens behave the same whatever the engine does internally) and `mask_logits`.
+Rollback is ours, not llguidance's: each advanced token keeps a copy of the state before it (a deep copy is
+~2 µs and ~20 KB for a JSON schema), so undoing n tokens restores exactly the state that was there; deeper than
+the copies kept, the state is rebuilt from the start by advancing the kept tokens again. llguidance 1.9.1's own
+`rollback` can leave a different state: on the structured bench's email-tool item, advancing `.com`, `",\n`,
+`   `, rolling the three back and advancing `.com`, `"]\n` gave a state that allowed `"` (a new key without a
+comma) and forbade `}`, unlike the same two tokens advanced without the detour — so greedy speculation differed
+from plain decoding (tests/test_structured.py pins this sequence).
 It does not know where the constraint came from (spec.py / grammar.py), models, proposers or the
 scheduler. Cost (scripts/bench_grammar.py, Qwen vocab, 1 thread): one mask is tens of microseconds for
 JSON (p95 well under a millisecond); `allowed()` adds ~20 µs to unpack it to a BoolTensor.
@@ -24,12 +31,16 @@ class GrammarError(RuntimeError):
     """The grammar engine failed mid-sequence (e.g. a parser resource limit); end the sequence."""
 
 
+SNAPSHOTS = 32  # states kept for rollback (a verification rolls back at most k + 1 tokens); deeper: rebuilt
+
+
 class GrammarMatcher:
     """The grammar state of one sequence. Not thread-safe; one per sequence (use `copy()` to branch)."""
 
     def __init__(self, ll_matcher, vocab_size: int, eos_token_ids: Sequence[int], never_allowed: torch.Tensor,
                  layout_ids: frozenset[int] = frozenset()):
         self._m = ll_matcher
+        self._start = ll_matcher.deep_copy()  # the state before any token (never advanced: only copied)
         self.layout_ids = layout_ids  # tokens of only whitespace and JSON punctuation (the compiler's; shared)
         self.vocab_size = vocab_size  # the tokenizer's ids; the model may have more rows
         self.eos_token_ids = tuple(eos_token_ids)
@@ -39,6 +50,8 @@ class GrammarMatcher:
         self._words = torch.zeros((vocab_size + 31) // 32, dtype=torch.int32)  # [ceil(V_tok / 32)] bitmask
         self._keep, self._eos_bits = _static_bits(vocab_size, never_allowed, self.eos_token_ids)
         self._history: list[int] = []  # per advanced token: how many tokens the engine consumed (EOS: 0)
+        self._tokens: list[int] = []  # the advanced token ids (to rebuild a state deeper than the snapshots)
+        self._snapshots: list = []  # [<= SNAPSHOTS] the states before the last advanced tokens (never advanced)
         self._finished = False  # an EOS was advanced
 
     # -- state --------------------------------------------------------------------------------------
@@ -63,6 +76,8 @@ class GrammarMatcher:
         other._m = self._m.deep_copy()
         other._words = self._words.clone()
         other._history = list(self._history)
+        other._tokens = list(self._tokens)
+        other._snapshots = list(self._snapshots)  # shared safely: a snapshot is only ever deep-copied
         return other
 
     # -- masks --------------------------------------------------------------------------------------
@@ -106,17 +121,26 @@ class GrammarMatcher:
         if token_id in self._eos:
             if not self._m.is_accepting():
                 return False
-            self._history.append(0)  # EOS is ours: the engine's own EOS handling differs by state
+            self._push(token_id, 0, self._m.deep_copy())  # EOS is ours: the engine's EOS handling differs by state
             self._finished = True
             return True
         if token_id < 0 or token_id >= self.vocab_size or token_id in self._never_set:
             return False
+        before = self._m.deep_copy()
         if self._m.try_consume_tokens([token_id]) != 1:
             if self._m.is_error():
                 raise GrammarError(self._m.get_error())
+            self._m = before  # a refused token leaves the state as it was
             return False
-        self._history.append(1)
+        self._push(token_id, 1, before)
         return True
+
+    def _push(self, token_id: int, consumed: int, before) -> None:
+        self._history.append(consumed)
+        self._tokens.append(token_id)
+        self._snapshots.append(before)
+        if len(self._snapshots) > SNAPSHOTS:
+            del self._snapshots[0]
 
     def advance_many(self, token_ids: Sequence[int]) -> int:
         """Advance along `token_ids` until the first forbidden one; returns how many were consumed."""
@@ -131,13 +155,20 @@ class GrammarMatcher:
             raise ValueError(f"cannot roll back {n} tokens: {len(self._history)} advanced")
         if n == 0:
             return
-        undone = self._history[-n:]
-        del self._history[-n:]
-        consumed = sum(undone)
-        if self._finished:
-            self._finished = False  # EOS is always the last token, and n >= 1 undoes it
-        if consumed and not self._m.rollback(consumed):
-            raise GrammarError(f"grammar engine refused to roll back {consumed} tokens: {self._m.get_error()}")
+        keep = len(self._history) - n
+        if n <= len(self._snapshots):
+            self._m = self._snapshots[-n].deep_copy()
+            del self._snapshots[-n:]
+        else:  # deeper than the snapshots: the state from the start along the tokens kept
+            m = self._start.deep_copy()
+            for t, consumed in zip(self._tokens[:keep], self._history[:keep]):
+                if consumed and m.try_consume_tokens([t]) != 1:
+                    raise GrammarError(f"rebuilding the grammar state refused token {t}: {m.get_error()}")
+            self._m = m
+            self._snapshots = []
+        del self._history[keep:]
+        del self._tokens[keep:]
+        self._finished = False  # EOS is always the last token, and n >= 1 undoes it
 
     # -- speculation --------------------------------------------------------------------------------
     def forced_tokens(self, max_n: int) -> list[int]:
