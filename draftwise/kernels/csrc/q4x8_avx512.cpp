@@ -1,5 +1,6 @@
-// q4x8, AVX-512 path (F + BW + VNNI): _mm512_dpbusd_epi32 on 16 columns x 4 K values per instruction,
-// _mm512_dpwssd_epi32 on 16 columns x 2 groups for the integer min term.
+// q4x8, AVX-512 path (F + BW + VNNI): VPDPBUSD on 16 columns x 4 K values per instruction, VPDPWSSD on
+// 16 columns x 2 groups for the integer min term, both written as inline asm with the activation operand an
+// embedded broadcast from memory ({1to16}).
 // Owns only this path's arithmetic (the layout and the float sequence are fixed in q4x8.h); compiled with
 // -mavx512f -mavx512bw -mavx512vl -mavx512vnni and called only after a run-time cpuid check.
 // Includes no C++ library header: nothing inline from here can leak into code run on other CPUs.
@@ -8,10 +9,21 @@
 
 namespace {
 
-inline int32_t load_i32(const void* p) {
-    int32_t v;
-    __builtin_memcpy(&v, p, 4);
-    return v;
+// acc + dpbusd(w, the 4 bytes at p broadcast to all 16 lanes), and acc + dpwssd(w, the int16 pair at p broadcast).
+// The broadcast is folded into the instruction: from the intrinsics (_mm512_set1_epi32 of a load) GCC 12 emits a
+// separate VPBROADCASTD per use, which on a Zen 4 competes with the VNNI instructions (measured: 12 VPDPBUSD with
+// {1to16} operands ~3.5/ns, each behind its own VPBROADCASTD ~3.2/ns; the kernel ~9% faster at 9 rows).
+// Same instructions on the same values as the intrinsics: the integer results are unchanged.
+typedef int32_t __attribute__((may_alias)) i32_alias;
+
+inline __m512i dpbusd_b(__m512i acc, __m512i w, const int8_t* p) {
+    __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*(const i32_alias*)p));
+    return acc;
+}
+
+inline __m512i dpwssd_b(__m512i acc, __m512i w, const int16_t* p) {
+    __asm__("vpdpwssd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*(const i32_alias*)p));
+    return acc;
 }
 
 // Columns 0-15 of block b, groups g and g + 1, as int16 pairs: 32-bit lane j holds (mn[j, g], mn[j, g + 1]),
@@ -76,8 +88,8 @@ void block_rows(const DwQ4* w, const DwQ8* a, float* out, int64_t b, int64_t m0,
                 const __m512i wh = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low4);
 #pragma GCC unroll 12
                 for (int m = 0; m < MT; ++m) {
-                    isum[m] = _mm512_dpbusd_epi32(isum[m], wl, _mm512_set1_epi32(load_i32(xg + m * 32 + 4 * c)));
-                    isum[m] = _mm512_dpbusd_epi32(isum[m], wh, _mm512_set1_epi32(load_i32(xg + m * 32 + 16 + 4 * c)));
+                    isum[m] = dpbusd_b(isum[m], wl, xg + m * 32 + 4 * c);
+                    isum[m] = dpbusd_b(isum[m], wh, xg + m * 32 + 16 + 4 * c);
                 }
             }
             const __m512i scv = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(SC + g * 16)));
@@ -95,7 +107,7 @@ void block_rows(const DwQ4* w, const DwQ8* a, float* out, int64_t b, int64_t m0,
             const int16_t* qs = QS + m * 8;
             __m512i imn = _mm512_setzero_si512();
 #pragma GCC unroll 4
-            for (int p = 0; p < 4; ++p) imn = _mm512_dpwssd_epi32(imn, mnp[p], _mm512_set1_epi32(load_i32(qs + 2 * p)));
+            for (int p = 0; p < 4; ++p) imn = dpwssd_b(imn, mnp[p], qs + 2 * p);
             __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(isc[m]), dv);
             t = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(imn), dmv, t);
             acc[m] = _mm512_fmadd_ps(t, _mm512_set1_ps(DX[m]), acc[m]);
