@@ -1,5 +1,6 @@
 """draftwise.kernels.glue: the decoder's per-layer glue ops against the torch reference the decoder otherwise runs
-(RMSNorm within NORM_TOLERANCE; RoPE, the K/V cache write and the gated activation bitwise), their row-exactness
+(RMSNorm within NORM_TOLERANCE, the silu activation within GLU_TOLERANCE; RoPE, the K/V cache write and the gelu
+activation bitwise), every ISA path of the row loops bitwise the portable one, their row-exactness
 (a row's result is bitwise the same alone, inside any batch, from a strided slice, at any thread count), and the
 decoder's use of them (fused == reference within the norm's tolerance for every family; merged + fused
 verification rows are bitwise single steps). Tiny tensors; no timing asserts. The first run builds the C++
@@ -106,14 +107,52 @@ def test_rope_cache_write_is_kvcache_write():
                            positions + 30)
 
 
-@pytest.mark.parametrize("activation", list(glue.ACTIVATIONS))
-def test_glu_is_bitwise_the_reference(activation):
+def test_silu_glu_is_within_its_tolerance_and_gelu_is_bitwise():
     g = torch.Generator().manual_seed(4)
-    act = F.silu if activation == "silu" else (lambda t: F.gelu(t, approximate="tanh"))
     gu = torch.randn(2, 3, 2 * 96, generator=g) * 4
+    gu[0, 0, :12] = torch.tensor([0.0, -0.0, 20.0, -20.0, 80.0, -80.0, 86.9, -86.9, 87.5, -87.5, 1e-20, -1e-20])
     gate, up = gu.split(96, dim=-1)
-    assert torch.equal(glue.glu(gu, None, activation), act(gate) * up)
-    assert torch.equal(glue.glu(gate.contiguous(), up.contiguous(), activation), act(gate) * up)
+    for fused in (glue.glu(gu, None, "silu"), glue.glu(gate.contiguous(), up.contiguous(), "silu")):
+        ref = F.silu(gate) * up
+        assert ((fused - ref).abs() <= glue.GLU_TOLERANCE * ref.abs()).all()
+    assert torch.equal(glue.glu(gu, None, "gelu_tanh"), F.gelu(gate, approximate="tanh") * up)
+    assert torch.equal(glue.glu(gate.contiguous(), up.contiguous(), "gelu_tanh"), F.gelu(gate, approximate="tanh") * up)
+
+
+def test_silu_glu_saturates_like_silu_far_out():
+    """Past the exp's clamp silu(g) is g (g > 87) or a tiny negative number (g < -88): no inf, no NaN."""
+    g = torch.tensor([[90.0, 1e4, 3e38, -90.0, -1e4, -3e38]])
+    out = glue.glu(g, torch.ones_like(g), "silu")
+    assert torch.equal(out[0, :3], g[0, :3])
+    assert (out[0, 3:] <= 0).all() and (out[0, 3:] > -1e-35).all()
+
+
+def test_every_isa_path_is_bitwise_the_portable_one():
+    paths = glue.cpu_paths()
+    if len(paths) < 2:
+        pytest.skip("only the portable path runs on this CPU")
+    g = torch.Generator().manual_seed(8)
+    n = 1539  # not a multiple of 8 or 16: every path's tail
+    x, h, w = torch.randn(9, n, generator=g) * 3, torch.randn(9, n, generator=g), torch.randn(n, generator=g)
+    gu = torch.randn(9, 2 * 9000 + 14, generator=g) * 6  # longer than a silu task: rows split into chunks
+    q, k = torch.randn(9, 4 * 40, generator=g), torch.randn(9, 2 * 40, generator=g)
+    cos, sin = angles(9, 40)
+    nw = torch.randn(40, generator=g)
+
+    def ops():
+        return [glue.rms_norm(x, w, 1e-6, 0.0), glue.rms_norm(x, w, 1e-6, 1.0), *glue.add_rms_norm(x, h, w, 1e-5, 0.0),
+                glue.glu(gu, None, "silu"), *glue.rope_qk(q, k, cos, sin, 40, nw, nw, 1e-6, 0.0)]
+
+    before = glue.use_path("scalar")
+    try:
+        want = ops()
+        for path in paths:
+            glue.use_path(path)
+            assert all(torch.equal(a, b) for a, b in zip(ops(), want)), path
+    finally:
+        glue.use_path(before)
+    with pytest.raises(KeyError):
+        glue.use_path("neon")
 
 
 @pytest.mark.parametrize("threads", [1, 2])

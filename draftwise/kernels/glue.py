@@ -9,10 +9,12 @@ signatures. float32 CPU tensors only: the decoder (models/transformer.py) keeps 
 dtypes and devices and where the library cannot be built. Knows nothing of models beyond these shapes and the KV
 cache's layout ([slots, kv heads, capacity, head_dim] per layer, written in place as KVCache.write would).
 
-Exactness (csrc/glue.cpp documents the float sequences): every op computes a row from that row alone, the same
-way for any number of rows and any thread split (row-exact). rope_qk(_cache) and glu are bitwise the torch
-reference; rms_norm / add_rms_norm sum the squares in double, so they differ from the float reference by a few
-ulps (NORM_TOLERANCE, relative, is what the tests hold them to).
+Exactness (csrc/glue.h and glue.cpp document the float sequences): every op computes a row from that row alone,
+the same way for any number of rows and any thread split (row-exact), and on every ISA path (`cpu_paths`: scalar,
+avx2, avx512; the best runs unless `use_path` says otherwise) bitwise the same. rope_qk(_cache) and the gelu glu
+are bitwise the torch reference; rms_norm / add_rms_norm sum the squares in double, so they differ from the float
+reference by a few ulps (NORM_TOLERANCE, relative, is what the tests hold them to); the silu glu uses our own exp
+(GLU_TOLERANCE).
 """
 from __future__ import annotations
 
@@ -21,7 +23,9 @@ import torch
 from draftwise.kernels import q4x8
 
 NORM_TOLERANCE = 1e-6  # max |fused - reference| / max |reference| of rms_norm (float32)
+GLU_TOLERANCE = 1e-6  # max |fused - reference| / |reference| per element of the silu glu (measured: ~4e-7, 3 ulps)
 ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}
+PATHS = {"auto": -1, "scalar": 0, "avx2": 1, "avx512": 2}
 
 
 def available() -> bool:
@@ -31,6 +35,20 @@ def available() -> bool:
     except q4x8.KernelBuildError:
         return False
     return True
+
+
+def cpu_paths() -> list[str]:
+    """The ISA paths of the row loops this CPU can run, slowest first (the last is what 'auto' picks)."""
+    q4x8.load()
+    ids = list(torch.ops.draftwise_glue.paths())
+    return [name for name, i in PATHS.items() if i in ids]
+
+
+def use_path(path: str) -> str:
+    """Run the ops' row loops on `path` from now on (process-wide; 'auto': the best here); returns the path in use
+    before. For tests and benchmarks: every path gives bitwise the same results."""
+    before = torch.ops.draftwise_glue.use_path(PATHS[path])
+    return next(name for name, i in PATHS.items() if i == before)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0) -> torch.Tensor:

@@ -41,7 +41,7 @@ PATHS = {"auto": -1, "scalar": 0, "avx2": 1, "avx512": 2}
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = ("q4x8.h", "q4x8.cpp", "q4x8_avx2.cpp", "q4x8_avx512.cpp",  # + the attention op (kernels/attention.py)
            "attention.h", "attention_kernel.h", "attention.cpp", "attention_avx2.cpp", "attention_avx512.cpp",
-           "glue.cpp")  # + the decoder glue ops (kernels/glue.py)
+           "glue.h", "glue_kernel.h", "glue.cpp", "glue_avx2.cpp", "glue_avx512.cpp")  # + the glue ops (kernels/glue.py)
 _X86 = platform.machine().lower() in ("x86_64", "amd64")
 
 
@@ -90,6 +90,8 @@ def _units() -> list[tuple[str, list[str]]]:
         ("attention_avx2.cpp", ["-mavx2", "-mfma"]),
         ("attention_avx512.cpp", ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma",
                                   "-mprefer-vector-width=512"]),
+        ("glue_avx2.cpp", ["-mavx2"]),
+        ("glue_avx512.cpp", ["-mavx512f", "-mavx512dq", "-mavx512vl", "-mprefer-vector-width=512"]),
     ]
 
 

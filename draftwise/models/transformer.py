@@ -193,7 +193,7 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    fused = False  # Decoder.use_fused_glue: act(gate) * up in one C++ call (bitwise the reference)
+    fused = False  # Decoder.use_fused_glue: act(gate) * up in one C++ call (glue.GLU_TOLERANCE for silu)
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -345,7 +345,7 @@ class Decoder(nn.Module):
         """Route the norms, RoPE (after the q/k norm) and the gated activation through kernels/glue.py's C++ ops,
         or (enable=False) back to the torch reference. On only for float32 activations on CPU where the library
         builds; returns whether it is on. The ops are row-exact; against the reference they differ only in the
-        RMSNorm's summation (glue.NORM_TOLERANCE)."""
+        RMSNorm's summation (glue.NORM_TOLERANCE) and silu's exp (glue.GLU_TOLERANCE)."""
         on = bool(enable) and self.dtype == torch.float32 and self.device.type == "cpu" and glue.available()
         for m in self.modules():
             if isinstance(m, (RMSNorm, Attention, MLP, DecoderLayer, Decoder)):

@@ -10,28 +10,86 @@
 // Python side keeps the torch reference for other dtypes and devices). Knows nothing of models.
 //
 // Against the torch reference (transformer.py):
-//   rms_norm: the mean of squares is summed in double in a fixed order and 1 / sqrt(mean + eps) rounded once
-//     to float (the reference rounds the float mean, eps add and rsqrt): |difference| <= a few float ulps of
-//     the output. The rest is the reference's sequence: y = w * (x * r), or (x * r) * (offset + w) (gemma).
+//   rms_norm: glue.h's norm_row: the mean of squares summed in double in a fixed order and 1 / sqrt(mean + eps)
+//     rounded once to float (the reference rounds the float mean, eps add and rsqrt): |difference| <= a few float
+//     ulps of the output. The rest is the reference's sequence: y = w * (x * r), or (x * r) * (offset + w) (gemma).
 //   add_rms_norm: s = x + h (bitwise the reference's add), then rms_norm(s).
 //   rope_qk: out1 = x1 * cos - x2 * sin, out2 = x2 * cos + x1 * sin per head half, which with -ffp-contract=off
 //     is bitwise the reference's x * cos + rotate_half(x) * sin (round(-a) = -round(a)).
 //   rope_qk_cache: rope_qk, and k', v copied into the cache (bitwise KVCache.write).
-//   glu: at::silu / at::gelu(tanh) then mul_: bitwise the reference (the same aten kernels, minus the Python).
+//   glu: silu: glue.h's silu_mul (our Cephes exp, one pass over gate and up: aten's silu took ~0.4 ns per element
+//     at 9 rows, 20x this), within glue.GLU_TOLERANCE of the reference; gelu tanh: at::gelu then mul_, bitwise.
+// The row loops of rms_norm, add_rms_norm, the q/k norm and silu_mul run on the best ISA path of glue.h this CPU
+// has (cpuid, once); all paths are bitwise the portable oracle (glue_kernel.h), so the choice changes speed only.
 #include <torch/library.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/gelu.h>
 #include <ATen/ops/silu.h>
-#include <cmath>
+#include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <tuple>
 #include <vector>
+#include "glue_kernel.h"
+
+extern "C" void dw_glue_scalar(DwGlue* ops) {
+    ops->norm_row = dwglue::norm_row;
+    ops->add_norm_row = dwglue::add_norm_row;
+    ops->silu_mul = dwglue::silu_mul;
+}
+
+#ifndef DW_HAVE_X86
+extern "C" void dw_glue_avx2(DwGlue* ops) { dw_glue_scalar(ops); }
+extern "C" void dw_glue_avx512(DwGlue* ops) { dw_glue_scalar(ops); }
+#endif
 
 namespace {
 
+enum Path : int64_t { AUTO = -1, SCALAR = 0, AVX2 = 1, AVX512 = 2 };
+
+std::vector<int64_t> available_paths() {
+    std::vector<int64_t> p{SCALAR};
+#if defined(DW_HAVE_X86) && (defined(__x86_64__) || defined(__i386__))
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx2")) p.push_back(AVX2);
+    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl"))
+        p.push_back(AVX512);
+#endif
+    return p;
+}
+
+DwGlue table(int64_t path) {
+    DwGlue ops;
+    if (path == AVX512) dw_glue_avx512(&ops);
+    else if (path == AVX2) dw_glue_avx2(&ops);
+    else dw_glue_scalar(&ops);
+    return ops;
+}
+
+// The path every op uses: the best this CPU runs, unless a test chose another (use_path). Every path gives bitwise
+// the same results, so switching changes speed only.
+std::atomic<int64_t> current_path{AUTO};
+
+DwGlue ops() {
+    static const int64_t best = available_paths().back();
+    const int64_t p = current_path.load(std::memory_order_relaxed);
+    return table(p == AUTO ? best : p);
+}
+
+std::vector<int64_t> paths() { return available_paths(); }
+
+// Run the ops on `path` (AUTO: the best here) from now on; returns the path that was chosen before. For tests.
+int64_t use_path(int64_t path) {
+    const std::vector<int64_t> ok = available_paths();
+    TORCH_CHECK(path == AUTO || std::find(ok.begin(), ok.end(), path) != ok.end(), "glue path ", path,
+                " cannot run on this CPU");
+    return current_path.exchange(path);
+}
+
 constexpr int64_t ROW_GRAIN = 16;  // rows per parallel task: decode calls (1-16 rows) stay on the calling thread
+constexpr int64_t GLU_CHUNK = 4096, GLU_GRAIN_CHUNKS = 4;  // silu_mul: elements per task, tasks per thread at least
 
 // x viewed as rows [R, N] with a constant row stride: the last dim contiguous and the leading dims collapsible
 // (e.g. a column slice of the merged q/k/v output). Returns the row stride, or -1 when x is not like that.
@@ -65,27 +123,6 @@ void check_f32_cpu(const at::Tensor& t, const char* name) {
     TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat, name, " must be a float32 CPU tensor");
 }
 
-// 1 / sqrt(mean(x^2) + eps) for one row of n floats: double sums in 8 fixed lanes, combined in a fixed order.
-inline float inv_rms(const float* x, int64_t n, double eps) {
-    double acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-    int64_t i = 0;
-    for (; i + 8 <= n; i += 8)
-        for (int j = 0; j < 8; ++j) acc[j] += (double)x[i + j] * (double)x[i + j];
-    for (; i < n; ++i) acc[i & 7] += (double)x[i] * (double)x[i];
-    const double s = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
-    return (float)(1.0 / std::sqrt(s / (double)n + eps));
-}
-
-// y = w * (x * r) (offset == 0), or (x * r) * (offset + w) in float32 (gemma's 1 + w).
-inline void norm_row(const float* x, const float* w, float* y, int64_t n, double eps, float offset) {
-    const float r = inv_rms(x, n, eps);
-    if (offset != 0.0f) {
-        for (int64_t i = 0; i < n; ++i) y[i] = (x[i] * r) * (offset + w[i]);
-    } else {
-        for (int64_t i = 0; i < n; ++i) y[i] = w[i] * (x[i] * r);
-    }
-}
-
 void check_norm(const at::Tensor& x, const at::Tensor& w) {
     check_f32_cpu(x, "x");
     check_f32_cpu(w, "weight");
@@ -103,8 +140,9 @@ at::Tensor rms_norm(const at::Tensor& x_in, const at::Tensor& w, double eps, dou
     const float* xp = x.data_ptr<float>();
     const float* wp = w.data_ptr<float>();
     float* yp = y.data_ptr<float>();
+    const DwGlue k = ops();
     at::parallel_for(0, R, ROW_GRAIN, [&](int64_t r0, int64_t r1) {
-        for (int64_t r = r0; r < r1; ++r) norm_row(xp + r * xs, wp, yp + r * N, N, eps, (float)offset);
+        for (int64_t r = r0; r < r1; ++r) k.norm_row(xp + r * xs, wp, yp + r * N, N, eps, (float)offset);
     });
     return y;
 }
@@ -125,21 +163,19 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x_in, const at
     const float* wp = w.data_ptr<float>();
     float* sp = s.data_ptr<float>();
     float* yp = y.data_ptr<float>();
+    const DwGlue k = ops();
     at::parallel_for(0, R, ROW_GRAIN, [&](int64_t r0, int64_t r1) {
-        for (int64_t r = r0; r < r1; ++r) {
-            float* srow = sp + r * N;
-            for (int64_t i = 0; i < N; ++i) srow[i] = xp[r * xs + i] + hp[r * hs + i];
-            norm_row(srow, wp, yp + r * N, N, eps, (float)offset);
-        }
+        for (int64_t r = r0; r < r1; ++r)
+            k.add_norm_row(xp + r * xs, hp + r * hs, wp, sp + r * N, yp + r * N, N, eps, (float)offset);
     });
     return {s, y};
 }
 
 // One head of D values: optional norm (into tmp), then the rotation with this row's cos/sin halves [D / 2].
 inline void rope_head(const float* x, float* out, const float* c, const float* s, int64_t D, const float* nw,
-                      double eps, float offset, float* tmp) {
+                      double eps, float offset, float* tmp, const DwGlue& k) {
     if (nw != nullptr) {
-        norm_row(x, nw, tmp, D, eps, offset);
+        k.norm_row(x, nw, tmp, D, eps, offset);
         x = tmp;
     }
     const int64_t half = D / 2;
@@ -157,12 +193,13 @@ void rope_rows(const at::Tensor& x, int64_t xs, at::Tensor& out, const at::Tenso
     const float* cp = cos.data_ptr<float>();
     const float* sp = sin.data_ptr<float>();
     float* op = out.data_ptr<float>();
+    const DwGlue k = ops();
     at::parallel_for(0, R, ROW_GRAIN, [&](int64_t r0, int64_t r1) {
         std::vector<float> tmp(nw ? D : 0);
         for (int64_t r = r0; r < r1; ++r)
             for (int64_t hd = 0; hd < H; ++hd)
                 rope_head(xp + r * xs + hd * D, op + r * N + hd * D, cp + r * half, sp + r * half, D, nw, eps, offset,
-                          tmp.data());
+                          tmp.data(), k);
     });
 }
 
@@ -252,12 +289,15 @@ at::Tensor rope_qk_cache(const at::Tensor& q, const at::Tensor& k, const at::Ten
     return qo;
 }
 
-// act(gate) * up with act = silu (kind 0) or gelu tanh (kind 1); with `up` None, gate is [..., 2 I] holding
-// gate | up (a merged gate/up projection's output).
+// act(gate) * up with act = silu (kind 0: glue.h's silu_mul, one pass) or gelu tanh (kind 1: aten's gelu, then mul_);
+// with `up` None, gate is [..., 2 I] holding gate | up (a merged gate/up projection's output). -> [..., I] contiguous
 at::Tensor glu(const at::Tensor& gate, const std::optional<at::Tensor>& up, int64_t kind) {
+    check_f32_cpu(gate, "gate");
     at::Tensor g = gate, u;
     if (up.has_value() && up->defined()) {
         u = *up;
+        check_f32_cpu(u, "up");
+        TORCH_CHECK(u.sizes() == g.sizes(), "gate and up must have the same shape");
     } else {
         const int64_t I = gate.size(-1) / 2;
         TORCH_CHECK(gate.size(-1) == 2 * I, "a merged gate/up output must have an even last dim");
@@ -265,8 +305,25 @@ at::Tensor glu(const at::Tensor& gate, const std::optional<at::Tensor>& up, int6
         u = gate.narrow(-1, I, I);
     }
     TORCH_CHECK(kind == 0 || kind == 1, "kind: 0 = silu, 1 = gelu tanh");
-    at::Tensor a = kind == 0 ? at::silu(g) : at::gelu(g, "tanh");
-    return a.mul_(u);
+    if (kind == 1) return at::gelu(g, "tanh").mul_(u);
+    int64_t gs, us;
+    const at::Tensor gr = rows_of(g, gs), ur = rows_of(u, us);
+    const int64_t N = g.size(-1), R = N ? g.numel() / N : 0;
+    at::Tensor out = at::empty(g.sizes(), g.options().memory_format(at::MemoryFormat::Contiguous));
+    const float* gp = gr.data_ptr<float>();
+    const float* up_ = ur.data_ptr<float>();
+    float* op = out.data_ptr<float>();
+    const DwGlue k = ops();
+    // Elementwise, so any split is exact: tasks of GLU_CHUNK elements of one row, >= GLU_GRAIN_CHUNKS per thread
+    // (a decode step's 1 x 8960 stays on the calling thread; a 9-row verification's 9 x 8960 uses both)
+    const int64_t per_row = (N + GLU_CHUNK - 1) / GLU_CHUNK;
+    at::parallel_for(0, R * per_row, GLU_GRAIN_CHUNKS, [&](int64_t t0, int64_t t1) {
+        for (int64_t t = t0; t < t1; ++t) {
+            const int64_t r = t / per_row, c0 = (t % per_row) * GLU_CHUNK, n = std::min(GLU_CHUNK, N - c0);
+            k.silu_mul(gp + r * gs + c0, up_ + r * us + c0, op + r * N + c0, n);
+        }
+    });
+    return out;
 }
 
 }  // namespace
@@ -280,6 +337,8 @@ TORCH_LIBRARY(draftwise_glue, m) {
           "Tensor? k_norm, float eps, float offset, Tensor(a!) keys, Tensor(b!) values, Tensor slots, "
           "Tensor positions) -> Tensor");
     m.def("glu(Tensor gate, Tensor? up, int kind) -> Tensor");
+    m.def("paths() -> int[]", &paths);
+    m.def("use_path(int path) -> int", &use_path);
 }
 
 TORCH_LIBRARY_IMPL(draftwise_glue, CPU, m) {

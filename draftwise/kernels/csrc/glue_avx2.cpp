@@ -1,0 +1,89 @@
+// The decoder glue's row loops, AVX2 path (AVX2-era CPUs such as AMD Zen 2/3 and Intel Haswell on), compiled with
+// -mavx2 (-ffp-contract=off: no fused multiply-adds) and called only after a run-time cpuid check. It performs
+// glue.h's float sequence exactly (bitwise glue_kernel.h, its oracle): the norm's 8 double lanes are two ymm
+// (lanes 0-3, 4-7), elementwise steps are 8 floats at a time with the oracle's own code for the tail, and the
+// Cephes exp is dwglue::exp_clamped operation for operation. Includes no C++ library header.
+#include <immintrin.h>
+#include "glue_kernel.h"
+
+namespace {
+
+inline __m256 exp8(__m256 t) {  // dwglue::exp_clamped, t already clamped
+    const __m256 magic = _mm256_set1_ps(12582912.0f);
+    const __m256 n = _mm256_sub_ps(_mm256_add_ps(_mm256_mul_ps(t, _mm256_set1_ps(1.44269504088896341f)), magic), magic);
+    __m256 r = _mm256_sub_ps(t, _mm256_mul_ps(n, _mm256_set1_ps(0.693359375f)));
+    r = _mm256_sub_ps(r, _mm256_mul_ps(n, _mm256_set1_ps(-2.12194440e-4f)));
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_add_ps(_mm256_add_ps(_mm256_mul_ps(p, _mm256_mul_ps(r, r)), r), _mm256_set1_ps(1.0f));
+    const __m256 scale = _mm256_castsi256_ps(
+        _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(n), _mm256_set1_epi32(127)), 23));
+    return _mm256_mul_ps(p, scale);
+}
+
+void silu_mul(const float* g, const float* u, float* out, int64_t n) {
+    const __m256 lo = _mm256_set1_ps(dwglue::EXP_LO), hi = _mm256_set1_ps(dwglue::EXP_HI);
+    const __m256 one = _mm256_set1_ps(1.0f), sign = _mm256_set1_ps(-0.0f);
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        const __m256 gv = _mm256_loadu_ps(g + i);
+        const __m256 t0 = _mm256_xor_ps(gv, sign);  // -g: the sign bit flipped, as the scalar negation
+        __m256 t = _mm256_max_ps(lo, t0);  // lo > t ? lo : t (a NaN t stays: max returns its second operand)
+        t = _mm256_min_ps(hi, t);  // hi < t ? hi : t
+        __m256 s = _mm256_div_ps(gv, _mm256_add_ps(one, exp8(t)));
+        s = _mm256_blendv_ps(s, _mm256_mul_ps(gv, _mm256_setzero_ps()), _mm256_cmp_ps(t0, hi, _CMP_GT_OQ));  // g * 0
+        _mm256_storeu_ps(out + i, _mm256_mul_ps(s, _mm256_loadu_ps(u + i)));
+    }
+    for (; i < n; ++i) out[i] = dwglue::silu_mul1(g[i], u[i]);
+}
+
+inline float inv_rms(const float* x, int64_t n, double eps) {
+    __m256d a0 = _mm256_setzero_pd(), a1 = _mm256_setzero_pd();  // lanes 0-3, 4-7
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        const __m256d v0 = _mm256_cvtps_pd(_mm_loadu_ps(x + i)), v1 = _mm256_cvtps_pd(_mm_loadu_ps(x + i + 4));
+        a0 = _mm256_add_pd(a0, _mm256_mul_pd(v0, v0));
+        a1 = _mm256_add_pd(a1, _mm256_mul_pd(v1, v1));
+    }
+    double a[8];
+    _mm256_storeu_pd(a, a0);
+    _mm256_storeu_pd(a + 4, a1);
+    for (; i < n; ++i) a[i & 7] = a[i & 7] + (double)x[i] * (double)x[i];
+    const double s = ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7]));
+    return (float)(1.0 / __builtin_sqrt(s / (double)n + eps));
+}
+
+inline void scale_row(const float* x, const float* w, float* y, int64_t n, float r, float offset) {
+    const __m256 rv = _mm256_set1_ps(r), ov = _mm256_set1_ps(offset);
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        const __m256 xr = _mm256_mul_ps(_mm256_loadu_ps(x + i), rv);
+        const __m256 wv = _mm256_loadu_ps(w + i);
+        _mm256_storeu_ps(y + i, offset != 0.0f ? _mm256_mul_ps(xr, _mm256_add_ps(ov, wv)) : _mm256_mul_ps(wv, xr));
+    }
+    dwglue::scale_row(x + i, w + i, y + i, n - i, r, offset);
+}
+
+void norm_row(const float* x, const float* w, float* y, int64_t n, double eps, float offset) {
+    scale_row(x, w, y, n, inv_rms(x, n, eps), offset);
+}
+
+void add_norm_row(const float* x, const float* h, const float* w, float* s, float* y, int64_t n, double eps,
+                  float offset) {
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(s + i, _mm256_add_ps(_mm256_loadu_ps(x + i), _mm256_loadu_ps(h + i)));
+    for (; i < n; ++i) s[i] = x[i] + h[i];
+    norm_row(s, w, y, n, eps, offset);
+}
+
+}  // namespace
+
+extern "C" void dw_glue_avx2(DwGlue* ops) {
+    ops->norm_row = norm_row;
+    ops->add_norm_row = add_norm_row;
+    ops->silu_mul = silu_mul;
+}

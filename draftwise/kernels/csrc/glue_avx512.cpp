@@ -1,0 +1,86 @@
+// The decoder glue's row loops, AVX-512 path (F + DQ + VL), compiled with those -m flags and called only after a
+// run-time cpuid check. It performs glue.h's float sequence exactly (bitwise glue_kernel.h, its oracle): the
+// norm's 8 double lanes are one zmm, elementwise steps are 16 floats at a time with a masked tail, and the Cephes
+// exp is dwglue::exp_clamped operation for operation. Includes no C++ library header.
+#include <immintrin.h>
+#include "glue_kernel.h"
+
+namespace {
+
+inline __mmask16 tail16(int64_t left) { return left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1u); }
+
+inline __m512 exp16(__m512 t) {  // dwglue::exp_clamped, t already clamped
+    const __m512 magic = _mm512_set1_ps(12582912.0f);
+    const __m512 n = _mm512_sub_ps(_mm512_add_ps(_mm512_mul_ps(t, _mm512_set1_ps(1.44269504088896341f)), magic), magic);
+    __m512 r = _mm512_sub_ps(t, _mm512_mul_ps(n, _mm512_set1_ps(0.693359375f)));
+    r = _mm512_sub_ps(r, _mm512_mul_ps(n, _mm512_set1_ps(-2.12194440e-4f)));
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_add_ps(_mm512_add_ps(_mm512_mul_ps(p, _mm512_mul_ps(r, r)), r), _mm512_set1_ps(1.0f));
+    const __m512 scale = _mm512_castsi512_ps(
+        _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(n), _mm512_set1_epi32(127)), 23));
+    return _mm512_mul_ps(p, scale);
+}
+
+void silu_mul(const float* g, const float* u, float* out, int64_t n) {
+    const __m512 lo = _mm512_set1_ps(dwglue::EXP_LO), hi = _mm512_set1_ps(dwglue::EXP_HI);
+    const __m512 one = _mm512_set1_ps(1.0f), sign = _mm512_set1_ps(-0.0f);
+    for (int64_t i = 0; i < n; i += 16) {
+        const __mmask16 k = tail16(n - i);
+        const __m512 gv = _mm512_maskz_loadu_ps(k, g + i), uv = _mm512_maskz_loadu_ps(k, u + i);
+        const __m512 t0 = _mm512_xor_ps(gv, sign);  // -g: the sign bit flipped, as the scalar negation
+        __m512 t = _mm512_max_ps(lo, t0);  // lo > t ? lo : t (a NaN t stays: max returns its second operand)
+        t = _mm512_min_ps(hi, t);  // hi < t ? hi : t
+        __m512 s = _mm512_div_ps(gv, _mm512_add_ps(one, exp16(t)));
+        s = _mm512_mask_mul_ps(s, _mm512_cmp_ps_mask(t0, hi, _CMP_GT_OQ), gv, _mm512_setzero_ps());  // -g > 88: g * 0
+        _mm512_mask_storeu_ps(out + i, k, _mm512_mul_ps(s, uv));
+    }
+}
+
+inline float inv_rms(const float* x, int64_t n, double eps) {
+    __m512d acc = _mm512_setzero_pd();
+    for (int64_t i = 0; i < n; i += 8) {  // lane l holds i = l mod 8; a masked tail adds +0 (acc >= +0: unchanged)
+        const __mmask8 k = n - i >= 8 ? (__mmask8)0xFF : (__mmask8)((1u << (n - i)) - 1u);
+        const __m512d v = _mm512_cvtps_pd(_mm256_maskz_loadu_ps(k, x + i));
+        acc = _mm512_add_pd(acc, _mm512_mul_pd(v, v));
+    }
+    double a[8];
+    _mm512_storeu_pd(a, acc);
+    const double s = ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7]));
+    return (float)(1.0 / __builtin_sqrt(s / (double)n + eps));
+}
+
+inline void scale_row(const float* x, const float* w, float* y, int64_t n, float r, float offset) {
+    const __m512 rv = _mm512_set1_ps(r), ov = _mm512_set1_ps(offset);
+    for (int64_t i = 0; i < n; i += 16) {
+        const __mmask16 k = tail16(n - i);
+        const __m512 xr = _mm512_mul_ps(_mm512_maskz_loadu_ps(k, x + i), rv);
+        const __m512 wv = _mm512_maskz_loadu_ps(k, w + i);
+        _mm512_mask_storeu_ps(y + i, k, offset != 0.0f ? _mm512_mul_ps(xr, _mm512_add_ps(ov, wv)) : _mm512_mul_ps(wv, xr));
+    }
+}
+
+void norm_row(const float* x, const float* w, float* y, int64_t n, double eps, float offset) {
+    scale_row(x, w, y, n, inv_rms(x, n, eps), offset);
+}
+
+void add_norm_row(const float* x, const float* h, const float* w, float* s, float* y, int64_t n, double eps,
+                  float offset) {
+    for (int64_t i = 0; i < n; i += 16) {
+        const __mmask16 k = tail16(n - i);
+        _mm512_mask_storeu_ps(s + i, k, _mm512_add_ps(_mm512_maskz_loadu_ps(k, x + i), _mm512_maskz_loadu_ps(k, h + i)));
+    }
+    norm_row(s, w, y, n, eps, offset);
+}
+
+}  // namespace
+
+extern "C" void dw_glue_avx512(DwGlue* ops) {
+    ops->norm_row = norm_row;
+    ops->add_norm_row = add_norm_row;
+    ops->silu_mul = silu_mul;
+}

@@ -1,0 +1,79 @@
+// The decoder glue's row loops, portable: the float sequence of glue.h written element by element (and the norm's
+// sum lane by lane), so -O3 may vectorize it at any width without reordering a float operation
+// (-ffp-contract=off: no fused multiply-adds). The baseline path (compiled into glue.cpp without -m flags), the
+// oracle of the SIMD paths, and the source of their scalar tails (exp_clamped). Internal linkage only and no C++
+// library header, so nothing compiled with AVX-512 flags can be merged into code that runs on other CPUs.
+#pragma once
+#include <stdint.h>
+#include "glue.h"
+
+namespace {
+namespace dwglue {
+
+inline float bits_to_f32(uint32_t u) {
+    float f;
+    __builtin_memcpy(&f, &u, 4);
+    return f;
+}
+
+constexpr float EXP_LO = -87.0f, EXP_HI = 88.0f;  // 2^n stays a normal float: n in [-126, 127]
+
+// e^t for t in [EXP_LO, EXP_HI] (a NaN stays NaN): Cephes expf.
+inline float exp_clamped(float t) {
+    const float n = (t * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  // round to nearest even
+    float r = t - n * 0.693359375f;
+    r = r - n * -2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * (r * r) + r + 1.0f;
+    const int32_t ni = n == n ? (int32_t)n : 0;  // (a NaN's p is NaN already; no undefined conversion)
+    return p * bits_to_f32((uint32_t)(ni + 127) << 23);
+}
+
+inline float silu_mul1(float g, float u) {
+    const float t0 = -g;
+    float t = t0 < EXP_LO ? EXP_LO : t0;
+    t = t > EXP_HI ? EXP_HI : t;
+    const float s = g / (1.0f + exp_clamped(t));
+    return (t0 > EXP_HI ? g * 0.0f : s) * u;
+}
+
+inline void silu_mul(const float* g, const float* u, float* out, int64_t n) {
+    for (int64_t i = 0; i < n; ++i) out[i] = silu_mul1(g[i], u[i]);
+}
+
+// 1 / sqrt(mean(x^2) + eps) as glue.h defines it
+inline float inv_rms(const float* x, int64_t n, double eps) {
+    double acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        for (int j = 0; j < 8; ++j) acc[j] = acc[j] + (double)x[i + j] * (double)x[i + j];
+    for (; i < n; ++i) acc[i & 7] = acc[i & 7] + (double)x[i] * (double)x[i];
+    const double s = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+    return (float)(1.0 / __builtin_sqrt(s / (double)n + eps));
+}
+
+inline void scale_row(const float* x, const float* w, float* y, int64_t n, float r, float offset) {
+    if (offset != 0.0f) {
+        for (int64_t i = 0; i < n; ++i) y[i] = (x[i] * r) * (offset + w[i]);
+    } else {
+        for (int64_t i = 0; i < n; ++i) y[i] = w[i] * (x[i] * r);
+    }
+}
+
+inline void norm_row(const float* x, const float* w, float* y, int64_t n, double eps, float offset) {
+    scale_row(x, w, y, n, inv_rms(x, n, eps), offset);
+}
+
+inline void add_norm_row(const float* x, const float* h, const float* w, float* s, float* y, int64_t n, double eps,
+                         float offset) {
+    for (int64_t i = 0; i < n; ++i) s[i] = x[i] + h[i];
+    norm_row(s, w, y, n, eps, offset);
+}
+
+}  // namespace dwglue
+}  // namespace
