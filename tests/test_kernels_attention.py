@@ -137,6 +137,29 @@ def test_all_isa_paths_agree_bitwise(paths, dtype):
         assert torch.equal(outs[p], outs[paths[0]]), (p, paths[0])
 
 
+@pytest.mark.parametrize("H,Hkv,D", [(12, 2, 128), (8, 2, 64), (6, 3, 48), (4, 1, 32), (4, 4, 16)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_blocked_queries_are_bitwise_the_oracle(paths, H, Hkv, D, dtype):
+    """The SIMD paths attend up to DW_ATTN_QBLOCK queries of one (b, kv head) per pass over the keys (absolute key
+    blocks; queries with different window starts and lengths share them): every path is bitwise the portable
+    oracle at every chunk width T = 1..16, with ragged real rows and padding, full and sliding windows (starts
+    on and off the 16-key grid), whole and partial key blocks, at 1 and 2 threads (a split inside a run)."""
+    if len(paths) < 2:
+        pytest.skip("only one path can run on this CPU")
+    for T in range(1, 17):
+        case = _case(S=3, H=H, Hkv=Hkv, C=96, D=D, firsts=[0, 61, 29], ntoks=[T, max(1, T - 3), T // 2], T=T,
+                     seed=100 + T, dtype=dtype)
+        for window in (None, 7, 21, 40):
+            for threads in (1, 2):
+                torch.set_num_threads(threads)
+                try:
+                    outs = {p: attention.attend_rows(*case, D ** -0.5, window, path=p) for p in paths}
+                finally:
+                    torch.set_num_threads(1)
+                for p in paths[1:]:
+                    assert torch.equal(outs[p], outs[paths[0]]), (p, T, window, threads)
+
+
 def test_bfloat16_accumulates_in_float32(paths):
     case = _case(S=2, H=4, Hkv=2, C=50, D=64, firsts=[33, 2], ntoks=[5, 2], T=5, seed=5, dtype=torch.bfloat16)
     ref = _reference(*case, 0.125, None)  # on the very bf16 inputs, in float64

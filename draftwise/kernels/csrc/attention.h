@@ -49,7 +49,11 @@ void dw_attn_rows_avx512(const DwAttnArgs* a, int64_t i0, int64_t i1, float* scr
 
 }
 
+// The SIMD paths attend up to this many consecutive items of one (b, g) together (one pass over the keys and
+// values serves them all; see attention_avx512.cpp).
+#define DW_ATTN_QBLOCK 16
+
 static inline int64_t dw_attn_scratch_floats(int64_t max_len, int64_t D) {
-    const int64_t dp = (D + 15) / 16 * 16;
-    return 2 * dp + (max_len + 15) / 16 * 16 + 16;
+    const int64_t dp = (D + 15) / 16 * 16;  // per query: q row, accumulator, scores with 16 floats either side
+    return DW_ATTN_QBLOCK * (2 * dp + (max_len + 15) / 16 * 16 + 32);
 }
