@@ -1,6 +1,8 @@
 """What one verification costs: the target's forward time by rows (1 = a plain decode step, k + 1 = verifying k
 guesses) with the weight formats `auto` chose on this machine, after a 128-token context. Prints the machine
-probe, the chosen kernels, ms per forward and the ratio to one row (issue 10's goal: 9 rows <= 1.5x one row).
+probe, the chosen kernels, ms per forward (median over rounds of the median of `--repeats`), the ratio of those
+medians to one row, and the paired ratio (median and quartiles over rounds of each round's ratio: the widths of a
+round run seconds apart, so a drifting host moves both sides together). Issue 10's goal: 9 rows <= 1.5x one row.
 Not a test; run on a quiet machine.
 
     .venv/bin/python scripts/verify_cost.py --model qwen2.5-coder-1.5b-instruct --rounds 9
@@ -59,11 +61,17 @@ def main() -> None:
     for _ in range(args.rounds):
         for r in widths:
             per[r].append(forward_ms(model, r, args.context, args.repeats))
-    print(f"{'rows':>5s} {'ms/forward':>11s} {'x 1 row':>8s} {'ms/row':>8s}   ({args.rounds} rounds)")
+    print(f"{'rows':>5s} {'ms/forward':>11s} {'x 1 row':>8s} {'ms/row':>8s} {'paired':>7s} {'[p25, p75]':>13s}"
+          f"   ({args.rounds} rounds)")
     base = statistics.median(per[widths[0]])
     for r in widths:
         ms = statistics.median(per[r])
-        print(f"{r:5d} {ms:11.1f} {ms / base:8.2f} {ms / r:8.1f}", flush=True)
+        # paired: each round's ratio to the first width measured in that same round (seconds apart), so a host
+        # that drifts between rounds moves both sides of a ratio together; median and quartiles over rounds
+        ratios = sorted(a / b for a, b in zip(per[r], per[widths[0]]))
+        q = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else [ratios[0]] * 3
+        print(f"{r:5d} {ms:11.1f} {ms / base:8.2f} {ms / r:8.1f} {statistics.median(ratios):7.2f} "
+              f"[{q[0]:.2f}, {q[2]:.2f}]", flush=True)
 
 if __name__ == "__main__":
     main()

@@ -120,7 +120,7 @@ def build(verbose: bool = False) -> Path:
     cxx = _compiler()
     common, includes, link = _flags()
     target.parent.mkdir(parents=True, exist_ok=True)
-    print(f"draftwise: building the CPU kernels (q4x8, attention) once (~20-40 s) into {target.parent}", file=sys.stderr,
+    print(f"draftwise: building the CPU kernels (q4x8, attention, glue) once (~20-40 s) into {target.parent}", file=sys.stderr,
           flush=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         procs = []
