@@ -41,7 +41,7 @@ PATHS = {"auto": -1, "scalar": 0, "avx2": 1, "avx512": 2}
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = ("q4x8.h", "q4x8.cpp", "q4x8_avx2.cpp", "q4x8_avx512.cpp",  # + the attention op (kernels/attention.py)
            "attention.h", "attention_kernel.h", "attention.cpp", "attention_avx2.cpp", "attention_avx512.cpp",
-           "glue.h", "glue_kernel.h", "glue.cpp", "glue_avx2.cpp", "glue_avx512.cpp")  # + the glue ops (kernels/glue.py)
+           "cephes_exp.h", "glue.h", "glue_kernel.h", "glue.cpp", "glue_avx2.cpp", "glue_avx512.cpp")  # + the glue ops (kernels/glue.py)
 _X86 = platform.machine().lower() in ("x86_64", "amd64")
 
 

@@ -13,7 +13,7 @@
 //   s_j   = dot(q, k_j) * scale,  dot = lanes l = i mod 16 summed in i order (a tail after the last whole 16
 //           goes to lanes 0..), then lanes folded 8+8, 4+4, 2+2, 1+1 (a[l] += a[l + w]);
 //   m     = max_j s_j;
-//   p_j   = dw_exp(s_j - m) (attention_kernel.h: Cephes-style polynomial, 0 below -80);
+//   p_j   = dw_exp(s_j - m) (cephes_exp.h's Cephes expf of max(x, -80); 0 below -80);
 //   sum   = the p_j in lanes l = j mod 16 (j order), folded like dot;
 //   o[d]  = (sum over j in order of p_j * v_j[d], starting from 0) / sum.
 // No fused multiply-adds (-ffp-contract=off) and no reassociation: it depends only on the query, its keys and

@@ -31,21 +31,8 @@ inline __m256 fold8(const __m256* f) {
 
 // dwattn::exp_nonpos on 8 lanes, operation for operation.
 inline __m256 exp8(__m256 x) {
-    const __m256 lo = _mm256_set1_ps(-80.0f), magic = _mm256_set1_ps(12582912.0f);
-    const __m256 xc = _mm256_max_ps(lo, x);  // lo > x ? lo : x
-    const __m256 n = _mm256_sub_ps(_mm256_add_ps(_mm256_mul_ps(xc, _mm256_set1_ps(1.44269504088896341f)), magic), magic);
-    __m256 r = _mm256_sub_ps(xc, _mm256_mul_ps(n, _mm256_set1_ps(0.693359375f)));
-    r = _mm256_sub_ps(r, _mm256_mul_ps(n, _mm256_set1_ps(-2.12194440e-4f)));
-    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-    p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(1.3981999507e-3f));
-    p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(8.3334519073e-3f));
-    p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(4.1665795894e-2f));
-    p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(1.6666665459e-1f));
-    p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(5.0000001201e-1f));
-    p = _mm256_add_ps(_mm256_add_ps(_mm256_mul_ps(p, _mm256_mul_ps(r, r)), r), _mm256_set1_ps(1.0f));
-    const __m256 scale = _mm256_castsi256_ps(
-        _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(n), _mm256_set1_epi32(127)), 23));
-    const __m256 e = _mm256_mul_ps(p, scale);
+    const __m256 lo = _mm256_set1_ps(-80.0f);
+    const __m256 e = dwexp::exp_poly8(_mm256_max_ps(lo, x));  // lo > x ? lo : x
     return _mm256_andnot_ps(_mm256_cmp_ps(x, lo, _CMP_LT_OQ), e);  // x < -80: 0
 }
 

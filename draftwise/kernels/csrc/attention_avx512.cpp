@@ -35,21 +35,8 @@ inline __m512 fold16(const __m512* a) {
 
 // dwattn::exp_nonpos on 16 lanes, operation for operation.
 inline __m512 exp16(__m512 x) {
-    const __m512 lo = _mm512_set1_ps(-80.0f), magic = _mm512_set1_ps(12582912.0f);
-    const __m512 xc = _mm512_max_ps(lo, x);  // lo > x ? lo : x
-    const __m512 n = _mm512_sub_ps(_mm512_add_ps(_mm512_mul_ps(xc, _mm512_set1_ps(1.44269504088896341f)), magic), magic);
-    __m512 r = _mm512_sub_ps(xc, _mm512_mul_ps(n, _mm512_set1_ps(0.693359375f)));
-    r = _mm512_sub_ps(r, _mm512_mul_ps(n, _mm512_set1_ps(-2.12194440e-4f)));
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(5.0000001201e-1f));
-    p = _mm512_add_ps(_mm512_add_ps(_mm512_mul_ps(p, _mm512_mul_ps(r, r)), r), _mm512_set1_ps(1.0f));
-    const __m512 scale = _mm512_castsi512_ps(
-        _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(n), _mm512_set1_epi32(127)), 23));
-    const __m512 e = _mm512_mul_ps(p, scale);
+    const __m512 lo = _mm512_set1_ps(-80.0f);
+    const __m512 e = dwexp::exp_poly16(_mm512_max_ps(lo, x));  // lo > x ? lo : x
     return _mm512_maskz_mov_ps(~_mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ), e);  // x < -80: 0
 }
 

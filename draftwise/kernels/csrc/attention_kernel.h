@@ -9,6 +9,7 @@
 #pragma once
 #include <stdint.h>
 #include "attention.h"
+#include "cephes_exp.h"
 
 namespace {
 namespace dwattn {
@@ -45,19 +46,7 @@ inline void store(uint16_t* p, int64_t i, float x) {  // fp32 -> bf16, round to 
 // through the exponent bits); below -80 it is 0 (e^-80 is 1.8e-35 next to the row's largest term, 1).
 // Branch-free and lane-wise; rounding by adding and subtracting 1.5 * 2^23 (round to nearest even).
 inline float exp_nonpos(float x) {
-    const float xc = x < -80.0f ? -80.0f : x;
-    const float n = (xc * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
-    float r = xc - n * 0.693359375f;
-    r = r - n * -2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * (r * r) + r + 1.0f;
-    const float scale = bits_to_f32((uint32_t)((int32_t)n + 127) << 23);  // 2^n, n in [-115, 0]
-    const float e = p * scale;
+    const float e = dwexp::exp_poly(x < -80.0f ? -80.0f : x);  // 2^n, n in [-115, 0]
     return x < -80.0f ? 0.0f : e;
 }
 

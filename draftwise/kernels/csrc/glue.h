@@ -13,7 +13,7 @@
 //   y_i = w_i * (x_i * r), or with offset != 0 (gemma's 1 + w) (x_i * r) * (offset + w_i)   (float).
 // add_norm_row(x, h, w) -> s, y: s_i = x_i + h_i (float), then norm_row(s).
 // silu_mul(g[n], u[n]) -> out[n]: out_i = s_i * u_i, s_i = g_i / (1 + e_i), e_i = dw_exp(clamp(-g_i, -87, 88)),
-//   dw_exp the Cephes expf of glue_kernel.h (round-to-nearest n = x log2 e, two-step ln 2 reduction, degree-5
+//   dw_exp the Cephes expf of cephes_exp.h (round-to-nearest n = x log2 e, two-step ln 2 reduction, degree-5
 //   polynomial, 2^n through the exponent bits); where -g_i > 88, s_i = g_i * 0 instead (silu is below 6e-37 in
 //   magnitude there). The clamp keeps 2^n a normal float; above g = 87 silu(g) is g to float precision anyway.
 // No fused multiply-adds (-ffp-contract=off) and no reassociation; each element (row) depends only on its inputs.

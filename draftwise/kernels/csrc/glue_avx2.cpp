@@ -2,28 +2,11 @@
 // -mavx2 (-ffp-contract=off: no fused multiply-adds) and called only after a run-time cpuid check. It performs
 // glue.h's float sequence exactly (bitwise glue_kernel.h, its oracle): the norm's 8 double lanes are two ymm
 // (lanes 0-3, 4-7), elementwise steps are 8 floats at a time with the oracle's own code for the tail, and the
-// Cephes exp is dwglue::exp_clamped operation for operation. Includes no C++ library header.
+// Cephes exp is cephes_exp.h's. Includes no C++ library header.
 #include <immintrin.h>
 #include "glue_kernel.h"
 
 namespace {
-
-inline __m256 exp8(__m256 t) {  // dwglue::exp_clamped, t already clamped
-    const __m256 magic = _mm256_set1_ps(12582912.0f);
-    const __m256 n = _mm256_sub_ps(_mm256_add_ps(_mm256_mul_ps(t, _mm256_set1_ps(1.44269504088896341f)), magic), magic);
-    __m256 r = _mm256_sub_ps(t, _mm256_mul_ps(n, _mm256_set1_ps(0.693359375f)));
-    r = _mm256_sub_ps(r, _mm256_mul_ps(n, _mm256_set1_ps(-2.12194440e-4f)));
-    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-    p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(1.3981999507e-3f));
-    p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(8.3334519073e-3f));
-    p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(4.1665795894e-2f));
-    p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(1.6666665459e-1f));
-    p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(5.0000001201e-1f));
-    p = _mm256_add_ps(_mm256_add_ps(_mm256_mul_ps(p, _mm256_mul_ps(r, r)), r), _mm256_set1_ps(1.0f));
-    const __m256 scale = _mm256_castsi256_ps(
-        _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(n), _mm256_set1_epi32(127)), 23));
-    return _mm256_mul_ps(p, scale);
-}
 
 void silu_mul(const float* g, const float* u, float* out, int64_t n) {
     const __m256 lo = _mm256_set1_ps(dwglue::EXP_LO), hi = _mm256_set1_ps(dwglue::EXP_HI);
@@ -34,7 +17,7 @@ void silu_mul(const float* g, const float* u, float* out, int64_t n) {
         const __m256 t0 = _mm256_xor_ps(gv, sign);  // -g: the sign bit flipped, as the scalar negation
         __m256 t = _mm256_max_ps(lo, t0);  // lo > t ? lo : t (a NaN t stays: max returns its second operand)
         t = _mm256_min_ps(hi, t);  // hi < t ? hi : t
-        __m256 s = _mm256_div_ps(gv, _mm256_add_ps(one, exp8(t)));
+        __m256 s = _mm256_div_ps(gv, _mm256_add_ps(one, dwexp::exp_poly8(t)));
         s = _mm256_blendv_ps(s, _mm256_mul_ps(gv, _mm256_setzero_ps()), _mm256_cmp_ps(t0, hi, _CMP_GT_OQ));  // g * 0
         _mm256_storeu_ps(out + i, _mm256_mul_ps(s, _mm256_loadu_ps(u + i)));
     }

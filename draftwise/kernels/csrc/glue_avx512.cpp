@@ -1,30 +1,13 @@
 // The decoder glue's row loops, AVX-512 path (F + DQ + VL), compiled with those -m flags and called only after a
 // run-time cpuid check. It performs glue.h's float sequence exactly (bitwise glue_kernel.h, its oracle): the
 // norm's 8 double lanes are one zmm, elementwise steps are 16 floats at a time with a masked tail, and the Cephes
-// exp is dwglue::exp_clamped operation for operation. Includes no C++ library header.
+// exp is cephes_exp.h's. Includes no C++ library header.
 #include <immintrin.h>
 #include "glue_kernel.h"
 
 namespace {
 
 inline __mmask16 tail16(int64_t left) { return left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1u); }
-
-inline __m512 exp16(__m512 t) {  // dwglue::exp_clamped, t already clamped
-    const __m512 magic = _mm512_set1_ps(12582912.0f);
-    const __m512 n = _mm512_sub_ps(_mm512_add_ps(_mm512_mul_ps(t, _mm512_set1_ps(1.44269504088896341f)), magic), magic);
-    __m512 r = _mm512_sub_ps(t, _mm512_mul_ps(n, _mm512_set1_ps(0.693359375f)));
-    r = _mm512_sub_ps(r, _mm512_mul_ps(n, _mm512_set1_ps(-2.12194440e-4f)));
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(5.0000001201e-1f));
-    p = _mm512_add_ps(_mm512_add_ps(_mm512_mul_ps(p, _mm512_mul_ps(r, r)), r), _mm512_set1_ps(1.0f));
-    const __m512 scale = _mm512_castsi512_ps(
-        _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(n), _mm512_set1_epi32(127)), 23));
-    return _mm512_mul_ps(p, scale);
-}
 
 void silu_mul(const float* g, const float* u, float* out, int64_t n) {
     const __m512 lo = _mm512_set1_ps(dwglue::EXP_LO), hi = _mm512_set1_ps(dwglue::EXP_HI);
@@ -35,7 +18,7 @@ void silu_mul(const float* g, const float* u, float* out, int64_t n) {
         const __m512 t0 = _mm512_xor_ps(gv, sign);  // -g: the sign bit flipped, as the scalar negation
         __m512 t = _mm512_max_ps(lo, t0);  // lo > t ? lo : t (a NaN t stays: max returns its second operand)
         t = _mm512_min_ps(hi, t);  // hi < t ? hi : t
-        __m512 s = _mm512_div_ps(gv, _mm512_add_ps(one, exp16(t)));
+        __m512 s = _mm512_div_ps(gv, _mm512_add_ps(one, dwexp::exp_poly16(t)));
         s = _mm512_mask_mul_ps(s, _mm512_cmp_ps_mask(t0, hi, _CMP_GT_OQ), gv, _mm512_setzero_ps());  // -g > 88: g * 0
         _mm512_mask_storeu_ps(out + i, k, _mm512_mul_ps(s, uv));
     }

@@ -1,44 +1,23 @@
 // The decoder glue's row loops, portable: the float sequence of glue.h written element by element (and the norm's
 // sum lane by lane), so -O3 may vectorize it at any width without reordering a float operation
 // (-ffp-contract=off: no fused multiply-adds). The baseline path (compiled into glue.cpp without -m flags), the
-// oracle of the SIMD paths, and the source of their scalar tails (exp_clamped). Internal linkage only and no C++
+// oracle of the SIMD paths, and the source of their scalar tails; the exp is cephes_exp.h's. Internal linkage only and no C++
 // library header, so nothing compiled with AVX-512 flags can be merged into code that runs on other CPUs.
 #pragma once
 #include <stdint.h>
+#include "cephes_exp.h"
 #include "glue.h"
 
 namespace {
 namespace dwglue {
 
-inline float bits_to_f32(uint32_t u) {
-    float f;
-    __builtin_memcpy(&f, &u, 4);
-    return f;
-}
-
 constexpr float EXP_LO = -87.0f, EXP_HI = 88.0f;  // 2^n stays a normal float: n in [-126, 127]
-
-// e^t for t in [EXP_LO, EXP_HI] (a NaN stays NaN): Cephes expf.
-inline float exp_clamped(float t) {
-    const float n = (t * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  // round to nearest even
-    float r = t - n * 0.693359375f;
-    r = r - n * -2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * (r * r) + r + 1.0f;
-    const int32_t ni = n == n ? (int32_t)n : 0;  // (a NaN's p is NaN already; no undefined conversion)
-    return p * bits_to_f32((uint32_t)(ni + 127) << 23);
-}
 
 inline float silu_mul1(float g, float u) {
     const float t0 = -g;
     float t = t0 < EXP_LO ? EXP_LO : t0;
     t = t > EXP_HI ? EXP_HI : t;
-    const float s = g / (1.0f + exp_clamped(t));
+    const float s = g / (1.0f + dwexp::exp_poly(t));
     return (t0 > EXP_HI ? g * 0.0f : s) * u;
 }
 
