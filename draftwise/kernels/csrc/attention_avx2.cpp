@@ -2,8 +2,10 @@
 // -mavx2 -mfma (-ffp-contract=off: no fused multiply-adds) and called only after a run-time cpuid check, for
 // head_dim a multiple of 16. It performs the float sequence of attention.h exactly (bitwise the portable path in
 // attention_kernel.h, its oracle): a dot product's 16 lanes are two ymm (lanes 0-7, 8-15) whose sum is the fold's
-// w = 8 step, and the 8 dots of a block of keys are folded together by a shuffle tree doing, per key, the very
-// additions of the portable fold. Includes no C++ library header.
+// w = 8 step, and the 8 dots of a group of keys are folded together by a shuffle tree doing, per key, the very
+// additions of the portable fold. Consecutive queries of one (b, kv head) are attended as a block (see `Block`,
+// the structure of attention_avx512.cpp), so a block of 16 keys or values is read from L2 once for all of them.
+// Includes no C++ library header: nothing inline from here can leak into code run on other CPUs.
 #include <immintrin.h>
 #include "attention_kernel.h"
 
@@ -36,47 +38,96 @@ inline __m256 exp8(__m256 x) {
     return _mm256_andnot_ps(_mm256_cmp_ps(x, lo, _CMP_LT_OQ), e);  // x < -80: 0
 }
 
-template <class E>
-void one(const DwAttnArgs* a, int64_t b, int64_t t, int64_t h, float* scratch) {
-    const int64_t D = a->D, dp = (D + 15) / 16 * 16;
-    float* qf = scratch;
-    float* res = scratch + dp;
-    float* s = scratch + 2 * dp;
-    dwattn::Query<E> q;
-    if (!dwattn::query(a, b, t, h, qf, q)) return;
-    E* o = q.o;
-    const E *K = q.K, *V = q.V;
-    const int64_t L = q.L, sc = q.sc;
-
-    // scores, 8 keys at a time (missing keys of the last block stay 0 and are not stored)
-    const __m256 vscale = _mm256_set1_ps(a->scale);
-    float m = -__builtin_inff();
-    for (int64_t j = 0; j < L; j += 8) {
-        const int64_t nk = L - j < 8 ? L - j : 8;
-        __m256 f[8];
-        for (int half = 0; half < 2; ++half) {  // lanes 0-7, then 8-15 (16 ymm registers: 8 keys x 1 half fit)
-            __m256 acc[8];
+// 8 keys' dot products with q, keys lo..hi-1 of the group (the others stay 0 and are never loaded: they may lie
+// past the cache's end): lanes 0-7 of every key accumulate in i order in one ymm, then lanes 8-15 in another,
+// exactly as the generic loop in dwattn::dot, and f = lanes 0-7 + lanes 8-15 is the fold's w = 8 step. NI: head_dim
+// / 16 when known at compile time (0: D at run time). FULL: all 8 keys, no tests.
+template <int NI, bool FULL, class E>
+inline void dots8(const float* qf, int64_t D, const E* kp, int64_t sc, int lo, int hi, __m256* f) {
+    const int64_t n = NI > 0 ? 16 * NI : D;
+    for (int half = 0; half < 2; ++half) {  // lanes 0-7, then 8-15 (16 ymm registers: 8 keys x 1 half fit)
+        __m256 acc[8];
 #pragma GCC unroll 8
-            for (int kk = 0; kk < 8; ++kk) acc[kk] = _mm256_setzero_ps();
-            for (int64_t i = 8 * half; i < D; i += 16) {
-                const __m256 qv = _mm256_loadu_ps(qf + i);
-                const E* kp = K + j * sc + i;
+        for (int kk = 0; kk < 8; ++kk) acc[kk] = _mm256_setzero_ps();
 #pragma GCC unroll 8
-                for (int kk = 0; kk < 8; ++kk)
-                    if (kk < nk) acc[kk] = _mm256_add_ps(acc[kk], _mm256_mul_ps(qv, ld8(kp + kk * sc)));
-            }
+        for (int64_t i = 8 * half; i < n; i += 16) {
+            const __m256 qv = _mm256_loadu_ps(qf + i);
 #pragma GCC unroll 8
-            for (int kk = 0; kk < 8; ++kk) f[kk] = half ? _mm256_add_ps(f[kk], acc[kk]) : acc[kk];  // w = 8
+            for (int kk = 0; kk < 8; ++kk)
+                if (FULL || (kk >= lo && kk < hi))
+                    acc[kk] = _mm256_add_ps(acc[kk], _mm256_mul_ps(qv, ld8(kp + kk * sc + i)));
         }
-        float sv[8];
-        _mm256_storeu_ps(sv, _mm256_mul_ps(fold8(f), vscale));
-        for (int kk = 0; kk < nk; ++kk) {
-            s[j + kk] = sv[kk];
-            m = sv[kk] > m ? sv[kk] : m;
+#pragma GCC unroll 8
+        for (int kk = 0; kk < 8; ++kk) f[kk] = half ? _mm256_add_ps(f[kk], acc[kk]) : acc[kk];  // w = 8
+    }
+}
+
+// A block of up to QB queries sharing one kv head of one sequence (consecutive items (t, h within g) of one
+// (b, g)), as in attention_avx512.cpp: every pass over a block of 16 keys (or values, 8 KiB at head_dim 128)
+// serves all of them while it sits in L1, instead of each query streaming its whole K and V from L2. Each query
+// still performs exactly its own sequence of attention.h: its scores are independent of one another, its max is
+// exact in any order (only the sign of a zero max may differ, and s - m then gives the same exp), and its sum
+// and value accumulation run over its own keys in j order — only which query's chain runs next changes. Keys are
+// walked in absolute cache positions, so queries with different window starts share the blocks too; keys
+// outside a query's range are never loaded.
+constexpr int QB = DW_ATTN_QBLOCK;
+
+template <class E>
+struct Block {
+    int n;                 // real (non-padding) queries
+    dwattn::Query<E> q[QB];
+    int64_t start[QB];     // absolute position of each query's first key
+    float *qf[QB], *s[QB], *acc[QB];
+};
+
+// Every query's scores s_j (into s[u], j from its own start) and max, one 16-key block at a time, as two groups of
+// 8 keys. A group's 8 folded scores are stored whole: the lanes outside the query's keys (before its start or at
+// or past its end) land in the 16 floats of room on either side of s[u] and are never read.
+template <int NI, class E>
+void scores(const DwAttnArgs* a, Block<E>& blk, const E* K0, int64_t a_lo, int64_t a_hi, float* mx) {
+    const int64_t sc = blk.q[0].sc, D = a->D;
+    const __m256 vscale = _mm256_set1_ps(a->scale), ninf = _mm256_set1_ps(-__builtin_inff());
+    const __m256i iota = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    __m256 vmax[QB];
+    for (int u = 0; u < blk.n; ++u) vmax[u] = ninf;
+    for (int64_t ab = a_lo; ab < a_hi; ab += 16) {
+        for (int u = 0; u < blk.n; ++u) {
+            const int64_t st = blk.start[u], en = st + blk.q[u].L;
+            const int lo = st > ab ? (int)(st - ab) : 0, hi = en - ab < 16 ? (int)(en - ab) : 16;
+            for (int grp = 0; grp < 2; ++grp) {
+                const int glo = lo - 8 * grp > 0 ? lo - 8 * grp : 0, ghi = hi - 8 * grp < 8 ? hi - 8 * grp : 8;
+                if (glo >= ghi) continue;
+                const E* kb = K0 + (ab + 8 * grp) * sc;
+                __m256 f[8];
+                const bool full = glo == 0 && ghi == 8;
+                if (full)
+                    dots8<NI, true>(blk.qf[u], D, kb, sc, 0, 8, f);
+                else
+                    dots8<NI, false>(blk.qf[u], D, kb, sc, glo, ghi, f);
+                const __m256 sv = _mm256_mul_ps(fold8(f), vscale);
+                _mm256_storeu_ps(blk.s[u] + (ab + 8 * grp - st), sv);
+                if (full) {
+                    vmax[u] = _mm256_max_ps(vmax[u], sv);
+                } else {  // lanes glo..ghi-1 only
+                    const __m256 valid = _mm256_castsi256_ps(
+                        _mm256_andnot_si256(_mm256_cmpgt_epi32(_mm256_set1_epi32(glo), iota),
+                                            _mm256_cmpgt_epi32(_mm256_set1_epi32(ghi), iota)));
+                    vmax[u] = _mm256_max_ps(vmax[u], _mm256_blendv_ps(ninf, sv, valid));
+                }
+            }
         }
     }
+    for (int u = 0; u < blk.n; ++u) {
+        float m8[8];
+        _mm256_storeu_ps(m8, vmax[u]);
+        float m = m8[0];
+        for (int l = 1; l < 8; ++l) m = m8[l] > m ? m8[l] : m;
+        mx[u] = m;
+    }
+}
 
-    // p_j = exp(s_j - m) and their sum in lanes j mod 16 (lanes 0-7 in slo, 8-15 in shi)
+// p_j = exp(s_j - m) and their sum in lanes j mod 16 (lanes 0-7 in slo, 8-15 in shi; one query, s in place)
+inline float softmax_weights(float* s, int64_t L, float m) {
     const __m256 vm = _mm256_set1_ps(m);
     __m256 slo = _mm256_setzero_ps(), shi = _mm256_setzero_ps();
     int64_t j = 0;
@@ -96,34 +147,99 @@ void one(const DwAttnArgs* a, int64_t b, int64_t t, int64_t h, float* scratch) {
         s[j + l] = e;
         sum[l] = sum[l] + e;
     }
-    const __m256 vtotal = _mm256_set1_ps(dwattn::fold(sum));
+    return dwattn::fold(sum);
+}
 
-    // o = (sum_j p_j v_j) / sum, 64 dims (8 ymm) at a time
+// acc += p_j v_j for the query's keys lo..hi-1 of this block of 16, in j order; 64 dims (8 ymm) at a time
+template <class E>
+inline void values16(const E* vb, int64_t sc, int64_t D, const float* p, int lo, int hi, float* accp) {
     for (int64_t d0 = 0; d0 < D; d0 += 64) {
         const int nv = D - d0 >= 64 ? 8 : (int)((D - d0) / 8);
         __m256 acc[8];
 #pragma GCC unroll 8
-        for (int r = 0; r < 8; ++r) acc[r] = _mm256_setzero_ps();
-        const E* vp = V + d0;
-        for (int64_t jj = 0; jj < L; ++jj, vp += sc) {
-            const __m256 p = _mm256_set1_ps(s[jj]);
+        for (int r = 0; r < 8; ++r) acc[r] = r < nv ? _mm256_loadu_ps(accp + d0 + 8 * r) : _mm256_setzero_ps();
+        const E* vp = vb + lo * sc + d0;
+        for (int kk = lo; kk < hi; ++kk, vp += sc) {
+            const __m256 pv = _mm256_set1_ps(p[kk]);
 #pragma GCC unroll 8
             for (int r = 0; r < 8; ++r)
-                if (r < nv) acc[r] = _mm256_add_ps(acc[r], _mm256_mul_ps(p, ld8(vp + 8 * r)));
+                if (r < nv) acc[r] = _mm256_add_ps(acc[r], _mm256_mul_ps(pv, ld8(vp + 8 * r)));
         }
 #pragma GCC unroll 8
         for (int r = 0; r < 8; ++r)
-            if (r < nv) _mm256_storeu_ps(res + d0 + 8 * r, _mm256_div_ps(acc[r], vtotal));
+            if (r < nv) _mm256_storeu_ps(accp + d0 + 8 * r, acc[r]);
     }
-    for (int64_t d = 0; d < D; ++d) dwattn::store(o, d, res[d]);
+}
+
+// Items [i0, i0 + n), n <= QB, all of one (b, g). Scratch: q rows and accumulators [QB][dp], then each
+// query's scores/weights with 16 floats of room on either side (see dw_attn_scratch_floats).
+template <class E>
+void block(const DwAttnArgs* a, int64_t i0, int n, float* scratch) {
+    const int64_t G = a->H / a->Hkv, T = a->T, Hkv = a->Hkv, D = a->D, dp = (D + 15) / 16 * 16;
+    Block<E> blk;
+    blk.n = 0;
+    int64_t a_lo = 0, a_hi = 0, Lmax = 0;
+    for (int k = 0; k < n; ++k) {  // i = ((b * Hkv + g) * T + t) * G + hg, as in attention_kernel.h
+        const int64_t i = i0 + k;
+        const int64_t hg = i % G, t = (i / G) % T, g = (i / (G * T)) % Hkv, b = i / (G * T * Hkv);
+        const int u = blk.n;
+        blk.qf[u] = scratch + u * dp;
+        if (!dwattn::query(a, b, t, g * G + hg, blk.qf[u], blk.q[u])) continue;  // padding: zeroed
+        const int64_t en = a->first[b] + t + 1, st = en - blk.q[u].L;
+        blk.start[u] = st;
+        a_lo = u == 0 || st < a_lo ? st : a_lo;
+        a_hi = u == 0 || en > a_hi ? en : a_hi;
+        Lmax = blk.q[u].L > Lmax ? blk.q[u].L : Lmax;
+        ++blk.n;
+    }
+    if (blk.n == 0) return;
+    const int64_t sstride = 32 + (Lmax + 15) / 16 * 16;
+    for (int u = 0; u < blk.n; ++u) {
+        blk.acc[u] = scratch + (QB + u) * dp;
+        blk.s[u] = scratch + 2 * QB * dp + u * sstride + 16;
+        for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(blk.acc[u] + d, _mm256_setzero_ps());
+    }
+    const int64_t sc = blk.q[0].sc;
+    const E* K0 = blk.q[0].K - blk.start[0] * sc;  // the key at absolute position 0 of this (b, g)
+    const E* V0 = blk.q[0].V - blk.start[0] * sc;
+
+    float mx[QB], total[QB];
+    if (D == 128)
+        scores<8>(a, blk, K0, a_lo, a_hi, mx);
+    else if (D == 64)
+        scores<4>(a, blk, K0, a_lo, a_hi, mx);
+    else
+        scores<0>(a, blk, K0, a_lo, a_hi, mx);
+    for (int u = 0; u < blk.n; ++u) total[u] = softmax_weights(blk.s[u], blk.q[u].L, mx[u]);
+
+    for (int64_t ab = a_lo; ab < a_hi; ab += 16) {
+        const E* vb = V0 + ab * sc;
+        for (int u = 0; u < blk.n; ++u) {
+            const int64_t st = blk.start[u], en = st + blk.q[u].L;
+            const int lo = st > ab ? (int)(st - ab) : 0, hi = en - ab < 16 ? (int)(en - ab) : 16;
+            if (lo < hi) values16(vb, sc, D, blk.s[u] + (ab - st), lo, hi, blk.acc[u]);
+        }
+    }
+
+    for (int u = 0; u < blk.n; ++u) {  // o = acc / sum
+        const __m256 vtotal = _mm256_set1_ps(total[u]);
+        float* acc = blk.acc[u];
+        for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(acc + d, _mm256_div_ps(_mm256_loadu_ps(acc + d), vtotal));
+        for (int64_t d = 0; d < D; ++d) dwattn::store(blk.q[u].o, d, acc[d]);
+    }
 }
 
 template <class E>
 void rows(const DwAttnArgs* a, int64_t i0, int64_t i1, float* scratch) {
-    const int64_t G = a->H / a->Hkv, T = a->T, Hkv = a->Hkv;
-    for (int64_t i = i0; i < i1; ++i) {  // i = ((b * Hkv + g) * T + t) * G + hg, as in attention_kernel.h
-        const int64_t hg = i % G, t = (i / G) % T, g = (i / (G * T)) % Hkv, b = i / (G * T * Hkv);
-        one<E>(a, b, t, g * G + hg, scratch);
+    const int64_t run = a->T * (a->H / a->Hkv);  // items per (b, g)
+    for (int64_t i = i0; i < i1;) {
+        const int64_t e = (i / run + 1) * run < i1 ? (i / run + 1) * run : i1;  // the end of this (b, g) here
+        const int64_t nb = (e - i + QB - 1) / QB;  // blocks of even size
+        for (int64_t k = 0; k < nb; ++k) {
+            const int64_t j0 = i + (e - i) * k / nb, j1 = i + (e - i) * (k + 1) / nb;
+            block<E>(a, j0, (int)(j1 - j0), scratch);
+        }
+        i = e;
     }
 }
 
