@@ -3,7 +3,7 @@
 // (bitwise the portable path in attention_kernel.h, its oracle): a dot product's 16 lanes are one zmm, and the
 // 16 dots of a block of keys are folded together by a shuffle tree that does, per key, the very additions
 // a[l] += a[l + w] (w = 8, 4, 2, 1) of the portable fold. Consecutive queries of one (b, kv head) are attended
-// as a block (see `Block`), so a block of 16 keys or values is read from L2 once for all of them. Includes no
+// as a block (dwattn::attend_block), so a block of 16 keys or values is read from L2 once for all of them. Includes no
 // C++ library header: nothing inline from here can leak into code run on other CPUs.
 #include <immintrin.h>
 #include "attention_kernel.h"
@@ -69,27 +69,18 @@ inline void dots16_any(const float* qf, int64_t D, const E* kp, int64_t sc, int 
     }
 }
 
-// A block of up to QB queries sharing one kv head of one sequence (consecutive items (t, h within g) of one
-// (b, g)): every pass over a block of 16 keys (or values, 8 KiB at head_dim 128) serves all of them while it
-// sits in L1, instead of each query streaming its whole K and V from L2 (for the 1.5B at context 130, 65 KiB
-// each per query; measured on Zen 4 at 9 rows, the blocking saves ~10-30% of the kernel: the rest is the
-// arithmetic itself). Each query still performs exactly its own sequence of attention.h: its scores are
-// independent of one another, its max is exact in any order (only the sign of a zero max may differ, and s - m
-// then gives the same exp), and its sum and value accumulation run over its own keys in j order — only which
-// query's chain runs next changes. Keys are walked in absolute cache positions, so queries with different
-// window starts share the blocks too. Two queries per value load (16 accumulators) measured no faster.
-constexpr int QB = DW_ATTN_QBLOCK;
-
-template <class E>
-struct Block {
-    int n;                 // real (non-padding) queries
-    dwattn::Query<E> q[QB];
-    int64_t start[QB];     // absolute position of each query's first key
-    float *qf[QB], *s[QB], *acc[QB];
-};
+// Query blocks (dwattn::Block, attention_kernel.h): each pass over a block of 16 keys (or values, 8 KiB at head_dim
+// 128) serves up to QB queries of one (b, kv head) while it sits in L1, instead of each query streaming its whole
+// K and V from L2 (65 KiB each per query for the 1.5B at context 130). Measured on Zen 4 at 9 rows it saves
+// ~10-30% of the kernel: the rest is the arithmetic itself. Two queries per value load (16 accumulators) measured
+// no faster.
+using dwattn::Block;
+using dwattn::QB;
 
 template <int NC, class E>
-void scores(const DwAttnArgs* a, Block<E>& blk, const E* K0, int64_t a_lo, int64_t a_hi, float* mx) {
+void block_scores(const DwAttnArgs* a, Block<E>& blk, float* mx) {
+    const E* K0 = blk.K0;
+    const int64_t a_lo = blk.a_lo, a_hi = blk.a_hi;
     const int64_t sc = blk.q[0].sc, D = a->D;
     const __m512 vscale = _mm512_set1_ps(a->scale);
     __m512 vmax[QB];
@@ -97,8 +88,9 @@ void scores(const DwAttnArgs* a, Block<E>& blk, const E* K0, int64_t a_lo, int64
     for (int64_t ab = a_lo; ab < a_hi; ab += 16) {
         const E* kb = K0 + ab * sc;
         for (int u = 0; u < blk.n; ++u) {
-            const int64_t st = blk.start[u], en = st + blk.q[u].L;
-            const int lo = st > ab ? (int)(st - ab) : 0, hi = en - ab < 16 ? (int)(en - ab) : 16;
+            const int64_t st = blk.start[u];
+            int lo, hi;
+            dwattn::span(blk, u, ab, lo, hi);
             if (lo >= hi) continue;
             __m512 acc[16];
             if constexpr (NC > 0) {
@@ -162,76 +154,20 @@ inline void values16(const E* vb, int64_t sc, int64_t D, const float* p, int lo,
     }
 }
 
-// Items [i0, i0 + n), n <= QB, all of one (b, g). Scratch: q rows and accumulators [QB][dp], then each
-// query's scores/weights with 16 floats of room on either side (see dw_attn_scratch_floats).
-template <class E>
-void block(const DwAttnArgs* a, int64_t i0, int n, float* scratch) {
-    const int64_t G = a->H / a->Hkv, T = a->T, Hkv = a->Hkv, D = a->D, dp = (D + 15) / 16 * 16;
-    Block<E> blk;
-    blk.n = 0;
-    int64_t a_lo = 0, a_hi = 0, Lmax = 0;
-    for (int k = 0; k < n; ++k) {  // i = ((b * Hkv + g) * T + t) * G + hg, as in attention_kernel.h
-        const int64_t i = i0 + k;
-        const int64_t hg = i % G, t = (i / G) % T, g = (i / (G * T)) % Hkv, b = i / (G * T * Hkv);
-        const int u = blk.n;
-        blk.qf[u] = scratch + u * dp;
-        if (!dwattn::query(a, b, t, g * G + hg, blk.qf[u], blk.q[u])) continue;  // padding: zeroed
-        const int64_t en = a->first[b] + t + 1, st = en - blk.q[u].L;
-        blk.start[u] = st;
-        a_lo = u == 0 || st < a_lo ? st : a_lo;
-        a_hi = u == 0 || en > a_hi ? en : a_hi;
-        Lmax = blk.q[u].L > Lmax ? blk.q[u].L : Lmax;
-        ++blk.n;
+// This path's steps for dwattn::attend_block.
+struct Steps {
+    template <int NC, class E>
+    static void scores(const DwAttnArgs* a, Block<E>& blk, float* mx) { block_scores<NC>(a, blk, mx); }
+    static float softmax_weights(float* s, int64_t L, float m) { return ::softmax_weights(s, L, m); }
+    template <class E>
+    static void values(const E* vb, int64_t sc, int64_t D, const float* p, int lo, int hi, float* acc) {
+        values16(vb, sc, D, p, lo, hi, acc);
     }
-    if (blk.n == 0) return;
-    const int64_t sstride = 32 + (Lmax + 15) / 16 * 16;
-    for (int u = 0; u < blk.n; ++u) {
-        blk.acc[u] = scratch + (QB + u) * dp;
-        blk.s[u] = scratch + 2 * QB * dp + u * sstride + 16;
-        for (int64_t d = 0; d < D; d += 16) _mm512_storeu_ps(blk.acc[u] + d, _mm512_setzero_ps());
-    }
-    const int64_t sc = blk.q[0].sc;
-    const E* K0 = blk.q[0].K - blk.start[0] * sc;  // the key at absolute position 0 of this (b, g)
-    const E* V0 = blk.q[0].V - blk.start[0] * sc;
-
-    float mx[QB], total[QB];
-    if (D == 128)
-        scores<8>(a, blk, K0, a_lo, a_hi, mx);
-    else if (D == 64)
-        scores<4>(a, blk, K0, a_lo, a_hi, mx);
-    else
-        scores<0>(a, blk, K0, a_lo, a_hi, mx);
-    for (int u = 0; u < blk.n; ++u) total[u] = softmax_weights(blk.s[u], blk.q[u].L, mx[u]);
-
-    for (int64_t ab = a_lo; ab < a_hi; ab += 16) {
-        const E* vb = V0 + ab * sc;
-        for (int u = 0; u < blk.n; ++u) {
-            const int64_t st = blk.start[u], en = st + blk.q[u].L;
-            const int lo = st > ab ? (int)(st - ab) : 0, hi = en - ab < 16 ? (int)(en - ab) : 16;
-            if (lo < hi) values16(vb, sc, D, blk.s[u] + (ab - st), lo, hi, blk.acc[u]);
-        }
-    }
-
-    for (int u = 0; u < blk.n; ++u) {  // o = acc / sum
-        const __m512 vtotal = _mm512_set1_ps(total[u]);
-        float* acc = blk.acc[u];
-        for (int64_t d = 0; d < D; d += 16) _mm512_storeu_ps(acc + d, _mm512_div_ps(_mm512_loadu_ps(acc + d), vtotal));
-        for (int64_t d = 0; d < D; ++d) dwattn::store(blk.q[u].o, d, acc[d]);
-    }
-}
+};
 
 template <class E>
 void rows(const DwAttnArgs* a, int64_t i0, int64_t i1, float* scratch) {
-    const int64_t run = a->T * (a->H / a->Hkv);  // items per (b, g)
-    for (int64_t i = i0; i < i1;) {
-        const int64_t e = (i / run + 1) * run < i1 ? (i / run + 1) * run : i1;  // the end of this (b, g) here
-        const int64_t nb = (e - i + QB - 1) / QB;  // blocks of even size
-        for (int64_t k = 0; k < nb; ++k) {
-            const int64_t j0 = i + (e - i) * k / nb, j1 = i + (e - i) * (k + 1) / nb;
-            block<E>(a, j0, (int)(j1 - j0), scratch);
-        }
-        i = e;
-    }
+    dwattn::for_each_block(a, i0, i1, [&](int64_t j0, int n) { dwattn::attend_block<Steps, E>(a, j0, n, scratch); });
 }
 
 }  // namespace

@@ -1,6 +1,8 @@
 // Row-exact attention: the portable implementation of the float sequence documented in attention.h — the
 // baseline path (compiled into the main unit without -m flags), the path for a head_dim that is not a multiple
-// of 16, and the oracle of the SIMD paths, which reuse its helpers (load, store, exp_nonpos, fold).
+// of 16, and the oracle of the SIMD paths, which reuse its helpers (load, store, exp_nonpos, fold) and run their
+// query blocks through its driver (Block, gather, span, attend_block, for_each_block), supplying only the SIMD
+// loops over 16-key blocks.
 //
 // Written lane by lane (arrays of 16 floats, every lane an independent chain), so -O3 may vectorize it at any
 // width without reordering a single float operation (-ffp-contract=off: no fused multiply-adds either).
@@ -98,6 +100,118 @@ inline bool query(const DwAttnArgs* a, int64_t b, int64_t t, int64_t h, float* q
     const E* qp = (const E*)a->q + b * a->q_sb + h * a->q_sh + t * a->q_st;
     for (int64_t d = 0; d < D; ++d) qf[d] = load(qp, d);
     return true;
+}
+
+// ---- Query blocks: the bookkeeping both SIMD paths share (attention_avx2.cpp, attention_avx512.cpp) ----
+// Up to QB consecutive items of one (b, g) (queries t, heads h within g) are attended together: each pass over a
+// block of 16 keys (or values) serves all of them while it sits in L1. Keys are addressed by absolute cache
+// position, so queries with different window starts share the blocks. Each query still performs exactly its own
+// float sequence: its scores are independent of the others', its max is exact in any order (only the sign of a
+// zero max may differ, and s - m then gives the same exp), and its sum and value accumulation run over its own keys
+// in j order; only which query's chain runs next changes.
+constexpr int QB = DW_ATTN_QBLOCK;
+
+template <class E>
+struct Block {
+    int n;                      // real (non-padding) queries
+    Query<E> q[QB];
+    int64_t start[QB];          // absolute position of each query's first key
+    float *qf[QB], *s[QB], *acc[QB];  // q row, scores (16 floats of room on either side), accumulator [D]
+    int64_t a_lo, a_hi;         // the absolute key range of the block: [min start, max end)
+    const E* K0;                // the key (value) at absolute position 0 of this (b, g)
+    const E* V0;
+};
+
+// Items [i0, i0 + n) of one (b, g), n <= QB, into blk: q rows loaded, padding rows zeroed and left out, scratch
+// laid out as dw_attn_scratch_floats sizes it (q rows and accumulators [QB][dp], then the scores), accumulators
+// zeroed. False when every item is padding.
+template <class E>
+bool gather(const DwAttnArgs* a, int64_t i0, int n, float* scratch, Block<E>& blk) {
+    const int64_t G = a->H / a->Hkv, T = a->T, Hkv = a->Hkv, D = a->D, dp = (D + 15) / 16 * 16;
+    blk.n = 0;
+    blk.a_lo = blk.a_hi = 0;
+    int64_t Lmax = 0;
+    for (int k = 0; k < n; ++k) {  // i = ((b * Hkv + g) * T + t) * G + hg
+        const int64_t i = i0 + k;
+        const int64_t hg = i % G, t = (i / G) % T, g = (i / (G * T)) % Hkv, b = i / (G * T * Hkv);
+        const int u = blk.n;
+        blk.qf[u] = scratch + u * dp;
+        if (!query(a, b, t, g * G + hg, blk.qf[u], blk.q[u])) continue;  // padding: zeroed
+        const int64_t en = a->first[b] + t + 1, st = en - blk.q[u].L;
+        blk.start[u] = st;
+        blk.a_lo = u == 0 || st < blk.a_lo ? st : blk.a_lo;
+        blk.a_hi = u == 0 || en > blk.a_hi ? en : blk.a_hi;
+        Lmax = blk.q[u].L > Lmax ? blk.q[u].L : Lmax;
+        ++blk.n;
+    }
+    if (blk.n == 0) return false;
+    const int64_t sstride = 32 + (Lmax + 15) / 16 * 16;
+    for (int u = 0; u < blk.n; ++u) {
+        blk.acc[u] = scratch + (QB + u) * dp;
+        blk.s[u] = scratch + 2 * QB * dp + u * sstride + 16;
+        for (int64_t d = 0; d < D; ++d) blk.acc[u][d] = 0.0f;
+    }
+    const int64_t sc = blk.q[0].sc;
+    blk.K0 = blk.q[0].K - blk.start[0] * sc;
+    blk.V0 = blk.q[0].V - blk.start[0] * sc;
+    return true;
+}
+
+// Query u's keys in the key block [ab, ab + 16), as block offsets lo..hi-1 (none when lo >= hi).
+template <class E>
+inline void span(const Block<E>& blk, int u, int64_t ab, int& lo, int& hi) {
+    const int64_t st = blk.start[u], en = st + blk.q[u].L;
+    lo = st > ab ? (int)(st - ab) : 0;
+    hi = en - ab < 16 ? (int)(en - ab) : 16;
+}
+
+// Items [i0, i1) (one thread's share) cut at (b, g) boundaries into blocks of even size <= QB: fn(first, count).
+template <class F>
+void for_each_block(const DwAttnArgs* a, int64_t i0, int64_t i1, F&& fn) {
+    const int64_t run = a->T * (a->H / a->Hkv);  // items per (b, g)
+    for (int64_t i = i0; i < i1;) {
+        const int64_t e = (i / run + 1) * run < i1 ? (i / run + 1) * run : i1;  // the end of this (b, g) here
+        const int64_t nb = (e - i + QB - 1) / QB;
+        for (int64_t k = 0; k < nb; ++k) {
+            const int64_t j0 = i + (e - i) * k / nb, j1 = i + (e - i) * (k + 1) / nb;
+            fn(j0, (int)(j1 - j0));
+        }
+        i = e;
+    }
+}
+
+// One query block, start to end; Steps supplies a SIMD path's loops over 16-key blocks:
+//   Steps::template scores<NC>(a, blk, mx)   every query's s_j into blk.s[u] and its max into mx[u]; NC = head_dim / 16
+//                                            when head_dim is 128 or 64 (q held in registers), else 0 (any multiple of 16)
+//   Steps::softmax_weights(s, L, m) -> sum   s_j -> p_j in place, and their folded sum
+//   Steps::values(vb, sc, D, p, lo, hi, acc) acc += p_j v_j for block keys lo..hi-1, in j order
+// then o = acc / sum per query (an IEEE division per element: the same bits at any vector width).
+template <class Steps, class E>
+void attend_block(const DwAttnArgs* a, int64_t i0, int n, float* scratch) {
+    Block<E> blk;
+    if (!gather(a, i0, n, scratch, blk)) return;
+    const int64_t D = a->D, sc = blk.q[0].sc;
+    float mx[QB], total[QB];
+    if (D == 128)
+        Steps::template scores<8>(a, blk, mx);
+    else if (D == 64)
+        Steps::template scores<4>(a, blk, mx);
+    else
+        Steps::template scores<0>(a, blk, mx);
+    for (int u = 0; u < blk.n; ++u) total[u] = Steps::softmax_weights(blk.s[u], blk.q[u].L, mx[u]);
+    for (int64_t ab = blk.a_lo; ab < blk.a_hi; ab += 16) {
+        const E* vb = blk.V0 + ab * sc;
+        for (int u = 0; u < blk.n; ++u) {
+            int lo, hi;
+            span(blk, u, ab, lo, hi);
+            if (lo < hi) Steps::values(vb, sc, D, blk.s[u] + (ab - blk.start[u]), lo, hi, blk.acc[u]);
+        }
+    }
+    for (int u = 0; u < blk.n; ++u) {
+        float* acc = blk.acc[u];
+        for (int64_t d = 0; d < D; ++d) acc[d] = acc[d] / total[u];
+        for (int64_t d = 0; d < D; ++d) store(blk.q[u].o, d, acc[d]);
+    }
 }
 
 // One item: query t of sequence b, head h (see attention.h).
