@@ -68,11 +68,14 @@ inline void dots8(const float* qf, int64_t D, const E* kp, int64_t sc, int lo, i
 using dwattn::Block;
 using dwattn::QB;
 
+// This path's loops over 16-key blocks, the steps dwattn::attend_block calls.
+struct Steps {
+
 // Every query's scores s_j (into s[u], j from its own start) and max, one 16-key block at a time, as two groups of
 // 8 keys. A group's 8 folded scores are stored whole: the lanes outside the query's keys (before its start or at
 // or past its end) land in the 16 floats of room on either side of s[u] and are never read.
 template <int NI, class E>
-void block_scores(const DwAttnArgs* a, Block<E>& blk, float* mx) {
+static void scores(const DwAttnArgs* a, Block<E>& blk, float* mx) {
     const E* K0 = blk.K0;
     const int64_t a_lo = blk.a_lo, a_hi = blk.a_hi;
     const int64_t sc = blk.q[0].sc, D = a->D;
@@ -118,7 +121,7 @@ void block_scores(const DwAttnArgs* a, Block<E>& blk, float* mx) {
 }
 
 // p_j = exp(s_j - m) and their sum in lanes j mod 16 (lanes 0-7 in slo, 8-15 in shi; one query, s in place)
-inline float softmax_weights(float* s, int64_t L, float m) {
+static float softmax_weights(float* s, int64_t L, float m) {
     const __m256 vm = _mm256_set1_ps(m);
     __m256 slo = _mm256_setzero_ps(), shi = _mm256_setzero_ps();
     int64_t j = 0;
@@ -143,7 +146,7 @@ inline float softmax_weights(float* s, int64_t L, float m) {
 
 // acc += p_j v_j for the query's keys lo..hi-1 of this block of 16, in j order; 64 dims (8 ymm) at a time
 template <class E>
-inline void values16(const E* vb, int64_t sc, int64_t D, const float* p, int lo, int hi, float* accp) {
+static void values(const E* vb, int64_t sc, int64_t D, const float* p, int lo, int hi, float* accp) {
     for (int64_t d0 = 0; d0 < D; d0 += 64) {
         const int nv = D - d0 >= 64 ? 8 : (int)((D - d0) / 8);
         __m256 acc[8];
@@ -162,15 +165,6 @@ inline void values16(const E* vb, int64_t sc, int64_t D, const float* p, int lo,
     }
 }
 
-// This path's steps for dwattn::attend_block.
-struct Steps {
-    template <int NC, class E>
-    static void scores(const DwAttnArgs* a, Block<E>& blk, float* mx) { block_scores<NC>(a, blk, mx); }
-    static float softmax_weights(float* s, int64_t L, float m) { return ::softmax_weights(s, L, m); }
-    template <class E>
-    static void values(const E* vb, int64_t sc, int64_t D, const float* p, int lo, int hi, float* acc) {
-        values16(vb, sc, D, p, lo, hi, acc);
-    }
 };
 
 template <class E>

@@ -77,8 +77,11 @@ inline void dots16_any(const float* qf, int64_t D, const E* kp, int64_t sc, int 
 using dwattn::Block;
 using dwattn::QB;
 
+// This path's loops over 16-key blocks, the steps dwattn::attend_block calls.
+struct Steps {
+
 template <int NC, class E>
-void block_scores(const DwAttnArgs* a, Block<E>& blk, float* mx) {
+static void scores(const DwAttnArgs* a, Block<E>& blk, float* mx) {
     const E* K0 = blk.K0;
     const int64_t a_lo = blk.a_lo, a_hi = blk.a_hi;
     const int64_t sc = blk.q[0].sc, D = a->D;
@@ -114,7 +117,7 @@ void block_scores(const DwAttnArgs* a, Block<E>& blk, float* mx) {
 }
 
 // p_j = exp(s_j - m) and their sum in lanes j mod 16 (one query; s in place)
-inline float softmax_weights(float* s, int64_t L, float m) {
+static float softmax_weights(float* s, int64_t L, float m) {
     const __m512 vm = _mm512_set1_ps(m);
     __m512 vsum = _mm512_setzero_ps();
     int64_t j = 0;
@@ -135,7 +138,7 @@ inline float softmax_weights(float* s, int64_t L, float m) {
 
 // acc[u] += p_j v_j for the query's keys in this block of 16, in j order; 128 dims (8 zmm) at a time
 template <class E>
-inline void values16(const E* vb, int64_t sc, int64_t D, const float* p, int lo, int hi, float* accp) {
+static void values(const E* vb, int64_t sc, int64_t D, const float* p, int lo, int hi, float* accp) {
     for (int64_t d0 = 0; d0 < D; d0 += 128) {
         const int nv = D - d0 >= 128 ? 8 : (int)((D - d0) / 16);
         __m512 acc[8];
@@ -154,15 +157,6 @@ inline void values16(const E* vb, int64_t sc, int64_t D, const float* p, int lo,
     }
 }
 
-// This path's steps for dwattn::attend_block.
-struct Steps {
-    template <int NC, class E>
-    static void scores(const DwAttnArgs* a, Block<E>& blk, float* mx) { block_scores<NC>(a, blk, mx); }
-    static float softmax_weights(float* s, int64_t L, float m) { return ::softmax_weights(s, L, m); }
-    template <class E>
-    static void values(const E* vb, int64_t sc, int64_t D, const float* p, int lo, int hi, float* acc) {
-        values16(vb, sc, D, p, lo, hi, acc);
-    }
 };
 
 template <class E>
