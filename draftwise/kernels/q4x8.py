@@ -41,7 +41,8 @@ PATHS = {"auto": -1, "scalar": 0, "avx2": 1, "avx512": 2}
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = ("q4x8.h", "q4x8.cpp", "q4x8_avx2.cpp", "q4x8_avx512.cpp",  # + the attention op (kernels/attention.py)
            "attention.h", "attention_kernel.h", "attention.cpp", "attention_avx2.cpp", "attention_avx512.cpp",
-           "cephes_exp.h", "glue.h", "glue_kernel.h", "glue.cpp", "glue_avx2.cpp", "glue_avx512.cpp")  # + the glue ops (kernels/glue.py)
+           "cephes_exp.h", "glue.h", "glue_kernel.h", "glue.cpp", "glue_avx2.cpp", "glue_avx512.cpp",  # + the glue ops (kernels/glue.py)
+           "stack.cpp")  # + the layer loop over those ops (kernels/stack.py)
 _X86 = platform.machine().lower() in ("x86_64", "amd64")
 
 
@@ -81,7 +82,8 @@ def _flags() -> tuple[list[str], list[str], list[str]]:
 def _units() -> list[tuple[str, list[str]]]:
     """(source, extra flags) per translation unit; the ISA units get their own -m flags and no torch headers."""
     main_flags = ["-fopenmp", "-w"] + (["-DDW_HAVE_X86"] if _X86 else [])
-    mains = [("q4x8.cpp", main_flags), ("attention.cpp", main_flags), ("glue.cpp", main_flags)]
+    mains = [("q4x8.cpp", main_flags), ("attention.cpp", main_flags), ("glue.cpp", main_flags),
+             ("stack.cpp", main_flags)]
     if not _X86:
         return mains
     return mains + [
@@ -120,7 +122,7 @@ def build(verbose: bool = False) -> Path:
     cxx = _compiler()
     common, includes, link = _flags()
     target.parent.mkdir(parents=True, exist_ok=True)
-    print(f"draftwise: building the CPU kernels (q4x8, attention, glue) once (~20-40 s) into {target.parent}", file=sys.stderr,
+    print(f"draftwise: building the CPU kernels (q4x8, attention, glue, layer loop) once (~20-40 s) into {target.parent}", file=sys.stderr,
           flush=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         procs = []

@@ -118,9 +118,11 @@ class SplitLinear(nn.Module):
         self.in_features, self.out_features = step.in_features, step.out_features
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., K] -> [..., N]
-        if x.dim() == 3 and x.shape[1] > DENSE_ABOVE_ROWS:
-            return self.prefill(x)
-        return self.step(x)
+        return self.module_for(x.shape[1] if x.dim() == 3 else 1)(x)
+
+    def module_for(self, tokens: int) -> nn.Module:
+        """The half that runs a call with `tokens` tokens per sequence."""
+        return self.prefill if tokens > DENSE_ABOVE_ROWS else self.step
 
 
 def _dense_impl(dtype: torch.dtype) -> str:

@@ -27,6 +27,8 @@ from torch import nn
 from draftwise.config import ModelConfig
 from draftwise.kernels import attention as attention_op
 from draftwise.kernels import glue
+from draftwise.kernels import stack as stack_op
+from draftwise.kernels.q4x8 import Q4x8Linear
 from draftwise.kv_cache import KVCache
 
 
@@ -269,6 +271,7 @@ class Body(nn.Module):
 
 class Decoder(nn.Module):
     fused = False  # use_fused_glue: the per-layer glue through kernels/glue.py (from_tensors turns it on)
+    stack = True  # False: never kernels/stack.py's one-call layer loop (tests compare it with the Python loop)
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -417,9 +420,23 @@ class Decoder(nn.Module):
                  self.rope_for(kind, positions, x.dtype, kv_len) for kind in self._rope_tables}
         masks = {kind: None if num_tokens is not None else self._mask(kind, positions, kv_len)
                  for kind in self._rope_tables}
-        for i, layer in enumerate(self.model.layers):
-            kind = cfg.layer_types[i]
-            x = layer(x, ropes[kind], masks[kind], cache, i, slots, positions, kv_len, num_tokens)
+        one_call = self.fused and num_tokens is not None and attention_op.usable(x, cache.keys[0])
+        weights = self._stack_weights(token_ids.shape[1]) if one_call else None
+        if weights is not None:  # every layer in one C++ call: bitwise the loop below (kernels/stack.py)
+            layer = self.model.layers[0]
+            attn, norm = layer.self_attn, layer.input_layernorm
+            qk = (attn.q_norm.eps, attn.q_norm.weight_offset) if attn.qk_norm else (0.0, 0.0)
+            cos = [ropes[kind][0] for kind in cfg.layer_types]
+            sin = [ropes[kind][1] for kind in cfg.layer_types]
+            windows = [int(m.self_attn.window or 0) for m in self.model.layers]
+            dims = (attn.num_heads, attn.num_kv_heads, attn.head_dim, layer.mlp.intermediate,
+                    glue.ACTIVATIONS[layer.mlp.act_name])
+            x = stack_op.layers(x, weights, cache.keys, cache.values, cos, sin, slots, positions, num_tokens, windows,
+                                dims, (norm.eps, norm.weight_offset), qk, attn.scale)
+        else:
+            for i, layer in enumerate(self.model.layers):
+                kind = cfg.layer_types[i]
+                x = layer(x, ropes[kind], masks[kind], cache, i, slots, positions, kv_len, num_tokens)
         cache.extend(slots.tolist(), (positions.max(dim=1).values + 1).tolist())
         if logit_index is not None:
             idx = logit_index if logit_index.dim() == 2 else logit_index[:, None]  # [B, J]
@@ -427,6 +444,30 @@ class Decoder(nn.Module):
         elif last_only:
             x = x[:, -1:]
         return (self.lm_head if head is None else head)(self.model.norm(x))
+
+    def _stack_weights(self, tokens: int) -> list[torch.Tensor | None] | None:
+        """kernels/stack.py's flat weight list when every layer can run in its one C++ call for a forward with
+        `tokens` tokens per sequence (q4x8 projections, q/k/v and gate/up merged, our attention op and glue, no
+        sandwich norms), else None: the Python loop runs. Read from the modules at every call (~50 us: their
+        `_modules` / `_parameters` dicts directly, not nn.Module's slow attribute lookup), so a module or buffer
+        swapped after loading is never missed."""
+        if self.stack is False or not stack_op.available() or not len(self.model.layers):
+            return None
+        weights = []
+        for layer in self.model.layers:
+            mods = layer._modules
+            attn, mlp = mods["self_attn"], mods["mlp"]
+            a, m = attn._modules, mlp._modules
+            if layer.sandwich or a.get("qkv_proj") is None or m.get("gate_up_proj") is None:
+                return None
+            projections = [_q4x8(p, tokens) for p in (a["qkv_proj"], a["o_proj"], m["gate_up_proj"], m["down_proj"])]
+            if None in projections:
+                return None
+            qkv, o, gate_up, down = projections
+            qn, kn = (a["q_norm"]._parameters["weight"], a["k_norm"]._parameters["weight"]) if attn.qk_norm else (None, None)
+            weights += stack_op.layer_weights(mods["input_layernorm"]._parameters["weight"], qkv, qn, kn, o,
+                                              mods["post_attention_layernorm"]._parameters["weight"], gate_up, down)
+        return weights
 
     def _mask(self, kind: str, positions: torch.Tensor, kv_len: int) -> torch.Tensor | None:
         window = self.config.sliding_window if kind == "sliding_attention" else None
@@ -439,6 +480,16 @@ class Decoder(nn.Module):
         if window is not None:
             mask = mask & (key_pos > q_pos - window)
         return mask  # [B, 1, T, kv_len]
+
+
+def _q4x8(m: nn.Module, tokens: int) -> Q4x8Linear | None:
+    """The q4x8 module that runs `m` for calls with `tokens` tokens per sequence (a SplitLinear's half), if any,
+    on the 'auto' path (what kernels/stack.py calls)."""
+    if not isinstance(m, Q4x8Linear):
+        if not hasattr(type(m), "module_for"):  # (on the class: a module's own getattr miss raises, slowly)
+            return None
+        m = m.module_for(tokens)
+    return m if isinstance(m, Q4x8Linear) and m.path == "auto" else None
 
 
 def _dims(m: nn.Module) -> tuple[int, int]:

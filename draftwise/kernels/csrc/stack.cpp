@@ -1,0 +1,137 @@
+// The decoder's layer loop as one torch operator (torch.ops.draftwise_stack.layers): every layer of a
+// pre-norm decoder whose projections are q4x8 and whose glue and attention are our ops, in one call from Python.
+//
+// Owns: the order of the per-layer calls, which is transformer.py's fused path (DecoderLayer / Attention / MLP
+// with merged q/k/v and gate/up, `num_tokens` given) call for call, on the same registered operators
+// (draftwise_q4x8::linear, draftwise_glue::*, draftwise_attn::decode) with the same arguments, views and
+// shapes — so its output is bitwise the Python loop's (tests/test_kernels_stack.py checks that). What it saves
+// is the Python between those calls: module dispatch, argument parsing and views, ~10 ms of a 40 ms one-token
+// forward of a 1.5B on 2 cores (docs/ARCHITECTURE.md, Kernels), during which the other core sat idle.
+// Knows nothing of how the weights were made, of the KV cache's lengths (the caller's KVCache.extend), of the
+// embedding, the final norm or the LM head (Python, before and after).
+//
+// The weights arrive as one flat list, WEIGHTS_PER_LAYER entries per layer (kernels/stack.py builds it; the order
+// is SLOT below); optional entries (biases, q/k norms) may be None.
+#include <torch/library.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/ops/add.h>
+#include <optional>
+#include <tuple>
+#include <vector>
+
+namespace {
+
+enum Slot : int64_t {
+    IN_NORM = 0,                      // input_layernorm.weight [hidden]
+    QKV = 1,                          // packed, sc, mn, d, dmin, bias of the merged q|k|v projection
+    Q_NORM = 7, K_NORM = 8,           // per-head q / k norm weights [head_dim] (qwen3), or None
+    O = 9,                            // o_proj: packed .. dmin, bias
+    POST_NORM = 15,                   // post_attention_layernorm.weight (the pre-MLP norm)
+    GATE_UP = 16,                     // the merged gate|up projection
+    DOWN = 22,                        // down_proj
+    WEIGHTS_PER_LAYER = 28,
+};
+
+using OptT = std::optional<at::Tensor>;
+using LinearFn = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                            const at::Tensor&, const at::Tensor&, const OptT&, int64_t, int64_t);
+using NormFn = at::Tensor(const at::Tensor&, const at::Tensor&, double, double);
+using AddNormFn = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&, double,
+                                                     double);
+using RopeCacheFn = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                               const at::Tensor&, int64_t, const OptT&, const OptT&, double, double,
+                               const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&);
+using GluFn = at::Tensor(const at::Tensor&, const OptT&, int64_t);
+using AttnFn = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                          const at::Tensor&, at::IntArrayRef, double, int64_t, int64_t);
+
+template <class Fn>
+c10::TypedOperatorHandle<Fn> op(const char* name) {
+    return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Fn>();
+}
+
+struct Ops {  // the registered operators, resolved once (all live in this library)
+    c10::TypedOperatorHandle<LinearFn> linear = op<LinearFn>("draftwise_q4x8::linear");
+    c10::TypedOperatorHandle<NormFn> rms_norm = op<NormFn>("draftwise_glue::rms_norm");
+    c10::TypedOperatorHandle<AddNormFn> add_rms_norm = op<AddNormFn>("draftwise_glue::add_rms_norm");
+    c10::TypedOperatorHandle<RopeCacheFn> rope_qk_cache = op<RopeCacheFn>("draftwise_glue::rope_qk_cache");
+    c10::TypedOperatorHandle<GluFn> glu = op<GluFn>("draftwise_glue::glu");
+    c10::TypedOperatorHandle<AttnFn> attend = op<AttnFn>("draftwise_attn::decode");
+};
+
+const Ops& ops() {
+    static const Ops o;
+    return o;
+}
+
+at::Tensor w_at(const c10::List<OptT>& w, int64_t i) {
+    const OptT t = w.get(i);
+    TORCH_CHECK(t.has_value() && t->defined(), "stack: weight ", i, " (slot ", i % WEIGHTS_PER_LAYER, ") is missing");
+    return *t;
+}
+
+OptT opt(const c10::List<OptT>& w, int64_t i) { return w.get(i); }
+
+// Q4x8Linear.forward: x [B, T, K] -> [B, T, N] (x.reshape(-1, K) is contiguous float32 at every call site here)
+at::Tensor linear(const c10::List<OptT>& w, int64_t at_, const at::Tensor& x, int64_t N) {
+    const at::Tensor x2 = x.reshape({-1, x.size(-1)});
+    TORCH_CHECK(x2.is_contiguous() && x2.scalar_type() == at::kFloat, "stack: a projection's input must be float32");
+    at::Tensor y = ops().linear.call(x2, w_at(w, at_), w_at(w, at_ + 1), w_at(w, at_ + 2), w_at(w, at_ + 3),
+                                     w_at(w, at_ + 4), opt(w, at_ + 5), N, -1);
+    return y.view({x.size(0), x.size(1), N});
+}
+
+// x [B, T, hidden] float32 -> x after every layer. weights: WEIGHTS_PER_LAYER entries per layer (Slot);
+// keys / values: each layer's cache [S, Hkv, C, D]; cos / sin: each layer's RoPE angles [B * T, D / 2];
+// slots [B], positions [B, T] int64; num_tokens [B]: real tokens per row (the row-exact attention);
+// windows: each layer's sliding window (0: none); dims = (num_heads, num_kv_heads, head_dim, intermediate,
+// activation: 0 silu / 1 gelu tanh); norm = (eps, offset) of the layer norms; qk_norm = (eps, offset) of the
+// q / k norms; scale: the attention's softmax scale.
+at::Tensor layers(const at::Tensor& x_in, const c10::List<OptT>& weights, at::TensorList keys, at::TensorList values,
+                  at::TensorList cos, at::TensorList sin, const at::Tensor& slots, const at::Tensor& positions,
+                  at::IntArrayRef num_tokens, at::IntArrayRef windows, at::IntArrayRef dims, at::ArrayRef<double> norm,
+                  at::ArrayRef<double> qk_norm, double scale) {
+    const int64_t L = (int64_t)keys.size();
+    TORCH_CHECK(x_in.dim() == 3 && x_in.scalar_type() == at::kFloat, "stack: x must be [B, T, hidden] float32");
+    TORCH_CHECK((int64_t)weights.size() == L * WEIGHTS_PER_LAYER, "stack: ", weights.size(), " weights for ", L,
+                " layers (", WEIGHTS_PER_LAYER, " each)");
+    TORCH_CHECK((int64_t)values.size() == L && (int64_t)cos.size() == L && (int64_t)sin.size() == L &&
+                    (int64_t)windows.size() == L, "stack: keys, values, cos, sin and windows need one entry per layer");
+    TORCH_CHECK(dims.size() == 5 && norm.size() == 2 && qk_norm.size() == 2, "stack: dims (5), norm (2), qk_norm (2)");
+    const int64_t H = dims[0], Hkv = dims[1], D = dims[2], I = dims[3], act = dims[4];
+    const int64_t B = x_in.size(0), T = x_in.size(1), hidden = x_in.size(2);
+    const int64_t Nq = H * D, Nkv = Hkv * D;
+    const Ops& o = ops();
+    at::Tensor x = x_in;
+    for (int64_t l = 0; l < L; ++l) {
+        const int64_t base = l * WEIGHTS_PER_LAYER;
+        // Attention (transformer.py Attention.forward, fused, merged q/k/v)
+        const at::Tensor h = o.rms_norm.call(x, w_at(weights, base + IN_NORM), norm[0], norm[1]);
+        const at::Tensor qkv = linear(weights, base + QKV, h, Nq + 2 * Nkv);
+        const auto parts = qkv.split_with_sizes({Nq, Nkv, Nkv}, -1);
+        at::Tensor q = o.rope_qk_cache.call(parts[0], parts[1], parts[2], cos[l], sin[l], D, opt(weights, base + Q_NORM),
+                                            opt(weights, base + K_NORM), qk_norm[0], qk_norm[1], keys[l], values[l],
+                                            slots, positions);
+        q = q.view({B, T, H, D}).transpose(1, 2);  // [B, H, T, D]
+        const at::Tensor att = o.attend.call(q, keys[l], values[l], slots, positions, num_tokens, scale, windows[l], -1);
+        const at::Tensor a = linear(weights, base + O, att.transpose(1, 2).reshape({B, T, -1}), hidden);
+        // DecoderLayer.forward (fused): x, h = add_rms_norm(x, a); x = x + mlp(h)
+        auto [xs, hn] = o.add_rms_norm.call(x, a, w_at(weights, base + POST_NORM), norm[0], norm[1]);
+        const at::Tensor gu = linear(weights, base + GATE_UP, hn, 2 * I);
+        const at::Tensor m = linear(weights, base + DOWN, o.glu.call(gu, OptT(), act), hidden);
+        x = at::add(xs, m);
+    }
+    return x;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(draftwise_stack, m) {
+    m.def("layers(Tensor x, Tensor?[] weights, Tensor(a!)[] keys, Tensor(b!)[] values, Tensor[] cos, Tensor[] sin, "
+          "Tensor slots, Tensor positions, int[] num_tokens, int[] windows, int[] dims, float[] norm, "
+          "float[] qk_norm, float scale) -> Tensor");
+    m.def("weights_per_layer() -> int", []() -> int64_t { return WEIGHTS_PER_LAYER; });
+}
+
+TORCH_LIBRARY_IMPL(draftwise_stack, CPU, m) { m.impl("layers", &layers); }

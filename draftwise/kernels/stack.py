@@ -1,0 +1,61 @@
+"""The decoder's layer loop as one C++ call (csrc/stack.cpp, built into the q4x8 library).
+
+A one-token forward of the 1.5B makes ~11 calls per layer (norm, q/k/v projection, RoPE + K/V write, attention,
+o projection, add + norm, gate/up projection, activation, down projection, residual add) and the Python between
+them — module dispatch, argument parsing, views — cost ~10 of ~40 ms on 2 cores, with the second core idle
+meanwhile. `layers` makes those same calls, on the same registered operators with the same arguments, from C++:
+its result is bitwise the Python loop's (transformer.py's fused path), only sooner.
+
+Owns: whether the op can run here (`available`) and the flat weight list's layout (`layer_weights`: SLOTS
+entries per layer, in csrc/stack.cpp's Slot order). Knows nothing of models beyond those shapes: the decoder
+(models/transformer.py) decides when its layers qualify (q4x8 projections with merged q/k/v and gate/up, our glue
+and attention ops, no sandwich norms) and keeps its Python loop for everything else.
+"""
+from __future__ import annotations
+
+import torch
+
+from draftwise.kernels import q4x8
+
+SLOTS = 28  # weights per layer: csrc/stack.cpp WEIGHTS_PER_LAYER
+
+
+def available() -> bool:
+    """The op is built and loaded (built on first use; False where the library cannot be)."""
+    try:
+        q4x8.load()
+    except q4x8.KernelBuildError:
+        return False
+    return True
+
+
+def _linear(m: q4x8.Q4x8Linear) -> list[torch.Tensor | None]:  # packed, sc, mn, d, dmin, bias
+    b = m._buffers  # read directly, as Q4x8Linear.forward does (a model's buffers may be swapped: hugepages.py)
+    return [b["packed"], b["sc"], b["mn"], b["d"], b["dmin"], b["bias"]]
+
+
+def layer_weights(in_norm: torch.Tensor, qkv: q4x8.Q4x8Linear, q_norm: torch.Tensor | None,
+                  k_norm: torch.Tensor | None, o: q4x8.Q4x8Linear, post_norm: torch.Tensor,
+                  gate_up: q4x8.Q4x8Linear, down: q4x8.Q4x8Linear) -> list[torch.Tensor | None]:
+    """One layer's SLOTS entries: norm weights [hidden] / [head_dim] float32, projections as q4x8 modules."""
+    return [in_norm, *_linear(qkv), q_norm, k_norm, *_linear(o), post_norm, *_linear(gate_up), *_linear(down)]
+
+
+def layers(
+    x: torch.Tensor,  # [B, T, hidden] float32
+    weights: list[torch.Tensor | None],  # SLOTS per layer (layer_weights)
+    keys: list[torch.Tensor],  # per layer: the KV cache's [S, H_kv, C, D], written in place
+    values: list[torch.Tensor],
+    cos: list[torch.Tensor],  # per layer: RoPE angles [B * T, D / 2] (Decoder.angles)
+    sin: list[torch.Tensor],
+    slots: torch.Tensor,  # [B] int64
+    positions: torch.Tensor,  # [B, T] int64
+    num_tokens: list[int],  # real tokens per row: the row-exact attention
+    windows: list[int],  # per layer: sliding window, 0 for none
+    dims: tuple[int, int, int, int, int],  # num_heads, num_kv_heads, head_dim, intermediate, activation (glue)
+    norm: tuple[float, float],  # eps, weight offset of the layer norms
+    qk_norm: tuple[float, float],  # eps, weight offset of the q/k norms (ignored without them)
+    scale: float,  # attention softmax scale
+) -> torch.Tensor:  # [B, T, hidden]: x after every layer; K/V of every layer stored at positions
+    return torch.ops.draftwise_stack.layers(x, weights, keys, values, cos, sin, slots, positions, num_tokens,
+                                            windows, list(dims), list(norm), list(qk_norm), float(scale))

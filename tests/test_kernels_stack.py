@@ -1,0 +1,128 @@
+"""draftwise.kernels.stack: the decoder's layer loop in one C++ call is bitwise the Python loop it replaces (the
+logits and every layer's K/V), for each family whose layers qualify, at prompt, decode and verification widths in
+ragged padded batches; it runs where it should and nowhere else (sandwich norms, separate projections, torch's
+kernels, a prefill half that is not q4x8, `Decoder.stack = False`); the comparison catches a wrong layer; a bad
+weight list is a clear error. Tiny random models; no timing asserts."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from draftwise.kernels import stack as stack_op
+from draftwise.kv_cache import KVCache
+from draftwise.models import quant
+from tests.harness import one_torch_thread  # noqa: F401 (a fixture)
+from tests.tiny_models import tiny_decoder
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def built():
+    if not stack_op.available():
+        pytest.skip("the C++ extension cannot be built here (no compiler)")
+
+
+@pytest.fixture
+def calls(monkeypatch):
+    """How many forwards went through the one-call layer loop."""
+    seen = []
+    real = stack_op.layers
+
+    def spy(*args, **kwargs):
+        seen.append(args[0].shape)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(stack_op, "layers", spy)
+    return seen
+
+
+def q4x8_model(family: str, prefill: str = "q4x8", seed: int = 0):
+    model = tiny_decoder(family, seed, 64)
+    quant.build_linears(model, "q4x8", prefill)
+    return model
+
+
+def run(model, stack: bool) -> list[torch.Tensor]:
+    """A ragged batch of two: prompts of 20 and 13 tokens (padded to 20), one decode step each, then a
+    verification of 9 and 4 tokens (padded to 9). Returns the three forwards' logits and every layer's keys and
+    values (padding included: both loops make the same calls on the same inputs)."""
+    model.stack = stack
+    c = model.config
+    cache = KVCache(c.num_layers, 2, c.num_kv_heads, 48, c.head_dim, model.dtype)
+    slots = torch.tensor([0, 1])
+    ids = torch.randint(0, c.vocab_size, (2, 30), generator=torch.Generator().manual_seed(3))
+    lens = torch.tensor([20, 13])[:, None]
+    out = [model(ids[:, :20], torch.arange(20)[None].expand(2, 20), cache, slots, num_tokens=[20, 13]),
+           model(ids[:, 20:21], lens, cache, slots, num_tokens=[1, 1]),
+           model(ids[:, 21:30], lens + 1 + torch.arange(9)[None], cache, slots, num_tokens=[9, 4])]
+    return out + list(cache.keys) + list(cache.values)
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3"])
+def test_one_call_is_bitwise_the_python_loop(family, calls):
+    """Every family whose layers qualify (mistral: a sliding window; qwen2: q/k/v bias; qwen3: q/k norms)."""
+    model = q4x8_model(family)
+    one_call = run(model, True)
+    assert len(calls) == 3
+    loop = run(model, False)
+    assert len(calls) == 3  # stack=False: the Python loop only
+    for a, b in zip(one_call, loop):
+        assert torch.equal(a, b)
+
+
+def test_the_comparison_catches_a_wrong_layer(calls, monkeypatch):
+    """Layer 1 run with layer 0's weights (a plausible ordering bug) changes the logits: the equality above is not
+    vacuous."""
+    model = q4x8_model("qwen2")
+    loop = run(model, False)
+    real = stack_op.layers
+
+    def shifted(x, weights, *rest):
+        n = stack_op.SLOTS
+        return real(x, weights[:n] + weights[:n] + weights[2 * n:], *rest)
+
+    monkeypatch.setattr(stack_op, "layers", shifted)
+    wrong = run(model, True)
+    assert not torch.equal(wrong[0], loop[0])
+
+
+def test_a_dense_prefill_half_runs_the_prompt_in_python(calls):
+    """q4x8 steps with a dense prefill: the 20-token prompt takes the Python loop (its SplitLinear picks the dense
+    half), the decode step and the verification the one call; all bitwise the Python loop."""
+    model = q4x8_model("qwen2", prefill="dense_fp32")
+    one_call = run(model, True)
+    assert [shape[1] for shape in calls] == [1, 9]
+    for a, b in zip(one_call, run(model, False)):
+        assert torch.equal(a, b)
+
+
+def test_layers_that_do_not_qualify_take_the_python_loop(calls):
+    gemma = q4x8_model("gemma3")  # sandwich norms
+    run(gemma, True)
+    dense = tiny_decoder("qwen2", 0, 64)  # torch's fp32 linears
+    run(dense, True)
+    separate = tiny_decoder("qwen2", 0, 64)  # q4x8, but q/k/v and gate/up left separate
+    separate.merge_projections = lambda merge=None: 0
+    quant.build_linears(separate, "q4x8", "q4x8")
+    assert separate.model.layers[0].self_attn.qkv_proj is None
+    run(separate, True)
+    assert calls == []
+
+
+def test_a_bad_weight_list_is_a_clear_error():
+    model = q4x8_model("qwen2")
+    c = model.config
+    cache = KVCache(c.num_layers, 1, c.num_kv_heads, 8, c.head_dim, model.dtype)
+    weights = model._stack_weights(1)
+    assert weights is not None and len(weights) == c.num_layers * stack_op.SLOTS
+    angles = model.angles("full_attention", torch.tensor([[0]]))
+    args = (cache.keys, cache.values, [angles[0]] * c.num_layers, [angles[1]] * c.num_layers, torch.tensor([0]),
+            torch.tensor([[0]]), [1], [0] * c.num_layers, (4, 2, 8, 64, 0), (1e-6, 0.0), (0.0, 0.0), 8 ** -0.5)
+    x = torch.zeros(1, 1, c.hidden_size)
+    with pytest.raises(RuntimeError, match="weights for 2 layers"):
+        stack_op.layers(x, weights[:-1], *args)
+    missing = list(weights)
+    missing[stack_op.SLOTS + 1] = None  # layer 1's packed q/k/v nibbles
+    with pytest.raises(RuntimeError, match="weight 29 .* is missing"):
+        stack_op.layers(x, missing, *args)
