@@ -116,6 +116,7 @@ def test_a_bad_weight_list_is_a_clear_error():
     cache = KVCache(c.num_layers, 1, c.num_kv_heads, 8, c.head_dim, model.dtype)
     weights = model._stack_weights(1)
     assert weights is not None and len(weights) == c.num_layers * stack_op.SLOTS
+    assert torch.ops.draftwise_stack.weights_per_layer() == stack_op.SLOTS  # the C++ layout's size
     angles = model.angles("full_attention", torch.tensor([[0]]))
     args = (cache.keys, cache.values, [angles[0]] * c.num_layers, [angles[1]] * c.num_layers, torch.tensor([0]),
             torch.tensor([[0]]), [1], [0] * c.num_layers, (4, 2, 8, 64, 0), (1e-6, 0.0), (0.0, 0.0), 8 ** -0.5)

@@ -12,6 +12,7 @@ get back modules with `forward(x [..., K]) -> [..., N]`.
     q4x8.py      our kernel: build (JIT, cached), weight quantization/packing, Q4x8Linear
     attention.py our row-exact decode/verification attention op (one call per layer; in q4x8's library)
     glue.py      the decoder's glue between the matmuls as row-exact C++ ops (in q4x8's library)
+    stack.py     the decoder's layer loop over those ops in one C++ call, bitwise the Python loop (same library)
     linear.py    every implementation behind one interface (IMPLS), each with where it runs and its tolerance
     autotune.py  time the candidates on real shapes, choose one step kernel and one prefill kernel, cache it
     threads.py   fewer torch threads while other processes hold cores (q4x8 plans), back when they stop

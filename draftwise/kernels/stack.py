@@ -1,13 +1,14 @@
 """The decoder's layer loop as one C++ call (csrc/stack.cpp, built into the q4x8 library).
 
-A one-token forward of the 1.5B makes ~11 calls per layer (norm, q/k/v projection, RoPE + K/V write, attention,
-o projection, add + norm, gate/up projection, activation, down projection, residual add) and the Python between
-them — module dispatch, argument parsing, views — cost ~10 of ~40 ms on 2 cores, with the second core idle
-meanwhile. `layers` makes those same calls, on the same registered operators with the same arguments, from C++:
-its result is bitwise the Python loop's (transformer.py's fused path), only sooner.
+A forward makes ~11 op calls per layer (norm, q/k/v projection, RoPE + K/V write, attention, o projection,
+add + norm, gate/up projection, activation, down projection, residual add), and the Python between them (module
+dispatch, argument parsing, views) kept the second core idle. `layers` makes those same calls, on the same
+registered operators with the same arguments, from C++: its result is bitwise the Python loop's (transformer.py's
+fused path), 3-8 ms sooner per forward of the 1.5B on 2 cores (docs/ARCHITECTURE.md, Kernels).
 
-Owns: whether the op can run here (`available`) and the flat weight list's layout (`layer_weights`: SLOTS
-entries per layer, in csrc/stack.cpp's Slot order). Knows nothing of models beyond those shapes: the decoder
+Owns: the flat weight list's layout (`layer_weights`: SLOTS
+entries per layer, in csrc/stack.cpp's Slot order); whether it can run here is glue's `available` (one
+library). Knows nothing of models beyond those shapes: the decoder
 (models/transformer.py) decides when its layers qualify (q4x8 projections with merged q/k/v and gate/up, our glue
 and attention ops, no sandwich norms) and keeps its Python loop for everything else.
 """
@@ -16,17 +17,9 @@ from __future__ import annotations
 import torch
 
 from draftwise.kernels import q4x8
+from draftwise.kernels.glue import available  # noqa: F401 (one library: built and loaded, or not)
 
 SLOTS = 28  # weights per layer: csrc/stack.cpp WEIGHTS_PER_LAYER
-
-
-def available() -> bool:
-    """The op is built and loaded (built on first use; False where the library cannot be)."""
-    try:
-        q4x8.load()
-    except q4x8.KernelBuildError:
-        return False
-    return True
 
 
 def _linear(m: q4x8.Q4x8Linear) -> list[torch.Tensor | None]:  # packed, sc, mn, d, dmin, bias

@@ -7,7 +7,10 @@ so a checkpoint's tensors load as they are. After loading, `merge_projections` p
 gate/up into one module each where that is bitwise the separate calls (models/quant.py, merge_linears: q4x8),
 and `use_fused_glue` routes the glue between the matmuls (RMSNorm, residual add + norm, q/k norm + RoPE + the
 K/V cache write, act(gate) * up) through kernels/glue.py's C++ ops for float32 on CPU; the torch code here is
-their reference and what other dtypes and devices run. Both keep the decoder row-exact.
+their reference and what other dtypes and devices run. Both keep the decoder row-exact. Where every layer
+qualifies (q4x8 projections, merged, fused glue, our attention op, no sandwich norms), `forward` runs all layers in
+one C++ call (kernels/stack.py: the same ops in the same order, bitwise this file's loop; `Decoder.stack = False`
+keeps the loop).
 
 Contract (docs/ARCHITECTURE.md): forward(token_ids[B,T], positions[B,T], cache, slots[B]) -> logits[B,T,V].
 The forward writes K/V at `positions` into `cache` and extends each slot's length to max(position)+1;

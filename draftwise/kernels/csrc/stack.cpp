@@ -5,8 +5,8 @@
 // with merged q/k/v and gate/up, `num_tokens` given) call for call, on the same registered operators
 // (draftwise_q4x8::linear, draftwise_glue::*, draftwise_attn::decode) with the same arguments, views and
 // shapes — so its output is bitwise the Python loop's (tests/test_kernels_stack.py checks that). What it saves
-// is the Python between those calls: module dispatch, argument parsing and views, ~10 ms of a 40 ms one-token
-// forward of a 1.5B on 2 cores (docs/ARCHITECTURE.md, Kernels), during which the other core sat idle.
+// is the Python between those calls (module dispatch, argument parsing, views), during which the other core sat
+// idle: 3-8 ms of a 1- or 9-row forward of the 1.5B on 2 cores (docs/ARCHITECTURE.md, Kernels).
 // Knows nothing of how the weights were made, of the KV cache's lengths (the caller's KVCache.extend), of the
 // embedding, the final norm or the LM head (Python, before and after).
 //
