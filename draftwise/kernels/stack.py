@@ -6,11 +6,10 @@ dispatch, argument parsing, views) kept the second core idle. `layers` makes tho
 registered operators with the same arguments, from C++: its result is bitwise the Python loop's (transformer.py's
 fused path), 3-8 ms sooner per forward of the 1.5B on 2 cores (docs/ARCHITECTURE.md, Kernels).
 
-Owns: the flat weight list's layout (`layer_weights`: SLOTS
-entries per layer, in csrc/stack.cpp's Slot order); whether it can run here is glue's `available` (one
-library). Knows nothing of models beyond those shapes: the decoder
-(models/transformer.py) decides when its layers qualify (q4x8 projections with merged q/k/v and gate/up, our glue
-and attention ops, no sandwich norms) and keeps its Python loop for everything else.
+Owns: the flat weight list's layout (`layer_weights`: SLOTS entries per layer, in csrc/stack.cpp's Slot order);
+whether it can run here is glue's `available` (one library). Knows nothing of models beyond those shapes: the
+decoder (models/transformer.py) decides when its layers qualify (q4x8 projections with merged q/k/v and gate/up,
+our glue and attention ops, no sandwich norms) and keeps its Python loop for everything else.
 """
 from __future__ import annotations
 
