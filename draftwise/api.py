@@ -87,7 +87,9 @@ def load_model(name: str, dtype: str = "auto", device: str = "cpu", weights: str
     plan = quant.resolve_formats(weights, dtype, ckpt.config, device, tune=tune)
     torch_dtype = DTYPES[plan.dtype]
     cfg = ckpt.config
-    if plan.step is not None and "converted_path" in ckpt.info:  # a GGUF in kernel formats: no dense copy on disk
+    # a GGUF in kernel formats on the CPU: built from its blocks, no dense copy on disk (the prepared modules and
+    # their cache are CPU layouts; on a GPU the kernels are built from the dense weights there)
+    if plan.step is not None and "converted_path" in ckpt.info and device == "cpu":
         embed_dtype = quant.embed_storage_dtype(cfg.vocab_size, cfg.hidden_size, torch_dtype)
         model = Decoder.from_tensors(cfg, ckpt.prepared(plan.step, plan.prefill, torch_dtype, embed_dtype),
                                      dtype=torch_dtype, device=device, embed_dtype=embed_dtype)

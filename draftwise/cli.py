@@ -85,10 +85,16 @@ def cmd_models(args) -> int:
 
 # ---- kernels / env --------------------------------------------------------------------------------
 def cmd_env(args) -> int:
-    from draftwise.kernels.probe import format_probe, probe
+    import torch
+
+    from draftwise.kernels.probe import cuda_probe, format_probe, probe
 
     p = probe(bandwidth=not args.no_bandwidth)
-    print(json.dumps(p) if args.json else format_probe(p))
+    gpu = cuda_probe(bandwidth=not args.no_bandwidth) if torch.cuda.is_available() else None
+    if args.json:
+        print(json.dumps(p if gpu is None else {**p, "cuda": gpu}))
+    else:
+        print(format_probe(p) + ("" if gpu is None else "\n" + format_probe(gpu)))
     return 0
 
 
@@ -96,18 +102,21 @@ def cmd_kernels(args) -> int:
     """The probe, the autotuner's timing table on the model's real shapes, and its choice (cached per machine)."""
     import torch
 
+    from draftwise.api import check_device
     from draftwise.kernels import autotune
-    from draftwise.kernels.probe import format_probe, probe
+    from draftwise.kernels.probe import format_probe
     from draftwise.models.sources import load_checkpoint
 
+    check_device(args.device)
     if args.threads:
         torch.set_num_threads(args.threads)
     cfg = load_checkpoint(args.model).config  # config and tokenizer only: no weights are read
-    result = autotune.autotune(autotune.shapes_from_config(cfg), refresh=args.refresh, fast=not args.full)
+    result = autotune.autotune(autotune.shapes_from_config(cfg), refresh=args.refresh, fast=not args.full,
+                               device=args.device)
     if args.json:
         print(json.dumps(result))
         return 0
-    print(format_probe(probe(bandwidth=False)))
+    print(format_probe(autotune.run_probe(args.device)))
     print(f"model {args.model}: {len(cfg.layer_types) or cfg.num_layers} layers, hidden {cfg.hidden_size}, "
           f"{'trimmed load-time tuning (as --weights auto runs it)' if not args.full else 'full sweep'}; "
           f"cache key {result['key']}")
@@ -124,6 +133,7 @@ def register_kernels(sub) -> None:
                                        "the choice --weights auto uses")
     k.add_argument("--model", default=DEFAULT_TARGET, help="catalog name, .gguf file or HF checkpoint dir")
     k.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    k.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="time this device's kernels")
     k.add_argument("--full", action="store_true", help="every implementation at rows 1,2,4,8,16,128 (slower)")
     k.add_argument("--refresh", action="store_true", help="measure again instead of reading the cache")
     k.add_argument("--json", action="store_true")

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from draftwise.kernels import autotune, q4x8
 from draftwise.kernels.linear import IMPLS, available_impls, make_linear
-from draftwise.kernels.probe import format_probe, measure_bandwidth, probe
+from draftwise.kernels.probe import cuda_probe, format_probe, measure_bandwidth, probe
 
 
 @pytest.fixture(scope="module")
@@ -46,24 +46,33 @@ def test_probe_reports_machine(machine):
 
 # ---- every implementation vs the fp32 reference -----------------------------------------------------------
 
+def device_probe(device: str, machine: dict) -> dict:
+    if device == "cpu":
+        return machine
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device here")
+    return cuda_probe(bandwidth=False)
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
 @pytest.mark.parametrize("name", list(IMPLS))
-def test_impl_matches_fp32_reference(name, machine):
-    if not IMPLS[name].available(machine):
-        pytest.skip(f"{name} cannot run here")
+def test_impl_matches_fp32_reference(name, device, machine):
+    if not IMPLS[name].available(device_probe(device, machine)):
+        pytest.skip(f"{name} cannot run on {device} here")
     g = torch.Generator().manual_seed(1)
     for N, K in ((272, 512), (64, 1536)):
         weight = torch.randn(N, K, generator=g) / K ** 0.5  # [N, K]
         bias = torch.randn(N, generator=g) * 0.1  # [N]
-        lin = make_linear(name, weight, bias)
+        lin = make_linear(name, weight.to(device), bias.to(device))
         assert lin.weight_bytes > 0
         for M in (1, 3, 9, 17):
             x = torch.randn(M, K, generator=g)  # [M, K]
             ref = F.linear(x.double(), weight.double(), bias.double())
-            y = lin(x)
-            assert y.shape == (M, N) and y.dtype == torch.float32
-            assert rel_err(y, ref) <= lin.tolerance, (name, N, K, M, rel_err(y, ref))
+            y = lin(x.to(device))
+            assert y.shape == (M, N) and y.dtype == torch.float32 and y.device.type == device
+            assert rel_err(y.cpu(), ref) <= lin.tolerance, (name, N, K, M, rel_err(y.cpu(), ref))
         xb = torch.randn(2, 5, K, generator=g).bfloat16()  # [B, T, K] in the caller's dtype
-        yb = lin(xb)
+        yb = lin(xb.to(device)).cpu()
         assert yb.shape == (2, 5, N) and yb.dtype == torch.bfloat16
         ref = F.linear(xb.double(), weight.double(), bias.double())
         assert rel_err(yb, ref) <= lin.tolerance + 0.01
@@ -298,6 +307,39 @@ def test_load_candidates_time_bf16_only_where_it_is_native():
     assert "dense_bf16" not in autotune.load_candidates(base)
     assert "dense_bf16" in autotune.load_candidates({**base, "flags": {**base["flags"], "avx512_bf16": True}})
     assert "dense_fp32" in autotune.load_candidates(base) and "int8_fbgemm_dynamic" not in autotune.load_candidates(base)
+
+
+def test_a_gpu_probe_picks_the_gpu_candidates_and_its_own_cache_key(machine):
+    """On a CUDA device the candidates are the implementations that run there (never q4x8 or fbgemm), tinygemm
+    int4 only from compute capability 8.0, and the cache key names the GPU (a CPU key is unchanged by it)."""
+    gpu = {"device": "cuda", "gpu": "NVIDIA H200", "capability": [9, 0], "torch_version": torch.__version__,
+           "cpu": machine["cpu"], "flags": {}}
+    names = autotune.load_candidates(gpu)
+    assert {"int4_torch", "dense_bf16", "dense_fp32"} <= set(names) <= {"int4_torch", "int8_torch", "dense_bf16",
+                                                                           "dense_fp32"}
+    assert "int4_torch" not in autotune.load_candidates({**gpu, "capability": [7, 5]})
+    assert "q4x8" not in available_impls(gpu) and "int8_fbgemm_dynamic" not in available_impls(gpu)
+    shapes = autotune.decoder_shapes(64, 128, 2, 1, 32, 2, 256)
+    keys = {autotune.cache_key(p, shapes) for p in (machine, gpu, {**gpu, "gpu": "NVIDIA H100"})}
+    assert len(keys) == 3
+    assert autotune.cache_key(machine, shapes) == autotune.cache_key({**machine, "device": "cpu"}, shapes)
+    text = format_probe({**gpu, "multiprocessors": 132, "memory_gib": 139.8, "l2_bytes": 60 << 20,
+                         "cuda_version": "13.0", "bandwidth_gbs": 4200.0})
+    assert "NVIDIA H200" in text and "compute capability 9.0" in text and "4200.0 GB/s" in text
+
+
+def test_a_shape_a_kernel_cannot_take_costs_its_dense_fallback(machine):
+    """torch int4 cannot take N % 16 != 0 (an odd LM head): the model built with it runs that projection dense in
+    bf16, so the table times that there instead of dropping int4 from the choice."""
+    if not IMPLS["int4_torch"].available(machine):
+        pytest.skip("torch int4 cannot run here")
+    shapes = [autotune.ProjShape("a", 48, 64, 2), autotune.ProjShape("head", 40, 64, 1)]
+    table = autotune.measure(shapes, ["int4_torch", "dense_fp32"], rows=(1, 2), prefill_rows=4, samples=1,
+                             cold=False, progress=False)
+    assert set(table["ms"]) == {"int4_torch", "dense_fp32"} and table["fallback"] == {"int4_torch": ["head"]}
+    assert set(table["per_shape"]["int4_torch"]) == {"a", "head"}
+    assert table["row_independent"]["int4_torch"] == (autotune.row_independent(make_linear("int4_torch", torch.randn(
+        48, 64)), 64) and autotune.row_independent(make_linear("dense_bf16", torch.randn(40, 64)), 64))
 
 
 def test_measure_produces_a_table_on_tiny_shapes(machine):

@@ -158,6 +158,30 @@ def test_explicit_values_win_and_bad_values_are_named():
         quant.resolve_formats("auto", "float16", cfg)
 
 
+def test_auto_on_a_gpu_asks_the_autotuner_for_that_device(monkeypatch):
+    """--device cuda --weights auto: the same autotuner, timing the GPU's kernels (its choice is the plan); our CPU
+    kernel named explicitly on a GPU is a clear error. Injected timings: runs without a GPU."""
+    from draftwise.config import ConfigError
+    from draftwise.kernels import autotune
+
+    cfg = tiny_decoder("qwen2", 0, VOCAB).config
+    asked = []
+    fixed = fixed_tune("int4_torch", "dense_bf16")
+    monkeypatch.setattr(autotune, "autotune", lambda shapes, **kw: asked.append(kw) or fixed(shapes))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    plan = quant.resolve_formats("auto", "auto", cfg, device="cuda")
+    assert asked and asked[0]["device"] == "cuda" and asked[0]["fast"] is True
+    assert (plan.step, plan.prefill, plan.dtype, plan.weights) == ("int4_torch", "dense_bf16", "bfloat16", "int4+bf16")
+    assert plan.tuning["device"] == "cuda"
+    for weights in ("q4x8", "q4x8+dense"):
+        with pytest.raises(ConfigError, match="CPU kernel"):
+            quant.resolve_formats(weights, "auto", cfg, device="cuda")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ConfigError, match="sees no CUDA device"):
+        quant.resolve_formats("auto", "auto", cfg, device="cuda")
+    assert len(asked) == 1
+
+
 # ---- the GGUF-direct path and its cache -------------------------------------------------------------------
 
 @pytest.fixture(scope="module")

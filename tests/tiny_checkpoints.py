@@ -61,12 +61,13 @@ def random_q4k_blocks(N: int, K: int, rng) -> np.ndarray:
 Q4K_DIMS = dict(hidden=256, heads=4, kv_heads=2, head_dim=64, intermediate=256, layers=2)  # K % 256 == 0 everywhere
 
 
-def _hf_tensors(arch: str, vocab_size: int, tie: bool, seed: int, dims: dict | None = None) -> dict[str, np.ndarray]:
-    """Random weights in HF layout ([out, in]) for a tiny decoder of `arch`."""
+def _hf_tensors(arch: str, vocab_size: int, tie: bool, seed: int, dims: dict | None = None,
+                scale: float = 0.1) -> dict[str, np.ndarray]:
+    """Random weights in HF layout ([out, in]) for a decoder of `arch` (tiny unless `dims` says otherwise)."""
     rng = np.random.default_rng(seed)
     d = dims or TINY_DIMS
     q_out, kv_out = d["heads"] * d["head_dim"], d["kv_heads"] * d["head_dim"]
-    r = lambda *shape: rng.standard_normal(shape).astype(np.float32) * 0.1  # noqa: E731
+    r = lambda *shape: rng.standard_normal(shape).astype(np.float32) * np.float32(scale)  # noqa: E731
     out = {"model.embed_tokens.weight": r(vocab_size, d["hidden"]), "model.norm.weight": 1 + r(d["hidden"])}
     if not tie:
         out["lm_head.weight"] = r(vocab_size, d["hidden"])
@@ -177,16 +178,19 @@ def tiny_byte_level_backend():
     return tok
 
 
-def write_tiny_hf_dir(directory: Path, model_type: str = "llama", seed: int = 0) -> dict[str, np.ndarray]:
-    """config.json + sharded model-0000X-of-00002.safetensors + index + tokenizer files; returns the weights."""
+def write_tiny_hf_dir(directory: Path, model_type: str = "llama", seed: int = 0, dims: dict | None = None,
+                      scale: float = 0.1) -> dict[str, np.ndarray]:
+    """config.json + sharded model-0000X-of-00002.safetensors + index + tokenizer files; returns the weights.
+    `dims` (TINY_DIMS' keys) gives real-sized layers around the tiny vocabulary (scripts/gpu_check.py)."""
     import torch
     from safetensors.torch import save_file
 
     directory.mkdir(parents=True, exist_ok=True)
     backend = tiny_byte_level_backend()
     vocab_size = backend.get_vocab_size()
-    hf = _hf_tensors("qwen2" if model_type == "qwen2" else "llama", vocab_size, tie=False, seed=seed)
-    d = TINY_DIMS
+    d = dims or TINY_DIMS
+    hf = _hf_tensors("qwen2" if model_type == "qwen2" else "llama", vocab_size, tie=False, seed=seed, dims=d,
+                     scale=scale)
     config = {
         "model_type": model_type, "architectures": ["LlamaForCausalLM"], "vocab_size": vocab_size,
         "hidden_size": d["hidden"], "intermediate_size": d["intermediate"], "num_hidden_layers": d["layers"],

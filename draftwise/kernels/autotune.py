@@ -3,19 +3,25 @@ one step kernel (decode and verification) and one prefill kernel, and cache the 
 
 Owns: the timing procedure, the choice rule (`choose`, a pure function of a timing table so tests inject tables),
 the JSON cache (${DRAFTWISE_CACHE_DIR:-~/.cache/draftwise}/kernels/autotune/<key>.json, keyed by the CPU's
-flags, torch version, threads and the shapes) and the table printer. Knows nothing of checkpoints or decoders:
+flags, torch version, threads and the shapes; on a GPU by its name and compute capability) and the table printer.
+The same procedure and rule serve a CUDA device (`device="cuda"`): the candidates are those whose `devices`
+include it, each call is timed between synchronizations after the L2 cache is flushed. Knows nothing of checkpoints or decoders:
 callers pass shapes (`decoder_shapes`, or `shapes_from_config` on any object with the usual config fields).
 
 Choice rule (documented contract):
   * step kernel: ONE kernel for every decode/verification width, so greedy speculative output equals plain
     decoding. Score = (cost(1) + cost(9)) / 2: cost(1) is a plain decode step, cost(9) a k = 8 verification,
     linearly interpolated between the measured 8 and 16 rows. Only implementations whose rows were found
-    bitwise independent of the other rows in the call are eligible (a row-dependent kernel can change a
-    greedy token when the verification batch differs from a plain step); if none is, every one is.
+    bitwise independent of the other rows in the call, on every projection shape, are eligible (a row-dependent
+    kernel can change a greedy token when the verification batch differs from a plain step); if none is, every
+    one is.
   * prefill kernel: the lowest cost at the prefill chunk width (default 128 rows) among the row-exact
     implementations too (a batched prefill of several prompts must equal each prompt's own prefill); if none
     is, every one is.
-  Costs are the sum over the model's projections (count x per-call ms), ties broken by IMPLS order.
+  Costs are the sum over the model's projections (count x per-call ms), ties broken by IMPLS order. A projection
+  an implementation cannot take (`supports` False: e.g. torch int4 and an LM head of N % 16 != 0) costs what the
+  model built with it runs there instead, the dense implementation of its activation dtype (linear.dense_impl),
+  and that one's row-exactness counts too (table["fallback"] lists such projections).
 
 Load-time tuning (`autotune(shapes, fast=True)`, what `weights="auto"` runs on a model's first load): only the
 candidates that can plausibly win here (`load_candidates`: q4x8 when it builds, torch int4, dense bf16 only with
@@ -35,9 +41,9 @@ from pathlib import Path
 
 import torch
 
-from draftwise.kernels.linear import IMPLS, available_impls
-from draftwise.kernels.probe import flag_summary
-from draftwise.kernels.probe import probe as run_probe
+from draftwise.kernels.linear import IMPLS, auto_dtype, available_impls, dense_impl, probe_device
+from draftwise.kernels.probe import cuda_probe, flag_summary, format_probe
+from draftwise.kernels.probe import probe as cpu_probe
 
 STEP_ROWS = (1, 2, 4, 8, 16)
 PREFILL_ROWS = 128
@@ -47,6 +53,12 @@ MAX_N = 32768  # wider projections (the LM head) are timed on their first MAX_N 
 FAST_ROWS = (1, VERIFY_ROWS)
 FAST_SAMPLES = 3
 FAST_MAX_N = 8192
+CUDA_FLUSH_BYTES = 256 * 1024 * 1024  # > any GPU's L2 (H100/H200: 50-60 MB)
+
+
+def run_probe(device: str = "cpu") -> dict:
+    """The probe of `device` (no bandwidth measurement: the autotuner times the kernels themselves)."""
+    return cpu_probe(bandwidth=False) if device == "cpu" else cuda_probe(bandwidth=False)
 
 
 @dataclass(frozen=True)
@@ -81,39 +93,55 @@ def shapes_from_config(cfg) -> list[ProjShape]:
 
 # ---- measuring -------------------------------------------------------------------------------------------
 
-_flush_buf: torch.Tensor | None = None
+_flush_bufs: dict[str, torch.Tensor] = {}
 
 
-def _flush_caches() -> None:
-    """Stream a buffer larger than any last-level cache, evicting the weights of the previous call: a decode step
-    reads every weight once per token, so a kernel's realistic cost is with its weights in memory."""
-    global _flush_buf
-    if _flush_buf is None:
-        _flush_buf = torch.ones(FLUSH_BYTES // 4, dtype=torch.float32)  # [FLUSH_BYTES / 4]
-    _flush_buf.sum()
+def _flush_caches(device: str = "cpu") -> None:
+    """Stream a buffer larger than any last-level cache (on a GPU: write one larger than its L2), evicting the
+    weights of the previous call: a decode step reads every weight once per token, so a kernel's realistic cost
+    is with its weights in memory."""
+    if device not in _flush_bufs:
+        size = FLUSH_BYTES if device == "cpu" else CUDA_FLUSH_BYTES
+        _flush_bufs[device] = torch.ones(size // 4, dtype=torch.float32, device=device)  # [size / 4]
+    if device == "cpu":
+        _flush_bufs[device].sum()
+    else:
+        _flush_bufs[device].zero_()
 
 
 def _time_calls(mod, x: torch.Tensor, samples: int, cold: bool, clock=time.perf_counter, warm_up: bool = True) -> float:
     """Fastest ms of one call over `samples` calls (after one warm-up), each after a cache flush when `cold`.
     The minimum, not the median: other jobs on a shared machine only ever make a call slower. `clock` may be
-    time.thread_time with torch at 1 thread: CPU time of the calling thread, blind to time spent descheduled."""
+    time.thread_time with torch at 1 thread: CPU time of the calling thread, blind to time spent descheduled.
+    On a GPU (x on it) CUDA events bracket the call on its stream: the device's time from its first kernel's
+    start to its last one's end, the gaps between them included, not the host's wait for the result (a decode
+    step queues its kernels ahead and pays that once per step, not per call)."""
+    device = x.device.type
     with torch.inference_mode():
         if warm_up:
             mod(x)
         best = float("inf")
         for _ in range(samples):
             if cold:
-                _flush_caches()
-            t0 = clock()
+                _flush_caches(device)
+            if device == "cpu":
+                t0 = clock()
+                mod(x)
+                best = min(best, clock() - t0)
+                continue
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
             mod(x)
-            best = min(best, clock() - t0)
+            end.record()
+            end.synchronize()
+            best = min(best, start.elapsed_time(end) / 1e3)
     return best * 1e3
 
 
-def row_independent(module, K: int, seed: int = 0) -> bool:
+def row_independent(module, K: int, seed: int = 0, device: str = "cpu") -> bool:
     """Is row 0's output bitwise the same alone, among 9 rows and among 16 rows (the others random)?"""
     g = torch.Generator().manual_seed(seed)
-    x = torch.randn(16, K, generator=g)  # [16, K]
+    x = torch.randn(16, K, generator=g).to(device)  # [16, K]
     with torch.inference_mode():
         alone = module(x[:1].clone())
         return all(torch.equal(alone[0], module(x[:m].clone())[0]) for m in (2, 9, 16))
@@ -121,7 +149,11 @@ def row_independent(module, K: int, seed: int = 0) -> bool:
 
 def load_candidates(p: dict) -> list[str]:
     """The implementations worth timing on a model's first load here: q4x8 when it builds, torch int4, dense bf16
-    only where bf16 is native (AVX-512 BF16 or AMX; emulated bf16 never wins), dense fp32."""
+    only where bf16 is native (AVX-512 BF16 or AMX; emulated bf16 never wins), dense fp32. On a GPU every
+    implementation that runs there (torch int4, torch int8 where the build has its CUDA kernel, dense bf16 and
+    fp32)."""
+    if probe_device(p) != "cpu":
+        return available_impls(p)
     flags = p.get("flags", {})
     native_bf16 = bool(flags.get("avx512_bf16") or flags.get("amx_bf16") or flags.get("bf16"))
     names = ["q4x8", "int4_torch"] + (["dense_bf16"] if native_bf16 else []) + ["dense_fp32"]
@@ -131,35 +163,37 @@ def load_candidates(p: dict) -> list[str]:
 def measure(shapes: list[ProjShape], names: list[str] | None = None, rows: tuple[int, ...] = STEP_ROWS,
             prefill_rows: int = PREFILL_ROWS, samples: int = 7, cold: bool = True, progress: bool = True,
             seed: int = 0, registry: dict | None = None, clock=time.perf_counter, max_n: int = MAX_N,
-            prefill_samples: int = 3) -> dict:
+            prefill_samples: int = 3, device: str = "cpu") -> dict:
     """Time each implementation on each shape for each row count. Returns a JSON-able table:
     {"rows": [...], "ms": {impl: {rows: total ms over the model's projections}}, "per_shape": {impl: {shape:
     {rows: ms per call}}}, "row_independent": {impl: bool}, "shapes": [...]}. `registry` (name -> LinearImpl
-    class, default IMPLS) lets benchmarks add variants such as a forced ISA path; `clock` see _time_calls."""
+    class, default IMPLS) lets benchmarks add variants such as a forced ISA path; `clock` see _time_calls;
+    `device` where the weights and activations live ("cpu" or "cuda")."""
     from tqdm import tqdm
 
-    p = run_probe(bandwidth=False)
+    p = run_probe(device)
     registry = registry or IMPLS
     names = [n for n in (names or available_impls(p)) if n in registry]
     all_rows = sorted(set(rows) | ({prefill_rows} if prefill_rows else set()))
     gen = torch.Generator().manual_seed(seed)
     per_shape: dict[str, dict[str, dict[int, float]]] = {n: {} for n in names}
     indep: dict[str, bool] = {}
+    fallback: dict[str, list[str]] = {}
     bar = tqdm(total=len(names) * len(shapes), desc="timing kernels", unit="shape", disable=not progress,
                file=sys.stderr, leave=False)
     for shape in shapes:
         n_eff = min(shape.N, max_n)
-        weight = torch.randn(n_eff, shape.K, generator=gen) / shape.K ** 0.5  # [N', K]
-        xs = {r: torch.randn(r, shape.K, generator=gen) for r in all_rows}  # x [r, K]
+        weight = (torch.randn(n_eff, shape.K, generator=gen) / shape.K ** 0.5).to(device)  # [N', K]
+        xs = {r: torch.randn(r, shape.K, generator=gen).to(device) for r in all_rows}  # x [r, K]
         for name in names:
             bar.set_postfix_str(f"{name} {shape.name}")
             cls = registry[name]
-            if not cls.supports(n_eff, shape.K):
-                bar.update(1)
-                continue
+            if not cls.supports(shape.N, shape.K) or not cls.supports(n_eff, shape.K):
+                cls = IMPLS[dense_impl(auto_dtype(name))]  # what a model built with `name` runs here instead
+                fallback.setdefault(name, []).append(shape.name)
             mod = cls(weight)
-            if name not in indep:
-                indep[name] = row_independent(mod, shape.K)
+            if indep.get(name, True):  # every shape: a GPU library may pick its GEMM kernel by N and K too
+                indep[name] = row_independent(mod, shape.K, device=device)
             scale = shape.N / n_eff
             # prefill widths are compute-bound: a few calls are enough there
             per_shape[name][shape.name] = {
@@ -168,13 +202,10 @@ def measure(shapes: list[ProjShape], names: list[str] | None = None, rows: tuple
             del mod
             bar.update(1)
     bar.close()
-    ms = {}
-    for name in names:
-        if len(per_shape[name]) != len(shapes):  # an implementation that can't take every shape can't be chosen
-            continue
-        ms[name] = {r: sum(per_shape[name][s.name][r] * s.count for s in shapes) for r in all_rows}
+    ms = {name: {r: sum(per_shape[name][s.name][r] * s.count for s in shapes) for r in all_rows} for name in names}
     return {"rows": all_rows, "prefill_rows": prefill_rows, "ms": ms, "per_shape": per_shape,
-            "row_independent": indep, "shapes": [asdict(s) for s in shapes], "cold": cold}
+            "row_independent": indep, "fallback": fallback, "shapes": [asdict(s) for s in shapes], "cold": cold,
+            "device": device}
 
 
 # ---- choosing (pure) -------------------------------------------------------------------------------------
@@ -219,8 +250,11 @@ def choose(table: dict, verify_rows: int = VERIFY_ROWS) -> dict:
 
 def cache_key(p: dict, shapes: list[ProjShape], mode: str = "full") -> str:
     flags = sorted(k for k, v in p.get("flags", {}).items() if v)
-    blob = json.dumps({"flags": flags, "cpu": p.get("cpu"), "torch": p.get("torch_version"),
-                       "threads": p.get("torch_threads"), "shapes": [asdict(s) for s in shapes]}, sort_keys=True)
+    what = {"flags": flags, "cpu": p.get("cpu"), "torch": p.get("torch_version"),
+            "threads": p.get("torch_threads"), "shapes": [asdict(s) for s in shapes]}
+    if probe_device(p) != "cpu":  # CPU keys stay as they were
+        what.update(device=probe_device(p), gpu=p.get("gpu"), capability=p.get("capability"))
+    blob = json.dumps(what, sort_keys=True)
     if mode != "full":  # a differently trimmed measurement is another table (full keys stay as they were)
         blob += mode
     return hashlib.sha256(blob.encode()).hexdigest()[:20]
@@ -238,10 +272,10 @@ def fast_measure_kw(p: dict) -> dict:
 
 
 def autotune(shapes: list[ProjShape], refresh: bool = False, progress: bool = True, fast: bool = False,
-             **measure_kw) -> dict:
-    """The cached result for these shapes on this machine, measuring (and caching) it first if needed.
-    `fast`: the trimmed load-time tuning. Returns {"key", "probe", "table", "choice"}."""
-    p = run_probe(bandwidth=False)
+             device: str = "cpu", **measure_kw) -> dict:
+    """The cached result for these shapes on this machine (`device`: its CPU, or its CUDA device), measuring (and
+    caching) it first if needed. `fast`: the trimmed load-time tuning. Returns {"key", "probe", "table", "choice"}."""
+    p = run_probe(device)
     if fast:
         measure_kw = {**fast_measure_kw(p), **measure_kw}
     mode = "full" if not fast else json.dumps({k: measure_kw[k] for k in sorted(measure_kw)}, default=str)
@@ -253,7 +287,7 @@ def autotune(shapes: list[ProjShape], refresh: bool = False, progress: bool = Tr
             return result
         except (OSError, ValueError, KeyError):
             pass  # a damaged cache entry: measure again
-    table = measure(shapes, progress=progress, **measure_kw)
+    table = measure(shapes, progress=progress, device=device, **measure_kw)
     result = {"key": path.stem, "probe": p, "table": table, "choice": choose(table)}
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".tmp{os.getpid()}")
@@ -275,7 +309,9 @@ def format_table(table: dict, choice: dict | None = None, p: dict | None = None)
     w = max([len(n) for n in ms] + [10])
     head = f"{'kernel':<{w}} " + " ".join(f"{'M=' + str(r):>8}" for r in rows) + f" {'M=9/M=1':>8} {'rows-exact':>10}"
     lines = []
-    if p is not None:
+    if p is not None and probe_device(p) != "cpu":
+        lines.append(format_probe(p))
+    elif p is not None:
         lines.append(f"flags: {flag_summary(p)}; torch {p.get('torch_version')}, {p.get('torch_threads')} threads")
     lines += [head, "-" * len(head)]
     for n, c in ms.items():

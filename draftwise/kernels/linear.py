@@ -3,7 +3,10 @@
 Owns: how y = x W^T + b is computed by each candidate kernel, from an fp32 (or dequantized) weight W [N, K]
 and optional bias [N]: dense fp32, dense bf16, torch's weight-only int4 (bf16 activations), torch's weight-only
 int8 (bf16 activations), fbgemm's dynamic int8 (x86), and ours, q4x8 (int4 weights x int8 activations).
-Every implementation: `available(probe) -> bool` (can it run on this machine), `supports(N, K) -> bool`
+Where each runs: `devices` ("cpu", "cuda"); a module is built on the weight's device (a CUDA weight gives
+a CUDA module: cuBLAS for the dense ones, torch's tinygemm for int4), and a probe says which device it
+describes (probe.probe() the CPU, probe.cuda_probe() a GPU).
+Every implementation: `available(probe) -> bool` (can it run on the probed device), `supports(N, K) -> bool`
 (can it take this shape), `tolerance` (documented bound on the relative error ||y - y_ref|| / ||y_ref|| against
 the fp32 reference x W^T + b, for Gaussian weights and activations, the test's distribution; real weights with
 outliers quantize worse), `weight_bytes` (what one call streams from memory), `nbytes(N, K, bias)` (what the
@@ -23,6 +26,11 @@ from torch import nn
 _X86 = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
 
 
+def probe_device(probe: dict) -> str:
+    """The device a probe describes ("cpu" for probe.probe(), "cuda" for probe.cuda_probe())."""
+    return probe.get("device", "cpu")
+
+
 def _bias(bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
     return None if bias is None else bias.detach().to(dtype).contiguous()
 
@@ -33,13 +41,14 @@ class LinearImpl(nn.Module):
     name: ClassVar[str] = ""
     description: ClassVar[str] = ""
     tolerance: ClassVar[float] = 0.0
+    devices: ClassVar[tuple[str, ...]] = ("cpu",)
     out_features: int
     in_features: int
     weight_bytes: int
 
     @classmethod
-    def available(cls, probe: dict) -> bool:  # probe: draftwise.kernels.probe.probe()
-        return True
+    def available(cls, probe: dict) -> bool:  # probe: draftwise.kernels.probe.probe() or cuda_probe()
+        return probe_device(probe) in cls.devices
 
     @classmethod
     def supports(cls, N: int, K: int) -> bool:
@@ -63,8 +72,9 @@ class LinearImpl(nn.Module):
 
 class DenseF32(LinearImpl):
     name = "dense_fp32"
-    description = "float32 weights and activations (MKL / oneDNN sgemm)"
-    tolerance = 1e-5  # summation order only
+    description = "float32 weights and activations (MKL / oneDNN sgemm; cuBLAS on CUDA)"
+    tolerance = 1e-5  # summation order only (CUDA: TF32 stays off unless the user turns it on)
+    devices = ("cpu", "cuda")
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):  # weight [N, K], bias [N]
         super().__init__()
@@ -83,8 +93,9 @@ class DenseF32(LinearImpl):
 
 class DenseBF16(LinearImpl):
     name = "dense_bf16"
-    description = "bfloat16 weights and activations (native on AVX-512 BF16 / AMX, emulated elsewhere)"
+    description = "bfloat16 weights and activations (native on AVX-512 BF16 / AMX, emulated elsewhere; cuBLAS)"
     tolerance = 0.02  # bf16 rounding of weights, activations and output (8-bit mantissa, ~0.4% each)
+    devices = ("cpu", "cuda")
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):  # weight [N, K], bias [N]
         super().__init__()
@@ -102,21 +113,32 @@ class DenseBF16(LinearImpl):
 
 
 class TorchInt4BF16(LinearImpl):
-    """torch._weight_int4pack_mm_for_cpu: asymmetric min-max groups of 32 along K, w = (q - 8) * scale + zero,
-    activations in bfloat16 (torch's SIMD path; float32 activations fall to a scalar loop)."""
+    """Torch's weight-only int4: asymmetric min-max groups of 32 along K, w = (q - 8) * scale + zero, activations
+    in bfloat16. CPU: torch._weight_int4pack_mm_for_cpu (its SIMD path; float32 activations fall to a scalar
+    loop). CUDA (compute capability 8.0+): torch._weight_int4pack_mm, the tinygemm kernel, over the same
+    quantized values in its tiled layout (`inner_k_tiles`, the most of 8 / 4 / 2 that divides K by 16 x it)."""
 
     name = "int4_torch"
-    description = "torch weight-only int4 (groups of 32), bf16 activations"
+    description = "torch weight-only int4 (groups of 32), bf16 activations (CUDA: tinygemm)"
     tolerance = 0.10  # 4-bit weights: ~0.08 for Gaussian weights, plus bf16 activations
+    devices = ("cpu", "cuda")
     GROUP = 32
 
     @classmethod
     def available(cls, probe: dict) -> bool:
-        return hasattr(torch, "_weight_int4pack_mm_for_cpu") and hasattr(torch, "_convert_weight_to_int4pack_for_cpu")
+        if probe_device(probe) == "cuda":
+            return hasattr(torch, "_weight_int4pack_mm") and tuple(probe.get("capability", (0, 0))) >= (8, 0)
+        return (probe_device(probe) == "cpu" and hasattr(torch, "_weight_int4pack_mm_for_cpu")
+                and hasattr(torch, "_convert_weight_to_int4pack_for_cpu"))
 
     @classmethod
     def supports(cls, N: int, K: int) -> bool:
         return K % cls.GROUP == 0 and N % 16 == 0
+
+    @staticmethod
+    def inner_k_tiles(K: int) -> int:
+        """The CUDA layout's K tiles per super-tile: the most of 8, 4, 2 with K a multiple of 16 x it."""
+        return next(t for t in (8, 4, 2) if K % (16 * t) == 0)
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):  # weight [N, K], bias [N]
         super().__init__()
@@ -128,7 +150,12 @@ class TorchInt4BF16(LinearImpl):
         scale = ((hi - lo) / 15.0).clamp(min=1e-12)
         q = ((wg - lo[..., None]) / scale[..., None]).round().clamp(0, 15).to(torch.int32).view(N, K)
         zero = lo + 8 * scale
-        self.register_buffer("packed", torch._convert_weight_to_int4pack_for_cpu(q, 1))
+        if w.is_cuda:  # two 4-bit values per byte, even K index in the high nibble, then tinygemm's tiling
+            pairs = (q[:, ::2] << 4 | q[:, 1::2]).to(torch.uint8)  # [N, K / 2]
+            packed = torch._convert_weight_to_int4pack(pairs, self.inner_k_tiles(K))
+        else:
+            packed = torch._convert_weight_to_int4pack_for_cpu(q, 1)
+        self.register_buffer("packed", packed)
         sz = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous()  # [K/32, N, 2]
         self.register_buffer("scales_and_zeros", sz.to(torch.bfloat16))
         self.register_buffer("bias", _bias(bias, torch.bfloat16))
@@ -137,9 +164,9 @@ class TorchInt4BF16(LinearImpl):
     @classmethod
     def from_packed(cls, packed: torch.Tensor, scales_and_zeros: torch.Tensor,
                     bias: torch.Tensor | None = None) -> TorchInt4BF16:
-        """A module around the buffers of one built before (a cache's stored form): packed [N, K / 2] uint8 as
-        torch._convert_weight_to_int4pack_for_cpu returns it (torch-version specific), scales_and_zeros
-        [K / 32, N, 2] bf16."""
+        """A module around the buffers of one built before on the CPU (a cache's stored form): packed [N, K / 2]
+        uint8 as torch._convert_weight_to_int4pack_for_cpu returns it (torch-version specific),
+        scales_and_zeros [K / 32, N, 2] bf16."""
         mod = cls.__new__(cls)
         nn.Module.__init__(mod)
         mod.out_features, mod.in_features = int(packed.shape[0]), int(scales_and_zeros.shape[0]) * cls.GROUP
@@ -157,7 +184,10 @@ class TorchInt4BF16(LinearImpl):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [..., K] -> [..., N]
         x2 = x.reshape(-1, self.in_features).to(torch.bfloat16)
-        y = torch._weight_int4pack_mm_for_cpu(x2, self.packed, self.GROUP, self.scales_and_zeros)
+        if self.packed.is_cuda:
+            y = torch._weight_int4pack_mm(x2, self.packed, self.GROUP, self.scales_and_zeros)
+        else:
+            y = torch._weight_int4pack_mm_for_cpu(x2, self.packed, self.GROUP, self.scales_and_zeros)
         if self.bias is not None:
             y = y + self.bias
         return y.view(*x.shape[:-1], self.out_features).to(x.dtype)
@@ -167,10 +197,13 @@ class TorchInt8BF16(LinearImpl):
     name = "int8_torch"
     description = "torch weight-only int8 (per-channel symmetric), bf16 activations"
     tolerance = 0.03  # 8-bit per-channel weights (~1%) plus bf16 activations
+    devices = ("cpu", "cuda")
 
     @classmethod
     def available(cls, probe: dict) -> bool:
-        return hasattr(torch, "_weight_int8pack_mm")
+        if not (super().available(probe) and hasattr(torch, "_weight_int8pack_mm")):
+            return False
+        return probe_device(probe) == "cpu" or _runs_on_cuda(cls)
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):  # weight [N, K], bias [N]
         super().__init__()
@@ -200,7 +233,7 @@ class FbgemmDynamicInt8(LinearImpl):
 
     @classmethod
     def available(cls, probe: dict) -> bool:
-        return _X86 and "fbgemm" in torch.backends.quantized.supported_engines
+        return super().available(probe) and _X86 and "fbgemm" in torch.backends.quantized.supported_engines
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):  # weight [N, K], bias [N]
         super().__init__()
@@ -230,6 +263,8 @@ class Q4x8(LinearImpl):
     @classmethod
     def available(cls, probe: dict) -> bool:
         flags = probe.get("flags", {})
+        if not super().available(probe):
+            return False
         if not (flags.get("avx2") and flags.get("fma")) and not flags.get("avx512_vnni"):
             return False  # only the scalar path would run: correct, but never a candidate for speed
         from draftwise.kernels import q4x8
@@ -263,6 +298,23 @@ class Q4x8(LinearImpl):
         return self.inner(x)
 
 
+_CUDA_SMOKE: dict[str, bool] = {}
+
+
+def _runs_on_cuda(cls: type[LinearImpl]) -> bool:
+    """Whether `cls` computes on the current CUDA device (a torch build may lack an op's CUDA kernel): one tiny
+    call, remembered per process."""
+    if cls.name not in _CUDA_SMOKE:
+        try:
+            w = torch.randn(32, 64, device="cuda")  # [N, K]
+            cls(w)(torch.randn(2, 64, device="cuda"))
+            torch.cuda.synchronize()
+            _CUDA_SMOKE[cls.name] = True
+        except (RuntimeError, NotImplementedError, AssertionError):
+            _CUDA_SMOKE[cls.name] = False
+    return _CUDA_SMOKE[cls.name]
+
+
 IMPLS: dict[str, type[LinearImpl]] = {
     c.name: c for c in (DenseF32, DenseBF16, TorchInt4BF16, TorchInt8BF16, FbgemmDynamicInt8, Q4x8)
 }
@@ -271,6 +323,20 @@ IMPLS: dict[str, type[LinearImpl]] = {
 def available_impls(probe: dict) -> list[str]:
     """Names of the implementations that can run on the probed machine, in IMPLS order."""
     return [name for name, cls in IMPLS.items() if cls.available(probe)]
+
+
+FP32_ACTIVATIONS = ("q4x8", "dense_fp32")  # the rest compute in bfloat16
+
+
+def auto_dtype(step: str) -> str:
+    """The model dtype "auto" resolves to when `step` is the step kernel: the one its activations are in."""
+    return "float32" if step in FP32_ACTIVATIONS else "bfloat16"
+
+
+def dense_impl(dtype: str) -> str:
+    """The dense implementation of a model dtype ("float32" / "bfloat16"): what takes a weight the chosen kernel
+    cannot (`supports` False), and a plan's "dense" prefill."""
+    return "dense_bf16" if dtype == "bfloat16" else "dense_fp32"
 
 
 def make_linear(name: str, weight: torch.Tensor, bias: torch.Tensor | None = None) -> LinearImpl:

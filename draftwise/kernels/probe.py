@@ -3,8 +3,10 @@
 Owns: reading instruction-set flags (/proc/cpuinfo on Linux, sysctl on macOS), the CPU model name,
 torch's own view (ATen CPU capability, threads, version), the kernel's transparent-huge-page policy
 (kernels/hugepages.py places weights there on request) and a short measured memory bandwidth.
-Knows nothing of models or of which kernel is chosen; `probe()` returns a plain dict (JSON-able)
-that bench manifests can record as it is, and `format_probe()` prints it for people.
+`cuda_probe()` is the same for a CUDA device (name, compute capability, multiprocessors, memory, L2,
+torch's CUDA version, measured device-memory bandwidth), marked "device": "cuda" (a CPU probe has no
+"device" key: it means "cpu"). Knows nothing of models or of which kernel is chosen; both return a
+plain dict (JSON-able) that bench manifests can record as it is, and `format_probe()` prints either for people.
 """
 from __future__ import annotations
 
@@ -105,12 +107,66 @@ def probe(bandwidth: bool = True, refresh: bool = False) -> dict:
     return dict(out)
 
 
+_CUDA_CACHE: dict | None = None
+
+
+def measure_cuda_bandwidth(mib: int = 1024) -> float:
+    """Device-memory read bandwidth in GB/s: the best of a few reductions over a float32 buffer far larger than
+    the L2 cache, timed with CUDA events."""
+    buf = torch.ones(mib * 1024 * 1024 // 4, device="cuda")  # [mib MiB / 4]
+    buf.sum()
+    best = float("inf")
+    for _ in range(5):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        buf.sum()
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) / 1e3)
+    del buf
+    return mib * 1024 * 1024 / best / 1e9
+
+
+def cuda_probe(bandwidth: bool = True, refresh: bool = False) -> dict:
+    """What the kernels need to know about the current CUDA device (cached per process); raises RuntimeError
+    where torch sees none."""
+    global _CUDA_CACHE
+    if not torch.cuda.is_available():
+        raise RuntimeError("this torch build sees no CUDA device")
+    if _CUDA_CACHE is not None and not refresh and (not bandwidth or "bandwidth_gbs" in _CUDA_CACHE):
+        return dict(_CUDA_CACHE)
+    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    out = {
+        "device": "cuda",
+        "gpu": props.name,
+        "capability": [props.major, props.minor],
+        "multiprocessors": props.multi_processor_count,
+        "memory_gib": round(props.total_memory / 2**30, 1),
+        "l2_bytes": int(getattr(props, "L2_cache_size", 0)),
+        "cuda_version": torch.version.cuda,
+        "torch_version": torch.__version__,
+        "cpu": _cpuinfo()[0],  # the host: the engine's Python and the launches run there
+        "flags": {},
+    }
+    if bandwidth:
+        out["bandwidth_gbs"] = round(measure_cuda_bandwidth(), 1)
+    _CUDA_CACHE = out
+    return dict(out)
+
+
 def flag_summary(p: dict) -> str:
     """The present flags as one short string, e.g. 'avx2 fma avx512f ... avx512_vnni avx512_bf16'."""
     return " ".join(k for k, v in p["flags"].items() if v) or "none of the tracked flags"
 
 
 def format_probe(p: dict) -> str:
+    if p.get("device") == "cuda":
+        lines = [f"gpu               {p['gpu']} (compute capability {p['capability'][0]}.{p['capability'][1]}, "
+                 f"{p['multiprocessors']} multiprocessors, {p['memory_gib']} GiB, L2 {p['l2_bytes'] / 2**20:.0f} MiB)",
+                 f"torch             {p['torch_version']}, CUDA {p['cuda_version']}; host cpu {p['cpu']}"]
+        if "bandwidth_gbs" in p:
+            lines.append(f"memory read       {p['bandwidth_gbs']:.1f} GB/s (measured, device memory)")
+        return "\n".join(lines)
     lines = [
         f"cpu               {p['cpu']} ({p['machine']}, {p['os_cpus']} logical cpus)",
         f"instruction sets  {flag_summary(p)}",

@@ -126,7 +126,9 @@ class SplitLinear(nn.Module):
 
 
 def _dense_impl(dtype: torch.dtype) -> str:
-    return "dense_bf16" if dtype == torch.bfloat16 else "dense_fp32"
+    from draftwise.kernels.linear import dense_impl
+
+    return dense_impl("bfloat16" if dtype == torch.bfloat16 else "float32")
 
 
 def _impl(name: str, N: int, K: int, dtype: torch.dtype) -> str:
@@ -441,36 +443,44 @@ class Plan:
 def resolve_formats(weights: str | None, dtype: str, cfg, device: str = "cpu", tune=None,
                     progress: bool = True) -> Plan:
     """The formats to load `cfg`'s model in. Explicit values win; "auto" weights (also None weights with "auto"
-    dtype) run the autotuner on the model's real shapes on this machine (fast mode, cached) and take its step and
-    prefill kernels; "auto" dtype follows the step kernel (float32 for q4x8 and dense fp32, else bfloat16).
+    dtype) run the autotuner on the model's real shapes on this machine's `device` (its CPU, or its CUDA device;
+    fast mode, cached) and take its step and prefill kernels; "auto" dtype follows the step kernel (float32 for
+    q4x8 and dense fp32, else bfloat16).
     `tune(shapes) -> autotune result` may be injected (tests)."""
     from draftwise.config import DTYPES, WEIGHT_FORMATS
+    from draftwise.kernels.linear import auto_dtype, dense_impl
 
     if dtype not in DTYPES:
         raise ConfigError(f"dtype must be one of {list(DTYPES)}, got {dtype!r}")
     if weights is not None and weights not in WEIGHT_FORMATS:
         raise ConfigError(f"weights must be one of {list(WEIGHT_FORMATS)}, got {weights!r}")
     if weights == "auto" or (weights is None and dtype == "auto"):
-        if device != "cpu":  # the autotuner measures CPU kernels; on a GPU: dense weights
-            return Plan("bf16" if dtype != "float32" else "fp32", "bfloat16" if dtype == "auto" else dtype)
         from draftwise.kernels import autotune as at
 
-        result = (tune or (lambda shapes: at.autotune(shapes, fast=True, progress=progress)))(at.shapes_from_config(cfg))
+        if tune is None and device != "cpu" and not torch.cuda.is_available():
+            raise ConfigError(f"--weights auto on {device} times that device's kernels, but this torch build sees "
+                              "no CUDA device; use --device cpu")
+        tune = tune or (lambda shapes: at.autotune(shapes, fast=True, progress=progress, device=device))
+        result = tune(at.shapes_from_config(cfg))
         choice = result["choice"]
         step, prefill = choice["step"], choice["prefill"]
-        act = dtype if dtype != "auto" else ("float32" if step in ("q4x8", "dense_fp32") else "bfloat16")
+        act = dtype if dtype != "auto" else auto_dtype(step)
         label = _LABELS.get(step, step) if step == prefill else f"{_LABELS.get(step, step)}+{_LABELS.get(prefill, prefill)}"
         p = result.get("probe") or {}
-        tuning = {"autotune_key": result.get("key"), "cpu": p.get("cpu"), "torch_threads": p.get("torch_threads"),
+        tuning = {"autotune_key": result.get("key"), "device": device, "gpu": p.get("gpu"), "cpu": p.get("cpu"),
+                  "torch_threads": p.get("torch_threads"),
                   "flags": sorted(k for k, v in p.get("flags", {}).items() if v),
                   "step_ms": {n: round(v, 3) for n, v in choice.get("step_score_ms", {}).items()},
                   "prefill_ms": {n: round(v, 3) for n, v in choice.get("prefill_ms", {}).items()}}
         return Plan(label, act, step, prefill, tuning)
     if weights in KERNEL_FORMATS:
+        if device != "cpu":
+            raise ConfigError(f"--weights {weights} is our CPU kernel; on {device} use --weights auto (the autotuner "
+                              "times that device's kernels), bf16, int8 or int4")
         step, prefill = KERNEL_FORMATS[weights]
         act = "float32" if dtype == "auto" else dtype
         if prefill == "dense":
-            prefill = "dense_bf16" if act == "bfloat16" else "dense_fp32"
+            prefill = dense_impl(act)
         return Plan(weights, act, step, prefill)
     act = dtype if dtype != "auto" else ("float32" if weights is None else "bfloat16")
     return Plan(weights or ("bf16" if act == "bfloat16" else "fp32"), act)
