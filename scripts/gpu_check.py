@@ -63,12 +63,17 @@ def tune(out: dict, device: str) -> None:
 
 
 def end_to_end(out: dict, max_tokens: int, device: str, layers: int, profile: bool = True) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        _end_to_end(Path(tmp), out, max_tokens, device, layers, profile)
+
+
+def _end_to_end(tmp: Path, out: dict, max_tokens: int, device: str, layers: int, profile: bool) -> None:
     from draftwise.api import LLM
     from draftwise.sampling import SamplingParams
     from tests.tiny_checkpoints import write_tiny_hf_dir
 
     section(f"end to end: LLM(model=<random 1.5B-shaped qwen2 dir, {layers} layers>, device={device!r}), weights auto")
-    d = Path(tempfile.mkdtemp()) / "qwen2-1.5b-shaped-random"
+    d = tmp / "qwen2-1.5b-shaped-random"
     t0 = time.perf_counter()
     write_tiny_hf_dir(d, "qwen2", dims={**TARGET, "layers": layers}, scale=0.02)
     print(f"wrote the checkpoint in {time.perf_counter() - t0:.1f} s")
@@ -127,7 +132,8 @@ def main() -> int:
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: a dry run of this script")
     ap.add_argument("--layers", type=int, default=TARGET["layers"], help="decoder layers of the random checkpoint")
     args = ap.parse_args()
-    os.environ.setdefault("DRAFTWISE_CACHE_DIR", tempfile.mkdtemp())
+    cache = tempfile.TemporaryDirectory()  # the autotuner's and the kernels' cache: this run's own, removed after
+    os.environ.setdefault("DRAFTWISE_CACHE_DIR", cache.name)
     section("probes")
     print(format_probe(probe(bandwidth=False)))
     dev = cuda_probe() if args.device == "cuda" else probe(bandwidth=False)
@@ -142,6 +148,7 @@ def main() -> int:
     finally:
         if args.out:
             Path(args.out).write_text(json.dumps(out, indent=1, default=str))
+        cache.cleanup()
     return 0
 
 
