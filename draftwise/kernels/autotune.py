@@ -5,8 +5,9 @@ Owns: the timing procedure, the choice rule (`choose`, a pure function of a timi
 the JSON cache (${DRAFTWISE_CACHE_DIR:-~/.cache/draftwise}/kernels/autotune/<key>.json, keyed by the CPU's
 flags, torch version, threads and the shapes; on a GPU by its name and compute capability) and the table printer.
 The same procedure and rule serve a CUDA device (`device="cuda"`): the candidates are those whose `devices`
-include it, each call is timed between synchronizations after the L2 cache is flushed. Knows nothing of checkpoints or decoders:
-callers pass shapes (`decoder_shapes`, or `shapes_from_config` on any object with the usual config fields).
+include it, each call timed with CUDA events after the L2 cache is overwritten. Knows nothing of checkpoints or
+decoders: callers pass shapes (`decoder_shapes`, or `shapes_from_config` on any object with the usual config
+fields).
 
 Choice rule (documented contract):
   * step kernel: ONE kernel for every decode/verification width, so greedy speculative output equals plain
