@@ -66,11 +66,6 @@ class RequestOutput:
         return self.num_output_tokens / self.total_s
 
 
-def check_device(device: str) -> None:
-    if device == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("--device cuda was asked for, but this torch build sees no CUDA device; use --device cpu")
-
-
 def load_model(name: str, dtype: str = "auto", device: str = "cpu", weights: str | None = "auto",
                cache_dir: str | None = None, tune=None):
     """Resolve and load a checkpoint: returns (Decoder, Tokenizer, info dict). The one loader of the package.
@@ -82,7 +77,7 @@ def load_model(name: str, dtype: str = "auto", device: str = "cpu", weights: str
     from draftwise.models import quant
     from draftwise.models.sources import load_checkpoint
 
-    check_device(device)
+    quant.check_device(device)  # before the checkpoint is read (resolve_formats checks it too)
     ckpt = load_checkpoint(name, cache_dir=cache_dir)
     plan = quant.resolve_formats(weights, dtype, ckpt.config, device, tune=tune)
     torch_dtype = DTYPES[plan.dtype]

@@ -102,9 +102,9 @@ def cmd_kernels(args) -> int:
     """The probe, the autotuner's timing table on the model's real shapes, and its choice (cached per machine)."""
     import torch
 
-    from draftwise.api import check_device
     from draftwise.kernels import autotune
     from draftwise.kernels.probe import format_probe
+    from draftwise.models.quant import check_device
     from draftwise.models.sources import load_checkpoint
 
     check_device(args.device)

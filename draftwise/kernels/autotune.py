@@ -43,7 +43,7 @@ from pathlib import Path
 import torch
 
 from draftwise.kernels.linear import IMPLS, auto_dtype, available_impls, dense_impl, probe_device
-from draftwise.kernels.probe import cuda_probe, flag_summary, format_probe
+from draftwise.kernels.probe import cuda_probe, cuda_seconds, flag_summary, format_probe
 from draftwise.kernels.probe import probe as cpu_probe
 
 STEP_ROWS = (1, 2, 4, 8, 16)
@@ -125,17 +125,12 @@ def _time_calls(mod, x: torch.Tensor, samples: int, cold: bool, clock=time.perf_
         for _ in range(samples):
             if cold:
                 _flush_caches(device)
-            if device == "cpu":
-                t0 = clock()
-                mod(x)
-                best = min(best, clock() - t0)
+            if device != "cpu":
+                best = min(best, cuda_seconds(lambda: mod(x)))
                 continue
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
+            t0 = clock()
             mod(x)
-            end.record()
-            end.synchronize()
-            best = min(best, start.elapsed_time(end) / 1e3)
+            best = min(best, clock() - t0)
     return best * 1e3
 
 

@@ -126,10 +126,11 @@ class TorchInt4BF16(LinearImpl):
 
     @classmethod
     def available(cls, probe: dict) -> bool:
+        if not super().available(probe):
+            return False
         if probe_device(probe) == "cuda":
             return hasattr(torch, "_weight_int4pack_mm") and tuple(probe.get("capability", (0, 0))) >= (8, 0)
-        return (probe_device(probe) == "cpu" and hasattr(torch, "_weight_int4pack_mm_for_cpu")
-                and hasattr(torch, "_convert_weight_to_int4pack_for_cpu"))
+        return hasattr(torch, "_weight_int4pack_mm_for_cpu") and hasattr(torch, "_convert_weight_to_int4pack_for_cpu")
 
     @classmethod
     def supports(cls, N: int, K: int) -> bool:

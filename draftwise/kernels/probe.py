@@ -110,19 +110,23 @@ def probe(bandwidth: bool = True, refresh: bool = False) -> dict:
 _CUDA_CACHE: dict | None = None
 
 
+def cuda_seconds(fn) -> float:
+    """Seconds the current CUDA stream spends on what `fn()` queues, from CUDA events around it (the device's
+    time, not the host's wait for the result)."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3
+
+
 def measure_cuda_bandwidth(mib: int = 1024) -> float:
     """Device-memory read bandwidth in GB/s: the best of a few reductions over a float32 buffer far larger than
     the L2 cache, timed with CUDA events."""
     buf = torch.ones(mib * 1024 * 1024 // 4, device="cuda")  # [mib MiB / 4]
     buf.sum()
-    best = float("inf")
-    for _ in range(5):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        buf.sum()
-        end.record()
-        end.synchronize()
-        best = min(best, start.elapsed_time(end) / 1e3)
+    best = min(cuda_seconds(buf.sum) for _ in range(5))
     del buf
     return mib * 1024 * 1024 / best / 1e9
 

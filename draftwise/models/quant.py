@@ -440,6 +440,11 @@ class Plan:
         return out
 
 
+def check_device(device: str) -> None:
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("--device cuda was asked for, but this torch build sees no CUDA device; use --device cpu")
+
+
 def resolve_formats(weights: str | None, dtype: str, cfg, device: str = "cpu", tune=None,
                     progress: bool = True) -> Plan:
     """The formats to load `cfg`'s model in. Explicit values win; "auto" weights (also None weights with "auto"
@@ -454,12 +459,10 @@ def resolve_formats(weights: str | None, dtype: str, cfg, device: str = "cpu", t
         raise ConfigError(f"dtype must be one of {list(DTYPES)}, got {dtype!r}")
     if weights is not None and weights not in WEIGHT_FORMATS:
         raise ConfigError(f"weights must be one of {list(WEIGHT_FORMATS)}, got {weights!r}")
+    check_device(device)
     if weights == "auto" or (weights is None and dtype == "auto"):
         from draftwise.kernels import autotune as at
 
-        if tune is None and device != "cpu" and not torch.cuda.is_available():
-            raise ConfigError(f"--weights auto on {device} times that device's kernels, but this torch build sees "
-                              "no CUDA device; use --device cpu")
         tune = tune or (lambda shapes: at.autotune(shapes, fast=True, progress=progress, device=device))
         result = tune(at.shapes_from_config(cfg))
         choice = result["choice"]
