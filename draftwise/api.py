@@ -16,12 +16,12 @@ import torch
 
 from draftwise.config import ConfigError, EngineConfig, SpecConfig, parse_spec_config
 from draftwise.engine import Engine, Request
-from draftwise.kernels import every_row_exact, hugepages
-from draftwise.kernels.linear import q4x8_everywhere
+from draftwise.kernels import hugepages
+from draftwise.kernels.plan import KernelPlan, resolve_plan
 from draftwise.kernels.threads import ThreadGuard
 from draftwise.models.transformer import Decoder
 from draftwise.output import TextStream
-from draftwise.prefix_cache import PrefixCache, on_by_default
+from draftwise.prefix_cache import PrefixCache
 from draftwise.sampling import SamplingParams
 from draftwise.spec_decode.adaptive import AdaptiveK, FixedK, KPolicy
 from draftwise.spec_decode.builders import ProposerContext, build_proposer
@@ -29,7 +29,7 @@ from draftwise.spec_decode.proposer import Proposer
 
 __all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "load_model"]
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}  # resolved dtypes ("auto" resolves per model)
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}  # a plan's dtype as torch's
 DEFAULT_MAX_MODEL_LEN = 4096
 
 
@@ -66,43 +66,45 @@ class RequestOutput:
         return self.num_output_tokens / self.total_s
 
 
-def load_model(name: str, dtype: str = "auto", device: str = "cpu", weights: str | None = "auto",
+def load_model(name: str, dtype: str = "auto", device: str = "cpu", weights: str = "auto",
                cache_dir: str | None = None, tune=None):
     """Resolve and load a checkpoint: returns (Decoder, Tokenizer, info dict). The one loader of the package.
 
-    "auto" weights (or None weights with "auto" dtype) take the kernels the autotuner measured fastest here for
-    this model's shapes (models/quant.py, resolve_formats; `tune` injects its result in tests). Kernel formats
-    (q4x8, auto's choices) of a GGUF are built straight from its blocks and cached packed; the rest load dense
-    and are quantized in place. info gets the resolved `weights`, `dtype` and, for kernel formats, `kernels`."""
+    The decoder is built with the KernelPlan kernels/plan.py resolves for `weights` / `dtype` on `device` ("auto"
+    weights: the kernels the autotuner measured fastest here for this model's shapes; `tune` injects its result
+    in tests) and owns it (`Decoder.plan`). A GGUF on the CPU is built straight from its blocks and cached in
+    the plan's stored form; otherwise the dense weights load and the plan's kernels are built from them. info gets the resolved `weights` (the plan's label), `dtype` and `plan` (its dict)."""
     from draftwise.models import quant
     from draftwise.models.sources import load_checkpoint
 
-    quant.check_device(device)  # before the checkpoint is read (resolve_formats checks it too)
+    check_device(device)  # before the checkpoint is read
     ckpt = load_checkpoint(name, cache_dir=cache_dir)
-    plan = quant.resolve_formats(weights, dtype, ckpt.config, device, tune=tune)
+    plan = resolve_plan(weights, dtype, ckpt.config, device, tune=tune)
     torch_dtype = DTYPES[plan.dtype]
     cfg = ckpt.config
-    # a GGUF in kernel formats on the CPU: built from its blocks, no dense copy on disk (the prepared modules and
-    # their cache are CPU layouts; on a GPU the kernels are built from the dense weights there)
-    if plan.step is not None and "converted_path" in ckpt.info and device == "cpu":
+    # a GGUF on the CPU: built from its blocks, cached in the plan's stored form, no dense float32 copy on disk
+    # (the prepared modules and their cache are CPU layouts; on a GPU the kernels are built from the dense weights
+    # there; int8_dynamic has no stored form)
+    if "converted_path" in ckpt.info and device == "cpu" and "int8_dynamic" not in (plan.step, plan.prefill):
         embed_dtype = quant.embed_storage_dtype(cfg.vocab_size, cfg.hidden_size, torch_dtype)
-        model = Decoder.from_tensors(cfg, ckpt.prepared(plan.step, plan.prefill, torch_dtype, embed_dtype),
-                                     dtype=torch_dtype, device=device, embed_dtype=embed_dtype)
+        model = Decoder.from_tensors(cfg, ckpt.prepared(plan, embed_dtype), dtype=torch_dtype, device=device,
+                                     embed_dtype=embed_dtype)
+        model.plan = plan
     else:
         model = Decoder.from_tensors(cfg, ckpt.tensors(torch_dtype), dtype=torch_dtype, device=device)
-        if plan.step is not None:
-            quant.build_linears(model, plan.step, plan.prefill)
-        elif plan.weights in ("int8", "int4", "int4+dense"):
-            quant.quantize_decoder(model, plan.weights)
-    info = dict(ckpt.info, dtype=plan.dtype, weights=plan.weights)
-    if plan.kernels() is not None:
-        info["kernels"] = plan.kernels()
+        quant.build_linears(model, plan)
+    info = dict(ckpt.info, dtype=plan.dtype, weights=plan.label, plan=plan.to_dict())
     # opt-in (DRAFTWISE_HUGE_PAGES=1): 2 MiB pages for the weights every step streams; not shown to pay end to end
-    # here (docs/ARCHITECTURE.md, huge pages), while the copy and the collapse cost seconds of load
+    # here (docs/PERFORMANCE.md, huge pages), while the copy and the collapse cost seconds of load
     if device == "cpu" and os.environ.get("DRAFTWISE_HUGE_PAGES", "0") == "1":
         placed = hugepages.place_in_huge_pages(model)
         info["huge_pages"] = {"thp": placed["mode"], "bytes": placed["moved_bytes"]}
     return model, ckpt.tokenizer, info
+
+
+def check_device(device: str) -> None:
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("--device cuda was asked for, but this torch build sees no CUDA device; use --device cpu")
 
 
 class LLM:
@@ -119,7 +121,7 @@ class LLM:
         dtype: str = "auto",
         device: str = "cpu",
         speculative_config: str | dict | SpecConfig | None = None,
-        weights: str | None = "auto",
+        weights: str = "auto",
         threads: int | None = None,
         max_num_seqs: int = 8,
         max_model_len: int | None = None,
@@ -136,13 +138,11 @@ class LLM:
         if threads:
             torch.set_num_threads(threads)
         t0 = time.perf_counter()
-        target, tokenizer, info = load_model(model, dtype, device, weights, cache_dir)
+        target, tokenizer, info = load_model(model, config.dtype, config.device, config.weights, cache_dir)
 
         def load_draft(name: str, draft_dtype: str, draft_weights: str | None):
-            # no draft_weights given: the draft follows the target's "auto" (its own shapes, its own choice)
-            if draft_weights is None and weights == "auto":
-                draft_weights = "auto"
-            return load_model(name, draft_dtype, device, draft_weights, cache_dir)
+            # no draft_weights given: the draft follows the target's weights ("auto": its own shapes, its own choice)
+            return load_model(name, draft_dtype, config.device, draft_weights or config.weights, cache_dir)
 
         self._assemble(config, target, tokenizer, info, load_draft, max_lookahead)
         self.load_time_s = time.perf_counter() - t0
@@ -179,25 +179,24 @@ class LLM:
         eos = tuple(tokenizer.eos_token_ids) or tuple(mc.eos_token_ids)
         self.eos_token_ids = eos  # what ends a sequence; a grammar allows them exactly when the output is complete
         self.engine = Engine(model, proposer, lookahead, config.max_num_seqs, self.max_model_len, eos,
-                             seed=config.seed, k_policy=k_policy, thread_guard=self._thread_guard(config, model_info),
-                             prefix_cache=self._prefix_cache(config, model, model_info),
-                             speculate_in_prefill=every_row_exact(config.device, model_info.get("kernels"),
-                                                                  model.dtype))
+                             seed=config.seed, k_policy=k_policy, thread_guard=self._thread_guard(config, model.plan),
+                             prefix_cache=self._prefix_cache(config, model.plan),
+                             speculate_in_prefill=model.plan.row_exact)
 
     @staticmethod
-    def _thread_guard(config: EngineConfig, model_info: dict) -> ThreadGuard | None:
-        """A ThreadGuard where a thread count cannot change a result (q4x8 everywhere)."""
-        if not config.thread_guard or not q4x8_everywhere(config.device, model_info.get("kernels")):
+    def _thread_guard(config: EngineConfig, plan: KernelPlan) -> ThreadGuard | None:
+        """A ThreadGuard where a thread count cannot change a result (the plan is row-exact)."""
+        if not config.thread_guard or not plan.row_exact:
             return None
         return ThreadGuard(config.threads)  # None: the thread count torch runs with now
 
     @staticmethod
-    def _prefix_cache(config: EngineConfig, model: Decoder, model_info: dict) -> PrefixCache | None:
-        """A PrefixCache when asked; by default where it cannot change a token: q4x8 everywhere and our attention
-        op for every prompt row, so a prompt prefilled after a cached prefix is bitwise one prefilled whole."""
+    def _prefix_cache(config: EngineConfig, plan: KernelPlan) -> PrefixCache | None:
+        """A PrefixCache when asked; by default where it cannot change a token: where the plan is row-exact, so a
+        prompt prefilled after a cached prefix is bitwise one prefilled whole."""
         enabled = config.enable_prefix_caching
         if enabled is None:
-            enabled = on_by_default(config.device, model_info.get("kernels"), model.dtype)
+            enabled = plan.row_exact
         return PrefixCache() if enabled else None
 
     def prefix_caches(self) -> dict[str, PrefixCache]:

@@ -50,8 +50,8 @@ def cmd_generate(args) -> int:
             "num_prompt_tokens": len(final.prompt_token_ids), "num_output_tokens": len(out.token_ids),
             "ttft_s": final.ttft_s, "total_s": final.total_s, "tokens_per_s": final.tokens_per_s,
             "finish_reason": out.finish_reason, "spec": final.spec,
-            "model": {k: llm.model_info.get(k) for k in ("name", "weights", "dtype", "kernels")},
-            "draft": ({k: llm.draft_info.get(k) for k in ("name", "weights", "dtype", "kernels")}
+            "model": {k: llm.model_info.get(k) for k in ("name", "weights", "dtype", "plan")},
+            "draft": ({k: llm.draft_info.get(k) for k in ("name", "weights", "dtype", "plan")}
                       if llm.draft_info else None),
         }))
     else:
@@ -104,7 +104,7 @@ def cmd_kernels(args) -> int:
 
     from draftwise.kernels import autotune
     from draftwise.kernels.probe import format_probe
-    from draftwise.models.quant import check_device
+    from draftwise.api import check_device
     from draftwise.models.sources import load_checkpoint
 
     check_device(args.device)

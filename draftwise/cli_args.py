@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 
-from draftwise.config import DTYPES, WEIGHT_FORMATS, ConfigError
+from draftwise.config import DTYPES, ConfigError, check_weights
 from draftwise.models.catalog import DEFAULT_TARGET
 
 
@@ -29,22 +29,32 @@ def k_list(s: str) -> list[int | str]:
         raise ConfigError(f"expected comma-separated integers or 'auto', got {s!r}") from None
 
 
+def weights_arg(text: str) -> str:
+    """argparse type of --weights / --draft-weights: config.check_weights, its message as argparse's error."""
+    try:
+        return check_weights(text)
+    except ConfigError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def add_model_args(p: argparse.ArgumentParser, spec: bool = True) -> None:
     p.add_argument("--model", default=DEFAULT_TARGET, help="catalog name, .gguf file, HF checkpoint dir or hub id")
     p.add_argument("--dtype", default="auto", choices=list(DTYPES),
                    help="activation dtype; auto: what the chosen kernels want (float32 for q4x8)")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    p.add_argument("--weights", default="auto", choices=list(WEIGHT_FORMATS),
-                   help="weight format of the linear layers; auto: the kernels measured fastest on this machine "
-                        "for this model (`draftwise kernels` shows the table)")
+    from draftwise.kernels.plan import weights_help
+
+    p.add_argument("--weights", default="auto", type=weights_arg,
+                   help="the linear layers' kernels (kernels/plan.py): " + weights_help().replace("%", "%%") +
+                        "; `draftwise kernels` shows auto's table")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--no-thread-guard", dest="thread_guard", action="store_false",
                    help="keep --threads even while other processes hold cores (default: fewer threads then, "
-                        "with q4x8 kernels, where results cannot change)")
+                        "where the kernel plan is row-exact and results cannot change)")
     p.add_argument("--enable-prefix-caching", dest="enable_prefix_caching", default=None,
                    action=argparse.BooleanOptionalAction,
                    help="reuse the K/V of a prompt's longest prefix seen before (default: on where it changes no "
-                        "token, i.e. q4x8 kernels for every width with our attention op)")
+                        "token: a row-exact kernel plan, e.g. q4x8 for every width with our attention op)")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=8)
     p.add_argument("--seed", type=int, default=0, help="engine seed (requests without their own seed derive from it)")

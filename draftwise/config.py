@@ -74,10 +74,18 @@ SPEC_METHODS = ("none", "ngram", "draft_model", "grammar")
 THEN_METHODS = ("ngram", "draft_model")  # what may fill the rest of k after the grammar's forced tokens
 # "auto": the activation dtype the chosen kernels want (float32 for q4x8, bfloat16 for torch's int4 and dense bf16)
 DTYPES = ("auto", "float32", "bfloat16")
-# "auto": the kernels the autotuner measured fastest on this machine for this model (models/quant.py, resolve_formats);
-# "q4x8": our int4-weight x int8-activation kernel for every call; "int4+dense" / "q4x8+dense": the quantized
-# kernel for narrow calls (decode, verification), the dense dtype weights for wide ones (prefill)
-WEIGHT_FORMATS = ("auto", "bf16", "int8", "int4", "int4+dense", "q4x8", "q4x8+dense")
+
+
+def check_weights(weights: str, device: str | None = None) -> str:
+    """A `--weights` value (auto, a kernel of kernels/linear.py's registry, or STEP+PREFILL; kernels/plan.py reads
+    it), as given, or a ConfigError naming what is wrong; `device`: also check it runs there."""
+    from draftwise.kernels.plan import parse_weights
+
+    try:
+        parse_weights(weights, device)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    return weights
 
 
 @dataclass(frozen=True)
@@ -166,8 +174,8 @@ def parse_spec_config(value: str | dict | SpecConfig | None) -> SpecConfig:
         raise ConfigError(f"prompt_lookup_min ({lo}) must not exceed prompt_lookup_max ({hi})")
     if d.get("draft_dtype") is not None and d["draft_dtype"] not in DTYPES:
         raise ConfigError(f"draft_dtype must be one of {list(DTYPES)}, got {d['draft_dtype']!r}")
-    if d.get("draft_weights") is not None and d["draft_weights"] not in WEIGHT_FORMATS:
-        raise ConfigError(f"draft_weights must be one of {list(WEIGHT_FORMATS)}, got {d['draft_weights']!r}")
+    if d.get("draft_weights") is not None:
+        check_weights(d["draft_weights"])
     n = d.get("draft_vocab_size")
     if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
         # the upper bound (the draft's vocabulary) is checked when the draft is loaded (spec_decode/builders.py)
@@ -209,7 +217,7 @@ class EngineConfig:
     model: str
     dtype: str = "float32"
     device: str = "cpu"
-    weights: str | None = None  # None = keep dtype; "auto" = measured per machine; else WEIGHT_FORMATS
+    weights: str = "auto"  # "auto" = measured per machine; a kernel name or STEP+PREFILL (kernels/plan.py)
     threads: int | None = None
     max_num_seqs: int = 8
     max_model_len: int | None = None  # None = min(model's context, 4096)
@@ -225,8 +233,9 @@ class EngineConfig:
             raise ConfigError(f"dtype must be one of {list(DTYPES)}, got {self.dtype!r}")
         if self.device not in ("cpu", "cuda"):
             raise ConfigError(f"device must be cpu or cuda, got {self.device!r}")
-        if self.weights is not None and self.weights not in WEIGHT_FORMATS:
-            raise ConfigError(f"weights must be one of {list(WEIGHT_FORMATS)}, got {self.weights!r}")
+        check_weights(self.weights, self.device)
+        if self.spec_config.draft_weights is not None:
+            check_weights(self.spec_config.draft_weights, self.device)
         if self.max_num_seqs < 1:
             raise ConfigError("max_num_seqs must be >= 1")
         if self.threads is not None and self.threads < 1:

@@ -108,7 +108,7 @@ class Engine:
         self.thread_guard = thread_guard  # fewer torch threads while other processes hold cores (kernels/threads.py)
         self.prefix_cache = prefix_cache  # K/V of recent prompts: a prompt's cached prefix is not recomputed
         # the prefill forward also verifies the first draft: only where a prompt's rows are bitwise the rows a
-        # decode step computes at those positions (kernels.every_row_exact), or greedy output could change
+        # decode step computes at those positions (KernelPlan.row_exact, kernels/plan.py), or greedy output could change
         self.speculate_in_prefill = speculate_in_prefill
         self.max_lookahead = max_lookahead  # the most guesses any step may verify: sizes the cache's look-ahead
         self.max_model_len = max_model_len

@@ -22,14 +22,6 @@ from draftwise.kv_cache import KVCache
 DEFAULT_BYTES = 256 * 2**20  # 256 MiB of K/V: ~4,700 tokens of the packaged 1.5B target (float32 K/V)
 
 
-def on_by_default(device: str, kernels: dict | None, dtype: torch.dtype) -> bool:
-    """Where a prefix cache changes no token (so LLM turns it on unless told): q4x8 for every width (kernels:
-    the model's info["kernels"]) and our row-exact attention op for this dtype, which then takes every prompt row."""
-    from draftwise.kernels import every_row_exact
-
-    return every_row_exact(device, kernels, dtype)
-
-
 @dataclass
 class _Entry:
     token_ids: tuple[int, ...]

@@ -152,7 +152,7 @@ def main(argv=None) -> int:
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--max-model-len", type=int, default=1024)
     ap.add_argument("--dtype", default="float32")
-    ap.add_argument("--weights", default=None)
+    ap.add_argument("--weights", default="auto")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--startup-timeout", type=float, default=300)
     ap.add_argument("--json-out", default=None, help="also write the rows (with texts) to this file")

@@ -4,7 +4,7 @@ that runs here, on the projection shapes of Qwen2.5-Coder-1.5B (hidden 1536, int
 lm_head), the ratios vs M=1, and optionally the per-projection detail. Not a test; numbers are noisy on a
 shared machine, so it repeats the whole measurement and reports medians.
 
-    .venv/bin/python scripts/bench_kernels.py [--repeat 3] [--detail] [--warm] [--only q4x8,int4_torch] [--threads N]
+    .venv/bin/python scripts/bench_kernels.py [--repeat 3] [--detail] [--warm] [--only q4x8,int4] [--threads N]
         [--samples 15] [--json F]
 """
 from __future__ import annotations
@@ -19,12 +19,12 @@ import torch
 
 from draftwise.kernels import q4x8
 from draftwise.kernels.autotune import choose, decoder_shapes, format_table, measure
-from draftwise.kernels.linear import IMPLS, Q4x8, available_impls
+from draftwise.kernels.linear import LINEARS, Q4x8Linear, available
 from draftwise.kernels.probe import flag_summary, format_probe, probe
 
 
 def forced(path: str):
-    class Forced(Q4x8):
+    class Forced(Q4x8Linear):
         name = f"q4x8[{path}]"
 
         def __init__(self, weight, bias=None):
@@ -52,8 +52,8 @@ def main() -> None:
 
     p = probe()
     print(format_probe(p))
-    registry = dict(IMPLS)
-    names = available_impls(p)
+    registry = dict(LINEARS)
+    names = available(p)
     if "q4x8" in names:
         paths = q4x8.cpu_paths()
         if "avx512" in paths and "avx2" in paths:  # what an AVX2-only CPU would run, measured here

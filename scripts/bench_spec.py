@@ -45,7 +45,7 @@ def main() -> None:
     ap.add_argument("--model", default="qwen2.5-coder-1.5b-instruct")
     ap.add_argument("--draft", default="qwen2.5-coder-0.5b-instruct")
     ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--weights", default=None)
+    ap.add_argument("--weights", default="auto")
     ap.add_argument("--draft-weights", default=None)
     ap.add_argument("--ks", default="2,4,6")
     ap.add_argument("--methods", default="ngram,draft_model")

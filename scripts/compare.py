@@ -31,11 +31,6 @@ import torch
 
 from draftwise.bench.workloads import load_workload
 
-FORMATS = {  # --formats name -> (dtype, weights) of a fixed format
-    "fp32": ("float32", None), "bf16": ("bfloat16", None), "int8": ("bfloat16", "int8"),
-    "int4": ("bfloat16", "int4"), "int4+dense": ("bfloat16", "int4+dense"), "q4x8": ("float32", "q4x8"),
-    "q4x8+dense": ("float32", "q4x8+dense"),
-}
 
 
 def item_ids(tok, item) -> list[int]:
@@ -163,7 +158,8 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--ours", action="append", default=[], help="JSON: name, dtype, weights, spec")
-    ap.add_argument("--formats", default="", help=f"comma list of fixed formats beside auto: {','.join(FORMATS)}")
+    ap.add_argument("--formats", default="", help="comma list of fixed --weights values beside auto (e.g. q4x8,int4,bf16,"
+                                                 "q4x8+bf16), each with --dtype auto")
     ap.add_argument("--format-spec", action="append", default=[],
                     help="JSON spec config each --formats entry also runs (default: ngram with --lookup-k)")
     ap.add_argument("--lookup-k", type=int, default=4)
@@ -190,8 +186,7 @@ def main() -> None:
         )]
     specs = [json.loads(s) for s in args.format_spec] or [ngram]
     for fmt in [f for f in args.formats.split(",") if f]:
-        dtype, weights = FORMATS[fmt]
-        base = {"dtype": dtype, **({"weights": weights} if weights else {"weights": None})}
+        base = {"dtype": "auto", "weights": fmt}
         args.ours.append(json.dumps({"name": f"draftwise {fmt} plain", **base}))
         for s in specs:
             label = f"{s['method']} k={s.get('num_speculative_tokens')}"

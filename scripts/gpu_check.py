@@ -81,8 +81,8 @@ def _end_to_end(tmp: Path, out: dict, max_tokens: int, device: str, layers: int,
     llm = LLM(model=str(d), device=device, max_num_seqs=4, max_lookahead=8)
     info = llm.model_info
     print(f"loaded in {time.perf_counter() - t0:.1f} s (autotune included): weights {info.get('weights')}, "
-          f"dtype {info.get('dtype')}, kernels {info.get('kernels')}")
-    out["load"] = {"weights": info.get("weights"), "dtype": info.get("dtype"), "kernels": info.get("kernels")}
+          f"dtype {info.get('dtype')}, plan {info.get('plan')}")
+    out["load"] = {"weights": info.get("weights"), "dtype": info.get("dtype"), "plan": info.get("plan")}
     sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     llm.generate(PROMPTS[:1], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))  # warm-up
     runs, plain = {}, None

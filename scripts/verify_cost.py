@@ -50,9 +50,9 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     print(format_probe(probe()), flush=True)
     model, _, info = load_model(args.model, args.dtype, weights=args.weights)
-    kernels = info.get("kernels", {})
-    print(f"{args.model}: dtype {info['dtype']}, weights {info['weights']}, step kernel {kernels.get('step')}, "
-          f"prefill kernel {kernels.get('prefill')}; {args.threads} threads, context {args.context} tokens, "
+    plan = model.plan
+    print(f"{args.model}: dtype {info['dtype']}, weights {info['weights']}, step kernel {plan.step}, "
+          f"prefill kernel {plan.prefill}; {args.threads} threads, context {args.context} tokens, "
           f"median over rounds of the median of {args.repeats}")
     widths = [int(r) for r in args.rows.split(",")]
     # rounds interleave the widths (one short median per width per round), so a host whose speed drifts during

@@ -81,9 +81,6 @@ def json_tokenizer() -> Tokenizer:
     return _json_tok
 
 
-Q4X8_INFO = {"kernels": {"step": "q4x8", "prefill": "q4x8"}}  # a model_info whose kernels are q4x8 everywhere
-
-
 def json_llm(spec=None, max_num_seqs: int = 4, max_model_len: int = 256, max_lookahead: int | None = None,
              seed: int = 0, q4x8: bool = False) -> LLM:
     """tiny_llm's shape over json_tokenizer(): a random qwen2 decoder as wide as that vocabulary, and a noisy
@@ -95,13 +92,14 @@ def json_llm(spec=None, max_num_seqs: int = 4, max_model_len: int = 256, max_loo
     def build(model):
         if q4x8:
             from draftwise.kernels import q4x8 as kernel
+            from draftwise.kernels.plan import resolve_plan
             from draftwise.models import quant
 
             try:
                 kernel.load()
             except kernel.KernelBuildError as e:
                 pytest.skip(f"q4x8 cannot be built here: {e}")
-            quant.build_linears(model, "q4x8", "q4x8")
+            quant.build_linears(model, resolve_plan("q4x8", "auto", None))
         return model
 
     def draft(name, dtype, weights):
@@ -110,11 +108,11 @@ def json_llm(spec=None, max_num_seqs: int = 4, max_model_len: int = 256, max_loo
         with torch.no_grad():
             for p in d.parameters():
                 p.add_(0.05 * torch.randn(p.shape, generator=g))
-        return build(d), tok, dict(Q4X8_INFO if q4x8 else {}, name=name)
+        return build(d), tok, {"name": name}
 
     return LLM.from_parts(build(tiny_decoder("qwen2", 0, vocab)), tok, name=MODEL, speculative_config=spec,
                           max_num_seqs=max_num_seqs, max_model_len=max_model_len, max_lookahead=max_lookahead,
-                          load_draft=draft, seed=seed, model_info=Q4X8_INFO if q4x8 else None)
+                          load_draft=draft, seed=seed)
 
 
 class Server:
@@ -170,7 +168,7 @@ def one_torch_thread():
 
 
 def fixed_tune(step: str, prefill: str):
-    """An injected autotuner (`tune=` of load_model / resolve_formats / memory.estimate) whose timing table makes
+    """An injected autotuner (`tune=` of load_model / plan.resolve_plan / memory.estimate) whose timing table makes
     `step` the step kernel and `prefill` the prefill kernel: no timing, no cache."""
     from draftwise.kernels import autotune
     from draftwise.kernels.probe import probe

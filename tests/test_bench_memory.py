@@ -22,7 +22,7 @@ def test_shapes_from_gguf_metadata_match_the_loaded_model(tiny_gguf_path):
     assert s.num_params == sum(t.numel() for _, t in g.tensors())
     assert 0 < s.num_linear_params < s.num_params
     plan = lambda dtype, weights: memory.resolve_plan(s, dtype, weights)  # noqa: E731
-    assert memory.weight_bytes(s, plan("bfloat16", None)) == 2 * s.num_params
+    assert memory.weight_bytes(s, plan("auto", "bf16")) == 2 * s.num_params
     assert (memory.weight_bytes(s, plan("float32", "int4")) < memory.weight_bytes(s, plan("float32", "int8"))
             < 4 * s.num_params)
 
@@ -37,14 +37,14 @@ def test_safetensors_header_only(tiny_hf_dir):
 
 
 def test_estimate_phases(tiny_gguf_path, monkeypatch):
-    e = memory.estimate(str(tiny_gguf_path), str(tiny_gguf_path), 512, 4, "bfloat16", weights=None)
+    e = memory.estimate(str(tiny_gguf_path), str(tiny_gguf_path), 512, 4, "bfloat16", weights="bf16")
     rows = e["bytes"]
     assert set(rows) == {"target_weights", "target_kv_cache", "draft_weights", "draft_kv_cache", "runtime_overhead"}
     assert e["serving_bytes"] == sum(rows.values())
     assert e["total_bytes"] == max(e["serving_bytes"], *e["loading_peak_bytes"].values())
     monkeypatch.setattr(memory, "available_memory", lambda device="cpu": (1, "test"))
-    assert not memory.estimate(str(tiny_gguf_path), None, 512, 4, "float32", None)["fits"]
-    assert "WARNING" in memory.format_estimate(memory.estimate(str(tiny_gguf_path), None, 512, 4, "float32", None))
+    assert not memory.estimate(str(tiny_gguf_path), None, 512, 4, "float32", "fp32")["fits"]
+    assert "WARNING" in memory.format_estimate(memory.estimate(str(tiny_gguf_path), None, 512, 4, "float32", "fp32"))
 
 
 @pytest.mark.parametrize("spec", [None, {"method": "ngram", "num_speculative_tokens": 3},
@@ -69,8 +69,8 @@ def held_bytes(model) -> int:
     return sum(storages.values())
 
 
-PLANS = [("q4x8", "q4x8"), ("q4x8", "dense_fp32"), ("q4x8", "dense_bf16"), ("int4_torch", "int4_torch"),
-         ("dense_fp32", "dense_fp32"), ("dense_bf16", "dense_bf16")]
+PLANS = [("q4x8", "q4x8"), ("q4x8", "fp32"), ("q4x8", "bf16"), ("int4", "int4"),
+         ("fp32", "fp32"), ("bf16", "bf16")]
 
 
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
@@ -83,11 +83,11 @@ def test_weight_and_kv_estimates_equal_what_the_loaded_model_allocates(step, pre
     reload from the prepared cache alike; the draft (its own auto) gets the same; the KV rows in the resolved
     activation dtype equal the engine's caches."""
     from draftwise.api import LLM, load_model
-    from draftwise.kernels.linear import IMPLS
+    from draftwise.kernels.linear import LINEARS
     from draftwise.kernels.probe import probe
     from tests.harness import fixed_tune
 
-    if not all(IMPLS[n].available(probe(bandwidth=False)) for n in (step, prefill)):
+    if not all(LINEARS[n].available(probe(bandwidth=False)) for n in (step, prefill)):
         pytest.skip(f"{step}/{prefill} cannot run here")
     path, cache = str(tiny_llama_gguf_path if tied else tiny_gguf_path), str(tmp_path / "cache")
     tune = fixed_tune(step, prefill)

@@ -115,11 +115,13 @@ def test_ngram_lookup_prefers_longest_latest_match():
 @pytest.mark.parametrize("fmt", ["int8", "int4", "int4+dense"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_greedy_equivalence_holds_for_quantized_weights(fmt, dtype):
-    from draftwise.models.quant import quantize_decoder
+    from draftwise.kernels.plan import resolve_plan
+    from draftwise.models.quant import build_linears
 
     target = tiny_decoder("qwen2", seed=0, vocab_size=64, dtype=dtype)
     draft = tiny_decoder("qwen2", seed=0, vocab_size=64, dtype=dtype)
-    assert quantize_decoder(target, fmt) > 0 and quantize_decoder(draft, fmt) > 0
+    plan = resolve_plan(fmt, "bfloat16" if dtype == torch.bfloat16 else "float32", None)
+    assert build_linears(target, plan) > 0 and build_linears(draft, plan) > 0
     ref = plain(target)
     for proposer, k in ((NgramProposer(1, 3), 4), (draft_proposer(draft), 3)):
         assert run_engine(target, proposer, k)[0] == ref

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from draftwise.kernels import autotune, q4x8
-from draftwise.kernels.linear import IMPLS, available_impls, make_linear
+from draftwise.kernels.linear import LINEARS, Q4x8Linear, available, make_linear
 from draftwise.kernels.probe import cuda_probe, format_probe, measure_bandwidth, probe
 
 
@@ -22,7 +22,7 @@ def machine() -> dict:
 
 @pytest.fixture(scope="module")
 def paths(machine) -> list[str]:
-    if "q4x8" not in available_impls(machine):
+    if "q4x8" not in available(machine):
         pytest.skip("q4x8 cannot run here (no AVX2/AVX-512 VNNI, or no C++ compiler)")
     return q4x8.cpu_paths()
 
@@ -55,9 +55,9 @@ def device_probe(device: str, machine: dict) -> dict:
 
 
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
-@pytest.mark.parametrize("name", list(IMPLS))
+@pytest.mark.parametrize("name", list(LINEARS))
 def test_impl_matches_fp32_reference(name, device, machine):
-    if not IMPLS[name].available(device_probe(device, machine)):
+    if not LINEARS[name].available(device_probe(device, machine)):
         pytest.skip(f"{name} cannot run on {device} here")
     g = torch.Generator().manual_seed(1)
     for N, K in ((272, 512), (64, 1536)):
@@ -99,7 +99,7 @@ def test_q4x8_matches_its_dequantized_weights_tightly(paths):
     x = torch.randn(9, 416, generator=g) * 3  # [9, K]
     ref = F.linear(x.double(), wq.double(), bias.double())
     for path in paths:
-        y = q4x8.Q4x8Linear.from_parts(parts, bias, path=path)(x)
+        y = Q4x8Linear.from_parts(parts, bias, path=path)(x)
         assert rel_err(y, ref) < ACT_TOL, (path, rel_err(y, ref))  # only the int8 activations remain
 
 
@@ -107,7 +107,7 @@ def test_q4x8_rows_are_bitwise_independent_of_m_and_other_rows(paths):
     for path in paths:
         N, K = (48, 256) if path == "scalar" else (520, 1536)
         weight, bias, g = _case(N, K, seed=2)
-        lin = q4x8.Q4x8Linear(weight, bias, path=path)
+        lin = Q4x8Linear(weight, bias, path=path)
         rows = 17 if path == "scalar" else 70
         x = torch.randn(rows, K, generator=g)  # [rows, K]
         alone = torch.cat([lin(x[i:i + 1].clone()) for i in range(rows)])  # each row on its own, M = 1
@@ -125,7 +125,7 @@ def test_q4x8_all_isa_paths_agree_bitwise(paths):
     weight, bias, g = _case(200, 416, seed=3)
     parts = q4x8.quantize_q4(weight)
     x = torch.randn(11, 416, generator=g)  # [11, K]
-    ys = {p: q4x8.Q4x8Linear.from_parts(parts, bias, path=p)(x) for p in paths}
+    ys = {p: Q4x8Linear.from_parts(parts, bias, path=p)(x) for p in paths}
     for p in paths[1:]:
         assert torch.equal(ys[p], ys[paths[0]]), (p, paths[0])
 
@@ -152,13 +152,13 @@ def test_q4x8_short_last_super_block(paths, K):
     wq = q4x8.dequantize_q4(parts).double()
     x = torch.randn(13, K, generator=g)  # [13, K]
     x[3, -32:] *= 100  # an outlier in the last group: only the last super-block's scale may see it
-    ys = {p: q4x8.Q4x8Linear.from_parts(parts, bias, path=p)(x) for p in paths}
+    ys = {p: Q4x8Linear.from_parts(parts, bias, path=p)(x) for p in paths}
     for p in paths:
         assert torch.equal(ys[p], ys["scalar"]), (p, K)
     ref = _q8k(x) @ wq.T + bias.double()  # [13, 40]
     assert rel_err(ys["scalar"], ref) < 1e-5, rel_err(ys["scalar"], ref)
     for M in (1, 4, 12):
-        assert torch.equal(q4x8.Q4x8Linear.from_parts(parts, bias, path=paths[-1])(x[:M]), ys[paths[-1]][:M])
+        assert torch.equal(Q4x8Linear.from_parts(parts, bias, path=paths[-1])(x[:M]), ys[paths[-1]][:M])
 
 
 def test_q4x8_integer_terms_do_not_overflow(paths):
@@ -179,19 +179,19 @@ def test_q4x8_integer_terms_do_not_overflow(paths):
     exact = x.double() @ q4x8.dequantize_q4(parts).double().T  # [5, N]
     assert float(exact.abs().max()) == K * 255 * 15 * 3e4  # the weights really are at the extremes
     for p in paths:
-        y = q4x8.Q4x8Linear.from_parts(parts, path=p)(x)
+        y = Q4x8Linear.from_parts(parts, path=p)(x)
         assert float((y.double() - exact).abs().max() / exact.abs().max()) < 1e-6, p
-        assert torch.equal(y, q4x8.Q4x8Linear.from_parts(parts, path="scalar")(x)), p
+        assert torch.equal(y, Q4x8Linear.from_parts(parts, path="scalar")(x)), p
 
 
 def test_q4x8_forced_avx2_path_matches_reference(paths):
     if "avx2" not in paths:
         pytest.skip("no AVX2 here")
     weight, bias, g = _case(272, 1536, seed=4)
-    lin = q4x8.Q4x8Linear(weight, bias, path="avx2")
+    lin = Q4x8Linear(weight, bias, path="avx2")
     assert lin.path == "avx2"
     x = torch.randn(9, 1536, generator=g)  # [9, K]
-    assert rel_err(lin(x), F.linear(x.double(), weight.double(), bias.double())) <= IMPLS["q4x8"].tolerance
+    assert rel_err(lin(x), F.linear(x.double(), weight.double(), bias.double())) <= LINEARS["q4x8"].tolerance
 
 
 def test_q4x8_represents_q4k_blocks_exactly(paths):
@@ -209,17 +209,17 @@ def test_q4x8_represents_q4k_blocks_exactly(paths):
     parts = q4x8.q4k_parts(q, d, dmin, sc, mn)
     assert torch.equal(q4x8.dequantize_q4(parts), ggml)
     x = torch.randn(3, K, generator=g)  # [3, K]
-    y = q4x8.Q4x8Linear.from_parts(parts, path=paths[-1])(x)
+    y = Q4x8Linear.from_parts(parts, path=paths[-1])(x)
     assert rel_err(y, F.linear(x.double(), ggml.double())) < ACT_TOL
 
 
 def test_q4x8_rejects_a_path_this_cpu_lacks(paths):
     weight, _, _ = _case(16, 64)
     with pytest.raises(ValueError):
-        q4x8.Q4x8Linear(weight, path="neon")
+        Q4x8Linear(weight, path="neon")
     if "avx512" not in paths:
         with pytest.raises(q4x8.KernelBuildError):
-            q4x8.Q4x8Linear(weight, path="avx512")
+            Q4x8Linear(weight, path="avx512")
 
 
 def test_q4x8_library_lives_under_the_cache_dir(monkeypatch, tmp_path):
@@ -236,31 +236,31 @@ def _table(ms: dict, indep: dict, rows=(1, 2, 4, 8, 16, 128)) -> dict:
 
 def test_choose_prefers_flat_cost_over_cheapest_single_row():
     ms = {
-        "int4_torch": {1: 10.0, 2: 20, 4: 35, 8: 60, 16: 110, 128: 900},  # cheapest at M=1, steep in rows
+        "int4": {1: 10.0, 2: 20, 4: 35, 8: 60, 16: 110, 128: 900},  # cheapest at M=1, steep in rows
         "q4x8": {1: 12.0, 2: 12.5, 4: 13, 8: 15, 16: 23, 128: 150},  # flat up to 8-16 rows
-        "dense_fp32": {1: 40.0, 2: 41, 4: 42, 8: 44, 16: 48, 128: 100},
+        "fp32": {1: 40.0, 2: 41, 4: 42, 8: 44, 16: 48, 128: 100},
     }
     choice = autotune.choose(_table(ms, {n: True for n in ms}))
     assert choice["step"] == "q4x8"  # (12 + 16) / 2 = 14 beats (10 + 66.25) / 2
-    assert choice["prefill"] == "dense_fp32"
+    assert choice["prefill"] == "fp32"
     assert choice["step_score_ms"]["q4x8"] == pytest.approx((12 + 16) / 2)
     assert choice["verify_over_decode"]["q4x8"] == pytest.approx(16 / 12)
 
 
 def test_choose_never_takes_a_row_dependent_step_kernel_when_an_exact_one_exists():
-    ms = {"int8_fbgemm_dynamic": {1: 5.0, 8: 5, 16: 6, 128: 50}, "q4x8": {1: 9.0, 8: 10, 16: 12, 128: 60}}
-    choice = autotune.choose(_table(ms, {"int8_fbgemm_dynamic": False, "q4x8": True}, rows=(1, 8, 16, 128)))
+    ms = {"int8_dynamic": {1: 5.0, 8: 5, 16: 6, 128: 50}, "q4x8": {1: 9.0, 8: 10, 16: 12, 128: 60}}
+    choice = autotune.choose(_table(ms, {"int8_dynamic": False, "q4x8": True}, rows=(1, 8, 16, 128)))
     assert choice["step"] == "q4x8" and choice["step_eligible"] == ["q4x8"]
     assert choice["prefill"] == "q4x8"  # prefill must be row-exact too: batched prompts == each prompt alone
     fallback = autotune.choose(_table(ms, {}, rows=(1, 8, 16, 128)))  # nothing exact: every one is eligible
-    assert fallback["step"] == "int8_fbgemm_dynamic" and fallback["prefill"] == "int8_fbgemm_dynamic"
+    assert fallback["step"] == "int8_dynamic" and fallback["prefill"] == "int8_dynamic"
 
 
 def test_choose_breaks_ties_in_registry_order_and_rejects_empty_tables():
     same = {1: 1.0, 8: 1, 16: 1, 128: 1}
-    choice = autotune.choose(_table({"q4x8": dict(same), "dense_fp32": dict(same)}, {"q4x8": True, "dense_fp32": True},
+    choice = autotune.choose(_table({"q4x8": dict(same), "fp32": dict(same)}, {"q4x8": True, "fp32": True},
                                     rows=(1, 8, 16, 128)))
-    assert choice["step"] == "dense_fp32" and choice["prefill"] == "dense_fp32"
+    assert choice["step"] == "fp32" and choice["prefill"] == "fp32"
     with pytest.raises(ValueError):
         autotune.choose(_table({}, {}))
 
@@ -281,12 +281,12 @@ def test_decoder_shapes_of_the_15b():
 def test_autotune_caches_its_choice(monkeypatch, tmp_path):
     monkeypatch.setenv("DRAFTWISE_CACHE_DIR", str(tmp_path))
     shapes = autotune.decoder_shapes(64, 128, 2, 1, 32, 2, 256)
-    ms = {"dense_fp32": {1: 2.0, 2: 2, 4: 2, 8: 2, 16: 3, 128: 10}, "q4x8": {1: 1.0, 2: 1, 4: 1, 8: 1, 16: 2, 128: 30}}
+    ms = {"fp32": {1: 2.0, 2: 2, 4: 2, 8: 2, 16: 3, 128: 10}, "q4x8": {1: 1.0, 2: 1, 4: 1, 8: 1, 16: 2, 128: 30}}
     calls = []
     monkeypatch.setattr(autotune, "measure", lambda shapes, **kw: calls.append(kw) or
-                        _table(ms, {"dense_fp32": True, "q4x8": True}))
+                        _table(ms, {"fp32": True, "q4x8": True}))
     first = autotune.autotune(shapes, progress=False)
-    assert first["choice"]["step"] == "q4x8" and first["choice"]["prefill"] == "dense_fp32"
+    assert first["choice"]["step"] == "q4x8" and first["choice"]["prefill"] == "fp32"
     files = list((tmp_path / "kernels" / "autotune").glob("*.json"))
     assert len(files) == 1 and files[0].stem == first["key"]
     again = autotune.autotune(shapes, progress=False)
@@ -297,16 +297,16 @@ def test_autotune_caches_its_choice(monkeypatch, tmp_path):
     fast = autotune.autotune(shapes, progress=False, fast=True)  # the trimmed load-time tuning: its own entry
     assert len(calls) == 3 and fast["key"] != first["key"]
     assert calls[-1]["rows"] == autotune.FAST_ROWS and calls[-1]["prefill_samples"] == 1
-    assert set(calls[-1]["names"]) <= {"q4x8", "int4_torch", "dense_bf16", "dense_fp32"}
+    assert set(calls[-1]["names"]) <= {"q4x8", "int4", "bf16", "fp32"}
     autotune.autotune(shapes, progress=False, fast=True)
     assert len(calls) == 3
 
 
 def test_load_candidates_time_bf16_only_where_it_is_native():
     base = {"flags": {"avx2": True, "fma": True}, "machine": "x86_64"}
-    assert "dense_bf16" not in autotune.load_candidates(base)
-    assert "dense_bf16" in autotune.load_candidates({**base, "flags": {**base["flags"], "avx512_bf16": True}})
-    assert "dense_fp32" in autotune.load_candidates(base) and "int8_fbgemm_dynamic" not in autotune.load_candidates(base)
+    assert "bf16" not in autotune.load_candidates(base)
+    assert "bf16" in autotune.load_candidates({**base, "flags": {**base["flags"], "avx512_bf16": True}})
+    assert "fp32" in autotune.load_candidates(base) and "int8_dynamic" not in autotune.load_candidates(base)
 
 
 def test_a_gpu_probe_picks_the_gpu_candidates_and_its_own_cache_key(machine):
@@ -315,10 +315,10 @@ def test_a_gpu_probe_picks_the_gpu_candidates_and_its_own_cache_key(machine):
     gpu = {"device": "cuda", "gpu": "NVIDIA H200", "capability": [9, 0], "torch_version": torch.__version__,
            "cpu": machine["cpu"], "flags": {}}
     names = autotune.load_candidates(gpu)
-    assert {"int4_torch", "dense_bf16", "dense_fp32"} <= set(names) <= {"int4_torch", "int8_torch", "dense_bf16",
-                                                                           "dense_fp32"}
-    assert "int4_torch" not in autotune.load_candidates({**gpu, "capability": [7, 5]})
-    assert "q4x8" not in available_impls(gpu) and "int8_fbgemm_dynamic" not in available_impls(gpu)
+    assert {"int4", "bf16", "fp32"} <= set(names) <= {"int4", "int8", "bf16",
+                                                                           "fp32"}
+    assert "int4" not in autotune.load_candidates({**gpu, "capability": [7, 5]})
+    assert "q4x8" not in available(gpu) and "int8_dynamic" not in available(gpu)
     shapes = autotune.decoder_shapes(64, 128, 2, 1, 32, 2, 256)
     keys = {autotune.cache_key(p, shapes) for p in (machine, gpu, {**gpu, "gpu": "NVIDIA H100"})}
     assert len(keys) == 3
@@ -331,19 +331,19 @@ def test_a_gpu_probe_picks_the_gpu_candidates_and_its_own_cache_key(machine):
 def test_a_shape_a_kernel_cannot_take_costs_its_dense_fallback(machine):
     """torch int4 cannot take N % 16 != 0 (an odd LM head): the model built with it runs that projection dense in
     bf16, so the table times that there instead of dropping int4 from the choice."""
-    if not IMPLS["int4_torch"].available(machine):
+    if not LINEARS["int4"].available(machine):
         pytest.skip("torch int4 cannot run here")
     shapes = [autotune.ProjShape("a", 48, 64, 2), autotune.ProjShape("head", 40, 64, 1)]
-    table = autotune.measure(shapes, ["int4_torch", "dense_fp32"], rows=(1, 2), prefill_rows=4, samples=1,
+    table = autotune.measure(shapes, ["int4", "fp32"], rows=(1, 2), prefill_rows=4, samples=1,
                              cold=False, progress=False)
-    assert set(table["ms"]) == {"int4_torch", "dense_fp32"} and table["fallback"] == {"int4_torch": ["head"]}
-    assert set(table["per_shape"]["int4_torch"]) == {"a", "head"}
-    assert table["row_independent"]["int4_torch"] == (autotune.row_independent(make_linear("int4_torch", torch.randn(
-        48, 64)), 64) and autotune.row_independent(make_linear("dense_bf16", torch.randn(40, 64)), 64))
+    assert set(table["ms"]) == {"int4", "fp32"} and table["fallback"] == {"int4": ["head"]}
+    assert set(table["per_shape"]["int4"]) == {"a", "head"}
+    assert table["row_independent"]["int4"] == (autotune.row_independent(make_linear("int4", torch.randn(
+        48, 64)), 64) and autotune.row_independent(make_linear("bf16", torch.randn(40, 64)), 64))
 
 
 def test_measure_produces_a_table_on_tiny_shapes(machine):
-    names = [n for n in ("dense_fp32", "q4x8") if IMPLS[n].available(machine)]
+    names = [n for n in ("fp32", "q4x8") if LINEARS[n].available(machine)]
     shapes = [autotune.ProjShape("a", 48, 64, 2), autotune.ProjShape("b", 32, 96, 1)]
     table = autotune.measure(shapes, names, rows=(1, 2), prefill_rows=4, samples=1, cold=False, progress=False)
     assert set(table["ms"]) == set(names) and table["rows"] == [1, 2, 4]
@@ -366,7 +366,7 @@ def test_q4x8_maps_gguf_q4k_bytes_exactly(paths):
     parts = q4x8.q4k_from_blocks(blocks, N, K)
     assert torch.equal(q4x8.dequantize_q4(parts), ggml.view(N, K))
     x = torch.randn(5, K, generator=g)  # [5, K]
-    y = q4x8.Q4x8Linear.from_parts(parts, path=paths[-1])(x)
+    y = Q4x8Linear.from_parts(parts, path=paths[-1])(x)
     assert rel_err(y, F.linear(x.double(), ggml.double())) < ACT_TOL
 
 
@@ -406,15 +406,15 @@ def test_q4x8_embedding_rows_are_exact_row_exact_and_within_the_quantization_bou
     err = (table - weight).view(200, G, 32).abs().amax(-1)
     assert bool((err <= bound * (1 + 1e-6) + 1e-7).all())
     plain = torch.arange(200) % 17 != 0  # the rows without outliers: Gaussian, the linears' documented tolerance
-    assert rel_err(table[plain], weight[plain]) < IMPLS["q4x8"].tolerance
+    assert rel_err(table[plain], weight[plain]) < LINEARS["q4x8"].tolerance
 
 
 def test_q4x8_embedding_shares_a_linears_buffers_and_counts_its_bytes(paths):
     weight, _, _ = _case(40, 512, seed=9)
-    lin = q4x8.Q4x8Linear(weight, path=paths[-1])
+    lin = Q4x8Linear(weight, path=paths[-1])
     emb = q4x8.Q4x8Embedding.from_linear(lin)
-    assert all(getattr(emb, n).data_ptr() == getattr(lin, n).data_ptr() for n in q4x8.Q4x8Linear.PACKED)
+    assert all(getattr(emb, n).data_ptr() == getattr(lin, n).data_ptr() for n in q4x8.PACKED)
     assert torch.equal(emb(torch.arange(40)), q4x8.dequantize_q4(q4x8.quantize_q4(weight)))
-    held = sum(getattr(emb, n).numel() * getattr(emb, n).element_size() for n in q4x8.Q4x8Linear.PACKED)
+    held = sum(getattr(emb, n).numel() * getattr(emb, n).element_size() for n in q4x8.PACKED)
     assert held == q4x8.packed_bytes(40, 512) == 48 * 512 // 2 + 48 * 16 * 2 + 48 * 2 * 8  # N padded to 48
     assert q4x8.packed_bytes(4096, 4096) * 8 == 4.75 * 4096 * 4096  # 4.75 bits per weight

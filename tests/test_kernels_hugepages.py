@@ -87,10 +87,10 @@ def test_load_model_reports_the_placement(tiny_gguf_path, draftwise_cache_dir, m
     from draftwise.api import load_model
 
     monkeypatch.delenv("DRAFTWISE_HUGE_PAGES", raising=False)
-    _, _, info = load_model(str(tiny_gguf_path), "float32", weights=None, cache_dir=str(draftwise_cache_dir))
+    _, _, info = load_model(str(tiny_gguf_path), "float32", weights="fp32", cache_dir=str(draftwise_cache_dir))
     assert "huge_pages" not in info  # opt-in
     monkeypatch.setenv("DRAFTWISE_HUGE_PAGES", "1")
-    _, _, info = load_model(str(tiny_gguf_path), "float32", weights=None, cache_dir=str(draftwise_cache_dir))
+    _, _, info = load_model(str(tiny_gguf_path), "float32", weights="fp32", cache_dir=str(draftwise_cache_dir))
     assert info["huge_pages"]["thp"] == hugepages.thp_mode() and info["huge_pages"]["bytes"] >= 0
 
 

@@ -10,6 +10,7 @@ import torch
 
 from draftwise.kernels import stack as stack_op
 from draftwise.kv_cache import KVCache
+from draftwise.kernels.plan import resolve_plan
 from draftwise.models import quant
 from tests.harness import one_torch_thread  # noqa: F401 (a fixture)
 from tests.tiny_models import tiny_decoder
@@ -39,7 +40,7 @@ def calls(monkeypatch):
 
 def q4x8_model(family: str, prefill: str = "q4x8", seed: int = 0):
     model = tiny_decoder(family, seed, 64)
-    quant.build_linears(model, "q4x8", prefill)
+    quant.build_linears(model, resolve_plan(f"q4x8+{prefill}", "auto", None))
     return model
 
 
@@ -90,7 +91,7 @@ def test_the_comparison_catches_a_wrong_layer(calls, monkeypatch):
 def test_a_dense_prefill_half_runs_the_prompt_in_python(calls):
     """q4x8 steps with a dense prefill: the 20-token prompt takes the Python loop (its SplitLinear picks the dense
     half), the decode step and the verification the one call; all bitwise the Python loop."""
-    model = q4x8_model("qwen2", prefill="dense_fp32")
+    model = q4x8_model("qwen2", prefill="fp32")
     one_call = run(model, True)
     assert [shape[1] for shape in calls] == [1, 9]
     for a, b in zip(one_call, run(model, False)):
@@ -104,7 +105,7 @@ def test_layers_that_do_not_qualify_take_the_python_loop(calls):
     run(dense, True)
     separate = tiny_decoder("qwen2", 0, 64)  # q4x8, but q/k/v and gate/up left separate
     separate.merge_projections = lambda merge=None: 0
-    quant.build_linears(separate, "q4x8", "q4x8")
+    quant.build_linears(separate, resolve_plan("q4x8", "auto", None))
     assert separate.model.layers[0].self_attn.qkv_proj is None
     run(separate, True)
     assert calls == []

@@ -4,6 +4,7 @@ it safe: q4x8 results do not depend on the thread count."""
 import pytest
 import torch
 
+from draftwise.kernels.linear import Q4x8Linear
 from draftwise.kernels.threads import WINDOW_S, ThreadGuard, read_proc, threads_for
 
 
@@ -115,12 +116,14 @@ def test_guard_only_where_the_thread_count_cannot_change_a_result():
     from draftwise.api import LLM
     from draftwise.config import EngineConfig
 
-    q4 = {"kernels": {"step": "q4x8", "prefill": "q4x8"}}
-    assert isinstance(LLM._thread_guard(EngineConfig(model="m"), q4), ThreadGuard)
+    from draftwise.kernels import attention
+    from draftwise.kernels.plan import resolve_plan
+
+    q4 = resolve_plan("q4x8", "auto", None)
+    assert isinstance(LLM._thread_guard(EngineConfig(model="m"), q4), ThreadGuard) == attention.available()
     assert LLM._thread_guard(EngineConfig(model="m", thread_guard=False), q4) is None
-    assert LLM._thread_guard(EngineConfig(model="m"), {"kernels": {"step": "q4x8", "prefill": "dense_bf16"}}) is None
-    assert LLM._thread_guard(EngineConfig(model="m"), {"kernels": {"step": "int4_torch", "prefill": "int4_torch"}}) is None
-    assert LLM._thread_guard(EngineConfig(model="m"), {}) is None
+    for other in ("q4x8+bf16", "int4", "fp32"):
+        assert LLM._thread_guard(EngineConfig(model="m"), resolve_plan(other, "auto", None)) is None
 
 
 @pytest.mark.parametrize("rows", [1, 5, 9, 40])
@@ -130,7 +133,7 @@ def test_q4x8_results_do_not_depend_on_the_thread_count(rows):
     if "avx2" not in q4x8.cpu_paths() and "scalar" not in q4x8.cpu_paths():
         pytest.skip("no q4x8 kernel here")
     gen = torch.Generator().manual_seed(0)
-    lin = q4x8.Q4x8Linear(torch.randn(200, 256, generator=gen) * 0.05)  # [N, K]
+    lin = Q4x8Linear(torch.randn(200, 256, generator=gen) * 0.05)  # [N, K]
     x = torch.randn(rows, 256, generator=gen)  # [M, K]
     threads = torch.get_num_threads()
     try:

@@ -11,7 +11,9 @@ import pytest
 import torch
 
 from draftwise.api import LLM, load_model
-from draftwise.kernels.linear import IMPLS
+from draftwise.kernels import linear
+from draftwise.kernels.linear import LINEARS, Q4x8Linear
+from draftwise.kernels.plan import resolve_plan
 from draftwise.kernels.probe import probe
 from draftwise.kv_cache import KVCache
 from draftwise.models import quant
@@ -20,37 +22,35 @@ from tests.harness import PROMPTS, VOCAB, fixed_tune, tiny_tokenizer
 from tests.tiny_checkpoints import Q4K_DIMS, write_tiny_gguf
 from tests.tiny_models import tiny_decoder
 
-LONG_PROMPT = " ".join(f"w{i % 7 + 1}" for i in range(20))  # > DENSE_ABOVE_ROWS tokens: runs the prefill kernel
+LONG_PROMPT = " ".join(f"w{i % 7 + 1}" for i in range(20))  # > STEP_MAX_TOKENS tokens: runs the prefill kernel
 
-# (label, step, prefill, model dtype): kernel plans as resolve_formats makes them, and the legacy formats
+# (label, step, prefill, model dtype): every plan kind `--weights` names (kernels/plan.py), dense ones included
 PLANS = [
     ("q4x8", "q4x8", "q4x8", torch.float32),
-    ("q4x8+dense_fp32", "q4x8", "dense_fp32", torch.float32),
-    ("q4x8+dense_bf16", "q4x8", "dense_bf16", torch.float32),
-    ("int4_torch", "int4_torch", "int4_torch", torch.bfloat16),
-    ("dense_bf16", "dense_bf16", "dense_bf16", torch.bfloat16),
-    ("legacy int4+dense", "int4+dense", None, torch.bfloat16),
-    ("legacy int4", "int4", None, torch.bfloat16),
+    ("q4x8+fp32", "q4x8", "fp32", torch.float32),
+    ("q4x8+bf16", "q4x8", "bf16", torch.float32),
+    ("int4", "int4", "int4", torch.bfloat16),
+    ("int4+bf16", "int4", "bf16", torch.bfloat16),
+    ("int8", "int8", "int8", torch.bfloat16),
+    ("bf16", "bf16", "bf16", torch.bfloat16),
+    ("fp32", "fp32", "fp32", torch.float32),
 ]
 
 
-def _available(step: str, prefill: str | None) -> bool:
+def _available(step: str, prefill: str) -> bool:
     p = probe(bandwidth=False)
-    return all(n in quant.KERNEL_FORMATS or n in ("int4", "int4+dense") or IMPLS[n].available(p)
-               for n in (step, prefill) if n)
+    return all(LINEARS[n].available(p) for n in (step, prefill))
 
 
-def _quantized(step: str, prefill: str | None, dtype: torch.dtype, noise: float = 0.0) -> torch.nn.Module:
+def _quantized(step: str, prefill: str, dtype: torch.dtype, noise: float = 0.0) -> torch.nn.Module:
     model = tiny_decoder("qwen2", 0, VOCAB, dtype=dtype)
     if noise:
         g = torch.Generator().manual_seed(1)
         with torch.no_grad():
             for p in model.parameters():
                 p.add_((noise * torch.randn(p.shape, generator=g)).to(p.dtype))
-    if prefill is None:
-        quant.quantize_decoder(model, step)
-    else:
-        quant.build_linears(model, step, prefill)
+    dt = "bfloat16" if dtype == torch.bfloat16 else "float32"
+    quant.build_linears(model, resolve_plan(step if step == prefill else f"{step}+{prefill}", dt, None))
     return model
 
 
@@ -84,7 +84,7 @@ def _logits(model, ids: list[int]) -> torch.Tensor:
     return model(t, torch.arange(len(ids))[None], cache, torch.tensor([0]))[0].float()  # [T, V]
 
 
-@pytest.mark.parametrize("label,step,prefill,dtype", [p for p in PLANS if p[2]], ids=[p[0] for p in PLANS if p[2]])
+@pytest.mark.parametrize("label,step,prefill,dtype", PLANS, ids=[p[0] for p in PLANS])
 def test_logits_stay_within_the_kernels_tolerance_of_fp32(label, step, prefill, dtype):
     """Relative error of the logits (decode widths and a prefill width) against the fp32 model, bounded by the
     implementation's documented per-projection tolerance (kernels/linear.py) compounded over the decoder's
@@ -93,7 +93,7 @@ def test_logits_stay_within_the_kernels_tolerance_of_fp32(label, step, prefill, 
         pytest.skip(f"{label} cannot run here")
     ref_model = tiny_decoder("qwen2", 0, VOCAB)
     model = _quantized(step, prefill, dtype)
-    bound = 9 * max(IMPLS[step].tolerance, IMPLS[prefill].tolerance)
+    bound = 9 * max(LINEARS[step].tolerance, LINEARS[prefill].tolerance)
     for ids in ([5, 9, 17], list(range(1, 21))):  # 3 tokens: step kernel; 20 tokens: prefill kernel
         ref, got = _logits(ref_model, ids), _logits(model, ids)
         err = float((got - ref).norm() / ref.norm())
@@ -102,9 +102,9 @@ def test_logits_stay_within_the_kernels_tolerance_of_fp32(label, step, prefill, 
 
 # ---- auto: resolution with an injected timing table ------------------------------------------------------
 
-@pytest.mark.parametrize("step,prefill,dtype", [("q4x8", "q4x8", "float32"), ("q4x8", "dense_bf16", "float32"),
-                                                ("int4_torch", "int4_torch", "bfloat16"),
-                                                ("dense_fp32", "dense_fp32", "float32")])
+@pytest.mark.parametrize("step,prefill,dtype", [("q4x8", "q4x8", "float32"), ("q4x8", "bf16", "float32"),
+                                                ("int4", "int4", "bfloat16"),
+                                                ("fp32", "fp32", "float32")])
 def test_auto_takes_what_the_timing_table_says(step, prefill, dtype, tiny_gguf_path, draftwise_cache_dir):
     if not _available(step, prefill):
         pytest.skip(f"{step}/{prefill} cannot run here")
@@ -112,7 +112,7 @@ def test_auto_takes_what_the_timing_table_says(step, prefill, dtype, tiny_gguf_p
     assert (tune(None)["choice"]["step"], tune(None)["choice"]["prefill"]) == (step, prefill)
     model, _, info = load_model(str(tiny_gguf_path), "auto", weights="auto", cache_dir=str(draftwise_cache_dir),
                                 tune=tune)
-    assert info["kernels"]["step"] == step and info["kernels"]["prefill"] == prefill
+    assert info["plan"]["step"] == step and info["plan"]["prefill"] == prefill and model.plan.source == "tuned"
     assert info["dtype"] == dtype and model.dtype == getattr(torch, dtype)
     kinds = {type(m).__name__ for m in model.modules()}
     assert "Linear" not in kinds  # every projection went to a kernel
@@ -122,15 +122,15 @@ def test_auto_takes_what_the_timing_table_says(step, prefill, dtype, tiny_gguf_p
     files = {p.name for p in Path(info["converted_path"]).iterdir()}
     assert not {f for f in files if f.startswith("model.")} and any(f.startswith("prepared-") for f in files)
     assert ("Q4x8Embedding" in kinds) == bool({step, prefill} & set(quant.COMPACT_EMBEDDING_KERNELS))
-    if step == "q4x8" and prefill.startswith("dense"):  # the dense half is derived from the q4x8 one, not stored
+    if step == "q4x8" and prefill in ("fp32", "bf16"):  # the dense half is derived from the q4x8 one, not stored
         from safetensors import safe_open
 
-        from draftwise.kernels.q4x8 import Q4x8Embedding, Q4x8Linear
+        from draftwise.kernels.q4x8 import Q4x8Embedding
 
-        prepared = next(p for p in Path(info["converted_path"]).iterdir() if p.name.startswith("prepared-"))
+        prepared = next(Path(info["converted_path"]).glob("prepared-*.safetensors"))
         with safe_open(str(prepared), "pt") as f:
             assert not [k for k in f.keys() if ".prefill." in k]
-        splits = [m for m in model.modules() if isinstance(m, quant.SplitLinear) and isinstance(m.step, Q4x8Linear)
+        splits = [m for m in model.modules() if isinstance(m, linear.SplitLinear) and isinstance(m.step, Q4x8Linear)
                   and hasattr(m.prefill, "weight")]
         assert splits
         for m in splits:
@@ -143,19 +143,30 @@ def test_auto_takes_what_the_timing_table_says(step, prefill, dtype, tiny_gguf_p
 
 
 def test_explicit_values_win_and_bad_values_are_named():
+    from draftwise.config import ConfigError, EngineConfig, parse_spec_config
+
     cfg = tiny_decoder("qwen2", 0, VOCAB).config
     boom = lambda shapes: pytest.fail("explicit formats must not run the autotuner")  # noqa: E731
-    assert quant.resolve_formats("q4x8", "auto", cfg, tune=boom) == quant.Plan("q4x8", "float32", "q4x8", "q4x8")
-    assert quant.resolve_formats("int4+dense", "auto", cfg, tune=boom).dtype == "bfloat16"
-    assert quant.resolve_formats(None, "float32", cfg, tune=boom) == quant.Plan("fp32", "float32")
-    plan = quant.resolve_formats("auto", "bfloat16", cfg, tune=fixed_tune("q4x8", "q4x8"))
-    assert plan.dtype == "bfloat16" and plan.step == "q4x8"  # an explicit dtype wins over auto's
-    from draftwise.config import ConfigError
-
-    with pytest.raises(ConfigError, match="weights must be one of"):
-        quant.resolve_formats("int3", "auto", cfg)
+    plan = resolve_plan("q4x8", "auto", cfg, tune=boom)
+    assert (plan.label, plan.step, plan.prefill, plan.dtype, plan.source) == ("q4x8", "q4x8", "q4x8", "float32",
+                                                                            "pinned")
+    plan = resolve_plan("int4+dense", "auto", cfg, tune=boom)
+    assert (plan.label, plan.dtype) == ("int4+bf16", "bfloat16")  # "+dense": the dense kernel of the dtype
+    assert resolve_plan("fp32", "auto", cfg, tune=boom).label == "fp32"  # the reference: dense float32 weights
+    assert resolve_plan("q4x8+dense", "bfloat16", cfg, tune=boom).label == "q4x8+bf16"
+    plan = resolve_plan("auto", "bfloat16", cfg, tune=fixed_tune("q4x8", "q4x8"))
+    assert plan.dtype == "bfloat16" and plan.step == "q4x8" and plan.source == "tuned"  # a named dtype wins
+    # validated once, where parsed: the engine config and the speculative config, each naming the bad value
+    for bad, match in (("int3", "unknown kernel 'int3'"), ("q4x8+int4+fp32", "at most two"), ("dense", "unknown")):
+        with pytest.raises(ConfigError, match=match):
+            EngineConfig(model="m", weights=bad)
+        with pytest.raises(ConfigError, match=match):
+            parse_spec_config({"method": "draft_model", "model": "d", "num_speculative_tokens": 2,
+                               "draft_weights": bad})
     with pytest.raises(ConfigError, match="dtype must be one of"):
-        quant.resolve_formats("auto", "float16", cfg)
+        EngineConfig(model="m", dtype="float16")
+    with pytest.raises(ConfigError, match="q4x8 does not run on cuda"):
+        EngineConfig(model="m", device="cuda", weights="q4x8")
 
 
 def test_auto_on_a_gpu_asks_the_autotuner_for_that_device(monkeypatch):
@@ -166,19 +177,21 @@ def test_auto_on_a_gpu_asks_the_autotuner_for_that_device(monkeypatch):
 
     cfg = tiny_decoder("qwen2", 0, VOCAB).config
     asked = []
-    fixed = fixed_tune("int4_torch", "dense_bf16")
+    fixed = fixed_tune("int4", "bf16")
     monkeypatch.setattr(autotune, "autotune", lambda shapes, **kw: asked.append(kw) or fixed(shapes))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    plan = quant.resolve_formats("auto", "auto", cfg, device="cuda")
+    plan = resolve_plan("auto", "auto", cfg, device="cuda")
     assert asked and asked[0]["device"] == "cuda" and asked[0]["fast"] is True
-    assert (plan.step, plan.prefill, plan.dtype, plan.weights) == ("int4_torch", "dense_bf16", "bfloat16", "int4+bf16")
-    assert plan.tuning["device"] == "cuda"
+    assert (plan.step, plan.prefill, plan.dtype, plan.label) == ("int4", "bf16", "bfloat16", "int4+bf16")
+    assert plan.device == "cuda" and plan.attention == "sdpa" and not plan.row_exact
     for weights in ("q4x8", "q4x8+dense"):
-        with pytest.raises(ConfigError, match="CPU kernel"):
-            quant.resolve_formats(weights, "auto", cfg, device="cuda")
+        with pytest.raises(ValueError, match="does not run on cuda"):
+            resolve_plan(weights, "auto", cfg, device="cuda")
+    from draftwise.api import check_device
+
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(ConfigError, match="sees no CUDA device"):
-        quant.resolve_formats("auto", "auto", cfg, device="cuda")
+        check_device("cuda")
     assert len(asked) == 1
 
 
@@ -207,14 +220,15 @@ def test_q4k_tensors_load_exactly_and_the_cache_round_trips(q4k_gguf, tmp_path, 
     shutil.copy(path, user)
     cache = tmp_path / "cache"
     model, _, info = load_model(str(user), "auto", weights="q4x8", cache_dir=str(cache))
-    assert info["weights"] == "q4x8" and info["kernels"] == {"step": "q4x8", "prefill": "q4x8"}
+    assert info["weights"] == "q4x8" and (info["plan"]["step"], info["plan"]["prefill"]) == ("q4x8", "q4x8")
+    assert model.plan.source == "pinned" and model.plan.label == "q4x8"
     linears = dict(model.named_modules())
     for name, want in hf.items():
         owner = name.removesuffix(".weight")
         if not name.endswith("_proj.weight") and name != "lm_head.weight":
             continue
         mod, rows = _merged_rows(linears, owner)
-        assert isinstance(mod, q4x8.Q4x8Linear)
+        assert isinstance(mod, Q4x8Linear)
         parts = {k: v[rows] for k, v in _unpack(mod).items()}
         assert torch.equal(q4x8.dequantize_q4(parts), torch.from_numpy(want)), name
     ids = list(range(3, 40))
@@ -260,7 +274,7 @@ def test_a_tied_q4k_table_is_exact_shared_with_the_head_and_stored_once(tied_q4k
     logits; greedy speculation over it equals plain decoding."""
     if not _available("q4x8", "q4x8"):
         pytest.skip("q4x8 cannot run here")
-    from draftwise.kernels.q4x8 import Q4x8Embedding, Q4x8Linear
+    from draftwise.kernels.q4x8 import Q4x8Embedding
     from draftwise.models import gguf as gguf_module
     from draftwise.models.safetensors import header_specs
 
@@ -307,7 +321,7 @@ def test_a_requantized_table_stays_within_its_documented_tolerance(q4k_gguf, tmp
     ref = GGUFFile(path).items()["model.embed_tokens.weight"].dense()  # the float32 reference
     got = emb(torch.arange(ref.shape[0]))
     assert torch.equal(got, q4x8.dequantize_q4(q4x8.quantize_q4(ref)))
-    assert float((got - ref).norm() / ref.norm()) < IMPLS["q4x8"].tolerance
+    assert float((got - ref).norm() / ref.norm()) < LINEARS["q4x8"].tolerance
 
 
 def _unpack(mod) -> dict:
@@ -323,10 +337,22 @@ def _unpack(mod) -> dict:
     return {"q": q, "sc": cols(mod.sc), "mn": cols(mod.mn), "d": cols(mod.d), "dmin": cols(mod.dmin)}
 
 
-def test_dense_requests_still_get_the_dense_cache(tiny_gguf_path, draftwise_cache_dir):
-    model, _, info = load_model(str(tiny_gguf_path), "float32", weights=None, cache_dir=str(draftwise_cache_dir))
-    assert info["weights"] == "fp32" and "kernels" not in info
-    assert isinstance(model.lm_head, torch.nn.Linear)
+def test_the_fp32_reference_is_dense_float32(tiny_gguf_path, draftwise_cache_dir):
+    """--weights fp32: every projection dense float32, the reference `draftwise verify` and HF parity use; its
+    logits equal the plain torch decoder's on the same dequantized weights."""
+    from draftwise.kernels.linear import DenseF32
+    from draftwise.models.sources import load_checkpoint
+
+    model, _, info = load_model(str(tiny_gguf_path), "auto", weights="fp32", cache_dir=str(draftwise_cache_dir))
+    assert info["weights"] == "fp32" and info["dtype"] == "float32" and model.plan.label == "fp32"
+    heads = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    assert not heads and isinstance(model.lm_head, DenseF32) and model.lm_head.weight.dtype == torch.float32
+    ckpt = load_checkpoint(str(tiny_gguf_path), draftwise_cache_dir, progress=False)
+    from draftwise.models.transformer import Decoder
+
+    plain = Decoder.from_tensors(ckpt.config, ckpt.tensors(torch.float32))
+    ids = list(range(3, 30))
+    assert torch.allclose(_logits(model, ids), _logits(plain, ids), atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("arch", ["qwen2", "gemma3"])
@@ -339,7 +365,7 @@ def test_verification_rows_equal_single_steps_bit_for_bit(arch):
     from tests.tiny_models import tiny_decoder
 
     m = tiny_decoder(arch, 0, 64)
-    build_linears(m, "q4x8", "q4x8")
+    build_linears(m, resolve_plan("q4x8", "auto", None))
     c = m.config
     cache = KVCache(c.num_layers, 3, c.num_kv_heads, 128, c.head_dim, m.dtype, m.device)
     g = torch.Generator().manual_seed(3)
@@ -358,27 +384,27 @@ def test_verification_rows_equal_single_steps_bit_for_bit(arch):
     assert torch.equal(both[0], single[0]) and torch.equal(both[1, :3], single[0, :3])
 
 
-# ---- merged projections (Decoder.merge_projections, quant.merge_linears) -----------------------------------
+# ---- merged projections (Decoder.merge_projections, linear.merge) --------------------------------------------
 
-@pytest.mark.parametrize("step,prefill", [("q4x8", "q4x8"), ("q4x8", "dense_fp32")])
+@pytest.mark.parametrize("step,prefill", [("q4x8", "q4x8"), ("q4x8", "fp32")])
 @pytest.mark.parametrize("arch", ["qwen2", "gemma3"])
 def test_merged_projections_are_bitwise_the_separate_calls(arch, step, prefill, monkeypatch):
     """q/k/v and gate/up merged into one q4x8 call each give bitwise the logits of the separate calls, for a
     prompt (the prefill kernel: a merged q4x8, or the dense parts side by side), a decode step and a verification."""
     if not _available(step, prefill):
         pytest.skip(f"{step}/{prefill} cannot run here")
-    from draftwise.kernels.q4x8 import Q4x8Linear
 
     merged, separate = tiny_decoder(arch, 0, 64), tiny_decoder(arch, 0, 64)
     monkeypatch.setattr(separate, "merge_projections", lambda merge=None: 0)
-    quant.build_linears(merged, step, prefill)
-    quant.build_linears(separate, step, prefill)
+    plan = resolve_plan(f"{step}+{prefill}", "auto", None)
+    quant.build_linears(merged, plan)
+    quant.build_linears(separate, plan)
     attn, mlp = merged.model.layers[0].self_attn, merged.model.layers[0].mlp
     assert not hasattr(attn, "q_proj") and not hasattr(mlp, "up_proj")
     if step == prefill:
         assert isinstance(attn.qkv_proj, Q4x8Linear) and isinstance(mlp.gate_up_proj, Q4x8Linear)
     else:
-        assert isinstance(attn.qkv_proj.step, Q4x8Linear) and isinstance(attn.qkv_proj.prefill, quant.ConcatLinear)
+        assert isinstance(attn.qkv_proj.step, Q4x8Linear) and isinstance(attn.qkv_proj.prefill, linear.ConcatLinear)
     assert separate.model.layers[0].self_attn.qkv_proj is None
     c = merged.config
     outs = []
@@ -392,11 +418,10 @@ def test_merged_projections_are_bitwise_the_separate_calls(arch, step, prefill, 
     assert torch.equal(outs[0], outs[1])
 
 
-def test_merge_linears_merges_only_where_exact():
+def test_merge_merges_only_where_exact():
     if not _available("q4x8", "q4x8"):
         pytest.skip("q4x8 cannot run here")
     from draftwise.kernels.linear import make_linear
-    from draftwise.kernels.q4x8 import Q4x8Linear
 
     g = torch.Generator().manual_seed(9)
     K = 64
@@ -404,11 +429,11 @@ def test_merge_linears_merges_only_where_exact():
                                                torch.randn(N, generator=g) if bias else None)
     x = torch.randn(5, K, generator=g)
     parts = [lin(32), lin(16, bias=False), lin(20)]  # the last may be ragged; a missing bias is zeros
-    merged = quant.merge_linears(parts)
+    merged = linear.merge(parts)
     assert merged.out_features == 68 and torch.equal(merged(x), torch.cat([p(x) for p in parts], -1))
-    assert quant.merge_linears([lin(20), lin(16)]) is None  # padding columns would sit in the middle
-    assert quant.merge_linears([lin(16), lin(16, K=96)]) is None  # different inputs
-    dense = [make_linear("dense_fp32", torch.randn(16, K, generator=g)) for _ in range(2)]
-    assert quant.merge_linears(dense) is None  # a GEMM's blocking may depend on N: not exact by construction
-    assert quant.merge_linears([torch.nn.Linear(K, 16), torch.nn.Linear(K, 16)]) is None
-    assert quant.merge_linears([quant.SplitLinear(dense[0], lin(16)), quant.SplitLinear(dense[1], lin(16))]) is None
+    assert linear.merge([lin(20), lin(16)]) is None  # padding columns would sit in the middle
+    assert linear.merge([lin(16), lin(16, K=96)]) is None  # different inputs
+    dense = [make_linear("fp32", torch.randn(16, K, generator=g)) for _ in range(2)]
+    assert linear.merge(dense) is None  # a GEMM's blocking may depend on N: not exact by construction
+    assert linear.merge([torch.nn.Linear(K, 16), torch.nn.Linear(K, 16)]) is None
+    assert linear.merge([linear.SplitLinear(dense[0], lin(16)), linear.SplitLinear(dense[1], lin(16))]) is None

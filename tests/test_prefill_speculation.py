@@ -14,7 +14,7 @@ import pytest
 
 from draftwise.api import LLM
 from draftwise.sampling import SamplingParams
-from tests.harness import Q4X8_INFO, json_llm, one_torch_thread  # noqa: F401 (a fixture)
+from tests.harness import json_llm, one_torch_thread  # noqa: F401 (a fixture)
 from tests.test_structured_engine import CONSTRAINTS, METHODS, PROMPTS, _check_valid
 from tests.test_structured_engine import test_sampling_keeps_the_masked_target_distribution as sampling_check
 from tests.tiny_models import tiny_decoder
@@ -35,11 +35,14 @@ def test_on_only_where_every_row_is_exact(llm):
         pytest.skip("the row-exact attention op is not built here")
     plain_rows = json_llm(max_lookahead=8)  # dense float32: a row's result may depend on the call's shape
     assert not plain_rows.engine.speculate_in_prefill
-    mixed = {"kernels": {"step": "q4x8", "prefill": "dense_bf16"}}
-    assert not LLM.from_parts(tiny_decoder("qwen2", 0, 64), plain_rows.tokenizer, model_info=mixed
-                              ).engine.speculate_in_prefill
-    assert LLM.from_parts(tiny_decoder("qwen2", 0, 64), plain_rows.tokenizer, model_info=Q4X8_INFO
-                          ).engine.speculate_in_prefill
+    from draftwise.kernels.plan import resolve_plan
+    from draftwise.models import quant
+
+    mixed, q4 = tiny_decoder("qwen2", 0, 64), tiny_decoder("qwen2", 0, 64)
+    quant.build_linears(mixed, resolve_plan("q4x8+bf16", "auto", None))
+    quant.build_linears(q4, resolve_plan("q4x8", "auto", None))
+    assert not LLM.from_parts(mixed, plain_rows.tokenizer).engine.speculate_in_prefill
+    assert LLM.from_parts(q4, plain_rows.tokenizer).engine.speculate_in_prefill
 
 
 def test_the_first_step_verifies_the_grammars_forced_start(llm):

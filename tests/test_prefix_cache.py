@@ -103,6 +103,7 @@ def test_forget_drops_the_prompt_and_its_extensions_only():
 
 def q4x8_decoder():
     from draftwise.kernels import attention, q4x8
+    from draftwise.kernels.plan import resolve_plan
     from draftwise.models import quant
 
     try:
@@ -111,7 +112,7 @@ def q4x8_decoder():
         pytest.skip(f"q4x8 cannot be built here: {e}")
     assert attention.available()
     model = tiny_decoder("qwen2", 0, VOCAB)
-    quant.build_linears(model, "q4x8", "q4x8")
+    quant.build_linears(model, resolve_plan("q4x8", "auto", None))
     return model
 
 
@@ -131,24 +132,22 @@ def test_prefill_after_a_cached_prefix_is_bitwise_the_whole_prefill():
             assert torch.equal(x[0, :, :40], y[0, :, :40]), cut
 
 
-Q4X8 = {"kernels": {"step": "q4x8", "prefill": "q4x8"}}
-
-
 def q4x8_draft():
     """The harness's noisy copy of the target (agrees often, not always), in q4x8."""
+    from draftwise.kernels.plan import resolve_plan
     from draftwise.models import quant
 
     draft = noisy_draft()
-    quant.build_linears(draft, "q4x8", "q4x8")
+    quant.build_linears(draft, resolve_plan("q4x8", "auto", None))
     return draft
 
 
 def q4x8_llm(enable: bool | None, spec=None, max_model_len: int = 256, max_num_seqs: int = 4) -> LLM:
     tok = tiny_tokenizer()
     return LLM.from_parts(q4x8_decoder(), tok, name=MODEL, speculative_config=spec,
-                          max_num_seqs=max_num_seqs, max_model_len=max_model_len, model_info=Q4X8,
+                          max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                           enable_prefix_caching=enable,
-                          load_draft=lambda name, dtype, weights: (q4x8_draft(), tok, dict(Q4X8, name=name)))
+                          load_draft=lambda name, dtype, weights: (q4x8_draft(), tok, {"name": name}))
 
 
 SYSTEM = [3] + list(range(10, 30))  # a shared "system prompt" of 21 tokens
@@ -228,15 +227,16 @@ def test_on_by_default_only_where_it_changes_no_token():
     llm = q4x8_llm(None, DRAFT)  # the draft's plan is q4x8 too: it gets one by default, as the target does
     assert (llm.engine.prefix_cache is not None) == (llm.proposer.prefix_cache is not None) == attention.available()
 
-    model = tiny_decoder("qwen2", 0, VOCAB)
-    q4 = {"kernels": {"step": "q4x8", "prefill": "q4x8"}}
-    mixed = {"kernels": {"step": "q4x8", "prefill": "dense_bf16"}}
-    auto = LLM._prefix_cache(EngineConfig(model="m"), model, q4)
+    from draftwise.kernels.plan import resolve_plan
+
+    dense = tiny_decoder("qwen2", 0, VOCAB).plan  # plain nn.Linear layers: dense fp32, not row-exact
+    q4, mixed = resolve_plan("q4x8", "auto", None), resolve_plan("q4x8+bf16", "auto", None)
+    auto = LLM._prefix_cache(EngineConfig(model="m"), q4)
     assert (auto is not None) == attention.available()
-    assert LLM._prefix_cache(EngineConfig(model="m"), model, mixed) is None
-    assert LLM._prefix_cache(EngineConfig(model="m"), model, {}) is None
-    assert LLM._prefix_cache(EngineConfig(model="m", enable_prefix_caching=True), model, {}) is not None
-    assert LLM._prefix_cache(EngineConfig(model="m", enable_prefix_caching=False), model, q4) is None
+    assert LLM._prefix_cache(EngineConfig(model="m"), mixed) is None
+    assert LLM._prefix_cache(EngineConfig(model="m"), dense) is None
+    assert LLM._prefix_cache(EngineConfig(model="m", enable_prefix_caching=True), dense) is not None
+    assert LLM._prefix_cache(EngineConfig(model="m", enable_prefix_caching=False), q4) is None
 
 
 def test_server_reports_cached_tokens_in_usage_and_metrics():

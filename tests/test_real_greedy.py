@@ -30,7 +30,7 @@ def test_greedy_matches_transformers(name):
     require_packaged(name)
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    llm = LLM(name, dtype="float32", weights=None, max_num_seqs=5, max_model_len=256)  # dense: compared with HF
+    llm = LLM(name, dtype="float32", weights="fp32", max_num_seqs=5, max_model_len=256)  # dense: compared with HF
     outs = llm.generate(PROMPTS, GREEDY)
     path = llm.model_info["path"]
     folder, file = path.rsplit("/", 1)

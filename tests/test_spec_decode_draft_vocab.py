@@ -14,7 +14,8 @@ from torch import nn
 
 from draftwise.config import ConfigError, parse_spec_config
 from draftwise.kernels import q4x8
-from draftwise.kernels.linear import DenseBF16, DenseF32
+from draftwise.kernels.linear import DenseBF16, DenseF32, Q4x8Linear, derived_split, make_linear
+from draftwise.kernels.plan import resolve_plan
 from draftwise.models import quant
 from draftwise.sampling import SamplingParams, process_logits, sample
 from draftwise.spec_decode.draft_model import DraftModelProposer, TrimmedHead, kept_ids
@@ -49,7 +50,7 @@ def test_greedy_trimmed_draft_equals_plain(draft_format):
 
         def load(name, dtype, weights):
             d = noisy_draft()
-            quant.build_linears(d, "q4x8", "q4x8")
+            quant.build_linears(d, resolve_plan("q4x8", "auto", None))
             return d, tok, {"name": name}
 
         llm._load_draft = load
@@ -193,9 +194,9 @@ def test_distribution_test_rejects_q_not_zeroed_outside_the_kept_ids():
 # --------------------------------------------------------------------------- (c) trimmed head == full head
 
 
-def _q4x8_head(V: int, H: int, bias: bool) -> q4x8.Q4x8Linear:
+def _q4x8_head(V: int, H: int, bias: bool) -> Q4x8Linear:
     g = torch.Generator().manual_seed(5)
-    return q4x8.Q4x8Linear(torch.randn(V, H, generator=g), torch.randn(V, generator=g) if bias else None)
+    return Q4x8Linear(torch.randn(V, H, generator=g), torch.randn(V, generator=g) if bias else None)
 
 
 @pytest.mark.parametrize("n", [16, 40, 160, 199])
@@ -219,7 +220,7 @@ def test_q4x8_trimmed_head_is_bitwise_the_full_head(n, bias):
 def test_q4x8_trimmed_head_inside_a_split_linear():
     _q4x8_or_skip()
     V, H = 200, 64
-    split = quant.derived_split(_q4x8_head(V, H, False), "dense_fp32", None)
+    split = derived_split(_q4x8_head(V, H, False), "fp32", None)
     ids = kept_ids(48, V, [190])
     trimmed = TrimmedHead(split, V, ids)
     for T in (1, 20):  # the step half (q4x8, bitwise) and the prefill half (dense rows)
@@ -231,9 +232,9 @@ def test_q4x8_trimmed_head_inside_a_split_linear():
             torch.testing.assert_close(got[..., ids], full[..., ids], rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("kind", ["linear", "dense_fp32", "dense_bf16", "int8"])
+@pytest.mark.parametrize("kind", ["linear", "fp32", "bf16", "int8", "int4"])
 def test_dense_trimmed_head_matches_the_full_head(kind):
-    V, H = 100, 32
+    V, H = (112 if kind == "int4" else 100), 32
     g = torch.Generator().manual_seed(8)
     w, b = torch.randn(V, H, generator=g), torch.randn(V, generator=g)
     if kind == "linear":
@@ -241,23 +242,19 @@ def test_dense_trimmed_head_matches_the_full_head(kind):
         with torch.no_grad():
             head.weight.copy_(w)
             head.bias.copy_(b)
-    elif kind == "dense_fp32":
+    elif kind == "fp32":
         head = DenseF32(w, b)
-    elif kind == "dense_bf16":
+    elif kind == "bf16":
         head = DenseBF16(w, b)
-    else:  # no view of this format: the whole head, then the kept ids (the same logits)
-        lin = nn.Linear(H, V)
-        with torch.no_grad():
-            lin.weight.copy_(w)
-            lin.bias.copy_(b)
-        head = quant.Int8Linear(lin)
+    else:  # int8 gathers its rows; int4's packed layout has none: the whole head, then the kept ids
+        head = make_linear(kind, w, b)
     ids = kept_ids(30, V, [99, 64])
     trimmed = TrimmedHead(head, V, ids)
     x = torch.randn(4, H, generator=g)
     full, got = head(x).detach(), trimmed(x).detach()
-    tol = 2e-2 if kind == "dense_bf16" else 1e-5
+    tol = 1e-5 if kind in ("linear", "fp32") else 2e-2
     torch.testing.assert_close(got[..., ids], full[..., ids], rtol=tol, atol=tol)
-    assert trimmed.rows_read == (V if kind == "int8" else 32)
+    assert trimmed.rows_read == (V if kind == "int4" else 32)
 
 
 def test_kept_ids_add_eos_once_and_in_order():

@@ -12,8 +12,8 @@ import time
 from pathlib import Path
 
 from draftwise.bench.workloads import BUILTIN
-from draftwise.cli_args import add_model_args, int_list, k_list, llm_from_args
-from draftwise.config import DTYPES, WEIGHT_FORMATS, ConfigError, parse_spec_config
+from draftwise.cli_args import add_model_args, int_list, k_list, llm_from_args, weights_arg
+from draftwise.config import DTYPES, ConfigError, parse_spec_config
 from draftwise.models.catalog import DEFAULT_DRAFT, DEFAULT_TARGET
 
 
@@ -26,7 +26,8 @@ def add_bench_args(p) -> None:
                    help="comma list of k; 'auto' = the cost-model policy that picks k per step (or plain decoding)")
     p.add_argument("--draft", default=DEFAULT_DRAFT, help="draft model for method draft_model")
     p.add_argument("--draft-dtype", default=None, choices=list(DTYPES), help="default: the target's --dtype")
-    p.add_argument("--draft-weights", default=None, choices=list(WEIGHT_FORMATS))
+    p.add_argument("--draft-weights", default=None, type=weights_arg,
+                   help="as --weights, for the draft (default: the target's --weights)")
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--requests", type=int, default=30, help="measured requests per condition and group")
     p.add_argument("--concurrency", default=None, help="e.g. 1,4 (default: each workload's own; longform 1,4)")
@@ -172,7 +173,7 @@ def register_memory(sub) -> None:
     p.add_argument("--dtype", default="auto", choices=list(DTYPES),
                    help="activation dtype, as generate's (auto: what the chosen kernels want)")
     p.add_argument("--draft-dtype", default=None, choices=list(DTYPES))
-    p.add_argument("--weights", default="auto", choices=list(WEIGHT_FORMATS),
+    p.add_argument("--weights", default="auto", type=weights_arg,
                    help="as generate's; auto: the kernels the autotuner picks here (its cached choice, else measured "
                         "now, a few seconds per model, and cached for the load)")
     p.add_argument("--num-speculative-tokens", type=int, default=8)

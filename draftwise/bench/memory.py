@@ -2,23 +2,21 @@
 
 Owns the estimate. Shapes come from checkpoint metadata only — the converted cache's draftwise_config.json and
 safetensors header, or the GGUF's key-values and tensor table — never by loading weights. Terms:
-  weights  = for kernel plans (q4x8, auto's choice: the plan load_model resolves, models/quant.py
-             resolve_formats — auto's cached choice for these shapes here, measured first if there is none), each
-             linear's stored layout (kernels/linear.py `nbytes`: q4x8 4.75 bits per weight, kernels/q4x8.py
-             packed_bytes; torch int4 4.5; dense 16 or 32; a SplitLinear both), the embedding table as
-             load_model keeps it (q4x8 packed for 4-bit plans, shared with a tied head; else dense), norms in the
-             activation dtype — the bytes the loaded model holds (tests/test_bench_memory.py checks them against
-             the module's tensors); legacy formats: parameters × bytes per element (int8: 1 B + a scale per output
-             row; int4: 0.5 B + 2 scales per group of 32);
+  weights  = under the KernelPlan load_model resolves (kernels/plan.py resolve_plan — auto's cached choice for
+             these shapes here, measured first if there is none), each linear's stored layout (kernels/linear.py
+             `nbytes`: q4x8 4.75 bits per weight, kernels/q4x8.py packed_bytes; torch int4 4.5; int8 8 + a
+             scale per row; dense 16 or 32; a SplitLinear both), the embedding table as load_model keeps it (q4x8
+             packed for 4-bit plans, shared with a tied head; else dense), norms in the activation dtype — the
+             bytes the loaded model holds (tests/test_bench_memory.py checks them against the module's tensors);
   KV cache = 2 (K and V) × layers × kv_heads × head_dim × bytes × tokens per slot × slots, where the engine
              preallocates every slot at full length (engine.target_cache_capacity and
              spec_decode/draft_model.draft_cache_capacity: the same functions the engine and the draft call) —
              so concurrency is the number of slots (--max-num-seqs), used or not;
-  prefix cache = its byte budget (prefix_cache.py) per model, where it is on by default (q4x8 for every width);
+  prefix cache = its byte budget (prefix_cache.py) per model, where it is on by default (a row-exact plan);
   overhead = the interpreter with torch and the tokenizer (measured, RUNTIME_BASE_BYTES) plus prefill
              activations for a full-context prompt (a few hidden-size and MLP-width buffers per token);
-  loading  = a kernel plan's modules are built one tensor at a time from the GGUF (or read back packed), and a
-             dense model is built in its dtype (then quantized, if asked) from a dense cache read one tensor at a
+  loading  = a GGUF's modules are built one tensor at a time from its blocks (or read back packed), and a
+             checkpoint folder's model is built in its dtype (then its kernels) from a dense cache read one tensor at a
              time (models/safetensors.py), so while loading a model costs its final weights (dense: its dtype
              weights) plus its largest tensor in float32; the peak is the max of (load target), (target + load
              draft), (serving).
@@ -34,7 +32,6 @@ from pathlib import Path
 
 from draftwise.config import ConfigError, ModelConfig
 from draftwise.engine import target_cache_capacity
-from draftwise.kernels.linear import q4x8_everywhere
 from draftwise.models.safetensors import header_specs
 from draftwise.prefix_cache import DEFAULT_BYTES as PREFIX_CACHE_BYTES
 from draftwise.spec_decode.draft_model import draft_cache_capacity
@@ -104,36 +101,23 @@ def _from_specs(cfg: ModelConfig, specs, source: str, gguf: bool = False) -> Sha
     return Shapes(cfg, total, linear, largest, source, tuple((name, tuple(shape)) for name, shape in specs), gguf)
 
 
-def resolve_plan(s: Shapes, dtype: str, weights: str | None, device: str = "cpu", tune=None):
-    """The formats load_model would load this model in (models/quant.py resolve_formats, the same call): explicit
-    values as given, "auto" the autotuner's cached choice for these shapes here (measured now if none is cached)."""
-    from draftwise.models import quant
+def resolve_plan(s: Shapes, dtype: str, weights: str, device: str = "cpu", tune=None):
+    """The KernelPlan load_model would build this model with (kernels/plan.py resolve_plan, the same call): a named
+    plan as given, "auto" the autotuner's cached choice for these shapes here (measured now if none is cached)."""
+    from draftwise.kernels import plan
 
-    return quant.resolve_formats(weights, dtype, s.config, device, tune=tune)
+    return plan.resolve_plan(weights, dtype, s.config, device, tune=tune)
 
 
 def weight_bytes(s: Shapes, plan) -> int:
-    """Bytes of the weights a model loaded under `plan` (a quant.Plan) holds."""
-    if plan.step is not None:
-        return _kernel_weight_bytes(s, plan)
-    b, n, lin = BYTES[plan.dtype], s.num_params, s.num_linear_params
-    if plan.weights == "int8":
-        return (n - lin) * b + lin * 1 + lin // 1000 * 4
-    if plan.weights == "int4+dense":
-        return n * b + lin // 2 + lin // 32 * 2 * 2
-    if plan.weights == "int4":
-        return (n - lin) * b + lin // 2 + lin // 32 * 2 * 2
-    return n * b
-
-
-def _kernel_weight_bytes(s: Shapes, plan) -> int:
-    """A kernel plan: each linear in its implementations' layouts (kernels/linear.py nbytes; a tied head built from
-    the embedding's shape), the embedding as load_model keeps it (from a GGUF: q4x8 packed for 4-bit plans,
-    nothing more when a tied head's q4x8 buffers serve it, else bf16 when large; from a checkpoint folder: dense
-    in the activation dtype), every other tensor in the activation dtype."""
+    """Bytes of the weights a model loaded under `plan` (a KernelPlan) holds: each linear in its implementations'
+    layouts (kernels/linear.py nbytes; a tied head built from the embedding's shape), the embedding as load_model
+    keeps it (from a GGUF: q4x8 packed for 4-bit plans, nothing more when a tied head's q4x8 buffers serve it,
+    else bf16 when large; from a checkpoint folder: dense in the activation dtype), every other tensor in the
+    activation dtype."""
     import torch
 
-    from draftwise.kernels.linear import IMPLS
+    from draftwise.kernels.linear import LINEARS
     from draftwise.kernels.q4x8 import packed_bytes
     from draftwise.models import quant
 
@@ -146,8 +130,8 @@ def _kernel_weight_bytes(s: Shapes, plan) -> int:
     total, head = 0, []
     for path, name in linears.items():
         N, K = specs[name]
-        impls = quant.plan_impls(plan.step, plan.prefill, N, K, dtype)
-        total += sum(IMPLS[i].nbytes(N, K, f"{path}.bias" in specs) for i in impls)
+        impls = quant.plan_impls(plan, N, K)
+        total += sum(LINEARS[i].nbytes(N, K, f"{path}.bias" in specs) for i in impls)
         head = impls if path == "lm_head" else head
     biases = {f"{path}.bias" for path in linears}
     for name, shape in specs.items():
@@ -156,7 +140,7 @@ def _kernel_weight_bytes(s: Shapes, plan) -> int:
         numel = 1
         for dim in shape:
             numel *= dim
-        if name == embed and s.gguf and quant.compact_embedding(plan.step, plan.prefill, cfg.hidden_size):
+        if name == embed and s.gguf and quant.compact_embedding(plan, cfg.hidden_size):
             total += 0 if cfg.tie_word_embeddings and "q4x8" in head else packed_bytes(*shape)
         elif name == embed and s.gguf:
             total += numel * torch.tensor([], dtype=quant.embed_storage_dtype(*shape, dtype)).element_size()
@@ -166,9 +150,9 @@ def _kernel_weight_bytes(s: Shapes, plan) -> int:
 
 
 def loading_bytes(s: Shapes, plan) -> int:
-    """A model's own peak while it loads: its final weights plus its largest tensor in float32 (a GGUF in a kernel
-    plan: modules built one tensor at a time); a dense build first holds every weight in the activation dtype."""
-    if plan.step is not None and s.gguf:
+    """A model's own peak while it loads: its final weights plus its largest tensor in float32 (a GGUF: modules
+    built one tensor at a time); a dense build first holds every weight in the activation dtype."""
+    if s.gguf and "int8_dynamic" not in (plan.step, plan.prefill):
         return weight_bytes(s, plan) + s.largest_tensor * BYTES["float32"]
     return s.num_params * BYTES[plan.dtype] + s.largest_tensor * BYTES["float32"]
 
@@ -184,12 +168,12 @@ def activation_bytes(cfg: ModelConfig, context: int) -> int:
 
 
 def estimate(target: str, draft: str | None, max_model_len: int, concurrency: int, dtype: str = "auto",
-             weights: str | None = "auto", draft_dtype: str | None = None, k: int = 8, cache_dir: str | None = None,
+             weights: str = "auto", draft_dtype: str | None = None, k: int = 8, cache_dir: str | None = None,
              device: str = "cpu", tune=None) -> dict:
     """Steady-state rows, and the peak over the three phases of LLM(...): load target, load draft, serve.
 
     Each model in the formats load_model resolves for it (`resolve_plan`; the draft as LLM loads it: its own
-    "auto" when the target's weights are "auto", else dense in `draft_dtype` or the target's dtype); `tune`
+    the target's weights, in `draft_dtype` or the target's dtype); `tune`
     injects the autotuner's result (tests). While a model loads it costs loading_bytes."""
     t = model_shapes(target, cache_dir)
     tp = resolve_plan(t, dtype, weights, device, tune)
@@ -199,14 +183,14 @@ def estimate(target: str, draft: str | None, max_model_len: int, concurrency: in
     loading = {"target": RUNTIME_BASE_BYTES + loading_bytes(t, tp)}
     if draft:
         d = model_shapes(draft, cache_dir)
-        dp = resolve_plan(d, draft_dtype or dtype, "auto" if weights == "auto" else None, device, tune)
+        dp = resolve_plan(d, draft_dtype or dtype, weights, device, tune)
         plans["draft"] = _plan_dict(dp)
         rows["draft_weights"] = weight_bytes(d, dp)
         rows["draft_kv_cache"] = kv_bytes(d.config, dp.dtype, draft_cache_capacity(max_model_len, k), concurrency)
-        if q4x8_everywhere(device, {"step": dp.step, "prefill": dp.prefill}):
+        if dp.row_exact:
             rows["draft_prefix_cache"] = PREFIX_CACHE_BYTES
         loading["draft"] = RUNTIME_BASE_BYTES + rows["target_weights"] + loading_bytes(d, dp)
-    if q4x8_everywhere(device, {"step": tp.step, "prefill": tp.prefill}):  # on by default there: at most its budget
+    if tp.row_exact:  # on by default there: at most its budget
         rows["prefix_cache"] = PREFIX_CACHE_BYTES
     rows["runtime_overhead"] = RUNTIME_BASE_BYTES + activation_bytes(t.config, max_model_len)
     serving = sum(rows.values())
@@ -221,7 +205,7 @@ def estimate(target: str, draft: str | None, max_model_len: int, concurrency: in
 
 
 def _plan_dict(plan) -> dict:
-    return {"weights": plan.weights, "dtype": plan.dtype, "step": plan.step, "prefill": plan.prefill}
+    return {"weights": plan.label, "dtype": plan.dtype, "step": plan.step, "prefill": plan.prefill}
 
 
 def available_memory(device: str = "cpu") -> tuple[int | None, str]:

@@ -13,20 +13,12 @@ get back modules with `forward(x [..., K]) -> [..., N]`.
     attention.py our row-exact decode/verification attention op (one call per layer; in q4x8's library)
     glue.py      the decoder's glue between the matmuls as row-exact C++ ops (in q4x8's library)
     stack.py     the decoder's layer loop over those ops in one C++ call, bitwise the Python loop (same library)
-    linear.py    every implementation behind one interface (IMPLS), each with where it runs and its tolerance
+    linear.py    the one registry of linear implementations (LINEARS), each with where it runs, its dtype,
+                 whether it is row-exact, its stored form and how it computes some of its rows
+    plan.py      where a kernel is chosen: KernelPlan and resolve_plan (--weights / --dtype / auto)
     autotune.py  time the candidates on real shapes, choose one step kernel and one prefill kernel, cache it
-    threads.py   fewer torch threads while other processes hold cores (q4x8 plans), back when they stop
+    threads.py   fewer torch threads while other processes hold cores (row-exact plans), back when they stop
     hugepages.py opt-in: a loaded model's weight storages moved into transparent huge pages (2 MiB), bitwise
 """
 from __future__ import annotations
 
-
-def every_row_exact(device: str, kernels: dict | None, dtype) -> bool:
-    """True where a row's result never depends on how many rows share the forward: q4x8 for every width
-    (`kernels`: a loaded model's info["kernels"]) and our row-exact attention op for this dtype, which then
-    takes every prompt row. A prompt row is then bitwise the row a decode step computes at that position, so a
-    prefix cache and guesses verified inside the prefill change no token."""
-    from draftwise.kernels import attention
-    from draftwise.kernels.linear import q4x8_everywhere
-
-    return q4x8_everywhere(device, kernels) and dtype in attention.DTYPES and attention.available()

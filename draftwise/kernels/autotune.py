@@ -19,9 +19,9 @@ Choice rule (documented contract):
   * prefill kernel: the lowest cost at the prefill chunk width (default 128 rows) among the row-exact
     implementations too (a batched prefill of several prompts must equal each prompt's own prefill); if none
     is, every one is.
-  Costs are the sum over the model's projections (count x per-call ms), ties broken by IMPLS order. A projection
+  Costs are the sum over the model's projections (count x per-call ms), ties broken by LINEARS order. A projection
   an implementation cannot take (`supports` False: e.g. torch int4 and an LM head of N % 16 != 0) costs what the
-  model built with it runs there instead, the dense implementation of its activation dtype (linear.dense_impl),
+  model built with it runs there instead, the dense implementation of its activation dtype (linear.dense_for),
   and that one's row-exactness counts too (table["fallback"] lists such projections).
 
 Load-time tuning (`autotune(shapes, fast=True)`, what `weights="auto"` runs on a model's first load): only the
@@ -42,7 +42,7 @@ from pathlib import Path
 
 import torch
 
-from draftwise.kernels.linear import IMPLS, auto_dtype, available_impls, dense_impl, probe_device
+from draftwise.kernels.linear import LINEARS, available, dense_for, probe_device
 from draftwise.kernels.probe import cuda_probe, cuda_seconds, flag_summary, format_probe
 from draftwise.kernels.probe import probe as cpu_probe
 
@@ -149,11 +149,11 @@ def load_candidates(p: dict) -> list[str]:
     implementation that runs there (torch int4, torch int8 where the build has its CUDA kernel, dense bf16 and
     fp32)."""
     if probe_device(p) != "cpu":
-        return available_impls(p)
+        return available(p)
     flags = p.get("flags", {})
     native_bf16 = bool(flags.get("avx512_bf16") or flags.get("amx_bf16") or flags.get("bf16"))
-    names = ["q4x8", "int4_torch"] + (["dense_bf16"] if native_bf16 else []) + ["dense_fp32"]
-    return [n for n in names if n in available_impls(p)]
+    names = ["q4x8", "int4"] + (["bf16"] if native_bf16 else []) + ["fp32"]
+    return [n for n in names if n in available(p)]
 
 
 def measure(shapes: list[ProjShape], names: list[str] | None = None, rows: tuple[int, ...] = STEP_ROWS,
@@ -163,13 +163,13 @@ def measure(shapes: list[ProjShape], names: list[str] | None = None, rows: tuple
     """Time each implementation on each shape for each row count. Returns a JSON-able table:
     {"rows": [...], "ms": {impl: {rows: total ms over the model's projections}}, "per_shape": {impl: {shape:
     {rows: ms per call}}}, "row_independent": {impl: bool}, "shapes": [...]}. `registry` (name -> LinearImpl
-    class, default IMPLS) lets benchmarks add variants such as a forced ISA path; `clock` see _time_calls;
+    class, default LINEARS) lets benchmarks add variants such as a forced ISA path; `clock` see _time_calls;
     `device` where the weights and activations live ("cpu" or "cuda")."""
     from tqdm import tqdm
 
     p = run_probe(device)
-    registry = registry or IMPLS
-    names = [n for n in (names or available_impls(p)) if n in registry]
+    registry = registry or LINEARS
+    names = [n for n in (names or available(p)) if n in registry]
     all_rows = sorted(set(rows) | ({prefill_rows} if prefill_rows else set()))
     gen = torch.Generator().manual_seed(seed)
     per_shape: dict[str, dict[str, dict[int, float]]] = {n: {} for n in names}
@@ -185,7 +185,7 @@ def measure(shapes: list[ProjShape], names: list[str] | None = None, rows: tuple
             bar.set_postfix_str(f"{name} {shape.name}")
             cls = registry[name]
             if not cls.supports(shape.N, shape.K) or not cls.supports(n_eff, shape.K):
-                cls = IMPLS[dense_impl(auto_dtype(name))]  # what a model built with `name` runs here instead
+                cls = LINEARS[dense_for(cls.dtype)]  # what a model built with `name` runs here instead
                 fallback.setdefault(name, []).append(shape.name)
             mod = cls(weight)
             if indep.get(name, True):  # every shape: a GPU library may pick its GEMM kernel by N and K too
@@ -222,7 +222,7 @@ def choose(table: dict, verify_rows: int = VERIFY_ROWS) -> dict:
     ms = table["ms"]
     if not ms:
         raise ValueError("empty timing table: no implementation could run every shape")
-    order = [n for n in IMPLS if n in ms] + [n for n in ms if n not in IMPLS]
+    order = [n for n in LINEARS if n in ms] + [n for n in ms if n not in LINEARS]
     indep = table.get("row_independent", {})
     step_score = {n: (cost_at(ms[n], 1) + cost_at(ms[n], verify_rows)) / 2 for n in order}
     eligible = [n for n in order if indep.get(n, False)] or order
@@ -267,10 +267,29 @@ def fast_measure_kw(p: dict) -> dict:
             "prefill_samples": 1}
 
 
+def busy_meter():
+    """Start measuring how many cores OTHER processes keep busy; the returned function gives the mean since the
+    start (None where /proc cannot say). A timing taken while they did is slower than this machine is."""
+    from draftwise.kernels.threads import our_cpus, read_proc
+
+    cpus = our_cpus()
+    hz = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    t0, first = time.monotonic(), read_proc(cpus)
+
+    def others() -> float | None:
+        last, dt = read_proc(cpus), time.monotonic() - t0
+        if first is None or last is None or dt <= 0:
+            return None
+        return round(max(0.0, ((last[0] - first[0]) - (last[1] - first[1])) / hz / dt), 2)
+
+    return others
+
+
 def autotune(shapes: list[ProjShape], refresh: bool = False, progress: bool = True, fast: bool = False,
              device: str = "cpu", **measure_kw) -> dict:
     """The cached result for these shapes on this machine (`device`: its CPU, or its CUDA device), measuring (and
-    caching) it first if needed. `fast`: the trimmed load-time tuning. Returns {"key", "probe", "table", "choice"}."""
+    caching) it first if needed. `fast`: the trimmed load-time tuning. Returns {"key", "probe", "table", "choice",
+    "busy_cores" (other processes' busy cores while it was timed), "cached" (read from the cache)}."""
     p = run_probe(device)
     if fast:
         measure_kw = {**fast_measure_kw(p), **measure_kw}
@@ -280,11 +299,12 @@ def autotune(shapes: list[ProjShape], refresh: bool = False, progress: bool = Tr
         try:
             result = json.loads(path.read_text())
             result["table"]["ms"] = {n: {int(r): v for r, v in c.items()} for n, c in result["table"]["ms"].items()}
-            return result
+            return {**result, "cached": True}
         except (OSError, ValueError, KeyError):
             pass  # a damaged cache entry: measure again
+    others = busy_meter()
     table = measure(shapes, progress=progress, device=device, **measure_kw)
-    result = {"key": path.stem, "probe": p, "table": table, "choice": choose(table)}
+    result = {"key": path.stem, "probe": p, "table": table, "choice": choose(table), "busy_cores": others()}
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".tmp{os.getpid()}")
     with open(tmp, "w") as f:

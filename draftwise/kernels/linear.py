@@ -1,17 +1,27 @@
-"""Linear-layer implementations behind one small interface, each declaring where it runs and how exact it is.
+"""The one registry of linear implementations, `LINEARS`: every way draftwise computes y = x W^T + b.
 
-Owns: how y = x W^T + b is computed by each candidate kernel, from an fp32 (or dequantized) weight W [N, K]
-and optional bias [N]: dense fp32, dense bf16, torch's weight-only int4 (bf16 activations), torch's weight-only
-int8 (bf16 activations), fbgemm's dynamic int8 (x86), and ours, q4x8 (int4 weights x int8 activations).
-Where each runs: `devices` ("cpu", "cuda"); a module is built on the weight's device (a CUDA weight gives
-a CUDA module: cuBLAS for the dense ones, torch's tinygemm for int4), and a probe says which device it
-describes (probe.probe() the CPU, probe.cuda_probe() a GPU).
-Every implementation: `available(probe) -> bool` (can it run on the probed device), `supports(N, K) -> bool`
-(can it take this shape), `tolerance` (documented bound on the relative error ||y - y_ref|| / ||y_ref|| against
-the fp32 reference x W^T + b, for Gaussian weights and activations, the test's distribution; real weights with
-outliers quantize worse), `weight_bytes` (what one call streams from memory), `nbytes(N, K, bias)` (what the
-module holds: `draftwise memory` counts with it) and forward(x [..., K]) ->
-[..., N] in x's dtype. Knows nothing of models, checkpoints or which implementation is chosen (autotune.py).
+Owns, per implementation (one class each, registered under the name a user types for `--weights`):
+  fp32          dense float32 (MKL / oneDNN sgemm; cuBLAS on CUDA)
+  bf16          dense bfloat16 (native on AVX-512 BF16 / AMX, emulated elsewhere; cuBLAS)
+  int4          torch's weight-only int4, groups of 32 along K, bf16 activations (CPU kernel; tinygemm on CUDA)
+  int8          torch's weight-only int8 per output channel, bf16 activations
+  int8_dynamic  fbgemm's dynamically quantized int8 (x86): a row depends on the other rows, never chosen
+  q4x8          ours: int4 weights x int8 activations (kernels/q4x8.py builds the C++ operator and the format)
+and what each declares as class attributes: `devices` it runs on, `dtype` its activations are computed in (the
+model dtype "auto" resolves to when it is the step kernel), `row_exact` (by construction: every output row is a
+fixed computation of that row alone, whatever other rows share the call and however many threads run it —
+q4x8 splits work by output column, never by a reduction), `mergeable` (parts over one input concatenate into
+one module bitwise), `tolerance` (documented bound on ||y - y_ref|| / ||y_ref|| against fp32 for Gaussian
+weights and activations), `nbytes(N, K)` (its stored layout: `draftwise memory` counts with it), its stored form
+(`state` / `from_state`: what a prepared cache holds) and `rows(ids)`: a module computing just the outputs at
+`ids`, bitwise this module's (a draft model's trimmed head, spec_decode/draft_model.py).
+
+Also the compositions a plan builds from them: SplitLinear (the step kernel for calls of at most
+STEP_MAX_TOKENS tokens per sequence, the prefill kernel above), ConcatLinear (parts that do not merge exactly),
+Columns (some outputs of a module computed whole) and `merge` (q/k/v and gate/up into one call where exact).
+
+Knows nothing of models, checkpoints or which implementation a model gets (kernels/plan.py chooses; autotune.py
+measures): callers hand it float weights [N, K] and get modules with forward(x [..., K]) -> [..., N] in x's dtype.
 """
 from __future__ import annotations
 
@@ -23,7 +33,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from draftwise.kernels import q4x8 as q4x8_format
+
 _X86 = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
+STEP_MAX_TOKENS = 12  # calls with at most this many tokens per sequence (decode, verification) run the step kernel
+DEQUANT_CHUNK = 8192  # rows dequantized at a time when a dense half is derived from q4x8 (bounds the temporary)
 
 
 def probe_device(probe: dict) -> str:
@@ -35,16 +49,24 @@ def _bias(bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
     return None if bias is None else bias.detach().to(dtype).contiguous()
 
 
+def is_prefix(ids: torch.Tensor) -> bool:  # ids [M] int64
+    """ids == 0, 1, ..., M - 1: a view of the first M rows serves them."""
+    return bool(len(ids)) and bool(torch.equal(ids.cpu(), torch.arange(len(ids))))
+
+
 class LinearImpl(nn.Module):
-    """Base class: subclasses set the class attributes and implement __init__(weight, bias) and forward."""
+    """Base class: subclasses set the class attributes and implement __init__(weight [N, K], bias [N]) and forward."""
 
     name: ClassVar[str] = ""
     description: ClassVar[str] = ""
     tolerance: ClassVar[float] = 0.0
     devices: ClassVar[tuple[str, ...]] = ("cpu",)
+    dtype: ClassVar[str] = "bfloat16"  # the activations' dtype inside the call
+    row_exact: ClassVar[bool] = False  # by construction (others may still measure row-independent: autotune.py)
+    mergeable: ClassVar[bool] = False
+    row_buffers: ClassVar[tuple[str, ...]] = ()  # buffers whose dim 0 is N: rows(ids) slices them; () = Columns
     out_features: int
     in_features: int
-    weight_bytes: int
 
     @classmethod
     def available(cls, probe: dict) -> bool:  # probe: draftwise.kernels.probe.probe() or cuda_probe()
@@ -59,66 +81,93 @@ class LinearImpl(nn.Module):
         """Bytes this implementation's module holds for a weight [N, K] (and a bias [N]): its stored layout."""
         raise NotImplementedError(cls.name)
 
-    def _shape(self, weight: torch.Tensor) -> None:  # weight [N, K]
-        if weight.dim() != 2:
-            raise ValueError(f"weight must be [N, K], got {tuple(weight.shape)}")
-        self.out_features, self.in_features = (int(s) for s in weight.shape)
+    @property
+    def weight_bytes(self) -> int:
+        """What one call streams from memory: the stored weight."""
+        return self.nbytes(self.out_features, self.in_features)
+
+    def _shape(self, N: int, K: int) -> None:
+        self.out_features, self.in_features = int(N), int(K)
         if not self.supports(self.out_features, self.in_features):
             raise ValueError(f"{self.name} does not support shape N={self.out_features}, K={self.in_features}")
+
+    def _weight_shape(self, weight: torch.Tensor) -> None:  # weight [N, K]
+        if weight.dim() != 2:
+            raise ValueError(f"weight must be [N, K], got {tuple(weight.shape)}")
+        self._shape(*weight.shape)
+
+    # ---- the stored form: buffers as they are, rebuilt without quantizing ------------------------------------
+    def state(self) -> dict[str, torch.Tensor]:
+        """The tensors a cache stores to rebuild this module (`from_state`)."""
+        return {n: t for n, t in self._buffers.items() if t is not None}
+
+    @classmethod
+    def from_state(cls, tensors: dict[str, torch.Tensor], N: int, K: int) -> LinearImpl:
+        """A module around stored buffers (`state`'s output, or views of another module's): no copy."""
+        mod = cls.__new__(cls)
+        nn.Module.__init__(mod)
+        mod._shape(N, K)
+        for n in cls.stored_buffers():
+            mod.register_buffer(n, tensors.get(n))
+        return mod
+
+    @classmethod
+    def stored_buffers(cls) -> tuple[str, ...]:
+        return cls.row_buffers
+
+    # ---- some outputs only ------------------------------------------------------------------------------------
+    def rows(self, ids: torch.Tensor) -> nn.Module:  # ids [M] int64 -> module x [..., K] -> [..., M]
+        """This module's outputs at `ids`, bitwise: a view of the first M weight rows when ids is a prefix,
+        the gathered rows otherwise; Columns (computed whole, then picked) where the layout has no rows."""
+        if not self.row_buffers:
+            return Columns(self, ids)
+        pick = (lambda t: t[: len(ids)]) if is_prefix(ids) else (lambda t: t.index_select(0, ids.to(t.device)))
+        return type(self).from_state({n: pick(t) for n, t in self.state().items()}, len(ids), self.in_features)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}"
 
 
 class DenseF32(LinearImpl):
-    name = "dense_fp32"
+    name = "fp32"
     description = "float32 weights and activations (MKL / oneDNN sgemm; cuBLAS on CUDA)"
     tolerance = 1e-5  # summation order only (CUDA: TF32 stays off unless the user turns it on)
     devices = ("cpu", "cuda")
+    dtype = "float32"
+    row_buffers = ("weight", "bias")
+    storage = torch.float32
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):  # weight [N, K], bias [N]
         super().__init__()
-        self._shape(weight)
-        self.register_buffer("weight", weight.detach().float().contiguous())
-        self.register_buffer("bias", _bias(bias, torch.float32))
-        self.weight_bytes = self.weight.numel() * 4
+        self._weight_shape(weight)
+        self.register_buffer("weight", weight.detach().to(self.storage).contiguous())
+        self.register_buffer("bias", _bias(bias, self.storage))
 
     @classmethod
     def nbytes(cls, N: int, K: int, bias: bool = False) -> int:
-        return 4 * N * K + (4 * N if bias else 0)
+        size = torch.finfo(cls.storage).bits // 8
+        return size * N * K + (size * N if bias else 0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [..., K] -> [..., N]
-        return F.linear(x.float(), self.weight, self.bias).to(x.dtype)
+        return F.linear(x.to(self.storage), self.weight, self.bias).to(x.dtype)
 
 
-class DenseBF16(LinearImpl):
-    name = "dense_bf16"
+class DenseBF16(DenseF32):
+    name = "bf16"
     description = "bfloat16 weights and activations (native on AVX-512 BF16 / AMX, emulated elsewhere; cuBLAS)"
     tolerance = 0.02  # bf16 rounding of weights, activations and output (8-bit mantissa, ~0.4% each)
-    devices = ("cpu", "cuda")
-
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):  # weight [N, K], bias [N]
-        super().__init__()
-        self._shape(weight)
-        self.register_buffer("weight", weight.detach().to(torch.bfloat16).contiguous())
-        self.register_buffer("bias", _bias(bias, torch.bfloat16))
-        self.weight_bytes = self.weight.numel() * 2
-
-    @classmethod
-    def nbytes(cls, N: int, K: int, bias: bool = False) -> int:
-        return 2 * N * K + (2 * N if bias else 0)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [..., K] -> [..., N]
-        return F.linear(x.to(torch.bfloat16), self.weight, self.bias).to(x.dtype)
+    dtype = "bfloat16"
+    storage = torch.bfloat16
 
 
-class TorchInt4BF16(LinearImpl):
+class TorchInt4(LinearImpl):
     """Torch's weight-only int4: asymmetric min-max groups of 32 along K, w = (q - 8) * scale + zero, activations
     in bfloat16. CPU: torch._weight_int4pack_mm_for_cpu (its SIMD path; float32 activations fall to a scalar
     loop). CUDA (compute capability 8.0+): torch._weight_int4pack_mm, the tinygemm kernel, over the same
-    quantized values in its tiled layout (`inner_k_tiles`, the most of 8 / 4 / 2 that divides K by 16 x it)."""
+    quantized values in its tiled layout (`inner_k_tiles`, the most of 8 / 4 / 2 that divides K by 16 x it).
+    The packed layout is torch-version specific and opaque: `rows` computes the whole output (Columns)."""
 
-    name = "int4_torch"
+    name = "int4"
     description = "torch weight-only int4 (groups of 32), bf16 activations (CUDA: tinygemm)"
     tolerance = 0.10  # 4-bit weights: ~0.08 for Gaussian weights, plus bf16 activations
     devices = ("cpu", "cuda")
@@ -136,6 +185,10 @@ class TorchInt4BF16(LinearImpl):
     def supports(cls, N: int, K: int) -> bool:
         return K % cls.GROUP == 0 and N % 16 == 0
 
+    @classmethod
+    def stored_buffers(cls) -> tuple[str, ...]:
+        return ("packed", "scales_and_zeros", "bias")
+
     @staticmethod
     def inner_k_tiles(K: int) -> int:
         """The CUDA layout's K tiles per super-tile: the most of 8, 4, 2 with K a multiple of 16 x it."""
@@ -143,7 +196,7 @@ class TorchInt4BF16(LinearImpl):
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):  # weight [N, K], bias [N]
         super().__init__()
-        self._shape(weight)
+        self._weight_shape(weight)
         w = weight.detach().float()
         N, K = w.shape
         wg = w.view(N, K // self.GROUP, self.GROUP)
@@ -160,24 +213,6 @@ class TorchInt4BF16(LinearImpl):
         sz = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous()  # [K/32, N, 2]
         self.register_buffer("scales_and_zeros", sz.to(torch.bfloat16))
         self.register_buffer("bias", _bias(bias, torch.bfloat16))
-        self.weight_bytes = N * K // 2 + sz.numel() * 2
-
-    @classmethod
-    def from_packed(cls, packed: torch.Tensor, scales_and_zeros: torch.Tensor,
-                    bias: torch.Tensor | None = None) -> TorchInt4BF16:
-        """A module around the buffers of one built before on the CPU (a cache's stored form): packed [N, K / 2]
-        uint8 as torch._convert_weight_to_int4pack_for_cpu returns it (torch-version specific),
-        scales_and_zeros [K / 32, N, 2] bf16."""
-        mod = cls.__new__(cls)
-        nn.Module.__init__(mod)
-        mod.out_features, mod.in_features = int(packed.shape[0]), int(scales_and_zeros.shape[0]) * cls.GROUP
-        if packed.dtype != torch.uint8 or tuple(packed.shape) != (mod.out_features, mod.in_features // 2):
-            raise ValueError(f"not a packed int4 weight: {tuple(packed.shape)} {packed.dtype}")
-        mod.register_buffer("packed", packed.contiguous())
-        mod.register_buffer("scales_and_zeros", scales_and_zeros.to(torch.bfloat16).contiguous())
-        mod.register_buffer("bias", _bias(bias, torch.bfloat16))
-        mod.weight_bytes = packed.numel() + scales_and_zeros.numel() * 2
-        return mod
 
     @classmethod
     def nbytes(cls, N: int, K: int, bias: bool = False) -> int:  # nibbles + bf16 scale and zero per 32
@@ -194,11 +229,12 @@ class TorchInt4BF16(LinearImpl):
         return y.view(*x.shape[:-1], self.out_features).to(x.dtype)
 
 
-class TorchInt8BF16(LinearImpl):
-    name = "int8_torch"
+class TorchInt8(LinearImpl):
+    name = "int8"
     description = "torch weight-only int8 (per-channel symmetric), bf16 activations"
     tolerance = 0.03  # 8-bit per-channel weights (~1%) plus bf16 activations
     devices = ("cpu", "cuda")
+    row_buffers = ("qweight", "scale", "bias")
 
     @classmethod
     def available(cls, probe: dict) -> bool:
@@ -208,13 +244,16 @@ class TorchInt8BF16(LinearImpl):
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):  # weight [N, K], bias [N]
         super().__init__()
-        self._shape(weight)
+        self._weight_shape(weight)
         w = weight.detach().float()
         scale = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-12)  # [N]
         self.register_buffer("qweight", (w / scale[:, None]).round().clamp(-127, 127).to(torch.int8))
         self.register_buffer("scale", scale.to(torch.bfloat16))
         self.register_buffer("bias", _bias(bias, torch.bfloat16))
-        self.weight_bytes = w.numel() + scale.numel() * 2
+
+    @classmethod
+    def nbytes(cls, N: int, K: int, bias: bool = False) -> int:  # int8 weights + a bf16 scale per row
+        return N * K + 2 * N + (2 * N if bias else 0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [..., K] -> [..., N]
         x2 = x.reshape(-1, self.in_features).to(torch.bfloat16)
@@ -226,19 +265,25 @@ class TorchInt8BF16(LinearImpl):
 
 class FbgemmDynamicInt8(LinearImpl):
     """fbgemm's dynamically quantized linear: int8 per-channel weights, activations quantized per call over the
-    whole [M, K] tensor (so a row's result depends on the other rows: never exact for speculation)."""
+    whole [M, K] tensor (so a row's result depends on the other rows: never exact for speculation). Its packed
+    weight is an opaque object: no stored form, so a prepared cache never holds it."""
 
-    name = "int8_fbgemm_dynamic"
+    name = "int8_dynamic"
     description = "fbgemm dynamic int8 (per-tensor activations, x86 only)"
     tolerance = 0.05  # 8-bit weights, 7-bit (reduce_range) per-tensor activations
+    dtype = "float32"
 
     @classmethod
     def available(cls, probe: dict) -> bool:
         return super().available(probe) and _X86 and "fbgemm" in torch.backends.quantized.supported_engines
 
+    @classmethod
+    def stored_buffers(cls) -> tuple[str, ...]:
+        raise NotImplementedError(f"{cls.name} has no stored form")
+
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):  # weight [N, K], bias [N]
         super().__init__()
-        self._shape(weight)
+        self._weight_shape(weight)
         torch.backends.quantized.engine = "fbgemm"
         w = weight.detach().float().contiguous()
         scale = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-12).double()  # [N]
@@ -246,20 +291,43 @@ class FbgemmDynamicInt8(LinearImpl):
             warnings.simplefilter("ignore")
             qw = torch.quantize_per_channel(w, scale, torch.zeros_like(scale, dtype=torch.int64), 0, torch.qint8)
             self._packed = torch.ops.quantized.linear_prepack(qw, _bias(bias, torch.float32))
-        self.weight_bytes = w.numel() + scale.numel() * 4
+
+    @classmethod
+    def nbytes(cls, N: int, K: int, bias: bool = False) -> int:  # int8 weights + a float32 scale per row
+        return N * K + 4 * N + (4 * N if bias else 0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [..., K] -> [..., N]
         y = torch.ops.quantized.linear_dynamic(x.reshape(-1, self.in_features).float().contiguous(), self._packed, True)
         return y.view(*x.shape[:-1], self.out_features).to(x.dtype)
 
 
-class Q4x8(LinearImpl):
-    """Ours (q4x8.py, csrc/): int4 weights in Q4_K-style groups of 32 x int8 activations per 256 (Q8_K-style),
-    exact per row."""
+_OP: list = []
+
+
+def _q4x8_op():
+    """torch.ops.draftwise_q4x8.linear.default, resolved once (the attribute chain costs microseconds per call)."""
+    if not _OP:
+        _OP.append(q4x8_format.load().linear.default)
+    return _OP[0]
+
+
+class Q4x8Linear(LinearImpl):
+    """Ours: y = x W^T + b with W in q4x8's int4 format (kernels/q4x8.py: Q4_K-style groups of 32, packed in
+    16-column blocks) and x quantized to int8 per row (one scale per 256 K values) on the fly, by the C++
+    operator (AVX-512 VNNI / AVX2 / portable, chosen by cpuid; every path bitwise the same).
+
+    Q4x8Linear(weight [N, K] float, bias [N] | None, path="auto") quantizes `weight`; `from_parts(parts, bias)`
+    takes `quantize_q4` / `q4k_parts` output as it is (exact for Q4_K); `from_state` takes packed buffers.
+    forward(x [..., K] any float dtype) -> [..., N] in x's dtype. `path` ("auto", "avx512", "avx2", "scalar")
+    exists for tests and benchmarks."""
 
     name = "q4x8"
     description = "ours: int4 weights x int8 activations, AVX-512 VNNI / AVX2 (C++ extension)"
     tolerance = 0.10  # 4-bit weights (~0.08 for Gaussian weights) plus int8 activations per 256 (~0.007)
+    dtype = "float32"  # it quantizes float32 activations itself
+    row_exact = True  # a column is computed from its own block and the row's int8 activations alone
+    mergeable = True
+    PACKED = q4x8_format.PACKED  # the buffers `pack` returns, as a module's state holds them
 
     @classmethod
     def available(cls, probe: dict) -> bool:
@@ -268,35 +336,120 @@ class Q4x8(LinearImpl):
             return False
         if not (flags.get("avx2") and flags.get("fma")) and not flags.get("avx512_vnni"):
             return False  # only the scalar path would run: correct, but never a candidate for speed
-        from draftwise.kernels import q4x8
-
         try:
-            q4x8.load()
-        except q4x8.KernelBuildError:
+            q4x8_format.load()
+        except q4x8_format.KernelBuildError:
             return False
         return True
 
     @classmethod
     def supports(cls, N: int, K: int) -> bool:
-        return K % 32 == 0
-
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, path: str = "auto"):
-        super().__init__()
-        from draftwise.kernels.q4x8 import Q4x8Linear
-
-        self._shape(weight)
-        self.inner = Q4x8Linear(weight, bias, path=path)
-        N, K = weight.shape
-        self.weight_bytes = N * K // 2 + N * (K // 32) * 2 + N * (-(-K // 256)) * 8
+        return K % q4x8_format.GROUP == 0
 
     @classmethod
     def nbytes(cls, N: int, K: int, bias: bool = False) -> int:  # kernels/q4x8.py packed_bytes: 4.75 bits/weight
-        from draftwise.kernels.q4x8 import packed_bytes
+        return q4x8_format.packed_bytes(N, K) + (4 * N if bias else 0)
 
-        return packed_bytes(N, K) + (4 * N if bias else 0)
+    @classmethod
+    def stored_buffers(cls) -> tuple[str, ...]:
+        return (*cls.PACKED, "bias")
+
+    def __init__(self, weight: torch.Tensor | None = None, bias: torch.Tensor | None = None, path: str = "auto",
+                 parts: dict | None = None):
+        super().__init__()
+        if parts is None:
+            parts = q4x8_format.quantize_q4(weight)
+        q4x8_format.load()
+        q4x8_format.check_path(path)
+        self._shape(*parts["q"].shape)
+        self.path = path
+        for name, t in q4x8_format.pack(parts).items():
+            self.register_buffer(name, t)
+        self.register_buffer("bias", None if bias is None else bias.detach().float().contiguous())
+
+    @classmethod
+    def from_parts(cls, parts: dict, bias: torch.Tensor | None = None, path: str = "auto") -> Q4x8Linear:
+        return cls(bias=bias, path=path, parts=parts)
+
+    @classmethod
+    def from_state(cls, tensors: dict[str, torch.Tensor], N: int, K: int | None = None) -> Q4x8Linear:
+        """A module around tensors `pack` returned (or a module's buffers read back from a cache): no quantizing,
+        no packing. packed [NB, G, 4, 64] uint8 gives K = G * 32; N <= NB * 16."""
+        q4x8_format.load()
+        packed = tensors["packed"]
+        if packed.dim() != 4 or packed.dtype != torch.uint8 or not 0 < N <= packed.shape[0] * q4x8_format.COLS:
+            raise ValueError(f"not a packed q4x8 weight for N={N}: {tuple(packed.shape)} {packed.dtype}")
+        mod = cls.__new__(cls)
+        nn.Module.__init__(mod)
+        mod._shape(N, packed.shape[1] * q4x8_format.GROUP)
+        mod.path = "auto"
+        for name in cls.PACKED:
+            mod.register_buffer(name, tensors[name].contiguous())
+        bias = tensors.get("bias")
+        mod.register_buffer("bias", None if bias is None else bias.detach().float().contiguous())
+        return mod
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [..., K] -> [..., N]
-        return self.inner(x)
+        x2 = x.reshape(-1, self.in_features)
+        if x2.dtype != torch.float32 or not x2.is_contiguous():
+            x2 = x2.float().contiguous()
+        b = self._buffers  # read directly: five nn.Module.__getattr__ lookups cost more than a small call's kernel
+        y = _q4x8_op()(x2, b["packed"], b["sc"], b["mn"], b["d"], b["dmin"], b["bias"], self.out_features,
+                       q4x8_format.PATHS[self.path])
+        y = y.view(*x.shape[:-1], self.out_features)
+        return y if y.dtype == x.dtype else y.to(x.dtype)
+
+    def _with_path(self, mod: Q4x8Linear) -> Q4x8Linear:
+        mod.path = self.path
+        return mod
+
+    def rows(self, ids: torch.Tensor) -> nn.Module:  # ids [M] int64 -> module x [..., K] -> [..., M]
+        """A prefix: the first ceil(M / 16) blocks of every packed buffer, a view (no copy). Otherwise the
+        16-column blocks holding `ids` (copied: a few blocks) with each id's column picked. Bitwise this module's
+        outputs: a column is computed from its own block and the row's int8 activations alone (quantized per
+        row, independently of N)."""
+        cols = q4x8_format.COLS
+        b = self._buffers
+        if is_prefix(ids):
+            n = len(ids)
+            if n > self.out_features:
+                raise ValueError(f"rows of a q4x8 linear with {self.out_features} outputs: {n}")
+            nb = -(-n // cols)
+            tensors = {name: b[name][:nb] for name in self.PACKED}
+            tensors["bias"] = None if b["bias"] is None else b["bias"][:n]
+            return self._with_path(Q4x8Linear.from_state(tensors, n))
+        blocks, inverse = torch.unique(ids // cols, return_inverse=True)  # [nb], [M]
+        tensors = {name: b[name].index_select(0, blocks.to(b[name].device)) for name in self.PACKED}
+        if b["bias"] is not None:  # padding columns past out_features get 0
+            bias = torch.zeros(len(blocks) * cols, device=b["bias"].device)
+            span = blocks[:, None] * cols + torch.arange(cols)  # [nb, 16]
+            real = span < self.out_features
+            bias.view(-1, cols)[real] = b["bias"][span[real]]
+            tensors["bias"] = bias
+        whole = self._with_path(Q4x8Linear.from_state(tensors, len(blocks) * cols))
+        return Columns(whole, inverse * cols + ids % cols)
+
+    @classmethod
+    def concat(cls, parts: list[Q4x8Linear]) -> Q4x8Linear | None:
+        """One module bitwise torch.cat([p(x) for p in parts], -1): the packed layout is per 16-column block and
+        the activations are quantized per row, independently of N, so concatenating the blocks along N is exact
+        when every part but the last has N % 16 == 0 (no padding columns in the middle); a missing bias is a
+        zero one (the kernel adds 0 without one). None where that does not hold."""
+        if len({(p.in_features, p.path, p.packed.device) for p in parts}) != 1:
+            return None
+        if any(p.out_features % q4x8_format.COLS for p in parts[:-1]):
+            return None
+        tensors = {n: torch.cat([getattr(p, n) for p in parts]) for n in cls.PACKED}
+        if any(p.bias is not None for p in parts):
+            tensors["bias"] = torch.cat([p.bias if p.bias is not None else torch.zeros(p.out_features,
+                                                                                         device=p.packed.device)
+                                         for p in parts])
+        merged = cls.from_state(tensors, sum(p.out_features for p in parts))
+        merged.path = parts[0].path
+        return merged
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, path={self.path}"
 
 
 _CUDA_SMOKE: dict[str, bool] = {}
@@ -316,42 +469,152 @@ def _runs_on_cuda(cls: type[LinearImpl]) -> bool:
     return _CUDA_SMOKE[cls.name]
 
 
-IMPLS: dict[str, type[LinearImpl]] = {
-    c.name: c for c in (DenseF32, DenseBF16, TorchInt4BF16, TorchInt8BF16, FbgemmDynamicInt8, Q4x8)
+LINEARS: dict[str, type[LinearImpl]] = {
+    c.name: c for c in (DenseF32, DenseBF16, TorchInt4, TorchInt8, FbgemmDynamicInt8, Q4x8Linear)
 }
 
 
-def available_impls(probe: dict) -> list[str]:
-    """Names of the implementations that can run on the probed machine, in IMPLS order."""
-    return [name for name, cls in IMPLS.items() if cls.available(probe)]
+def available(probe: dict) -> list[str]:
+    """Names of the implementations that can run on the probed device, in LINEARS order."""
+    return [name for name, cls in LINEARS.items() if cls.available(probe)]
 
 
-FP32_ACTIVATIONS = ("q4x8", "dense_fp32")  # the rest compute in bfloat16
+def dense_for(dtype: str) -> str:
+    """The dense implementation of an activation dtype ("float32" / "bfloat16"): what takes a weight the chosen
+    kernel cannot (`supports` False), and what "+dense" in `--weights` names."""
+    return "bf16" if dtype == "bfloat16" else "fp32"
 
 
-def auto_dtype(step: str) -> str:
-    """The model dtype "auto" resolves to when `step` is the step kernel: the one its activations are in."""
-    return "float32" if step in FP32_ACTIVATIONS else "bfloat16"
-
-
-def dense_impl(dtype: str) -> str:
-    """The dense implementation of a model dtype ("float32" / "bfloat16"): what takes a weight the chosen kernel
-    cannot (`supports` False), and a plan's "dense" prefill."""
-    return "dense_bf16" if dtype == "bfloat16" else "dense_fp32"
+def impl_for(name: str, N: int, K: int) -> str:
+    """`name`, or the dense implementation of its activation dtype where it cannot take a weight [N, K]."""
+    return name if LINEARS[name].supports(N, K) else dense_for(LINEARS[name].dtype)
 
 
 def make_linear(name: str, weight: torch.Tensor, bias: torch.Tensor | None = None) -> LinearImpl:
     """Build implementation `name` from weight [N, K] (fp32 or any float dtype) and bias [N]."""
-    if name not in IMPLS:
-        raise ValueError(f"unknown linear implementation {name!r} (known: {', '.join(IMPLS)})")
-    return IMPLS[name](weight, bias)
+    if name not in LINEARS:
+        raise ValueError(f"unknown linear implementation {name!r} (known: {', '.join(LINEARS)})")
+    return LINEARS[name](weight, bias)
 
 
-def q4x8_everywhere(device: str, kernels: dict | None) -> bool:
-    """q4x8 for every width on the CPU (`kernels`: a loaded model's info["kernels"], {"step": .., "prefill": ..}):
-    each output row is then bitwise independent of the other rows, of how many there are and of the thread count
-    (q4x8 splits work by output column, never a reduction; so do our attention and glue ops) — where the thread
-    guard and, by default, the prefix cache run. Torch's dense and int4 kernels may split a reduction by shape or
-    thread."""
-    kernels = kernels or {}
-    return device == "cpu" and {kernels.get("step"), kernels.get("prefill")} == {"q4x8"}
+# ---- compositions ---------------------------------------------------------------------------------------------
+
+class Columns(nn.Module):
+    """module(x)[..., cols]: some outputs of a module computed whole (whole q4x8 blocks, or a layout without rows)."""
+
+    def __init__(self, module: nn.Module, cols: torch.Tensor):  # cols [M] int64
+        super().__init__()
+        self.module, self.cols = module, cols
+        self.in_features, self.out_features = getattr(module, "in_features", None), len(cols)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [..., K] -> [..., M]
+        y = self.module(x)
+        return y.index_select(-1, self.cols.to(y.device))
+
+
+class SplitLinear(nn.Module):
+    """`step` for calls with at most STEP_MAX_TOKENS tokens per sequence (decode, verification), `prefill` above:
+    by tokens per sequence, not rows, so a k + 1 <= 9 token verification always runs the step kernel."""
+
+    def __init__(self, step: nn.Module, prefill: nn.Module):
+        super().__init__()
+        self.step, self.prefill = step, prefill
+        self.in_features, self.out_features = step.in_features, step.out_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., K] -> [..., N]
+        return self.module_for(x.shape[1] if x.dim() == 3 else 1)(x)
+
+    def module_for(self, tokens: int) -> nn.Module:
+        """The half that runs a call with `tokens` tokens per sequence."""
+        return self.prefill if tokens > STEP_MAX_TOKENS else self.step
+
+    def rows(self, ids: torch.Tensor) -> nn.Module:  # ids [M] int64
+        return SplitLinear(rows(self.step, ids), rows(self.prefill, ids))
+
+
+class ConcatLinear(nn.Module):
+    """torch.cat([part(x) for part in parts], -1): the stand-in for a merge that is not exact (e.g. the dense
+    prefill half of a SplitLinear whose q4x8 step half merged), so a merged projection is always one module."""
+
+    def __init__(self, parts: list[nn.Module]):
+        super().__init__()
+        self.parts = nn.ModuleList(parts)
+        self.in_features, self.out_features = parts[0].in_features, sum(p.out_features for p in parts)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., K] -> [..., sum N]
+        return torch.cat([p(x) for p in self.parts], dim=-1)
+
+
+def rows(module: nn.Module, ids: torch.Tensor) -> nn.Module:  # ids [M] int64
+    """`module`'s outputs at `ids`, bitwise: its own `rows`, a plain nn.Linear's weight rows, else Columns."""
+    if hasattr(module, "rows"):
+        return module.rows(ids)
+    if isinstance(module, nn.Linear):
+        w = module.weight.detach()
+        pick = (lambda t: t[: len(ids)]) if is_prefix(ids) else (lambda t: t.index_select(0, ids.to(t.device)))
+        b = None if module.bias is None else pick(module.bias.detach())
+        out = nn.Linear(w.shape[1], len(ids), bias=b is not None, device="meta")
+        out.weight = nn.Parameter(pick(w), requires_grad=False)
+        if b is not None:
+            out.bias = nn.Parameter(b, requires_grad=False)
+        return out
+    return Columns(module, ids)
+
+
+def merge(parts: list[nn.Module]) -> nn.Module | None:
+    """One module whose output is bitwise torch.cat([part(x) for part in parts], -1), from linears over the same
+    input (q/k/v, gate/up), or None where that is not exact by construction (then the caller keeps the parts).
+    Only `mergeable` implementations concatenate (q4x8); SplitLinears merge when their step halves do (the
+    prefill halves merge or become a ConcatLinear). Dense and torch-kernel linears never merge: a GEMM's
+    reduction blocking may depend on N, so the merged result could differ in the last bits."""
+    if len(parts) < 2:
+        return None
+    if all(isinstance(p, SplitLinear) for p in parts):
+        step = merge([p.step for p in parts])
+        if step is None:
+            return None
+        prefills = [p.prefill for p in parts]
+        prefill = merge(prefills)
+        return SplitLinear(step, ConcatLinear(prefills) if prefill is None else prefill)
+    kind = type(parts[0])
+    if not (issubclass(kind, LinearImpl) and kind.mergeable and all(type(p) is kind for p in parts)):
+        return None
+    return kind.concat(parts)
+
+
+def derived_split(step: Q4x8Linear, dense: str, bias: torch.Tensor | None) -> SplitLinear:
+    """A q4x8 step kernel with a dense prefill half (`dense`: "fp32" / "bf16") holding the same weights: the q4x8
+    weight dequantized (bitwise the GGUF's values for Q4_K sources; the 4-bit requantization of other types).
+    Only the q4x8 half is stored in a cache; the dense half is rebuilt from it at load (`from_stored`)."""
+    table = q4x8_format.Q4x8Embedding.from_linear(step)  # row n = weight row n [K]
+    N = step.out_features
+    chunks = [table(torch.arange(i, min(i + DEQUANT_CHUNK, N))) for i in range(0, N, DEQUANT_CHUNK)]
+    split = SplitLinear(step, make_linear(dense, torch.cat(chunks) if len(chunks) > 1 else chunks[0], bias))
+    split.derived = True
+    return split
+
+
+def stored(module: nn.Module) -> tuple[dict, dict[str, torch.Tensor]]:
+    """(kind, tensors) of a module a plan built: what a cache stores to rebuild it without quantizing."""
+    if isinstance(module, SplitLinear):
+        k1, t1 = stored(module.step)
+        if getattr(module, "derived", False):  # the dense half comes from the step half
+            return {"split": [k1, {"impl": module.prefill.name, "derived": True}]}, {f"step.{n}": t for n, t in t1.items()}
+        k2, t2 = stored(module.prefill)
+        return ({"split": [k1, k2]}, {**{f"step.{n}": t for n, t in t1.items()},
+                                      **{f"prefill.{n}": t for n, t in t2.items()}})
+    if not isinstance(module, LinearImpl):
+        raise ValueError(f"{type(module).__name__} has no stored form")
+    module.stored_buffers()  # raises where the implementation has none
+    return {"impl": module.name, "N": module.out_features, "K": module.in_features}, module.state()
+
+
+def from_stored(kind: dict, tensors: dict[str, torch.Tensor]) -> nn.Module:
+    """The inverse of `stored`."""
+    if "split" in kind:
+        sub = lambda prefix: {n[len(prefix):]: t for n, t in tensors.items() if n.startswith(prefix)}  # noqa: E731
+        step = from_stored(kind["split"][0], sub("step."))
+        if kind["split"][1].get("derived"):
+            return derived_split(step, kind["split"][1]["impl"], step.bias)
+        return SplitLinear(step, from_stored(kind["split"][1], sub("prefill.")))
+    return LINEARS[kind["impl"]].from_state(tensors, kind["N"], kind["K"])

@@ -7,7 +7,8 @@ Owns: building the extension (JIT on first use, cached under ${DRAFTWISE_CACHE_D
 <hash of sources + torch version + compiler>; `build()` is what `make setup` calls; the same library carries the
 attention op of kernels/attention.py), quantizing an fp32 weight
 to the Q4_K-style representation, mapping Q4_K sub-blocks onto it exactly, packing it into the kernel's layout
-(csrc/q4x8.h documents it) and the nn.Module `Q4x8Linear`. Knows nothing of checkpoints or decoders.
+(csrc/q4x8.h documents it) and the packed embedding table `Q4x8Embedding`. The linear module is kernels/linear.py's `Q4x8Linear`.
+Knows nothing of checkpoints or decoders.
 
 Exactness: every output row is bitwise the same whatever M is and whatever other rows share the call, on a
 given path; the AVX-512, AVX2 and scalar paths perform the same float sequence, so they agree bitwise too.
@@ -38,6 +39,7 @@ SUPER = 8  # groups per super-block (Q4_K: 8 x 32 = 256), which share the fp32 d
 COLS = 16  # output columns per packed block
 QUANT_CHUNK_ROWS = 8192
 PATHS = {"auto": -1, "scalar": 0, "avx2": 1, "avx512": 2}
+PACKED = ("packed", "sc", "mn", "d", "dmin")  # the buffers `pack` returns, as a module's state holds them
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = ("q4x8.h", "q4x8.cpp", "q4x8_avx2.cpp", "q4x8_avx512.cpp",  # + the attention op (kernels/attention.py)
            "attention.h", "attention_kernel.h", "attention.cpp", "attention_avx2.cpp", "attention_avx512.cpp",
@@ -169,6 +171,14 @@ def cpu_paths() -> list[str]:
     return [name for name, i in PATHS.items() if i in ids]
 
 
+def check_path(path: str) -> None:
+    """A ValueError for an unknown path name, KernelBuildError for one this CPU cannot run."""
+    if path not in PATHS:
+        raise ValueError(f"path must be one of {sorted(PATHS)}")
+    if path != "auto" and path not in cpu_paths():
+        raise KernelBuildError(f"q4x8 path {path!r} cannot run on this CPU (it can run {cpu_paths()})")
+
+
 # ---- weights -------------------------------------------------------------------------------------------------
 
 def quantize_q4(weight: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -280,107 +290,6 @@ def q4k_from_blocks(blocks, N: int, K: int) -> dict:
     return q4k_parts(q, d, dmin, sc, mn)
 
 
-_OP = []
-
-
-def _linear_op():
-    """torch.ops.draftwise_q4x8.linear.default, resolved once (the attribute chain costs microseconds per call)."""
-    if not _OP:
-        _OP.append(load().linear.default)
-    return _OP[0]
-
-
-class Q4x8Linear(nn.Module):
-    """y = x W^T + b with W in q4x8's int4 format and x quantized to int8 per row on the fly.
-
-    Q4x8Linear(weight [N, K] float, bias [N] | None, path="auto") quantizes `weight`;
-    Q4x8Linear.from_parts(parts, bias) takes `quantize_q4` / `q4k_parts` output as it is (exact for Q4_K).
-    forward(x [..., K] any float dtype) -> [..., N] in x's dtype. `path` ("auto", "avx512", "avx2", "scalar")
-    exists for tests and benchmarks; every path gives bitwise the same result.
-    """
-
-    def __init__(self, weight: torch.Tensor | None = None, bias: torch.Tensor | None = None, path: str = "auto",
-                 parts: dict | None = None):
-        super().__init__()
-        if parts is None:
-            parts = quantize_q4(weight)
-        load()
-        if path not in PATHS:
-            raise ValueError(f"path must be one of {sorted(PATHS)}")
-        if path != "auto" and path not in cpu_paths():
-            raise KernelBuildError(f"q4x8 path {path!r} cannot run on this CPU (it can run {cpu_paths()})")
-        N, K = parts["q"].shape
-        self.out_features, self.in_features = N, K
-        self.path = path
-        for name, t in pack(parts).items():
-            self.register_buffer(name, t)
-        self.register_buffer("bias", None if bias is None else bias.detach().float().contiguous())
-
-    @classmethod
-    def from_parts(cls, parts: dict, bias: torch.Tensor | None = None, path: str = "auto") -> Q4x8Linear:
-        return cls(bias=bias, path=path, parts=parts)
-
-    PACKED = ("packed", "sc", "mn", "d", "dmin")  # the buffers `pack` returns, as a module's state holds them
-
-    @classmethod
-    def from_packed(cls, tensors: dict, out_features: int, bias: torch.Tensor | None = None) -> Q4x8Linear:
-        """A module around tensors `pack` returned (or a module's buffers read back from a cache): no quantizing,
-        no packing. packed [NB, G, 4, 64] uint8 gives K = G * 32; `out_features` <= NB * 16 is N."""
-        load()
-        mod = cls.__new__(cls)
-        nn.Module.__init__(mod)
-        packed = tensors["packed"]
-        if packed.dim() != 4 or packed.dtype != torch.uint8 or not 0 < out_features <= packed.shape[0] * COLS:
-            raise ValueError(f"not a packed q4x8 weight for N={out_features}: {tuple(packed.shape)} {packed.dtype}")
-        mod.out_features, mod.in_features, mod.path = out_features, packed.shape[1] * GROUP, "auto"
-        for name in cls.PACKED:
-            mod.register_buffer(name, tensors[name].contiguous())
-        mod.register_buffer("bias", None if bias is None else bias.detach().float().contiguous())
-        return mod
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [..., K] -> [..., N]
-        x2 = x.reshape(-1, self.in_features)
-        if x2.dtype != torch.float32 or not x2.is_contiguous():
-            x2 = x2.float().contiguous()
-        b = self._buffers  # read directly: five nn.Module.__getattr__ lookups cost more than a small call's kernel
-        y = _linear_op()(x2, b["packed"], b["sc"], b["mn"], b["d"], b["dmin"], b["bias"], self.out_features,
-                         PATHS[self.path])
-        y = y.view(*x.shape[:-1], self.out_features)
-        return y if y.dtype == x.dtype else y.to(x.dtype)
-
-    def rows(self, n: int) -> Q4x8Linear:
-        """The first n outputs (weight rows) as their own module: the first ceil(n / 16) blocks of every packed
-        buffer, a view (no copy). Bitwise this module's first n outputs: a column is computed from its own block
-        and the row's int8 activations alone (quantized per row, independently of N; see merge_linears)."""
-        if not 0 < n <= self.out_features:
-            raise ValueError(f"rows({n}) of a q4x8 linear with {self.out_features} outputs")
-        nb = -(-n // COLS)
-        b = self._buffers
-        bias = None if b["bias"] is None else b["bias"][:n]
-        mod = Q4x8Linear.from_packed({name: b[name][:nb] for name in self.PACKED}, n, bias)
-        mod.path = self.path
-        return mod
-
-    def blocks_of(self, ids: torch.Tensor) -> tuple[Q4x8Linear, torch.Tensor]:  # ids [M] int64
-        """A module over just the 16-column blocks holding `ids` (copied: a few blocks) and each id's column in
-        its output [M]: module(x)[..., cols] is bitwise this module's outputs at `ids`."""
-        blocks, inverse = torch.unique(ids // COLS, return_inverse=True)  # [nb], [M]
-        b = self._buffers
-        tensors = {name: b[name].index_select(0, blocks.to(b[name].device)) for name in self.PACKED}
-        bias = None
-        if b["bias"] is not None:  # padding columns past out_features get 0
-            bias = torch.zeros(len(blocks) * COLS, device=b["bias"].device)
-            cols = blocks[:, None] * COLS + torch.arange(COLS)  # [nb, 16]
-            real = cols < self.out_features
-            bias.view(-1, COLS)[real] = b["bias"][cols[real]]
-        mod = Q4x8Linear.from_packed(tensors, len(blocks) * COLS, bias)
-        mod.path = self.path
-        return mod, inverse * COLS + ids % COLS
-
-    def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, path={self.path}"
-
-
 def packed_bytes(N: int, K: int) -> int:
     """Bytes of `pack`'s output for a weight [N, K] (csrc/q4x8.h): N padded to NB = ceil(N / 16) blocks of 16
     columns; per block and group of 32 K values 256 bytes of nibbles (0.5 B per weight) and 16 + 16 bytes of sc and
@@ -406,7 +315,7 @@ class Q4x8Embedding(nn.Module):
         if packed.dim() != 4 or packed.dtype != torch.uint8 or not 0 < num_embeddings <= packed.shape[0] * COLS:
             raise ValueError(f"not a packed q4x8 table for {num_embeddings} rows: {tuple(packed.shape)} {packed.dtype}")
         self.num_embeddings, self.embedding_dim = num_embeddings, packed.shape[1] * GROUP
-        for name in Q4x8Linear.PACKED:
+        for name in PACKED:
             self.register_buffer(name, tensors[name])  # as given: a tied head's buffers stay shared
 
     @classmethod
@@ -415,9 +324,10 @@ class Q4x8Embedding(nn.Module):
         return cls(pack(parts), parts["q"].shape[0])
 
     @classmethod
-    def from_linear(cls, linear: Q4x8Linear) -> Q4x8Embedding:
-        """The table a Q4x8Linear over it holds (a tied LM head: weight [V, H]), sharing its buffers (no copy)."""
-        return cls({name: getattr(linear, name) for name in Q4x8Linear.PACKED}, linear.out_features)
+    def from_linear(cls, linear: nn.Module) -> Q4x8Embedding:
+        """The table a q4x8 linear over it holds (kernels/linear.py Q4x8Linear; a tied LM head: weight [V, H]),
+        sharing its buffers (no copy)."""
+        return cls({name: getattr(linear, name) for name in PACKED}, linear.out_features)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:  # ids [...] -> [..., H] float32
         flat = ids.reshape(-1)

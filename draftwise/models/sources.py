@@ -32,11 +32,11 @@ from draftwise.models import catalog
 from draftwise.models import safetensors as st
 from draftwise.tokenizer import Tokenizer
 
-CONVERSION_VERSION = 6  # bump when the converted layout changes; old caches are then rebuilt (2: the manifest;
+CONVERSION_VERSION = 7  # bump when the converted layout changes; old caches are then rebuilt (2: the manifest;
 # 3: tensors split from the conversion: only tokenizer + config at first, dense or prepared weights when asked;
 # 4: end-of-turn ids only from control tokens; 5: with quant.PREPARED_FORMAT_VERSION 2, the embedding packed in
 # prepared caches — the folder is rebuilt so older prepared files, keyed by the old version, do not linger on disk;
-# 6: with PREPARED_FORMAT_VERSION 3, split plans store only their q4x8 half)
+# 6: with PREPARED_FORMAT_VERSION 3, split plans store only their q4x8 half; 7: with 4, the registry's names)
 _CONFIG_FILE = "draftwise_config.json"
 _WEIGHTS_FILE = "model.safetensors"
 _HUB_PATTERNS = ["*.json", "*.safetensors", "*.jinja"]
@@ -78,7 +78,7 @@ class Checkpoint:
 
         return GGUFFile(self.info["path"])
 
-    def prepared(self, step: str, prefill: str, dtype: torch.dtype, embed_dtype: torch.dtype,
+    def prepared(self, plan, embed_dtype: torch.dtype,
                  progress: bool | None = None) -> Iterator[tuple[str, torch.Tensor | torch.nn.Module]]:
         """For Decoder.from_tensors: a GGUF's linears built straight from its blocks in the plan's kernels
         (models/quant.py, prepared_weights; for 4-bit plans the embedding table too, as a Q4x8Embedding, once
@@ -86,7 +86,7 @@ class Checkpoint:
         (prepared-<key>.safetensors, keyed by the GGUF's sha256, the plan, PREPARED_FORMAT_VERSION and, for torch
         int4, torch's version), so a later load reads the packed form and neither dequantizes nor quantizes.
         `embed_dtype`: a dense table's storage dtype (plans that keep one)."""
-        return _prepared(self, step, prefill, dtype, embed_dtype, self.progress if progress is None else progress)
+        return _prepared(self, plan, embed_dtype, self.progress if progress is None else progress)
 
 
 def load_checkpoint(name_or_path: str | os.PathLike, cache_dir: str | os.PathLike | None = None,
@@ -181,26 +181,27 @@ def _ensure_fp32_cache(folder: Path, gguf_path: Path, progress: bool) -> None:
         catalog.write_text_durably(meta_path, json.dumps(meta, indent=1))
 
 
-def _prepared(ckpt: Checkpoint, step: str, prefill: str, dtype: torch.dtype, embed_dtype: torch.dtype,
+def _prepared(ckpt: Checkpoint, plan, embed_dtype: torch.dtype,
               progress: bool) -> Iterator[tuple[str, torch.Tensor | torch.nn.Module]]:
     import hashlib
 
     from draftwise.models import quant
 
     folder = Path(ckpt.info["converted_path"])
-    plan = [ckpt.info["sha256"], quant.PREPARED_FORMAT_VERSION, step, prefill, str(dtype), str(embed_dtype)]
-    if "int4_torch" in (step, prefill):  # torch's int4 packing is its own, and may change between versions
-        plan.append(torch.__version__)
-    key = hashlib.sha256(json.dumps(plan).encode()).hexdigest()[:16]
+    dtype = getattr(torch, plan.dtype)
+    what = [ckpt.info["sha256"], quant.PREPARED_FORMAT_VERSION, plan.step, plan.prefill, str(dtype), str(embed_dtype)]
+    if "int4" in (plan.step, plan.prefill):  # torch's int4 packing is its own, and may change between versions
+        what.append(torch.__version__)
+    key = hashlib.sha256(json.dumps(what).encode()).hexdigest()[:16]
     path = folder / f"prepared-{key}.safetensors"
     if not st.is_complete(path):
         with catalog.file_lock(path.with_name(path.name + ".lock")):
             if not st.is_complete(path):
-                print(f"preparing {ckpt.info.get('name')} for kernels {step}/{prefill} once into {path} ...",
+                print(f"preparing {ckpt.info.get('name')} for kernels {plan.label} once into {path} ...",
                       file=sys.stderr)
                 items = ckpt.gguf().items()
                 tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
-                built = list(quant.prepared_weights(items, ckpt.config, step, prefill, dtype, progress))
+                built = list(quant.prepared_weights(items, ckpt.config, plan, progress))
                 tensors, kinds = [], {}
                 modules = {name: value for name, value in built if isinstance(value, torch.nn.Module)}
                 for name, value in built:

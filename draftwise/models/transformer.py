@@ -4,7 +4,7 @@ Families differ only by ModelConfig fields (qkv bias, q/k norm, sandwich norms a
 embedding scale, activation, attention scale, sliding-window layers with their own RoPE base, tied
 embeddings); there is no per-family copy of the forward pass. Parameter names equal HF transformers' names
 so a checkpoint's tensors load as they are. After loading, `merge_projections` puts each layer's q/k/v and
-gate/up into one module each where that is bitwise the separate calls (models/quant.py, merge_linears: q4x8),
+gate/up into one module each where that is bitwise the separate calls (kernels/linear.py, merge: q4x8),
 and `use_fused_glue` routes the glue between the matmuls (RMSNorm, residual add + norm, q/k norm + RoPE + the
 K/V cache write, act(gate) * up) through kernels/glue.py's C++ ops for float32 on CPU; the torch code here is
 their reference and what other dtypes and devices run. Both keep the decoder row-exact. Where every layer
@@ -31,7 +31,9 @@ from draftwise.config import ModelConfig
 from draftwise.kernels import attention as attention_op
 from draftwise.kernels import glue
 from draftwise.kernels import stack as stack_op
-from draftwise.kernels.q4x8 import Q4x8Linear
+from draftwise.kernels import linear
+from draftwise.kernels.linear import Q4x8Linear
+from draftwise.kernels.plan import KernelPlan, default_plan
 from draftwise.kv_cache import KVCache
 
 
@@ -284,6 +286,7 @@ class Decoder(nn.Module):
         self._rope_tables: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         self._angles_table: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # kind -> cos, sin [n, D/2]
         self.act_dtype: torch.dtype | None = None  # activations (and the KV cache); None: the embedding's dtype
+        self._plan: KernelPlan | None = None  # the kernels it was built with (kernels/plan.py); None: its nn.Linears
 
     # ---- construction -------------------------------------------------------------------------
     @classmethod
@@ -338,12 +341,22 @@ class Decoder(nn.Module):
         model.use_fused_glue()
         return model.eval()
 
-    def merge_projections(self, merge=None) -> int:
-        """Each layer's q/k/v and gate/up into one module each where `merge` can (default: models/quant.py's
-        merge_linears, which merges only where the result is bitwise the separate calls': q4x8); returns how
-        many were merged. from_tensors and quant.build_linears call it; parameter names stay HF's until then."""
-        if merge is None:
-            from draftwise.models.quant import merge_linears as merge
+    @property
+    def plan(self) -> KernelPlan:
+        """The kernels this decoder was built with (api.load_model sets it); a decoder built from plain nn.Linear
+        layers runs them dense in its dtype (kernels/plan.py default_plan)."""
+        if self._plan is None:
+            return default_plan("bfloat16" if self.dtype == torch.bfloat16 else "float32", self.device.type)
+        return self._plan
+
+    @plan.setter
+    def plan(self, plan: KernelPlan) -> None:
+        self._plan = plan
+
+    def merge_projections(self, merge=linear.merge) -> int:
+        """Each layer's q/k/v and gate/up into one module each where `merge` can (default: kernels/linear.py's
+        merge, which merges only where the result is bitwise the separate calls': q4x8); returns how many were
+        merged. from_tensors and quant.build_linears call it; parameter names stay HF's until then."""
         return sum(layer.self_attn.merge_projections(merge) + layer.mlp.merge_projections(merge)
                    for layer in self.model.layers)
 

@@ -101,7 +101,7 @@ def create_app(llm, served_model_name: str, api_key: str | None = None,
         card = {"id": served_model_name, "object": "model", "created": int(time.time()), "owned_by": "draftwise",
                 "max_model_len": llm.max_model_len}
         info = getattr(llm, "model_info", None) or {}  # the resolved formats (weights/dtype "auto" → what ran)
-        card["draftwise"] = {k: info[k] for k in ("weights", "dtype", "kernels") if k in info}
+        card["draftwise"] = {k: info[k] for k in ("weights", "dtype", "plan") if k in info}
         return {"object": "list", "data": [card]}
 
     @app.get("/draftwise/info", dependencies=auth)

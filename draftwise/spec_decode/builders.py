@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from draftwise.config import ConfigError, SpecConfig
-from draftwise.prefix_cache import PrefixCache, on_by_default
+from draftwise.prefix_cache import PrefixCache
 from draftwise.spec_decode.draft_model import DraftModelProposer, check_compatible, draft_cache_capacity
 from draftwise.spec_decode.grammar import GrammarProposer
 from draftwise.spec_decode.ngram import NgramProposer
@@ -55,7 +55,7 @@ def _build_draft_model(spec: SpecConfig, ctx: ProposerContext) -> Proposer:
     eos = (*(getattr(tok, "eos_token_ids", None) or ()), *model.config.eos_token_ids)
     prefix = ctx.prefix_caching
     if prefix is None:  # exact only: a sampled request's tokens depend on the draft's q, which must not move
-        prefix = on_by_default(model.device.type, (info or {}).get("kernels"), model.dtype)
+        prefix = model.plan.row_exact
     return DraftModelProposer(model, ctx.max_num_seqs, capacity, ctx.target_vocab_size,
                               draft_vocab_size=spec.draft_vocab_size, eos_token_ids=eos,
                               prefix_cache=PrefixCache() if prefix else None)

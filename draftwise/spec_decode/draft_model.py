@@ -27,10 +27,10 @@ Knows nothing of the target model or the engine's scheduling.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from draftwise.config import ConfigError
+from draftwise.kernels import linear
 from draftwise.kv_cache import KVCache
 from draftwise.prefix_cache import PrefixCache
 from draftwise.sampling import SamplingParams, process_logits, sample
@@ -232,19 +232,20 @@ def kept_ids(draft_vocab_size: int, vocab: int, eos_token_ids) -> torch.Tensor: 
 class TrimmedHead(nn.Module):
     """hidden [..., H] -> logits [..., V] with the scores of `ids` only and -inf elsewhere.
 
-    `ids` [M]: a prefix 0..n-1 then any other ids (the EOS ids). The prefix is a row view of `head` (q4x8:
-    Q4x8Linear.rows; dense weights: a slice), the rest a small module over just their rows; a head of another
-    format is computed whole and the kept ids picked (the same logits, no saving)."""
+    `ids` [M]: a prefix 0..n-1 then any other ids (the EOS ids). Both parts are the head's own `rows`
+    (kernels/linear.py: a view of the first n weight rows for the prefix — q4x8 blocks, dense rows —, the rest
+    a small module over just their rows); a head whose layout has no rows (torch int4) is computed whole once
+    and the kept ids picked (the same logits, no saving)."""
 
     def __init__(self, head: nn.Module, vocab: int, ids: torch.Tensor):  # ids [M] int64
         super().__init__()
         n = int((ids == torch.arange(len(ids))).cumprod(0).sum())  # length of the 0..n-1 prefix
-        self.first = _head_rows(head, n) if n else None  # [..., n]
-        if self.first is None:  # no prefix view for this format: every kept id goes through `rest`
-            n = 0
+        self.first = linear.rows(head, ids[:n]) if n else None  # [..., n]
+        if self.first is not None and _whole(self.first):  # no rows in this layout: one pass over the whole head
+            self.first, n = None, 0
         self.vocab, self.n = vocab, n
         self.rest_ids = ids[n:]  # [M - n]
-        self.rest = _head_gather(head, self.rest_ids) if len(self.rest_ids) else None
+        self.rest = linear.rows(head, self.rest_ids) if len(self.rest_ids) else None
         # weight rows read per token (x hidden = the head's weights; the full head reads `vocab` rows)
         self.rows_read = sum(_rows_read(m) for m in (self.first, self.rest) if m is not None)
 
@@ -259,85 +260,18 @@ class TrimmedHead(nn.Module):
         return out
 
 
-class _Columns(nn.Module):
-    """module(x)[..., cols]: a head over more outputs than wanted (whole q4x8 blocks, or a whole head)."""
-
-    def __init__(self, module: nn.Module, cols: torch.Tensor):  # cols [M] int64
-        super().__init__()
-        self.module, self.cols = module, cols
-        self.in_features, self.out_features = getattr(module, "in_features", None), len(cols)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [..., H] -> [..., M]
-        y = self.module(x)
-        return y.index_select(-1, self.cols.to(y.device))
-
-
-class _DenseRows(nn.Module):
-    """F.linear over some rows of a dense head's weight, in the weight's dtype as the dense kernels compute."""
-
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):  # weight [M, H], bias [M]
-        super().__init__()
-        self.weight, self.bias = weight, bias
-        self.out_features, self.in_features = weight.shape
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [..., H] -> [..., M]
-        return F.linear(x.to(self.weight.dtype), self.weight, self.bias).to(x.dtype)
-
-
-def _dense_weight(head: nn.Module) -> torch.Tensor | None:  # -> weight [V, H] of a dense head, else None
-    from draftwise.kernels.linear import DenseBF16, DenseF32
-
-    if isinstance(head, (nn.Linear, DenseF32, DenseBF16)):
-        return head.weight.detach()
-    return None
-
-
-def _head_rows(head: nn.Module, n: int) -> nn.Module | None:
-    """A module computing `head`'s first n outputs from views of its weights; None for a format without one."""
-    from draftwise.kernels.linear import Q4x8
-    from draftwise.kernels.q4x8 import Q4x8Linear
-    from draftwise.models.quant import SplitLinear
-
-    if isinstance(head, Q4x8Linear):
-        return head.rows(n)
-    if isinstance(head, Q4x8):
-        return head.inner.rows(n)
-    if isinstance(head, SplitLinear):
-        step, prefill = _head_rows(head.step, n), _head_rows(head.prefill, n)
-        return None if step is None or prefill is None else SplitLinear(step, prefill)
-    w = _dense_weight(head)
-    if w is not None:
-        b = head.bias
-        return _DenseRows(w[:n], None if b is None else b.detach()[:n])
-    return None
-
-
-def _head_gather(head: nn.Module, ids: torch.Tensor) -> nn.Module:  # ids [M] int64
-    """A module computing `head`'s outputs at `ids` [..., M]: q4x8 over the few blocks holding them (bitwise the
-    full head's), dense over the gathered rows, else the whole head with the columns picked."""
-    from draftwise.kernels.linear import Q4x8
-    from draftwise.kernels.q4x8 import Q4x8Linear
-    from draftwise.models.quant import SplitLinear
-
-    if isinstance(head, Q4x8):
-        head = head.inner
-    if isinstance(head, Q4x8Linear):
-        return _Columns(*head.blocks_of(ids))
-    if isinstance(head, SplitLinear):
-        return SplitLinear(_head_gather(head.step, ids), _head_gather(head.prefill, ids))
-    w = _dense_weight(head)
-    if w is not None:
-        b = head.bias
-        return _DenseRows(w.index_select(0, ids.to(w.device)),
-                          None if b is None else b.detach().index_select(0, ids.to(b.device)))
-    return _Columns(head, ids)
+def _whole(module: nn.Module) -> bool:
+    """Does this row module compute its source's every output (a layout without rows: linear.Columns)?"""
+    if isinstance(module, linear.SplitLinear):
+        return _whole(module.step)
+    return isinstance(module, linear.Columns) and not isinstance(module.module, linear.Q4x8Linear)
 
 
 def _rows_read(module: nn.Module) -> int:
     """Weight rows a head part reads per call (q4x8: whole 16-column blocks; the whole head for a fallback)."""
-    if isinstance(module, _Columns):
+    if isinstance(module, linear.Columns):
         return _rows_read(module.module)
-    if hasattr(module, "step"):  # SplitLinear: one half runs per call
+    if isinstance(module, linear.SplitLinear):  # one half runs per call
         return _rows_read(module.step)
     return int(module.out_features)
 

@@ -1,0 +1,150 @@
+"""Where a kernel is chosen: the KernelPlan a model is built with, and `resolve_plan`, the one function that turns
+`--weights` / `--dtype` into one.
+
+A plan names two implementations of kernels/linear.py's registry (LINEARS): the step kernel, for every call with
+at most STEP_MAX_TOKENS tokens per sequence (a plain decode step and a verification of k + 1 tokens run the SAME
+kernel, so greedy speculative output can equal plain output), and the prefill kernel above that; the activation
+dtype (also the KV cache's); the device; the attention (our row-exact op or torch's SDPA); where the plan came
+from; and, for `auto`, the autotuner's evidence.
+
+`--weights` takes:
+  auto          the autotuner's choice for this model's shapes on this machine (kernels/autotune.py: timed on
+                the real projection shapes, step score (cost(1) + cost(9)) / 2 and prefill cost at 128 rows, both
+                among implementations whose rows were found bitwise independent of the other rows; cached per
+                machine, torch version, threads and shapes)
+  NAME          one implementation for every call (q4x8, int4, int8, bf16, fp32, int8_dynamic)
+  STEP+PREFILL  two, e.g. q4x8+bf16; `+dense` is the dense implementation of the activation dtype
+`--dtype auto` follows the step kernel's activation dtype (kernels/linear.py: float32 for q4x8 and fp32).
+
+The engine, the prefix cache, the thread guard and in-prefill speculation ask the plan one question,
+`row_exact`: does a row's result never depend on how many rows share the forward, how a prompt is cut into
+forwards, or how many threads run it? That holds where both kernels are row-exact by construction and our
+attention op serves every forward. Knows nothing of checkpoints or decoders: it sees shapes (any object with the
+usual config fields) and names.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from draftwise.kernels.linear import LINEARS, STEP_MAX_TOKENS, dense_for  # noqa: F401 (STEP_MAX_TOKENS: the split)
+
+ACTIVATION_DTYPES = ("float32", "bfloat16")
+SOURCES = ("pinned", "tuned", "cached", "default")
+PROVISIONAL_BUSY_CORES = 0.5  # other processes' busy cores while timing above which a tuned plan is provisional
+
+
+@dataclass(frozen=True)
+class KernelPlan:
+    step: str  # LINEARS name for calls of at most STEP_MAX_TOKENS tokens per sequence (decode, verification)
+    prefill: str  # LINEARS name for longer calls (prompts)
+    dtype: str  # activations and the KV cache: "float32" | "bfloat16"
+    device: str = "cpu"
+    attention: str = "sdpa"  # "ours": kernels/attention.py's row-exact op takes every forward; "sdpa": torch's
+    source: str = "default"  # "pinned" (--weights named it), "tuned" (measured now), "cached" (the autotune
+    # cache), "default" (a decoder built without a plan: its nn.Linear layers, dense in its dtype)
+    provisional: bool = False  # tuned while other processes kept >= PROVISIONAL_BUSY_CORES cores busy
+    tuning: dict | None = None  # the autotuner's evidence (key, probe summary, scores)
+
+    def __post_init__(self):
+        for name in (self.step, self.prefill):
+            if name not in LINEARS:
+                raise ValueError(f"unknown linear implementation {name!r} (known: {', '.join(LINEARS)})")
+        if self.dtype not in ACTIVATION_DTYPES:
+            raise ValueError(f"a plan's dtype is one of {ACTIVATION_DTYPES}, got {self.dtype!r}")
+        if self.source not in SOURCES:
+            raise ValueError(f"a plan's source is one of {SOURCES}, got {self.source!r}")
+
+    @property
+    def label(self) -> str:
+        """What `--weights` would name this plan: "q4x8", or "q4x8+bf16" for a split."""
+        return self.step if self.step == self.prefill else f"{self.step}+{self.prefill}"
+
+    @property
+    def row_exact(self) -> bool:
+        """Every row of every forward is bitwise independent of the other rows, of the forward's width and of
+        the thread count: both kernels row-exact by construction and our attention op. Then a verified row equals
+        the plain step's row, a prompt prefilled after a cached prefix equals the prompt prefilled whole, and a
+        thread count can change no token — where the prefix cache is on by default, guesses ride in the prefill
+        and the thread guard may run."""
+        return all(LINEARS[n].row_exact for n in (self.step, self.prefill)) and self.attention == "ours"
+
+    def to_dict(self) -> dict:
+        """The plan as JSON (load logs, /v1/models, generate --json, bench manifests)."""
+        return {"weights": self.label, **asdict(self), "row_exact": self.row_exact}
+
+
+def attention_for(dtype: str, device: str) -> str:
+    """"ours" where kernels/attention.py's row-exact op runs this dtype on this device, else "sdpa"."""
+    from draftwise.kernels import attention
+
+    ours = device == "cpu" and dtype in ACTIVATION_DTYPES and attention.available()
+    return "ours" if ours else "sdpa"
+
+
+def parse_weights(weights: str, device: str | None = "cpu") -> tuple[str, str] | None:
+    """(step, prefill) names of a `--weights` value, None for "auto"; "dense" is left for the dtype to resolve.
+    ValueError naming what is wrong (an unknown name, or one that cannot run on `device`; None: any device)."""
+    if not isinstance(weights, str) or not weights:
+        raise ValueError(f"weights must be 'auto', a kernel name or STEP+PREFILL, got {weights!r}")
+    if weights == "auto":
+        return None
+    parts = weights.split("+")
+    if len(parts) == 1:
+        parts = parts * 2
+    if len(parts) != 2:
+        raise ValueError(f"weights {weights!r}: at most two names, STEP+PREFILL (e.g. q4x8+bf16)")
+    for i, name in enumerate(parts):
+        if name == "dense" and i == 1:
+            continue
+        if name not in LINEARS:
+            raise ValueError(f"weights {weights!r}: unknown kernel {name!r}; one of auto, {', '.join(LINEARS)}, "
+                             "or STEP+PREFILL (e.g. q4x8+bf16, q4x8+dense)")
+        if device is not None and device not in LINEARS[name].devices:
+            raise ValueError(f"weights {weights!r}: {name} does not run on {device} (it runs on "
+                             f"{', '.join(LINEARS[name].devices)}); use --weights auto to time what does")
+    return parts[0], parts[1]
+
+
+def weights_help() -> str:
+    """One line per accepted `--weights` value, for --help."""
+    names = "; ".join(f"{n}: {cls.description}" for n, cls in LINEARS.items())
+    return f"auto (measured here), a kernel ({names}), or STEP+PREFILL (e.g. q4x8+bf16; +dense: the dtype's dense)"
+
+
+def resolve_plan(weights: str, dtype: str, cfg, device: str = "cpu", tune=None, progress: bool = True) -> KernelPlan:
+    """The plan to build `cfg`'s model with. A named plan is used as it is ("pinned"); "auto" asks the autotuner
+    for this model's shapes on `device` (`tune(shapes) -> autotune result` may be injected: tests). `dtype`
+    "auto" follows the step kernel. `weights` and `dtype` were validated where they were parsed (config.py)."""
+    names = parse_weights(weights, device)
+    tuning, source, provisional = None, "pinned", False
+    if names is None:
+        from draftwise.kernels import autotune as at
+
+        tune = tune or (lambda shapes: at.autotune(shapes, fast=True, progress=progress, device=device))
+        result = tune(at.shapes_from_config(cfg))
+        names = result["choice"]["step"], result["choice"]["prefill"]
+        source = "cached" if result.get("cached") else "tuned"
+        busy = result.get("busy_cores")
+        provisional = busy is not None and busy >= PROVISIONAL_BUSY_CORES
+        tuning = summary(result)
+    step, prefill = names
+    act = dtype if dtype != "auto" else LINEARS[step].dtype
+    if prefill == "dense":
+        prefill = dense_for(act)
+    return KernelPlan(step, prefill, act, device, attention_for(act, device), source, provisional, tuning)
+
+
+def default_plan(dtype: str, device: str) -> KernelPlan:
+    """The plan of a decoder built without one (plain nn.Linear layers): dense in its dtype, never row-exact."""
+    dense = dense_for(dtype)
+    return KernelPlan(dense, dense, dtype, device, attention_for(dtype, device), "default")
+
+
+def summary(result: dict) -> dict:
+    """The part of an autotune result a plan carries: the cache key, the machine and the scores (ms)."""
+    choice, p = result["choice"], result.get("probe") or {}
+    return {"autotune_key": result.get("key"), "gpu": p.get("gpu"), "cpu": p.get("cpu"),
+            "torch_threads": p.get("torch_threads"), "flags": sorted(k for k, v in p.get("flags", {}).items() if v),
+            "busy_cores": result.get("busy_cores"),
+            "step_ms": {n: round(v, 3) for n, v in choice.get("step_score_ms", {}).items()},
+            "prefill_ms": {n: round(v, 3) for n, v in choice.get("prefill_ms", {}).items()}}
