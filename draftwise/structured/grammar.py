@@ -1,6 +1,6 @@
 """Compiling a `StructuredOutputsSpec` against a tokenizer's vocabulary with llguidance, and caching it.
 
-Owns the one grammar engine (llguidance; chosen in issue 12 with scripts/bench_grammar.py's numbers:
+Owns the one grammar engine (llguidance; chosen in issue 12 on the numbers in docs/PERFORMANCE.md:
 millisecond compiles, masks in tens of microseconds on the 152k Qwen vocabulary, native rollback and
 fast-forward tokens, and it names the JSON-schema keywords it does not implement instead of ignoring
 them), the translation of a spec into an llguidance grammar, the per-tokenizer engine tokenizer (about

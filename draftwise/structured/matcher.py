@@ -11,7 +11,7 @@ the copies kept, the state is rebuilt from the start by advancing the kept token
 comma) and forbade `}`, unlike the same two tokens advanced without the detour — so greedy speculation differed
 from plain decoding (tests/test_structured.py pins this sequence).
 It does not know where the constraint came from (spec.py / grammar.py), models, proposers or the
-scheduler. Cost (scripts/bench_grammar.py, Qwen vocab, 1 thread): one mask is tens of microseconds for
+scheduler. Cost (docs/PERFORMANCE.md, Qwen vocab, 1 thread): one mask is tens of microseconds for
 JSON (p95 well under a millisecond); `allowed()` adds ~20 µs to unpack it to a BoolTensor.
 
 Ids: the matcher knows the tokenizer's ids [0, vocab_size). Callers pass the model's row count to
