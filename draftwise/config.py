@@ -15,6 +15,10 @@ class ConfigError(ValueError):
     """A configuration the user can fix; the CLI prints it without a traceback."""
 
 
+class ContextLengthError(ConfigError):
+    """The prompt plus the requested output does not fit the context length (raised when a request is added)."""
+
+
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma3")
 
 
