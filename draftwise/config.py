@@ -238,7 +238,8 @@ class EngineConfig:
 
 
 def default_cache_dir() -> "str":
-    """Where assembled models and converted checkpoints live: $DRAFTWISE_CACHE_DIR or ~/.cache/draftwise."""
+    """$DRAFTWISE_CACHE_DIR or ~/.cache/draftwise: where assembled models and converted checkpoints live, and
+    the kernels' builds and autotune tables (under kernels/). The one place the variable is read."""
     import os
     from pathlib import Path
 

@@ -257,8 +257,9 @@ def cache_key(p: dict, shapes: list[ProjShape], mode: str = "full") -> str:
 
 
 def cache_path(p: dict, shapes: list[ProjShape], mode: str = "full") -> Path:
-    base = os.environ.get("DRAFTWISE_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "draftwise")
-    return Path(base) / "kernels" / "autotune" / f"{cache_key(p, shapes, mode)}.json"
+    from draftwise.config import default_cache_dir
+
+    return Path(default_cache_dir()) / "kernels" / "autotune" / f"{cache_key(p, shapes, mode)}.json"
 
 
 def fast_measure_kw(p: dict) -> dict:

@@ -56,8 +56,9 @@ _failed: str | None = None
 
 
 def cache_dir() -> Path:
-    base = os.environ.get("DRAFTWISE_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "draftwise")
-    return Path(base) / "kernels"
+    from draftwise.config import default_cache_dir
+
+    return Path(default_cache_dir()) / "kernels"
 
 
 def _compiler() -> str:
