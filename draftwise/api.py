@@ -15,7 +15,7 @@ from typing import Callable, Iterator, Sequence
 import torch
 
 from draftwise.config import ConfigError, EngineConfig, SpecConfig, parse_spec_config
-from draftwise.engine import Engine, Request
+from draftwise.engine import Engine, Request, StepOutput
 from draftwise.kernels import hugepages
 from draftwise.kernels.plan import KernelPlan, resolve_plan
 from draftwise.kernels.threads import ThreadGuard
@@ -113,7 +113,8 @@ class LLM:
     The one place an engine is assembled: `LLM(...)` loads the checkpoint(s) and calls the same assembly as
     `LLM.from_parts(...)` (an already built decoder and tokenizer: tests, scripts). `set_speculation` switches
     the proposer and k policy between runs (built once per configuration and cached); `run` steps the engine
-    until the given requests are done and is what generate, the bench, `verify` and the tests use."""
+    until the given requests are done and is what generate, the bench, `verify` and the tests use. The server's
+    engine thread steps it by hand: `add_request`, `step`, `abort`, `has_unfinished`."""
 
     def __init__(
         self,
@@ -206,6 +207,38 @@ class LLM:
             vocab = f" (draft_vocab_size {identity.draft_vocab_size})" if identity.draft_vocab_size else ""
             caches[f"draft {identity.model}{vocab}"] = getattr(p, "prefix_cache", None)
         return {name: c for name, c in caches.items() if c is not None}
+
+    # ---- stepping by hand (the server's engine thread) ----------------------------------------
+    @property
+    def max_num_seqs(self) -> int:
+        """KV-cache slots: the most requests decoded at once (more wait for a free slot)."""
+        return self.config.max_num_seqs
+
+    @property
+    def max_lookahead(self) -> int:
+        """The engine's cap on k: the guesses one verification may hold (it sized the KV caches)."""
+        return self.engine.max_lookahead
+
+    @property
+    def thread_guard(self) -> ThreadGuard | None:
+        """The engine's ThreadGuard (None: off): its thread counts and changes, for a run's manifest."""
+        return self.engine.thread_guard
+
+    def add_request(self, req: Request) -> None:
+        """Queue a request from `new_request`; it joins the next step. Raises ContextLengthError when its prompt
+        plus max_tokens exceed max_model_len, ConfigError for other requests that cannot run."""
+        self.engine.add_request(req)
+
+    def step(self) -> list[StepOutput]:
+        """One engine step over every running request (admitting waiting ones into free slots)."""
+        return self.engine.step()
+
+    def abort(self, request_id: str) -> None:
+        """Drop a request, waiting or running (its slot is free for the next step); unknown ids are ignored."""
+        self.engine.abort(request_id)
+
+    def has_unfinished(self) -> bool:
+        return self.engine.has_unfinished()
 
     # ---- speculation --------------------------------------------------------------------------
     @property

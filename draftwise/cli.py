@@ -70,7 +70,7 @@ def _read_json_schema(path: str):
 
 
 def cmd_models(args) -> int:
-    from draftwise.config import default_cache_dir
+    from draftwise.paths import default_cache_dir
     from draftwise.models.catalog import list_models
 
     rows = list_models(default_cache_dir())

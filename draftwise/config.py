@@ -15,6 +15,10 @@ class ConfigError(ValueError):
     """A configuration the user can fix; the CLI prints it without a traceback."""
 
 
+class ContextLengthError(ConfigError):
+    """The prompt plus the requested output does not fit the context length (raised when a request is added)."""
+
+
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma3")
 
 
@@ -240,14 +244,6 @@ class EngineConfig:
             raise ConfigError("max_num_seqs must be >= 1")
         if self.threads is not None and self.threads < 1:
             raise ConfigError("threads must be >= 1")
-
-
-def default_cache_dir() -> "str":
-    """Where assembled models and converted checkpoints live: $DRAFTWISE_CACHE_DIR or ~/.cache/draftwise."""
-    import os
-    from pathlib import Path
-
-    return os.environ.get("DRAFTWISE_CACHE_DIR") or str(Path.home() / ".cache" / "draftwise")
 
 
 def hub_offline() -> bool:

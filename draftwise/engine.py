@@ -24,9 +24,9 @@ from typing import Callable
 
 import torch
 
-from draftwise.config import ConfigError
+from draftwise.config import ConfigError, ContextLengthError
 from draftwise.kernels.threads import ThreadGuard
-from draftwise.kv_cache import KVCache
+from draftwise.kv_cache import KVCache, target_cache_capacity
 from draftwise.models.transformer import Decoder
 from draftwise.prefix_cache import PrefixCache
 from draftwise.sampling import SamplingParams, make_generator
@@ -38,16 +38,6 @@ from draftwise.structured.matcher import GrammarError, GrammarMatcher, mask_logi
 
 
 PREFILL_TOKENS_PER_STEP = 1024  # prompt tokens admitted per step (at least one request always)
-
-
-def target_cache_capacity(max_model_len: int, max_lookahead: int) -> int:
-    """Tokens per slot in the target's KV cache: the context plus one verification's look-ahead (the pending
-    token and up to max_lookahead guesses are written before the rollback)."""
-    return max_model_len + max_lookahead + 1
-
-
-class ContextLengthError(ConfigError):
-    """The prompt plus the requested output does not fit the context."""
 
 
 @dataclass

@@ -14,7 +14,6 @@ from dataclasses import dataclass
 
 import torch
 
-from draftwise.engine import Request
 from draftwise.kv_cache import KVCache
 from draftwise.sampling import SamplingParams, process_logits
 
@@ -41,11 +40,10 @@ def run_engine(llm, spec_config, prompt_ids: list[list[int]], params: list[Sampl
     before = llm.spec_config
     llm.set_speculation(spec_config)
     try:
-        reqs = [Request(f"v{i}", ids, p) for i, (ids, p) in enumerate(zip(prompt_ids, params))]
-        llm.run(reqs)
+        outs = llm.generate(prompt_ids, params)
     finally:
         llm.set_speculation(before)
-    return [r.output_ids for r in reqs]
+    return [o.outputs[0].token_ids for o in outs]
 
 
 def next_logits(model, contexts: list[list[int]]) -> torch.Tensor:  # -> [N, V] float32

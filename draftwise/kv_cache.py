@@ -1,13 +1,38 @@
-"""KV cache: preallocated keys and values for a fixed number of sequence slots.
+"""KV cache: preallocated keys and values for a fixed number of sequence slots, and the arithmetic that sizes them.
 
 Owns the storage and each slot's valid length. A forward pass writes K/V at the positions it was given
 (`write`, which extends the slot's length); `truncate(slot, new_len)` is the only rollback — it just moves
 the length back, the stale entries beyond it are never visible (attention masks by position) and are
-overwritten by the next write. Knows nothing about models, requests or speculation.
+overwritten by the next write. Also owns how long a slot is and what a cache weighs: `target_cache_capacity`
+and `draft_cache_capacity` (tokens per slot from the context length and the look-ahead) and `cache_bytes`,
+which the engine, the draft-model proposer and the memory estimate (bench/memory.py) all call, so the
+estimate is what gets allocated. Knows nothing about models or requests; of speculation, only how many
+positions beyond the context a verification or a draft's catch-up writes before its rollback.
 """
 from __future__ import annotations
 
 import torch
+
+MAX_BATCHED_CATCH_UP = 4  # a draft's rows with more unseen tokens than this (a new prompt) are prefilled alone
+
+
+def target_cache_capacity(max_model_len: int, max_lookahead: int) -> int:
+    """Tokens per slot in the target's KV cache: the context plus one verification's look-ahead (the pending
+    token and up to max_lookahead guesses are written before the rollback)."""
+    return max_model_len + max_lookahead + 1
+
+
+def draft_cache_capacity(max_model_len: int, max_lookahead: int) -> int:
+    """Tokens per slot in the draft's KV cache: the context, k guesses, a batched catch-up and two spare
+    positions (the draft may run one token ahead of the target's context before a rollback)."""
+    return max_model_len + max_lookahead + MAX_BATCHED_CATCH_UP + 2
+
+
+def cache_bytes(num_layers: int, num_slots: int, num_kv_heads: int, capacity: int, head_dim: int,
+                element_size: int) -> int:
+    """Bytes a KVCache built with these arguments holds: K and V, [num_slots, num_kv_heads, capacity, head_dim]
+    per layer, element_size bytes each."""
+    return 2 * num_layers * num_slots * num_kv_heads * capacity * head_dim * element_size
 
 
 class KVCache:

@@ -1,9 +1,10 @@
 """`draftwise memory`'s estimate: shapes from metadata only, the KV formula by hand, and cache sizes that are
-the engine's own (the estimate and the engine call the same capacity functions)."""
+the engine's own (the estimate and the engine call the same capacity functions, kv_cache.py's)."""
 import pytest
 
 from draftwise.bench import memory
 from draftwise.config import ModelConfig
+from draftwise.kv_cache import draft_cache_capacity, target_cache_capacity
 
 
 def test_kv_bytes_by_hand():
@@ -53,11 +54,11 @@ def test_kv_estimate_equals_what_the_engine_allocates(spec):
     from tests.harness import tiny_llm
 
     llm = tiny_llm(spec, max_num_seqs=3, max_model_len=200)
-    k = llm.engine.max_lookahead
-    capacity = memory.target_cache_capacity(200, k)
+    k = llm.max_lookahead
+    capacity = target_cache_capacity(200, k)
     assert memory.kv_bytes(llm.model.config, "float32", capacity, 3) == llm.engine.cache.nbytes
     if spec and spec["method"] == "draft_model":
-        capacity = memory.draft_cache_capacity(200, k)
+        capacity = draft_cache_capacity(200, k)
         assert memory.kv_bytes(llm.proposer.model.config, "float32", capacity, 3) == llm.proposer.cache.nbytes
 
 

@@ -4,8 +4,8 @@ and stats add up."""
 import pytest
 import torch
 
-from draftwise.config import ConfigError
-from draftwise.engine import ContextLengthError, Engine, Request
+from draftwise.config import ConfigError, ContextLengthError
+from draftwise.engine import Engine, Request
 from draftwise.sampling import SamplingParams
 from draftwise.spec_decode.adaptive import FixedK
 from draftwise.spec_decode.draft_model import DraftModelProposer

@@ -3,6 +3,7 @@ Q/K permutation is undone, packaged files are sha256-checked, errors name what t
 conversion cache is reused. Tiny random files only; no downloads."""
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 import sys
@@ -148,13 +149,24 @@ def test_hf_config_gemma3_multimodal_and_qwen2_window():
     assert st.hf_name("vision_tower.encoder.layers.0.weight") is None
 
 
-def test_write_streaming_is_readable_by_safetensors(tmp_path):
+def test_write_tensors_is_readable_by_safetensors(tmp_path):
+    """One writer for both caches: a generator cast to one dtype (the converted GGUF) and tensors of mixed dtypes
+    kept as they are (prepared kernel weights)."""
     from safetensors.torch import load_file
 
     tensors = [("a", torch.randn(3, 5)), ("b.weight", torch.randn(7))]
-    st.write_streaming(tmp_path / "x.safetensors", [(n, tuple(t.shape)) for n, t in tensors], iter(tensors))
+    specs = [(n, tuple(t.shape), torch.bfloat16) for n, t in tensors]
+    sha = st.write_tensors(tmp_path / "x.safetensors", specs, iter(tensors))
     back = load_file(str(tmp_path / "x.safetensors"))
-    assert all(torch.equal(back[n], t) for n, t in tensors)
+    assert all(torch.equal(back[n], t.bfloat16()) for n, t in tensors)
+    assert sha == hashlib.sha256((tmp_path / "x.safetensors").read_bytes()).hexdigest()
+    mixed = [("q", torch.randint(-128, 127, (4, 16), dtype=torch.int8)), ("w", torch.randn(6, 4).t()),
+             ("s", torch.randn(2).bfloat16())]
+    st.write_tensors(tmp_path / "m.safetensors", [(n, tuple(t.shape), t.dtype) for n, t in mixed], mixed)
+    back = load_file(str(tmp_path / "m.safetensors"))
+    assert all(back[n].dtype == t.dtype and torch.equal(back[n], t) for n, t in mixed)
+    with pytest.raises(ValueError, match="fewer tensors"):
+        st.write_tensors(tmp_path / "y.safetensors", specs, iter(tensors[:1]))
 
 
 @pytest.fixture

@@ -1,6 +1,6 @@
 """Guesses verified inside the prefill forward (Engine.speculate_in_prefill).
 
-Where every row is exact (q4x8 for every width and the row-exact attention op: kernels.every_row_exact), a
+Where every row is exact (a row-exact KernelPlan: q4x8 for every width and the row-exact attention op), a
 prompt's rows are bitwise the rows a decode step computes, so the proposer's first guesses ride along with the
 prompt and are verified from the same forward. Invariants: the first step of a request already verifies guesses
 (the grammar's forced start is emitted with the first token); greedy output equals plain decoding token for token

@@ -196,11 +196,11 @@ class InProcessClient:
         return {"model": c.model, "dtype": c.dtype, "weights": c.weights, "device": c.device, "threads": c.threads,
                 "max_model_len": self.llm.max_model_len, "max_num_seqs": c.max_num_seqs,
                 "draft": self.draft, "draft_dtype": self.draft_dtype, "draft_weights": self.draft_weights,
-                "prefix_caching": self.llm.engine.prefix_cache is not None}
+                "prefix_caching": "target" in self.llm.prefix_caches()}
 
     def manifest(self) -> dict:
         llm = self.llm
-        g = llm.engine.thread_guard  # a guard that changed the thread count mid-run says so here
+        g = llm.thread_guard  # a guard that changed the thread count mid-run says so here
         return {"mode": "in-process", "target": llm.model_info, "draft": self.draft_info,
                 "max_model_len": llm.max_model_len, "max_num_seqs": llm.config.max_num_seqs,
                 "device": llm.config.device, "seed": llm.config.seed,

@@ -9,9 +9,9 @@ safetensors header, or the GGUF's key-values and tensor table — never by loadi
              packed for 4-bit plans, shared with a tied head; else dense), norms in the activation dtype — the
              bytes the loaded model holds (tests/test_bench_memory.py checks them against the module's tensors);
   KV cache = 2 (K and V) × layers × kv_heads × head_dim × bytes × tokens per slot × slots, where the engine
-             preallocates every slot at full length (engine.target_cache_capacity and
-             spec_decode/draft_model.draft_cache_capacity: the same functions the engine and the draft call) —
-             so concurrency is the number of slots (--max-num-seqs), used or not;
+             preallocates every slot at full length (kv_cache.py: target_cache_capacity, draft_cache_capacity
+             and cache_bytes, the same functions the engine and the draft's builder call) — so concurrency is
+             the number of slots (--max-num-seqs), used or not;
   prefix cache = its byte budget (prefix_cache.py) per model, where it is on by default (a row-exact plan);
   overhead = the interpreter with torch and the tokenizer (measured, RUNTIME_BASE_BYTES) plus prefill
              activations for a full-context prompt (a few hidden-size and MLP-width buffers per token);
@@ -22,7 +22,7 @@ safetensors header, or the GGUF's key-values and tensor table — never by loadi
              draft), (serving).
 Available memory: MemAvailable from /proc/meminfo, or free VRAM from torch.cuda.mem_get_info on GPU.
 Loads no weights (auto with no cached choice for the shapes times the kernels on random weights first, as a
-first load would, and caches the choice for it); the cache sizes come from the engine's own capacity functions.
+first load would, and caches the choice for it); the cache sizes come from kv_cache.py, as the engine's do.
 """
 from __future__ import annotations
 
@@ -31,10 +31,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from draftwise.config import ConfigError, ModelConfig
-from draftwise.engine import target_cache_capacity
+from draftwise.kv_cache import cache_bytes, draft_cache_capacity, target_cache_capacity
 from draftwise.models.safetensors import header_specs
 from draftwise.prefix_cache import DEFAULT_BYTES as PREFIX_CACHE_BYTES
-from draftwise.spec_decode.draft_model import draft_cache_capacity
 
 BYTES = {"float32": 4, "bfloat16": 2}
 RUNTIME_BASE_BYTES = 420 * 2**20  # python + torch + tokenizers + numpy, measured RSS after `import draftwise.api`
@@ -54,7 +53,7 @@ class Shapes:
 
 def model_shapes(name: str, cache_dir: str | None = None) -> Shapes:
     """Shapes of a catalog name, .gguf file or HF checkpoint dir, read from metadata only."""
-    from draftwise.config import default_cache_dir
+    from draftwise.paths import default_cache_dir
     from draftwise.models import catalog
 
     cache = Path(cache_dir or default_cache_dir())
@@ -158,7 +157,8 @@ def loading_bytes(s: Shapes, plan) -> int:
 
 
 def kv_bytes(cfg: ModelConfig, dtype: str, tokens_per_slot: int, slots: int) -> int:
-    return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * BYTES[dtype] * tokens_per_slot * slots
+    """The KV cache a model of this config allocates (kv_cache.cache_bytes, the model's shapes filled in)."""
+    return cache_bytes(cfg.num_layers, slots, cfg.num_kv_heads, tokens_per_slot, cfg.head_dim, BYTES[dtype])
 
 
 def activation_bytes(cfg: ModelConfig, context: int) -> int:

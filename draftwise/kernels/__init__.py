@@ -1,6 +1,7 @@
 """Linear-layer kernels for CPU inference, the machine probe that says which can run here, and the autotuner.
 
-This package is the lowest layer: it imports torch, numpy and the standard library only. It owns how a
+This package is the lowest layer: it imports torch, numpy, the standard library and draftwise.paths only. It owns
+how a
 linear layer y = x W^T + b is computed (dense fp32/bf16, torch's weight-only int4/int8, fbgemm dynamic
 int8, and our own int4-weight x int8-activation C++ kernel, `q4x8`) and which one is fastest on this
 machine for a model's shapes; also one row-exact attention operator over a KV cache's tensors and the

@@ -45,6 +45,7 @@ import torch
 from draftwise.kernels.linear import LINEARS, available, dense_for, probe_device
 from draftwise.kernels.probe import cuda_probe, cuda_seconds, flag_summary, format_probe
 from draftwise.kernels.probe import probe as cpu_probe
+from draftwise.paths import default_cache_dir
 
 STEP_ROWS = (1, 2, 4, 8, 16)
 PREFILL_ROWS = 128
@@ -257,8 +258,7 @@ def cache_key(p: dict, shapes: list[ProjShape], mode: str = "full") -> str:
 
 
 def cache_path(p: dict, shapes: list[ProjShape], mode: str = "full") -> Path:
-    base = os.environ.get("DRAFTWISE_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "draftwise")
-    return Path(base) / "kernels" / "autotune" / f"{cache_key(p, shapes, mode)}.json"
+    return Path(default_cache_dir()) / "kernels" / "autotune" / f"{cache_key(p, shapes, mode)}.json"
 
 
 def fast_measure_kw(p: dict) -> dict:

@@ -34,6 +34,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from draftwise.paths import default_cache_dir
+
 GROUP = 32  # K values per scale/min group (a Q4_K sub-block)
 SUPER = 8  # groups per super-block (Q4_K: 8 x 32 = 256), which share the fp32 d and dmin
 COLS = 16  # output columns per packed block
@@ -58,8 +60,7 @@ _failed: str | None = None
 
 
 def cache_dir() -> Path:
-    base = os.environ.get("DRAFTWISE_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "draftwise")
-    return Path(base) / "kernels"
+    return Path(default_cache_dir()) / "kernels"
 
 
 def _compiler() -> str:

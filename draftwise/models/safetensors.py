@@ -254,8 +254,7 @@ _TORCH_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.floa
                  "I64": torch.int64, "I32": torch.int32, "I8": torch.int8, "U8": torch.uint8}
 
 
-_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
-_ANY_DTYPES = {v: k for k, v in _TORCH_DTYPES.items()}  # torch dtype -> safetensors name
+_DTYPE_NAMES = {v: k for k, v in _TORCH_DTYPES.items()}  # torch dtype -> safetensors name
 
 
 def read_metadata(path: str | os.PathLike) -> dict[str, str]:
@@ -269,48 +268,24 @@ def read_metadata(path: str | os.PathLike) -> dict[str, str]:
             raise ConfigError(f"{path}: invalid safetensors header ({e})") from None
 
 
-def write_tensors(path: str | os.PathLike, tensors: list[tuple[str, torch.Tensor]],
-                  metadata: dict[str, str] | None = None) -> str:
-    """Write tensors of mixed dtypes (each kept as it is) to a safetensors file, flushed and fsynced; returns the
-    sha256 of the bytes written. For caches of prepared weights, which are in memory anyway."""
-    header: dict = {"__metadata__": metadata or {}}
-    offset = 0
-    for name, t in tensors:
-        size = t.numel() * t.element_size()
-        header[name] = {"dtype": _ANY_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + size]}
-        offset += size
-    blob = json.dumps(header, separators=(",", ":")).encode()
-    blob += b" " * (-len(blob) % 8)  # data starts 8-byte aligned
-    digest = hashlib.sha256()
-    with open(path, "wb") as out:
-        for chunk in (struct.pack("<Q", len(blob)), blob):
-            out.write(chunk)
-            digest.update(chunk)
-        for _, t in tensors:
-            data = t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().data
-            out.write(data)
-            digest.update(data)
-        out.flush()
-        os.fsync(out.fileno())
-    return digest.hexdigest()
-
-
-def write_streaming(
+def write_tensors(
     path: str | os.PathLike,
-    specs: list[tuple[str, tuple[int, ...]]],
+    specs: list[tuple[str, tuple[int, ...], torch.dtype]],
     tensors: Iterable[tuple[str, torch.Tensor]],
     metadata: dict[str, str] | None = None,
-    dtype: torch.dtype = torch.float32,
 ) -> str:
-    """Write a safetensors file whose header is known up front (`specs`: name, shape in yield order); returns
-    the sha256 of the bytes written (for a cache's manifest). The file is flushed and fsynced before returning.
+    """Write a safetensors file tensor by tensor; returns the sha256 of the bytes written (for a cache's manifest).
+    The file is flushed and fsynced before returning (callers then move it in place with catalog.replace_durably).
 
-    Format (huggingface/safetensors): u64 little-endian header length, JSON header, then raw data."""
+    `specs` (name, shape, stored dtype, in yield order) make the header up front, so `tensors` may be a generator
+    (a 6 GB float32 conversion never sits in memory at once); each tensor is stored in its spec's dtype, which may
+    differ from tensor to tensor. Format (huggingface/safetensors): u64 little-endian header length, JSON header,
+    then raw data."""
     header: dict = {"__metadata__": metadata or {}}
-    offset, itemsize = 0, torch.tensor([], dtype=dtype).element_size()
-    for name, shape in specs:
-        size = math.prod(shape) * itemsize
-        header[name] = {"dtype": _DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + size]}
+    offset = 0
+    for name, shape, dtype in specs:
+        size = math.prod(shape) * torch.tensor([], dtype=dtype).element_size()
+        header[name] = {"dtype": _DTYPE_NAMES[dtype], "shape": list(shape), "data_offsets": [offset, offset + size]}
         offset += size
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)  # data starts 8-byte aligned
@@ -321,13 +296,12 @@ def write_streaming(
             out.write(head)
             digest.update(head)
         for name, tensor in tensors:
-            want_name, want_shape = next(expected)
+            want_name, want_shape, dtype = next(expected)
             if name != want_name or tuple(tensor.shape) != tuple(want_shape):
                 raise ValueError(f"tensor {name} {tuple(tensor.shape)} does not match spec {want_name} {want_shape}")
-            data = tensor.to(dtype).contiguous()
-            data = data.view(torch.int16) if dtype == torch.bfloat16 else data  # numpy has no bfloat16
-            out.write(data.numpy().data)
-            digest.update(data.numpy().data)
+            data = tensor.detach().to(dtype).contiguous().reshape(-1).view(torch.uint8).numpy().data
+            out.write(data)
+            digest.update(data)
         out.flush()
         os.fsync(out.fileno())
     if next(expected, None) is not None:

@@ -27,7 +27,8 @@ from typing import Callable, Iterator
 
 import torch
 
-from draftwise.config import ConfigError, ModelConfig, default_cache_dir, hub_offline
+from draftwise.config import ConfigError, ModelConfig, hub_offline
+from draftwise.paths import default_cache_dir
 from draftwise.models import catalog
 from draftwise.models import safetensors as st
 from draftwise.tokenizer import Tokenizer
@@ -68,7 +69,8 @@ class Checkpoint:
                 if not st.is_complete(path):
                     tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
                     gguf_file = self.gguf()
-                    st.write_streaming(tmp, gguf_file.tensor_specs(), gguf_file.tensors(), dtype=dtype)
+                    specs = [(name, shape, dtype) for name, shape in gguf_file.tensor_specs()]
+                    st.write_tensors(tmp, specs, gguf_file.tensors())
                     catalog.replace_durably(tmp, path)
         return st.iter_tensors([path])
 
@@ -174,7 +176,8 @@ def _ensure_fp32_cache(folder: Path, gguf_path: Path, progress: bool) -> None:
         tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
         bar = tqdm(gguf_file.tensors(), total=len(specs), desc=f"dequantize {gguf_path.name}", unit="tensor",
                    file=sys.stderr, disable=not progress)
-        sha = st.write_streaming(tmp, specs, bar, metadata={"format": "pt", "source_sha256": meta["sha256"]})
+        sha = st.write_tensors(tmp, [(name, shape, torch.float32) for name, shape in specs], bar,
+                               metadata={"format": "pt", "source_sha256": meta["sha256"]})
         catalog.replace_durably(tmp, path)
         stat = path.stat()
         meta["files"][_WEIGHTS_FILE] = {"size": stat.st_size, "sha256": sha, "mtime_ns": stat.st_mtime_ns}
@@ -210,8 +213,9 @@ def _prepared(ckpt: Checkpoint, plan, embed_dtype: torch.dtype,
                         tensors += [(f"{name}.{n}", t) for n, t in state.items()]
                     else:
                         tensors.append((name, value.to(embed_dtype if name == "model.embed_tokens.weight" else dtype)))
-                st.write_tensors(tmp, tensors, {"format": "draftwise-prepared", "source_sha256": ckpt.info["sha256"],
-                                                "linears": json.dumps(kinds)})
+                st.write_tensors(tmp, [(name, tuple(t.shape), t.dtype) for name, t in tensors], tensors,
+                                 {"format": "draftwise-prepared", "source_sha256": ckpt.info["sha256"],
+                                  "linears": json.dumps(kinds)})
                 catalog.replace_durably(tmp, path)
                 return iter(built)  # built once: hand the modules over as they are
     kinds = json.loads(st.read_metadata(path)["linears"])

@@ -1,8 +1,8 @@
 """The FastAPI app: OpenAI-compatible routes, SSE streaming, /metrics, /health and OpenAI-shaped errors; the
 playground page at / (static files in server/static/) and what it reads, GET /draftwise/info.
 
-`create_app(llm, served_model_name, api_key=None, max_body_bytes=...)` wraps an already loaded `api.LLM` (or
-anything with its shape: .engine, .tokenizer, .new_request, .to_output, .max_model_len), so tests build it
+`create_app(llm, served_model_name, api_key=None, max_body_bytes=...)` wraps an already loaded `api.LLM` (the
+server's only way to the engine: new_request, add_request / step / abort, to_output, max_num_seqs), so tests build it
 around a tiny model without uvicorn. The engine runs on its own thread (runner.py); routes only submit,
 await events and format them. Request bodies are decoded, validated (validation.py) and tokenized in a small
 worker pool, never on the event loop, and checked against the context before they are queued; each request
@@ -51,8 +51,7 @@ def create_app(llm, served_model_name: str, api_key: str | None = None,
                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, limits: RequestLimits | None = None,
                max_waiting: int = DEFAULT_MAX_WAITING, request_timeout: float | None = DEFAULT_REQUEST_TIMEOUT_S,
                allowed_hosts=LOOPBACK_HOSTS, allowed_origins=()) -> FastAPI:
-    max_num_seqs = llm.engine.num_free_slots + len(llm.engine.running)
-    metrics = ServerMetrics(served_model_name, max_num_seqs, llm.engine.k_policy.max_k)
+    metrics = ServerMetrics(served_model_name, llm.max_num_seqs, llm.spec_config.max_speculative_tokens)
     runner = EngineRunner(llm, metrics, max_waiting=max_waiting)
     pool = ThreadPoolExecutor(PREP_WORKERS, thread_name_prefix="draftwise-prep")
 
@@ -108,8 +107,8 @@ def create_app(llm, served_model_name: str, api_key: str | None = None,
     async def info():
         """What this server runs (the playground shows it read-only)."""
         return {"model": served_model_name, "speculative_config": llm.spec_config.to_dict(),
-                "max_model_len": llm.max_model_len, "max_num_seqs": max_num_seqs,
-                "max_lookahead": llm.engine.max_lookahead}
+                "max_model_len": llm.max_model_len, "max_num_seqs": llm.max_num_seqs,
+                "max_lookahead": llm.max_lookahead}
 
     @app.get("/", include_in_schema=False)
     async def playground():  # public, like /static: the page asks for the API key itself

@@ -1,7 +1,7 @@
-"""The engine thread: the one place the server touches the Engine (which is not thread safe).
+"""The engine thread: the one place the server steps the LLM (its engine is not thread safe).
 
 The event loop submits requests and aborts through a thread-safe inbox; a single thread drains it between
-steps, runs engine.step() while there is work (blocking on the inbox when idle) and hands each request's
+steps, runs llm.step() while there is work (blocking on the inbox when idle) and hands each request's
 text deltas to its asyncio.Queue via loop.call_soon_threadsafe. Continuous batching is the engine's: new
 requests join at the next step, finished or aborted ones free their KV slot before the next step. A request's
 outputs of one step become one Event; a request that asked for token provenance (server/provenance.py) gets
@@ -22,8 +22,7 @@ import queue
 import threading
 from dataclasses import dataclass
 
-from draftwise.config import ConfigError
-from draftwise.engine import ContextLengthError
+from draftwise.config import ConfigError, ContextLengthError
 from draftwise.server.errors import APIError
 from draftwise.server.provenance import TokenProvenance
 
@@ -58,18 +57,17 @@ RETRY_AFTER_S = 1  # what a 429 tells the client to wait
 
 class EngineRunner:
     def __init__(self, llm, metrics, max_waiting: int | None = None):
-        self.llm, self.engine, self.metrics = llm, llm.engine, metrics
+        self.llm, self.metrics = llm, metrics
         self._inbox: queue.Queue = queue.Queue()
         self._sinks: dict[str, _Sink] = {}  # engine thread only
-        self._thread = threading.Thread(target=self._run, name="draftwise-engine", daemon=True)
+        self._thread = threading.Thread(target=self._run, name="draftwise-llm", daemon=True)
         self.last_error: str | None = None
-        slots = llm.engine.num_free_slots + len(llm.engine.running)
-        self.max_in_flight = None if max_waiting is None else slots + max_waiting
+        self.max_in_flight = None if max_waiting is None else llm.max_num_seqs + max_waiting
         self._lock = threading.Lock()  # guards the two below
         self._in_flight = 0  # submitted, no terminal Event yet
         self._closed = False  # the engine thread has stopped: nothing more is accepted
         self.draining = False  # shutting down: nothing new is accepted, what is in flight finishes
-        self._step_failures = 0  # consecutive engine.step() exceptions
+        self._step_failures = 0  # consecutive llm.step() exceptions
 
     # ---- event-loop side --------------------------------------------------------------------------
     def start(self) -> None:
@@ -144,10 +142,10 @@ class EngineRunner:
     # ---- engine thread ----------------------------------------------------------------------------
     def _run(self) -> None:
         try:
-            while self._drain(block=not self.engine.has_unfinished()):
-                if self.engine.has_unfinished():
+            while self._drain(block=not self.llm.has_unfinished()):
+                if self.llm.has_unfinished():
                     self._step()
-                self.metrics.sync_engine(self.engine)
+                self.metrics.sync_engine(self.llm.engine)
         except BaseException:  # the thread ends either way; _close tells every request (503 from now on)
             log.exception("the engine thread died")
         finally:
@@ -190,7 +188,7 @@ class EngineRunner:
             return
         sink: _Sink = arg
         try:
-            self.engine.add_request(sink.request)
+            self.llm.add_request(sink.request)
         except ConfigError as e:
             too_long = isinstance(e, ContextLengthError)
             self._release()
@@ -212,12 +210,12 @@ class EngineRunner:
         if sink is None:  # already finished (the abort raced the last token)
             return
         self._release()
-        self.engine.abort(request_id)
+        self.llm.abort(request_id)
         self.metrics.on_finished("abort", None, None, len(sink.request.output_ids))
 
     def _step(self) -> None:
         try:
-            outputs = self.engine.step()
+            outputs = self.llm.step()
         except Exception as e:  # a bug must not take the server down: retry once, then fail what is in flight
             self._step_failures += 1
             self.last_error = f"{type(e).__name__}: {e}"
@@ -275,7 +273,7 @@ class EngineRunner:
             return
         self._release()
         try:
-            self.engine.abort(request_id)
+            self.llm.abort(request_id)
         except Exception:  # the engine is already in trouble; the request is failed either way
             log.exception("abort after a failure")
         self.metrics.on_finished("error", None, None, len(sink.request.output_ids))

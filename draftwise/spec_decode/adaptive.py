@@ -35,7 +35,7 @@ from typing import Protocol
 
 import torch
 
-from draftwise.kv_cache import KVCache
+from draftwise.kv_cache import KVCache, target_cache_capacity
 
 ROUNDS = 5  # interleaved calibration rounds; every cost keeps its fastest
 CONTEXT = 128  # context tokens before the timed target forwards (a typical request's; attention grows with it)
@@ -98,7 +98,8 @@ class AdaptiveK:
         as the engine verifies: `num_tokens`), and the proposer (on its scratch slot 0, before any request)."""
         c, dev = target.config, target.device
         context = min(CONTEXT, c.max_position_embeddings - max_k - 1)
-        scratch = KVCache(c.num_layers, 1, c.num_kv_heads, context + max_k + 1, c.head_dim, target.dtype, dev)
+        capacity = target_cache_capacity(context, max_k)  # the engine's slot, at this context
+        scratch = KVCache(c.num_layers, 1, c.num_kv_heads, capacity, c.head_dim, target.dtype, dev)
         slot = torch.tensor([0], device=dev)
         target(torch.zeros(1, context, dtype=torch.int64, device=dev), torch.arange(context, device=dev)[None],
                scratch, slot)

@@ -11,8 +11,9 @@ from dataclasses import dataclass
 from typing import Callable
 
 from draftwise.config import ConfigError, SpecConfig
+from draftwise.kv_cache import draft_cache_capacity
 from draftwise.prefix_cache import PrefixCache
-from draftwise.spec_decode.draft_model import DraftModelProposer, check_compatible, draft_cache_capacity
+from draftwise.spec_decode.draft_model import DraftModelProposer, check_compatible
 from draftwise.spec_decode.grammar import GrammarProposer
 from draftwise.spec_decode.ngram import NgramProposer
 from draftwise.spec_decode.proposer import NoProposer, Proposer

@@ -31,19 +31,11 @@ from torch import nn
 
 from draftwise.config import ConfigError
 from draftwise.kernels import linear
-from draftwise.kv_cache import KVCache
+from draftwise.kv_cache import MAX_BATCHED_CATCH_UP, KVCache
 from draftwise.prefix_cache import PrefixCache
 from draftwise.sampling import SamplingParams, process_logits, sample
 from draftwise.spec_decode.proposer import EMPTY_DRAFT_IDS, Draft
 from draftwise.structured.matcher import GrammarError, GrammarMatcher, mask_logits
-
-MAX_BATCHED_CATCH_UP = 4  # rows with more unseen tokens than this (a new prompt) are prefilled alone
-
-
-def draft_cache_capacity(max_model_len: int, max_lookahead: int) -> int:
-    """Tokens per slot in the draft's KV cache: the context, k guesses, a batched catch-up and two spare
-    positions (the draft may run one token ahead of the target's context before a rollback)."""
-    return max_model_len + max_lookahead + MAX_BATCHED_CATCH_UP + 2
 
 
 class DraftModelProposer:
