@@ -1,16 +1,15 @@
 """Linear-layer kernels for CPU inference, the machine probe that says which can run here, and the autotuner.
 
 This package is the lowest layer: it imports torch, numpy, the standard library and draftwise.paths only. It owns
-how a
-linear layer y = x W^T + b is computed (dense fp32/bf16, torch's weight-only int4/int8, fbgemm dynamic
-int8, and our own int4-weight x int8-activation C++ kernel, `q4x8`) and which one is fastest on this
-machine for a model's shapes; also one row-exact attention operator over a KV cache's tensors and the
-decoder's per-layer glue ops (norms, RoPE + K/V write, gated activation). It knows
-nothing of checkpoints, decoders, requests or speculation: callers hand it fp32 (or dequantized) weights and
-get back modules with `forward(x [..., K]) -> [..., N]`.
+how a linear layer y = x W^T + b is computed (dense fp32/bf16, torch's weight-only int4/int8, fbgemm dynamic int8,
+and our own int4-weight x int8-activation C++ kernel, `q4x8`) and which one is fastest on this machine for a
+model's shapes; also one row-exact attention operator over a KV cache's tensors and the decoder's per-layer glue
+ops (norms, RoPE + K/V write, gated activation). It knows nothing of checkpoints, decoders, requests or
+speculation: callers hand it fp32 (or dequantized) weights and get back modules with
+`forward(x [..., K]) -> [..., N]`.
 
     probe.py     what this CPU can do (instruction sets, threads, measured memory bandwidth)
-    q4x8.py      our kernel: build (JIT, cached), weight quantization/packing, Q4x8Linear
+    q4x8.py      our kernel: build (JIT, cached), weight quantization/packing, the packed embedding table
     attention.py our row-exact decode/verification attention op (one call per layer; in q4x8's library)
     glue.py      the decoder's glue between the matmuls as row-exact C++ ops (in q4x8's library)
     stack.py     the decoder's layer loop over those ops in one C++ call, bitwise the Python loop (same library)
