@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import time
 import uuid
+import warnings
 from dataclasses import dataclass, field, replace
 from typing import Callable, Iterator, Sequence
 
@@ -29,8 +30,22 @@ from draftwise.spec_decode.proposer import Proposer
 
 __all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "load_model"]
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}  # a plan's dtype as torch's
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}  # a plan's dtype as torch's
 DEFAULT_MAX_MODEL_LEN = 4096
+_OLD_K_MAX_KEYWORD = "max_lookahead"  # LLM(k_max=...)'s keyword before the rename: still accepted, deprecated
+
+
+def _k_max_or_old(k_max: int | None, old: dict, where: str) -> int | None:
+    """k_max, or the value given under its old keyword (with a DeprecationWarning); any other keyword: TypeError."""
+    unknown = sorted(set(old) - {_OLD_K_MAX_KEYWORD})
+    if unknown:
+        raise TypeError(f"{where}() got an unexpected keyword argument {unknown[0]!r}")
+    if _OLD_K_MAX_KEYWORD not in old:
+        return k_max
+    if k_max is not None:
+        raise TypeError(f"{where}() got both k_max and {_OLD_K_MAX_KEYWORD} (its old name)")
+    warnings.warn(f"{where}({_OLD_K_MAX_KEYWORD}=...) is deprecated; use k_max=...", DeprecationWarning, stacklevel=3)
+    return old[_OLD_K_MAX_KEYWORD]
 
 
 @dataclass
@@ -80,7 +95,7 @@ def load_model(name: str, dtype: str = "auto", device: str = "cpu", weights: str
     check_device(device)  # before the checkpoint is read
     ckpt = load_checkpoint(name, cache_dir=cache_dir)
     plan = resolve_plan(weights, dtype, ckpt.config, device, tune=tune)
-    torch_dtype = DTYPES[plan.dtype]
+    torch_dtype = TORCH_DTYPES[plan.dtype]
     cfg = ckpt.config
     # a GGUF on the CPU: built from its blocks, cached in the plan's stored form, no dense float32 copy on disk
     # (the prepared modules and their cache are CPU layouts; on a GPU the kernels are built from the dense weights
@@ -113,7 +128,7 @@ class LLM:
     The one place an engine is assembled: `LLM(...)` loads the checkpoint(s) and calls the same assembly as
     `LLM.from_parts(...)` (an already built decoder and tokenizer: tests, scripts). `set_speculation` switches
     the proposer and k policy between runs (built once per configuration and cached); `run` steps the engine
-    until the given requests are done and is what generate, the bench, `verify` and the tests use. The server's
+    until the given requests are done and is what generate, the bench, `draftwise verify` and the tests use. The server's
     engine thread steps it by hand: `add_request`, `step`, `abort`, `has_unfinished`."""
 
     def __init__(
@@ -128,10 +143,12 @@ class LLM:
         max_model_len: int | None = None,
         seed: int = 0,
         cache_dir: str | None = None,
-        max_lookahead: int | None = None,
+        k_max: int | None = None,
         thread_guard: bool = True,
         enable_prefix_caching: bool | None = None,
+        **old_keywords,
     ):
+        k_max = _k_max_or_old(k_max, old_keywords, "LLM")
         config = EngineConfig(model=model, dtype=dtype, device=device, weights=weights, threads=threads,
                               max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                               spec_config=parse_spec_config(speculative_config), seed=seed, thread_guard=thread_guard,
@@ -145,28 +162,30 @@ class LLM:
             # no draft_weights given: the draft follows the target's weights ("auto": its own shapes, its own choice)
             return load_model(name, draft_dtype, config.device, draft_weights or config.weights, cache_dir)
 
-        self._assemble(config, target, tokenizer, info, load_draft, max_lookahead)
+        self._assemble(config, target, tokenizer, info, load_draft, k_max)
         self.load_time_s = time.perf_counter() - t0
         hugepages.collapse_pending()  # loading is over: the kernel may now back the weights with huge pages
 
     @classmethod
     def from_parts(cls, model: Decoder, tokenizer, *, name: str = "model", dtype: str = "float32",
                    speculative_config: str | dict | SpecConfig | None = None, max_num_seqs: int = 8,
-                   max_model_len: int | None = None, seed: int = 0, max_lookahead: int | None = None,
+                   max_model_len: int | None = None, seed: int = 0, k_max: int | None = None,
                    load_draft: Callable[[str, str, str | None], tuple] | None = None,
-                   model_info: dict | None = None, enable_prefix_caching: bool | None = None) -> "LLM":
+                   model_info: dict | None = None, enable_prefix_caching: bool | None = None,
+                   **old_keywords) -> "LLM":
         """An LLM around an already built decoder and tokenizer; `load_draft(name, dtype, weights)` returns
         (Decoder, Tokenizer, info) for method draft_model."""
+        k_max = _k_max_or_old(k_max, old_keywords, "LLM.from_parts")
         llm = cls.__new__(cls)
         config = EngineConfig(model=name, dtype=dtype, device=str(model.device.type), max_num_seqs=max_num_seqs,
                               max_model_len=max_model_len, spec_config=parse_spec_config(speculative_config),
                               seed=seed, enable_prefix_caching=enable_prefix_caching)
-        llm._assemble(config, model, tokenizer, model_info or {}, load_draft, max_lookahead)
+        llm._assemble(config, model, tokenizer, model_info or {}, load_draft, k_max)
         llm.load_time_s = 0.0
         return llm
 
     def _assemble(self, config: EngineConfig, model: Decoder, tokenizer, model_info: dict, load_draft,
-                  max_lookahead: int | None) -> None:
+                  k_max: int | None) -> None:
         mc = model.config
         self.model, self.tokenizer, self.model_info = model, tokenizer, model_info
         self.max_model_len = config.max_model_len or min(mc.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
@@ -175,11 +194,11 @@ class LLM:
         self._load_draft = load_draft
         self._proposers: dict[SpecConfig, Proposer] = {}  # by the config without k
         self._k_policies: dict[SpecConfig, KPolicy] = {}
-        lookahead = max(max_lookahead or 0, config.spec_config.max_speculative_tokens)
-        proposer, k_policy = self._proposer_and_policy(config.spec_config, lookahead)
+        k_max = max(k_max or 0, config.spec_config.k_max)
+        proposer, k_policy = self._proposer_and_policy(config.spec_config, k_max)
         eos = tuple(tokenizer.eos_token_ids) or tuple(mc.eos_token_ids)
         self.eos_token_ids = eos  # what ends a sequence; a grammar allows them exactly when the output is complete
-        self.engine = Engine(model, proposer, lookahead, config.max_num_seqs, self.max_model_len, eos,
+        self.engine = Engine(model, proposer, k_max, config.max_num_seqs, self.max_model_len, eos,
                              seed=config.seed, k_policy=k_policy, thread_guard=self._thread_guard(config, model.plan),
                              prefix_cache=self._prefix_cache(config, model.plan),
                              speculate_in_prefill=model.plan.row_exact)
@@ -215,9 +234,9 @@ class LLM:
         return self.config.max_num_seqs
 
     @property
-    def max_lookahead(self) -> int:
+    def k_max(self) -> int:
         """The engine's cap on k: the guesses one verification may hold (it sized the KV caches)."""
-        return self.engine.max_lookahead
+        return self.engine.k_max
 
     @property
     def thread_guard(self) -> ThreadGuard | None:
@@ -251,36 +270,36 @@ class LLM:
 
     def set_speculation(self, speculative_config: str | dict | SpecConfig | None) -> SpecConfig:
         """Switch to another speculative config between runs (the engine must be idle). Its k must fit the
-        engine's look-ahead (`max_lookahead` at construction). Proposers are built once per config."""
+        engine's look-ahead (`k_max` at construction). Proposers are built once per config."""
         spec_config = parse_spec_config(speculative_config)
-        proposer, k_policy = self._proposer_and_policy(spec_config, self.engine.max_lookahead)
+        proposer, k_policy = self._proposer_and_policy(spec_config, self.engine.k_max)
         self.engine.set_speculation(proposer, k_policy)
         self.config = replace(self.config, spec_config=spec_config)
         hugepages.collapse_pending()  # a draft model this config loaded
         return spec_config
 
-    def _proposer_and_policy(self, spec_config: SpecConfig, lookahead: int) -> tuple[Proposer, KPolicy]:
+    def _proposer_and_policy(self, spec_config: SpecConfig, k_max: int) -> tuple[Proposer, KPolicy]:
         """The proposer is built once per proposer identity (the config without k: arms that differ only in k
         share it, so a draft model loads once); the k policy once per config (AdaptiveK calibrates)."""
-        if spec_config.max_speculative_tokens > lookahead:
-            raise ConfigError(f"num_speculative_tokens {spec_config.max_speculative_tokens} exceeds the engine's "
-                              f"look-ahead of {lookahead} tokens; build the LLM with max_lookahead >= it")
-        proposer = self._proposer(spec_config, lookahead)
+        if spec_config.k_max > k_max:
+            raise ConfigError(f"num_speculative_tokens {spec_config.k_max} exceeds the engine's "
+                              f"look-ahead of {k_max} tokens; build the LLM with k_max >= it")
+        proposer = self._proposer(spec_config, k_max)
         if spec_config not in self._k_policies:
             if spec_config.adaptive:
-                self._k_policies[spec_config] = AdaptiveK.calibrate(self.model, spec_config.max_speculative_tokens,
+                self._k_policies[spec_config] = AdaptiveK.calibrate(self.model, spec_config.k_max,
                                                                     proposer)
             else:
-                self._k_policies[spec_config] = FixedK(spec_config.max_speculative_tokens)
+                self._k_policies[spec_config] = FixedK(spec_config.k_max)
         return proposer, self._k_policies[spec_config]
 
-    def _proposer(self, spec_config: SpecConfig, lookahead: int) -> Proposer:
+    def _proposer(self, spec_config: SpecConfig, k_max: int) -> Proposer:
         identity = replace(spec_config, num_speculative_tokens=0)
         if identity not in self._proposers:
-            self._proposers[identity] = build_proposer(spec_config, self._proposer_context(lookahead))
+            self._proposers[identity] = build_proposer(spec_config, self._proposer_context(k_max))
         return self._proposers[identity]
 
-    def _proposer_context(self, lookahead: int) -> ProposerContext:
+    def _proposer_context(self, k_max: int) -> ProposerContext:
         def load_draft(name: str, dtype: str, weights: str | None):
             model, tok, info = self._load_draft(name, dtype, weights)
             self.draft_info = info
@@ -289,10 +308,10 @@ class LLM:
         return ProposerContext(
             target_name=self.config.model, target_vocab_size=self.model.config.vocab_size,
             target_tokenizer=self.tokenizer, max_num_seqs=self.config.max_num_seqs,
-            max_model_len=self.max_model_len, max_lookahead=lookahead, dtype=self.config.dtype,
+            max_model_len=self.max_model_len, k_max=k_max, dtype=self.config.dtype,
             load_draft=load_draft if self._load_draft is not None else None,
             prefix_caching=self.config.enable_prefix_caching,
-            proposer_for=lambda spec: self._proposer(spec, lookahead))  # grammar + X shares X's proposer
+            proposer_for=lambda spec_config: self._proposer(spec_config, k_max))  # grammar + X shares X's proposer
 
     # ---- prompts ------------------------------------------------------------------------------
     def _prompt_ids(self, prompt) -> tuple[str | None, list[int]]:
@@ -318,7 +337,7 @@ class LLM:
         return req, stream
 
     def compile_grammar(self, params: SamplingParams):
-        """params.structured_outputs compiled for the target's tokenizer (cached per spec), or None."""
+        """params.structured_outputs compiled for the target's tokenizer (cached per constraint), or None."""
         if params.structured_outputs is None:
             return None
         from draftwise.structured.grammar import compile_constraint
@@ -376,11 +395,11 @@ class LLM:
     def to_output(self, req: Request, text: str) -> RequestOutput:
         ttft = req.first_token_time - req.arrival_time if req.first_token_time else None
         total = req.finish_time - req.arrival_time if req.finish_time else None
-        spec = req.spec_stats.to_dict() if self.spec_config.enabled else None
+        spec_stats = req.spec_stats.to_dict() if self.spec_config.enabled else None
         return RequestOutput(
             request_id=req.request_id, prompt=req.prompt_text, prompt_token_ids=req.prompt_ids,
             outputs=[CompletionOutput(0, text, list(req.output_ids), req.finish_reason)],
-            finished=req.finished, ttft_s=ttft, total_s=total, spec=spec, error=req.error,
+            finished=req.finished, ttft_s=ttft, total_s=total, spec=spec_stats, error=req.error,
             num_cached_tokens=req.num_cached_tokens,
         )
 

@@ -1,4 +1,4 @@
-"""Command line: argparse (dashes) → config values (underscores) → api / server / bench / verify.
+"""Command line: argparse (dashes) → config values (underscores) → api / server / bench / equivalence.
 
 Owns argument parsing, printing and exit codes; user errors (ConfigError and friends) print one line on stderr
 and exit 2 without a traceback. The work itself lives in the modules each sub-command calls; flags shared by several commands live in
@@ -141,7 +141,7 @@ def register_kernels(sub) -> None:
 
 
 # ---- verify -------------------------------------------------------------------------------------
-def cmd_verify(args) -> int:
+def cmd_equivalence(args) -> int:
     from draftwise.equivalence import ALPHA, DEFAULT_PROMPTS, greedy_check, load_prompts, sampling_check
     from draftwise.sampling import SamplingParams
 
@@ -167,7 +167,7 @@ def cmd_verify(args) -> int:
     return 0 if summary["passed"] else 1
 
 
-def register_verify(sub) -> None:
+def register_equivalence(sub) -> None:
     v = sub.add_parser("verify", help="check that speculation preserves the target (greedy + sampling)")
     add_model_args(v)
     v.add_argument("--prompts", default=None, help="JSONL file with a \"prompt\" per line")
@@ -176,7 +176,7 @@ def register_verify(sub) -> None:
     v.add_argument("--temperature", type=float, default=1.0)
     v.add_argument("--top-p", type=float, default=1.0)
     v.add_argument("--top-k", type=int, default=0)
-    v.set_defaults(func=cmd_verify)
+    v.set_defaults(func=cmd_equivalence)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -198,7 +198,7 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--json", action="store_true")
     m.set_defaults(func=cmd_models)
 
-    register_verify(sub)
+    register_equivalence(sub)
     register_kernels(sub)
     server_cli.register(sub)
     bench_cli.register(sub)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 
-from draftwise.config import DTYPES, ConfigError, check_weights
+from draftwise.config import DTYPE_CHOICES, ConfigError, check_weights
 from draftwise.models.catalog import DEFAULT_TARGET
 
 
@@ -37,9 +37,9 @@ def weights_arg(text: str) -> str:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
-def add_model_args(p: argparse.ArgumentParser, spec: bool = True) -> None:
+def add_model_args(p: argparse.ArgumentParser, speculative: bool = True) -> None:
     p.add_argument("--model", default=DEFAULT_TARGET, help="catalog name, .gguf file, HF checkpoint dir or hub id")
-    p.add_argument("--dtype", default="auto", choices=list(DTYPES),
+    p.add_argument("--dtype", default="auto", choices=list(DTYPE_CHOICES),
                    help="activation dtype; auto: what the chosen kernels want (float32 for q4x8)")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     from draftwise.kernels.plan import weights_help
@@ -58,7 +58,7 @@ def add_model_args(p: argparse.ArgumentParser, spec: bool = True) -> None:
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=8)
     p.add_argument("--seed", type=int, default=0, help="engine seed (requests without their own seed derive from it)")
-    if spec:
+    if speculative:
         p.add_argument("--speculative-config", default=None,
                        help='vLLM-style JSON, e.g. \'{"method":"ngram","num_speculative_tokens":5}\'')
 

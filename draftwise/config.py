@@ -2,7 +2,8 @@
 speculative-config parser.
 
 This module owns every knob a user can turn and validates it once. It does not load models or touch
-tensors; the rest of the package receives slices of these objects (docs/ARCHITECTURE.md: configuration flows down).
+tensors; the rest of the package receives slices of these objects (docs/ARCHITECTURE.md, Layers). `--weights` names
+are kernels/plan.py's; check_weights asks it.
 """
 from __future__ import annotations
 
@@ -77,7 +78,7 @@ class ModelConfig:
 SPEC_METHODS = ("none", "ngram", "draft_model", "grammar")
 THEN_METHODS = ("ngram", "draft_model")  # what may fill the rest of k after the grammar's forced tokens
 # "auto": the activation dtype the chosen kernels want (float32 for q4x8, bfloat16 for torch's int4 and dense bf16)
-DTYPES = ("auto", "float32", "bfloat16")
+DTYPE_CHOICES = ("auto", "float32", "bfloat16")
 
 
 def check_weights(weights: str, device: str | None = None) -> str:
@@ -118,7 +119,7 @@ class SpecConfig:
         return self.num_speculative_tokens == "auto"
 
     @property
-    def max_speculative_tokens(self) -> int:
+    def k_max(self) -> int:
         """Upper bound on k per step (for cache sizing); 'auto' searches up to 8."""
         if not self.enabled:
             return 0
@@ -176,8 +177,8 @@ def parse_spec_config(value: str | dict | SpecConfig | None) -> SpecConfig:
             raise ConfigError(f"{key} must be an integer >= 1, got {v!r}")
     if lo > hi:
         raise ConfigError(f"prompt_lookup_min ({lo}) must not exceed prompt_lookup_max ({hi})")
-    if d.get("draft_dtype") is not None and d["draft_dtype"] not in DTYPES:
-        raise ConfigError(f"draft_dtype must be one of {list(DTYPES)}, got {d['draft_dtype']!r}")
+    if d.get("draft_dtype") is not None and d["draft_dtype"] not in DTYPE_CHOICES:
+        raise ConfigError(f"draft_dtype must be one of {list(DTYPE_CHOICES)}, got {d['draft_dtype']!r}")
     if d.get("draft_weights") is not None:
         check_weights(d["draft_weights"])
     n = d.get("draft_vocab_size")
@@ -233,8 +234,8 @@ class EngineConfig:
     enable_prefix_caching: bool | None = None
 
     def __post_init__(self):
-        if self.dtype not in DTYPES:
-            raise ConfigError(f"dtype must be one of {list(DTYPES)}, got {self.dtype!r}")
+        if self.dtype not in DTYPE_CHOICES:
+            raise ConfigError(f"dtype must be one of {list(DTYPE_CHOICES)}, got {self.dtype!r}")
         if self.device not in ("cpu", "cuda"):
             raise ConfigError(f"device must be cpu or cuda, got {self.device!r}")
         check_weights(self.weights, self.device)

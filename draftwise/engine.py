@@ -72,7 +72,7 @@ class StepOutput:
     request: Request
     new_token_ids: list[int]
     finished: bool
-    num_draft_tokens: int = 0  # k of this step's draft (0: a prefill or plain step)
+    k: int = 0  # guesses in this step's draft (0: a prefill or plain step)
     # the first num_accepted of new_token_ids are accepted guesses; the one after them (if emitted) is the
     # target's own recovered or bonus token
     num_accepted: int = 0
@@ -83,7 +83,7 @@ class Engine:
         self,
         target: Decoder,
         proposer: Proposer,
-        max_lookahead: int,
+        k_max: int,
         max_num_seqs: int,
         max_model_len: int,
         eos_token_ids: tuple[int, ...],
@@ -100,14 +100,14 @@ class Engine:
         # the prefill forward also verifies the first draft: only where a prompt's rows are bitwise the rows a
         # decode step computes at those positions (KernelPlan.row_exact, kernels/plan.py), or greedy output could change
         self.speculate_in_prefill = speculate_in_prefill
-        self.max_lookahead = max_lookahead  # the most guesses any step may verify: sizes the cache's look-ahead
+        self.k_max = k_max  # the most guesses any step may verify: sizes the cache's look-ahead
         self.max_model_len = max_model_len
         self.eos_token_ids = set(eos_token_ids)
         self.seed = seed
         self.waiting: list[Request] = []
         self.running: list[Request] = []
-        self.set_speculation(proposer, k_policy or FixedK(max_lookahead))
-        capacity = target_cache_capacity(max_model_len, max_lookahead)
+        self.set_speculation(proposer, k_policy or FixedK(k_max))
+        capacity = target_cache_capacity(max_model_len, k_max)
         self.cache = KVCache(c.num_layers, max_num_seqs, c.num_kv_heads, capacity, c.head_dim, target.dtype, target.device)
         self.free_slots = list(range(max_num_seqs))[::-1]
         self.stats = SpecStats()  # engine-wide
@@ -146,9 +146,9 @@ class Engine:
         only while idle, and only for a policy whose k fits the cache's look-ahead."""
         if self.has_unfinished():
             raise RuntimeError("set_speculation needs an idle engine")
-        if k_policy.max_k > self.max_lookahead:
-            raise ConfigError(f"num_speculative_tokens {k_policy.max_k} exceeds this engine's look-ahead of "
-                              f"{self.max_lookahead} tokens (its KV cache was sized for that)")
+        if k_policy.k_max > self.k_max:
+            raise ConfigError(f"num_speculative_tokens {k_policy.k_max} exceeds this engine's look-ahead of "
+                              f"{self.k_max} tokens (its KV cache was sized for that)")
         self.proposer, self.k_policy = proposer, k_policy
 
     @property
@@ -242,11 +242,11 @@ class Engine:
     def _first_drafts(self, reqs: list[Request]) -> tuple[list[Draft], list[torch.Tensor | None]]:
         """Each new request's first draft, cut by its grammar, and the masks of its rows (mask [k + 1, V]).
         No guesses unless the prefill verifies them; a proposer that fails here leaves the requests unguessed."""
-        ks = [self._k_for(r, len(r.prompt_ids) - 1) if self.speculate_in_prefill else 0 for r in reqs]
+        k_per_seq = [self._k_for(r, len(r.prompt_ids) - 1) if self.speculate_in_prefill else 0 for r in reqs]
         drafts = [Draft(EMPTY_DRAFT_IDS) for _ in reqs]
-        if any(ks):
+        if any(k_per_seq):
             try:
-                drafts = self.proposer.propose([r.slot for r in reqs], ks)
+                drafts = self.proposer.propose([r.slot for r in reqs], k_per_seq)
             except Exception:  # noqa: BLE001 — guessing is optional; the first decode step guesses again
                 pass
         cut = [self._grammar_cut(r, d) for r, d in zip(reqs, drafts)]
@@ -266,14 +266,14 @@ class Engine:
         # each row from its first uncached position; padding sits past each prompt + guesses: rolled back
         pos = torch.tensor(starts)[:, None] + torch.arange(width)[None]
         num_tokens = [len(row) for row in rows]
-        ks = [d.num_tokens for d in drafts]
+        k_per_seq = [d.num_tokens for d in drafts]
         # [B, 1 + max k]: the last prompt token's row and each guess's, repeated past a row's own k (sliced off)
-        index = torch.tensor([[min(n - 1 - k + j, n - 1) for j in range(1 + max(ks))] for n, k in zip(num_tokens, ks)],
+        index = torch.tensor([[min(n - 1 - k + j, n - 1) for j in range(1 + max(k_per_seq))] for n, k in zip(num_tokens, k_per_seq)],
                              device=dev)
         slots = torch.tensor([r.slot for r in reqs], device=dev)
         logits = self._shared_vocab(self.target(ids.to(dev), pos.to(dev), self.cache, slots, logit_index=index,
                                                 num_tokens=num_tokens))  # [B, 1 + max k, V]
-        return [logits[row, : 1 + k] for row, k in enumerate(ks)]
+        return [logits[row, : 1 + k] for row, k in enumerate(k_per_seq)]
 
     def _load_prefix(self, r: Request) -> int:
         """Empty r's slot, then fill it with the longest cached prefix of its prompt; returns that length."""
@@ -286,13 +286,13 @@ class Engine:
 
     def _decode(self, reqs: list[Request]) -> list[StepOutput]:
         slots = [r.slot for r in reqs]
-        ks = [self._k_for(r) for r in reqs]
+        k_per_seq = [self._k_for(r) for r in reqs]
         base_lengths = [self.cache.lengths[s] for s in slots]
         rng_states = [r.generator.get_state() for r in reqs]  # a retried step draws the same numbers
         for attempt in (1, 2):
             try:
                 t0 = time.perf_counter()
-                drafts = self.proposer.propose(slots, ks)
+                drafts = self.proposer.propose(slots, k_per_seq)
                 t1 = time.perf_counter()
                 # mask: cut at the grammar's first forbidden guess (rejected at no cost) and keep the k+1 masks
                 drafts, masks = zip(*(self._grammar_cut(r, d) for r, d in zip(reqs, drafts)))
@@ -398,7 +398,7 @@ class Engine:
         slot's length; a prefill passes its prompt's length - 1, the last prompt token being the pending one)."""
         if not req.speculate:  # a per-request opt-out: plain steps through the same path
             return 0
-        k = min(self.k_policy.choose(req), self.max_lookahead)
+        k = min(self.k_policy.choose(req), self.k_max)
         # never guess past max_tokens or the context (the pending token takes one position)
         room_out = req.params.max_tokens - len(req.output_ids) - 1
         room_ctx = self.max_model_len - (self.cache.lengths[req.slot] if context is None else context) - 1

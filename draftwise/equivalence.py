@@ -61,10 +61,10 @@ def next_logits(model, contexts: list[list[int]]) -> torch.Tensor:  # -> [N, V] 
 
 def greedy_check(llm, prompts: list[list[int]], texts: list[str], max_tokens: int) -> list[GreedyCase]:
     params = [SamplingParams(temperature=0.0, max_tokens=max_tokens)] * len(prompts)
-    spec = run_engine(llm, llm.spec_config, prompts, params)
+    speculative = run_engine(llm, llm.spec_config, prompts, params)
     plain = run_engine(llm, None, prompts, params)
     cases = []
-    for ids, text, a, b in zip(prompts, texts, spec, plain):
+    for ids, text, a, b in zip(prompts, texts, speculative, plain):
         if a == b:
             cases.append(GreedyCase(text, True))
             continue

@@ -16,16 +16,16 @@ import torch
 MAX_BATCHED_CATCH_UP = 4  # a draft's rows with more unseen tokens than this (a new prompt) are prefilled alone
 
 
-def target_cache_capacity(max_model_len: int, max_lookahead: int) -> int:
+def target_cache_capacity(max_model_len: int, k_max: int) -> int:
     """Tokens per slot in the target's KV cache: the context plus one verification's look-ahead (the pending
-    token and up to max_lookahead guesses are written before the rollback)."""
-    return max_model_len + max_lookahead + 1
+    token and up to k_max guesses are written before the rollback)."""
+    return max_model_len + k_max + 1
 
 
-def draft_cache_capacity(max_model_len: int, max_lookahead: int) -> int:
+def draft_cache_capacity(max_model_len: int, k_max: int) -> int:
     """Tokens per slot in the draft's KV cache: the context, k guesses, a batched catch-up and two spare
     positions (the draft may run one token ahead of the target's context before a rollback)."""
-    return max_model_len + max_lookahead + MAX_BATCHED_CATCH_UP + 2
+    return max_model_len + k_max + MAX_BATCHED_CATCH_UP + 2
 
 
 def cache_bytes(num_layers: int, num_slots: int, num_kv_heads: int, capacity: int, head_dim: int,

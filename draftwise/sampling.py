@@ -33,7 +33,7 @@ class SamplingParams:
     n: int = 1
     include_stop_str_in_output: bool = False  # keep the matched stop string at the end of the text (vLLM)
     skip_special_tokens: bool = True  # leave special tokens out of the text (vLLM)
-    # what the output must match (vLLM's shape): a structured.StructuredOutputsSpec, or a dict like vLLM's
+    # what the output must match (vLLM's shape): a structured.Constraint, or a dict like vLLM's
     # StructuredOutputsParams ({"json": schema} / {"regex": ...} / {"choice": [...]} / {"grammar": ...} /
     # {"json_object": true}, + disable_any_whitespace, whitespace_pattern); parsed and checked here, None = free
     structured_outputs: object | None = None
@@ -62,9 +62,9 @@ class SamplingParams:
         if self.n != 1:
             raise ConfigError("only n=1 is supported")
         if self.structured_outputs is not None:
-            from draftwise.structured.spec import StructuredOutputsSpec, parse_structured_outputs
+            from draftwise.structured.constraint import Constraint, parse_structured_outputs
 
-            if not isinstance(self.structured_outputs, StructuredOutputsSpec):  # a spec is checked when compiled
+            if not isinstance(self.structured_outputs, Constraint):  # a constraint is checked when compiled
                 self.structured_outputs = parse_structured_outputs(self.structured_outputs)  # ConfigError names it
 
     @property

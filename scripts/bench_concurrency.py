@@ -41,7 +41,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(args, spec: str, port: int) -> subprocess.Popen:
+def start_server(args, spec_config: str, port: int) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "draftwise.cli", "serve", "--model", args.model, "--port", str(port),
            "--max-num-seqs", str(max(args.concurrency)), "--max-model-len", str(args.max_model_len),
            "--dtype", args.dtype, "--log-level", "warning"]
@@ -49,8 +49,8 @@ def start_server(args, spec: str, port: int) -> subprocess.Popen:
         cmd += ["--threads", str(args.threads)]
     if args.weights:
         cmd += ["--weights", args.weights]
-    if spec != "none":
-        cmd += ["--speculative-config", spec]
+    if spec_config != "none":
+        cmd += ["--speculative-config", spec_config]
     return subprocess.Popen(cmd, env=dict(os.environ, HF_HUB_OFFLINE="1"))
 
 
@@ -98,10 +98,10 @@ async def run_level(url: str, model: str, prompts: list[str], concurrency: int, 
             "aggregate_tok_s": tokens / wall}
 
 
-def bench_spec(args, spec: str) -> list[dict]:
+def bench_spec(args, spec_config: str) -> list[dict]:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    proc = start_server(args, spec, port)
+    proc = start_server(args, spec_config, port)
     try:
         wait_healthy(url, proc, args.startup_timeout)
         model = httpx.get(url + "/v1/models").json()["data"][0]["id"]
@@ -114,9 +114,9 @@ def bench_spec(args, spec: str) -> list[dict]:
             d = {k: after[k] - before[k] for k in after}
             row["acceptance_rate"] = d["num_accepted_tokens"] / d["num_draft_tokens"] if d["num_draft_tokens"] else None
             row["mean_acceptance_length"] = 1 + d["num_accepted_tokens"] / d["num_drafts"] if d["num_drafts"] else None
-            row["spec"] = spec
+            row["spec"] = spec_config
             rows.append(row)
-            print(f"  [{spec}] c={c}: {row['aggregate_tok_s']:.2f} tok/s ({row['output_tokens']} tokens in "
+            print(f"  [{spec_config}] c={c}: {row['aggregate_tok_s']:.2f} tok/s ({row['output_tokens']} tokens in "
                   f"{row['wall_s']:.1f}s)", flush=True)
         return rows
     finally:
@@ -159,12 +159,12 @@ def main(argv=None) -> int:
     ap.add_argument("--baseline", default=None,
                     help="a --json-out file of an earlier run whose first spec is the baseline (runs stay short)")
     args = ap.parse_args(argv)
-    specs = args.spec or ["none", json.dumps({"method": "ngram", "num_speculative_tokens": 3})]
+    spec_configs = args.spec or ["none", json.dumps({"method": "ngram", "num_speculative_tokens": 3})]
     if args.num_prompts > len(PROMPTS):
         ap.error(f"--num-prompts at most {len(PROMPTS)}")
     print(f"model {args.model}, {args.num_prompts} prompts x max_tokens {args.max_tokens}, greedy, "
           f"concurrency {args.concurrency}, dtype {args.dtype}, threads {args.threads or 'default'}", flush=True)
-    rows = [r for spec in specs for r in bench_spec(args, spec)]
+    rows = [r for spec_config in spec_configs for r in bench_spec(args, spec_config)]
     earlier = []
     if args.baseline:
         with open(args.baseline) as f:

@@ -1,4 +1,4 @@
-"""Core decoding speed of a packaged model, draftwise beside HF transformers on the same weights (issue 2).
+"""Core decoding speed of a packaged model, draftwise beside HF transformers on the same weights.
 
 Prints, per dtype: plain decode tok/s (greedy, fixed output length), the latency of one target forward over 1
 and over 6 new tokens at a ~128-token context, and the same three figures for HF transformers built from the

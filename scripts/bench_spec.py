@@ -1,4 +1,4 @@
-"""Speculative decoding speed on the default pair (issue 3): plain vs n-gram vs draft model at k = 2, 4, 6.
+"""Speculative decoding speed on the default pair: plain vs n-gram vs draft model at k = 2, 4, 6.
 
 One target load; each condition runs the same prompts one at a time (concurrency 1, greedy, fixed output
 length) through the engine with its own proposer. Prints tok/s, speed-up over plain, acceptance rate and
@@ -55,16 +55,16 @@ def main() -> None:
     ap.add_argument("--auto", action="store_true", help="also run num_speculative_tokens=auto")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    ks = [int(k) for k in args.ks.split(",")]
+    k_values = [int(k) for k in args.ks.split(",")]
     llm = LLM(args.model, dtype=args.dtype, weights=args.weights, max_num_seqs=1, max_model_len=1024,
-              max_lookahead=max(ks + [8 if args.auto else 0]),
+              k_max=max(k_values + [8 if args.auto else 0]),
               enable_prefix_caching=False)  # the same prompts run under every condition: each prefills whole
     items = {g: [] for g in ("repeated", "novel", "chat")}
     for it in load_workload("code").items + load_workload("chat").items:
         if it.group in items and len(items[it.group]) < args.per_group:
             items[it.group].append(it)
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
-    conds = [("none", None)] + [(m, k) for m in args.methods.split(",") for k in ks]
+    conds = [("none", None)] + [(m, k) for m in args.methods.split(",") for k in k_values]
     if args.auto:
         conds += [(m, "auto") for m in args.methods.split(",")]
     print(f"target {args.model} ({args.dtype}, weights {args.weights or 'same'}), draft {args.draft}, "

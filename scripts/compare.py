@@ -1,4 +1,4 @@
-"""Side by side in one run (issue 10): draftwise configurations, llama.cpp (llama-cpp-python) plain and prompt
+"""Side by side in one run: draftwise configurations, llama.cpp (llama-cpp-python) plain and prompt
 lookup, HF transformers plain and assisted generation — same GGUF file, same prompt token ids, same threads,
 greedy, same output limit. Not a test; llama-cpp-python and transformers are optional (`pip install -e
 .[compare]`); a missing one is skipped and said so.
@@ -14,7 +14,7 @@ rounds) and the median of the PAIRED ratios to llama.cpp plain (same prompt, sam
 Without --ours it runs draftwise's defaults (`--dtype auto --weights auto`: the kernels the autotuner picked on
 this machine) plain, with n-gram lookup and with the draft model (draft also auto), and with adaptive k, all on
 one loaded model (LLM.set_speculation switches between them). --formats adds fixed weight formats (each loaded
-once, plain and with each --format-spec) beside auto for issue 10's "auto vs the best fixed format" table. The
+once, plain and with each --format-spec) beside auto for the "auto vs the best fixed format" table. The
 machine probe (instruction sets, measured memory bandwidth) is printed beside the tables.
     .venv/bin/python scripts/compare.py --skip llamacpp,hf --formats q4x8,int4,bf16
 """
@@ -58,14 +58,14 @@ def ours(llm_cache: dict, model: str, conf: dict, max_tokens: int, threads: int)
     if fmt not in llm_cache:
         # no prefix cache: every run prefills its whole prompt, as llama.cpp does after its reset()
         llm_cache[fmt] = LLM(model, dtype=fmt[0], weights=fmt[1], threads=threads, max_num_seqs=1,
-                             max_model_len=2048, max_lookahead=16, enable_prefix_caching=False)
+                             max_model_len=2048, k_max=16, enable_prefix_caching=False)
     llm = llm_cache[fmt]
-    spec = conf.get("spec")
-    llm.set_speculation(spec)  # builds (and calibrates) the proposer now, not inside the first timed run
+    spec_config = conf.get("spec")
+    llm.set_speculation(spec_config)  # builds (and calibrates) the proposer now, not inside the first timed run
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
 
     def run(ids):
-        llm.set_speculation(spec)
+        llm.set_speculation(spec_config)
         return llm.generate([{"prompt_token_ids": ids}], params)[0].num_output_tokens
 
     return Runner(conf.get("name", json.dumps(conf)), run)

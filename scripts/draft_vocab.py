@@ -47,7 +47,7 @@ def main() -> None:
     target, tok, info = load_model(args.model, "auto", weights="auto")
     draft = load_model(args.draft, "auto", weights="auto")  # loaded once, shared by every head size
     llm = LLM.from_parts(target, tok, name=args.model, dtype=info["dtype"], max_num_seqs=2 * args.prompts,
-                         max_lookahead=args.k,
+                         k_max=args.k,
                          load_draft=lambda name, dtype, weights: draft)
     c = draft[0].config
     print(f"target {args.model} ({info['weights']}); draft {args.draft} ({draft[2].get('weights')}, vocab "

@@ -78,7 +78,7 @@ def _end_to_end(tmp: Path, out: dict, max_tokens: int, device: str, layers: int,
     write_tiny_hf_dir(d, "qwen2", dims={**TARGET, "layers": layers}, scale=0.02)
     print(f"wrote the checkpoint in {time.perf_counter() - t0:.1f} s")
     t0 = time.perf_counter()
-    llm = LLM(model=str(d), device=device, max_num_seqs=4, max_lookahead=8)
+    llm = LLM(model=str(d), device=device, max_num_seqs=4, k_max=8)
     info = llm.model_info
     print(f"loaded in {time.perf_counter() - t0:.1f} s (autotune included): weights {info.get('weights')}, "
           f"dtype {info.get('dtype')}, plan {info.get('plan')}")

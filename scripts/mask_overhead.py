@@ -1,4 +1,4 @@
-"""Grammar-mask overhead per generated token under structured outputs (issue 12, done-means 3).
+"""Grammar-mask overhead per generated token under structured outputs.
 
 Runs the `structured` workload's prompts with their schemas through plain constrained decoding (and optionally a
 speculative config) on the given target and reports, per generated token, the engine's time in grammar work

@@ -1,4 +1,4 @@
-"""Soak test of `draftwise serve` (issue 11): many clients, a third of them hostile, then SIGTERM mid-load.
+"""Soak test of `draftwise serve`: many clients, a third of them hostile, then SIGTERM mid-load.
 
 Starts `draftwise serve` on the packaged qwen2.5-coder-0.5b-instruct on a free 127.0.0.1 port, runs N clients
 (default 50) for two equal rounds (default 2 minutes in all) and then a short third phase during which the

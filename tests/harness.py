@@ -36,12 +36,12 @@ def tiny_tokenizer() -> Tokenizer:
     return Tokenizer(backend, chat_template=CHAT_TEMPLATE, eos_token=EOS)
 
 
-def tiny_llm(spec=None, max_num_seqs: int = 4, max_model_len: int = 256, max_lookahead: int | None = None) -> LLM:
+def tiny_llm(spec_config=None, max_num_seqs: int = 4, max_model_len: int = 256, k_max: int | None = None) -> LLM:
     """api.LLM assembled around a tiny random model (no checkpoint loading); method draft_model gets a noisy
     copy of the target, whatever draft name is asked for."""
     tok = tiny_tokenizer()
-    return LLM.from_parts(tiny_decoder("qwen2", 0, VOCAB), tok, name=MODEL, speculative_config=spec,
-                          max_num_seqs=max_num_seqs, max_model_len=max_model_len, max_lookahead=max_lookahead,
+    return LLM.from_parts(tiny_decoder("qwen2", 0, VOCAB), tok, name=MODEL, speculative_config=spec_config,
+                          max_num_seqs=max_num_seqs, max_model_len=max_model_len, k_max=k_max,
                           load_draft=lambda name, dtype, weights: (noisy_draft(), tok, {"name": name}))
 
 
@@ -81,7 +81,7 @@ def json_tokenizer() -> Tokenizer:
     return _json_tok
 
 
-def json_llm(spec=None, max_num_seqs: int = 4, max_model_len: int = 256, max_lookahead: int | None = None,
+def json_llm(spec_config=None, max_num_seqs: int = 4, max_model_len: int = 256, k_max: int | None = None,
              seed: int = 0, q4x8: bool = False) -> LLM:
     """tiny_llm's shape over json_tokenizer(): a random qwen2 decoder as wide as that vocabulary, and a noisy
     copy of it as the draft for method draft_model. `q4x8`: both in our q4x8 kernel (skips where it cannot be
@@ -110,8 +110,8 @@ def json_llm(spec=None, max_num_seqs: int = 4, max_model_len: int = 256, max_loo
                 p.add_(0.05 * torch.randn(p.shape, generator=g))
         return build(d), tok, {"name": name}
 
-    return LLM.from_parts(build(tiny_decoder("qwen2", 0, vocab)), tok, name=MODEL, speculative_config=spec,
-                          max_num_seqs=max_num_seqs, max_model_len=max_model_len, max_lookahead=max_lookahead,
+    return LLM.from_parts(build(tiny_decoder("qwen2", 0, vocab)), tok, name=MODEL, speculative_config=spec_config,
+                          max_num_seqs=max_num_seqs, max_model_len=max_model_len, k_max=k_max,
                           load_draft=draft, seed=seed)
 
 

@@ -20,7 +20,7 @@ def counting_llm(**kw):
 
 
 def test_switching_speculation_keeps_greedy_output_and_builds_each_proposer_once():
-    llm, loads = counting_llm(max_num_seqs=2, max_model_len=128, max_lookahead=4)
+    llm, loads = counting_llm(max_num_seqs=2, max_model_len=128, k_max=4)
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     arms = [None, {"method": "ngram", "num_speculative_tokens": 3},
             {"method": "draft_model", "model": "d", "num_speculative_tokens": 4},
@@ -39,11 +39,21 @@ def test_switching_speculation_keeps_greedy_output_and_builds_each_proposer_once
     assert llm.draft_info == {"name": "d"}
 
 
-def test_k_beyond_the_lookahead_is_refused_and_nothing_changes():
-    llm, _ = counting_llm(max_lookahead=2, speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+def test_the_old_k_max_keyword_still_works_with_a_deprecation_warning():
+    with pytest.warns(DeprecationWarning, match="use k_max"):
+        llm, _ = counting_llm(**{"max_lookahead": 3})
+    assert llm.engine.k_max == 3
+    with pytest.raises(TypeError, match="both"):
+        counting_llm(k_max=3, **{"max_lookahead": 3})
+    with pytest.raises(TypeError, match="unexpected keyword argument 'bogus'"):
+        counting_llm(bogus=3)
+
+
+def test_k_beyond_k_max_is_refused_and_nothing_changes():
+    llm, _ = counting_llm(k_max=2, speculative_config={"method": "ngram", "num_speculative_tokens": 2})
     with pytest.raises(ConfigError, match="look-ahead of 2"):
         llm.set_speculation({"method": "ngram", "num_speculative_tokens": 3})
-    assert llm.spec_config.num_speculative_tokens == 2 and llm.engine.k_policy.max_k == 2
+    assert llm.spec_config.num_speculative_tokens == 2 and llm.engine.k_policy.k_max == 2
     with pytest.raises(ConfigError, match="look-ahead of 0"):
         counting_llm()[0].set_speculation({"method": "ngram", "num_speculative_tokens": 1})
 
@@ -61,8 +71,8 @@ def test_run_finishes_every_request_and_reports_each_once():
 def test_prompt_ids_beyond_a_smaller_drafts_vocabulary_are_a_config_error():
     """Issue 11, item 2: a draft with fewer embedding rows than the target; `prompt: [id]` beyond them is refused
     up front (the server's 400), not an exception inside engine.step that fails every in-flight request."""
-    spec = {"method": "draft_model", "model": "small", "num_speculative_tokens": 3}
-    llm = LLM.from_parts(tiny_decoder("qwen2", 0, VOCAB), tiny_tokenizer(), name=MODEL, speculative_config=spec,
+    spec_config = {"method": "draft_model", "model": "small", "num_speculative_tokens": 3}
+    llm = LLM.from_parts(tiny_decoder("qwen2", 0, VOCAB), tiny_tokenizer(), name=MODEL, speculative_config=spec_config,
                          load_draft=lambda name, dtype, weights: (tiny_decoder("qwen2", 1, 48), None, {}))
     with pytest.raises(ConfigError, match="prompt token id 50 .*embeds only ids 0..47"):
         llm.new_request([3, 50], SamplingParams(max_tokens=4))

@@ -21,7 +21,7 @@ def tiny_workload():
 
 def test_in_process_conditions_share_one_engine(tmp_path):
     conds = conditions_from(["none", "ngram", "draft_model"], [2, 3], "tiny-draft")
-    client = InProcessClient(tiny_llm(max_num_seqs=2, max_lookahead=3), draft="tiny-draft")
+    client = InProcessClient(tiny_llm(max_num_seqs=2, k_max=3), draft="tiny-draft")
     opts = BenchOptions([tiny_workload()], conds, tmp_path / "out", warmup=1, requests=5, concurrency=[2],
                         progress=False, plots=False)
     rep = run_bench(client, opts)
@@ -59,8 +59,8 @@ def test_parse_spec_metrics_vllm_and_ours():
 
 @pytest.fixture(scope="module")
 def servers():
-    spec = {"method": "ngram", "num_speculative_tokens": 3}
-    with Server(create_app(tiny_llm(), MODEL)) as plain, Server(create_app(tiny_llm(spec), MODEL)) as ngram:
+    spec_config = {"method": "ngram", "num_speculative_tokens": 3}
+    with Server(create_app(tiny_llm(), MODEL)) as plain, Server(create_app(tiny_llm(spec_config), MODEL)) as ngram:
         yield plain, ngram
 
 
@@ -72,12 +72,12 @@ def test_endpoint_mode_against_our_server(servers, tmp_path):
     rep = run_bench(HTTPClient(), opts)
     for seg_name in ("tiny@c1", "tiny@c2"):
         seg = rep["segments"][seg_name]
-        none, spec = seg["conditions"]["none"], seg["conditions"]["ngram-k3"]
+        none, ngram = seg["conditions"]["none"], seg["conditions"]["ngram-k3"]
         assert none["n"] == 5 and none["errors"] == 0 and not none["tokens_estimated"]
         assert none["ttft_s"]["median"] > 0 and none["output_tokens"] > 0
         assert none["spec"]["num_drafts"] == 0  # the plain server exposes its counters at zero
-        assert spec["spec"]["num_drafts"] > 0 and 0 <= spec["spec"]["acceptance_rate"] <= 1
-        assert spec["memory"]["server_rss_bytes"] > 0
+        assert ngram["spec"]["num_drafts"] > 0 and 0 <= ngram["spec"]["acceptance_rate"] <= 1
+        assert ngram["memory"]["server_rss_bytes"] > 0
         assert seg["quality"]["identical"]["ngram-k3"]["share"] == 1.0
         assert seg["speedups"]["ngram-k3"]["tok_s"]["n"] == 5
     assert rep["manifest"]["client"]["mode"] == "endpoint"
@@ -135,7 +135,7 @@ def test_k_auto_is_a_bench_condition(tmp_path):
     conds = conditions_from(["none", "ngram"], ["auto"], None)
     assert conds[1].id == "ngram-kauto" and conds[1].spec_config() == {"method": "ngram", "num_speculative_tokens": "auto"}
     assert "--speculative-config" not in vllm_line("qwen2.5-coder-1.5b-instruct", conds[1].spec_config())
-    client = InProcessClient(tiny_llm(max_num_seqs=1, max_lookahead=8), draft="tiny-draft")
+    client = InProcessClient(tiny_llm(max_num_seqs=1, k_max=8), draft="tiny-draft")
     opts = BenchOptions([tiny_workload()], conds, tmp_path / "out", warmup=1, requests=3, concurrency=[1],
                         progress=False, plots=False)
     seg = run_bench(client, opts)["segments"]["tiny@c1"]

@@ -48,16 +48,16 @@ def test_estimate_phases(tiny_gguf_path, monkeypatch):
     assert "WARNING" in memory.format_estimate(memory.estimate(str(tiny_gguf_path), None, 512, 4, "float32", "fp32"))
 
 
-@pytest.mark.parametrize("spec", [None, {"method": "ngram", "num_speculative_tokens": 3},
+@pytest.mark.parametrize("spec_config", [None, {"method": "ngram", "num_speculative_tokens": 3},
                                   {"method": "draft_model", "model": "tiny-draft", "num_speculative_tokens": 5}])
-def test_kv_estimate_equals_what_the_engine_allocates(spec):
+def test_kv_estimate_equals_what_the_engine_allocates(spec_config):
     from tests.harness import tiny_llm
 
-    llm = tiny_llm(spec, max_num_seqs=3, max_model_len=200)
-    k = llm.max_lookahead
+    llm = tiny_llm(spec_config, max_num_seqs=3, max_model_len=200)
+    k = llm.k_max
     capacity = target_cache_capacity(200, k)
     assert memory.kv_bytes(llm.model.config, "float32", capacity, 3) == llm.engine.cache.nbytes
-    if spec and spec["method"] == "draft_model":
+    if spec_config and spec_config["method"] == "draft_model":
         capacity = draft_cache_capacity(200, k)
         assert memory.kv_bytes(llm.proposer.model.config, "float32", capacity, 3) == llm.proposer.cache.nbytes
 
@@ -100,7 +100,7 @@ def test_weight_and_kv_estimates_equal_what_the_loaded_model_allocates(step, pre
     assert held_bytes(again) == held_bytes(model)
     assert f"step {step}, prefill {prefill}" in memory.format_estimate(e)
     assert ("prefix_cache" in e["bytes"]) == (step == prefill == "q4x8")  # where LLM turns it on by default
-    llm = LLM.from_parts(model, tok, max_num_seqs=2, max_model_len=64, max_lookahead=4,
+    llm = LLM.from_parts(model, tok, max_num_seqs=2, max_model_len=64, k_max=4,
                          speculative_config={"method": "draft_model", "model": "d", "num_speculative_tokens": 4},
                          load_draft=lambda name, d, w: (again, tok, {"name": name}))
     assert e["bytes"]["target_kv_cache"] == llm.engine.cache.nbytes

@@ -39,11 +39,11 @@ class FakeClient:
                 jitter = 1 + (c.seed % 7) / 100  # per-item variation, same in every condition
                 e2e = n / speed * jitter
                 per_pos = ([3, 2, 1] + [0] * condition.k)[:condition.k]
-                spec = None if condition.method == "none" else {
+                spec_stats = None if condition.method == "none" else {
                     "num_drafts": 4, "num_draft_tokens": 4 * condition.k, "num_accepted_tokens": sum(per_pos),
                     "accepted_per_position": per_pos}
                 out.append(Result(text=f"out-{c.seed}", num_prompt_tokens=5, num_output_tokens=n, ttft_s=e2e / n,
-                                  e2e_s=e2e, finish_reason="length", token_ids=list(range(n)), spec=spec))
+                                  e2e_s=e2e, finish_reason="length", token_ids=list(range(n)), spec=spec_stats))
             return out
 
         results = run_items(run_calls, items, calls)
@@ -186,7 +186,7 @@ def test_humaneval_harness_runs_code_honestly():
     assert res["ngram-k2"]["pass_at_1"] == 0.0 and res["ngram-k4"]["pass_at_1"] == 0.0
 
 
-# ---- resume keys on content, batches complete by identity, foreign lines are torn (issue 11, item 11) -----
+# ---- resume keys on content, batches complete by identity, foreign lines are torn -----
 def test_resume_refuses_an_edited_workload_or_switched_turns(tmp_path):
     """Same workload names, different content: an edited prompt, an edited output limit, or MT-Bench turns read
     with --turns all instead of first. Resuming would reuse records measured on other prompts; it is refused

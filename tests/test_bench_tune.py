@@ -22,9 +22,9 @@ def test_tune_picks_conservatively():
 
 
 def test_command_lines():
-    spec = tune.spec_config_for({"method": "draft_model", "k": 4, "draft": "qwen2.5-coder-0.5b-instruct"})
-    assert spec == {"method": "draft_model", "num_speculative_tokens": 4, "model": "qwen2.5-coder-0.5b-instruct"}
-    line = tune.vllm_line("qwen2.5-coder-1.5b-instruct", spec)
+    spec_config = tune.spec_config_for({"method": "draft_model", "k": 4, "draft": "qwen2.5-coder-0.5b-instruct"})
+    assert spec_config == {"method": "draft_model", "num_speculative_tokens": 4, "model": "qwen2.5-coder-0.5b-instruct"}
+    line = tune.vllm_line("qwen2.5-coder-1.5b-instruct", spec_config)
     assert line.startswith("vllm serve Qwen/Qwen2.5-Coder-1.5B-Instruct --speculative-config '")
     cfg = json.loads(line.split("'")[1])
     assert cfg == {"method": "draft_model", "num_speculative_tokens": 4, "model": "Qwen/Qwen2.5-Coder-0.5B-Instruct"}

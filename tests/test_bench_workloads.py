@@ -109,7 +109,7 @@ def test_structured_workload_and_validity(tmp_path):
 
 
 def test_structured_compact_is_the_structured_prompts_without_free_whitespace():
-    from draftwise.structured.spec import parse_structured_outputs
+    from draftwise.structured.constraint import parse_structured_outputs
 
     loose, compact = load_workload("structured"), load_workload("structured-compact")
     assert [i.item_id for i in compact.items] == [i.item_id for i in loose.items]

@@ -19,9 +19,9 @@ def _cache(monkeypatch, tmp_path):
 
 
 def test_generate_json_from_gguf_with_speculation(capsys, tiny_gguf_path):
-    spec = '{"method":"draft_model","model":"%s","num_speculative_tokens":3}' % tiny_gguf_path
+    spec_config = '{"method":"draft_model","model":"%s","num_speculative_tokens":3}' % tiny_gguf_path
     code, out, err = run(capsys, "generate", "--model", str(tiny_gguf_path), "--prompt", "hello world",
-                         "--max-tokens", "12", "--ignore-eos", "--json", "--speculative-config", spec)
+                         "--max-tokens", "12", "--ignore-eos", "--json", "--speculative-config", spec_config)
     assert code == 0, err
     d = json.loads(out.strip().splitlines()[-1])
     for key in ("text", "prompt_ids", "output_ids", "num_prompt_tokens", "num_output_tokens", "ttft_s", "total_s",
@@ -96,9 +96,9 @@ def test_generate_json_schema(capsys, tiny_gguf_path, tmp_path):
               "additionalProperties": False}
     path = tmp_path / "schema.json"
     path.write_text(json.dumps(schema))
-    spec = '{"method":"grammar","num_speculative_tokens":4,"then":{"method":"ngram"}}'
+    spec_config = '{"method":"grammar","num_speculative_tokens":4,"then":{"method":"ngram"}}'
     code, out, err = run(capsys, "generate", "--model", str(tiny_gguf_path), "--prompt", "hello", "--max-tokens",
-                         "40", "--json", "--json-schema", str(path), "--speculative-config", spec)
+                         "40", "--json", "--json-schema", str(path), "--speculative-config", spec_config)
     assert code == 0, err
     d = json.loads(out.strip().splitlines()[-1])
     if d["finish_reason"] == "stop":  # free whitespace may run past 40 tokens: then it says "length"

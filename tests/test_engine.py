@@ -152,13 +152,13 @@ def test_adaptive_k_stays_exact():
 
 
 class _RandomK:
-    """k drawn per step from 0..max_k, runs of plain steps included: the draft must catch up after them."""
+    """k drawn per step from 0..k_max, runs of plain steps included: the draft must catch up after them."""
 
-    def __init__(self, max_k: int, seed: int):
-        self.max_k, self.rng, self.chosen = max_k, np.random.default_rng(seed), []
+    def __init__(self, k_max: int, seed: int):
+        self.k_max, self.rng, self.chosen = k_max, np.random.default_rng(seed), []
 
     def choose(self, req) -> int:
-        self.chosen.append(int(self.rng.choice([0, 0, 0, *range(1, self.max_k + 1)])))
+        self.chosen.append(int(self.rng.choice([0, 0, 0, *range(1, self.k_max + 1)])))
         return self.chosen[-1]
 
     def observe(self, req, k, num_accepted):
@@ -205,10 +205,10 @@ def test_guesses_discarded_after_a_stop_are_not_counted_as_accepted(target, draf
     # prefill emitted ref[0]; one step guessed ref[1..8], all accepted, and stopped at ref[i]
     assert req.spec_stats.num_draft_tokens == 8 and req.spec_stats.num_accepted_tokens == i
     assert eng.stats.num_accepted_tokens == i
-    assert [(o.num_draft_tokens, o.num_accepted, len(o.new_token_ids)) for o in outputs] == [(0, 0, 1), (8, i, i)]
+    assert [(o.k, o.num_accepted, len(o.new_token_ids)) for o in outputs] == [(0, 0, 1), (8, i, i)]
 
 
-# ---- a draft with fewer embedding rows than the target (issue 11, item 2) ---------------------------------
+# ---- a draft with fewer embedding rows than the target ---------------------------------
 SHARED = 48  # the small draft embeds ids 0..47; the target has 64 rows
 SHARED_PROMPTS = [[t % SHARED for t in p] for p in PROMPTS]
 
@@ -235,20 +235,20 @@ def small_vocab_proposer():
 
 @pytest.mark.parametrize("favour_padded", [False, True])
 def test_sampling_is_masked_to_the_vocabulary_a_smaller_draft_shares(target, favour_padded):
-    """Greedy spec == greedy plain under the same mask (the draft proposer with k = 0), and no emitted id,
+    """Greedy speculative == greedy plain under the same mask (the draft proposer with k = 0), and no emitted id,
     greedy or sampled, is one the draft cannot embed — even when the target's logits favour those ids."""
     tgt = FavourIds(target, SHARED) if favour_padded else target
-    spec, _, reqs = run_engine(tgt, small_vocab_proposer(), 3, prompts=SHARED_PROMPTS)
+    speculative, _, reqs = run_engine(tgt, small_vocab_proposer(), 3, prompts=SHARED_PROMPTS)
     masked_plain, _, _ = run_engine(tgt, small_vocab_proposer(), 3, prompts=SHARED_PROMPTS, k_policy=FixedK(0))
-    assert spec == masked_plain
+    assert speculative == masked_plain
     assert all(r.finish_reason == "length" for r in reqs)
     sampled = SamplingParams(temperature=1.0, max_tokens=24, ignore_eos=True, seed=5)
     outs, _, reqs = run_engine(tgt, small_vocab_proposer(), 3, prompts=SHARED_PROMPTS, params=sampled)
     assert all(r.finish_reason == "length" for r in reqs)
-    ids = [t for o in spec + outs for t in o]
+    ids = [t for o in speculative + outs for t in o]
     assert max(ids) < SHARED
     if not favour_padded:  # without the boost the mask changes nothing: plain unmasked decoding agrees
-        assert spec == plain(target, prompts=SHARED_PROMPTS)
+        assert speculative == plain(target, prompts=SHARED_PROMPTS)
     assert small_vocab_proposer().vocab_limit == SHARED
 
 
@@ -262,7 +262,7 @@ def test_prompt_ids_a_smaller_draft_cannot_embed_are_refused(target):
         Engine(target, proposer, 3, 2, MAX_LEN, eos_token_ids=(0,)).add_request(Request("r", [50], SamplingParams()))
 
 
-# ---- a failing step fails only the request(s) it can be pinned on (issue 11, item 8) ----------------------
+# ---- a failing step fails only the request(s) it can be pinned on ----------------------
 def inject_failures(target, monkeypatch, when):
     """Make the target's forward raise MemoryError whenever `when(token_ids, is_prefill)` is true."""
     forward = target.forward

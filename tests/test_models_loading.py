@@ -273,7 +273,7 @@ def test_non_gguf_file_is_refused(tmp_path, draftwise_cache_dir):
         load_checkpoint(f, draftwise_cache_dir)
 
 
-# ---- corrupt files, manifests, durable writes, confined index paths (issue 11, item 12) ---------------------
+# ---- corrupt files, manifests, durable writes, confined index paths ---------------------
 def _converted(tiny_gguf_path, tmp_path, cache_dir):
     user_file = tmp_path / "mine.gguf"
     shutil.copy(tiny_gguf_path, user_file)

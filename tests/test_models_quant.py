@@ -54,8 +54,8 @@ def _quantized(step: str, prefill: str, dtype: torch.dtype, noise: float = 0.0) 
     return model
 
 
-def _greedy(llm: LLM, spec) -> list[list[int]]:
-    llm.set_speculation(spec)
+def _greedy(llm: LLM, spec_config) -> list[list[int]]:
+    llm.set_speculation(spec_config)
     outs = llm.generate([PROMPTS[0], PROMPTS[2], LONG_PROMPT], SamplingParams(temperature=0.0, max_tokens=12,
                                                                                ignore_eos=True))
     return [o.outputs[0].token_ids for o in outs]
@@ -68,13 +68,13 @@ def test_greedy_speculation_equals_plain_for_every_kernel(label, step, prefill, 
     tok = tiny_tokenizer()
     target = _quantized(step, prefill, dtype)
     draft = _quantized(step, prefill, dtype, noise=0.05)
-    llm = LLM.from_parts(target, tok, speculative_config=None, max_lookahead=8, max_num_seqs=5,
+    llm = LLM.from_parts(target, tok, speculative_config=None, k_max=8, max_num_seqs=5,
                          load_draft=lambda name, d, w: (draft, tok, {"name": name}))
     plain = _greedy(llm, None)
     for k in range(1, 9):
         for method in ("ngram", "draft_model"):
-            spec = {"method": method, "num_speculative_tokens": k, **({"model": "noisy"} if method == "draft_model" else {})}
-            assert _greedy(llm, spec) == plain, (label, method, k)
+            spec_config = {"method": method, "num_speculative_tokens": k, **({"model": "noisy"} if method == "draft_model" else {})}
+            assert _greedy(llm, spec_config) == plain, (label, method, k)
 
 
 def _logits(model, ids: list[int]) -> torch.Tensor:
@@ -296,13 +296,13 @@ def test_a_tied_q4k_table_is_exact_shared_with_the_head_and_stored_once(tied_q4k
     ids = list(range(3, 40))
     assert torch.equal(_logits(again, ids), _logits(model, ids))
 
-    llm = LLM.from_parts(model, tok, max_lookahead=4, max_num_seqs=3,
+    llm = LLM.from_parts(model, tok, k_max=4, max_num_seqs=3,
                          load_draft=lambda name, d, w: (again, tok, {"name": name}))
     plain = _greedy(llm, None)
     for k in (1, 4):
-        for spec in ({"method": "ngram", "num_speculative_tokens": k},
+        for spec_config in ({"method": "ngram", "num_speculative_tokens": k},
                      {"method": "draft_model", "model": "same", "num_speculative_tokens": k}):
-            assert _greedy(llm, spec) == plain, spec
+            assert _greedy(llm, spec_config) == plain, spec_config
 
 
 def test_a_requantized_table_stays_within_its_documented_tolerance(q4k_gguf, tmp_path):
@@ -374,8 +374,8 @@ def test_verification_rows_equal_single_steps_bit_for_bit(arch):
         m(prompt, torch.arange(20)[None], cache, torch.tensor([s]), num_tokens=[20])
     single = torch.cat([m(chunk[:, t:t + 1], torch.tensor([[20 + t]]), cache, torch.tensor([0]), num_tokens=[1])
                         for t in range(6)], 1)
-    verify = m(chunk, 20 + torch.arange(6)[None], cache, torch.tensor([1]), num_tokens=[6])
-    assert torch.equal(single, verify)
+    verify_logits = m(chunk, 20 + torch.arange(6)[None], cache, torch.tensor([1]), num_tokens=[6])
+    assert torch.equal(single, verify_logits)
     # slot 2 verifies 3 of the tokens beside slot 1's 6 (padded to 6): slot 2's rows are unchanged by the batch
     for s in (1, 2):
         cache.truncate(s, 20)

@@ -24,7 +24,7 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 @pytest.fixture(scope="module")
 def llm():
-    return json_llm(max_lookahead=8, max_num_seqs=4, q4x8=True)
+    return json_llm(k_max=8, max_num_seqs=4, q4x8=True)
 
 
 def test_on_only_where_every_row_is_exact(llm):
@@ -33,7 +33,7 @@ def test_on_only_where_every_row_is_exact(llm):
     assert llm.engine.speculate_in_prefill == attention.available()
     if not attention.available():
         pytest.skip("the row-exact attention op is not built here")
-    plain_rows = json_llm(max_lookahead=8)  # dense float32: a row's result may depend on the call's shape
+    plain_rows = json_llm(k_max=8)  # dense float32: a row's result may depend on the call's shape
     assert not plain_rows.engine.speculate_in_prefill
     from draftwise.kernels.plan import resolve_plan
     from draftwise.models import quant
@@ -54,7 +54,7 @@ def test_the_first_step_verifies_the_grammars_forced_start(llm):
     llm.engine.add_request(req)
     out = llm.engine.step()[0]  # the prefill's output (the same step() then decodes it once more)
     assert out.request is req
-    assert out.num_draft_tokens >= 1 and out.num_accepted == out.num_draft_tokens  # forced guesses: all kept
+    assert out.k >= 1 and out.num_accepted == out.k  # forced guesses: all kept
     assert len(out.new_token_ids) == out.num_accepted + 1  # + the target's own token after them
     assert llm.tokenizer.decode(out.new_token_ids).startswith('{"name":')
     while llm.engine.has_unfinished():
@@ -62,8 +62,8 @@ def test_the_first_step_verifies_the_grammars_forced_start(llm):
     _check_valid("json_schema", llm.tokenizer.decode(req.output_ids))
 
 
-def _run(llm, so, spec=None, prompts=PROMPTS, max_tokens=48):
-    llm.set_speculation(spec)
+def _run(llm, so, spec_config=None, prompts=PROMPTS, max_tokens=48):
+    llm.set_speculation(spec_config)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, structured_outputs=so)
     return llm.generate(list(prompts), params)
 
@@ -86,8 +86,8 @@ def test_greedy_equals_plain_unconstrained_with_prompts_cached_to_different_dept
     first = ["the cat sat on the mat and the cat sat", "a b c a b c a b", '{"name": "Ada", "age": 36}']
     second = [first[0] + " on the", "a b c", first[2] + ' {"name": "Ada"']
     outs = {}
-    for spec in (None, {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1}):
-        outs[spec is None] = [[o.outputs[0].token_ids for o in _run(llm, None, spec, batch, max_tokens=16)]
+    for spec_config in (None, {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1}):
+        outs[spec_config is None] = [[o.outputs[0].token_ids for o in _run(llm, None, spec_config, batch, max_tokens=16)]
                               for batch in (first, second)]
     assert outs[True] == outs[False]
 
@@ -97,8 +97,8 @@ def test_sampling_keeps_the_masked_target_distribution_with_guesses_in_the_prefi
     prefill verifies the first draft: the draft's q rows meet the prefill's rows)."""
     import tests.test_structured_engine as structured
 
-    def q4x8_llm(spec=None, **kw):
-        llm = json_llm(spec, q4x8=True, **kw)
+    def q4x8_llm(spec_config=None, **kw):
+        llm = json_llm(spec_config, q4x8=True, **kw)
         if not llm.engine.speculate_in_prefill:
             pytest.skip("rows are not exact here")
         return llm

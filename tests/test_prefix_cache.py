@@ -142,9 +142,9 @@ def q4x8_draft():
     return draft
 
 
-def q4x8_llm(enable: bool | None, spec=None, max_model_len: int = 256, max_num_seqs: int = 4) -> LLM:
+def q4x8_llm(enable: bool | None, spec_config=None, max_model_len: int = 256, max_num_seqs: int = 4) -> LLM:
     tok = tiny_tokenizer()
-    return LLM.from_parts(q4x8_decoder(), tok, name=MODEL, speculative_config=spec,
+    return LLM.from_parts(q4x8_decoder(), tok, name=MODEL, speculative_config=spec_config,
                           max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                           enable_prefix_caching=enable,
                           load_draft=lambda name, dtype, weights: (q4x8_draft(), tok, {"name": name}))
@@ -158,13 +158,13 @@ SECOND = [SYSTEM + [40, 41, 42, 45], SYSTEM[:12] + [46, 47], [56, 57, 58], SYSTE
 DRAFT = {"method": "draft_model", "model": "noisy", "num_speculative_tokens": 3}
 
 
-@pytest.mark.parametrize("spec", [None, {"method": "ngram", "num_speculative_tokens": 3}, DRAFT],
+@pytest.mark.parametrize("spec_config", [None, {"method": "ngram", "num_speculative_tokens": 3}, DRAFT],
                          ids=["plain", "ngram", "draft_model"])
-def test_greedy_outputs_are_the_same_with_and_without_the_cache(spec):
+def test_greedy_outputs_are_the_same_with_and_without_the_cache(spec_config):
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     outs = {}
     for enable in (False, True):
-        llm = q4x8_llm(enable, spec)
+        llm = q4x8_llm(enable, spec_config)
         first = llm.generate([{"prompt_token_ids": p} for p in FIRST], params)
         second = llm.generate([{"prompt_token_ids": p} for p in SECOND], params)  # one batch, different depths
         outs[enable] = [o.outputs[0].token_ids for o in first + second]

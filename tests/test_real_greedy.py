@@ -49,18 +49,18 @@ def test_greedy_matches_transformers(name):
         assert out.outputs[0].token_ids == ref[0, ids.shape[1]:].tolist(), prompt
 
 
-@pytest.mark.parametrize("spec", [
+@pytest.mark.parametrize("spec_config", [
     {"method": "draft_model", "model": "qwen2.5-coder-0.5b-instruct", "num_speculative_tokens": 2},
     {"method": "draft_model", "model": "qwen2.5-coder-0.5b-instruct", "num_speculative_tokens": 5},
     {"method": "ngram", "num_speculative_tokens": 2},
     {"method": "ngram", "num_speculative_tokens": 5},
 ])
-def test_default_pair_speculative_greedy_equals_plain(spec, default_target_plain):
+def test_default_pair_speculative_greedy_equals_plain(spec_config, default_target_plain):
     from draftwise.equivalence import run_engine
 
     llm, plain = default_target_plain
     prompts = [llm.tokenizer.encode(p) for p in PROMPTS[:4]]
-    spec_out = run_engine(llm, spec, prompts, [SPEC_GREEDY] * len(prompts))
+    spec_out = run_engine(llm, spec_config, prompts, [SPEC_GREEDY] * len(prompts))
     assert spec_out == plain
 
 
@@ -70,6 +70,6 @@ def default_target_plain():
     require_packaged("qwen2.5-coder-0.5b-instruct")
     from draftwise.equivalence import run_engine
 
-    llm = LLM("qwen2.5-coder-1.5b-instruct", dtype="float32", max_num_seqs=4, max_model_len=256, max_lookahead=5)
+    llm = LLM("qwen2.5-coder-1.5b-instruct", dtype="float32", max_num_seqs=4, max_model_len=256, k_max=5)
     prompts = [llm.tokenizer.encode(p) for p in PROMPTS[:4]]
     return llm, run_engine(llm, None, prompts, [SPEC_GREEDY] * len(prompts))

@@ -227,11 +227,11 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 3}
 DRAFT = {"method": "draft_model", "model": "tiny-draft", "num_speculative_tokens": 4}
 
 
-@pytest.mark.parametrize("spec,max_num_seqs", [(NGRAM, 4), (DRAFT, 4), (DRAFT, 2)],
+@pytest.mark.parametrize("spec_config,max_num_seqs", [(NGRAM, 4), (DRAFT, 4), (DRAFT, 2)],
                          ids=["ngram", "draft_model", "draft_model-queued"])
-def test_greedy_concurrency_4_equals_concurrency_1(plain_reference, spec, max_num_seqs):
+def test_greedy_concurrency_4_equals_concurrency_1(plain_reference, spec_config, max_num_seqs):
     """max_num_seqs=2 with 4 clients: half the requests wait for a slot and join mid-flight."""
-    with Server(create_app(tiny_llm(spec, max_num_seqs=max_num_seqs), MODEL)) as s:
+    with Server(create_app(tiny_llm(spec_config, max_num_seqs=max_num_seqs), MODEL)) as s:
         seq, conc = greedy_texts(s, 1), greedy_texts(s, 4)
         m = s.metrics()
     assert seq == plain_reference

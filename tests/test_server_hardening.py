@@ -1,4 +1,4 @@
-"""Server hardening (issue 11): hostile input, overload, engine failures and shutdown, over real HTTP.
+"""Server hardening: hostile input, overload, engine failures and shutdown, over real HTTP.
 
 One test (or parametrized group) per item of the issue's server half: bounded stop strings (1), tokenizing off
 the event loop and the checks before it (3), number / seed / Unicode / nesting validation (4), chat roles and

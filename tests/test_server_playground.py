@@ -113,25 +113,25 @@ def test_provenance_chunks_parse_with_openai_client(server, chat):
     final = chunks[-1]
     assert final.choices[0].finish_reason == "length"
     summary = final.model_extra["draftwise"]
-    spec = summary["spec"]
+    spec_stats = summary["spec"]
     assert summary["ttft_s"] > 0 and summary["e2e_s"] >= summary["ttft_s"]
     assert sum(len(s["tokens"]) for s in steps) == 24
     accepted = [t["accepted"] for s in steps for t in s["tokens"]]
-    assert sum(accepted) == spec["num_accepted_tokens"] > 0  # a repetitive prompt: ngram guesses right
-    assert sum(s["k"] for s in steps) == spec["num_draft_tokens"]
+    assert sum(accepted) == spec_stats["num_accepted_tokens"] > 0  # a repetitive prompt: ngram guesses right
+    assert sum(s["k"] for s in steps) == spec_stats["num_draft_tokens"]
     hist: dict[str, int] = {}
     for s in steps[1:]:  # the first step is the prefill's token, not a decoding step
         hist[str(s["k"])] = hist.get(str(s["k"]), 0) + 1
-    assert hist == spec["k_histogram"]
+    assert hist == spec_stats["k_histogram"]
     for s in steps:  # accepted guesses come first in a step, then at most one token of the target's own
         flags = [t["accepted"] for t in s["tokens"]]
         assert flags == sorted(flags, reverse=True) and flags.count(False) <= 1 and sum(flags) <= s["k"]
 
 
-@pytest.mark.parametrize("spec", [NGRAM, DRAFT], ids=["ngram", "draft_model"])
-def test_speculation_opt_out_is_plain_and_greedy_identical(spec):
+@pytest.mark.parametrize("spec_config", [NGRAM, DRAFT], ids=["ngram", "draft_model"])
+def test_speculation_opt_out_is_plain_and_greedy_identical(spec_config):
     """Two requests in flight at once, one opted out: the same greedy text; the opted-out one never drafts."""
-    with Server(create_app(tiny_llm(spec), MODEL)) as s:
+    with Server(create_app(tiny_llm(spec_config), MODEL)) as s:
         c = s.client()
 
         def one(speculation):

@@ -139,10 +139,10 @@ def test_forced_tokens_in_metrics_and_response(server):
         "model": MODEL, "messages": MESSAGES, "max_tokens": 200, "temperature": 0,
         "structured_outputs": {"json": ITEM, "disable_any_whitespace": True}}).json()
     _valid(out["choices"][0]["message"]["content"])
-    spec = out["draftwise"]["spec"]
-    assert spec["num_forced_tokens"] > 0 and 0 <= spec["num_accepted_forced_tokens"] <= spec["num_forced_tokens"]
+    spec_stats = out["draftwise"]["spec"]
+    assert spec_stats["num_forced_tokens"] > 0 and 0 <= spec_stats["num_accepted_forced_tokens"] <= spec_stats["num_forced_tokens"]
     after = server.metrics()
     for name in ("draftwise:spec_decode_num_forced_tokens_total", "draftwise:spec_decode_num_accepted_forced_tokens_total"):
         assert metric(after, name) - metric(before, name) >= (1 if "accepted" not in name else 0)
     assert (metric(after, "draftwise:spec_decode_num_forced_tokens_total")
-            - metric(before, "draftwise:spec_decode_num_forced_tokens_total")) == spec["num_forced_tokens"]
+            - metric(before, "draftwise:spec_decode_num_forced_tokens_total")) == spec_stats["num_forced_tokens"]

@@ -26,13 +26,13 @@ def _policy(**kw) -> AdaptiveK:
 
 def _steps(policy, req, n, accepted):
     """n steps: each asks the policy for k and reports `accepted(k)` of them kept."""
-    ks = []
+    k_per_step = []
     for _ in range(n):
         k = policy.choose(req)
-        ks.append(k)
+        k_per_step.append(k)
         if k:
             policy.observe(req, k, min(k, accepted(k)))
-    return ks
+    return k_per_step
 
 
 def test_cost_model_choices():
@@ -60,7 +60,7 @@ def test_calibration_keeps_each_cost_s_fastest_round():
     last, change nothing: each cost is its fastest round, so the verification widths keep their true ratios."""
     calls = {"verify": 0, "proposer": 0}
 
-    def verify(width):
+    def time_verify(width):
         calls["verify"] += 1
         burst = 20.0 if calls["verify"] <= 4 or calls["verify"] > 18 else 1.0
         return VERIFY[width] * burst
@@ -70,7 +70,7 @@ def test_calibration_keeps_each_cost_s_fastest_round():
         burst = 20.0 if calls["proposer"] == 3 else 1.0
         return [DRAFT[k] * burst for k in range(1, 9)], (DRAFT[1] + 15 * 0.002) * burst
 
-    p = AdaptiveK.from_timers(8, verify, proposer, rounds=3)
+    p = AdaptiveK.from_timers(8, time_verify, proposer, rounds=3)
     assert calls == {"verify": 27, "proposer": 3}
     assert all(abs(p.verify_cost[w] - VERIFY[w]) < 1e-12 for w in VERIFY)
     assert all(abs(p.draft_cost[k] - DRAFT[k]) < 1e-12 for k in DRAFT)
@@ -87,8 +87,8 @@ def test_a_request_s_own_evidence_outweighs_other_requests():
         p.end(other)
     chat = _Req("chat")
     assert p.choose(chat) > 0  # the engine's history is the prior: guess at first
-    ks = _steps(p, chat, 12, accepted=lambda k: 0)
-    assert ks[-4:] == [0, 0, 0, 0]
+    k_per_step = _steps(p, chat, 12, accepted=lambda k: 0)
+    assert k_per_step[-4:] == [0, 0, 0, 0]
 
 
 def test_recent_steps_weigh_more_than_old_ones():
@@ -97,8 +97,8 @@ def test_recent_steps_weigh_more_than_old_ones():
     p = _policy()
     req = _Req(params=SamplingParams(max_tokens=500))
     assert _steps(p, req, 60, accepted=lambda k: k)[-1] >= 4
-    ks = _steps(p, req, 12, accepted=lambda k: 0)
-    assert ks == sorted(ks, reverse=True) and ks[1] < ks[0] and ks[-1] == 0
+    k_per_step = _steps(p, req, 12, accepted=lambda k: 0)
+    assert k_per_step == sorted(k_per_step, reverse=True) and k_per_step[1] < k_per_step[0] and k_per_step[-1] == 0
 
 
 def _history(policy, accepted_of_3=(2, 3, 1), times=6):
@@ -138,10 +138,10 @@ def test_plain_steps_leave_the_proposer_behind():
 def test_probes_while_plain_wins_come_less_and_less_often():
     p = _policy()
     req = _Req(params=SamplingParams(max_tokens=10_000))
-    ks = _steps(p, req, 200, accepted=lambda k: 0)
-    probes = [i for i, k in enumerate(ks) if k]
+    k_per_step = _steps(p, req, 200, accepted=lambda k: 0)
+    probes = [i for i, k in enumerate(k_per_step) if k]
     assert probes == [EXPLORE_EVERY - 1, 3 * EXPLORE_EVERY - 1, 7 * EXPLORE_EVERY - 1]  # after 15, 31, 63 plain steps
-    assert all(ks[i] == adaptive.PROBE_K for i in probes)
+    assert all(k_per_step[i] == adaptive.PROBE_K for i in probes)
 
 
 def test_the_last_requests_set_the_next_one_s_prior():
@@ -180,17 +180,17 @@ def test_auto_through_the_api_calibrates_once_and_stays_exact():
     greedy output equal to plain decoding's, every step in the k histogram."""
     from tests.harness import PROMPTS, tiny_llm
 
-    llm = tiny_llm(max_num_seqs=2, max_lookahead=8)
+    llm = tiny_llm(max_num_seqs=2, k_max=8)
     params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
     ref = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
-    for spec in ({"method": "ngram", "num_speculative_tokens": "auto"},
+    for spec_config in ({"method": "ngram", "num_speculative_tokens": "auto"},
                  {"method": "draft_model", "model": "d", "num_speculative_tokens": "auto"}):
-        llm.set_speculation(spec)
+        llm.set_speculation(spec_config)
         policy = llm.engine.k_policy
         assert isinstance(policy, AdaptiveK) and policy.verify_cost[9] >= policy.verify_cost[1] > 0
         outs = llm.generate(PROMPTS, params)
         assert [o.outputs[0].token_ids for o in outs] == ref
         assert all(sum(o.spec["k_histogram"].values()) > 0 for o in outs)
         llm.set_speculation(None)
-        llm.set_speculation(spec)
+        llm.set_speculation(spec_config)
         assert llm.engine.k_policy is policy

@@ -34,7 +34,7 @@ def _q4x8_or_skip():
         pytest.skip(f"q4x8 kernel unavailable: {e}")
 
 
-def _spec(n, k=4, **kw):
+def _spec_config(n, k=4, **kw):
     return {"method": "draft_model", "model": "noisy-draft", "num_speculative_tokens": k, "draft_vocab_size": n, **kw}
 
 
@@ -43,7 +43,7 @@ def _spec(n, k=4, **kw):
 
 @pytest.mark.parametrize("draft_format", ["dense", "q4x8"])
 def test_greedy_trimmed_draft_equals_plain(draft_format):
-    llm = tiny_llm(max_lookahead=6)
+    llm = tiny_llm(k_max=6)
     if draft_format == "q4x8":
         _q4x8_or_skip()
         tok = llm.tokenizer
@@ -61,7 +61,7 @@ def test_greedy_trimmed_draft_equals_plain(draft_format):
     assert min(sizes[1:]) <= min(emitted)  # not vacuous: some sizes leave out every id the target emits
     for n in sizes:
         for k in (1, 4):
-            llm.set_speculation(_spec(n, k))
+            llm.set_speculation(_spec_config(n, k))
             head = llm.proposer.head
             assert (head is None) == (n == 64)
             if head is not None:
@@ -74,7 +74,7 @@ def test_greedy_trimmed_draft_equals_plain(draft_format):
 
 def test_greedy_constrained_trimmed_draft_equals_plain():
     """Under a grammar the trimmed head may admit no allowed id: the draft then stops guessing (no error)."""
-    llm = json_llm(max_lookahead=6)
+    llm = json_llm(k_max=6)
     schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 5},
                                                "age": {"type": "integer", "minimum": 0, "maximum": 99}},
               "required": ["name", "age"], "additionalProperties": False}
@@ -84,16 +84,16 @@ def test_greedy_constrained_trimmed_draft_equals_plain():
     llm.set_speculation(None)
     plain = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     for n in (200, 40, 8):
-        for spec in (_spec(n), {"method": "grammar", "num_speculative_tokens": 4,
+        for spec_config in (_spec_config(n), {"method": "grammar", "num_speculative_tokens": 4,
                                 "then": {"method": "draft_model", "model": "noisy-draft", "draft_vocab_size": n}}):
-            llm.set_speculation(spec)
+            llm.set_speculation(spec_config)
             outs = llm.generate(prompts, params)
-            assert [o.outputs[0].token_ids for o in outs] == plain, (n, spec)
+            assert [o.outputs[0].token_ids for o in outs] == plain, (n, spec_config)
 
 
 def test_sampled_guesses_stay_in_the_kept_ids():
-    llm = tiny_llm(max_lookahead=6)
-    llm.set_speculation(_spec(12))
+    llm = tiny_llm(k_max=6)
+    llm.set_speculation(_spec_config(12))
     proposer = llm.proposer
     kept = set(proposer.head.rest_ids.tolist()) | set(range(12))
     gen = torch.Generator().manual_seed(3)
@@ -276,15 +276,15 @@ def test_full_size_is_todays_head():
 @pytest.mark.parametrize("bad", [0, -3, 1.5, "32768", True, [16]])
 def test_bad_draft_vocab_size_is_a_config_error(bad):
     with pytest.raises(ConfigError, match="draft_vocab_size"):
-        parse_spec_config(_spec(bad))
+        parse_spec_config(_spec_config(bad))
     with pytest.raises(ConfigError, match="draft_vocab_size"):  # inside the grammar method's `then` too
         parse_spec_config({"method": "grammar", "num_speculative_tokens": 4,
                            "then": {"method": "draft_model", "model": "d", "draft_vocab_size": bad}})
 
 
 def test_draft_vocab_size_parses_and_only_applies_to_draft_model():
-    assert parse_spec_config(_spec(32768)).draft_vocab_size == 32768
-    assert parse_spec_config(_spec(None)).draft_vocab_size is None
+    assert parse_spec_config(_spec_config(32768)).draft_vocab_size == 32768
+    assert parse_spec_config(_spec_config(None)).draft_vocab_size is None
     then = parse_spec_config({"method": "grammar", "num_speculative_tokens": 4,
                               "then": {"method": "draft_model", "model": "d", "draft_vocab_size": 16}}).then
     assert then.draft_vocab_size == 16
@@ -293,6 +293,6 @@ def test_draft_vocab_size_parses_and_only_applies_to_draft_model():
 
 
 def test_draft_vocab_size_beyond_the_drafts_vocabulary_is_a_config_error():
-    llm = tiny_llm(max_lookahead=6)
+    llm = tiny_llm(k_max=6)
     with pytest.raises(ConfigError, match="draft_vocab_size"):
-        llm.set_speculation(_spec(65))
+        llm.set_speculation(_spec_config(65))

@@ -1,4 +1,4 @@
-"""draftwise.structured: request parsing into a spec, compiling with the grammar engine, and the per-sequence
+"""draftwise.structured: request parsing into a constraint, compiling with the grammar engine, and the per-sequence
 matcher contract the engine relies on (allowed / advance / rollback / forced_tokens / masks_along).
 
 Fast tests use a tiny byte-level BPE tokenizer trained here on a few JSON lines (no downloads); the one test
@@ -17,7 +17,7 @@ from tokenizers import decoders, models, pre_tokenizers, trainers
 from draftwise.config import ConfigError
 from draftwise.structured import (
     GrammarMatcher,
-    StructuredOutputsSpec,
+    Constraint,
     compile_constraint,
     compiler_for,
     from_request,
@@ -88,10 +88,10 @@ def tok() -> Tokenizer:
         vocab_size=350, special_tokens=[EOS], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
     )
     backend.train_from_iterator(CORPUS, trainer)
-    spec = json.loads(backend.to_str())
-    pad_id = max(spec["model"]["vocab"].values()) + 1
-    spec["model"]["vocab"][f"[PAD{pad_id}]"] = pad_id
-    backend = BackendTokenizer.from_str(json.dumps(spec))
+    tokenizer_json = json.loads(backend.to_str())
+    pad_id = max(tokenizer_json["model"]["vocab"].values()) + 1
+    tokenizer_json["model"]["vocab"][f"[PAD{pad_id}]"] = pad_id
+    backend = BackendTokenizer.from_str(json.dumps(tokenizer_json))
     return Tokenizer(backend, eos_token=EOS)
 
 
@@ -121,17 +121,17 @@ def test_text_response_format_is_no_constraint():
 
 
 def test_response_format_json_object_and_json_schema():
-    spec = parse_response_format({"type": "json_object"})
-    assert spec.kind == "json" and spec.schema == {"type": "object"}
-    spec = parse_response_format(
+    constraint = parse_response_format({"type": "json_object"})
+    assert constraint.kind == "json" and constraint.schema == {"type": "object"}
+    constraint = parse_response_format(
         {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
     )
-    assert (spec.kind, spec.name, spec.strict) == ("json", "person", True)
-    assert spec.schema == PERSON
-    assert list(spec.schema["properties"]) == ["name", "age", "tags", "active"]  # order kept: it is the output's
+    assert (constraint.kind, constraint.name, constraint.strict) == ("json", "person", True)
+    assert constraint.schema == PERSON
+    assert list(constraint.schema["properties"]) == ["name", "age", "tags", "active"]  # order kept: it is the output's
 
 
-def test_vllm_shapes_give_the_same_spec():
+def test_vllm_shapes_give_the_same_constraint():
     a = parse_structured_outputs({"json": PERSON})
     b = parse_guided({"guided_json": json.dumps(PERSON)})
     c = from_request({"structured_outputs": {"json": PERSON}})
@@ -177,18 +177,18 @@ def test_unsatisfiable_schema_is_refused():
         parse_structured_outputs({"json": {"type": "integer", "minimum": 5, "maximum": 2}})
 
 
-def test_spec_rejects_unknown_kind():
+def test_constraint_rejects_unknown_kind():
     with pytest.raises(ConfigError):
-        StructuredOutputsSpec("yaml", "x")
+        Constraint("yaml", "x")
 
 
 # ------------------------------------------------------------------------------------------------
 # Compiling and the matcher contract
 # ------------------------------------------------------------------------------------------------
 
-def test_compiled_grammars_are_cached_per_tokenizer_and_spec(tok):
-    spec = parse_structured_outputs({"json": PERSON})
-    a = compile_constraint(spec, tok)
+def test_compiled_grammars_are_cached_per_tokenizer_and_constraint(tok):
+    constraint = parse_structured_outputs({"json": PERSON})
+    a = compile_constraint(constraint, tok)
     size = compiler_for(tok).cache_info()["size"]
     b = compile_constraint(parse_guided({"guided_json": PERSON}), tok)
     assert compiler_for(tok).cache_info()["size"] == size

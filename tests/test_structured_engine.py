@@ -59,11 +59,11 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 @pytest.fixture(scope="module")
 def llm():
-    return json_llm(max_lookahead=8, max_num_seqs=4)
+    return json_llm(k_max=8, max_num_seqs=4)
 
 
-def _run(llm, so, spec=None, max_tokens=48, **kw):
-    llm.set_speculation(spec)
+def _run(llm, so, spec_config=None, max_tokens=48, **kw):
+    llm.set_speculation(spec_config)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, structured_outputs=so, **kw)
     return llm.generate(PROMPTS, params)
 
@@ -89,8 +89,8 @@ def test_greedy_constrained_speculation_equals_constrained_plain(llm, constraint
         _check_valid(constraint, out.outputs[0].text)
     drafted = accepted = forced = 0
     for k in range(1, 9):
-        spec = dict(METHODS[method], num_speculative_tokens=k)
-        outs = _run(llm, so, spec)
+        spec_config = dict(METHODS[method], num_speculative_tokens=k)
+        outs = _run(llm, so, spec_config)
         for p, s in zip(plain, outs):
             assert s.outputs[0].token_ids == p.outputs[0].token_ids, (constraint, method, k, s.outputs[0].text)
             assert s.outputs[0].finish_reason == p.outputs[0].finish_reason
@@ -167,13 +167,13 @@ def _exact(llm, prompt_ids, params) -> dict[tuple, float]:
     return out
 
 
-@pytest.mark.parametrize("spec", [
+@pytest.mark.parametrize("spec_config", [
     {"method": "draft_model", "model": "noisy-draft", "num_speculative_tokens": 3},
     {"method": "grammar", "num_speculative_tokens": 3, "then": {"method": "draft_model", "model": "noisy-draft"}},
     {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1},
 ], ids=["draft_model", "grammar+draft_model", "ngram"])
-def test_sampling_keeps_the_masked_target_distribution(spec):
-    llm = json_llm(spec, max_num_seqs=32, max_lookahead=3, seed=7)
+def test_sampling_keeps_the_masked_target_distribution(spec_config):
+    llm = json_llm(spec_config, max_num_seqs=32, k_max=3, seed=7)
     prompt = "user:neutral,ne,yes,no,neutral"  # the choices' own tokens, so n-gram lookup has guesses
     ids = llm.tokenizer.encode(prompt)
     params = SamplingParams(temperature=1.0, max_tokens=12, structured_outputs={"choice": CHOICES})
@@ -195,7 +195,7 @@ def test_sampling_keeps_the_masked_target_distribution(spec):
         obs[-1] += observed[~big].sum()
         exp[-1] += expected[~big].sum()
     pvalue = chisquare(obs, exp * obs.sum() / exp.sum()).pvalue  # exact sums for scipy (float32 probabilities)
-    print(f"{spec['method']}: {len(obs)} cells, p = {pvalue:.4g}")
+    print(f"{spec_config['method']}: {len(obs)} cells, p = {pvalue:.4g}")
     assert pvalue > 0.001
 
 
@@ -239,10 +239,10 @@ class OracleProposer:
     def begin(self, slot, prompt_ids, params, generator, grammar=None):
         pass
 
-    def propose(self, slots, max_tokens, after=None):
-        self.calls.append((list(max_tokens), [list(a) for a in after]))
+    def propose(self, slots, k_per_seq, after=None):
+        self.calls.append((list(k_per_seq), [list(a) for a in after]))
         out = []
-        for k, a in zip(max_tokens, after):
+        for k, a in zip(k_per_seq, after):
             n = len(a)
             ids = []
             if k > 0 and self.full[:n] == a:
@@ -355,7 +355,7 @@ def test_free_whitespace_json_greedy_speculation_equals_plain(llm):
 
 def test_grammar_config_parsing():
     c = parse_spec_config({"method": "grammar", "num_speculative_tokens": 6, "then": {"method": "ngram"}})
-    assert c.then.method == "ngram" and c.then.num_speculative_tokens == 0 and c.max_speculative_tokens == 6
+    assert c.then.method == "ngram" and c.then.num_speculative_tokens == 0 and c.k_max == 6
     assert c.to_dict()["then"] == {"method": "ngram", "prompt_lookup_min": 1, "prompt_lookup_max": 3}
     assert parse_spec_config({"method": "grammar", "num_speculative_tokens": 2, "then": "ngram"}).then.method == "ngram"
     assert parse_spec_config({"method": "grammar", "num_speculative_tokens": 2}).then is None

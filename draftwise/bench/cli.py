@@ -13,19 +13,19 @@ from pathlib import Path
 
 from draftwise.bench.workloads import BUILTIN
 from draftwise.cli_args import add_model_args, int_list, k_list, llm_from_args, weights_arg
-from draftwise.config import DTYPES, ConfigError, parse_spec_config
+from draftwise.config import DTYPE_CHOICES, ConfigError, parse_spec_config
 from draftwise.models.catalog import DEFAULT_DRAFT, DEFAULT_TARGET
 
 
 def add_bench_args(p) -> None:
-    add_model_args(p, spec=False)
+    add_model_args(p, speculative=False)
     p.add_argument("--workload", default="chat", help=" | ".join(BUILTIN) + " | FILE.jsonl (comma-separated for several)")
     p.add_argument("--turns", default="first", choices=["first", "all"], help="MT-Bench files: first turn, or all")
     p.add_argument("--methods", default="none,ngram,draft_model")
     p.add_argument("--num-speculative-tokens", default="2,4,6",
                    help="comma list of k; 'auto' = the cost-model policy that picks k per step (or plain decoding)")
     p.add_argument("--draft", default=DEFAULT_DRAFT, help="draft model for method draft_model")
-    p.add_argument("--draft-dtype", default=None, choices=list(DTYPES), help="default: the target's --dtype")
+    p.add_argument("--draft-dtype", default=None, choices=list(DTYPE_CHOICES), help="default: the target's --dtype")
     p.add_argument("--draft-weights", default=None, type=weights_arg,
                    help="as --weights, for the draft (default: the target's --weights)")
     p.add_argument("--warmup", type=int, default=5)
@@ -78,8 +78,8 @@ def make_client(args, conditions):
     from draftwise.bench.clients import InProcessClient
 
     conc = max(int_list(args.concurrency) if args.concurrency else [4 if "longform" in args.workload else 1])
-    k_max = max([parse_spec_config(c.spec_config()).max_speculative_tokens for c in conditions] + [0])
-    llm = llm_from_args(args, max_num_seqs=max(conc, 1), speculative_config=None, max_lookahead=k_max)
+    k_max = max([parse_spec_config(c.spec_config()).k_max for c in conditions] + [0])
+    llm = llm_from_args(args, max_num_seqs=max(conc, 1), speculative_config=None, k_max=k_max)
     return InProcessClient(llm, args.draft, args.draft_dtype, args.draft_weights)
 
 
@@ -137,16 +137,16 @@ def cmd_tune(args) -> int:
         print(f"{cond:18s} median {s['median']:.3f}  MAD {s['mad']:.3f}  median-MAD {s['score']:.3f}  "
               f"95% CI {s['ci_low']:.2f}-{s['ci_high']:.2f}  n={s['n']}")
     w = by_id.get(pick["winner"])
-    spec = spec_config_for(w.__dict__ if w else None)
-    if spec:
+    spec_config = spec_config_for(w.__dict__ if w else None)
+    if spec_config:
         print(f"winner: {pick['winner']}")
-        print(f"draftwise serve --model {args.model} --speculative-config '{json.dumps(spec)}'")
+        print(f"draftwise serve --model {args.model} --speculative-config '{json.dumps(spec_config)}'")
     else:
         print("winner: none — no condition beats plain decoding on a typical prompt; serve without speculation")
         print(f"draftwise serve --model {args.model}")
-    print(vllm_line(args.model, spec))
-    (Path(args.out) / "tune.json").write_text(json.dumps({**pick, "speculative_config": spec}, indent=1))
-    print(json.dumps({"winner": pick["winner"], "speculative_config": spec, "vllm": vllm_line(args.model, spec)}))
+    print(vllm_line(args.model, spec_config))
+    (Path(args.out) / "tune.json").write_text(json.dumps({**pick, "speculative_config": spec_config}, indent=1))
+    print(json.dumps({"winner": pick["winner"], "speculative_config": spec_config, "vllm": vllm_line(args.model, spec_config)}))
     return 0
 
 
@@ -170,9 +170,9 @@ def register_memory(sub) -> None:
     p.add_argument("--draft", default=None)
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--concurrency", type=int, default=1, help="KV slots (the engine's --max-num-seqs)")
-    p.add_argument("--dtype", default="auto", choices=list(DTYPES),
+    p.add_argument("--dtype", default="auto", choices=list(DTYPE_CHOICES),
                    help="activation dtype, as generate's (auto: what the chosen kernels want)")
-    p.add_argument("--draft-dtype", default=None, choices=list(DTYPES))
+    p.add_argument("--draft-dtype", default=None, choices=list(DTYPE_CHOICES))
     p.add_argument("--weights", default="auto", type=weights_arg,
                    help="as generate's; auto: the kernels the autotuner picks here (its cached choice, else measured "
                         "now, a few seconds per model, and cached for the load)")

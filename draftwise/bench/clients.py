@@ -117,13 +117,13 @@ def run_items(run_calls, items: list[Item], calls: list[Call]) -> list[Result]:
 
 def _join(a: Result, b: Result) -> Result:
     """A conversation's figures: TTFT of its first turn, sums of latency and tokens, texts joined."""
-    spec = None
+    spec_stats = None
     if a.spec and b.spec:
-        spec = {k: a.spec.get(k, 0) + b.spec.get(k, 0) for k in ("num_drafts", "num_draft_tokens", "num_accepted_tokens")}
+        spec_stats = {k: a.spec.get(k, 0) + b.spec.get(k, 0) for k in ("num_drafts", "num_draft_tokens", "num_accepted_tokens")}
         pa, pb = a.spec.get("accepted_per_position", []), b.spec.get("accepted_per_position", [])
-        spec["accepted_per_position"] = [x + y for x, y in zip(pa + [0] * (len(pb) - len(pa)), pb + [0] * (len(pa) - len(pb)))]
+        spec_stats["accepted_per_position"] = [x + y for x, y in zip(pa + [0] * (len(pb) - len(pa)), pb + [0] * (len(pa) - len(pb)))]
     return Result(a.text + "\n\n" + b.text, a.num_prompt_tokens, a.num_output_tokens + b.num_output_tokens, a.ttft_s,
-                  (a.e2e_s or 0) + (b.e2e_s or 0), b.finish_reason, None, spec, a.error or b.error,
+                  (a.e2e_s or 0) + (b.e2e_s or 0), b.finish_reason, None, spec_stats, a.error or b.error,
                   a.tokens_estimated or b.tokens_estimated)
 
 
@@ -131,7 +131,7 @@ def _join(a: Result, b: Result) -> Result:
 class InProcessClient:
     """Drive a draftwise LLM's engine; conditions share the target weights and switch speculation through
     `LLM.set_speculation` (each proposer built once, the draft loaded once). The LLM must have been built
-    with a look-ahead (`max_lookahead`) covering the largest k of the conditions."""
+    with a look-ahead (`k_max`) covering the largest k of the conditions."""
 
     def __init__(self, llm, draft: str | None = None, draft_dtype: str | None = None, draft_weights: str | None = None):
         self.llm = llm

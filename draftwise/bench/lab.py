@@ -40,7 +40,7 @@ class BenchOptions:
 METHODS = ("ngram", "draft_model", "grammar", "grammar+ngram", "grammar+draft_model")
 
 
-def conditions_from(methods: list[str], ks: list[int | str], draft: str | None) -> list[Condition]:
+def conditions_from(methods: list[str], k_values: list[int | str], draft: str | None) -> list[Condition]:
     """methods × k, with `none` once (k = 0) and first: the baseline every other condition is paired with."""
     conds = [Condition("none", 0)] if "none" in methods else []
     for m in methods:
@@ -48,7 +48,7 @@ def conditions_from(methods: list[str], ks: list[int | str], draft: str | None) 
             continue
         if m not in METHODS:
             raise ConfigError(f"--methods: unknown method {m!r} ({', '.join(('none',) + METHODS)})")
-        conds += [Condition(m, k, draft if "draft_model" in m else None) for k in ks]
+        conds += [Condition(m, k, draft if "draft_model" in m else None) for k in k_values]
     if not conds:
         raise ConfigError("--methods selects no condition")
     return conds

@@ -95,7 +95,7 @@ def rows(seg: dict) -> list[list[str]]:
     q = seg.get("quality") or {}
     for cond, f in seg["conditions"].items():
         sp = seg["speedups"].get(cond, {}).get("tok_s")
-        spec = f.get("spec") or {}
+        spec_stats = f.get("spec") or {}
         ident = (q.get("identical") or {}).get(cond)
         p1 = (q.get("pass_at_1") or {}).get(cond)
         valid = (q.get("validity") or {}).get(cond)
@@ -106,8 +106,8 @@ def rows(seg: dict) -> list[list[str]]:
             cond, str(f["n"]), f"{_f(f['ttft_s']['median'])}/{_f(f['ttft_s']['p95'])}",
             f"{_f(f['e2e_s']['median'])}/{_f(f['e2e_s']['p95'])}",
             _f(f["tpot_s"]["median"] and f["tpot_s"]["median"] * 1000, "{:.1f}"), _f(f["tok_s"]["median"], "{:.1f}"),
-            _f(f["aggregate_tok_s"], "{:.1f}"), _f(spec.get("acceptance_rate")), _f(spec.get("mean_acceptance_length")),
-            _f(spec.get("forced_share")) if spec.get("num_forced_tokens") else "-",
+            _f(f["aggregate_tok_s"], "{:.1f}"), _f(spec_stats.get("acceptance_rate")), _f(spec_stats.get("mean_acceptance_length")),
+            _f(spec_stats.get("forced_share")) if spec_stats.get("num_forced_tokens") else "-",
             "1.00 (baseline)" if cond == "none" else
             (f"{_f(sp['speedup'])} [{_f(sp['ci_low'])}, {_f(sp['ci_high'])}]" if sp and sp["speedup"] else "-"),
             f"{ident['identical']}/{ident['n']}" if ident else "-",

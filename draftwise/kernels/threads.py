@@ -2,9 +2,8 @@
 
 Every parallel region of a forward (a q4x8 projection, an attention call: ~700 per 1-row forward of the 1.5B)
 ends at a barrier that waits for all of torch's threads. When another process takes a core, each barrier waits
-for a descheduled thread's next time slice. Measured on a 2-core Zen 4 (scripts/verify_cost.py, two processes at
-once): a 1-row forward of qwen2.5-coder-1.5b took 179-198 ms with 2 threads each and 62-65 ms with 1 thread each
-(37 ms alone); beside one `yes` hog 110 ms with 2 threads and 81 ms with 1.
+for a descheduled thread's next time slice, so two processes with 2 threads each on 2 cores run a forward
+several times slower than with 1 thread each (docs/PERFORMANCE.md, thread guard).
 
 ThreadGuard measures, over windows of at least WINDOW_S, how many cores the OTHER processes keep busy:
 (busy jiffies of the CPUs this process may run on, from /proc/stat − this process's CPU time from

@@ -108,13 +108,13 @@ def chunk_paths(entry: CatalogEntry) -> list[Path]:
     Uses find_spec instead of importing so nothing in the chunk packages runs."""
     paths = []
     for module, rel in entry.chunks:
-        spec = importlib.util.find_spec(module)
-        if spec is None or not spec.submodule_search_locations:
+        module_spec = importlib.util.find_spec(module)
+        if module_spec is None or not module_spec.submodule_search_locations:
             raise ConfigError(
                 f"packaged model {entry.name!r} needs pip package {module.replace('_', '-')!r}, which is not "
                 f"installed (pip install -r requirements-models.txt)"
             )
-        path = Path(list(spec.submodule_search_locations)[0]) / rel
+        path = Path(list(module_spec.submodule_search_locations)[0]) / rel
         if not path.is_file():
             raise ConfigError(f"packaged model {entry.name!r}: chunk file {path} is missing")
         paths.append(path)

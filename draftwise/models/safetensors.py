@@ -178,18 +178,18 @@ def iter_tensors(files: Iterable[Path]) -> Iterator[tuple[str, torch.Tensor]]:
         with open(path, "rb") as f:
             entries, base = _read_header(f)
             _check_size(path, entries, base, os.fstat(f.fileno()).st_size)
-            for key, spec in entries:
+            for key, entry in entries:
                 name = hf_name(key)
                 if name is None:
                     continue
-                start, end = spec["data_offsets"]
+                start, end = entry["data_offsets"]
                 buf = torch.empty(end - start, dtype=torch.uint8)
                 f.seek(base + start)
                 got = f.readinto(memoryview(buf.numpy()))
                 if got != end - start:  # the file shrank under us: never hand out uninitialised memory
                     raise ConfigError(f"{path}: tensor {key!r} is truncated: expected {end - start} bytes at offset "
                                       f"{base + start}, read {got or 0}")
-                yield name, buf.view(_TORCH_DTYPES[spec["dtype"]]).reshape(spec["shape"])
+                yield name, buf.view(_TORCH_DTYPES[entry["dtype"]]).reshape(entry["shape"])
 
 
 def is_complete(path: str | os.PathLike) -> bool:
@@ -203,7 +203,7 @@ def is_complete(path: str | os.PathLike) -> bool:
 
 
 def _data_end(entries: list[tuple[str, dict]], base: int) -> int:
-    return base + max((spec["data_offsets"][1] for _, spec in entries), default=0)
+    return base + max((entry["data_offsets"][1] for _, entry in entries), default=0)
 
 
 def _check_size(path, entries: list[tuple[str, dict]], base: int, size: int) -> None:
@@ -237,11 +237,11 @@ def _read_header(f) -> tuple[list[tuple[str, dict]], int]:
     try:
         header = json.loads(blob)
         header.pop("__metadata__", None)
-        for key, spec in header.items():
-            start, end = spec["data_offsets"]
-            nbytes = math.prod(spec["shape"]) * torch.tensor([], dtype=_TORCH_DTYPES[spec["dtype"]]).element_size()
+        for key, entry in header.items():
+            start, end = entry["data_offsets"]
+            nbytes = math.prod(entry["shape"]) * torch.tensor([], dtype=_TORCH_DTYPES[entry["dtype"]]).element_size()
             if not 0 <= start <= end or end - start != nbytes:
-                raise ValueError(f"tensor {key!r}: offsets {start}..{end} do not hold {spec['dtype']} {spec['shape']}")
+                raise ValueError(f"tensor {key!r}: offsets {start}..{end} do not hold {entry['dtype']} {entry['shape']}")
     except (ValueError, TypeError, KeyError, AttributeError) as e:
         raise ConfigError(f"{path}: invalid safetensors header ({type(e).__name__}: {e})") from None
     return sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0]), 8 + n

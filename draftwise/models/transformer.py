@@ -168,7 +168,7 @@ class Attention(nn.Module):
         prefix (or in chunks) equals the prompt prefilled whole — with row-exact linear kernels, greedy
         speculation equals plain decoding and the prefix cache changes no token, even where int8 activations
         would amplify the last-bit differences of differently shaped matmuls. (The op is also faster than
-        masked SDPA at prompt lengths: 0.26 vs 0.33 ms at 69 tokens, 33 vs 39 ms at 1,024, 12 heads, 2 threads.)
+        masked SDPA at prompt lengths: docs/PERFORMANCE.md, attention.)
         Without it: chunks of up to ROW_EXACT_MAX_TOKENS tokens (decode, verification) one SDPA call per query,
         equally row-exact; longer chunks (prompts) one causal call."""
         if attention_op.usable(q, cache.keys[layer]):

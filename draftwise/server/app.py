@@ -51,7 +51,7 @@ def create_app(llm, served_model_name: str, api_key: str | None = None,
                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, limits: RequestLimits | None = None,
                max_waiting: int = DEFAULT_MAX_WAITING, request_timeout: float | None = DEFAULT_REQUEST_TIMEOUT_S,
                allowed_hosts=LOOPBACK_HOSTS, allowed_origins=()) -> FastAPI:
-    metrics = ServerMetrics(served_model_name, llm.max_num_seqs, llm.spec_config.max_speculative_tokens)
+    metrics = ServerMetrics(served_model_name, llm.max_num_seqs, llm.spec_config.k_max)
     runner = EngineRunner(llm, metrics, max_waiting=max_waiting)
     pool = ThreadPoolExecutor(PREP_WORKERS, thread_name_prefix="draftwise-prep")
 
@@ -108,7 +108,7 @@ def create_app(llm, served_model_name: str, api_key: str | None = None,
         """What this server runs (the playground shows it read-only)."""
         return {"model": served_model_name, "speculative_config": llm.spec_config.to_dict(),
                 "max_model_len": llm.max_model_len, "max_num_seqs": llm.max_num_seqs,
-                "max_lookahead": llm.max_lookahead}
+                "max_lookahead": llm.k_max}
 
     @app.get("/", include_in_schema=False)
     async def playground():  # public, like /static: the page asks for the API key itself

@@ -73,9 +73,9 @@ def cmd_serve(args) -> int:
                      request_timeout=args.request_timeout or None,
                      allowed_hosts=allowed_hosts(args.allowed_hosts, args.host, LOOPBACK_HOSTS),
                      allowed_origins=_split(args.allowed_origins))
-    spec = llm.spec_config
+    spec_config = llm.spec_config
     print(f"draftwise: serving {args.model!r} on http://{args.host}:{args.port}/v1 "
-          f"(speculation: {spec.method}, max_num_seqs {args.max_num_seqs}, context {llm.max_model_len}, "
+          f"(speculation: {spec_config.method}, max_num_seqs {args.max_num_seqs}, context {llm.max_model_len}, "
           f"api key {'required' if api_key else 'off'}); loaded in {llm.load_time_s:.1f}s", flush=True)
     serve(app, args.host, args.port, args.shutdown_timeout, log_level=args.log_level)
     return 0

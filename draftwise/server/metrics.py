@@ -26,7 +26,7 @@ _SPEC_FIELDS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens", "num_fo
 
 
 class ServerMetrics:
-    def __init__(self, model_name: str, max_num_seqs: int, num_speculative_tokens: int = 0):
+    def __init__(self, model_name: str, max_num_seqs: int, k_max: int = 0):
         r = self.registry = CollectorRegistry()
         ProcessCollector(registry=r)
         GCCollector(registry=r)
@@ -60,7 +60,7 @@ class ServerMetrics:
         self.per_pos = Counter(PREFIX + "spec_decode_num_accepted_tokens_per_pos",
                                "Accepted draft tokens by position in the draft (0 = first guess).",
                                ["model_name", "position"], registry=r)
-        for i in range(num_speculative_tokens):  # expose zeros up front, as vLLM does
+        for i in range(k_max):  # expose zeros up front, as vLLM does
             self.per_pos.labels(model_name, str(i))
         self.prefix_counters = {  # vLLM's prefix_cache_queries / prefix_cache_hits: tokens, not requests
             "queries": counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache."),

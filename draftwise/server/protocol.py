@@ -2,7 +2,7 @@
 
 Owns validation of the JSON a client sends (pydantic, strict types: "0.5" is not a number, true is not an
 integer), the mapping onto draftwise SamplingParams (structured outputs included: OpenAI's `response_format`,
-vLLM's `structured_outputs` and `guided_*`, read by structured/spec.py; a bad schema, regex or grammar is a 400
+vLLM's `structured_outputs` and `guided_*`, read by structured/constraint.py; a bad schema, regex or grammar is a 400
 with its message), and building response / SSE chunk dicts. Knows nothing of the engine or its thread; sizes
 come in as arguments.
 """
@@ -17,7 +17,7 @@ from draftwise.config import ConfigError
 from draftwise.sampling import SamplingParams
 from draftwise.server.errors import APIError
 from draftwise.server.validation import check_fields
-from draftwise.structured.spec import from_request
+from draftwise.structured.constraint import from_request
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's legacy completions default
 # Fields declared below are implemented; every other OpenAI / vLLM field is accepted only at its neutral value
@@ -59,7 +59,7 @@ class _Common(BaseModel):
     stream_options: StreamOptions | None = None
     user: str | None = None
     draftwise: DraftwiseOptions = Field(default_factory=DraftwiseOptions)  # draftwise extension (see above)
-    # structured outputs (structured/spec.py reads them; at most one may constrain the output)
+    # structured outputs (structured/constraint.py reads them; at most one may constrain the output)
     response_format: dict | None = None  # OpenAI: {"type": "text" | "json_object" | "json_schema", ...}
     structured_outputs: dict | None = None  # vLLM: {"json" | "regex" | "choice" | "grammar" | "json_object": ...}
     guided_json: dict | str | None = None  # vLLM's older extras

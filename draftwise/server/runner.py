@@ -296,4 +296,4 @@ def internal_error(request_id: str) -> APIError:
 def _provenance(sink: _Sink, outs: list, text: str) -> dict | None:
     if sink.provenance is None:
         return None
-    return sink.provenance.chunk(text, [(len(o.new_token_ids), o.num_draft_tokens, o.num_accepted) for o in outs])
+    return sink.provenance.chunk(text, [(len(o.new_token_ids), o.k, o.num_accepted) for o in outs])

@@ -6,7 +6,7 @@ guess is accepted (their i.i.d. assumption; the 0.5B draft's measured acceptance
     E(k)    = (1 − α^(k+1)) / (1 − α)                                 tokens one step yields (their eq. 1)
     time(k) = verify(k + 1) + draft(k) + catch_up · (behind − 1) · E(k) / remaining          (k ≥ 1)
 
-and k = argmax E(k)/time(k) over 0..max_k (k = 0: a plain step, time(0) = verify(1)). Guessing starts when the
+and k = argmax E(k)/time(k) over 0..k_max (k = 0: a plain step, time(0) = verify(1)). Guessing starts when the
 best k predicts MARGIN more tokens/s than plain and stops when it predicts less than plain (KEEP_MARGIN):
 stopping is free, restarting is not. `behind`: context tokens the proposer has not read (1 in the steady
 state; a request's prompt before its first guess; + 1 per plain step, for a draft model that reads only on
@@ -15,10 +15,10 @@ output tokens left).
 
 Costs: the choice compares E/time across k at one moment, so only the costs' ratios matter, and only timings
 taken together give ratios on a shared machine. `calibrate` times, in interleaved rounds, a target forward at
-every width 1..max_k+1 after CONTEXT tokens, and through the Proposer protocol the proposer guessing k in the
+every width 1..k_max+1 after CONTEXT tokens, and through the Proposer protocol the proposer guessing k in the
 steady state and after CATCH_UP unseen tokens; each cost keeps its fastest round (load only adds time, and a
 burst spoils a round, not a width). Nothing is refined online: per-width medians of step timings compared
-widths timed minutes apart on a machine drifting ±30%, and a width never chosen kept its stale time (issue 10).
+widths timed minutes apart on a machine drifting ±30%, and a width never chosen kept its stale time.
 
 α is learned per request, older guesses decayed (DECAY per guess: a chat answer turns into code and back),
 behind PRIOR_GUESSES pseudo-guesses at the engine's α, which each finished request moves ENGINE_MIX of the way
@@ -52,7 +52,7 @@ PROBE_K = 2  # guesses of a probe
 class KPolicy(Protocol):
     """How the engine asks for k each step and reports back what happened."""
 
-    max_k: int  # the most guesses this policy ever asks for (the engine checks it against its look-ahead cap)
+    k_max: int  # the most guesses this policy ever asks for (the engine checks it against its look-ahead cap)
 
     def choose(self, req) -> int:
         """Guesses to ask the proposer for on this request's next step (0 = a plain step)."""
@@ -66,10 +66,10 @@ class KPolicy(Protocol):
 
 class FixedK:
     def __init__(self, k: int):
-        self.max_k = k
+        self.k_max = k
 
     def choose(self, req) -> int:
-        return self.max_k
+        return self.k_max
 
     def observe(self, req, k: int, num_accepted: int) -> None:
         pass
@@ -79,11 +79,11 @@ class FixedK:
 
 
 class AdaptiveK:
-    def __init__(self, max_k: int, verify_cost: dict[int, float], draft_cost: dict[int, float] | None = None,
+    def __init__(self, k_max: int, verify_cost: dict[int, float], draft_cost: dict[int, float] | None = None,
                  catch_up_cost: float = 0.0):
-        self.max_k = max_k
+        self.k_max = k_max
         self.verify_cost = _monotone(verify_cost)  # width -> seconds of one target forward
-        self.draft_cost = _monotone(draft_cost or {k: 0.0 for k in range(max_k + 1)})  # k -> seconds to guess k
+        self.draft_cost = _monotone(draft_cost or {k: 0.0 for k in range(k_max + 1)})  # k -> seconds to guess k
         self.catch_up_cost = catch_up_cost  # seconds per context token the proposer has not seen yet
         self.engine_alpha: float | None = None  # α of the last few finished requests; None before the first
         self.req_counts: dict[str, tuple[float, float]] = {}
@@ -93,41 +93,41 @@ class AdaptiveK:
         self._probe_gap: dict[str, int] = {}
 
     @classmethod
-    def calibrate(cls, target, max_k: int, proposer=None, rounds: int = ROUNDS) -> AdaptiveK:
-        """Time a target forward at each verification width 1..max_k+1 after CONTEXT tokens (on a scratch cache,
+    def calibrate(cls, target, k_max: int, proposer=None, rounds: int = ROUNDS) -> AdaptiveK:
+        """Time a target forward at each verification width 1..k_max+1 after CONTEXT tokens (on a scratch cache,
         as the engine verifies: `num_tokens`), and the proposer (on its scratch slot 0, before any request)."""
         c, dev = target.config, target.device
-        context = min(CONTEXT, c.max_position_embeddings - max_k - 1)
-        capacity = target_cache_capacity(context, max_k)  # the engine's slot, at this context
+        context = min(CONTEXT, c.max_position_embeddings - k_max - 1)
+        capacity = target_cache_capacity(context, k_max)  # the engine's slot, at this context
         scratch = KVCache(c.num_layers, 1, c.num_kv_heads, capacity, c.head_dim, target.dtype, dev)
         slot = torch.tensor([0], device=dev)
         target(torch.zeros(1, context, dtype=torch.int64, device=dev), torch.arange(context, device=dev)[None],
                scratch, slot)
 
-        def verify(width: int) -> float:
+        def time_verify(width: int) -> float:
             scratch.truncate(0, context)
             ids = torch.zeros(1, width, dtype=torch.int64, device=dev)
             pos = context + torch.arange(width, device=dev)[None]
             return _timed(dev, target, ids, pos, scratch, slot, num_tokens=[width])
 
-        timer = (lambda: _time_proposer(proposer, max_k, dev)) if proposer is not None else None
-        return cls.from_timers(max_k, verify, timer, rounds)
+        timer = (lambda: _time_proposer(proposer, k_max, dev)) if proposer is not None else None
+        return cls.from_timers(k_max, time_verify, timer, rounds)
 
     @classmethod
-    def from_timers(cls, max_k: int, verify: Callable[[int], float],
+    def from_timers(cls, k_max: int, time_verify: Callable[[int], float],
                     proposer: Callable[[], tuple[list[float], float]] | None, rounds: int = ROUNDS) -> AdaptiveK:
-        """`rounds` interleaved rounds of verify(width) for every width and proposer() -> (seconds to guess
-        k = 1..max_k in the steady state, seconds to guess 1 after CATCH_UP unseen tokens); the fastest of each."""
-        verify_cost = {w: float("inf") for w in range(1, max_k + 2)}
-        draft_cost, behind = {k: float("inf") for k in range(max_k + 1)}, float("inf")
+        """`rounds` interleaved rounds of time_verify(width) for every width and proposer() -> (seconds to guess
+        k = 1..k_max in the steady state, seconds to guess 1 after CATCH_UP unseen tokens); the fastest of each."""
+        verify_cost = {w: float("inf") for w in range(1, k_max + 2)}
+        draft_cost, behind = {k: float("inf") for k in range(k_max + 1)}, float("inf")
         for _ in range(rounds):
-            verify_cost = {w: min(t, verify(w)) for w, t in verify_cost.items()}
-            steady, late = proposer() if proposer is not None else ([0.0] * max_k, 0.0)
+            verify_cost = {w: min(t, time_verify(w)) for w, t in verify_cost.items()}
+            steady, late = proposer() if proposer is not None else ([0.0] * k_max, 0.0)
             for k, t in enumerate([0.0, *steady]):
                 draft_cost[k] = min(draft_cost[k], t)
             behind = min(behind, late)
-        catch_up = max(0.0, behind - draft_cost[1]) / (CATCH_UP - 1) if max_k else 0.0
-        return cls(max_k, verify_cost, draft_cost, catch_up)
+        catch_up = max(0.0, behind - draft_cost[1]) / (CATCH_UP - 1) if k_max else 0.0
+        return cls(k_max, verify_cost, draft_cost, catch_up)
 
     # ---- policy -------------------------------------------------------------------------------
     def acceptance(self, req) -> float:
@@ -148,15 +148,15 @@ class AdaptiveK:
         behind = self._behind.get(rid, len(req.prompt_ids) + 1)
         remaining = req.params.max_tokens - len(req.output_ids)
         alpha = self.acceptance(req)
-        rates = [self.expected_rate(k, alpha, behind, remaining) for k in range(self.max_k + 1)]
-        best = max(range(self.max_k + 1), key=rates.__getitem__)
+        rates = [self.expected_rate(k, alpha, behind, remaining) for k in range(self.k_max + 1)]
+        best = max(range(self.k_max + 1), key=rates.__getitem__)
         guessing = self._plain_run.get(rid) == 0  # its last step guessed: stopping is free, restarting is not
         if rates[best] < (KEEP_MARGIN if guessing else MARGIN) * rates[0]:
             best = 0
         plain_run = self._plain_run.get(rid, 0) + 1 if best == 0 else 0
         gap = self._probe_gap.get(rid, EXPLORE_EVERY)
         if plain_run >= gap:  # a cheap probe keeps the acceptance estimate alive, less often each time
-            best, plain_run, self._probe_gap[rid] = min(PROBE_K, self.max_k), 0, 2 * gap
+            best, plain_run, self._probe_gap[rid] = min(PROBE_K, self.k_max), 0, 2 * gap
         self._plain_run[rid] = plain_run
         self._behind[rid] = behind + 1 if best == 0 else behind  # observe() resets it once the proposer guessed
         self.k_histogram[best] = self.k_histogram.get(best, 0) + 1
@@ -199,8 +199,8 @@ def _timed(device, fn, *args, **kwargs) -> float:
     return time.perf_counter() - t0
 
 
-def _time_proposer(proposer, max_k: int, device) -> tuple[list[float], float]:
-    """Seconds for the proposer to guess k = 1..max_k tokens in the steady state (every guess rejected, so each
+def _time_proposer(proposer, k_max: int, device) -> tuple[list[float], float]:
+    """Seconds for the proposer to guess k = 1..k_max tokens in the steady state (every guess rejected, so each
     call has one unseen token), and to guess one after CATCH_UP unseen tokens (plain steps: asked for nothing,
     told each emitted token), through the protocol on scratch slot 0 (before any request uses it)."""
     from draftwise.sampling import SamplingParams
@@ -209,7 +209,7 @@ def _time_proposer(proposer, max_k: int, device) -> tuple[list[float], float]:
     proposer.propose([0], [1])  # the prompt, not part of the steady state
     proposer.accept(0, 0, 1)
     steady = []
-    for k in range(1, max_k + 1):
+    for k in range(1, k_max + 1):
         steady.append(_timed(device, proposer.propose, [0], [k]))
         proposer.accept(0, 0, 1)
     for _ in range(CATCH_UP - 1):

@@ -28,7 +28,7 @@ class ProposerContext:
     target_tokenizer: object
     max_num_seqs: int
     max_model_len: int
-    max_lookahead: int  # the engine's cap on guesses per step (sizes the draft's cache)
+    k_max: int  # the engine's cap on guesses per step (sizes the draft's cache)
     dtype: str
     # (name, dtype, weights) -> (Decoder, Tokenizer, info dict); None when drafts cannot be loaded
     load_draft: Callable[[str, str, str | None], tuple] | None = None
@@ -37,36 +37,36 @@ class ProposerContext:
     prefix_caching: bool | None = None  # a draft model's own prefix cache: on / off / None = where it is exact
 
 
-def _build_none(spec: SpecConfig, ctx: ProposerContext) -> Proposer:
+def _build_none(spec_config: SpecConfig, ctx: ProposerContext) -> Proposer:
     return NoProposer()
 
 
-def _build_ngram(spec: SpecConfig, ctx: ProposerContext) -> Proposer:
-    return NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
+def _build_ngram(spec_config: SpecConfig, ctx: ProposerContext) -> Proposer:
+    return NgramProposer(spec_config.prompt_lookup_min, spec_config.prompt_lookup_max)
 
 
-def _build_draft_model(spec: SpecConfig, ctx: ProposerContext) -> Proposer:
+def _build_draft_model(spec_config: SpecConfig, ctx: ProposerContext) -> Proposer:
     if ctx.load_draft is None:
         raise ConfigError("method draft_model needs a way to load the draft model")
-    model, tok, info = ctx.load_draft(spec.model, spec.draft_dtype or ctx.dtype, spec.draft_weights)
+    model, tok, info = ctx.load_draft(spec_config.model, spec_config.draft_dtype or ctx.dtype, spec_config.draft_weights)
     if ctx.target_tokenizer is not None and tok is not None:
-        check_compatible(ctx.target_tokenizer, tok, ctx.target_name, spec.model)
-    capacity = draft_cache_capacity(ctx.max_model_len, ctx.max_lookahead)
+        check_compatible(ctx.target_tokenizer, tok, ctx.target_name, spec_config.model)
+    capacity = draft_cache_capacity(ctx.max_model_len, ctx.k_max)
     # a trimmed head keeps every id that ends a turn: the tokenizer's and the checkpoint config's EOS ids
     eos = (*(getattr(tok, "eos_token_ids", None) or ()), *model.config.eos_token_ids)
     prefix = ctx.prefix_caching
     if prefix is None:  # exact only: a sampled request's tokens depend on the draft's q, which must not move
         prefix = model.plan.row_exact
     return DraftModelProposer(model, ctx.max_num_seqs, capacity, ctx.target_vocab_size,
-                              draft_vocab_size=spec.draft_vocab_size, eos_token_ids=eos,
+                              draft_vocab_size=spec_config.draft_vocab_size, eos_token_ids=eos,
                               prefix_cache=PrefixCache() if prefix else None)
 
 
-def _build_grammar(spec: SpecConfig, ctx: ProposerContext) -> Proposer:
+def _build_grammar(spec_config: SpecConfig, ctx: ProposerContext) -> Proposer:
     """The grammar's forced tokens first, then `spec.then` (ngram / draft_model) fills the rest of k."""
-    if spec.then is None:
+    if spec_config.then is None:
         return GrammarProposer()
-    then = ctx.proposer_for(spec.then) if ctx.proposer_for is not None else build_proposer(spec.then, ctx)
+    then = ctx.proposer_for(spec_config.then) if ctx.proposer_for is not None else build_proposer(spec_config.then, ctx)
     return GrammarProposer(then)
 
 
@@ -78,7 +78,7 @@ PROPOSER_BUILDERS: dict[str, Callable[[SpecConfig, ProposerContext], Proposer]] 
 }
 
 
-def build_proposer(spec: SpecConfig, ctx: ProposerContext) -> Proposer:
-    if spec.method not in PROPOSER_BUILDERS:
-        raise ConfigError(f"no proposer for method {spec.method!r}; known: {sorted(PROPOSER_BUILDERS)}")
-    return PROPOSER_BUILDERS[spec.method](spec, ctx)
+def build_proposer(spec_config: SpecConfig, ctx: ProposerContext) -> Proposer:
+    if spec_config.method not in PROPOSER_BUILDERS:
+        raise ConfigError(f"no proposer for method {spec_config.method!r}; known: {sorted(PROPOSER_BUILDERS)}")
+    return PROPOSER_BUILDERS[spec_config.method](spec_config, ctx)

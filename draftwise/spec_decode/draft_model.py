@@ -100,7 +100,7 @@ class DraftModelProposer:
         self._last[slot] = []
 
     # ---- proposing ----------------------------------------------------------------------------
-    def propose(self, slots, max_tokens, after=None):
+    def propose(self, slots, k_per_seq, after=None):
         before = {s: list(after[i]) if after else [] for i, s in enumerate(slots)}
         for s in slots:
             self._rewind(s)
@@ -108,7 +108,7 @@ class DraftModelProposer:
             m = self.grammars.get(s)
             if m is not None and before[s]:
                 self._advanced[s] = m.advance_many(before[s])
-        active = [(s, k) for s, k in zip(slots, max_tokens) if k > 0]
+        active = [(s, k) for s, k in zip(slots, k_per_seq) if k > 0]
         out = {s: Draft(EMPTY_DRAFT_IDS) for s in slots}
         if active:
             act_slots = [s for s, _ in active]

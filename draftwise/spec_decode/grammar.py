@@ -53,7 +53,7 @@ class GrammarProposer:
         self._greedy[slot] = params.greedy
         self.then.begin(slot, prompt_ids, params, generator, grammar)
 
-    def propose(self, slots, max_tokens, after=None):
+    def propose(self, slots, k_per_seq, after=None):
         """Per slot: the forced tokens and learned layout, then `then`'s guesses up to the first one the grammar
         forbids, then the forced tokens and layout after those, then `then` again from there ... until k guesses
         or nothing new. Pretty-printed JSON alternates like this: layout (`",\n  "`), the schema's next key
@@ -70,21 +70,21 @@ class GrammarProposer:
             ask = []
             for i in live:
                 grew = False
-                while len(ids[i]) < max_tokens[i]:  # forced tokens and learned layout, as long as either adds
-                    own = self._forced(slots[i], befores[i] + ids[i], max_tokens[i] - len(ids[i]))
+                while len(ids[i]) < k_per_seq[i]:  # forced tokens and learned layout, as long as either adds
+                    own = self._forced(slots[i], befores[i] + ids[i], k_per_seq[i] - len(ids[i]))
                     forced[i] += range(len(ids[i]), len(ids[i]) + len(own))
                     ids[i] += own
-                    lay = self._layout(slots[i], befores[i] + ids[i], max_tokens[i] - len(ids[i]))
+                    lay = self._layout(slots[i], befores[i] + ids[i], k_per_seq[i] - len(ids[i]))
                     ids[i] += lay
                     rows[i] += [None] * (len(own) + len(lay))
                     grew = grew or bool(own or lay)
                     if not lay:
                         break
-                if len(ids[i]) < max_tokens[i] and (seen[i] is None or grew):
+                if len(ids[i]) < k_per_seq[i] and (seen[i] is None or grew):
                     ask.append(i)
             if not ask:
                 break
-            answers = self.then.propose([slots[i] for i in ask], [max_tokens[i] - len(ids[i]) for i in ask],
+            answers = self.then.propose([slots[i] for i in ask], [k_per_seq[i] - len(ids[i]) for i in ask],
                                         after=[befores[i] + ids[i] for i in ask])
             live = []
             for i, d in zip(ask, answers):
@@ -94,7 +94,7 @@ class GrammarProposer:
                 forced[i] += (len(ids[i]) + j for j in d.forced if j < valid)
                 ids[i] += guesses[:valid]
                 rows[i] += [None] * valid if d.probs is None else list(d.probs[:valid])
-                if valid and len(ids[i]) < max_tokens[i]:
+                if valid and len(ids[i]) < k_per_seq[i]:
                     live.append(i)  # cut by the grammar or out of guesses: forced tokens may follow
         stale = [i for i in range(len(slots)) if seen[i] != befores[i] + ids[i]]
         if stale:  # not asked, its last guesses were cut, or forced tokens follow them: `accept` counts over ours

@@ -24,9 +24,9 @@ class NgramProposer:
         self.tokens[slot] = list(prompt_ids)
         self._last[slot] = []
 
-    def propose(self, slots, max_tokens, after=None):
+    def propose(self, slots, k_per_seq, after=None):
         drafts = []
-        for i, (slot, k) in enumerate(zip(slots, max_tokens)):
+        for i, (slot, k) in enumerate(zip(slots, k_per_seq)):
             before = list(after[i]) if after else []
             context = np.asarray(self.tokens[slot] + before, dtype=np.int64)
             guess = lookup(context, self.min_n, self.max_n, k) if k > 0 else []

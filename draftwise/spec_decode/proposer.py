@@ -51,8 +51,8 @@ class Proposer(Protocol):
         """A sequence starts in `slot` with these prompt ids; `grammar`: its output constraint's state at the
         start of the output (copy it to use it; never advance the caller's object)."""
 
-    def propose(self, slots: list[int], max_tokens: list[int], after: list[list[int]] | None = None) -> list[Draft]:
-        """Up to max_tokens[i] guesses for each slot (fewer, or none, is fine), after the tokens `after[i]`
+    def propose(self, slots: list[int], k_per_seq: list[int], after: list[list[int]] | None = None) -> list[Draft]:
+        """Up to k_per_seq[i] guesses for each slot (fewer, or none, is fine), after the tokens `after[i]`
         (None: right after the context; see the module docstring). Idempotent between two `accept`s: the
         engine calls it again when a step failed and is retried (the same generators state)."""
 
@@ -72,7 +72,7 @@ class NoProposer:
     def begin(self, slot, prompt_ids, params, generator, grammar=None):
         pass
 
-    def propose(self, slots, max_tokens, after=None):
+    def propose(self, slots, k_per_seq, after=None):
         return [Draft(EMPTY_DRAFT_IDS) for _ in slots]
 
     def accept(self, slot, num_accepted, token_id):

@@ -24,7 +24,7 @@ class SpecStats:
     drafted_per_position: list[int] = field(default_factory=list)  # [max k] drafts that had a token i
     draft_time_s: float = 0.0
     verify_time_s: float = 0.0
-    k_histogram: dict[int, int] = field(default_factory=dict)  # num_speculative_tokens used -> steps
+    k_histogram: dict[int, int] = field(default_factory=dict)  # k used -> steps
     num_forced_tokens: int = 0  # draft tokens the grammar forced (a subset of num_draft_tokens)
     num_accepted_forced_tokens: int = 0  # of those, accepted (a subset of num_accepted_tokens)
     mask_time_s: float = 0.0  # grammar masks for the target (structured outputs), plain steps included

@@ -1,9 +1,9 @@
 """Structured outputs: JSON schema, regex, choice and grammar constraints on what a sequence may emit.
 
 A lower layer (imports torch, draftwise.config, draftwise.tokenizer; never the engine, API, server,
-bench, CLI or speculation code). `spec.py` turns OpenAI/vLLM request fields into a
-`StructuredOutputsSpec`; `grammar.py` compiles it for a tokenizer with llguidance (cached per tokenizer
-and spec); `matcher.py` holds one sequence's grammar state: masks, advance/rollback, forced tokens and
+bench, CLI or speculation code). `constraint.py` turns OpenAI/vLLM request fields into a
+`Constraint`; `grammar.py` compiles it for a tokenizer with llguidance (cached per tokenizer
+and constraint); `matcher.py` holds one sequence's grammar state: masks, advance/rollback, forced tokens and
 the masks along a draft for verification. How masks enter sampling and verification is the engine's
 business, not this package's.
 """
@@ -12,11 +12,11 @@ from draftwise.structured.grammar import (
     GrammarCompiler,
     compile_constraint,
     compiler_for,
-    validate_spec,
+    validate_constraint,
 )
 from draftwise.structured.matcher import GrammarError, GrammarMatcher, mask_logits
-from draftwise.structured.spec import (
-    StructuredOutputsSpec,
+from draftwise.structured.constraint import (
+    Constraint,
     from_request,
     parse_guided,
     parse_response_format,
@@ -28,7 +28,7 @@ __all__ = [
     "GrammarCompiler",
     "GrammarError",
     "GrammarMatcher",
-    "StructuredOutputsSpec",
+    "Constraint",
     "compile_constraint",
     "compiler_for",
     "from_request",
@@ -36,5 +36,5 @@ __all__ = [
     "parse_guided",
     "parse_response_format",
     "parse_structured_outputs",
-    "validate_spec",
+    "validate_constraint",
 ]

@@ -1,13 +1,13 @@
-"""Compiling a `StructuredOutputsSpec` against a tokenizer's vocabulary with llguidance, and caching it.
+"""Compiling a `Constraint` against a tokenizer's vocabulary with llguidance, and caching it.
 
-Owns the one grammar engine (llguidance; chosen in issue 12 on the numbers in docs/PERFORMANCE.md:
+Owns the one grammar engine (llguidance; chosen on the numbers in docs/PERFORMANCE.md, structured outputs:
 millisecond compiles, masks in tens of microseconds on the 152k Qwen vocabulary, native rollback and
 fast-forward tokens, and it names the JSON-schema keywords it does not implement instead of ignoring
-them), the translation of a spec into an llguidance grammar, the per-tokenizer engine tokenizer (about
-1.5 s to build for 152k tokens, so built once per tokenizer and EOS set), the ids that are never allowed
+them), the translation of a constraint into an llguidance grammar, the per-tokenizer engine tokenizer (seconds
+to build for a 152k vocabulary, so built once per tokenizer and EOS set), the ids that are never allowed
 (GGUF vocabularies padded with `[PAD<id>]` placeholders up to the embedding size), the layout ids (tokens of
 only whitespace and JSON punctuation, which the grammar proposer may learn across requests), and an LRU of
-compiled grammars per tokenizer keyed by the spec (schemas repeat across requests).
+compiled grammars per tokenizer keyed by the constraint (schemas repeat across requests).
 
 It does not know models, sampling or the engine; per-sequence state lives in `matcher.py`.
 """
@@ -24,7 +24,7 @@ import torch
 
 from draftwise.config import ConfigError
 from draftwise.structured.matcher import GrammarMatcher
-# StructuredOutputsSpec (spec.py) appears in annotations only: spec.py imports this module to validate, and
+# Constraint (constraint.py) appears in annotations only: constraint.py imports this module to validate, and
 # importing it back would be a cycle (tests/test_package_layers.py)
 from draftwise.tokenizer import Tokenizer
 
@@ -42,52 +42,52 @@ def _llguidance():
     return llguidance
 
 
-def _json_options(spec: StructuredOutputsSpec) -> dict:
-    if spec.compact_json:
+def _json_options(constraint: Constraint) -> dict:
+    if constraint.compact_json:
         return {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
-    if spec.whitespace_pattern is not None:
-        return {"whitespace_pattern": spec.whitespace_pattern}
+    if constraint.whitespace_pattern is not None:
+        return {"whitespace_pattern": constraint.whitespace_pattern}
     return {}
 
 
-def to_llguidance(spec: StructuredOutputsSpec) -> str:
-    """The llguidance grammar text of a spec (not yet checked)."""
+def to_llguidance(constraint: Constraint) -> str:
+    """The llguidance grammar text of a constraint (not yet checked)."""
     ll = _llguidance()
     try:
-        if spec.kind == "json":
-            return ll.LLMatcher.grammar_from_json_schema(spec.value, overrides=_json_options(spec) or None)
-        if spec.kind == "regex":
-            return ll.LLMatcher.grammar_from_regex(spec.value)
-        if spec.kind == "choice":
-            return ll.grammar_from("choice", spec.value)
-        return ll.grammar_from("grammar", spec.value)  # Lark, or GBNF/EBNF converted to Lark
+        if constraint.kind == "json":
+            return ll.LLMatcher.grammar_from_json_schema(constraint.value, overrides=_json_options(constraint) or None)
+        if constraint.kind == "regex":
+            return ll.LLMatcher.grammar_from_regex(constraint.value)
+        if constraint.kind == "choice":
+            return ll.grammar_from("choice", constraint.value)
+        return ll.grammar_from("grammar", constraint.value)  # Lark, or GBNF/EBNF converted to Lark
     except ValueError as e:
-        raise ConfigError(f"invalid {_what(spec)}: {e}") from None
+        raise ConfigError(f"invalid {_what(constraint)}: {e}") from None
 
 
-def _what(spec: StructuredOutputsSpec) -> str:
-    return {"json": "JSON schema", "regex": "regex", "choice": "choice list", "grammar": "grammar"}[spec.kind]
+def _what(constraint: Constraint) -> str:
+    return {"json": "JSON schema", "regex": "regex", "choice": "choice list", "grammar": "grammar"}[constraint.kind]
 
 
-def _check(grammar: str, spec: StructuredOutputsSpec, ll_tokenizer=None) -> None:
+def _check(grammar: str, constraint: Constraint, ll_tokenizer=None) -> None:
     ll = _llguidance()
     is_error, messages = ll.LLMatcher.validate_grammar_with_warnings(grammar, ll_tokenizer)
     if is_error:
         message = messages[0].strip() if messages else "rejected by the grammar engine"
-        raise ConfigError(f"invalid {_what(spec)}: {message}")
+        raise ConfigError(f"invalid {_what(constraint)}: {message}")
 
 
-def validate_spec(spec: StructuredOutputsSpec) -> None:
-    """Raise ConfigError if the grammar engine rejects the spec (bad schema/regex/grammar, unsupported
+def validate_constraint(constraint: Constraint) -> None:
+    """Raise ConfigError if the grammar engine rejects the constraint (bad schema/regex/grammar, unsupported
     JSON-schema keyword: the message names it). Needs no tokenizer; milliseconds."""
-    _check(to_llguidance(spec), spec)
+    _check(to_llguidance(constraint), constraint)
 
 
 class CompiledGrammar:
-    """A spec compiled for one tokenizer: a pristine llguidance matcher that `matcher()` copies (~µs)."""
+    """A constraint compiled for one tokenizer: a pristine llguidance matcher that `matcher()` copies (~µs)."""
 
-    def __init__(self, spec: StructuredOutputsSpec, template, compiler: GrammarCompiler):
-        self.spec = spec
+    def __init__(self, constraint: Constraint, template, compiler: GrammarCompiler):
+        self.constraint = constraint
         self._template = template
         self._compiler = compiler
 
@@ -121,22 +121,22 @@ class GrammarCompiler:
         self._cache: OrderedDict[tuple, CompiledGrammar] = OrderedDict()
         self._lock = threading.Lock()
 
-    def compile(self, spec: StructuredOutputsSpec) -> CompiledGrammar:
-        """Compile (or fetch from the LRU) `spec`; ConfigError names what is wrong with it."""
+    def compile(self, constraint: Constraint) -> CompiledGrammar:
+        """Compile (or fetch from the LRU) `constraint`; ConfigError names what is wrong with it."""
         with self._lock:
-            hit = self._cache.get(spec.key)
+            hit = self._cache.get(constraint.key)
             if hit is not None:
-                self._cache.move_to_end(spec.key)
-                return hit if hit.spec == spec else CompiledGrammar(spec, hit._template, self)
-        grammar = to_llguidance(spec)
-        _check(grammar, spec, self.ll_tokenizer)
+                self._cache.move_to_end(constraint.key)
+                return hit if hit.constraint == constraint else CompiledGrammar(constraint, hit._template, self)
+        grammar = to_llguidance(constraint)
+        _check(grammar, constraint, self.ll_tokenizer)
         ll = _llguidance()
         template = ll.LLMatcher(self.ll_tokenizer, grammar, log_level=0)
         if template.is_error():
-            raise ConfigError(f"invalid {_what(spec)}: {template.get_error().strip()}")
-        compiled = CompiledGrammar(spec, template, self)
+            raise ConfigError(f"invalid {_what(constraint)}: {template.get_error().strip()}")
+        compiled = CompiledGrammar(constraint, template, self)
         with self._lock:
-            self._cache[spec.key] = compiled
+            self._cache[constraint.key] = compiled
             while len(self._cache) > self.cache_size:
                 self._cache.popitem(last=False)
         return compiled
@@ -171,14 +171,14 @@ def compiler_for(tokenizer: Tokenizer, eos_token_ids: Iterable[int] | None = Non
 
 
 def compile_constraint(
-    spec: StructuredOutputsSpec, tokenizer: Tokenizer, eos_token_ids: Iterable[int] | None = None
+    constraint: Constraint, tokenizer: Tokenizer, eos_token_ids: Iterable[int] | None = None
 ) -> CompiledGrammar:
-    """Compile `spec` for `tokenizer`, cached per (tokenizer, EOS ids, spec). `eos_token_ids` defaults to the
+    """Compile `constraint` for `tokenizer`, cached per (tokenizer, EOS ids, constraint). `eos_token_ids` defaults to the
     tokenizer's end-of-generation ids; they are allowed exactly when the output so far is complete."""
-    return compiler_for(tokenizer, eos_token_ids).compile(spec)
+    return compiler_for(tokenizer, eos_token_ids).compile(constraint)
 
 
-def describe(spec: StructuredOutputsSpec) -> str:
+def describe(constraint: Constraint) -> str:
     """A short human description for logs and errors."""
-    text = spec.value if len(spec.value) <= 60 else spec.value[:57] + "..."
-    return f"{spec.kind}: {json.dumps(text)[1:-1]}"
+    text = constraint.value if len(constraint.value) <= 60 else constraint.value[:57] + "..."
+    return f"{constraint.kind}: {json.dumps(text)[1:-1]}"

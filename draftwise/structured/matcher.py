@@ -4,15 +4,15 @@ the masks along a draft that speculative verification scores positions with.
 Owns `GrammarMatcher` (a wrapper over one llguidance matcher with its own token history, so rollback,
 EOS and forbidden tokens behave the same whatever the engine does internally) and `mask_logits`.
 Rollback is ours, not llguidance's: each advanced token keeps a copy of the state before it (a deep copy is
-~2 µs and ~20 KB for a JSON schema), so undoing n tokens restores exactly the state that was there; deeper than
+microseconds and kilobytes for a JSON schema), so undoing n tokens restores exactly the state that was there; deeper than
 the copies kept, the state is rebuilt from the start by advancing the kept tokens again. llguidance 1.9.1's own
 `rollback` can leave a different state: on the structured bench's email-tool item, advancing `.com`, `",\n`,
 `   `, rolling the three back and advancing `.com`, `"]\n` gave a state that allowed `"` (a new key without a
 comma) and forbade `}`, unlike the same two tokens advanced without the detour — so greedy speculation differed
 from plain decoding (tests/test_structured.py pins this sequence).
-It does not know where the constraint came from (spec.py / grammar.py), models, proposers or the
-scheduler. Cost (docs/PERFORMANCE.md, Qwen vocab, 1 thread): one mask is tens of microseconds for
-JSON (p95 well under a millisecond); `allowed()` adds ~20 µs to unpack it to a BoolTensor.
+It does not know where the constraint came from (constraint.py / grammar.py), models, proposers or the
+scheduler. Its cost per mask and per `allowed()` (the mask unpacked to a BoolTensor): docs/PERFORMANCE.md,
+structured outputs.
 
 Ids: the matcher knows the tokenizer's ids [0, vocab_size). Callers pass the model's row count to
 `allowed`/`masks_along`; rows at or beyond the tokenizer's ids (embedding padding) are never allowed,

@@ -63,12 +63,12 @@ function clearError() { $("error").hidden = true; $("error").replaceChildren(); 
 function setStatus(text) { $("status").textContent = text; }
 
 // ---- server info (read-only speculative config) -----------------------------------------------------------
-function describeSpec(spec) {
-  if (!spec || spec.method === "none") return "off";
-  const k = spec.num_speculative_tokens;
-  let s = `${spec.method}, k=${k}`;
-  if (spec.method === "draft_model" && spec.model) s += `, draft ${spec.model}`;
-  if (spec.method === "ngram") s += `, n ${spec.prompt_lookup_min}–${spec.prompt_lookup_max}`;
+function describeSpec(specConfig) {
+  if (!specConfig || specConfig.method === "none") return "off";
+  const k = specConfig.num_speculative_tokens;
+  let s = `${specConfig.method}, k=${k}`;
+  if (specConfig.method === "draft_model" && specConfig.model) s += `, draft ${specConfig.model}`;
+  if (specConfig.method === "ngram") s += `, n ${specConfig.prompt_lookup_min}–${specConfig.prompt_lookup_max}`;
   return s;
 }
 
@@ -224,7 +224,7 @@ class Run {
 
   figures() {
     const now = this.tEnd ?? performance.now();
-    const spec = this.summary && this.summary.spec;
+    const specStats = this.summary && this.summary.spec;
     const fig = {
       tps: this.tokens / Math.max((now - this.t0) / 1000, 1e-6),
       ttft: this.tFirst === null ? null : (this.tFirst - this.t0) / 1000,
@@ -234,10 +234,10 @@ class Run {
       meanLength: this.drafts ? 1 + this.accepted / this.drafts : null,
       hist: this.hist,
     };
-    if (spec) { // the server's own counts for the request, once it finished
-      fig.acceptance = spec.acceptance_rate;
-      fig.meanLength = spec.mean_acceptance_length;
-      fig.hist = spec.k_histogram;
+    if (specStats) { // the server's own counts for the request, once it finished
+      fig.acceptance = specStats.acceptance_rate;
+      fig.meanLength = specStats.mean_acceptance_length;
+      fig.hist = specStats.k_histogram;
     }
     return fig;
   }
@@ -281,17 +281,17 @@ function showFigures(run) {
 
 function drawHistogram(hist) {
   const box = $("k-hist");
-  const ks = Object.keys(hist).map(Number).sort((a, b) => a - b);
+  const kValues = Object.keys(hist).map(Number).sort((a, b) => a - b);
   box.replaceChildren();
   const axis = box.nextElementSibling && box.nextElementSibling.classList.contains("bars-axis") ?
     box.nextElementSibling : box.insertAdjacentElement("afterend", Object.assign(document.createElement("div"), { className: "bars-axis" }));
   axis.replaceChildren();
-  if (!ks.length) {
+  if (!kValues.length) {
     box.append(Object.assign(document.createElement("span"), { className: "empty", textContent: "no decoding steps yet" }));
     return;
   }
-  const max = Math.max(...ks.map((k) => hist[k]));
-  for (const k of ks) {
+  const max = Math.max(...kValues.map((k) => hist[k]));
+  for (const k of kValues) {
     const bar = document.createElement("div");
     bar.className = "bar";
     bar.setAttribute("role", "img");

@@ -1,4 +1,4 @@
-"""Structured-output requests -> one `StructuredOutputsSpec`: what the output must match, nothing about how.
+"""Structured-output requests -> one `Constraint`: what the output must match, nothing about how.
 
 Owns reading the request shapes people send: OpenAI's `response_format` (`text`, `json_object`,
 `json_schema` with `{"json_schema": {"name", "schema", "strict"}}`), vLLM's `structured_outputs`
@@ -32,7 +32,7 @@ _GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "cho
 
 
 @dataclass(frozen=True)
-class StructuredOutputsSpec:
+class Constraint:
     """One request's output constraint, in a canonical, hashable form.
 
     kind: "json" (value = the JSON schema, serialized compactly in its own key order, which is the order
@@ -111,31 +111,31 @@ def _text_value(text: Any, where: str) -> str:
     return text
 
 
-def _make(kind: str, raw: Any, where: str, **options) -> StructuredOutputsSpec:
+def _make(kind: str, raw: Any, where: str, **options) -> Constraint:
     if kind == "json":
         value = _schema_value(raw, where)
     elif kind == "choice":
         value = _choice_value(raw, where)
     else:
         value = _text_value(raw, where)
-    return StructuredOutputsSpec(kind, value, **options)
+    return Constraint(kind, value, **options)
 
 
-def _finish(spec: StructuredOutputsSpec | None, validate: bool) -> StructuredOutputsSpec | None:
-    if spec is not None and validate:
+def _finish(constraint: Constraint | None, validate: bool) -> Constraint | None:
+    if constraint is not None and validate:
         from draftwise.structured.grammar import (
-            validate_spec,  # the engine; imported lazily
+            validate_constraint,  # the engine; imported lazily
         )
 
-        validate_spec(spec)
-    return spec
+        validate_constraint(constraint)
+    return constraint
 
 
 # ------------------------------------------------------------------------------------------------
 # Request shapes
 # ------------------------------------------------------------------------------------------------
 
-def parse_response_format(response_format: Mapping | None, validate: bool = True) -> StructuredOutputsSpec | None:
+def parse_response_format(response_format: Mapping | None, validate: bool = True) -> Constraint | None:
     """OpenAI's `response_format`: {"type": "text"} or None -> None (no constraint); `json_object`;
     `json_schema` with {"json_schema": {"name": ..., "schema": {...}, "strict": bool}}."""
     if response_format is None:
@@ -148,7 +148,7 @@ def parse_response_format(response_format: Mapping | None, validate: bool = True
     if kind == "text":
         return None
     if kind == "json_object":
-        return _finish(StructuredOutputsSpec("json", _schema_value({"type": "object"}, "response_format")), validate)
+        return _finish(Constraint("json", _schema_value({"type": "object"}, "response_format")), validate)
     if kind == "json_schema":
         js = response_format.get("json_schema")
         if not isinstance(js, Mapping):
@@ -164,17 +164,17 @@ def parse_response_format(response_format: Mapping | None, validate: bool = True
         strict = js.get("strict")
         if strict is not None and not isinstance(strict, bool):
             raise ConfigError("response_format.json_schema.strict must be a boolean")
-        spec = _make("json", js["schema"], "response_format.json_schema.schema", name=name, strict=strict)
-        return _finish(spec, validate)
+        constraint = _make("json", js["schema"], "response_format.json_schema.schema", name=name, strict=strict)
+        return _finish(constraint, validate)
     raise ConfigError(f"response_format.type must be one of text, json_object, json_schema; got {kind!r}")
 
 
-def parse_structured_outputs(structured_outputs: Mapping | None, validate: bool = True) -> StructuredOutputsSpec | None:
+def parse_structured_outputs(structured_outputs: Mapping | None, validate: bool = True) -> Constraint | None:
     """vLLM's `structured_outputs` (StructuredOutputsParams): exactly one of json / regex / choice / grammar /
     json_object, plus `disable_any_whitespace` and `whitespace_pattern` for JSON. None or {} -> None."""
     if structured_outputs is None:
         return None
-    if isinstance(structured_outputs, StructuredOutputsSpec):
+    if isinstance(structured_outputs, Constraint):
         return _finish(structured_outputs, validate)
     if not isinstance(structured_outputs, Mapping):
         raise ConfigError(f"structured_outputs must be an object, got {type(structured_outputs).__name__}")
@@ -203,13 +203,13 @@ def parse_structured_outputs(structured_outputs: Mapping | None, validate: bool 
     if options.get("compact_json") and options.get("whitespace_pattern"):
         raise ConfigError("structured_outputs: disable_any_whitespace and whitespace_pattern exclude each other")
     if kind == "json_object":
-        spec = StructuredOutputsSpec("json", _schema_value({"type": "object"}, "structured_outputs"), **options)
+        constraint = Constraint("json", _schema_value({"type": "object"}, "structured_outputs"), **options)
     else:
-        spec = _make(kind, so[kind], f"structured_outputs.{kind}", **options)
-    return _finish(spec, validate)
+        constraint = _make(kind, so[kind], f"structured_outputs.{kind}", **options)
+    return _finish(constraint, validate)
 
 
-def parse_guided(fields: Mapping, validate: bool = True) -> StructuredOutputsSpec | None:
+def parse_guided(fields: Mapping, validate: bool = True) -> Constraint | None:
     """vLLM's older request extras: guided_json / guided_regex / guided_choice / guided_grammar
     (+ guided_whitespace_pattern). Other keys of `fields` are ignored."""
     given = [k for k in _GUIDED if fields.get(k) is not None]
@@ -226,7 +226,7 @@ def parse_guided(fields: Mapping, validate: bool = True) -> StructuredOutputsSpe
     return _finish(_make(kind, fields[given[0]], given[0], **options), validate)
 
 
-def from_request(body: Mapping, validate: bool = True) -> StructuredOutputsSpec | None:
+def from_request(body: Mapping, validate: bool = True) -> Constraint | None:
     """The constraint of an OpenAI/vLLM request body (completions or chat): `response_format`,
     `structured_outputs` or the `guided_*` extras. More than one source with a constraint is an error;
     `{"type": "text"}` is no constraint."""
