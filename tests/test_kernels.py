@@ -228,6 +228,32 @@ def test_q4x8_library_lives_under_the_cache_dir(monkeypatch, tmp_path):
     assert path.parent.parent == tmp_path / "kernels" and path.name.endswith(".so")
 
 
+def test_q4x8_library_key_covers_every_flag_and_source(monkeypatch):
+    """Any change to the warning, compile, include or per-unit flags, or a new file in csrc, is a new library."""
+    before = q4x8.library_path()
+    monkeypatch.setattr(q4x8, "WARNINGS", q4x8.WARNINGS + ["-Wconversion"])
+    assert q4x8.library_path() != before
+    monkeypatch.undo()
+    flags = q4x8._flags()
+    monkeypatch.setattr(q4x8, "_flags", lambda: (flags[0], flags[1] + ["-I/elsewhere"], flags[2]))
+    assert q4x8.library_path() != before
+    monkeypatch.undo()
+    assert "dispatch.h" in q4x8.SOURCES and q4x8.library_path() == before
+
+
+def test_isa_path_names_come_from_the_library(paths):
+    """csrc/dispatch.h names the paths: PATHS is filled from it, and it also takes "portable" for the scalar path."""
+    ops = q4x8.load()
+    assert q4x8.PATHS == {"auto": -1, **{name: i for i, name in enumerate(ops.path_names())}}
+    assert set(paths) <= set(q4x8.PATHS) and paths[0] == "scalar"
+    assert ops.path_id("portable") == ops.path_id("scalar") == 0
+    with pytest.raises(RuntimeError, match="no ISA path named 'neon'"):
+        ops.path_id("neon")
+    with pytest.raises(RuntimeError, match="cannot run on this CPU"):
+        u8 = torch.zeros(0, dtype=torch.uint8)
+        ops.linear(torch.zeros(1, 32), u8, u8, u8, torch.zeros(0), torch.zeros(0), None, 0, 7)
+
+
 # ---- autotuner: choice logic with injected timings ----------------------------------------------------------
 
 def _table(ms: dict, indep: dict, rows=(1, 2, 4, 8, 16, 128)) -> dict:

@@ -111,6 +111,16 @@ def test_layers_that_do_not_qualify_take_the_python_loop(calls):
     assert calls == []
 
 
+def test_layer_weights_follow_the_libraries_slot_count(monkeypatch):
+    """SLOTS is csrc/stack.cpp's count, read from the library; a layer_weights out of step with it says so."""
+    model = q4x8_model("qwen2")
+    assert stack_op.SLOTS == stack_op.slots_per_layer() == torch.ops.draftwise_stack.weights_per_layer()
+    real = stack_op._linear
+    monkeypatch.setattr(stack_op, "_linear", lambda m: real(m)[:-1])  # a projection's bias left out
+    with pytest.raises(RuntimeError, match="Slot layout takes"):
+        model._stack_weights(1)
+
+
 def test_a_bad_weight_list_is_a_clear_error():
     model = q4x8_model("qwen2")
     c = model.config

@@ -4,8 +4,9 @@ cache slot (start = max(0, end - window) on sliding-window layers), GQA included
 accumulation), in parallel over (b, t, head) items.
 
 Owns: whether the op can run here (it is built into the q4x8 library: `q4x8.load`, KernelBuildError without a
-compiler) and its Python signature. Knows nothing of models beyond the KV cache's layout ([slots, kv heads,
-capacity, head_dim], one tensor per layer, passed as it is: no copy).
+compiler) and its Python signature; its ISA path is chosen by csrc/dispatch.h's rule, like every op of the library
+('auto': the best this CPU runs; `cpu_paths` lists them). Knows nothing of models beyond the KV cache's layout
+([slots, kv heads, capacity, head_dim], one tensor per layer, passed as it is: no copy).
 
 Exactness: one query's result is a fixed sequence of float operations on that query, its keys and its values
 (csrc/attention.h documents it), never on B, T, the other queries or the thread split — so a token attended
@@ -19,7 +20,7 @@ import torch
 
 from draftwise.kernels import q4x8
 
-PATHS = {"auto": -1, "scalar": 0, "avx2": 1, "avx512": 2}
+PATHS = q4x8.PATHS  # ISA path name -> id, from the library (csrc/dispatch.h)
 ATTENTION_DTYPES = (torch.float32, torch.bfloat16)
 
 
@@ -47,8 +48,7 @@ def usable(q: torch.Tensor, keys: torch.Tensor) -> bool:
 def cpu_paths() -> list[str]:
     """The ISA paths the op can run on this CPU, slowest first (the last is what 'auto' picks)."""
     q4x8.load()
-    ids = list(torch.ops.draftwise_attn.paths())
-    return [name for name, i in PATHS.items() if i in ids]
+    return q4x8.path_names(torch.ops.draftwise_attn.paths())
 
 
 def attend_rows(
@@ -65,4 +65,4 @@ def attend_rows(
     """Query t of sequence b attends over keys [max(0, end - window), end) of slot slots[b], end = positions[b, 0]
     + t + 1 (the K/V of the chunk itself must already be in the cache)."""
     return torch.ops.draftwise_attn.decode(q, keys, values, slots, positions, num_tokens, float(scale),
-                                           int(window or 0), PATHS[path])
+                                           int(window or 0), q4x8.path_id(path))

@@ -11,7 +11,8 @@ cache's layout ([slots, kv heads, capacity, head_dim] per layer, written in plac
 
 Exactness (csrc/glue.h and glue.cpp document the float sequences): every op computes a row from that row alone,
 the same way for any number of rows and any thread split (row-exact), and on every ISA path (`cpu_paths`: scalar,
-avx2, avx512; the best runs unless `use_path` says otherwise) bitwise the same. rope_qk(_cache) and the gelu glu
+avx2, avx512, chosen by csrc/dispatch.h's rule like every op of the library: the best this CPU runs unless
+`use_path` asked for another) bitwise the same. rope_qk(_cache) and the gelu glu
 are bitwise the torch reference; rms_norm / add_rms_norm sum the squares in double, so they differ from the float
 reference by a few ulps (NORM_TOLERANCE, relative, is what the tests hold them to); the silu glu uses our own exp
 (GLU_TOLERANCE).
@@ -25,7 +26,7 @@ from draftwise.kernels import q4x8
 NORM_TOLERANCE = 1e-6  # max |fused - reference| / max |reference| of rms_norm (float32)
 GLU_TOLERANCE = 1e-6  # max |fused - reference| / |reference| per element of the silu glu (both <= 1.4 ulp of exact)
 ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}
-PATHS = {"auto": -1, "scalar": 0, "avx2": 1, "avx512": 2}
+PATHS = q4x8.PATHS  # ISA path name -> id, from the library (csrc/dispatch.h)
 
 
 def available() -> bool:
@@ -40,15 +41,14 @@ def available() -> bool:
 def cpu_paths() -> list[str]:
     """The ISA paths of the row loops this CPU can run, slowest first (the last is what 'auto' picks)."""
     q4x8.load()
-    ids = list(torch.ops.draftwise_glue.paths())
-    return [name for name, i in PATHS.items() if i in ids]
+    return q4x8.path_names(torch.ops.draftwise_glue.paths())
 
 
 def use_path(path: str) -> str:
     """Run the ops' row loops on `path` from now on (process-wide; 'auto': the best here); returns the path in use
     before. For tests and benchmarks: every path gives bitwise the same results."""
-    before = torch.ops.draftwise_glue.use_path(PATHS[path])
-    return next(name for name, i in PATHS.items() if i == before)
+    before = torch.ops.draftwise_glue.use_path(q4x8.path_id(path))
+    return q4x8.path_names([before])[0]
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0) -> torch.Tensor:

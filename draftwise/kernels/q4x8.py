@@ -4,11 +4,17 @@ weights' min term), a C++ torch operator with an AVX-512 VNNI path and an AVX2 p
 (one binary serves both kinds of CPU).
 
 Owns: building the extension (JIT on first use, cached under ${DRAFTWISE_CACHE_DIR:-~/.cache/draftwise}/kernels/
-<hash of sources + torch version + compiler>; `build()` is what `make setup` calls; the same library carries the
-attention op of kernels/attention.py), quantizing an fp32 weight
+<hash of every csrc file + all compiler flags + torch version + compiler>; `build()` is what `make setup` calls; the
+same library carries the attention, glue and layer-loop ops of kernels/attention.py, glue.py and stack.py; each unit
+is compiled with WARNINGS (-Wall -Wextra ...), torch's headers as system headers, and the compiler's output kept in
+build.log next to the library: warnings are printed, only errors fail the build), quantizing an fp32 weight
 to the Q4_K-style representation, mapping Q4_K sub-blocks onto it exactly, packing it into the kernel's layout
-(csrc/q4x8.h documents it) and the packed embedding table `Q4x8Embedding`. The linear module is kernels/linear.py's `Q4x8Linear`.
-Knows nothing of checkpoints or decoders.
+(csrc/q4x8.h documents it) and the packed embedding table `Q4x8Embedding`. The linear module is
+kernels/linear.py's `Q4x8Linear`. Knows nothing of checkpoints or decoders.
+
+ISA paths: every op of the library picks its path by csrc/dispatch.h's one rule ('auto': the best this CPU runs for
+that op, by cpuid; an explicit path only where the CPU runs it). The path names and their ids come from there too:
+`PATHS` (shared by kernels/attention.py and glue.py) is filled from the library when it is loaded.
 
 Exactness: every output row is bitwise the same whatever M is and whatever other rows share the call, on a
 given path; the AVX-512, AVX2 and scalar paths perform the same float sequence, so they agree bitwise too.
@@ -40,13 +46,11 @@ GROUP = 32  # K values per scale/min group (a Q4_K sub-block)
 SUPER = 8  # groups per super-block (Q4_K: 8 x 32 = 256), which share the fp32 d and dmin
 COLS = 16  # output columns per packed block
 QUANT_CHUNK_ROWS = 8192
-PATHS = {"auto": -1, "scalar": 0, "avx2": 1, "avx512": 2}
+PATHS: dict[str, int] = {}  # ISA path name -> the library's id ("auto", "scalar", "avx2", "avx512"): filled by load()
 PACKED = ("packed", "sc", "mn", "d", "dmin")  # the buffers `pack` returns, as a module's state holds them
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = ("q4x8.h", "q4x8.cpp", "q4x8_avx2.cpp", "q4x8_avx512.cpp",  # + the attention op (kernels/attention.py)
-           "attention.h", "attention_kernel.h", "attention.cpp", "attention_avx2.cpp", "attention_avx512.cpp",
-           "cephes_exp.h", "glue.h", "glue_kernel.h", "glue.cpp", "glue_avx2.cpp", "glue_avx512.cpp",  # + the glue ops (kernels/glue.py)
-           "stack.cpp")  # + the layer loop over those ops (kernels/stack.py)
+SOURCES = tuple(sorted(p.name for p in CSRC.iterdir() if p.suffix in (".h", ".cpp")))  # all hashed into the cache key
+WARNINGS = ["-Wall", "-Wextra", "-Wshadow", "-Wpedantic"]  # every unit; a warning is printed (build.log), never fatal
 _X86 = platform.machine().lower() in ("x86_64", "amd64")
 
 
@@ -75,8 +79,10 @@ def _flags() -> tuple[list[str], list[str], list[str]]:
     from torch.utils import cpp_extension
 
     abi = int(getattr(torch._C, "_GLIBCXX_USE_CXX11_ABI", 1))
-    common = ["-O3", "-std=c++20", "-fPIC", "-ffp-contract=off", "-fno-math-errno", f"-D_GLIBCXX_USE_CXX11_ABI={abi}"]
-    includes = [f"-I{p}" for p in cpp_extension.include_paths()] + [f"-I{CSRC}"]
+    common = ["-O3", "-std=c++20", "-fPIC", "-ffp-contract=off", "-fno-math-errno", f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
+              *WARNINGS]
+    # torch's headers as system headers: their own warnings (unused parameters) are not ours to fix
+    includes = [a for p in cpp_extension.include_paths() for a in ("-isystem", p)] + [f"-I{CSRC}"]
     libdir = cpp_extension.library_paths()[0]
     link = [f"-L{libdir}", "-lc10", "-ltorch_cpu", "-ltorch", f"-Wl,-rpath,{libdir}", "-fopenmp"]
     return common, includes, link
@@ -84,7 +90,7 @@ def _flags() -> tuple[list[str], list[str], list[str]]:
 
 def _units() -> list[tuple[str, list[str]]]:
     """(source, extra flags) per translation unit; the ISA units get their own -m flags and no torch headers."""
-    main_flags = ["-fopenmp", "-w"] + (["-DDW_HAVE_X86"] if _X86 else [])
+    main_flags = ["-fopenmp"] + (["-DDW_HAVE_X86"] if _X86 else [])
     mains = [("q4x8.cpp", main_flags), ("attention.cpp", main_flags), ("glue.cpp", main_flags),
              ("stack.cpp", main_flags)]
     if not _X86:
@@ -100,15 +106,24 @@ def _units() -> list[tuple[str, list[str]]]:
     ]
 
 
+def _flags_key() -> str:
+    """_flags() as the cache key sees them: every flag, but not where this checkout or torch lie (torch's version
+    is keyed on its own), so checkouts of the same sources share one build."""
+    text = repr(_flags())
+    for root, name in ((str(CSRC), "<csrc>"), (os.path.dirname(torch.__file__), "<torch>")):
+        text = text.replace(root, name)
+    return text
+
+
 def library_path() -> Path:
-    """Where the built library lives for these sources, this torch and this compiler."""
+    """Where the built library lives for these sources, these flags, this torch and this compiler."""
     h = hashlib.sha256()
     for name in SOURCES:
         h.update(name.encode())
         h.update((CSRC / name).read_bytes())
     h.update(torch.__version__.encode())
     h.update(platform.machine().encode())
-    h.update(repr(_flags()[0]).encode())
+    h.update(_flags_key().encode())  # compile, include and link flags: any change to them rebuilds
     h.update(repr(_units()).encode())
     try:
         h.update(subprocess.run([_compiler(), "--version"], capture_output=True, text=True, timeout=30, check=False).stdout.encode())
@@ -135,15 +150,26 @@ def build(verbose: bool = False) -> Path:
             if verbose:
                 print(" ".join(cmd), file=sys.stderr)
             procs.append((obj, cmd, subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)))
+        log, outputs = [], []  # every command with its output; the outputs alone (warnings: the build goes on)
         for obj, cmd, p in procs:
             out = p.communicate()[0]
             if p.returncode != 0:
                 raise KernelBuildError(f"compiling {' '.join(cmd)} failed:\n{out[-4000:]}")
+            log.append(f"$ {' '.join(cmd)}\n{out}")
+            outputs.append(out.strip())
         so = os.path.join(tmp, "draftwise_q4x8.so")
         cmd = [cxx, "-shared", "-o", so, *[o for o, _, _ in procs], *link]
         r = subprocess.run(cmd, capture_output=True, text=True, check=False)
         if r.returncode != 0:
             raise KernelBuildError(f"linking failed:\n{(r.stdout + r.stderr)[-4000:]}")
+        log.append(f"$ {' '.join(cmd)}\n{r.stdout}{r.stderr}")
+        outputs.append((r.stdout + r.stderr).strip())
+        Path(tmp, "build.log").write_text("\n".join(log))
+        os.replace(Path(tmp, "build.log"), target.parent / "build.log")
+        said = "\n".join(t for t in outputs if t)
+        if said:  # warnings: shown, never fatal (only errors fail the build)
+            print(f"draftwise: the kernel build printed warnings (the whole log: {target.parent / 'build.log'}):\n"
+                  f"{said[-4000:]}", file=sys.stderr, flush=True)
         os.replace(so, target)  # atomic: a concurrent builder either sees nothing or a whole library
     return target
 
@@ -159,6 +185,8 @@ def load() -> object:
             try:
                 path = build()
                 torch.ops.load_library(str(path))
+                ops = torch.ops.draftwise_q4x8
+                PATHS.update({name: int(ops.path_id(name)) for name in ("auto", *ops.path_names())})
             except (KernelBuildError, OSError, RuntimeError) as e:
                 _failed = str(e)
                 raise KernelBuildError(_failed) from e
@@ -166,10 +194,24 @@ def load() -> object:
     return torch.ops.draftwise_q4x8
 
 
+def path_id(name: str) -> int:
+    """The library's id of an ISA path name (PATHS; loads the library first). KeyError for a name it lacks."""
+    if not PATHS:
+        load()
+    return PATHS[name]
+
+
+def path_names(ids) -> list[str]:
+    """Path ids (an op's `paths()`, or one id in a list) -> their names (loads the library first)."""
+    if not PATHS:
+        load()
+    by_id = {i: name for name, i in PATHS.items()}
+    return [by_id[int(i)] for i in ids]
+
+
 def cpu_paths() -> list[str]:
     """The ISA paths the loaded kernel can run on this CPU, slowest first (the last is what 'auto' picks)."""
-    ids = list(load().paths())
-    return [name for name, i in PATHS.items() if i in ids]
+    return path_names(load().paths())
 
 
 def check_path(path: str) -> None:

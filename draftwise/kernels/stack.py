@@ -6,31 +6,53 @@ dispatch, argument parsing, views) kept the second core idle. `layers` makes tho
 registered operators with the same arguments, from C++: its result is bitwise the Python loop's (transformer.py's
 fused path), 3-8 ms sooner per forward of the 1.5B on 2 cores (docs/ARCHITECTURE.md, Kernels).
 
-Owns: the flat weight list's layout (`layer_weights`: SLOTS entries per layer, in csrc/stack.cpp's Slot order);
-whether it can run here is glue's `available` (one library). Knows nothing of models beyond those shapes: the
-decoder (models/transformer.py) decides when its layers qualify (q4x8 projections with merged q/k/v and gate/up,
-our glue and attention ops, no sandwich norms) and keeps its Python loop for everything else.
+Owns: building the flat weight list (`layer_weights`: one layer's entries in csrc/stack.cpp's Slot order, checked
+to be exactly SLOTS long); whether it can run here is glue's `available` (one library). The layout itself is
+csrc/stack.cpp's alone: SLOTS, the entries per layer, is read from the loaded library (`weights_per_layer`) the first
+time it is used, never written here. Knows nothing of models beyond those shapes: the decoder
+(models/transformer.py) decides when its layers qualify (q4x8 projections with merged q/k/v and gate/up, our glue
+and attention ops, no sandwich norms) and keeps its Python loop for everything else.
 """
 from __future__ import annotations
+
+import functools
 
 import torch
 
 from draftwise.kernels import q4x8
+from draftwise.kernels.linear import Q4x8Linear
 from draftwise.kernels.glue import available  # noqa: F401 (one library: built and loaded, or not)
 
-SLOTS = 28  # weights per layer: csrc/stack.cpp WEIGHTS_PER_LAYER
+
+@functools.cache
+def slots_per_layer() -> int:
+    """Weights per layer in the flat list: csrc/stack.cpp's WEIGHTS_PER_LAYER, from the loaded library (built on
+    first use; KernelBuildError where it cannot be). Also readable as `SLOTS`."""
+    q4x8.load()
+    return int(torch.ops.draftwise_stack.weights_per_layer())
 
 
-def _linear(m: q4x8.Q4x8Linear) -> list[torch.Tensor | None]:  # packed, sc, mn, d, dmin, bias
+def __getattr__(name: str) -> int:  # `stack.SLOTS`: the library's count, read once it is asked for
+    if name == "SLOTS":
+        return slots_per_layer()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _linear(m: Q4x8Linear) -> list[torch.Tensor | None]:  # packed, sc, mn, d, dmin, bias
     b = m._buffers  # read directly, as Q4x8Linear.forward does (a model's buffers may be swapped: hugepages.py)
     return [b["packed"], b["sc"], b["mn"], b["d"], b["dmin"], b["bias"]]
 
 
-def layer_weights(in_norm: torch.Tensor, qkv: q4x8.Q4x8Linear, q_norm: torch.Tensor | None,
-                  k_norm: torch.Tensor | None, o: q4x8.Q4x8Linear, post_norm: torch.Tensor,
-                  gate_up: q4x8.Q4x8Linear, down: q4x8.Q4x8Linear) -> list[torch.Tensor | None]:
+def layer_weights(in_norm: torch.Tensor, qkv: Q4x8Linear, q_norm: torch.Tensor | None,
+                  k_norm: torch.Tensor | None, o: Q4x8Linear, post_norm: torch.Tensor,
+                  gate_up: Q4x8Linear, down: Q4x8Linear) -> list[torch.Tensor | None]:
     """One layer's SLOTS entries: norm weights [hidden] / [head_dim] float32, projections as q4x8 modules."""
-    return [in_norm, *_linear(qkv), q_norm, k_norm, *_linear(o), post_norm, *_linear(gate_up), *_linear(down)]
+    w = [in_norm, *_linear(qkv), q_norm, k_norm, *_linear(o), post_norm, *_linear(gate_up), *_linear(down)]
+    if len(w) != slots_per_layer():
+        raise RuntimeError(f"stack.layer_weights built {len(w)} entries for a layer, but csrc/stack.cpp's Slot layout "
+                           f"takes {slots_per_layer()} (weights_per_layer): layer_weights no longer follows that "
+                           f"layout; make it build csrc/stack.cpp's Slot order")
+    return w
 
 
 def layers(

@@ -1,8 +1,9 @@
-// Row-exact attention: the torch operator torch.ops.draftwise_attn.decode, the run-time ISA dispatch and the
-// baseline path (attention_kernel.h compiled without -m flags, so this library still loads on any x86-64).
-// Owns: argument checks, the output layout and threading over (b, kv head, t, head) items (at::parallel_for,
-// torch's thread count). The float sequence of one query is fixed in attention.h / attention_kernel.h; how
-// items are split among threads cannot change any result. Knows nothing of models or of speculation.
+// Row-exact attention: the torch operator torch.ops.draftwise_attn.decode and the baseline path
+// (attention_kernel.h compiled without -m flags, so this library still loads on any x86-64).
+// Owns: argument checks, the output layout, threading over (b, kv head, t, head) items (at::parallel_for, torch's
+// thread count) and which cpuid features each attention ISA unit needs (ISA below; dispatch.h's rule picks the
+// path). The float sequence of one query is fixed in attention.h / attention_kernel.h; how items are split among
+// threads cannot change any result. Knows nothing of models or of speculation.
 #include <torch/library.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -10,6 +11,7 @@
 #include <algorithm>
 #include <vector>
 #include "attention_kernel.h"
+#include "dispatch.h"
 
 extern "C" void dw_attn_rows_scalar(const DwAttnArgs* a, int64_t i0, int64_t i1, float* scratch) {
     dwattn::run(a, i0, i1, scratch);
@@ -22,24 +24,9 @@ extern "C" void dw_attn_rows_avx512(const DwAttnArgs*, int64_t, int64_t, float*)
 
 namespace {
 
-enum Path : int64_t { AUTO = -1, SCALAR = 0, AVX2 = 1, AVX512 = 2 };
-
-std::vector<int64_t> available_paths() {
-    std::vector<int64_t> p{SCALAR};
-#if defined(DW_HAVE_X86) && (defined(__x86_64__) || defined(__i386__))
-    __builtin_cpu_init();
-    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) p.push_back(AVX2);
-    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-        __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq"))
-        p.push_back(AVX512);
-#endif
-    return p;
-}
-
-int64_t best_path() {
-    static const int64_t best = available_paths().back();
-    return best;
-}
+// What attention_avx2.cpp and attention_avx512.cpp are compiled for (kernels/q4x8.py `_units`).
+constexpr dwisa::Isa ISA{"attention", {0, dwisa::F_AVX2 | dwisa::F_FMA,
+                                       dwisa::F_AVX512F | dwisa::F_AVX512BW | dwisa::F_AVX512VL | dwisa::F_AVX512DQ}};
 
 // q [B, H, T, D] (D contiguous, any other strides), keys/values: one layer's cache [S, Hkv, C, D];
 // slots [B] int64; positions [B, >=1] int64 (positions[b, 0]: the first query's position, the rest follow);
@@ -82,10 +69,7 @@ at::Tensor attn_decode(const at::Tensor& q, const at::Tensor& keys, const at::Te
         const int64_t len = first[b] + ntok[b];
         max_len = std::max(max_len, window > 0 ? std::min(len, window) : len);
     }
-    if (path == AUTO) path = best_path();
-    const auto avail = available_paths();
-    TORCH_CHECK(std::find(avail.begin(), avail.end(), path) != avail.end(), "attention path ", path,
-                " cannot run on this CPU");
+    path = dwisa::select(ISA, path);
 
     at::Tensor out = at::empty({B, T, H, D}, q.options());
     const int64_t items = B * H * T;
@@ -94,10 +78,7 @@ at::Tensor attn_decode(const at::Tensor& q, const at::Tensor& keys, const at::Te
                      keys.data_ptr(), values.data_ptr(), keys.stride(0), keys.stride(1), keys.stride(2),
                      out.data_ptr(), slot.data(), first.data(), ntok.data(),
                      B, T, H, Hkv, D, (float)scale, window, dt == at::kBFloat16 ? DW_ATTN_BF16 : DW_ATTN_F32};
-        auto fn = path == AVX512 ? dw_attn_rows_avx512 : path == AVX2 ? dw_attn_rows_avx2 : dw_attn_rows_scalar;
-#ifndef DW_HAVE_X86
-        fn = dw_attn_rows_scalar;
-#endif
+        auto fn = dwisa::pick(path, dw_attn_rows_scalar, dw_attn_rows_avx2, dw_attn_rows_avx512);
         if (D % 16 != 0) fn = dw_attn_rows_scalar;  // the SIMD paths take whole 16-lane chunks of head_dim
         const int64_t nscratch = dw_attn_scratch_floats(max_len, D);
         const int64_t grain = std::max<int64_t>(1, 32768 / (max_len * D));  // ~64k flops per chunk at least
@@ -109,7 +90,7 @@ at::Tensor attn_decode(const at::Tensor& q, const at::Tensor& keys, const at::Te
     return out.transpose(1, 2);
 }
 
-std::vector<int64_t> paths() { return available_paths(); }
+std::vector<int64_t> paths() { return dwisa::available_paths(ISA); }
 
 }  // namespace
 

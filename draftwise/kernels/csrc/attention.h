@@ -3,7 +3,7 @@
 // Owns: the argument block and the float sequence of one query, described here once (attention_kernel.h is its
 // portable implementation and the oracle; the AVX2 and AVX-512 units perform the very same operations with
 // intrinsics, so all paths agree bitwise). Knows nothing of torch (the ISA units include only this header,
-// attention_kernel.h and <immintrin.h>), of models or of speculation.
+// attention_kernel.h and intrin.h), of models or of speculation.
 //
 // Work item (b, t, h): query t of sequence b, head h; kv head g = h / (H / Hkv) (GQA). It attends over exactly
 // the keys [start, end) of cache slot slots[b]: end = first[b] + t + 1, start = max(0, end - window) when

@@ -5,8 +5,10 @@
 // w = 8 step, and the 8 dots of a group of keys are folded together by a shuffle tree doing, per key, the very
 // additions of the portable fold. Consecutive queries of one (b, kv head) are attended as a block (dwattn::attend_block,
 // as in attention_avx512.cpp), so a block of 16 keys or values is read from L2 once for all of them.
-// Includes no C++ library header: nothing inline from here can leak into code run on other CPUs.
-#include <immintrin.h>
+// Owns only this path's loops over 16-key blocks (Steps); knows nothing of torch, threads or when it runs (that is
+// attention.cpp's and dispatch.h's). Includes no C++ library header: nothing inline from here can leak into code
+// run on other CPUs.
+#include "intrin.h"
 #include "attention_kernel.h"
 
 namespace {
@@ -167,16 +169,8 @@ static void values(const E* vb, int64_t sc, int64_t D, const float* p, int lo, i
 
 };
 
-template <class E>
-void rows(const DwAttnArgs* a, int64_t i0, int64_t i1, float* scratch) {
-    dwattn::for_each_block(a, i0, i1, [&](int64_t j0, int n) { dwattn::attend_block<Steps, E>(a, j0, n, scratch); });
-}
-
 }  // namespace
 
 extern "C" void dw_attn_rows_avx2(const DwAttnArgs* a, int64_t i0, int64_t i1, float* scratch) {
-    if (a->dtype == DW_ATTN_BF16)
-        rows<uint16_t>(a, i0, i1, scratch);
-    else
-        rows<float>(a, i0, i1, scratch);
+    dwattn::run_blocks<Steps>(a, i0, i1, scratch);
 }

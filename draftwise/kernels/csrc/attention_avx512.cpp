@@ -3,9 +3,11 @@
 // (bitwise the portable path in attention_kernel.h, its oracle): a dot product's 16 lanes are one zmm, and the
 // 16 dots of a block of keys are folded together by a shuffle tree that does, per key, the very additions
 // a[l] += a[l + w] (w = 8, 4, 2, 1) of the portable fold. Consecutive queries of one (b, kv head) are attended
-// as a block (dwattn::attend_block), so a block of 16 keys or values is read from L2 once for all of them. Includes no
-// C++ library header: nothing inline from here can leak into code run on other CPUs.
-#include <immintrin.h>
+// as a block (dwattn::attend_block), so a block of 16 keys or values is read from L2 once for all of them.
+// Owns only this path's loops over 16-key blocks (Steps); knows nothing of torch, threads or when it runs (that is
+// attention.cpp's and dispatch.h's). Includes no C++ library header: nothing inline from here can leak into code
+// run on other CPUs.
+#include "intrin.h"
 #include "attention_kernel.h"
 
 namespace {
@@ -159,16 +161,8 @@ static void values(const E* vb, int64_t sc, int64_t D, const float* p, int lo, i
 
 };
 
-template <class E>
-void rows(const DwAttnArgs* a, int64_t i0, int64_t i1, float* scratch) {
-    dwattn::for_each_block(a, i0, i1, [&](int64_t j0, int n) { dwattn::attend_block<Steps, E>(a, j0, n, scratch); });
-}
-
 }  // namespace
 
 extern "C" void dw_attn_rows_avx512(const DwAttnArgs* a, int64_t i0, int64_t i1, float* scratch) {
-    if (a->dtype == DW_ATTN_BF16)
-        rows<uint16_t>(a, i0, i1, scratch);
-    else
-        rows<float>(a, i0, i1, scratch);
+    dwattn::run_blocks<Steps>(a, i0, i1, scratch);
 }

@@ -1,8 +1,9 @@
 // Row-exact attention: the portable implementation of the float sequence documented in attention.h — the
 // baseline path (compiled into the main unit without -m flags), the path for a head_dim that is not a multiple
-// of 16, and the oracle of the SIMD paths, which reuse its helpers (load, store, exp_nonpos, fold) and run their
-// query blocks through its driver (Block, gather, span, attend_block, for_each_block), supplying only the SIMD
-// loops over 16-key blocks.
+// of 16, and the oracle of the SIMD paths. Owns also what those paths share: its helpers (load, store, exp_nonpos,
+// fold) and the driver they run their query blocks through (run_blocks: Block, gather, span, attend_block,
+// for_each_block), so each supplies only its loops over 16-key blocks. Knows nothing of torch, threads or which
+// path runs.
 //
 // Written lane by lane (arrays of 16 floats, every lane an independent chain), so -O3 may vectorize it at any
 // width without reordering a single float operation (-ffp-contract=off: no fused multiply-adds either).
@@ -212,6 +213,16 @@ void attend_block(const DwAttnArgs* a, int64_t i0, int n, float* scratch) {
         for (int64_t d = 0; d < D; ++d) acc[d] = acc[d] / total[u];
         for (int64_t d = 0; d < D; ++d) store(blk.q[u].o, d, acc[d]);
     }
+}
+
+// A SIMD path's whole entry point: items [i0, i1) (one thread's share) as query blocks through attend_block with
+// that path's Steps, for the call's dtype.
+template <class Steps>
+void run_blocks(const DwAttnArgs* a, int64_t i0, int64_t i1, float* scratch) {
+    if (a->dtype == DW_ATTN_BF16)
+        for_each_block(a, i0, i1, [&](int64_t j0, int n) { attend_block<Steps, uint16_t>(a, j0, n, scratch); });
+    else
+        for_each_block(a, i0, i1, [&](int64_t j0, int n) { attend_block<Steps, float>(a, j0, n, scratch); });
 }
 
 // One item: query t of sequence b, head h (see attention.h).

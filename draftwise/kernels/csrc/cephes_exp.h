@@ -1,74 +1,81 @@
-// e^t for float t in [-87, 88] (where 2^n stays a normal float), the one float sequence the attention op's softmax
-// and the glue's silu use: Cephes expf (n = round(t log2 e) by adding and subtracting 1.5 * 2^23, round to nearest
-// even; r = t - n ln 2 in two steps; a degree-5 polynomial; 2^n through the exponent bits). Callers clamp t first.
-// Scalar, and where the including unit is compiled for them, AVX2 (8 lanes) and AVX-512 (16 lanes) versions that
-// perform the very same operations (-ffp-contract=off: no fused multiply-adds), so every path agrees bitwise.
+// e^t for float t in [-87, 88] (where 2^n stays a normal float): owns the one float sequence the attention op's
+// softmax and the glue's silu use, Cephes expf (n = round(t log2 e) by adding and subtracting 1.5 * 2^23, round to
+// nearest even; r = t - n ln 2 in two steps; a degree-5 polynomial; 2^n through the exponent bits). Callers clamp t.
+// Written once (DW_EXP_POLY) for any lane type: scalar, and where the including unit is compiled for them, AVX2
+// (8 lanes) and AVX-512 (16 lanes), so every version performs the very same operations (-ffp-contract=off: no fused
+// multiply-adds) and every path agrees bitwise. Knows nothing of its callers (the clamping is theirs).
 // Internal linkage only, no C++ library header: nothing compiled with AVX-512 flags can be merged into code that runs
 // on other CPUs.
 #pragma once
 #include <stdint.h>
 #if defined(__AVX2__) || defined(__AVX512F__)
-#include <immintrin.h>
+#include "intrin.h"
 #endif
 
 namespace {
 namespace dwexp {
 
-inline float exp_poly(float t) {  // a NaN stays NaN
-    const float n = (t * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
-    float r = t - n * 0.693359375f;
-    r = r - n * -2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * (r * r) + r + 1.0f;
+// The sequence once, for any lane type: F the type (a float, or a vector of them), SET1 / ADD / SUB / MUL its
+// operations and POW2(n) = 2^n for integral n in [-126, 127] (n + 127 in the exponent bits). Each step is one IEEE
+// operation, so every lane type gives bitwise the same lanes. A macro, not a template over lane types: each version
+// then compiles to exactly the machine code of its sequence written out by hand (inline wrappers around the
+// intrinsics gave the same instructions, but GCC 12 scheduled and allocated the AVX-512 softmax's differently).
+#define DW_EXP_POLY(F, SET1, ADD, SUB, MUL, POW2, t)                                 \
+    const F magic = SET1(12582912.0f); /* 1.5 * 2^23: + and - it round to an integer, even ties */ \
+    const F n = SUB(ADD(MUL(t, SET1(1.44269504088896341f)), magic), magic);          \
+    F r = SUB(t, MUL(n, SET1(0.693359375f)));                                        \
+    r = SUB(r, MUL(n, SET1(-2.12194440e-4f)));                                       \
+    F p = SET1(1.9875691500e-4f);                                                    \
+    p = ADD(MUL(p, r), SET1(1.3981999507e-3f));                                      \
+    p = ADD(MUL(p, r), SET1(8.3334519073e-3f));                                      \
+    p = ADD(MUL(p, r), SET1(4.1665795894e-2f));                                      \
+    p = ADD(MUL(p, r), SET1(1.6666665459e-1f));                                      \
+    p = ADD(MUL(p, r), SET1(5.0000001201e-1f));                                      \
+    p = ADD(ADD(MUL(p, MUL(r, r)), r), SET1(1.0f));                                  \
+    const F scale = POW2(n);                                                         \
+    return MUL(p, scale)
+
+inline float pow2_1(float n) {
     const int32_t ni = n == n ? (int32_t)n : 0;  // (a NaN's p is NaN already; no undefined conversion)
-    const uint32_t bits = (uint32_t)(ni + 127) << 23;  // 2^n
-    float scale;
-    __builtin_memcpy(&scale, &bits, 4);
-    return p * scale;
+    const uint32_t bits = (uint32_t)(ni + 127) << 23;
+    float f;
+    __builtin_memcpy(&f, &bits, 4);
+    return f;
+}
+#define DW_SET1_1(x) (x)
+#define DW_ADD_1(a, b) ((a) + (b))
+#define DW_SUB_1(a, b) ((a) - (b))
+#define DW_MUL_1(a, b) ((a) * (b))
+
+inline float exp_poly(float t) {  // a NaN stays NaN
+    DW_EXP_POLY(float, DW_SET1_1, DW_ADD_1, DW_SUB_1, DW_MUL_1, pow2_1, t);
 }
 
 #if defined(__AVX2__)
+#define DW_POW2_8(n) \
+    _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(n), _mm256_set1_epi32(127)), 23))
+
 inline __m256 exp_poly8(__m256 t) {
-    const __m256 magic = _mm256_set1_ps(12582912.0f);
-    const __m256 n = _mm256_sub_ps(_mm256_add_ps(_mm256_mul_ps(t, _mm256_set1_ps(1.44269504088896341f)), magic), magic);
-    __m256 r = _mm256_sub_ps(t, _mm256_mul_ps(n, _mm256_set1_ps(0.693359375f)));
-    r = _mm256_sub_ps(r, _mm256_mul_ps(n, _mm256_set1_ps(-2.12194440e-4f)));
-    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-    p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(1.3981999507e-3f));
-    p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(8.3334519073e-3f));
-    p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(4.1665795894e-2f));
-    p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(1.6666665459e-1f));
-    p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(5.0000001201e-1f));
-    p = _mm256_add_ps(_mm256_add_ps(_mm256_mul_ps(p, _mm256_mul_ps(r, r)), r), _mm256_set1_ps(1.0f));
-    const __m256 scale = _mm256_castsi256_ps(
-        _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(n), _mm256_set1_epi32(127)), 23));
-    return _mm256_mul_ps(p, scale);
+    DW_EXP_POLY(__m256, _mm256_set1_ps, _mm256_add_ps, _mm256_sub_ps, _mm256_mul_ps, DW_POW2_8, t);
 }
 #endif
 
 #if defined(__AVX512F__)
+#define DW_POW2_16(n) \
+    _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(n), _mm512_set1_epi32(127)), 23))
+
 inline __m512 exp_poly16(__m512 t) {
-    const __m512 magic = _mm512_set1_ps(12582912.0f);
-    const __m512 n = _mm512_sub_ps(_mm512_add_ps(_mm512_mul_ps(t, _mm512_set1_ps(1.44269504088896341f)), magic), magic);
-    __m512 r = _mm512_sub_ps(t, _mm512_mul_ps(n, _mm512_set1_ps(0.693359375f)));
-    r = _mm512_sub_ps(r, _mm512_mul_ps(n, _mm512_set1_ps(-2.12194440e-4f)));
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(5.0000001201e-1f));
-    p = _mm512_add_ps(_mm512_add_ps(_mm512_mul_ps(p, _mm512_mul_ps(r, r)), r), _mm512_set1_ps(1.0f));
-    const __m512 scale = _mm512_castsi512_ps(
-        _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(n), _mm512_set1_epi32(127)), 23));
-    return _mm512_mul_ps(p, scale);
+    DW_EXP_POLY(__m512, _mm512_set1_ps, _mm512_add_ps, _mm512_sub_ps, _mm512_mul_ps, DW_POW2_16, t);
 }
 #endif
+
+#undef DW_EXP_POLY
+#undef DW_SET1_1
+#undef DW_ADD_1
+#undef DW_SUB_1
+#undef DW_MUL_1
+#undef DW_POW2_8
+#undef DW_POW2_16
 
 }  // namespace dwexp
 }  // namespace

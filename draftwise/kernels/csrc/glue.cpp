@@ -21,7 +21,8 @@
 //     measured against at::silu + mul_ on the 1.5B's 8960 columns, 2 threads: 0.7x at 1 row, 0.9x at 9 rows),
 //     within glue.GLU_TOLERANCE of the reference; gelu tanh: at::gelu then mul_, bitwise.
 // The row loops of rms_norm, add_rms_norm, the q/k norm and silu_mul run on the best ISA path of glue.h this CPU
-// has (cpuid, once); all paths are bitwise the portable oracle (glue_kernel.h), so the choice changes speed only.
+// has (dispatch.h's rule; ISA below says what each glue unit needs), unless a test chose one with use_path; all
+// paths are bitwise the portable oracle (glue_kernel.h), so the choice changes speed only.
 #include <torch/library.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -32,13 +33,10 @@
 #include <cstring>
 #include <tuple>
 #include <vector>
+#include "dispatch.h"
 #include "glue_kernel.h"
 
-extern "C" void dw_glue_scalar(DwGlue* ops) {
-    ops->norm_row = dwglue::norm_row;
-    ops->add_norm_row = dwglue::add_norm_row;
-    ops->silu_mul = dwglue::silu_mul;
-}
+extern "C" void dw_glue_scalar(DwGlue* ops) { dwglue::Table<dwglue::Portable>::fill(ops); }
 
 #ifndef DW_HAVE_X86
 extern "C" void dw_glue_avx2(DwGlue* ops) { dw_glue_scalar(ops); }
@@ -47,45 +45,27 @@ extern "C" void dw_glue_avx512(DwGlue* ops) { dw_glue_scalar(ops); }
 
 namespace {
 
-enum Path : int64_t { AUTO = -1, SCALAR = 0, AVX2 = 1, AVX512 = 2 };
+// What glue_avx2.cpp and glue_avx512.cpp are compiled for (kernels/q4x8.py `_units`).
+constexpr dwisa::Isa ISA{"glue", {0, dwisa::F_AVX2, dwisa::F_AVX512F | dwisa::F_AVX512DQ | dwisa::F_AVX512VL}};
 
-std::vector<int64_t> available_paths() {
-    std::vector<int64_t> p{SCALAR};
-#if defined(DW_HAVE_X86) && (defined(__x86_64__) || defined(__i386__))
-    __builtin_cpu_init();
-    if (__builtin_cpu_supports("avx2")) p.push_back(AVX2);
-    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl"))
-        p.push_back(AVX512);
-#endif
-    return p;
-}
-
-DwGlue table(int64_t path) {
-    DwGlue ops;
-    if (path == AVX512) dw_glue_avx512(&ops);
-    else if (path == AVX2) dw_glue_avx2(&ops);
-    else dw_glue_scalar(&ops);
-    return ops;
-}
-
-// The path every op uses: the best this CPU runs, unless a test chose another (use_path). Every path gives bitwise
-// the same results, so switching changes speed only.
-std::atomic<int64_t> current_path{AUTO};
+// The path every op runs, as requested (AUTO unless a test chose another with use_path), resolved by dispatch.h's
+// rule at each call like the other ops' per-call path. Every path gives bitwise the same results, so switching
+// changes speed only.
+std::atomic<int64_t> requested_path{dwisa::AUTO};
 
 DwGlue ops() {
-    static const int64_t best = available_paths().back();
-    const int64_t p = current_path.load(std::memory_order_relaxed);
-    return table(p == AUTO ? best : p);
+    DwGlue k;
+    dwisa::pick(dwisa::select(ISA, requested_path.load(std::memory_order_relaxed)), dw_glue_scalar, dw_glue_avx2,
+                dw_glue_avx512)(&k);
+    return k;
 }
 
-std::vector<int64_t> paths() { return available_paths(); }
+std::vector<int64_t> paths() { return dwisa::available_paths(ISA); }
 
-// Run the ops on `path` (AUTO: the best here) from now on; returns the path that was chosen before. For tests.
+// Run the ops on `path` (AUTO: the best here) from now on; returns the path requested before. For tests.
 int64_t use_path(int64_t path) {
-    const std::vector<int64_t> ok = available_paths();
-    TORCH_CHECK(path == AUTO || std::find(ok.begin(), ok.end(), path) != ok.end(), "glue path ", path,
-                " cannot run on this CPU");
-    return current_path.exchange(path);
+    dwisa::select(ISA, path);  // an error where this CPU cannot run it
+    return requested_path.exchange(path);
 }
 
 constexpr int64_t ROW_GRAIN = 16;  // rows per parallel task: decode calls (1-16 rows) stay on the calling thread

@@ -4,7 +4,7 @@
 // Owns: the float sequence of one row of the norm and of the gated activation, described here once
 // (glue_kernel.h is the portable implementation and the oracle; glue_avx2.cpp and glue_avx512.cpp perform the very
 // same operations with intrinsics, so every path agrees bitwise). Knows nothing of torch (the ISA units include only
-// this header, glue_kernel.h and <immintrin.h>) or of models.
+// this header, glue_kernel.h and intrin.h) or of models.
 //
 // norm_row(x[n], w[n]) -> y[n]:
 //   s   = the squares (double)x[i] * (double)x[i] (exact: 24-bit mantissas) summed in 8 lanes l = i mod 8 in i

@@ -2,13 +2,17 @@
 // -mavx2 (-ffp-contract=off: no fused multiply-adds) and called only after a run-time cpuid check. It performs
 // glue.h's float sequence exactly (bitwise glue_kernel.h, its oracle): the norm's 8 double lanes are two ymm
 // (lanes 0-3, 4-7), elementwise steps are 8 floats at a time with the oracle's own code for the tail, and the
-// Cephes exp is cephes_exp.h's. Includes no C++ library header.
-#include <immintrin.h>
+// Cephes exp is cephes_exp.h's. Owns only this path's row loops (dwglue::Table makes them a DwGlue); knows nothing of
+// torch, threads or when it runs (glue.cpp and dispatch.h decide). Includes no C++ library header.
+#include "intrin.h"
 #include "glue_kernel.h"
 
 namespace {
 
-void silu_mul(const float* g, const float* u, float* out, int64_t n) {
+// This path's row loops, put together into a DwGlue by dwglue::Table like every path's.
+struct Avx2 {
+
+static void silu_mul(const float* g, const float* u, float* out, int64_t n) {
     const __m256 lo = _mm256_set1_ps(dwglue::EXP_LO), hi = _mm256_set1_ps(dwglue::EXP_HI);
     const __m256 one = _mm256_set1_ps(1.0f), sign = _mm256_set1_ps(-0.0f);
     int64_t i = 0;
@@ -24,7 +28,7 @@ void silu_mul(const float* g, const float* u, float* out, int64_t n) {
     for (; i < n; ++i) out[i] = dwglue::silu_mul1(g[i], u[i]);
 }
 
-inline float inv_rms(const float* x, int64_t n, double eps) {
+static float inv_rms(const float* x, int64_t n, double eps) {
     __m256d a0 = _mm256_setzero_pd(), a1 = _mm256_setzero_pd();  // lanes 0-3, 4-7
     int64_t i = 0;
     for (; i + 8 <= n; i += 8) {
@@ -40,7 +44,7 @@ inline float inv_rms(const float* x, int64_t n, double eps) {
     return (float)(1.0 / __builtin_sqrt(s / (double)n + eps));
 }
 
-inline void scale_row(const float* x, const float* w, float* y, int64_t n, float r, float offset) {
+static void scale_row(const float* x, const float* w, float* y, int64_t n, float r, float offset) {
     const __m256 rv = _mm256_set1_ps(r), ov = _mm256_set1_ps(offset);
     int64_t i = 0;
     for (; i + 8 <= n; i += 8) {
@@ -48,25 +52,22 @@ inline void scale_row(const float* x, const float* w, float* y, int64_t n, float
         const __m256 wv = _mm256_loadu_ps(w + i);
         _mm256_storeu_ps(y + i, offset != 0.0f ? _mm256_mul_ps(xr, _mm256_add_ps(ov, wv)) : _mm256_mul_ps(wv, xr));
     }
-    dwglue::scale_row(x + i, w + i, y + i, n - i, r, offset);
+    dwglue::Portable::scale_row(x + i, w + i, y + i, n - i, r, offset);
 }
 
-void norm_row(const float* x, const float* w, float* y, int64_t n, double eps, float offset) {
-    scale_row(x, w, y, n, inv_rms(x, n, eps), offset);
-}
+static void add_norm_row(const float* x, const float* h, const float* w, float* s, float* y, int64_t n, double eps,
+                         float offset);
 
-void add_norm_row(const float* x, const float* h, const float* w, float* s, float* y, int64_t n, double eps,
-                  float offset) {
+};
+
+void Avx2::add_norm_row(const float* x, const float* h, const float* w, float* s, float* y, int64_t n, double eps,
+                        float offset) {
     int64_t i = 0;
     for (; i + 8 <= n; i += 8) _mm256_storeu_ps(s + i, _mm256_add_ps(_mm256_loadu_ps(x + i), _mm256_loadu_ps(h + i)));
     for (; i < n; ++i) s[i] = x[i] + h[i];
-    norm_row(s, w, y, n, eps, offset);
+    dwglue::Table<Avx2>::norm_row(s, w, y, n, eps, offset);
 }
 
 }  // namespace
 
-extern "C" void dw_glue_avx2(DwGlue* ops) {
-    ops->norm_row = norm_row;
-    ops->add_norm_row = add_norm_row;
-    ops->silu_mul = silu_mul;
-}
+extern "C" void dw_glue_avx2(DwGlue* ops) { dwglue::Table<Avx2>::fill(ops); }

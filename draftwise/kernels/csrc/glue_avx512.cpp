@@ -1,15 +1,19 @@
 // The decoder glue's row loops, AVX-512 path (F + DQ + VL), compiled with those -m flags and called only after a
 // run-time cpuid check. It performs glue.h's float sequence exactly (bitwise glue_kernel.h, its oracle): the
 // norm's 8 double lanes are one zmm, elementwise steps are 16 floats at a time with a masked tail, and the Cephes
-// exp is cephes_exp.h's. Includes no C++ library header.
-#include <immintrin.h>
+// exp is cephes_exp.h's. Owns only this path's row loops (dwglue::Table makes them a DwGlue); knows nothing of torch,
+// threads or when it runs (glue.cpp and dispatch.h decide). Includes no C++ library header.
+#include "intrin.h"
 #include "glue_kernel.h"
 
 namespace {
 
 inline __mmask16 tail16(int64_t left) { return left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1u); }
 
-void silu_mul(const float* g, const float* u, float* out, int64_t n) {
+// This path's row loops, put together into a DwGlue by dwglue::Table like every path's.
+struct Avx512 {
+
+static void silu_mul(const float* g, const float* u, float* out, int64_t n) {
     const __m512 lo = _mm512_set1_ps(dwglue::EXP_LO), hi = _mm512_set1_ps(dwglue::EXP_HI);
     const __m512 one = _mm512_set1_ps(1.0f), sign = _mm512_set1_ps(-0.0f);
     for (int64_t i = 0; i < n; i += 16) {
@@ -24,7 +28,7 @@ void silu_mul(const float* g, const float* u, float* out, int64_t n) {
     }
 }
 
-inline float inv_rms(const float* x, int64_t n, double eps) {
+static float inv_rms(const float* x, int64_t n, double eps) {
     __m512d acc = _mm512_setzero_pd();
     for (int64_t i = 0; i < n; i += 8) {  // lane l holds i = l mod 8; a masked tail adds +0 (acc >= +0: unchanged)
         const __mmask8 k = n - i >= 8 ? (__mmask8)0xFF : (__mmask8)((1u << (n - i)) - 1u);
@@ -37,7 +41,7 @@ inline float inv_rms(const float* x, int64_t n, double eps) {
     return (float)(1.0 / __builtin_sqrt(s / (double)n + eps));
 }
 
-inline void scale_row(const float* x, const float* w, float* y, int64_t n, float r, float offset) {
+static void scale_row(const float* x, const float* w, float* y, int64_t n, float r, float offset) {
     const __m512 rv = _mm512_set1_ps(r), ov = _mm512_set1_ps(offset);
     for (int64_t i = 0; i < n; i += 16) {
         const __mmask16 k = tail16(n - i);
@@ -47,23 +51,20 @@ inline void scale_row(const float* x, const float* w, float* y, int64_t n, float
     }
 }
 
-void norm_row(const float* x, const float* w, float* y, int64_t n, double eps, float offset) {
-    scale_row(x, w, y, n, inv_rms(x, n, eps), offset);
-}
+static void add_norm_row(const float* x, const float* h, const float* w, float* s, float* y, int64_t n, double eps,
+                         float offset);
 
-void add_norm_row(const float* x, const float* h, const float* w, float* s, float* y, int64_t n, double eps,
-                  float offset) {
+};
+
+void Avx512::add_norm_row(const float* x, const float* h, const float* w, float* s, float* y, int64_t n, double eps,
+                          float offset) {
     for (int64_t i = 0; i < n; i += 16) {
         const __mmask16 k = tail16(n - i);
         _mm512_mask_storeu_ps(s + i, k, _mm512_add_ps(_mm512_maskz_loadu_ps(k, x + i), _mm512_maskz_loadu_ps(k, h + i)));
     }
-    norm_row(s, w, y, n, eps, offset);
+    dwglue::Table<Avx512>::norm_row(s, w, y, n, eps, offset);
 }
 
 }  // namespace
 
-extern "C" void dw_glue_avx512(DwGlue* ops) {
-    ops->norm_row = norm_row;
-    ops->add_norm_row = add_norm_row;
-    ops->silu_mul = silu_mul;
-}
+extern "C" void dw_glue_avx512(DwGlue* ops) { dwglue::Table<Avx512>::fill(ops); }

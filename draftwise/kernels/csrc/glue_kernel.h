@@ -1,8 +1,11 @@
 // The decoder glue's row loops, portable: the float sequence of glue.h written element by element (and the norm's
 // sum lane by lane), so -O3 may vectorize it at any width without reordering a float operation
 // (-ffp-contract=off: no fused multiply-adds). The baseline path (compiled into glue.cpp without -m flags), the
-// oracle of the SIMD paths, and the source of their scalar tails; the exp is cephes_exp.h's. Internal linkage only and no C++
-// library header, so nothing compiled with AVX-512 flags can be merged into code that runs on other CPUs.
+// oracle of the SIMD paths, and the source of their scalar tails; the exp is cephes_exp.h's.
+// Owns also how any path's loops make a DwGlue (Table: norm_row = scale_row after inv_rms, for every path), so the
+// SIMD units supply only their loops. Knows nothing of torch, threads or which path runs (glue.cpp
+// and dispatch.h decide). Internal linkage only and no C++ library header, so nothing compiled with AVX-512 flags
+// can be merged into code that runs on other CPUs.
 #pragma once
 #include <stdint.h>
 #include "cephes_exp.h"
@@ -21,37 +24,64 @@ inline float silu_mul1(float g, float u) {
     return (t0 > EXP_HI ? g * 0.0f : s) * u;
 }
 
-inline void silu_mul(const float* g, const float* u, float* out, int64_t n) {
-    for (int64_t i = 0; i < n; ++i) out[i] = silu_mul1(g[i], u[i]);
-}
-
-// 1 / sqrt(mean(x^2) + eps) as glue.h defines it
-inline float inv_rms(const float* x, int64_t n, double eps) {
-    double acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-    int64_t i = 0;
-    for (; i + 8 <= n; i += 8)
-        for (int j = 0; j < 8; ++j) acc[j] = acc[j] + (double)x[i + j] * (double)x[i + j];
-    for (; i < n; ++i) acc[i & 7] = acc[i & 7] + (double)x[i] * (double)x[i];
-    const double s = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
-    return (float)(1.0 / __builtin_sqrt(s / (double)n + eps));
-}
-
-inline void scale_row(const float* x, const float* w, float* y, int64_t n, float r, float offset) {
-    if (offset != 0.0f) {
-        for (int64_t i = 0; i < n; ++i) y[i] = (x[i] * r) * (offset + w[i]);
-    } else {
-        for (int64_t i = 0; i < n; ++i) y[i] = w[i] * (x[i] * r);
+// The portable path's row loops (and the SIMD paths' tails: silu_mul1, Portable::scale_row).
+struct Portable {
+    static void silu_mul(const float* g, const float* u, float* out, int64_t n) {
+        for (int64_t i = 0; i < n; ++i) out[i] = silu_mul1(g[i], u[i]);
     }
+
+    // 1 / sqrt(mean(x^2) + eps) as glue.h defines it
+    static float inv_rms(const float* x, int64_t n, double eps) {
+        double acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+        int64_t i = 0;
+        for (; i + 8 <= n; i += 8)
+            for (int j = 0; j < 8; ++j) acc[j] = acc[j] + (double)x[i + j] * (double)x[i + j];
+        for (; i < n; ++i) acc[i & 7] = acc[i & 7] + (double)x[i] * (double)x[i];
+        const double s = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+        return (float)(1.0 / __builtin_sqrt(s / (double)n + eps));
+    }
+
+    static void scale_row(const float* x, const float* w, float* y, int64_t n, float r, float offset) {
+        if (offset != 0.0f) {
+            for (int64_t i = 0; i < n; ++i) y[i] = (x[i] * r) * (offset + w[i]);
+        } else {
+            for (int64_t i = 0; i < n; ++i) y[i] = w[i] * (x[i] * r);
+        }
+    }
+
+    static void add_norm_row(const float* x, const float* h, const float* w, float* s, float* y, int64_t n,
+                             double eps, float offset);
+};
+
+// A path's DwGlue from its row loops, put together the same way for every path. P: static silu_mul, inv_rms,
+// scale_row and add_norm_row (the add, then the norm), each glue.h's sequence for its part (Portable; glue_avx2.cpp,
+// glue_avx512.cpp). norm is glue.h's norm, inline; norm_row is the table's entry, never inlined: the SIMD paths'
+// add_norm_row calls it and the portable one takes norm in, as each did before this table existed (so the compiled
+// code is the same as then).
+template <class P>
+struct Table {
+    static void norm(const float* x, const float* w, float* y, int64_t n, double eps, float offset) {
+        P::scale_row(x, w, y, n, P::inv_rms(x, n, eps), offset);
+    }
+    __attribute__((noinline)) static void norm_row(const float* x, const float* w, float* y, int64_t n, double eps,
+                                                   float offset);
+
+    static void fill(DwGlue* ops) {
+        ops->norm_row = norm_row;
+        ops->add_norm_row = P::add_norm_row;
+        ops->silu_mul = P::silu_mul;
+    }
+};
+
+template <class P>
+void Table<P>::norm_row(const float* x, const float* w, float* y, int64_t n, double eps, float offset) {
+    norm(x, w, y, n, eps, offset);
 }
 
-inline void norm_row(const float* x, const float* w, float* y, int64_t n, double eps, float offset) {
-    scale_row(x, w, y, n, inv_rms(x, n, eps), offset);
-}
-
-inline void add_norm_row(const float* x, const float* h, const float* w, float* s, float* y, int64_t n, double eps,
-                         float offset) {
+inline void Portable::add_norm_row(const float* x, const float* h, const float* w, float* s, float* y, int64_t n,
+                                   double eps, float offset) {
     for (int64_t i = 0; i < n; ++i) s[i] = x[i] + h[i];
-    norm_row(s, w, y, n, eps, offset);
+    Table<Portable>::norm(s, w, y, n, eps, offset);
 }
 
 }  // namespace dwglue

@@ -1,52 +1,25 @@
-// q4x8: the torch operator (torch.ops.draftwise_q4x8.*), the run-time ISA dispatch and the scalar path.
-// Owns: argument checks, threading over output-column blocks (at::parallel_for, torch's thread count) and
-// which ISA path runs (cpuid at run time, or the caller's explicit choice for tests). Knows nothing of
-// models or of how weights were quantized; the layout and the arithmetic are defined in q4x8.h.
+// q4x8: the torch operator (torch.ops.draftwise_q4x8.*) and the scalar path; also the library-wide ops that name
+// the ISA paths (path_names, path_id: dispatch.h's names, for kernels/q4x8.py).
+// Owns: argument checks, threading over output-column blocks (at::parallel_for, torch's thread count) and which
+// cpuid features each q4x8 ISA unit needs (ISA below; dispatch.h's rule picks the path: cpuid at run time, or the
+// caller's explicit choice for tests). Knows nothing of models or of how weights were quantized; the layout and the
+// arithmetic are defined in q4x8.h.
 // The scalar path performs the exact float sequence of the SIMD paths (std::fma), so it is their oracle.
 #include <torch/library.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <cmath>
+#include <string>
 #include <vector>
+#include "dispatch.h"
 #include "q4x8.h"
 
 namespace {
 
-enum Path : int64_t { AUTO = -1, SCALAR = 0, AVX2 = 1, AVX512 = 2 };
-
-bool cpu_has_avx2() {
-#if defined(__x86_64__) || defined(__i386__)
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-#else
-    return false;
-#endif
-}
-
-bool cpu_has_avx512() {
-#if defined(__x86_64__) || defined(__i386__)
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
-#else
-    return false;
-#endif
-}
-
-std::vector<int64_t> available_paths() {
-    std::vector<int64_t> p{SCALAR};
-#ifdef DW_HAVE_X86
-    if (cpu_has_avx2()) p.push_back(AVX2);
-    if (cpu_has_avx512()) p.push_back(AVX512);
-#endif
-    return p;
-}
-
-int64_t best_path() {
-    static const int64_t best = available_paths().back();
-    return best;
-}
+// What q4x8_avx2.cpp and q4x8_avx512.cpp are compiled for (kernels/q4x8.py `_units`).
+constexpr dwisa::Isa ISA{"q4x8", {0, dwisa::F_AVX2 | dwisa::F_FMA,
+                                  dwisa::F_AVX512F | dwisa::F_AVX512BW | dwisa::F_AVX512VL | dwisa::F_AVX512VNNI}};
 
 }  // namespace
 
@@ -128,9 +101,7 @@ at::Tensor q4x8_linear(const at::Tensor& x, const at::Tensor& packed, const at::
         TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N, "bias must be [N] float32");
         bias_p = bias->data_ptr<float>();
     }
-    if (path == AUTO) path = best_path();
-    const auto avail = available_paths();
-    TORCH_CHECK(std::find(avail.begin(), avail.end(), path) != avail.end(), "q4x8 path ", path, " cannot run on this CPU");
+    path = dwisa::select(ISA, path);
 
     at::Tensor y = at::empty({M, N}, x.options());
     if (M == 0) return y;
@@ -141,12 +112,8 @@ at::Tensor q4x8_linear(const at::Tensor& x, const at::Tensor& packed, const at::
     int8_t* qp = q.data_ptr<int8_t>();
     float* dxp = dx.data_ptr<float>();
     int16_t* qsp = qsum.data_ptr<int16_t>();
-    auto quant = path == AVX512 ? dw_q8_rows_avx512 : path == AVX2 ? dw_q8_rows_avx2 : dw_q8_rows_scalar;
-    auto gemm = path == AVX512 ? dw_gemm_avx512 : path == AVX2 ? dw_gemm_avx2 : dw_gemm_scalar;
-#ifndef DW_HAVE_X86
-    quant = dw_q8_rows_scalar;
-    gemm = dw_gemm_scalar;
-#endif
+    const auto quant = dwisa::pick(path, dw_q8_rows_scalar, dw_q8_rows_avx2, dw_q8_rows_avx512);
+    const auto gemm = dwisa::pick(path, dw_gemm_scalar, dw_gemm_avx2, dw_gemm_avx512);
     if (M * K >= (1 << 16)) {
         at::parallel_for(0, M, 1, [&](int64_t r0, int64_t r1) { quant(xp, M, K, qp, dxp, qsp, r0, r1); });
     } else {
@@ -160,7 +127,12 @@ at::Tensor q4x8_linear(const at::Tensor& x, const at::Tensor& packed, const at::
     return y;
 }
 
-std::vector<int64_t> paths() { return available_paths(); }
+std::vector<int64_t> paths() { return dwisa::available_paths(ISA); }
+
+// The ISA path names by id (dispatch.h), and a name's id: kernels/q4x8.py builds its PATHS from these.
+std::vector<std::string> path_names() { return {dwisa::NAMES, dwisa::NAMES + dwisa::NUM_PATHS}; }
+
+int64_t path_id(const std::string& name) { return dwisa::parse_path(name); }
 
 }  // namespace
 
@@ -174,6 +146,8 @@ extern "C" void dw_gemm_avx512(const DwQ4*, const DwQ8*, float*, int64_t, int64_
 TORCH_LIBRARY(draftwise_q4x8, m) {
     m.def("linear(Tensor x, Tensor packed, Tensor sc, Tensor mn, Tensor d, Tensor dmin, Tensor? bias, int N, int path) -> Tensor");
     m.def("paths() -> int[]", &paths);
+    m.def("path_names() -> str[]", &path_names);
+    m.def("path_id(str name) -> int", &path_id);
 }
 
 TORCH_LIBRARY_IMPL(draftwise_q4x8, CPU, m) { m.impl("linear", &q4x8_linear); }

@@ -1,7 +1,7 @@
 // q4x8: int4 weights x int8 activations, the plain-C interface shared by the ISA translation units.
 //
 // Owns: the packed weight layout and the per-row activation quantization, described here once.
-// Knows nothing of torch (the ISA units include only this header and <immintrin.h>, so no inline
+// Knows nothing of torch (the ISA units include only this header and intrin.h, so no inline
 // function compiled with AVX-512 flags can be merged into code that runs on an AVX2-only CPU).
 //
 // Weights W [N, K], K a multiple of 32, N padded to NB = ceil(N / 16) blocks of 16 output columns.

@@ -3,10 +3,12 @@
 // _mm256_madd_epi16 by the column's (sc, sc) to int32 — exact, since each int16 lane sums 8 maddubs of two
 // products, |lane| <= 8 * 2 * 15 * 127 = 30480 < 32767, and sc * (lane + lane') <= 255 * 60960 fits int32.
 // The min term: _mm256_madd_epi16 of (mn_g, mn_g+1) pairs by (qsum_g, qsum_g+1): |pair| <= 2 * 255 * 4064.
-// Owns only this path's arithmetic (layout and float sequence are fixed in q4x8.h); compiled with
-// -mavx2 -mfma and called only after a run-time cpuid check. Includes no C++ library header.
-#include <immintrin.h>
+// Owns only this path's arithmetic (layout and float sequence are fixed in q4x8.h, the prefetch in q4x8_prefetch.h);
+// knows nothing of torch, threads or when it runs (q4x8.cpp and dispatch.h decide). Compiled with -mavx2 -mfma and
+// called only after a run-time cpuid check. Includes no C++ library header.
+#include "intrin.h"
 #include "q4x8.h"
+#include "q4x8_prefetch.h"
 
 namespace {
 
@@ -30,9 +32,9 @@ inline __m256i mn_pair(const uint8_t* MN, int64_t g, int64_t G) {
 // Per group and row: 8 maddubs summed in int16, then one _mm256_madd_epi16 by (sc, sc) pairs gives sc * isum in
 // int32 (isc, summed over the super-block); per super-block and row: 4 madd for the min term, then the float
 // steps of q4x8.h.
-// With `prefetch`, the next block's weights (this half's lines) are requested while this one computes; the
-// nibbles into L2 (T1), as on the AVX-512 path (measured there, and for this path on a Zen 4: 8-37% more weight
-// bytes per second at 1-9 rows than into L1; not measured on an AVX2-only CPU).
+// With `prefetch`, the next block's weights are requested while this one computes (q4x8_prefetch.h: the nibbles
+// into L2, as on the AVX-512 path; measured for this path on a Zen 4: 8-37% more weight bytes per second at 1-9 rows
+// than into L1; not measured on an AVX2-only CPU).
 template <int MT>
 void half_rows(const DwQ4* w, const DwQ8* a, float* out, int64_t b, int h, int64_t m0, bool prefetch) {
     const int64_t G = w->G, S = w->S, N = w->N, M = a->M;
@@ -49,21 +51,7 @@ void half_rows(const DwQ4* w, const DwQ8* a, float* out, int64_t b, int h, int64
         __m256i isc[MT];
         for (int m = 0; m < MT; ++m) isc[m] = _mm256_setzero_si256();
         for (int64_t g = g0; g < g1; ++g) {
-            if (prefetch) {
-                const char* nxt = (const char*)(P + G * 256 + g * 256);
-                _mm_prefetch(nxt, _MM_HINT_T1);
-                _mm_prefetch(nxt + 64, _MM_HINT_T1);
-                _mm_prefetch(nxt + 128, _MM_HINT_T1);
-                _mm_prefetch(nxt + 192, _MM_HINT_T1);
-                if ((g & 3) == 0) {
-                    _mm_prefetch((const char*)(SC + G * 16 + g * 16), _MM_HINT_T0);
-                    _mm_prefetch((const char*)(MN + G * 16 + g * 16), _MM_HINT_T0);
-                }
-                if (g == g0) {
-                    _mm_prefetch((const char*)(D + S * 16 + s * 16), _MM_HINT_T0);
-                    _mm_prefetch((const char*)(DM + S * 16 + s * 16), _MM_HINT_T0);
-                }
-            }
+            if (prefetch) DW_Q4X8_PREFETCH_NEXT_BLOCK();
             __m256i i16[MT];
             for (int m = 0; m < MT; ++m) i16[m] = _mm256_setzero_si256();
             const int8_t* xg = a->q + (g * M + m0) * 32;  // row m of the tile at xg + 32 m

@@ -1,11 +1,13 @@
 // q4x8, AVX-512 path (F + BW + VNNI): VPDPBUSD on 16 columns x 4 K values per instruction, VPDPWSSD on
 // 16 columns x 2 groups for the integer min term, both written as inline asm with the activation operand an
 // embedded broadcast from memory ({1to16}).
-// Owns only this path's arithmetic (the layout and the float sequence are fixed in q4x8.h); compiled with
+// Owns only this path's arithmetic (the layout and the float sequence are fixed in q4x8.h, the prefetch in
+// q4x8_prefetch.h); knows nothing of torch, threads or when it runs (q4x8.cpp and dispatch.h decide). Compiled with
 // -mavx512f -mavx512bw -mavx512vl -mavx512vnni and called only after a run-time cpuid check.
 // Includes no C++ library header: nothing inline from here can leak into code run on other CPUs.
-#include <immintrin.h>
+#include "intrin.h"
 #include "q4x8.h"
+#include "q4x8_prefetch.h"
 
 namespace {
 
@@ -39,9 +41,8 @@ inline __m512i mn_pair(const uint8_t* MN, int64_t g, int64_t G) {
 // Per group and row: 8 VPDPBUSD (isum), one VPMULLD by sc and one add (isc, int32 over the super-block); per
 // super-block and row: 4 VPDPWSSD for the min term, then the float steps of q4x8.h.
 // With `prefetch`, the next block's weights are requested from memory while this one computes, so a
-// compute-bound call (many rows) overlaps its memory traffic instead of stalling on it. The packed nibbles go to
-// L2 (hint T1), not L1: a block is 12-70 KB (K = 1536-8960) and pulling the next one into a 32 KB L1 evicted the
-// current block and the activations (measured: T1 streamed 10-20% more weight bytes per second at 4-9 rows).
+// compute-bound call (many rows) overlaps its memory traffic instead of stalling on it (q4x8_prefetch.h: the
+// packed nibbles into L2, and why).
 template <int MT>
 void block_rows(const DwQ4* w, const DwQ8* a, float* out, int64_t b, int64_t m0, bool prefetch) {
     const int64_t G = w->G, S = w->S, N = w->N, M = a->M;
@@ -62,21 +63,7 @@ void block_rows(const DwQ4* w, const DwQ8* a, float* out, int64_t b, int64_t m0,
         for (int m = 0; m < MT; ++m) isc[m] = _mm512_setzero_si512();
 #pragma GCC unroll 1
         for (int64_t g = g0; g < g1; ++g) {
-            if (prefetch) {
-                const char* nxt = (const char*)(P + G * 256 + g * 256);
-                _mm_prefetch(nxt, _MM_HINT_T1);
-                _mm_prefetch(nxt + 64, _MM_HINT_T1);
-                _mm_prefetch(nxt + 128, _MM_HINT_T1);
-                _mm_prefetch(nxt + 192, _MM_HINT_T1);
-                if ((g & 3) == 0) {
-                    _mm_prefetch((const char*)(SC + G * 16 + g * 16), _MM_HINT_T0);
-                    _mm_prefetch((const char*)(MN + G * 16 + g * 16), _MM_HINT_T0);
-                }
-                if (g == g0) {
-                    _mm_prefetch((const char*)(D + S * 16 + s * 16), _MM_HINT_T0);
-                    _mm_prefetch((const char*)(DM + S * 16 + s * 16), _MM_HINT_T0);
-                }
-            }
+            if (prefetch) DW_Q4X8_PREFETCH_NEXT_BLOCK();
             __m512i isum[MT];
 #pragma GCC unroll 12
             for (int m = 0; m < MT; ++m) isum[m] = _mm512_setzero_si512();

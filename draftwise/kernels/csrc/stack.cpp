@@ -10,8 +10,9 @@
 // Knows nothing of how the weights were made, of the KV cache's lengths (the caller's KVCache.extend), of the
 // embedding, the final norm or the LM head (Python, before and after).
 //
-// The weights arrive as one flat list, WEIGHTS_PER_LAYER entries per layer (kernels/stack.py builds it; the order
-// is SLOT below); optional entries (biases, q/k norms) may be None.
+// The weights arrive as one flat list, WEIGHTS_PER_LAYER entries per layer in Slot order (defined below, only here;
+// kernels/stack.py builds the list and takes the count from weights_per_layer()); optional entries (biases, q/k
+// norms) may be None.
 #include <torch/library.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -22,15 +23,20 @@
 
 namespace {
 
+// The flat list's layout, the one definition of it: kernels/stack.py reads the count (weights_per_layer, SLOTS
+// there) and builds each layer's entries in this order; every offset follows from the one before it.
+constexpr int64_t LINEAR = 6;  // a q4x8 projection's entries: packed, sc, mn, d, dmin, bias (Q4x8Linear's buffers)
+
 enum Slot : int64_t {
     IN_NORM = 0,                      // input_layernorm.weight [hidden]
-    QKV = 1,                          // packed, sc, mn, d, dmin, bias of the merged q|k|v projection
-    Q_NORM = 7, K_NORM = 8,           // per-head q / k norm weights [head_dim] (qwen3), or None
-    O = 9,                            // o_proj: packed .. dmin, bias
-    POST_NORM = 15,                   // post_attention_layernorm.weight (the pre-MLP norm)
-    GATE_UP = 16,                     // the merged gate|up projection
-    DOWN = 22,                        // down_proj
-    WEIGHTS_PER_LAYER = 28,
+    QKV = IN_NORM + 1,                // the merged q|k|v projection (LINEAR entries)
+    Q_NORM = QKV + LINEAR,            // per-head q / k norm weights [head_dim] (qwen3), or None
+    K_NORM = Q_NORM + 1,
+    O = K_NORM + 1,                   // o_proj
+    POST_NORM = O + LINEAR,           // post_attention_layernorm.weight (the pre-MLP norm)
+    GATE_UP = POST_NORM + 1,          // the merged gate|up projection
+    DOWN = GATE_UP + LINEAR,          // down_proj
+    WEIGHTS_PER_LAYER = DOWN + LINEAR,
 };
 
 using OptT = std::optional<at::Tensor>;
