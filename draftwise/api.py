@@ -27,6 +27,7 @@ from draftwise.sampling import SamplingParams
 from draftwise.spec_decode.adaptive import AdaptiveK, FixedK, KPolicy
 from draftwise.spec_decode.builders import ProposerContext, build_proposer
 from draftwise.spec_decode.proposer import Proposer
+from draftwise.spec_decode.stats import SpecStats
 
 __all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "load_model"]
 
@@ -46,6 +47,15 @@ def _k_max_or_old(k_max: int | None, old: dict, where: str) -> int | None:
         raise TypeError(f"{where}() got both k_max and {_OLD_K_MAX_KEYWORD} (its old name)")
     warnings.warn(f"{where}({_OLD_K_MAX_KEYWORD}=...) is deprecated; use k_max=...", DeprecationWarning, stacklevel=3)
     return old[_OLD_K_MAX_KEYWORD]
+
+
+@dataclass(frozen=True)
+class EngineStatus:
+    running: int  # requests decoding
+    waiting: int  # requests queued for a slot
+    free_slots: int
+    spec_stats: SpecStats  # cumulative speculation counters (the engine's own, read live)
+    prefix_cache: PrefixCache | None  # its counters (prefix_cache_queries / hits), None when off
 
 
 @dataclass
@@ -258,6 +268,11 @@ class LLM:
 
     def has_unfinished(self) -> bool:
         return self.engine.has_unfinished()
+
+    def status(self) -> EngineStatus:
+        """What a monitor reads (the server's /metrics): queue lengths, free slots and the cumulative counters."""
+        e = self.engine
+        return EngineStatus(len(e.running), len(e.waiting), e.num_free_slots, e.stats, e.prefix_cache)
 
     # ---- speculation --------------------------------------------------------------------------
     @property

@@ -88,13 +88,13 @@ class ServerMetrics:
         if ttft_s is not None and num_output > 1:
             self.tpot.observe((e2e_s - ttft_s) / (num_output - 1))
 
-    def sync_engine(self, engine) -> None:
-        """Gauges from the engine's queues; spec and prefix-cache counters advanced by what engine.stats and
-        engine.prefix_cache gained since last time."""
-        self.running.set(len(engine.running))
-        self.waiting.set(len(engine.waiting))
-        self.slots_free.set(engine.num_free_slots)
-        stats = engine.stats
+    def sync(self, status) -> None:
+        """Gauges from the engine's queues (`status`: api.LLM.status()); spec and prefix-cache counters advanced
+        by what its spec_stats and prefix_cache gained since last time."""
+        self.running.set(status.running)
+        self.waiting.set(status.waiting)
+        self.slots_free.set(status.free_slots)
+        stats = status.spec_stats
         _advance(self.spec_counters, self._seen, stats)
         per_pos = list(stats.accepted_per_position)
         for i, now in enumerate(per_pos):
@@ -102,8 +102,8 @@ class ServerMetrics:
             if now > before:
                 self.per_pos.labels(self._model, str(i)).inc(now - before)
         self._seen_pos = [int(x) for x in per_pos]
-        if engine.prefix_cache is not None:
-            _advance(self.prefix_counters, self._seen_prefix, engine.prefix_cache)
+        if status.prefix_cache is not None:
+            _advance(self.prefix_counters, self._seen_prefix, status.prefix_cache)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

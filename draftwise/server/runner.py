@@ -145,7 +145,7 @@ class EngineRunner:
             while self._drain(block=not self.llm.has_unfinished()):
                 if self.llm.has_unfinished():
                     self._step()
-                self.metrics.sync_engine(self.llm.engine)
+                self.metrics.sync(self.llm.status())
         except BaseException:  # the thread ends either way; _close tells every request (503 from now on)
             log.exception("the engine thread died")
         finally:
