@@ -111,7 +111,7 @@ def load_model(name: str, dtype: str = "auto", device: str = "cpu", weights: str
     # (the prepared modules and their cache are CPU layouts; on a GPU the kernels are built from the dense weights
     # there; int8_dynamic has no stored form)
     if "converted_path" in ckpt.info and device == "cpu" and "int8_dynamic" not in (plan.step, plan.prefill):
-        embed_dtype = quant.embed_storage_dtype(cfg.vocab_size, cfg.hidden_size, torch_dtype)
+        embed_dtype = quant.embed_storage_dtype(cfg.vocab_size, cfg.hidden_size, plan)
         model = Decoder.from_tensors(cfg, ckpt.prepared(plan, embed_dtype), dtype=torch_dtype, device=device,
                                      embed_dtype=embed_dtype)
         model.plan = plan

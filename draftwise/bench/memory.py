@@ -142,7 +142,7 @@ def weight_bytes(s: Shapes, plan) -> int:
         if name == embed and s.gguf and quant.compact_embedding(plan, cfg.hidden_size):
             total += 0 if cfg.tie_word_embeddings and "q4x8" in head else packed_bytes(*shape)
         elif name == embed and s.gguf:
-            total += numel * torch.tensor([], dtype=quant.embed_storage_dtype(*shape, dtype)).element_size()
+            total += numel * torch.tensor([], dtype=quant.embed_storage_dtype(*shape, plan)).element_size()
         else:
             total += numel * BYTES[plan.dtype]
     return total

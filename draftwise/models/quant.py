@@ -79,8 +79,12 @@ def linear_path(weight_name: str) -> str | None:
     return None
 
 
-def embed_storage_dtype(vocab: int, hidden: int, dtype: torch.dtype) -> torch.dtype:
-    """Large embedding tables are kept in bf16 (rows are upcast after lookup); small ones in the model dtype."""
+def embed_storage_dtype(vocab: int, hidden: int, plan: KernelPlan) -> torch.dtype:
+    """A dense table's storage dtype: large ones in bf16 (rows are upcast after lookup), small ones in the plan's
+    dtype; the fp32 plan, the reference, keeps its table in float32 too."""
+    dtype = getattr(torch, plan.dtype)
+    if plan.label == "fp32":
+        return dtype
     return torch.bfloat16 if vocab * hidden >= 1 << 24 else dtype
 
 
