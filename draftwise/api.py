@@ -98,7 +98,8 @@ def load_model(name: str, dtype: str = "auto", device: str = "cpu", weights: str
     The decoder is built with the KernelPlan kernels/plan.py resolves for `weights` / `dtype` on `device` ("auto"
     weights: the kernels the autotuner measured fastest here for this model's shapes; `tune` injects its result
     in tests) and owns it (`Decoder.plan`). A GGUF on the CPU is built straight from its blocks and cached in
-    the plan's stored form; otherwise the dense weights load and the plan's kernels are built from them. info gets the resolved `weights` (the plan's label), `dtype` and `plan` (its dict)."""
+    the plan's stored form; otherwise the dense weights load and the plan's kernels are built from them. info
+    gets the resolved `weights` (the plan's label), `dtype` and `plan` (its dict)."""
     from draftwise.models import quant
     from draftwise.models.sources import load_checkpoint
 
@@ -138,8 +139,8 @@ class LLM:
     The one place an engine is assembled: `LLM(...)` loads the checkpoint(s) and calls the same assembly as
     `LLM.from_parts(...)` (an already built decoder and tokenizer: tests, scripts). `set_speculation` switches
     the proposer and k policy between runs (built once per configuration and cached); `run` steps the engine
-    until the given requests are done and is what generate, the bench, `draftwise verify` and the tests use. The server's
-    engine thread steps it by hand: `add_request`, `step`, `abort`, `has_unfinished`."""
+    until the given requests are done and is what generate, the bench, `draftwise verify` and the tests use.
+    The server's engine thread steps it by hand: `add_request`, `step`, `abort`, `has_unfinished`, `status`."""
 
     def __init__(
         self,

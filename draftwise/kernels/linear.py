@@ -599,7 +599,8 @@ def stored(module: nn.Module) -> tuple[dict, dict[str, torch.Tensor]]:
     if isinstance(module, SplitLinear):
         k1, t1 = stored(module.step)
         if getattr(module, "derived", False):  # the dense half comes from the step half
-            return {"split": [k1, {"impl": module.prefill.name, "derived": True}]}, {f"step.{n}": t for n, t in t1.items()}
+            kind = {"split": [k1, {"impl": module.prefill.name, "derived": True}]}
+            return kind, {f"step.{n}": t for n, t in t1.items()}
         k2, t2 = stored(module.prefill)
         return ({"split": [k1, k2]}, {**{f"step.{n}": t for n, t in t1.items()},
                                       **{f"prefill.{n}": t for n, t in t2.items()}})
