@@ -120,7 +120,7 @@ def weight_bytes(s: Shapes, plan) -> int:
     from draftwise.kernels.q4x8 import packed_bytes
     from draftwise.models import quant
 
-    cfg, dtype = s.config, getattr(torch, plan.dtype)
+    cfg = s.config
     specs = dict(s.specs)
     embed = f"{quant.EMBED}.weight"
     linears = {path: name for name in specs if (path := quant.linear_path(name))}

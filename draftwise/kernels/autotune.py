@@ -270,17 +270,16 @@ def fast_measure_kw(p: dict) -> dict:
 def busy_meter():
     """Start measuring how many cores OTHER processes keep busy; the returned function gives the mean since the
     start (None where /proc cannot say). A timing taken while they did is slower than this machine is."""
-    from draftwise.kernels.threads import our_cpus, read_proc
+    from draftwise.kernels.threads import clock_ticks, others_busy, our_cpus, read_proc
 
     cpus = our_cpus()
-    hz = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
     t0, first = time.monotonic(), read_proc(cpus)
 
     def others() -> float | None:
         last, dt = read_proc(cpus), time.monotonic() - t0
         if first is None or last is None or dt <= 0:
             return None
-        return round(max(0.0, ((last[0] - first[0]) - (last[1] - first[1])) / hz / dt), 2)
+        return round(others_busy(first, last, dt, clock_ticks()), 2)
 
     return others
 

@@ -546,18 +546,15 @@ class ConcatLinear(nn.Module):
 
 
 def rows(module: nn.Module, ids: torch.Tensor) -> nn.Module:  # ids [M] int64
-    """`module`'s outputs at `ids`, bitwise: its own `rows`, a plain nn.Linear's weight rows, else Columns."""
+    """`module`'s outputs at `ids`, bitwise: its own `rows`; a plain nn.Linear's as the dense implementation of its
+    weight's dtype over the same tensors (no copy; the same F.linear on activations of that dtype); else Columns."""
+    if isinstance(module, nn.Linear):
+        w = module.weight.detach()  # [N, K]
+        dense = LINEARS[dense_for("bfloat16" if w.dtype == torch.bfloat16 else "float32")]
+        bias = None if module.bias is None else module.bias.detach()
+        module = dense.from_state({"weight": w, "bias": bias}, *w.shape)
     if hasattr(module, "rows"):
         return module.rows(ids)
-    if isinstance(module, nn.Linear):
-        w = module.weight.detach()
-        pick = (lambda t: t[: len(ids)]) if is_prefix(ids) else (lambda t: t.index_select(0, ids.to(t.device)))
-        b = None if module.bias is None else pick(module.bias.detach())
-        out = nn.Linear(w.shape[1], len(ids), bias=b is not None, device="meta")
-        out.weight = nn.Parameter(pick(w), requires_grad=False)
-        if b is not None:
-            out.bias = nn.Parameter(b, requires_grad=False)
-        return out
     return Columns(module, ids)
 
 

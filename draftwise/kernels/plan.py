@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from draftwise.kernels.linear import LINEARS, STEP_MAX_TOKENS, dense_for  # noqa: F401 (STEP_MAX_TOKENS: the split)
+from draftwise.kernels.linear import LINEARS, dense_for
 
 ACTIVATION_DTYPES = ("float32", "bfloat16")
 SOURCES = ("pinned", "tuned", "cached", "default")

@@ -51,6 +51,17 @@ def read_proc(cpus: set[int] | None = None) -> tuple[int, int] | None:
     return busy, int(stat[11]) + int(stat[12])  # utime + stime
 
 
+def clock_ticks() -> int:
+    """Jiffies per second (the unit of /proc/stat and /proc/self/stat)."""
+    return os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def others_busy(prev: tuple[int, int], cur: tuple[int, int], seconds: float, hz: int) -> float:
+    """Cores the OTHER processes kept busy between two read_proc() readings `seconds` apart: (busy jiffies of our
+    CPUs - this process's jiffies) / the jiffies one core has in that time."""
+    return max(0.0, ((cur[0] - prev[0]) - (cur[1] - prev[1])) / (seconds * hz))
+
+
 def threads_for(requested: int, cores: int, others: float) -> int:
     """Threads to run with when other processes keep `others` cores busy (pure; tests inject the numbers)."""
     return max(1, min(requested, cores - int(max(0.0, others) + 0.5)))
@@ -66,7 +77,7 @@ class ThreadGuard:
         self.cores = cores or (len(cpus) if cpus else os.cpu_count() or 1)
         self.read = read or (lambda: read_proc(cpus))
         self.clock, self.set_threads, self.log = clock, set_threads, log
-        self.hz = hz or (os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100)
+        self.hz = hz or clock_ticks()
         self.threads = self.requested
         self.others = 0.0  # cores the other processes kept busy in the last window
         self.changes = 0
@@ -83,8 +94,7 @@ class ThreadGuard:
         self._last = (now, cur)
         if cur is None:
             return None
-        per_core = (now - t0) * self.hz  # jiffies one core has in the window
-        self.others = max(0.0, ((cur[0] - prev[0]) - (cur[1] - prev[1])) / per_core)
+        self.others = others_busy(prev, cur, now - t0, self.hz)
         want = threads_for(self.requested, self.cores, self.others)
         if want == self.threads:
             self._proposal = None

@@ -253,10 +253,11 @@ class TrimmedHead(nn.Module):
 
 
 def _whole(module: nn.Module) -> bool:
-    """Does this row module compute its source's every output (a layout without rows: linear.Columns)?"""
+    """Does this prefix module compute its source's every output (a layout without rows: linear.Columns)? (A
+    prefix of q4x8 or dense rows is a view, never Columns.)"""
     if isinstance(module, linear.SplitLinear):
         return _whole(module.step)
-    return isinstance(module, linear.Columns) and not isinstance(module.module, linear.Q4x8Linear)
+    return isinstance(module, linear.Columns)
 
 
 def _rows_read(module: nn.Module) -> int:
