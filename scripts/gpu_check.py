@@ -58,7 +58,7 @@ def tune(out: dict, device: str) -> None:
         print(autotune.format_table(result["table"], result["choice"], result["probe"]))
         print(f"tuning took {took:.1f} s; cache key {result['key']}")
         out["fast" if fast else "full"] = {"seconds": took, "ms": result["table"]["ms"],
-                                           "row_independent": result["table"]["row_independent"],
+                                           "row_exact": result["table"]["row_exact"],
                                            "choice": {k: result["choice"][k] for k in ("step", "prefill")}}
 
 

@@ -176,6 +176,6 @@ def fixed_tune(step: str, prefill: str):
     ms = {n: {1: 1.0, 9: 1.0, 128: 1.0} for n in {step, prefill}}
     ms[step] = {1: 0.5, 9: 0.6, 128: 5.0}
     ms[prefill] = {**ms.get(prefill, {}), 128: 0.1, 1: ms[prefill].get(1, 1.0), 9: ms[prefill].get(9, 1.0)}
-    table = {"rows": [1, 9, 128], "prefill_rows": 128, "ms": ms, "row_independent": {n: True for n in ms}}
+    table = {"rows": [1, 9, 128], "prefill_rows": 128, "ms": ms, "row_exact": {n: {"step": True, "prefill": True} for n in ms}}
     return lambda shapes: {"key": "injected", "probe": probe(bandwidth=False), "table": table,
                            "choice": autotune.choose(table)}

@@ -30,7 +30,6 @@ from draftwise.kernels.linear import LINEARS, dense_for
 
 ACTIVATION_DTYPES = ("float32", "bfloat16")
 SOURCES = ("pinned", "tuned", "cached", "default")
-PROVISIONAL_BUSY_CORES = 0.5  # other processes' busy cores while timing above which a tuned plan is provisional
 
 
 @dataclass(frozen=True)
@@ -42,7 +41,7 @@ class KernelPlan:
     attention: str = "sdpa"  # "ours": kernels/attention.py's row-exact op takes every forward; "sdpa": torch's
     source: str = "default"  # "pinned" (--weights named it), "tuned" (measured now), "cached" (the autotune
     # cache), "default" (a decoder built without a plan: its nn.Linear layers, dense in its dtype)
-    provisional: bool = False  # tuned while other processes kept >= PROVISIONAL_BUSY_CORES cores busy
+    provisional: bool = False  # timed while other processes kept cores busy (autotune.py): re-tuned at a quiet start
     tuning: dict | None = None  # the autotuner's evidence (key, probe summary, scores)
 
     def __post_init__(self):
@@ -67,6 +66,19 @@ class KernelPlan:
         thread count can change no token — where the prefix cache is on by default, guesses ride in the prefill
         and the thread guard may run."""
         return all(LINEARS[n].row_exact for n in (self.step, self.prefill)) and self.attention == "ours"
+
+    def describe(self) -> str:
+        """One line for a load log: the kernels, where they came from, and when and under what load auto timed
+        them."""
+        text = f"kernels {self.label} ({self.dtype}, attention {self.attention}, {self.source}"
+        t = self.tuning or {}
+        if t.get("measured_at"):
+            busy = [v for v in (t.get("busy_before"), t.get("busy_cores")) if v is not None]
+            text += f", timed {t['measured_at']}" + (f" with {max(busy):.1f} other cores busy" if busy else "")
+        text += ")" + ("; row-exact" if self.row_exact else "; not row-exact")
+        if self.provisional:
+            text += "; PROVISIONAL: timed under load, re-tuned at the next quiet start (draftwise kernels --refresh)"
+        return text
 
     def to_dict(self) -> dict:
         """The plan as JSON (load logs, /v1/models, generate --json, bench manifests)."""
@@ -124,8 +136,7 @@ def resolve_plan(weights: str, dtype: str, cfg, device: str = "cpu", tune=None, 
         result = tune(at.shapes_from_config(cfg))
         names = result["choice"]["step"], result["choice"]["prefill"]
         source = "cached" if result.get("cached") else "tuned"
-        busy = result.get("busy_cores")
-        provisional = busy is not None and busy >= PROVISIONAL_BUSY_CORES
+        provisional = bool(result.get("provisional"))
         tuning = summary(result)
     step, prefill = names
     act = dtype if dtype != "auto" else LINEARS[step].dtype
@@ -145,6 +156,9 @@ def summary(result: dict) -> dict:
     choice, p = result["choice"], result.get("probe") or {}
     return {"autotune_key": result.get("key"), "gpu": p.get("gpu"), "cpu": p.get("cpu"),
             "torch_threads": p.get("torch_threads"), "flags": sorted(k for k, v in p.get("flags", {}).items() if v),
-            "busy_cores": result.get("busy_cores"),
+            "measured_at": result.get("measured_at"), "busy_before": result.get("busy_before"),
+            "busy_cores": result.get("busy_cores"), "tie_band": choice.get("tie_band"),
+            "step_tied": choice.get("step_tied"), "not_row_exact": {
+                n: e["why"] for n, e in result["table"].get("row_exact", {}).items() if e.get("why")},
             "step_ms": {n: round(v, 3) for n, v in choice.get("step_score_ms", {}).items()},
             "prefill_ms": {n: round(v, 3) for n, v in choice.get("prefill_ms", {}).items()}}
