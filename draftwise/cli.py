@@ -56,6 +56,9 @@ def cmd_generate(args) -> int:
         }))
     else:
         sys.stdout.write("\n")
+        for role, info in (("target", llm.model_info), ("draft", llm.draft_info)):
+            if info and info.get("plan"):
+                print(f"draftwise: {role} {info['plan']['summary']}", file=sys.stderr)
     return 0
 
 

@@ -77,6 +77,45 @@ def test_calibration_keeps_each_cost_s_fastest_round():
     assert abs(p.catch_up_cost - 15 * 0.002 / (CATCH_UP - 1)) < 1e-12
 
 
+class _Windows:
+    """BusyWindows with a script: the others' busy cores each window reports (None: no window has passed)."""
+
+    def __init__(self, readings):
+        self.readings = list(readings)
+
+    def sample(self, force=False):
+        return self.readings.pop(0) if self.readings else None
+
+
+def test_a_calibration_under_load_is_retimed_when_the_load_changes():
+    """Calibrated while another process held a core (wide forwards 4x dearer, so guessing never pays), the policy
+    first keeps speculation off; two quiet windows in a row re-time the target and speculation comes on. A single
+    quiet window (a blip) changes nothing, and a load that comes back re-times again."""
+    state = {"busy": True}
+
+    def time_verify(width):
+        return VERIFY[width] * (1 + 3.0 * (width > 1)) if state["busy"] else VERIFY[width]
+
+    windows = _Windows([1.0, None, 0.0, 1.0, 0.0, 0.0, 1.0, 1.0])  # first: the calibration's own reading
+    p = AdaptiveK.from_timers(8, time_verify, lambda: ([DRAFT[k] for k in range(1, 9)], DRAFT[1]), rounds=2,
+                              windows=windows)
+    assert p.calibrated_load == 1.0
+    p.engine_alpha = 0.8  # a workload that guesses well, once guessing is cheap
+    req = _Req(output_ids=[1] * 8)
+    assert p.choose(req) == 0  # no window yet
+    state["busy"] = False
+    assert p.choose(req) == 0 and p.recalibrations == 0  # one quiet window: a blip
+    assert p.choose(req) == 0 and p.recalibrations == 0  # busy again: the drift starts over
+    p.choose(req)  # quiet once ...
+    assert p.recalibrations == 0
+    assert p.choose(req) > 0 and p.recalibrations == 1 and p.calibrated_load == 0.0  # ... twice: re-timed, on
+    assert abs(p.verify_cost[9] - VERIFY[9]) < 1e-12
+    state["busy"] = True
+    p.choose(req)
+    p.choose(req)
+    assert p.recalibrations == 2 and p.calibrated_load == 1.0 and p.verify_cost[9] > 3 * VERIFY[9]
+
+
 def test_a_request_s_own_evidence_outweighs_other_requests():
     """Hundreds of fully accepted steps of earlier requests (another workload) must not keep a request whose
     own guesses are rejected speculating: a few steps of its own evidence switch it to plain decoding."""

@@ -82,7 +82,7 @@ class KernelPlan:
 
     def to_dict(self) -> dict:
         """The plan as JSON (load logs, /v1/models, generate --json, bench manifests)."""
-        return {"weights": self.label, **asdict(self), "row_exact": self.row_exact}
+        return {"weights": self.label, **asdict(self), "row_exact": self.row_exact, "summary": self.describe()}
 
 
 def attention_for(dtype: str, device: str) -> str:

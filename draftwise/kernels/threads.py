@@ -67,6 +67,28 @@ def threads_for(requested: int, cores: int, others: float) -> int:
     return max(1, min(requested, cores - int(max(0.0, others) + 0.5)))
 
 
+class BusyWindows:
+    """Other processes' busy cores, one reading per window of at least `window_s` seconds (two small file reads
+    each). `sample()` is cheap to call often: None until a window has passed (or where /proc cannot say)."""
+
+    def __init__(self, read: Callable[[], tuple[int, int] | None] | None = None,
+                 clock: Callable[[], float] = time.monotonic, hz: int | None = None, window_s: float = WINDOW_S):
+        cpus = our_cpus()
+        self.read = read or (lambda: read_proc(cpus))
+        self.clock, self.hz, self.window_s = clock, hz or clock_ticks(), window_s
+        self._last = (self.clock(), self.read())
+
+    def sample(self, force: bool = False) -> float | None:
+        """Busy cores of the others since the last reading, once `window_s` has passed (`force`: now)."""
+        now = self.clock()
+        t0, prev = self._last
+        if (now - t0 < self.window_s and not force) or now <= t0 or prev is None:
+            return None
+        cur = self.read()
+        self._last = (now, cur)
+        return None if cur is None else others_busy(prev, cur, now - t0, self.hz)
+
+
 class ThreadGuard:
     def __init__(self, requested: int | None = None, cores: int | None = None,
                  read: Callable[[], tuple[int, int] | None] | None = None, clock: Callable[[], float] = time.monotonic,
@@ -75,26 +97,19 @@ class ThreadGuard:
         self.requested = requested or torch.get_num_threads()
         cpus = our_cpus()
         self.cores = cores or (len(cpus) if cpus else os.cpu_count() or 1)
-        self.read = read or (lambda: read_proc(cpus))
-        self.clock, self.set_threads, self.log = clock, set_threads, log
-        self.hz = hz or clock_ticks()
+        self.windows = BusyWindows(read, clock, hz)
+        self.set_threads, self.log = set_threads, log
         self.threads = self.requested
         self.others = 0.0  # cores the other processes kept busy in the last window
         self.changes = 0
-        self._last = (self.clock(), self.read())
         self._proposal: int | None = None  # the previous window's count, if it differed from the current one
 
     def tick(self) -> int | None:
         """Call once per engine step. Returns the new thread count when it changed, else None."""
-        now = self.clock()
-        t0, prev = self._last
-        if now - t0 < WINDOW_S or prev is None:
+        others = self.windows.sample()
+        if others is None:
             return None
-        cur = self.read()
-        self._last = (now, cur)
-        if cur is None:
-            return None
-        self.others = others_busy(prev, cur, now - t0, self.hz)
+        self.others = others
         want = threads_for(self.requested, self.cores, self.others)
         if want == self.threads:
             self._proposal = None

@@ -17,8 +17,13 @@ Costs: the choice compares E/time across k at one moment, so only the costs' rat
 taken together give ratios on a shared machine. `calibrate` times, in interleaved rounds, a target forward at
 every width 1..k_max+1 after CONTEXT tokens, and through the Proposer protocol the proposer guessing k in the
 steady state and after CATCH_UP unseen tokens; each cost keeps its fastest round (load only adds time, and a
-burst spoils a round, not a width). Nothing is refined online: per-width medians of step timings compared
-widths timed minutes apart on a machine drifting ±30%, and a width never chosen kept its stale time.
+burst spoils a round, not a width). Nothing is refined from step timings (per-width medians compared widths
+timed minutes apart on a machine drifting ±30%, and a width never chosen kept its stale time); instead the
+costs follow the load they were measured under: the policy reads other processes' busy cores every
+LOAD_WINDOW_S (kernels/threads.BusyWindows), and when two windows in a row differ from the calibration's by
+LOAD_CHANGE_CORES or more it times the target's widths again (RECHECK_ROUNDS rounds on calibrate's scratch cache;
+the proposer's costs scaled by the 1-row forward's change), so a calibration taken under a burst leaves
+speculation off (or on) only until the burst ends, and one taken quietly is re-checked when a neighbour arrives.
 
 α is learned per request, older guesses decayed (DECAY per guess: a chat answer turns into code and back),
 behind PRIOR_GUESSES pseudo-guesses at the engine's α, which each finished request moves ENGINE_MIX of the way
@@ -29,12 +34,14 @@ Knows nothing of models' internals or the proposer's type.
 """
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Callable
 from typing import Protocol
 
 import torch
 
+from draftwise.kernels.threads import BusyWindows
 from draftwise.kv_cache import KVCache, target_cache_capacity
 
 ROUNDS = 5  # interleaved calibration rounds; every cost keeps its fastest
@@ -47,6 +54,9 @@ MARGIN = 1.1  # start guessing only when the model predicts >= 10% more tokens/s
 KEEP_MARGIN = 1.0  # ... and stop when it predicts less than plain (stopping is free, restarting costs a catch-up)
 EXPLORE_EVERY = 16  # plain steps before a probe (then 32, 64, ...: the gap doubles after each probe)
 PROBE_K = 2  # guesses of a probe
+LOAD_WINDOW_S = 2.0  # how often the policy reads other processes' busy cores
+LOAD_CHANGE_CORES = 0.5  # a load this far from the calibration's, two windows in a row, re-times the costs
+RECHECK_ROUNDS = 2  # rounds of the re-timing (a short stall of the engine, once per load change)
 
 
 class KPolicy(Protocol):
@@ -80,8 +90,14 @@ class FixedK:
 
 class AdaptiveK:
     def __init__(self, k_max: int, verify_cost: dict[int, float], draft_cost: dict[int, float] | None = None,
-                 catch_up_cost: float = 0.0):
+                 catch_up_cost: float = 0.0, retime: Callable[[], dict[int, float]] | None = None,
+                 windows: BusyWindows | None = None, calibrated_load: float | None = None):
         self.k_max = k_max
+        self.retime = retime  # () -> width -> seconds: the target's forwards timed again (None: never re-checked)
+        self.windows = windows  # other processes' busy cores per window (None: the load is not watched)
+        self.calibrated_load = calibrated_load  # busy cores of the others while the costs were measured
+        self.recalibrations = 0
+        self._drift = 0  # windows in a row whose load differs from the calibration's
         self.verify_cost = _monotone(verify_cost)  # width -> seconds of one target forward
         self.draft_cost = _monotone(draft_cost or {k: 0.0 for k in range(k_max + 1)})  # k -> seconds to guess k
         self.catch_up_cost = catch_up_cost  # seconds per context token the proposer has not seen yet
@@ -111,23 +127,65 @@ class AdaptiveK:
             return _timed(dev, target, ids, pos, scratch, slot, num_tokens=[width])
 
         timer = (lambda: _time_proposer(proposer, k_max, dev)) if proposer is not None else None
-        return cls.from_timers(k_max, time_verify, timer, rounds)
+        windows = BusyWindows(window_s=LOAD_WINDOW_S) if dev.type == "cpu" else None
+        return cls.from_timers(k_max, time_verify, timer, rounds, windows)
 
     @classmethod
     def from_timers(cls, k_max: int, time_verify: Callable[[int], float],
-                    proposer: Callable[[], tuple[list[float], float]] | None, rounds: int = ROUNDS) -> AdaptiveK:
+                    proposer: Callable[[], tuple[list[float], float]] | None, rounds: int = ROUNDS,
+                    windows: BusyWindows | None = None) -> AdaptiveK:
         """`rounds` interleaved rounds of time_verify(width) for every width and proposer() -> (seconds to guess
-        k = 1..k_max in the steady state, seconds to guess 1 after CATCH_UP unseen tokens); the fastest of each."""
-        verify_cost = {w: float("inf") for w in range(1, k_max + 2)}
+        k = 1..k_max in the steady state, seconds to guess 1 after CATCH_UP unseen tokens); the fastest of each.
+        `windows` (started before this call) gives the load they were measured under and then watches it."""
+        widths = range(1, k_max + 2)
+
+        def verify_costs(n: int, start: dict[int, float]) -> dict[int, float]:
+            costs = dict(start)
+            for _ in range(n):
+                costs = {w: min(costs[w], time_verify(w)) for w in widths}
+            return costs
+
+        verify_cost = {w: float("inf") for w in widths}
         draft_cost, behind = {k: float("inf") for k in range(k_max + 1)}, float("inf")
         for _ in range(rounds):
-            verify_cost = {w: min(t, time_verify(w)) for w, t in verify_cost.items()}
+            verify_cost = verify_costs(1, verify_cost)
             steady, late = proposer() if proposer is not None else ([0.0] * k_max, 0.0)
             for k, t in enumerate([0.0, *steady]):
                 draft_cost[k] = min(draft_cost[k], t)
             behind = min(behind, late)
         catch_up = max(0.0, behind - draft_cost[1]) / (CATCH_UP - 1) if k_max else 0.0
-        return cls(k_max, verify_cost, draft_cost, catch_up)
+        load = windows.sample(force=True) if windows is not None else None
+        return cls(k_max, verify_cost, draft_cost, catch_up,
+                   retime=lambda: verify_costs(RECHECK_ROUNDS, {w: float("inf") for w in widths}),
+                   windows=windows, calibrated_load=load)
+
+    def watch_load(self) -> bool:
+        """Read the load once a window has passed; re-time the costs when it has moved LOAD_CHANGE_CORES from the
+        calibration's for two windows in a row (one window is a blip). True when it re-timed."""
+        if self.windows is None or self.retime is None:
+            return False
+        others = self.windows.sample()
+        if others is None:
+            return False
+        if self.calibrated_load is None:
+            self.calibrated_load = others
+        if abs(others - self.calibrated_load) < LOAD_CHANGE_CORES:
+            self._drift = 0
+            return False
+        self._drift += 1
+        if self._drift < 2:
+            return False
+        fresh = _monotone(self.retime())
+        scale = fresh[1] / self.verify_cost[1] if self.verify_cost[1] > 0 else 1.0
+        print(f"draftwise: other processes keep ~{others:.1f} cores busy (calibrated at "
+              f"~{self.calibrated_load:.1f}): speculation costs re-timed, a 1-token forward now "
+              f"{fresh[1] * 1e3:.1f} ms (was {self.verify_cost[1] * 1e3:.1f})", file=sys.stderr, flush=True)
+        self.verify_cost = fresh
+        self.draft_cost = {k: v * scale for k, v in self.draft_cost.items()}  # a proposer slows down alike
+        self.catch_up_cost *= scale
+        self.calibrated_load, self._drift = others, 0
+        self.recalibrations += 1
+        return True
 
     # ---- policy -------------------------------------------------------------------------------
     def acceptance(self, req) -> float:
@@ -144,6 +202,7 @@ class AdaptiveK:
         return tokens / (self.verify_cost[k + 1] + self.draft_cost[k] + catch_up)
 
     def choose(self, req) -> int:
+        self.watch_load()
         rid = req.request_id
         behind = self._behind.get(rid, len(req.prompt_ids) + 1)
         remaining = req.params.max_tokens - len(req.output_ids)
