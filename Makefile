@@ -7,6 +7,20 @@ TEST_STAMP := $(VENV)/.installed-test
 
 .PHONY: setup setup-test demo test unit integration clean
 
+# ISA=avx2 | avx512: run as a CPU of that class (Zen 3: AVX2 only; Zen 4: AVX-512 without AMX) on a bigger one:
+# our kernels' dispatch and probe ($$DRAFTWISE_MAX_ISA), torch's ATen kernels and oneDNN all capped alike
+ifeq ($(ISA),avx2)
+export DRAFTWISE_MAX_ISA := avx2
+export ATEN_CPU_CAPABILITY := avx2
+export ONEDNN_MAX_CPU_ISA := AVX2
+else ifeq ($(ISA),avx512)
+export DRAFTWISE_MAX_ISA := avx512
+export ATEN_CPU_CAPABILITY := avx512
+export ONEDNN_MAX_CPU_ISA := AVX512_CORE_BF16
+else ifneq ($(ISA),)
+$(error ISA=$(ISA): one of avx2, avx512)
+endif
+
 # setup: what running needs (the demo, the server, the bench); setup-test adds what only the tests need
 setup: $(STAMP)
 

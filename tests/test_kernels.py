@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 
+import os
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -220,6 +222,24 @@ def test_q4x8_rejects_a_path_this_cpu_lacks(paths):
     if "avx512" not in paths:
         with pytest.raises(q4x8.KernelBuildError):
             Q4x8Linear(weight, path="avx512")
+
+
+def test_an_isa_cap_runs_this_cpu_as_a_lower_class(paths):
+    """DRAFTWISE_MAX_ISA=avx2 (`make test ISA=avx2`): the probe drops the AVX-512 and AMX flags and the C++
+    dispatch offers only the paths an AVX2 CPU has, in a fresh process (the dispatch reads it once)."""
+    import subprocess
+    import sys
+
+    code = ("import json; from draftwise.kernels import q4x8, probe; p = probe.probe(bandwidth=False); "
+            "print(json.dumps([q4x8.cpu_paths(), [f for f, v in p['flags'].items() if v], p['isa_cap']]))")
+    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "DRAFTWISE_MAX_ISA": "avx2"},
+                         capture_output=True, text=True, timeout=600, check=True).stdout.strip().splitlines()[-1]
+    got_paths, flags, cap = json.loads(out)
+    assert cap == "avx2" and "avx512" not in got_paths and set(got_paths) <= set(paths)
+    assert not [f for f in flags if f.startswith(("avx512", "amx"))]
+    bad = subprocess.run([sys.executable, "-c", "from draftwise.kernels import probe; probe.probe(False)"],
+                         env={**os.environ, "DRAFTWISE_MAX_ISA": "sse9"}, capture_output=True, text=True)
+    assert bad.returncode != 0 and "one of avx512, avx2, scalar" in bad.stderr
 
 
 def test_q4x8_library_lives_under_the_cache_dir(monkeypatch, tmp_path):

@@ -74,6 +74,23 @@ def measure_bandwidth(mib: int = 128, seconds: float = 0.5) -> float:
     return rows * cols * 4 / best / 1e9
 
 
+ISA_CAP_ENV = "DRAFTWISE_MAX_ISA"
+ISA_CAPS = {  # cap -> the flags a CPU of that class lacks (the C++ dispatch applies the same cap: csrc/dispatch.h)
+    "avx512": ("amx_", "avx512_fp16"),  # an AVX-512 CPU without AMX (Zen 4 class)
+    "avx2": ("avx512", "amx_", "avx_vnni"),  # AVX2 only (Zen 3 class)
+    "scalar": ("avx", "fma", "f16c", "amx_"),  # no SIMD extension our kernels use
+}
+
+
+def isa_cap() -> str | None:
+    """$DRAFTWISE_MAX_ISA: run as a CPU of a lower class (tests and benchmarks of other machines' paths on this
+    one). torch's own kernels take ATEN_CPU_CAPABILITY and ONEDNN_MAX_CPU_ISA for the same (`make test ISA=...`)."""
+    cap = os.environ.get(ISA_CAP_ENV) or None
+    if cap is not None and cap not in ISA_CAPS:
+        raise ValueError(f"{ISA_CAP_ENV}={cap!r}: one of {', '.join(ISA_CAPS)}")
+    return cap
+
+
 def probe(bandwidth: bool = True, refresh: bool = False) -> dict:
     """Everything the kernels need to know about this machine (cached per process)."""
     global _CACHE
@@ -86,6 +103,9 @@ def probe(bandwidth: bool = True, refresh: bool = False) -> dict:
     flags = {f: f in raw for f in (X86_FLAGS if x86 else ARM_FLAGS if arm else ())}
     if arm:
         flags["neon"] = flags.get("asimd", False) or machine == "arm64"
+    cap = isa_cap()
+    if cap is not None:
+        flags = {f: v and not f.startswith(ISA_CAPS[cap]) for f, v in flags.items()}
     try:
         capability = torch.backends.cpu.get_cpu_capability()
     except (AttributeError, RuntimeError):  # older torch
@@ -101,6 +121,8 @@ def probe(bandwidth: bool = True, refresh: bool = False) -> dict:
         "fbgemm": "fbgemm" in torch.backends.quantized.supported_engines,
         "thp": thp_mode(),
     }
+    if cap is not None:
+        out["isa_cap"] = cap
     if bandwidth:
         out["bandwidth_gbs"] = round(measure_bandwidth(), 1)
     _CACHE = out
@@ -160,7 +182,8 @@ def cuda_probe(bandwidth: bool = True, refresh: bool = False) -> dict:
 
 def flag_summary(p: dict) -> str:
     """The present flags as one short string, e.g. 'avx2 fma avx512f ... avx512_vnni avx512_bf16'."""
-    return " ".join(k for k, v in p["flags"].items() if v) or "none of the tracked flags"
+    text = " ".join(k for k, v in p["flags"].items() if v) or "none of the tracked flags"
+    return text + (f" (capped at {p['isa_cap']} by ${ISA_CAP_ENV})" if p.get("isa_cap") else "")
 
 
 def format_probe(p: dict) -> str:

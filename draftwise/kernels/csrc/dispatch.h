@@ -13,6 +13,8 @@
 // header, so nothing inline compiled with AVX-512 flags can be merged into code that runs on other CPUs.
 #pragma once
 #include <stdint.h>
+#include <cstdlib>
+#include <cstring>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -37,6 +39,14 @@ struct Isa {
     uint32_t needs[NUM_PATHS];
 };
 
+// DRAFTWISE_MAX_ISA=avx2|scalar runs this CPU as one without the features above that level (what a Zen 3, or a
+// CPU without AVX2, would run), the same cap kernels/probe.py applies to its flags; "avx512" or unset: no cap.
+inline uint32_t cap_features(uint32_t f) {
+    const char* cap = std::getenv("DRAFTWISE_MAX_ISA");
+    if (cap == nullptr || *cap == '\0' || std::strcmp(cap, "avx512") == 0) return f;
+    return std::strcmp(cap, "avx2") == 0 ? f & (F_AVX2 | F_FMA) : 0;
+}
+
 inline uint32_t detect_features() {
     uint32_t f = 0;
 #if defined(DW_HAVE_X86) && (defined(__x86_64__) || defined(__i386__))
@@ -49,7 +59,7 @@ inline uint32_t detect_features() {
     if (__builtin_cpu_supports("avx512dq")) f |= F_AVX512DQ;
     if (__builtin_cpu_supports("avx512vnni")) f |= F_AVX512VNNI;
 #endif
-    return f;  // no x86 units in this build: only the portable paths run
+    return cap_features(f);  // no x86 units in this build: only the portable paths run
 }
 
 inline uint32_t cpu_features() {
