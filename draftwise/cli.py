@@ -124,6 +124,11 @@ def cmd_kernels(args) -> int:
           f"{'trimmed load-time tuning (as --weights auto runs it)' if not args.full else 'full sweep'}; "
           f"cache key {result['key']}")
     print(autotune.format_table(result["table"], result["choice"]))
+    busy = [v for v in (result.get("busy_before"), result.get("busy_cores")) if v is not None]
+    print(f"{'read from the cache; ' if result.get('cached') else ''}timed {result.get('measured_at', '?')}"
+          + (f" with {max(busy):.1f} other cores busy" if busy else "")
+          + ("; PROVISIONAL: timed under load, re-timed at the next quiet start (or --refresh)"
+             if result.get("provisional") else ""))
     return 0
 
 

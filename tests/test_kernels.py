@@ -341,7 +341,8 @@ def test_autotune_caches_its_choice(monkeypatch, tmp_path):
     calls = []
     monkeypatch.setattr(autotune, "measure", lambda shapes, **kw: calls.append(kw) or
                         _table(ms, {"fp32": True, "q4x8": True}))
-    monkeypatch.setattr(autotune, "busy_now", lambda: 0.0)  # a quiet machine (the provisional path: below)
+    monkeypatch.setattr(autotune, "busy_now", lambda: 0.0)  # a quiet machine (provisional plans:
+    monkeypatch.setattr(autotune, "busy_meter", lambda: lambda: 0.0)  # tests/test_kernels_autotune.py)
     monkeypatch.setattr(autotune, "load_candidates", lambda p: ["q4x8", "fp32"])  # no kernel build in tmp_path
     first = autotune.autotune(shapes, progress=False)
     assert first["choice"]["step"] == "q4x8" and first["choice"]["prefill"] == "fp32"

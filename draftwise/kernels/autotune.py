@@ -235,7 +235,9 @@ def measure(shapes: list[ProjShape], names: list[str] | None = None, rows: tuple
     rounds: dict[str, dict[str, dict[int, list[float]]]] = {n: {} for n in names}
     exact = {n: {"step": True, "prefill": True, "why": {}} for n in names}
     fallback: dict[str, list[str]] = {}
-    step_widths, threads = range(1, EXACT_STEP_ROWS + 1), exact_threads or exactness_threads()
+    step_widths = range(1, EXACT_STEP_ROWS + 1)
+    # a GPU's result does not depend on the host's thread count
+    threads = exact_threads or (exactness_threads() if device == "cpu" else [torch.get_num_threads()])
     bar = tqdm(total=len(names) * len(shapes), desc="timing kernels", unit="shape", disable=not progress,
                file=sys.stderr, leave=False)
     for shape in shapes:
@@ -265,10 +267,10 @@ def measure(shapes: list[ProjShape], names: list[str] | None = None, rows: tuple
             rounds[name][shape.name] = {r: [] for r in all_rows}
         for i in range(samples):
             for name in names:
-                for j, r in enumerate(all_rows):
+                for r in all_rows:
                     if r > 16 and i >= prefill_samples:  # prefill widths are compute-bound: a few rounds suffice
                         continue
-                    t = _time_calls(mods[name], xs[r], 1, cold, clock, warm_up=i == 0 and j == 0)
+                    t = _time_calls(mods[name], xs[r], 1, cold, clock, warm_up=i == 0)
                     rounds[name][shape.name][r].append(t * scale)
         for name in names:
             per_shape[name][shape.name] = {r: min(v) for r, v in rounds[name][shape.name].items()}
@@ -277,7 +279,8 @@ def measure(shapes: list[ProjShape], names: list[str] | None = None, rows: tuple
     ms = {name: {r: sum(per_shape[name][s.name][r] * s.count for s in shapes) for r in all_rows} for name in names}
     round_step = {}
     for name in names:
-        per_round = [{r: sum(rounds[name][s.name][r][i] * s.count for s in shapes) for r in rows}
+        every_round = [r for r in rows if r <= 16 or prefill_samples >= samples]
+        per_round = [{r: sum(rounds[name][s.name][r][i] * s.count for s in shapes) for r in every_round}
                      for i in range(samples)]
         round_step[name] = [step_score(c) for c in per_round]
     spread = {n: (max(v) - min(v)) / min(v) if min(v) > 0 else 0.0 for n, v in round_step.items()}
@@ -460,12 +463,13 @@ def autotune(shapes: list[ProjShape], refresh: bool = False, progress: bool = Tr
         cached = None if refresh else _read(path)  # what a process we waited for wrote
         if cached is not None and not cached.get("provisional"):
             return cached
-        before = busy_now() if device == "cpu" else None
+        cpu = device == "cpu"  # a GPU's timings are the device's own (CUDA events): the host's load is not theirs
+        before = busy_now() if cpu else None
         if cached is not None and _busy(before):
             return cached  # still busy: keep using the provisional plan; a quiet start re-tunes it
         others = busy_meter()
         table = measure(shapes, progress=progress, device=device, **measure_kw)
-        during = others()
+        during = others() if cpu else None
         result = {"key": path.stem, "probe": p, "table": table, "choice": choose(table), "busy_before": before,
                   "busy_cores": during, "provisional": _busy(before) or _busy(during),
                   "measured_at": datetime.now(timezone.utc).isoformat(timespec="seconds")}
