@@ -192,6 +192,8 @@ class Engine:
             n = len(self.waiting[0].prompt_ids)
             if admit and n > budget:
                 break
+            if self.prefix_cache is not None and any(a.prompt_ids == self.waiting[0].prompt_ids for a in admit):
+                break  # the same prompt again (n > 1 samples): next step, its K/V from the prefix cache
             admit.append(self.waiting.pop(0))
             budget -= n
         if admit:

@@ -10,7 +10,7 @@ Knows nothing of models, caches or text.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -104,6 +104,15 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    def samples(self) -> list["SamplingParams"]:
+        """The params of each of the n samples: n = 1 each, seed + index (wrapping within the seed range), so a
+        seeded request is reproducible sample by sample; without a seed each sample draws its own."""
+        if self.n == 1:
+            return [self]
+        span = SEED_MAX - SEED_MIN + 1
+        return [replace(self, n=1, seed=None if self.seed is None else (self.seed + i - SEED_MIN) % span + SEED_MIN)
+                for i in range(self.n)]
 
     @property
     def adjusts_logits(self) -> bool:
