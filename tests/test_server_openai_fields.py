@@ -162,6 +162,9 @@ def test_auto_output_is_parsed_into_calls_or_left_as_content():
                 CALL.replace('{"city"', '["city"')):
         assert parse_calls(bad, CHOICE) == (bad, [])
     assert parse_calls("plain text", CHOICE) == ("plain text", [])
+    cut = CALL + "\n<tool_call>\n{\"name\": \"get_w"  # max_tokens cut the second call short
+    assert parse_calls(cut, CHOICE) == (cut, [])  # auto: text
+    assert len(parse_calls(cut, read_tool_choice(TOOLS, "required", None))[1]) == 1  # constrained: the whole call
 
 
 @pytest.mark.parametrize("trusted", [False, True])

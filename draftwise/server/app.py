@@ -174,7 +174,7 @@ class _Ctx:
                 raise APIError(400, f"could not apply the chat template: {e}", param="messages") from None
             # OpenAI's chat default is "as many as fit": whatever the context leaves after the prompt
             params = protocol.sampling_params(req, max(1, context - len(ids)),
-                                              constraint=choice.constraint() if choice else None)
+                                              constraint=choice.constraint(self.llm.tokenizer) if choice else None)
             prompt, field = {"prompt_token_ids": ids}, "messages"
         else:
             prompt, field = protocol.completion_prompt(req), "prompt"
@@ -350,14 +350,15 @@ class _Choice:
         return self.calls.finish() if self.calls is not None else []
 
     def finish(self, reason: str | None) -> str | None:
-        return "tool_calls" if self.calls is not None and self.calls.calls else reason
+        """"tool_calls" when the output ended by itself after calls; "length" stays (a call may be cut short)."""
+        return "tool_calls" if self.calls is not None and self.calls.calls and reason == "stop" else reason
 
     def body(self, fmt: protocol.ResponseFormat) -> dict:
         """The finished choice of a whole response: tool calls parsed out of the text under tools."""
         text, out = "".join(self.parts), self.output.outputs[0]
         content, calls = (text, []) if self.choice is None else tools.parse_calls(text, self.choice)
-        return fmt.choice(self.index, content, "tool_calls" if calls else self.finish_reason, out.logprobs,
-                          calls or None)
+        finish = "tool_calls" if calls and self.finish_reason == "stop" else self.finish_reason
+        return fmt.choice(self.index, content, finish, out.logprobs, calls or None)
 
 
 def _sse_line(obj: dict) -> str:

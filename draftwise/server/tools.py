@@ -30,7 +30,7 @@ _NAME = re.compile(r"[A-Za-z0-9_.\-]{1,64}")  # OpenAI's function-name rule
 @dataclass(frozen=True)
 class ToolChoice:
     """The request's tools and what it asks of the model: `mode` "auto" (may call), "required" (must call one
-    of them) or "named" (must call `name`); `parallel`: more than one call allowed."""
+    of them) or "named" (must call `name`, once); `parallel`: more than one call allowed."""
 
     tools: tuple[dict, ...]  # the tool objects as sent ({"type": "function", "function": {...}})
     mode: str
@@ -43,12 +43,14 @@ class ToolChoice:
         fs = [t["function"] for t in self.tools]
         return [f for f in fs if f["name"] == self.name] if self.mode == "named" else fs
 
-    def constraint(self) -> Constraint | None:
-        """The grammar a required or named choice puts on the output; None under auto."""
+    def constraint(self, tokenizer) -> Constraint | None:
+        """The grammar a required or named choice puts on the output; None under auto. The markup is written as
+        the tokenizer's own `<tool_call>` / `</tool_call>` tokens where it has them."""
         if self.mode == "auto":
             return None
+        ids = (tokenizer.token_to_id(_OPEN), tokenizer.token_to_id(_CLOSE))
         try:
-            return tool_call_constraint(self.functions, self.parallel)
+            return tool_call_constraint(self.functions, self.parallel, None if None in ids else ids)
         except ConfigError as e:  # a parameters schema the grammar engine cannot take
             raise APIError(400, f"tools: {e}", param="tools") from None
 
@@ -87,7 +89,7 @@ def read_tool_choice(tools: list | None, tool_choice, parallel_tool_calls: bool 
     if f.get("name") not in names:
         raise APIError(400, f"tool_choice names {str(f.get('name'))[:64]!r}, which is not one of the tools",
                        param="tool_choice")
-    return ToolChoice(tuple(tools), "named", f["name"], parallel=parallel)
+    return ToolChoice(tuple(tools), "named", f["name"], parallel=False)  # forcing one function: one call (vLLM)
 
 
 def template_messages(messages: list[dict]) -> list[dict]:
@@ -133,9 +135,11 @@ def new_call(name: str, arguments: str) -> dict:
 def parse_calls(text: str, choice: ToolChoice) -> tuple[str | None, list[dict]]:
     """(content, tool calls) of a finished output: the text before the first `<tool_call>` as content (None if
     only whitespace), and one call per block. Any block that does not parse, or text after the calls: the
-    whole text is content and there are no calls. Without `parallel`, only the first call is kept."""
+    whole text is content and there are no calls; except under a constrained choice, where text after the last
+    whole block can only be a call cut short by max_tokens, which is left out. Without `parallel`, only the
+    first call is kept."""
     blocks = list(_BLOCK.finditer(text))
-    if not blocks or text[blocks[-1].end():].strip():
+    if not blocks or (choice.mode == "auto" and text[blocks[-1].end():].strip()):
         return text, []
     allowed = {f["name"] for f in choice.functions}
     calls = [_call(b.group(1), allowed) for b in blocks]

@@ -252,11 +252,14 @@ def from_request(body: Mapping, validate: bool = True) -> Constraint | None:
 TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>\n", "\n</tool_call>"  # the Hermes / Qwen2.5 tool-call markup
 
 
-def tool_call_constraint(functions: list[Mapping], parallel: bool = True, validate: bool = True) -> Constraint:
+def tool_call_constraint(functions: list[Mapping], parallel: bool = True, markup_ids: tuple[int, int] | None = None,
+                         validate: bool = True) -> Constraint:
     """The output must be tool calls of `functions` (OpenAI function objects: name, parameters): each
     `<tool_call>\\n{"name": <one of the names>, "arguments": <that function's parameters schema>}\\n</tool_call>`
     (an anyOf over the functions), one call, or with `parallel` one or more separated by newlines. The JSON is
-    laid out as json.dumps does (", " and ": ", no free whitespace), the form the Qwen2.5 template shows."""
+    laid out as json.dumps does (", " and ": ", no free whitespace), the form the Qwen2.5 template shows.
+    `markup_ids`: the ids of `<tool_call>` / `</tool_call>` where the vocabulary has them as single (special)
+    tokens, which is how such a model writes them (the grammar engine does not spell a special token's text)."""
     if not functions:
         raise ConfigError("a tool-call constraint needs at least one function")
     options = []
@@ -270,7 +273,11 @@ def tool_call_constraint(functions: list[Mapping], parallel: bool = True, valida
     schema = dict(schema, **{"x-guidance": {"whitespace_flexible": False, "item_separator": ", ",
                                             "key_separator": ": "}})
     body = _schema_value(schema, "tools")
-    call = f"{json.dumps(TOOL_CALL_OPEN)} body {json.dumps(TOOL_CALL_CLOSE)}"
+    if markup_ids is None:
+        call = f"{json.dumps(TOOL_CALL_OPEN)} body {json.dumps(TOOL_CALL_CLOSE)}"
+    else:
+        call = f'<[{int(markup_ids[0])}]> "\\n" body "\\n" <[{int(markup_ids[1])}]>'
+
     more = ' ("\\n" call)*' if parallel else ""
     grammar = f"start: call{more}\ncall: {call}\nbody: %json {body}\n"
     return _finish(Constraint("grammar", grammar, name="tool_calls"), validate)
