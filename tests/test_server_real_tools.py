@@ -9,7 +9,7 @@ import json
 import jsonschema
 import pytest
 
-from tests.harness import Server
+from tests.harness import real_model_server
 
 pytestmark = pytest.mark.integration
 
@@ -26,12 +26,8 @@ ASK = [{"role": "system", "content": "You are a helpful assistant. Use tool resu
 
 @pytest.fixture(scope="module")
 def server():
-    from draftwise.api import LLM
-    from draftwise.server.app import create_app
-
-    llm = LLM(MODEL, speculative_config={"method": "ngram", "num_speculative_tokens": 3}, max_num_seqs=2,
-              max_model_len=1024)
-    with Server(create_app(llm, MODEL)) as s:
+    with real_model_server(MODEL, {"method": "ngram", "num_speculative_tokens": 3}, max_num_seqs=2,
+                           max_model_len=1024) as s:
         yield s
 
 
