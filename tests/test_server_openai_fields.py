@@ -79,6 +79,12 @@ def test_chat_and_completion_logprobs_have_openai_shapes(server):
     assert len(content) == out.usage.completion_tokens and all(len(t.top_logprobs) == 3 for t in content)
     assert all(t.logprob == t.top_logprobs[0].logprob for t in content)  # greedy: the top token is emitted
     assert "".join(t.token + " " for t in content).split() == out.choices[0].message.content.split()
+    streamed = []  # the same entries, spread over the chunks
+    for chunk in c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "w1 w2"}], max_tokens=5,
+                                           temperature=0, logprobs=True, top_logprobs=3, seed=1, stream=True):
+        for ch in chunk.choices:
+            streamed += ch.logprobs.content if ch.logprobs else []
+    assert streamed == content
     comp = c.completions.create(model=MODEL, prompt="w1 w2", max_tokens=5, temperature=0, logprobs=2)
     lp = comp.choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == 5 and all(len(t) >= 2 for t in lp.top_logprobs)

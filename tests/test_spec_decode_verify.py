@@ -26,10 +26,11 @@ K = 2  # num_speculative_tokens: rounds end in a correction or a bonus, and sequ
 NUM_SAMPLES = {"model": 100_000, "point_mass": 50_000}  # point-mass drafts need more rounds per sample
 NUM_SAMPLES_BROKEN = 10_000  # the broken verifiers fail by hundreds of sigma; fewer samples keep the file fast
 
-CASES = {  # (temperature, top_k, top_p)
+CASES = {  # (temperature, top_k, top_p[, min_p])
     "temperature_1.0": (1.0, 0, 1.0),
     "temperature_0.7_top_p_0.9": (0.7, 0, 0.9),
     "top_k_5": (1.0, 5, 1.0),
+    "min_p_0.15": (1.0, 0, 1.0, 0.15),
 }
 
 
@@ -60,9 +61,9 @@ def _simulate(verify_fn, params, draft_kind: str, num_samples: int, seed: int) -
 
     Returns counts of the first NUM_TOKENS tokens [VOCAB**NUM_TOKENS] and of num_accepted per call [K + 1].
     """
-    temperature, top_k, top_p = params
+    temperature, top_k, top_p, *min_p = params
     target, draft = _tables()
-    draft_probs_table = process_logits(draft, temperature, top_k, top_p)  # [prev2, prev1, vocab_size]
+    draft_probs_table = process_logits(draft, *params)  # [prev2, prev1, vocab_size]
     draft_gen = torch.Generator().manual_seed(seed)
     verify_gen = torch.Generator().manual_seed(seed + 1)
     sequences = [list(PROMPT) for _ in range(num_samples)]
@@ -91,7 +92,7 @@ def _simulate(verify_fn, params, draft_kind: str, num_samples: int, seed: int) -
         rows = zip(draft_ids.unbind(0), target_logits.unbind(0))
         probs_rows = [None] * len(active) if batch_probs is None else batch_probs.unbind(0)
         for i, (draft_row, logits_row), probs_row in zip(active, rows, probs_rows):
-            result = verify_fn(draft_row, probs_row, logits_row, temperature, top_k, top_p, verify_gen)
+            result = verify_fn(draft_row, probs_row, logits_row, temperature, top_k, top_p, verify_gen, *min_p)
             sequences[i].extend(result.token_ids)
             accepted_counts[result.num_accepted] += 1
         active = [i for i in active if len(sequences[i]) < len(PROMPT) + NUM_TOKENS]
