@@ -165,7 +165,8 @@ def test_auto_output_is_parsed_into_calls_or_left_as_content():
                                                                                                                 "Oslo"]
     assert calls[0]["function"]["arguments"] == '{"city": "Rome", "days": 2}'
     for bad in (CALL.replace('"get_weather"', '"nope"'), CALL.replace("}}", "}"), CALL[:-3], CALL + " and more",
-                CALL.replace('{"city"', '["city"')):
+                CALL.replace('{"city"', '["city"'), CALL.replace('"get_weather"', '["get_weather"]'),
+                CALL.replace('{"city": "Rome", "days": 2}', "[" * 5000 + "]" * 5000)):
         assert parse_calls(bad, CHOICE) == (bad, [])
     assert parse_calls("plain text", CHOICE) == ("plain text", [])
     cut = CALL + "\n<tool_call>\n{\"name\": \"get_w"  # max_tokens cut the second call short

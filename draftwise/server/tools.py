@@ -118,9 +118,10 @@ def _call(block: str, allowed: set[str]) -> dict | None:
     is the model's own text of the object (what a stream sends piece by piece)."""
     try:
         obj = json.loads(block)
-    except json.JSONDecodeError:
+    except (json.JSONDecodeError, RecursionError):  # whatever the model wrote: text, never an error
         return None
-    if not isinstance(obj, dict) or obj.get("name") not in allowed or not isinstance(obj.get("arguments"), dict):
+    if (not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or obj["name"] not in allowed
+            or not isinstance(obj.get("arguments"), dict)):
         return None
     m = _CALL.fullmatch(block)
     args = m.group(2).rstrip() if m else json.dumps(obj["arguments"], ensure_ascii=False)
