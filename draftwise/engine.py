@@ -4,7 +4,8 @@ step(): admit waiting requests into free slots (prefill from the end of the prom
 prefix cache; where prompt rows are bitwise decode rows, the prompt's first guesses ride along and are verified
 like a step's, else the first token) → ask the proposer for up to k guesses per running sequence → mask: under structured outputs, cut each draft at its first token the grammar forbids →
 one batched target forward over [pending token, guesses...] for every sequence → verify each row (pure
-function; under a grammar, row i's logits masked by the grammar state after guesses 1..i) → roll the target
+function; under a grammar, row i's logits masked by the grammar state after guesses 1..i; penalties, bias
+and min_tokens likewise from the history through guess i: sampling.adjust_logits) → roll the target
 cache back to what was accepted → emit tokens (advancing the request's grammar state along them, and only
 them). Plain decoding is the same path with a proposer that never guesses.
 
@@ -345,8 +346,9 @@ class Engine:
         """Verify one sequence's draft (pure), roll its cache back to what was accepted, emit."""
         k = d.num_tokens
         rows = self._masked(r, logits[: k + 1], mask)  # [k + 1, V]
-        # penalties, bias, min_tokens: row i from the history through guess i (the draft's q had the same)
-        rows = adjust_logits(rows, r.params, r.prompt_ids, r.output_ids, d.token_ids.tolist(), self.stop_ids(r.params))
+        if r.params.adjusts_logits:  # penalties, bias, min_tokens: row i from the history through guess i (as q)
+            rows = adjust_logits(rows, r.params, r.prompt_ids, r.output_ids, d.token_ids.tolist(),
+                                 self.stop_ids(r.params))
         res = verify(d.token_ids.to(logits.device), d.probs, rows, r.params, r.generator)
         self.cache.truncate(r.slot, base_length + 1 + res.num_accepted)
         if k:

@@ -132,7 +132,8 @@ def _check_logit_bias(bias) -> dict[int, float]:
         tid = int(key) if isinstance(key, str) and key.strip().isdigit() else key
         if isinstance(tid, bool) or not isinstance(tid, int) or tid < 0:
             raise ConfigError(f"logit_bias keys must be token ids (integers >= 0), got {key!r}")
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
+        if (isinstance(value, bool) or not isinstance(value, (int, float))
+                or not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS):
             raise ConfigError(f"logit_bias values must be numbers in [-100, 100], got {value!r} for {key!r}")
         out[tid] = float(value)
     return out
@@ -148,9 +149,10 @@ def adjust_logits(
 ) -> torch.Tensor:  # [n, vocab_size] float32
     """The request's history-dependent transform, row i from the history up to it (prompt, output so far, then
     guesses 1..i), in vLLM's order: logit_bias added; min_tokens masks `stop_ids` (-inf) while fewer than
-    min_tokens tokens precede the row (unless nothing else is left, e.g. a grammar that only lets it end); then repetition_penalty (HF / vLLM: a token seen in prompt or history has
-    a positive logit divided by it, a negative one multiplied), frequency_penalty x its count in the output and
-    presence_penalty once if it occurs there, both subtracted. Returns `logits` untouched when params adjust
+    min_tokens tokens precede the row (unless nothing else is left, e.g. a grammar that only lets it end); then
+    repetition_penalty (HF / vLLM: a token seen in prompt or history has a positive logit divided by it, a
+    negative one multiplied), frequency_penalty x its count in the output and presence_penalty once if it
+    occurs there, both subtracted. Returns `logits` untouched when params adjust
     nothing; every row is computed elementwise, so row i does not depend on how many rows come with it."""
     if not params.adjusts_logits:
         return logits

@@ -118,7 +118,7 @@ def test_adjust_logits_row_i_sees_the_history_through_guess_i():
         alone = adjust_logits(logits[i: i + 1], params, prompt, output + guesses[:i], [], stop_ids={9})
         assert torch.equal(rows[i], alone[0])
     # by hand: row 2 follows output [4, 5] + [5, 6]
-    raw, want = logits[2].clone(), logits[2].clone()
+    want = logits[2].clone()
     want[2] += 1.0  # 4 tokens precede row 2 (min_tokens 3): id 9 is no longer held back
     for t in (1, 4, 5, 6):
         want[t] = want[t] / 1.4 if want[t] > 0 else want[t] * 1.4
@@ -156,7 +156,7 @@ def test_logprobs_with_speculation_equal_plain(target, noisy, kind):
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=3)
     _, base, _ = run(target, NoProposer(), 0, params)
     for k in (2, 5):
-        outs, reqs, _ = run(target, proposer(kind, noisy), k, params)
+        _, reqs, _ = run(target, proposer(kind, noisy), k, params)
         for a, b in zip(base, reqs):
             assert a.output_ids == b.output_ids and len(b.logprobs) == len(b.output_ids)
             assert [x.token_id for x in b.logprobs] == b.output_ids

@@ -96,8 +96,9 @@ def test_logprobs_equal_with_and_without_speculation_on_row_exact_kernels():
         c = s.client()
 
         def run(speculation):
-            return c.completions.create(model=MODEL, prompt='{"name": "Ada", "tags": ["math", "math", "', max_tokens=24,
-                                        temperature=0, logprobs=5, extra_body={"draftwise": {"speculation": speculation}})
+            return c.completions.create(model=MODEL, prompt='{"name": "Ada", "tags": ["math", "math", "',
+                                        max_tokens=24, temperature=0, logprobs=5,
+                                        extra_body={"draftwise": {"speculation": speculation}})
 
         plain, spec = run(False), run(True)
         assert plain.choices[0].text == spec.choices[0].text

@@ -326,11 +326,6 @@ def _simulate_penalized(transform, num_samples: int, seed: int) -> np.ndarray:
     counts = np.zeros(VOCAB**NUM_TOKENS, dtype=np.int64)
     memo: dict = {}  # histories are few: each transformed q and row set is computed once
 
-    def once(key, make):
-        if key not in memo:
-            memo[key] = make()
-        return memo[key]
-
     for _ in range(num_samples):
         seq = list(PROMPT)
         while len(seq) < len(PROMPT) + NUM_TOKENS:
@@ -338,13 +333,17 @@ def _simulate_penalized(transform, num_samples: int, seed: int) -> np.ndarray:
             guesses, qs = [], []
             for _ in range(K):
                 ctx = (seq + guesses)[-2:]
-                q = once(("q", *ctx, *history, -1, *guesses), lambda: process_logits(  # [1, V]
-                    _penalized(draft[ctx[0], ctx[1]][None], history + guesses, []), 1.0))
+                key = ("q", *ctx, *history, -1, *guesses)
+                if key not in memo:
+                    memo[key] = process_logits(_penalized(draft[ctx[0], ctx[1]][None], history + guesses, []), 1.0)
+                q = memo[key]  # [1, V]
                 qs.append(q[0])
                 guesses.append(int(sample(q, gen)[0]))
             ids = seq[-2:] + guesses
-            rows = once(("p", *ids, *history), lambda: transform(  # [K + 1, V]
-                torch.stack([target[ids[j], ids[j + 1]] for j in range(K + 1)]), history, guesses))
+            key = ("p", *ids, *history)
+            if key not in memo:
+                memo[key] = transform(torch.stack([target[ids[j], ids[j + 1]] for j in range(K + 1)]), history, guesses)
+            rows = memo[key]  # [K + 1, V]
             result = rejection_verify(torch.tensor(guesses), torch.stack(qs), rows, 1.0, 0, 1.0, gen)
             seq.extend(result.token_ids)
         t = seq[len(PROMPT): len(PROMPT) + NUM_TOKENS]

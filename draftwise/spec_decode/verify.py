@@ -2,8 +2,8 @@
 
 Pure functions of (draft ids, draft probs, target logits, sampling params, generator). The caller passes the
 target rows already transformed by the request's history (sampling.adjust_logits: penalties, bias, min_tokens,
-row i from the history through guess i) and masked by its grammar; the draft's q transformed the same way. Greedy verification
-keeps the longest prefix of the draft that matches the target's argmax; speculative (rejection) sampling
+row i from the history through guess i) and masked by its grammar, and the draft's q transformed the same way.
+Greedy verification keeps the longest prefix of the draft that matches the target's argmax; speculative (rejection) sampling
 follows Leviathan et al. 2023 (arXiv 2211.17192, Algorithm 1) and Chen et al. 2023 (arXiv 2302.01318), which
 makes the emitted tokens distributed exactly as plain sampling from the target's processed distribution.
 
