@@ -146,6 +146,16 @@ def test_constrained_choice_always_yields_valid_calls(json_server, tool_choice, 
     assert "".join(pieces) == call.function.arguments
 
 
+def test_tool_fields_accepted_before_keep_their_meaning(server):
+    c = server.client()
+    kw = dict(model=MODEL, messages=[{"role": "user", "content": "w1 w2"}], max_tokens=6, temperature=0)
+    base = c.chat.completions.create(**kw).choices[0].message.content
+    for extra in ({"tools": [], "tool_choice": "auto"}, {"tool_choice": "none"}, {"tool_choice": "auto"},
+                  {"parallel_tool_calls": False}, {"tools": TOOLS, "tool_choice": "none"}):
+        out = c.chat.completions.create(**kw, extra_body=extra).choices[0]
+        assert out.message.content == base and out.message.tool_calls is None, extra
+
+
 def test_tool_results_and_earlier_calls_are_accepted(json_server):
     c = json_server.client()
     msgs = MESSAGES + [

@@ -57,7 +57,7 @@ class ToolChoice:
 
 def read_tool_choice(tools: list | None, tool_choice, parallel_tool_calls: bool | None) -> ToolChoice | None:
     """The request's tool fields checked: None when the model gets no tools (none sent, or tool_choice none)."""
-    if tool_choice is not None and not tools and tool_choice != "none":
+    if tool_choice not in (None, "none", "auto") and not tools:  # none / auto without tools: nothing to do
         raise APIError(400, "tool_choice needs tools", param="tool_choice")
     if not tools:
         return None
