@@ -23,7 +23,7 @@ from draftwise.kernels.threads import ThreadGuard
 from draftwise.models.transformer import Decoder
 from draftwise.output import TextStream
 from draftwise.prefix_cache import PrefixCache
-from draftwise.sampling import SamplingParams
+from draftwise.sampling import SamplingParams, TokenLogprob
 from draftwise.spec_decode.adaptive import AdaptiveK, FixedK, KPolicy
 from draftwise.spec_decode.builders import ProposerContext, build_proposer
 from draftwise.spec_decode.proposer import Proposer
@@ -64,6 +64,7 @@ class CompletionOutput:
     text: str
     token_ids: list[int]
     finish_reason: str | None
+    logprobs: list[TokenLogprob] | None = None  # the target's raw logprobs per token, when params.logprobs is set
 
 
 @dataclass
@@ -82,7 +83,8 @@ class RequestOutput:
 
     @property
     def num_output_tokens(self) -> int:
-        return len(self.outputs[0].token_ids)
+        """Output tokens of every sample (n > 1: summed, as OpenAI's usage counts them)."""
+        return sum(len(o.token_ids) for o in self.outputs)
 
     @property
     def tokens_per_s(self) -> float | None:
@@ -347,6 +349,12 @@ class LLM:
         if bad:
             raise ConfigError(f"prompt token ids out of the vocabulary (size {self.model.config.vocab_size}): {bad[:5]}")
         self.engine.check_vocab_limit(ids)  # a draft model with fewer embedding rows than the target
+        beyond = [t for t in params.logit_bias if t >= self.model.config.vocab_size]
+        if beyond:
+            raise ConfigError(f"logit_bias: token id {beyond[0]} is out of the vocabulary (size "
+                              f"{self.model.config.vocab_size})")
+        if params.n != 1:
+            raise ConfigError("new_request builds one sample: split n > 1 with SamplingParams.samples()")
         stream = TextStream.for_params(self.tokenizer, params)
         req = Request(uuid.uuid4().hex[:16], ids, params, on_token=stream.add, prompt_text=text,
                       grammar=self.compile_grammar(params))
@@ -368,12 +376,24 @@ class LLM:
         params = sampling_params if isinstance(sampling_params, (list, tuple)) else [sampling_params] * len(prompts)
         if len(params) != len(prompts):
             raise ConfigError(f"{len(params)} sampling params for {len(prompts)} prompts")
-        pairs = [self.new_request(p, sp or SamplingParams()) for p, sp in zip(prompts, params)]
-        bar = _progress(len(pairs)) if use_tqdm else None
-        self.run([req for req, _ in pairs], on_finished=(lambda req: bar.update(1)) if bar else None)
+        # n > 1: n requests of one prompt (seed + index); admitted in turn, so the prefix cache shares the prompt
+        groups = [[self.new_request(p, one) for one in (sp or SamplingParams()).samples()]
+                  for p, sp in zip(prompts, params)]
+        bar = _progress(len(groups)) if use_tqdm else None
+        self.run([req for g in groups for req, _ in g],
+                 on_finished=(lambda req: bar.update(1)) if bar else None)
         if bar:
             bar.close()
-        return [self._finish_output(req, stream) for req, stream in pairs]
+        return [self.merge_outputs([self._finish_output(req, stream) for req, stream in g]) for g in groups]
+
+    @staticmethod
+    def merge_outputs(samples: list[RequestOutput]) -> RequestOutput:
+        """The n samples of one prompt as one RequestOutput: outputs indexed 0..n-1, the first's id and timings."""
+        if len(samples) == 1:
+            return samples[0]
+        outputs = [replace(s.outputs[0], index=i) for i, s in enumerate(samples)]
+        return replace(samples[0], outputs=outputs, finished=all(s.finished for s in samples),
+                       error=next((s.error for s in samples if s.error), None))
 
     def run(self, requests: Sequence[Request], on_finished: Callable[[Request], None] | None = None) -> None:
         """Add the requests and step the engine until nothing is left unfinished (the one run-until-done loop)."""
@@ -414,7 +434,8 @@ class LLM:
         spec_stats = req.spec_stats.to_dict() if self.spec_config.enabled else None
         return RequestOutput(
             request_id=req.request_id, prompt=req.prompt_text, prompt_token_ids=req.prompt_ids,
-            outputs=[CompletionOutput(0, text, list(req.output_ids), req.finish_reason)],
+            outputs=[CompletionOutput(0, text, list(req.output_ids), req.finish_reason,
+                                      list(req.logprobs) if req.params.logprobs is not None else None)],
             finished=req.finished, ttft_s=ttft, total_s=total, spec=spec_stats, error=req.error,
             num_cached_tokens=req.num_cached_tokens,
         )

@@ -4,7 +4,8 @@ step(): admit waiting requests into free slots (prefill from the end of the prom
 prefix cache; where prompt rows are bitwise decode rows, the prompt's first guesses ride along and are verified
 like a step's, else the first token) → ask the proposer for up to k guesses per running sequence → mask: under structured outputs, cut each draft at its first token the grammar forbids →
 one batched target forward over [pending token, guesses...] for every sequence → verify each row (pure
-function; under a grammar, row i's logits masked by the grammar state after guesses 1..i) → roll the target
+function; under a grammar, row i's logits masked by the grammar state after guesses 1..i; penalties, bias
+and min_tokens likewise from the history through guess i: sampling.adjust_logits) → roll the target
 cache back to what was accepted → emit tokens (advancing the request's grammar state along them, and only
 them). Plain decoding is the same path with a proposer that never guesses.
 
@@ -29,7 +30,7 @@ from draftwise.kernels.threads import ThreadGuard
 from draftwise.kv_cache import KVCache, target_cache_capacity
 from draftwise.models.transformer import Decoder
 from draftwise.prefix_cache import PrefixCache
-from draftwise.sampling import SamplingParams, make_generator
+from draftwise.sampling import SamplingParams, TokenLogprob, adjust_logits, make_generator, token_logprobs
 from draftwise.spec_decode.adaptive import FixedK, KPolicy
 from draftwise.spec_decode.proposer import EMPTY_DRAFT_IDS, Draft, Proposer
 from draftwise.spec_decode.stats import SpecStats
@@ -61,6 +62,7 @@ class Request:
     grammar: object | None = None  # structured.CompiledGrammar of params.structured_outputs (LLM.new_request)
     matcher: GrammarMatcher | None = None  # the output's grammar state: the engine advances it along emitted ids
     num_cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache (not recomputed)
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # per output token, when params.logprobs is set
 
     @property
     def finished(self) -> bool:
@@ -191,6 +193,8 @@ class Engine:
             n = len(self.waiting[0].prompt_ids)
             if admit and n > budget:
                 break
+            if self.prefix_cache is not None and any(a.prompt_ids == self.waiting[0].prompt_ids for a in admit):
+                break  # the same prompt again (n > 1 samples): next step, its K/V from the prefix cache
             admit.append(self.waiting.pop(0))
             budget -= n
         if admit:
@@ -342,12 +346,17 @@ class Engine:
         """Verify one sequence's draft (pure), roll its cache back to what was accepted, emit."""
         k = d.num_tokens
         rows = self._masked(r, logits[: k + 1], mask)  # [k + 1, V]
+        if r.params.adjusts_logits:  # penalties, bias, min_tokens: row i from the history through guess i (as q)
+            rows = adjust_logits(rows, r.params, r.prompt_ids, r.output_ids, d.token_ids.tolist(),
+                                 self.stop_ids(r.params))
         res = verify(d.token_ids.to(logits.device), d.probs, rows, r.params, r.generator)
         self.cache.truncate(r.slot, base_length + 1 + res.num_accepted)
         if k:
             self.k_policy.observe(r, k, res.num_accepted)  # the policy learns what the target agreed with
         slot = r.slot
         emitted = self._emit(r, res.token_ids)
+        if r.params.logprobs is not None:  # the target's raw rows, the same bits with or without guesses
+            r.logprobs.extend(token_logprobs(logits[: len(emitted)], emitted, r.params.logprobs))
         # accepted guesses discarded after a stop (EOS, stop string) inside the run do not count as accepted;
         # every step is counted in the k histogram (k = 0: a plain step, e.g. chosen by the adaptive policy)
         num_accepted = min(res.num_accepted, len(emitted))
@@ -421,6 +430,10 @@ class Engine:
         else:
             self._pending[req.slot] = token_ids[-1]
         return emitted
+
+    def stop_ids(self, p: SamplingParams) -> set[int]:
+        """The ids that end a request's output (what min_tokens holds back): EOS unless ignored, stop_token_ids."""
+        return (set() if p.ignore_eos else self.eos_token_ids) | set(p.stop_token_ids)
 
     def _stop_reason(self, req: Request, tok: int) -> str | None:
         p = req.params

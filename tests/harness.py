@@ -3,6 +3,7 @@
 client and a /metrics reader. No downloads. Test files import from here, never from each other."""
 from __future__ import annotations
 
+import contextlib
 import socket
 import threading
 import time
@@ -151,6 +152,16 @@ class Server:
                 labels = frozenset((k, v) for k, v in s.labels.items() if k != "model_name")
                 out[(s.name, labels)] = s.value
         return out
+
+
+@contextlib.contextmanager
+def real_model_server(model: str, spec_config: dict, **llm_kwargs):
+    """A Server around a packaged real model (integration tests: loads it from the local cache)."""
+    from draftwise.server.app import create_app
+
+    llm = LLM(model, speculative_config=spec_config, **llm_kwargs)
+    with Server(create_app(llm, model)) as s:
+        yield s
 
 
 def metric(m: dict, name: str, **labels) -> float:

@@ -250,10 +250,10 @@ def test_developer_is_system_and_parts_join_with_newline(server, rendered):
 CHAT_REFUSALS = [
     ("unknown role", [{"role": "wizard", "content": "w1"}], "wizard"),
     ("image part", [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], "image_url"),
-    ("tool message", [{"role": "user", "content": "w1"}, {"role": "tool", "content": "w2", "tool_call_id": "a"}],
-     "tool"),
-    ("assistant tool call", [{"role": "user", "content": "w1"}, {"role": "assistant", "content": None, "tool_calls": [
+    ("tool calls on a user message", [{"role": "user", "content": "w1", "tool_calls": [
         {"id": "a", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}], "tool_calls"),
+    ("tool call without a function", [{"role": "user", "content": "w1"}, {"role": "assistant", "content": None,
+                                                                           "tool_calls": [{"id": "a"}]}], "tool_calls"),
 ]
 
 
@@ -284,15 +284,17 @@ def test_neutral_values_are_accepted(server):
     assert out.status_code == 200, out.text
 
 
-REFUSED = [("min_p", 0.1), ("repetition_penalty", 1.2), ("min_tokens", 5), ("logit_bias", {"5": 10}),
-           ("logprobs", True), ("top_logprobs", 2), ("best_of", 2), ("echo", True), ("presence_penalty", 0.5),
+# implemented fields at values they refuse, and fields still refused (by name) at any non-neutral value
+REFUSED = [("min_p", 1.1), ("repetition_penalty", 0), ("min_tokens", -1), ("logit_bias", {"w5": 10}),
+           ("logit_bias", {"5": 101}), ("logit_bias", {"64": 1}), ("top_logprobs", 2), ("top_logprobs", 21),
+           ("best_of", 2), ("echo", True), ("presence_penalty", 2.5),
            ("functions", [{"name": "f"}]), ("function_call", {"name": "f"}), ("tools", [{"type": "function"}]),
-           ("tool_choice", "required"), ("structural_tag", {"type": "x"}), ("n", 2),
+           ("tool_choice", "required"), ("structural_tag", {"type": "x"}), ("n", 17), ("n", 0),
            ("use_beam_search", True), ("allowed_token_ids", [1]), ("chat_template", "{{ x }}"),
            ("add_special_tokens", True), ("frequency_penalty", False), ("no_such_field", 1)]
 
 
-@pytest.mark.parametrize("field,value", REFUSED, ids=[r[0] for r in REFUSED])
+@pytest.mark.parametrize("field,value", REFUSED, ids=[f"{r[0]}={r[1]}" for r in REFUSED])
 def test_unsupported_values_are_refused_by_name(server, field, value):
     err = error_of(post(server, "/v1/chat/completions", dict(CHAT, **{field: value})), 400, field)
     assert field in err["message"]
@@ -300,7 +302,8 @@ def test_unsupported_values_are_refused_by_name(server, field, value):
 
 def test_completion_only_refusals(server):
     error_of(post(server, "/v1/completions", dict(GOOD, suffix="w9")), 400, "suffix")
-    error_of(post(server, "/v1/completions", dict(GOOD, logprobs=0)), 400, "logprobs")
+    error_of(post(server, "/v1/completions", dict(GOOD, top_logprobs=2)), 400, "top_logprobs")
+    error_of(post(server, "/v1/completions", dict(GOOD, logprobs=21)), 400, "logprobs")
 
 
 def test_draftwise_extension_passes_validation():

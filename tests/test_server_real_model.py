@@ -5,7 +5,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from tests.harness import Server
+from tests.harness import real_model_server
 
 pytestmark = pytest.mark.integration
 
@@ -16,12 +16,8 @@ PROMPTS = ["def is_even(n):", "Add type hints: def area(w, h): return w * h",
 
 @pytest.fixture(scope="module")
 def server():
-    from draftwise.api import LLM
-    from draftwise.server.app import create_app
-
-    llm = LLM(MODEL, speculative_config={"method": "ngram", "num_speculative_tokens": 3}, max_num_seqs=4,
-              max_model_len=512)
-    with Server(create_app(llm, MODEL)) as s:
+    with real_model_server(MODEL, {"method": "ngram", "num_speculative_tokens": 3}, max_num_seqs=4,
+                           max_model_len=512) as s:
         yield s
 
 

@@ -1,6 +1,7 @@
 """Invariants of spec_decode/verify.py: greedy verification cases, seeded determinism, and the centrepiece — speculative
 sampling reproduces the target's exactly enumerated distribution (chi-square), while deliberately broken
-verifiers fail the same test.
+verifiers fail the same test. With penalties on (sampling.adjust_logits), the same holds for the penalised
+target, and a mutant that penalises every row from the history before the guesses fails.
 
 The "models" are explicit tables: next-token logits are a function of the last two tokens, so the target's
 distribution over the first NUM_TOKENS generated tokens can be enumerated exactly. The simulation batches
@@ -14,7 +15,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from draftwise.sampling import SamplingParams, process_logits, sample
+from draftwise.sampling import SamplingParams, adjust_logits, process_logits, sample
 from draftwise.spec_decode.verify import VerifyResult, greedy_verify, rejection_verify, verify
 from tests.harness import one_torch_thread  # noqa: F401 (a fixture)
 
@@ -25,10 +26,11 @@ K = 2  # num_speculative_tokens: rounds end in a correction or a bonus, and sequ
 NUM_SAMPLES = {"model": 100_000, "point_mass": 50_000}  # point-mass drafts need more rounds per sample
 NUM_SAMPLES_BROKEN = 10_000  # the broken verifiers fail by hundreds of sigma; fewer samples keep the file fast
 
-CASES = {  # (temperature, top_k, top_p)
+CASES = {  # (temperature, top_k, top_p[, min_p])
     "temperature_1.0": (1.0, 0, 1.0),
     "temperature_0.7_top_p_0.9": (0.7, 0, 0.9),
     "top_k_5": (1.0, 5, 1.0),
+    "min_p_0.15": (1.0, 0, 1.0, 0.15),
 }
 
 
@@ -59,9 +61,9 @@ def _simulate(verify_fn, params, draft_kind: str, num_samples: int, seed: int) -
 
     Returns counts of the first NUM_TOKENS tokens [VOCAB**NUM_TOKENS] and of num_accepted per call [K + 1].
     """
-    temperature, top_k, top_p = params
+    temperature, top_k, top_p, *min_p = params
     target, draft = _tables()
-    draft_probs_table = process_logits(draft, temperature, top_k, top_p)  # [prev2, prev1, vocab_size]
+    draft_probs_table = process_logits(draft, *params)  # [prev2, prev1, vocab_size]
     draft_gen = torch.Generator().manual_seed(seed)
     verify_gen = torch.Generator().manual_seed(seed + 1)
     sequences = [list(PROMPT) for _ in range(num_samples)]
@@ -90,7 +92,7 @@ def _simulate(verify_fn, params, draft_kind: str, num_samples: int, seed: int) -
         rows = zip(draft_ids.unbind(0), target_logits.unbind(0))
         probs_rows = [None] * len(active) if batch_probs is None else batch_probs.unbind(0)
         for i, (draft_row, logits_row), probs_row in zip(active, rows, probs_rows):
-            result = verify_fn(draft_row, probs_row, logits_row, temperature, top_k, top_p, verify_gen)
+            result = verify_fn(draft_row, probs_row, logits_row, temperature, top_k, top_p, verify_gen, *min_p)
             sequences[i].extend(result.token_ids)
             accepted_counts[result.num_accepted] += 1
         active = [i for i in active if len(sequences[i]) < len(PROMPT) + NUM_TOKENS]
@@ -282,3 +284,79 @@ def _verify_sequence(seed: int) -> list[VerifyResult]:
 def test_seeded_determinism():
     assert _verify_sequence(seed=42) == _verify_sequence(seed=42)
     assert _verify_sequence(seed=42) != _verify_sequence(seed=43)
+
+
+# --------------------------------------------------------------------------- penalties (history-dependent p)
+PENALTIES = SamplingParams(temperature=1.0, presence_penalty=0.8, frequency_penalty=0.6, repetition_penalty=1.8,
+                           logit_bias={1: 1.5})
+NUM_SAMPLES_PENALTY = 20_000  # per-sequence transforms (the history differs): slower than the batched simulation
+
+
+def _penalized(rows: torch.Tensor, history: list[int], guesses: list[int]) -> torch.Tensor:  # [n, V] -> [n, V]
+    return adjust_logits(rows, PENALTIES, list(PROMPT), history, guesses)
+
+
+def _pre_guess(rows: torch.Tensor, history: list[int], guesses: list[int]) -> torch.Tensor:
+    """Broken on purpose: every row penalised from the history before the guesses (guesses 1..i ignored)."""
+    return torch.cat([adjust_logits(rows[i: i + 1], PENALTIES, list(PROMPT), history, []) for i in range(len(rows))])
+
+
+def _exact_penalized() -> np.ndarray:
+    """P(t1, t2, t3) of plain sampling from the penalised target (each step from its own history)."""
+    target = _tables()[0]
+    joint = np.zeros((VOCAB,) * NUM_TOKENS)
+
+    def probs(prev2, prev1, history):
+        return process_logits(_penalized(target[prev2, prev1][None], history, []), 1.0)[0].double().numpy()
+
+    a, b = PROMPT
+    p1 = probs(a, b, [])
+    for t1 in range(VOCAB):
+        p2 = probs(b, t1, [t1])
+        for t2 in range(VOCAB):
+            joint[t1, t2] = p1[t1] * p2[t2] * probs(t1, t2, [t1, t2])
+    return joint.reshape(-1)
+
+
+def _simulate_penalized(transform, num_samples: int, seed: int) -> np.ndarray:
+    """Speculative sampling one sequence at a time: the draft's q and the target's rows both transformed
+    (`transform`), the draft's along its own guesses; returns counts of the first NUM_TOKENS tokens."""
+    target, draft = _tables()
+    gen = torch.Generator().manual_seed(seed)
+    counts = np.zeros(VOCAB**NUM_TOKENS, dtype=np.int64)
+    memo: dict = {}  # histories are few: each transformed q and row set is computed once
+
+    for _ in range(num_samples):
+        seq = list(PROMPT)
+        while len(seq) < len(PROMPT) + NUM_TOKENS:
+            history = seq[len(PROMPT):]
+            guesses, qs = [], []
+            for _ in range(K):
+                ctx = (seq + guesses)[-2:]
+                key = ("q", *ctx, *history, -1, *guesses)
+                if key not in memo:
+                    memo[key] = process_logits(_penalized(draft[ctx[0], ctx[1]][None], history + guesses, []), 1.0)
+                q = memo[key]  # [1, V]
+                qs.append(q[0])
+                guesses.append(int(sample(q, gen)[0]))
+            ids = seq[-2:] + guesses
+            key = ("p", *ids, *history)
+            if key not in memo:
+                memo[key] = transform(torch.stack([target[ids[j], ids[j + 1]] for j in range(K + 1)]), history, guesses)
+            rows = memo[key]  # [K + 1, V]
+            result = rejection_verify(torch.tensor(guesses), torch.stack(qs), rows, 1.0, 0, 1.0, gen)
+            seq.extend(result.token_ids)
+        t = seq[len(PROMPT): len(PROMPT) + NUM_TOKENS]
+        counts[(t[0] * VOCAB + t[1]) * VOCAB + t[2]] += 1
+    return counts
+
+
+@pytest.mark.parametrize("transform,passes", [(_penalized, True), (_pre_guess, False)],
+                         ids=["per_row_history", "mutant_pre_guess_history"])
+def test_penalised_sampling_matches_the_penalised_target(transform, passes):
+    exact = _exact_penalized()
+    assert np.abs(exact - _exact_distribution(_tables()[0], (1.0, 0, 1.0))).sum() > 0.3  # penalties matter
+    counts = _simulate_penalized(transform, NUM_SAMPLES_PENALTY if passes else NUM_SAMPLES_BROKEN, seed=11)
+    statistic, pvalue, cells = _chi_square(counts, exact)
+    print(f"penalties {transform.__name__}: chi2 {statistic:.1f} over {cells} cells, p = {pvalue:.4g}")
+    assert (pvalue > 0.01) if passes else (pvalue < 1e-6)

@@ -32,7 +32,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from draftwise.config import ConfigError
-from draftwise.server import protocol, validation
+from draftwise.server import protocol, tools, validation
 from draftwise.server.errors import APIError, error_body, error_response, from_api_error
 from draftwise.server.guard import LOOPBACK_HOSTS, Guard
 from draftwise.server.metrics import ServerMetrics
@@ -152,8 +152,8 @@ class _Ctx:
         if refusal is not None:
             raise refusal
         body = await _read_body(request, self.max_body_bytes)
-        prepared, req = await loop.run_in_executor(self.pool, self.prepare, body, chat)
-        return await self.generate(request, prepared, req, chat, deadline)
+        prepared, req, choice = await loop.run_in_executor(self.pool, self.prepare, body, chat)
+        return await self.generate(request, prepared, req, chat, deadline, choice)
 
     def prepare(self, body: bytes, chat: bool):
         """Worker thread: strict JSON, field policy and limits, then tokens, then the context check."""
@@ -162,22 +162,28 @@ class _Ctx:
         self.check_model(req.model)
         validation.check_limits(req, self.limits)
         context = self.llm.max_model_len
+        choice = None
         if chat:
-            messages = protocol.chat_messages(req)
+            choice = tools.read_tool_choice(req.tools, req.tool_choice, req.parallel_tool_calls)
+            messages = tools.template_messages(protocol.chat_messages(req))
             try:
                 ids = self.llm.tokenizer.encode_chat(messages, add_generation_prompt=req.add_generation_prompt,
-                                                     continue_final_message=req.continue_final_message)
+                                                     continue_final_message=req.continue_final_message,
+                                                     tools=list(choice.tools) if choice else None)
             except (ConfigError, jinja2.TemplateError) as e:
                 raise APIError(400, f"could not apply the chat template: {e}", param="messages") from None
             # OpenAI's chat default is "as many as fit": whatever the context leaves after the prompt
-            params = protocol.sampling_params(req, max(1, context - len(ids)))
+            params = protocol.sampling_params(req, max(1, context - len(ids)),
+                                              constraint=choice.constraint(self.llm.tokenizer) if choice else None)
             prompt, field = {"prompt_token_ids": ids}, "messages"
         else:
             prompt, field = protocol.completion_prompt(req), "prompt"
             params = protocol.sampling_params(req, protocol.DEFAULT_COMPLETION_MAX_TOKENS)
-        prepared = self.runner.prepare(prompt, params, speculate=req.draftwise.speculation,
-                                       provenance=req.stream and req.draftwise.provenance)
-        n = len(prepared[0].prompt_ids)
+        # n > 1: one engine request per sample (seed + index); the prefix cache shares the prompt's K/V
+        prepared = [self.runner.prepare(prompt, one, speculate=req.draftwise.speculation,
+                                        provenance=req.stream and req.draftwise.provenance)
+                    for one in params.samples()]
+        n = len(prepared[0][0].prompt_ids)
         if n >= context:
             raise APIError(400, f"the prompt ({n} tokens) does not fit the context length of {context} tokens",
                            param=field, code="context_length_exceeded")
@@ -185,7 +191,7 @@ class _Ctx:
             raise APIError(400, f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) = {n + params.max_tokens} "
                                 f"tokens exceeds the context length of {context} tokens", param="max_tokens",
                            code="context_length_exceeded")
-        return prepared, req
+        return prepared, req, choice
 
     def _timeout(self, deadline: float | None) -> float | None:
         return None if deadline is None else deadline - asyncio.get_running_loop().time()
@@ -194,28 +200,55 @@ class _Ctx:
         return APIError(504, f"the request did not finish within the server's request timeout of "
                              f"{self.request_timeout:g} s", code="timeout")
 
-    async def generate(self, request: Request, prepared, req, chat: bool, deadline: float | None = None):
-        rid, q = self.runner.enqueue(prepared)
+    async def generate(self, request: Request, prepared: list, req, chat: bool, deadline: float | None = None,
+                       choice: tools.ToolChoice | None = None):
+        """Queue the request's n samples (one queue; Events carry their index), wait until each is admitted (an
+        error is the response's status), then stream or collect."""
+        q: asyncio.Queue = asyncio.Queue()
+        rids, early = [], []  # early: outputs that arrived before every sample was admitted
         try:
-            first = await asyncio.wait_for(q.get(), self._timeout(deadline))
+            for i, one in enumerate(prepared):
+                rids.append(self.runner.enqueue(one, q, i)[0])
+            admitted = 0
+            while admitted < len(prepared):
+                ev = await asyncio.wait_for(q.get(), self._timeout(deadline))
+                if ev.error:
+                    raise ev.error
+                if ev.admitted:
+                    admitted += 1
+                else:
+                    early.append(ev)
         except asyncio.TimeoutError:
-            self.runner.abort(rid)
+            self._abort(rids)
             raise self._timed_out() from None
-        except asyncio.CancelledError:
-            self.runner.abort(rid)
+        except BaseException:
+            self._abort(rids)
             raise
-        if first.error:
-            raise first.error
-        fmt = protocol.ResponseFormat(chat, self.name)
+        for ev in early:
+            q.put_nowait(ev)
+        fmt = protocol.ResponseFormat(chat, self.name, self._token_text)
+        choices = [_Choice(i, choice) for i in range(len(prepared))]
         if req.stream:
-            return StreamingResponse(self._sse(rid, q, fmt, req.include_usage, req.draftwise.provenance, deadline),
+            return StreamingResponse(self._sse(rids, q, fmt, choices, req.include_usage, req.draftwise.provenance,
+                                               deadline),
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        return JSONResponse(await self._collect(request, rid, q, fmt, deadline))
+        return JSONResponse(await self._collect(request, rids, q, fmt, choices, deadline))
 
-    async def _collect(self, request: Request, rid: str, q: asyncio.Queue, fmt: protocol.ResponseFormat,
-                       deadline: float | None = None):
-        parts, done = [], False
+    def _abort(self, rids: list[str]) -> None:
+        for rid in rids:
+            self.runner.abort(rid)
+
+    def _token_text(self, token_id: int) -> str:
+        return self.llm.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def _merged(self, choices: list["_Choice"]):
+        """The samples' RequestOutputs as one (usage counts the prompt once and sums the outputs)."""
+        return self.llm.merge_outputs([c.output for c in choices])
+
+    async def _collect(self, request: Request, rids: list[str], q: asyncio.Queue, fmt: protocol.ResponseFormat,
+                       choices: list["_Choice"], deadline: float | None = None):
+        done = False
         next_check = time.monotonic() + DISCONNECT_POLL_S
         try:
             while True:
@@ -235,49 +268,97 @@ class _Ctx:
                     continue
                 if ev.error:
                     raise ev.error
-                parts.append(ev.text)
+                c = choices[ev.index]
+                c.parts.append(ev.text)
                 if ev.finished:
+                    c.output, c.finish_reason = ev.output, ev.finish_reason
+                if all(c.output is not None for c in choices):
                     done = True
-                    out = ev.output
-                    use = protocol.usage(out)
-                    return fmt.body("".join(parts), ev.finish_reason, use, _extra(out))
+                    out = self._merged(choices)
+                    return fmt.body([c.body(fmt) for c in choices], protocol.usage(out), _extra(out))
         finally:
             if not done:
-                self.runner.abort(rid)
+                self._abort(rids)
 
-    async def _sse(self, rid: str, q: asyncio.Queue, fmt: protocol.ResponseFormat, include_usage: bool,
-                   provenance: bool = False, deadline: float | None = None):
-        """OpenAI's chunks; with `provenance`, every engine step is a chunk (even one whose text is held back)
-        carrying its token provenance, and the finish chunk carries the request's figures (as `_extra`)."""
+    async def _sse(self, rids: list[str], q: asyncio.Queue, fmt: protocol.ResponseFormat, choices: list["_Choice"],
+                   include_usage: bool, provenance: bool = False, deadline: float | None = None):
+        """OpenAI's chunks (each with its choice's index); with `provenance`, every engine step is a chunk (even
+        one whose text is held back) carrying its token provenance, and the finish chunk carries the request's
+        figures (as `_extra`). Under tools, text goes through the choice's ToolCallStream."""
         done = False
         try:
-            for chunk in fmt.first_chunks(include_usage):
+            for chunk in fmt.first_chunks(include_usage, len(choices)):
                 yield _sse_line(chunk)
             while True:
                 try:
                     ev = await asyncio.wait_for(q.get(), self._timeout(deadline))
                 except asyncio.TimeoutError:  # past the deadline: free the slot, end with an error and [DONE]
-                    self.runner.abort(rid)
+                    self._abort(rids)
                     done, err = True, self._timed_out()
                     yield _sse_line(error_body(err.status, err.message, err.param, err.code))
                     break
                 if ev.error:  # headers are sent: report in-band, the way OpenAI streams report errors
                     done = True
+                    self._abort(rids)
                     yield _sse_line(error_body(ev.error.status, ev.error.message, ev.error.param, ev.error.code))
                     break
-                if ev.text or (provenance and ev.num_new_tokens):
-                    yield _sse_line(fmt.chunk(ev.text, None, include_usage, ev.provenance))
+                c = choices[ev.index]
+                for i, piece in enumerate(c.pieces(ev.text, provenance and ev.num_new_tokens or ev.logprobs)):
+                    first = i == 0  # this step's provenance and logprobs go on its first chunk
+                    yield _sse_line(fmt.chunk(piece.get("content", ""), None, include_usage,
+                                              ev.provenance if first else None, c.index,
+                                              ev.logprobs if first else None, piece.get("tool_calls")))
                 if ev.finished:
-                    done = True
-                    yield _sse_line(fmt.chunk("", ev.finish_reason, include_usage,
-                                              _extra(ev.output) if provenance else None))
-                    if include_usage:
-                        yield _sse_line(fmt.usage_chunk(protocol.usage(ev.output)))
-                    break
+                    c.output = ev.output
+                    for piece in c.tail():
+                        yield _sse_line(fmt.chunk(piece.get("content", ""), None, include_usage, None, c.index,
+                                                  None, piece.get("tool_calls")))
+                    yield _sse_line(fmt.chunk("", c.finish(ev.finish_reason), include_usage,
+                                              _extra(ev.output) if provenance else None, c.index))
+                    if all(c.output is not None for c in choices):
+                        done = True
+                        if include_usage:
+                            yield _sse_line(fmt.usage_chunk(protocol.usage(self._merged(choices))))
+                        break
             yield "data: [DONE]\n\n"
-        finally:  # client gone (the generator is cancelled or closed): free the KV slot now
+        finally:  # client gone (the generator is cancelled or closed): free the KV slots now
             if not done:
-                self.runner.abort(rid)
+                self._abort(rids)
+
+
+class _Choice:
+    """One sample's response while it arrives: its text, and under tools the parsing of its calls."""
+
+    def __init__(self, index: int, choice: tools.ToolChoice | None):
+        self.index, self.choice = index, choice
+        self.parts: list[str] = []
+        self.output = None  # api.RequestOutput once finished
+        self.finish_reason: str | None = None
+        # a required / named choice is constrained to valid calls: their arguments stream as they arrive
+        self.calls = None if choice is None else tools.ToolCallStream(choice, trusted=choice.mode != "auto")
+
+    def pieces(self, text: str, always: bool) -> list[dict]:
+        """A step's delta pieces ({"content"} / {"tool_calls"}); one empty piece when `always` (provenance or
+        logprobs to carry) and there is nothing else."""
+        if not text:
+            out = []
+        else:
+            out = [{"content": text}] if self.calls is None else self.calls.feed(text)
+        return out or ([{}] if always else [])
+
+    def tail(self) -> list[dict]:
+        return self.calls.finish() if self.calls is not None else []
+
+    def finish(self, reason: str | None) -> str | None:
+        """"tool_calls" when the output ended by itself after calls; "length" stays (a call may be cut short)."""
+        return "tool_calls" if self.calls is not None and self.calls.calls and reason == "stop" else reason
+
+    def body(self, fmt: protocol.ResponseFormat) -> dict:
+        """The finished choice of a whole response: tool calls parsed out of the text under tools."""
+        text, out = "".join(self.parts), self.output.outputs[0]
+        content, calls = (text, []) if self.choice is None else tools.parse_calls(text, self.choice)
+        finish = "tool_calls" if calls and self.finish_reason == "stop" else self.finish_reason
+        return fmt.choice(self.index, content, finish, out.logprobs, calls or None)
 
 
 def _sse_line(obj: dict) -> str:

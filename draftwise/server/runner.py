@@ -41,6 +41,8 @@ class Event:
     error: APIError | None = None
     admitted: bool = False
     provenance: dict | None = None  # this step's token provenance, when the request asked for it (provenance.py)
+    index: int = 0  # which of the request's n samples this is about (the sink's index)
+    logprobs: list | None = None  # the new tokens' sampling.TokenLogprob, when the request asked for logprobs
 
 
 @dataclass
@@ -50,6 +52,7 @@ class _Sink:
     request: object  # engine.Request
     stream: object  # output.TextStream
     provenance: TokenProvenance | None = None
+    index: int = 0  # the sample's index among the request's n (events carry it)
 
 
 RETRY_AFTER_S = 1  # what a 429 tells the client to wait
@@ -96,7 +99,8 @@ class EngineRunner:
         try:
             req, stream = self.llm.new_request(prompt, params)
         except ConfigError as e:
-            raise APIError(400, str(e), param="prompt") from None
+            word = str(e).split(":", 1)[0]
+            raise APIError(400, str(e), param=word if word == "logit_bias" else "prompt") from None
         req.speculate = speculate
         tracker = None
         if provenance:
@@ -104,16 +108,17 @@ class EngineRunner:
             req.on_token = tracker.add
         return req, stream, tracker
 
-    def enqueue(self, prepared: tuple) -> tuple[str, asyncio.Queue]:
-        """Admit a prepared request (event loop): 503 when the engine is down or draining, 429 when full."""
+    def enqueue(self, prepared: tuple, q: asyncio.Queue | None = None, index: int = 0) -> tuple[str, asyncio.Queue]:
+        """Admit a prepared request (event loop): 503 when the engine is down or draining, 429 when full. The n
+        samples of one request share a queue `q`; their Events carry `index`."""
         req, stream, tracker = prepared
-        q: asyncio.Queue = asyncio.Queue()
+        q = asyncio.Queue() if q is None else q
         with self._lock:
             refusal = self.admission_error()
             if refusal is not None:
                 raise refusal
             self._in_flight += 1
-            self._inbox.put(("add", _Sink(asyncio.get_running_loop(), q, req, stream, tracker)))
+            self._inbox.put(("add", _Sink(asyncio.get_running_loop(), q, req, stream, tracker, index)))
         return req.request_id, q
 
     def admission_error(self) -> APIError | None:
@@ -254,9 +259,11 @@ class EngineRunner:
             self._fail(req.request_id, internal_error(req.request_id))
             return
         text = sink.stream.delta()
+        lp = req.logprobs[len(req.logprobs) - n:] if req.params.logprobs is not None else None
         if not out.finished:
             if text or n:
-                self._post(sink, Event(text=text, num_new_tokens=n, provenance=_provenance(sink, outs, text)))
+                self._post(sink, Event(text=text, num_new_tokens=n, provenance=_provenance(sink, outs, text),
+                                       logprobs=lp))
             return
         text += sink.stream.finish()
         prov = _provenance(sink, outs, text)
@@ -265,7 +272,7 @@ class EngineRunner:
         self._release()
         self.metrics.on_finished(req.finish_reason, output.total_s, output.ttft_s, len(req.output_ids))
         self._post(sink, Event(text=text, num_new_tokens=n, finished=True, finish_reason=req.finish_reason,
-                               output=output, provenance=prov))
+                               output=output, provenance=prov, logprobs=lp))
 
     def _fail(self, request_id: str, error: APIError) -> None:
         sink = self._sinks.pop(request_id, None)
@@ -281,6 +288,7 @@ class EngineRunner:
 
     @staticmethod
     def _post(sink: _Sink, event: Event) -> None:
+        event.index = sink.index
         try:
             sink.loop.call_soon_threadsafe(sink.queue.put_nowait, event)
         except RuntimeError:  # the event loop is closed (server shutting down)

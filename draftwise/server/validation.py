@@ -4,7 +4,7 @@ Owns (1) `loads`: the body as JSON, refusing NaN/Infinity constants, nesting dee
 that are not valid Unicode (lone surrogates), each a 400; (2) `check_limits`: the caps of limits.RequestLimits on
 stop strings, stop ids and prompt characters; (3) `check_fields`: every field of OpenAI's and
 vLLM's completion/chat requests that draftwise does not implement is accepted only at its neutral value
-(`logprobs: false`, `n: 1`, `best_of: 1`, ...) and refused with a 400 naming it
+(`best_of: 1`, `echo: false`, `suffix: ""`, ...) and refused with a 400 naming it
 otherwise; a field nobody defines is refused too. Implemented fields are pydantic fields in protocol.py.
 Knows nothing of the engine, tokenizers or HTTP; runs in the server's worker pool, off the event loop.
 """
@@ -119,10 +119,7 @@ def _typed(*types):
 _OFF = _values(None)
 # fields both endpoints share: OpenAI's and vLLM's sampling extras
 _BOTH = {
-    "presence_penalty": _values(None, 0), "frequency_penalty": _values(None, 0),
-    "repetition_penalty": _values(None, 1), "min_p": _values(None, 0), "min_tokens": _values(None, 0),
-    "logit_bias": _values(None, {}), "best_of": _values(None, 1), "use_beam_search": _values(None, False),
-    "length_penalty": _values(None, 1), "top_logprobs": _values(None, 0),
+    "best_of": _values(None, 1), "use_beam_search": _values(None, False), "length_penalty": _values(None, 1),
     # structured outputs are implemented (protocol.py fields); llguidance is the one backend, whatever is named
     "guided_decoding_backend": _typed(str), "structural_tag": _OFF,
     "prompt_logprobs": _OFF, "allowed_token_ids": _OFF, "bad_words": _values(None, []),
@@ -133,10 +130,9 @@ _BOTH = {
     "service_tier": _values(None, "auto", "default"),
     # hints that change nothing here, accepted with any value of their type
     "request_id": _typed(str), "cache_salt": _typed(str), "metadata": _typed(dict),
-    "prompt_cache_key": _typed(str), "safety_identifier": _typed(str), "parallel_tool_calls": _typed(bool),
+    "prompt_cache_key": _typed(str), "safety_identifier": _typed(str),
 }
 _CHAT = dict(_BOTH, **{
-    "logprobs": _values(None, False), "tools": _values(None, []), "tool_choice": _values(None, "none", "auto"),
     "functions": _values(None, []), "function_call": _values(None, "none", "auto"),
     "modalities": _values(None, ["text"]), "audio": _OFF, "prediction": _OFF, "web_search_options": _OFF,
     "reasoning_effort": _OFF, "verbosity": _OFF, "chat_template": _OFF, "chat_template_kwargs": _values(None, {}),
@@ -144,12 +140,11 @@ _CHAT = dict(_BOTH, **{
     "add_special_tokens": _values(None, False),
 })
 _COMPLETION = dict(_BOTH, **{
-    "logprobs": _OFF, "suffix": _values(None, ""), "add_special_tokens": _values(None, True),
+    "top_logprobs": _values(None, 0), "suffix": _values(None, ""), "add_special_tokens": _values(None, True),
     "prompt_embeds": _OFF,
 })
 # chat message fields beyond role/content/name
-_MESSAGE = {"tool_calls": _values(None, []), "tool_call_id": _typed(str), "function_call": _OFF, "refusal": _OFF,
-            "audio": _OFF}
+_MESSAGE = {"function_call": _OFF, "refusal": _OFF, "audio": _OFF}
 NEUTRAL_FIELDS = {"chat": _CHAT, "completion": _COMPLETION, "message": _MESSAGE}  # for docs and tests
 
 

@@ -3,7 +3,9 @@
 Owns the draft's per-slot token history and cache length. After the target's verdict it rolls its cache back
 with `truncate` (the only rollback); the all-accepted case — the last guess was never fed to the draft — is
 handled by feeding every token the draft has not seen yet on the next call. Draft distributions are processed
-with the request's own temperature/top-k/top-p so rejection sampling compares like with like. Under structured
+with the request's own temperature/top-k/top-p/min-p, after its history transform (sampling.adjust_logits:
+penalties, bias, min_tokens from prompt + accepted output + the guesses before), as the engine transforms the
+target's rows, so rejection sampling compares like with like. Under structured
 outputs each slot keeps its own copy of the request's grammar state: guesses are drawn from the draft's
 distribution masked by it (so q is a proper distribution over the allowed ids, as the target's p is), it is
 advanced along the guesses, and `accept` rolls the guesses back and advances what the target emitted.
@@ -33,7 +35,7 @@ from draftwise.config import ConfigError
 from draftwise.kernels import linear
 from draftwise.kv_cache import MAX_BATCHED_CATCH_UP, KVCache
 from draftwise.prefix_cache import PrefixCache
-from draftwise.sampling import SamplingParams, process_logits, sample
+from draftwise.sampling import SamplingParams, adjust_logits, process_logits, sample
 from draftwise.spec_decode.proposer import EMPTY_DRAFT_IDS, Draft
 from draftwise.structured.matcher import GrammarError, GrammarMatcher, mask_logits
 
@@ -57,6 +59,8 @@ class DraftModelProposer:
         # ids the draft can embed: fewer rows than the target (padding) -> the engine masks to the shared ids
         self.vocab_limit = c.vocab_size if c.vocab_size < target_vocab_size else None
         self.tokens: dict[int, list[int]] = {}  # context per slot: prompt + accepted output
+        self.prompt_lens: dict[int, int] = {}  # the prompt's part of `tokens` (penalties tell output from prompt)
+        self.eos_token_ids = set(eos_token_ids)  # what min_tokens holds back in the draft's q, as in the target's
         self.seen: dict[int, int] = {}  # tokens of `tokens` (then of the guesses) held in the draft cache
         self.params: dict[int, SamplingParams] = {}
         self.generators: dict[int, torch.Generator] = {}
@@ -66,6 +70,7 @@ class DraftModelProposer:
 
     def begin(self, slot, prompt_ids, params, generator, grammar=None):
         self.tokens[slot] = list(prompt_ids)
+        self.prompt_lens[slot] = len(prompt_ids)
         self.seen[slot] = 0
         self.cache.free(slot)
         if self.prefix_cache is not None:  # the longest cached prefix goes in; the catch-up feeds the rest
@@ -81,7 +86,7 @@ class DraftModelProposer:
     def end(self, slot):
         if self.prefix_cache is not None and slot in self.seen:  # what the cache holds of prompt + output
             self.prefix_cache.store(self.tokens[slot][: self.seen[slot]], self.cache, slot)
-        for d in (self.tokens, self.seen, self.params, self.generators, self._last, self.grammars, self._advanced):
+        for d in (self.tokens, self.prompt_lens, self.seen, self.params, self.generators, self._last, self.grammars, self._advanced):
             d.pop(slot, None)
         self.cache.free(slot)
 
@@ -121,7 +126,7 @@ class DraftModelProposer:
                 for row, (s, k) in enumerate(active):
                     if done[row]:
                         continue
-                    tok, p = self._draw(s, logits[row])
+                    tok, p = self._draw(s, logits[row], before[s] + guesses[row])
                     if tok is None:  # a trimmed head under a grammar that admits none of its ids
                         done[row] = True
                         continue
@@ -155,8 +160,10 @@ class DraftModelProposer:
         self.cache.truncate(slot, self.seen[slot])  # a forward extends the cache before `seen` moves: never below
         self._rewind_grammar(slot)
 
-    def _draw(self, slot: int, logits: torch.Tensor) -> tuple[int | None, torch.Tensor | None]:  # logits [V_draft]
-        """One guess and its q [V] (None under greedy); (None, None) when no kept id is allowed."""
+    def _draw(self, slot: int, logits: torch.Tensor,  # logits [V_draft]
+              drafted: list[int]) -> tuple[int | None, torch.Tensor | None]:
+        """One guess and its q [V] (None under greedy) after the tokens `drafted` this step; (None, None) when no
+        kept id is allowed."""
         params = self.params[slot]
         logits = _fit_vocab(logits, self.target_vocab_size)
         m = self.grammars.get(slot)
@@ -164,10 +171,14 @@ class DraftModelProposer:
             logits = mask_logits(logits, m.allowed(logits.shape[-1]))  # [V]: q lives on the allowed ids
             if self.head is not None and not bool(torch.isfinite(logits).any()):
                 return None, None  # the grammar admits no id of the trimmed head: no guess here
+        if params.adjusts_logits:
+            context, n = self.tokens[slot], self.prompt_lens[slot]
+            stops = (set() if params.ignore_eos else self.eos_token_ids) | set(params.stop_token_ids)
+            logits = adjust_logits(logits[None], params, context[:n], context[n:] + drafted, [], stops)[0]
         if params.greedy:
             tok, q = int(logits.argmax()), None
         else:
-            q = process_logits(logits[None], params.temperature, params.top_k, params.top_p)[0]  # [V]
+            q = process_logits(logits[None], params.temperature, params.top_k, params.top_p, params.min_p)[0]  # [V]
             tok = int(sample(q[None], self.generators[slot])[0])
         if m is not None:
             if not m.advance(tok):

@@ -1,7 +1,9 @@
 """Verification: decide which draft tokens the target keeps, and the one token it adds.
 
-Pure functions of (draft ids, draft probs, target logits, sampling params, generator). Greedy verification
-keeps the longest prefix of the draft that matches the target's argmax; speculative (rejection) sampling
+Pure functions of (draft ids, draft probs, target logits, sampling params, generator). The caller passes the
+target rows already transformed by the request's history (sampling.adjust_logits: penalties, bias, min_tokens,
+row i from the history through guess i) and masked by its grammar, and the draft's q transformed the same way.
+Greedy verification keeps the longest prefix of the draft that matches the target's argmax; speculative (rejection) sampling
 follows Leviathan et al. 2023 (arXiv 2211.17192, Algorithm 1) and Chen et al. 2023 (arXiv 2302.01318), which
 makes the emitted tokens distributed exactly as plain sampling from the target's processed distribution.
 
@@ -56,6 +58,7 @@ def rejection_verify(
     top_k: int,
     top_p: float,
     generator: torch.Generator | None,
+    min_p: float = 0.0,
 ) -> VerifyResult:
     """Speculative sampling: accept x_i with prob min(1, p(x_i)/q(x_i)), correct from norm(max(0, p - q)).
 
@@ -66,7 +69,7 @@ def rejection_verify(
     """
     _check_shapes(draft_ids, draft_probs, target_logits)
     k = draft_ids.shape[0]
-    target_probs = process_logits(target_logits, temperature, top_k, top_p)  # [k + 1, vocab_size]
+    target_probs = process_logits(target_logits, temperature, top_k, top_p, min_p)  # [k + 1, vocab_size]
     draft_ids = draft_ids.to(target_probs.device)
     draft_list = draft_ids.tolist()
 
@@ -125,8 +128,8 @@ def verify(
     if params.greedy:
         return greedy_verify(draft_ids, target_logits)
     return rejection_verify(
-        draft_ids, draft_probs, target_logits, params.temperature, params.top_k, params.top_p, generator
-    )
+        draft_ids, draft_probs, target_logits, params.temperature, params.top_k, params.top_p, generator,
+        params.min_p)
 
 
 def _check_shapes(

@@ -243,3 +243,41 @@ def from_request(body: Mapping, validate: bool = True) -> Constraint | None:
     if len(found) > 1:
         raise ConfigError(f"conflicting output constraints: {', '.join(name for name, _ in found)}; give one")
     return _finish(found[0][1] if found else None, validate)
+
+
+# ------------------------------------------------------------------------------------------------
+# Tool calls
+# ------------------------------------------------------------------------------------------------
+
+TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>\n", "\n</tool_call>"  # the Hermes / Qwen2.5 tool-call markup
+
+
+def tool_call_constraint(functions: list[Mapping], parallel: bool = True, markup_ids: tuple[int, int] | None = None,
+                         validate: bool = True) -> Constraint:
+    """The output must be tool calls of `functions` (OpenAI function objects: name, parameters): each
+    `<tool_call>\\n{"name": <one of the names>, "arguments": <that function's parameters schema>}\\n</tool_call>`
+    (an anyOf over the functions), one call, or with `parallel` one or more separated by newlines. The JSON is
+    laid out as json.dumps does (", " and ": ", no free whitespace), the form the Qwen2.5 template shows.
+    `markup_ids`: the ids of `<tool_call>` / `</tool_call>` where the vocabulary has them as single (special)
+    tokens, which is how such a model writes them (the grammar engine does not spell a special token's text)."""
+    if not functions:
+        raise ConfigError("a tool-call constraint needs at least one function")
+    options = []
+    for f in functions:
+        params = f.get("parameters")
+        if params is None:
+            params = {"type": "object", "properties": {}}
+        options.append({"type": "object", "properties": {"name": {"const": f["name"]}, "arguments": params},
+                        "required": ["name", "arguments"], "additionalProperties": False})
+    schema = options[0] if len(options) == 1 else {"anyOf": options}
+    schema = dict(schema, **{"x-guidance": {"whitespace_flexible": False, "item_separator": ", ",
+                                            "key_separator": ": "}})
+    body = _schema_value(schema, "tools")
+    if markup_ids is None:
+        call = f"{json.dumps(TOOL_CALL_OPEN)} body {json.dumps(TOOL_CALL_CLOSE)}"
+    else:
+        call = f'<[{int(markup_ids[0])}]> "\\n" body "\\n" <[{int(markup_ids[1])}]>'
+
+    more = ' ("\\n" call)*' if parallel else ""
+    grammar = f"start: call{more}\ncall: {call}\nbody: %json {body}\n"
+    return _finish(Constraint("grammar", grammar, name="tool_calls"), validate)
