@@ -305,6 +305,8 @@ class LLM:
             if spec_config.adaptive:
                 self._k_policies[spec_config] = AdaptiveK.calibrate(self.model, spec_config.k_max,
                                                                     proposer)
+                if hasattr(proposer, "verify_cost"):  # a tree proposer sizes its trees by the same cost curve
+                    proposer.verify_cost = self._k_policies[spec_config].verify_cost
             else:
                 self._k_policies[spec_config] = FixedK(spec_config.k_max)
         return proposer, self._k_policies[spec_config]
