@@ -2,7 +2,8 @@
 bitwise the result of the chain forward of its root-to-node path (brute force: the path's K/V copied to consecutive
 cache positions of another slot and attended as a chain), on every ISA path, float32 and bfloat16, GQA, sliding
 windows shorter and longer than the tree; and the decoder's tree forward gives each node the logits a chain forward
-of its path gives, on the C++ op and on the torch reference path. Tiny tensors; no timing asserts."""
+of its path gives, on the C++ op and on the torch reference path, and so does the engine's verification forward of
+a batch of tree drafts. Tiny tensors; no timing asserts."""
 from __future__ import annotations
 
 import random
@@ -13,25 +14,10 @@ import torch
 from draftwise.kernels import attention
 from draftwise.kv_cache import KVCache
 from draftwise.spec_decode.tree import ancestor_masks, check_parents, depths, path_rows
-from tests.harness import one_torch_thread  # noqa: F401 (a fixture)
+from tests.harness import one_torch_thread, row_exact  # noqa: F401 (a fixture)
 from tests.tiny_models import tiny_decoder
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
-
-def row_exact(model):
-    """The model in our q4x8 kernel: a row's result never depends on how many rows share the call (dense fp32
-    matmuls of different widths differ in the last bits), so a tree row can be compared with a chain row bitwise."""
-    from draftwise.kernels import q4x8
-    from draftwise.kernels.plan import resolve_plan
-    from draftwise.models import quant
-
-    try:
-        q4x8.load()
-    except q4x8.KernelBuildError as e:
-        pytest.skip(f"q4x8 cannot be built here: {e}")
-    quant.build_linears(model, resolve_plan("q4x8", "auto", None))
-    return model
 
 
 def random_parents(k: int, rng: random.Random) -> list[int]:
@@ -126,3 +112,34 @@ def test_decoder_tree_forward_gives_each_node_its_paths_chain_logits(family, op,
     for layer in range(c.num_layers):
         assert torch.equal(cache.keys[layer][0, :, : 9 + len(rows)], cache.keys[layer][1, :, : 9 + len(rows)])
         assert torch.equal(cache.values[layer][0, :, : 9 + len(rows)], cache.values[layer][1, :, : 9 + len(rows)])
+
+
+def test_engine_tree_forward_rows_equal_plain_steps_along_each_path():
+    """Through the engine's own inputs (ancestor masks, RoPE at depth, a chain and trees batched): each node's logits
+    are bitwise those a plain decode step gives after its path."""
+    from draftwise.engine import Engine, Request
+    from draftwise.sampling import SamplingParams
+    from draftwise.spec_decode.proposer import Draft, NoProposer
+
+    model = row_exact(tiny_decoder("llama", seed=1, vocab_size=64))
+    eng = Engine(model, NoProposer(), 12, 3, 64, eos_token_ids=(0,))
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    reqs = [Request(f"r{i}", p, params) for i, p in enumerate([[1, 2, 3, 4], [9, 8, 7, 6, 5, 4], [3, 3]])]
+    for r in reqs:
+        eng.add_request(r)
+    eng.step()  # prefills: each has its pending token
+    rng = random.Random(5)
+    trees = [random_parents(k, rng) for k in (9, 4, 6)]
+    trees[1] = list(range(4))  # a chain in the batch
+    drafts = [Draft(torch.tensor([rng.randrange(1, 64) for _ in t]), parents=tuple(t)) for t in trees]
+    base = [eng.cache.lengths[r.slot] for r in reqs]
+    logits = eng._verify_forward(reqs, drafts)
+    for b, (r, d, parents) in enumerate(zip(reqs, drafts, trees)):
+        for node in range(1 + d.num_tokens):
+            rows = path_rows(parents, node)
+            eng.cache.truncate(r.slot, base[b])
+            ids = [eng._pending[r.slot]] + [int(d.token_ids[x - 1]) for x in rows[1:]]
+            for j, tok in enumerate(ids):  # plain steps, one token at a time
+                step = model(torch.tensor([[tok]]), torch.tensor([[base[b] + j]]), eng.cache, torch.tensor([r.slot]),
+                             num_tokens=[1])
+            assert torch.equal(logits[b, node], step[0, 0]), (b, node, rows)
