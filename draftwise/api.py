@@ -312,7 +312,9 @@ class LLM:
         return proposer, self._k_policies[spec_config]
 
     def _proposer(self, spec_config: SpecConfig, k_max: int) -> Proposer:
-        identity = replace(spec_config, num_speculative_tokens=0)
+        # arms that differ only in k share a proposer, except suffix's: its cache of earlier outputs must hold its
+        # own arm's only (another arm's output of the same prompt would be a perfect guess)
+        identity = spec_config if spec_config.method == "suffix" else replace(spec_config, num_speculative_tokens=0)
         if identity not in self._proposers:
             self._proposers[identity] = build_proposer(spec_config, self._proposer_context(k_max))
         return self._proposers[identity]

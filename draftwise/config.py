@@ -116,6 +116,7 @@ class SpecConfig:
     suffix_decoding_max_spec_factor: float = 1.0
     suffix_decoding_min_token_prob: float = 0.1
     suffix_cache_max_bytes: int = 256 << 20  # ours: the earlier outputs' tries' memory bound (oldest evicted first)
+    suffix_tree: bool = True  # ours: False = the most likely branch only (a chain; measures what the tree adds)
 
     @property
     def enabled(self) -> bool:
@@ -202,7 +203,8 @@ def parse_spec_config(value: str | dict | SpecConfig | None) -> SpecConfig:
 
 
 _SUFFIX_KEYS = ("suffix_decoding_max_tree_depth", "suffix_decoding_max_cached_requests",
-                "suffix_decoding_max_spec_factor", "suffix_decoding_min_token_prob", "suffix_cache_max_bytes")
+                "suffix_decoding_max_spec_factor", "suffix_decoding_min_token_prob", "suffix_cache_max_bytes",
+                "suffix_tree")
 
 
 def _check_suffix_keys(d: dict, method: str) -> None:
@@ -218,6 +220,8 @@ def _check_suffix_keys(d: dict, method: str) -> None:
         v = d.get(key)
         if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < low):
             raise ConfigError(f"{key} must be {what}, got {v!r}")
+    if not isinstance(d.get("suffix_tree", True), bool):
+        raise ConfigError(f"suffix_tree must be true or false, got {d['suffix_tree']!r}")
     v = d.get("suffix_decoding_max_spec_factor")
     if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0):
         raise ConfigError(f"suffix_decoding_max_spec_factor must be a number > 0 (guessed depth per matched token), got {v!r}")

@@ -74,7 +74,7 @@ def _build_grammar(spec_config: SpecConfig, ctx: ProposerContext) -> Proposer:
 def _build_suffix(spec_config: SpecConfig, ctx: ProposerContext) -> Proposer:
     return SuffixProposer(spec_config.suffix_decoding_max_tree_depth, spec_config.suffix_decoding_max_cached_requests,
                           spec_config.suffix_decoding_max_spec_factor, spec_config.suffix_decoding_min_token_prob,
-                          spec_config.suffix_cache_max_bytes)
+                          spec_config.suffix_cache_max_bytes, tree=spec_config.suffix_tree)
 
 
 PROPOSER_BUILDERS: dict[str, Callable[[SpecConfig, ProposerContext], Proposer]] = {

@@ -204,10 +204,11 @@ class SuffixProposer:
     vocab_limit = None  # guesses are ids already seen
 
     def __init__(self, max_tree_depth: int = 24, max_cached_requests: int = 10000, max_spec_factor: float = 1.0,
-                 min_token_prob: float = 0.1, max_cached_bytes: int = 256 << 20):
+                 min_token_prob: float = 0.1, max_cached_bytes: int = 256 << 20, tree: bool = True):
         self.max_depth = max_tree_depth
         self.max_spec_factor = max_spec_factor
         self.min_token_prob = min_token_prob
+        self.tree = tree  # False: every request gets chains (the most likely branch)
         self.cache = SuffixCache(max_tree_depth, max_cached_requests, max_cached_bytes)
         # width -> seconds of one target forward (AdaptiveK's calibration; api.py hands it over): cuts each tree to
         # the size its expected tokens pay for; None: as many nodes as k allows
@@ -215,7 +216,8 @@ class SuffixProposer:
         self.seqs: dict[int, _Sequence] = {}
 
     def begin(self, slot, prompt_ids, params, generator, grammar=None, scope=""):
-        self.seqs[slot] = _Sequence(prompt_ids, self.max_depth, scope, chain=not params.greedy or grammar is not None)
+        chain = not self.tree or not params.greedy or grammar is not None
+        self.seqs[slot] = _Sequence(prompt_ids, self.max_depth, scope, chain)
 
     def propose(self, slots, k_per_seq, after=None):
         drafts = []
