@@ -197,11 +197,11 @@ def test_trie_counts_every_substring_up_to_its_depth_and_removes_them():
         for s in range(len(seq) - n + 1):
             sub = seq[s : s + n]
             want = sum(seq[i : i + n] == sub for i in range(len(seq) - n + 1))
-            assert trie._walk(sub)[0] == want
-    assert trie._walk([1, 2, 1, 2]) is None  # deeper than 3
+            assert trie.walk(sub)[0] == want
+    assert trie.walk([1, 2, 1, 2]) is None  # deeper than 3
     trie.start()
     trie.extend([7, 1])
-    assert trie._walk([2, 7]) is None  # sequences never join
+    assert trie.walk([2, 7]) is None  # sequences never join
     trie.remove([7, 1])
     trie.remove(seq)
     assert trie.root[1] == {} and trie.num_nodes == 0
@@ -236,7 +236,7 @@ def test_cache_evicts_oldest_first_by_requests_and_bytes():
     for i in range(3):
         cache.add("", [100 + i, 1, 2])
     assert [e[1][0] for e in cache.entries] == [101, 102]
-    assert cache.trie("")._walk([100]) is None and cache.trie("")._walk([101, 1])[0] == 1
+    assert cache.trie("").walk([100]) is None and cache.trie("").walk([101, 1])[0] == 1
     small = SuffixCache(4, max_requests=100, max_bytes=cache.nbytes)  # room for about two outputs' nodes
     for i in range(5):
         small.add("a", [200 + i, 1, 2])

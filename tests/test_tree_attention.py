@@ -114,7 +114,8 @@ def test_decoder_tree_forward_gives_each_node_its_paths_chain_logits(family, op,
         assert torch.equal(cache.values[layer][0, :, : 9 + len(rows)], cache.values[layer][1, :, : 9 + len(rows)])
 
 
-def test_engine_tree_forward_rows_equal_plain_steps_along_each_path():
+@pytest.mark.parametrize("stack", [True, False])  # all layers in one C++ call (kernels/stack.py), or the layer loop
+def test_engine_tree_forward_rows_equal_plain_steps_along_each_path(stack):
     """Through the engine's own inputs (ancestor masks, RoPE at depth, a chain and trees batched): each node's logits
     are bitwise those a plain decode step gives after its path."""
     from draftwise.engine import Engine, Request
@@ -122,6 +123,9 @@ def test_engine_tree_forward_rows_equal_plain_steps_along_each_path():
     from draftwise.spec_decode.proposer import Draft, NoProposer
 
     model = row_exact(tiny_decoder("llama", seed=1, vocab_size=64))
+    model.stack = stack
+    if stack and model._stack_weights(1) is None:
+        pytest.skip("the one-call layer loop does not run here")
     eng = Engine(model, NoProposer(), 12, 3, 64, eos_token_ids=(0,))
     params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
     reqs = [Request(f"r{i}", p, params) for i, p in enumerate([[1, 2, 3, 4], [9, 8, 7, 6, 5, 4], [3, 3]])]

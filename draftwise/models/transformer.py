@@ -474,7 +474,7 @@ class Decoder(nn.Module):
                  self.rope_for(kind, rope_at, x.dtype, rope_len) for kind in self._rope_tables}
         masks = {kind: None if num_tokens is not None else self._mask(kind, positions, kv_len)
                  for kind in self._rope_tables}
-        one_call = self.fused and num_tokens is not None and ancestors is None and attention_op.usable(x, cache.keys[0])
+        one_call = self.fused and num_tokens is not None and attention_op.usable(x, cache.keys[0])
         weights = self._stack_weights(token_ids.shape[1]) if one_call else None
         if weights is not None:  # every layer in one C++ call: bitwise the loop below (kernels/stack.py)
             layer = self.model.layers[0]
@@ -486,7 +486,7 @@ class Decoder(nn.Module):
             dims = (attn.num_heads, attn.num_kv_heads, attn.head_dim, layer.mlp.intermediate,
                     glue.ACTIVATIONS[layer.mlp.act_name])
             x = stack_op.layers(x, weights, cache.keys, cache.values, cos, sin, slots, positions, num_tokens, windows,
-                                dims, (norm.eps, norm.weight_offset), qk, attn.scale)
+                                dims, (norm.eps, norm.weight_offset), qk, attn.scale, ancestors)
         else:
             for i, layer in enumerate(self.model.layers):
                 kind = cfg.layer_types[i]

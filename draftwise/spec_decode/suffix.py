@@ -90,14 +90,15 @@ class SuffixTrie:
         lo, hi, best = 1, min(self.max_depth - 1, len(context)), (None, 0)
         while lo <= hi:
             m = (lo + hi) // 2
-            node = self._walk(context[len(context) - m :])
+            node = self.walk(context[len(context) - m :])
             if node is not None and node[CHILDREN]:
                 best, lo = (node, m), m + 1
             else:
                 hi = m - 1
         return best
 
-    def _walk(self, tokens) -> list | None:
+    def walk(self, tokens) -> list | None:
+        """The node of `tokens` (a path from the root), or None."""
         node = self.root
         for t in tokens:
             node = node[CHILDREN].get(t)
@@ -236,16 +237,21 @@ class SuffixProposer:
     def guess(self, seq: _Sequence, context: list[int], k: int, chain: bool) -> tuple[list[int], list[int]]:
         """(tokens, parents) of the better tree of the request's own trie and its scope's, cut to what pays."""
         best, best_score = ([], [], []), 0.0
+        # a trie holds substrings of up to max_depth tokens, so a match of m leaves max_depth - m for the guesses and
+        # max_spec_factor * m caps them too: besides the longest match, try the length where the two caps meet
+        balance = max(1, int(self.max_depth / (1 + self.max_spec_factor)))
         for trie in (seq.trie, self.cache.trie(seq.scope)):
             if trie is None:
                 continue
             node, m = trie.match(context)
             if node is None:
                 continue
-            depth = int(self.max_spec_factor * m)
-            grown = grow_tree(node, min(k, MAX_TREE_ROWS - 1), depth, self.min_token_prob, chain)
-            if sum(grown[2]) > best_score:
-                best, best_score = grown, sum(grown[2])
+            for length in {m, min(m, balance)}:
+                at = node if length == m else trie.walk(context[len(context) - length :])
+                depth = min(int(self.max_spec_factor * length), self.max_depth - length)
+                grown = grow_tree(at, min(k, MAX_TREE_ROWS - 1), depth, self.min_token_prob, chain)
+                if sum(grown[2]) > best_score:
+                    best, best_score = grown, sum(grown[2])
         tokens, parents, probs = best
         n = self.tree_size(probs)
         return tokens[:n], parents[:n]
