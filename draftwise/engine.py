@@ -387,6 +387,7 @@ class Engine:
         the k' + 1 positions verification scores (row i: the state after guesses 1..i); (d, None) without."""
         if r.matcher is None:
             return d, None
+        d = _chain_prefix(d)  # the grammar walks a chain (tree proposers give such requests chains anyway)
         t0 = time.perf_counter()
         masks, num_valid = r.matcher.masks_along(d.token_ids, self.target.config.vocab_size)  # [k + 1, V]
         if not masks[0].any():  # only a tokenizer that cannot spell the constraint's next bytes gets here
