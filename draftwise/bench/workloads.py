@@ -4,9 +4,9 @@ Owns the built-in workflow tests of the seed's protocol (chat, code in two group
 workload (30 extraction and tool-call chat prompts written for the project, each with its JSON schema: the
 output is constrained to it and its validity is checked, quality.py; `structured-compact` is the same prompts with
 vLLM's `disable_any_whitespace`, the compact JSON of tool calls, where keys and separators are forced), the
-`agentic` workload (30 two-turn conversations written for the project, in three groups of 10, interleaved: edits
-of one Python file answered with the whole file, tool-call JSON repeated with changed arguments, SQL re-emitted
-against one schema — what suffix speculation, method suffix, guesses from the prompt and earlier outputs; its
+`agentic` workload (30 two-turn conversations written for the project, one group, three kinds of 10 interleaved
+(ids agentic-code/-tools/-sql): edits of one Python file answered with the whole file, tool-call JSON repeated
+with changed arguments, SQL re-emitted against one schema — what suffix speculation, method suffix, guesses from the prompt and earlier outputs; its
 warm-ups are five other conversations, so no measured one is in suffix's cache before it runs) and the
 parser for user files (`prompt` | `messages` | MT-Bench `turns`, one JSON object per line, optionally a `schema` or vLLM `structured_outputs`).
 Every bad line is reported as "FILE line N: what is wrong". Knows nothing of models, timing or HTTP: an Item is data.
