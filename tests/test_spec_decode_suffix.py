@@ -16,7 +16,7 @@ from draftwise.sampling import SamplingParams
 from draftwise.spec_decode.proposer import EMPTY_DRAFT_IDS, Draft, NoProposer
 from draftwise.spec_decode.suffix import SuffixCache, SuffixProposer, SuffixTrie, grow_tree
 from draftwise.spec_decode.tree import ancestor_masks, depths, path_rows
-from draftwise.spec_decode.verify import VerifyResult, tree_greedy_verify, verify
+from draftwise.spec_decode.verify import tree_greedy_verify, verify
 from tests.harness import one_torch_thread  # noqa: F401 (a fixture)
 from tests.tiny_models import tiny_decoder
 
