@@ -116,7 +116,7 @@ class RandomTrees:
                 else:
                     parents.append(rng.randint(0, i))
                     tokens.append(rng.randrange(64))
-            # siblings must carry distinct tokens: drop repeats by making them children of themselves' parents' ...
+            # siblings carry distinct tokens (as a trie's children do): bump a repeated one
             seen = set()
             for i, (p, t) in enumerate(zip(parents, tokens)):
                 while (p, tokens[i]) in seen:
