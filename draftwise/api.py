@@ -307,12 +307,16 @@ class LLM:
             if spec_config.adaptive:
                 self._k_policies[spec_config] = AdaptiveK.calibrate(self.model, spec_config.k_max,
                                                                     proposer)
+                if hasattr(proposer, "verify_cost"):  # a tree proposer sizes its trees by the same cost curve
+                    proposer.verify_cost = self._k_policies[spec_config].verify_cost
             else:
                 self._k_policies[spec_config] = FixedK(spec_config.k_max)
         return proposer, self._k_policies[spec_config]
 
     def _proposer(self, spec_config: SpecConfig, k_max: int) -> Proposer:
-        identity = replace(spec_config, num_speculative_tokens=0)
+        # arms that differ only in k share a proposer, except suffix's: its cache of earlier outputs must hold its
+        # own arm's only (another arm's output of the same prompt would be a perfect guess)
+        identity = spec_config if spec_config.method == "suffix" else replace(spec_config, num_speculative_tokens=0)
         if identity not in self._proposers:
             self._proposers[identity] = build_proposer(spec_config, self._proposer_context(k_max))
         return self._proposers[identity]

@@ -75,7 +75,7 @@ class ModelConfig:
         return cls(**d)
 
 
-SPEC_METHODS = ("none", "ngram", "draft_model", "grammar")
+SPEC_METHODS = ("none", "ngram", "draft_model", "grammar", "suffix")
 THEN_METHODS = ("ngram", "draft_model")  # what may fill the rest of k after the grammar's forced tokens
 # "auto": the activation dtype the chosen kernels want (float32 for q4x8, bfloat16 for torch's int4 and dense bf16)
 DTYPE_CHOICES = ("auto", "float32", "bfloat16")
@@ -109,6 +109,14 @@ class SpecConfig:
     draft_vocab_size: int | None = None
     # method grammar: the proposer that fills the rest of k after the forced tokens (its own keys, no k)
     then: SpecConfig | None = None
+    # method suffix (spec_decode/suffix.py), vLLM's keys and defaults: the tries' depth (match + guesses), earlier
+    # outputs kept (0: none), guesses' depth per matched token, the least estimated probability a guess may have
+    suffix_decoding_max_tree_depth: int = 24
+    suffix_decoding_max_cached_requests: int = 10000
+    suffix_decoding_max_spec_factor: float = 1.0
+    suffix_decoding_min_token_prob: float = 0.1
+    suffix_cache_max_bytes: int = 256 << 20  # ours: the earlier outputs' tries' memory bound (oldest evicted first)
+    suffix_tree: bool = True  # ours: False = the most likely branch only (a chain; measures what the tree adds)
 
     @property
     def enabled(self) -> bool:
@@ -120,13 +128,16 @@ class SpecConfig:
 
     @property
     def k_max(self) -> int:
-        """Upper bound on k per step (for cache sizing); 'auto' searches up to 8."""
+        """Upper bound on k per step (for cache sizing); 'auto' searches up to 8 (suffix: 16 tree nodes)."""
         if not self.enabled:
             return 0
-        return 8 if self.adaptive else int(self.num_speculative_tokens)
+        if self.adaptive:
+            return 16 if self.method == "suffix" else 8
+        return int(self.num_speculative_tokens)
 
     def to_dict(self) -> dict:
-        d = {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
+        d = {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None
+             and (self.method == "suffix" or f.name not in _SUFFIX_KEYS)}
         if self.then is not None:
             d["then"] = {k: v for k, v in self.then.to_dict().items() if k != "num_speculative_tokens"}
         return d
@@ -185,9 +196,38 @@ def parse_spec_config(value: str | dict | SpecConfig | None) -> SpecConfig:
     if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
         # the upper bound (the draft's vocabulary) is checked when the draft is loaded (spec_decode/builders.py)
         raise ConfigError(f"draft_vocab_size must be an integer >= 1 (ids kept in the draft's head), got {n!r}")
+    _check_suffix_keys(d, method)
     d["method"] = method
     d["num_speculative_tokens"] = 0 if method == "none" else k
     return SpecConfig(**d)
+
+
+_SUFFIX_KEYS = ("suffix_decoding_max_tree_depth", "suffix_decoding_max_cached_requests",
+                "suffix_decoding_max_spec_factor", "suffix_decoding_min_token_prob", "suffix_cache_max_bytes",
+                "suffix_tree")
+
+
+def _check_suffix_keys(d: dict, method: str) -> None:
+    given = [key for key in _SUFFIX_KEYS if key in d]
+    if method != "suffix":
+        if given:
+            raise ConfigError(f"speculative-config key {given[0]!r} only applies to method suffix")
+        return
+    ints = (("suffix_decoding_max_tree_depth", 2, "an integer >= 2 (a matched token and a guess)"),
+            ("suffix_decoding_max_cached_requests", 0, "an integer >= 0 (0: earlier outputs are not kept)"),
+            ("suffix_cache_max_bytes", 0, "an integer >= 0 (bytes of earlier outputs' tries)"))
+    for key, low, what in ints:
+        v = d.get(key)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < low):
+            raise ConfigError(f"{key} must be {what}, got {v!r}")
+    if not isinstance(d.get("suffix_tree", True), bool):
+        raise ConfigError(f"suffix_tree must be true or false, got {d['suffix_tree']!r}")
+    v = d.get("suffix_decoding_max_spec_factor")
+    if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0):
+        raise ConfigError(f"suffix_decoding_max_spec_factor must be a number > 0 (guessed depth per matched token), got {v!r}")
+    v = d.get("suffix_decoding_min_token_prob")
+    if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= 1):
+        raise ConfigError(f"suffix_decoding_min_token_prob must be a number in [0, 1], got {v!r}")
 
 
 def _parse_then(then: Any, method: str) -> SpecConfig | None:

@@ -7,7 +7,9 @@ one batched target forward over [pending token, guesses...] for every sequence �
 function; under a grammar, row i's logits masked by the grammar state after guesses 1..i; penalties, bias
 and min_tokens likewise from the history through guess i: sampling.adjust_logits) → roll the target
 cache back to what was accepted → emit tokens (advancing the request's grammar state along them, and only
-them). Plain decoding is the same path with a proposer that never guesses.
+them). Plain decoding is the same path with a proposer that never guesses. A draft may be a token tree
+(Draft.parents): the same forward with each row attending its ancestors only, a greedy walk down the tree as the
+verification, and the accepted path's K/V moved to consecutive positions before the rollback.
 
 A failing step fails only the request(s) it can be pinned on: a batched prefill that raises is retried prompt by
 prompt; a decode step that raises is rolled back (truncate, generator states) and retried once; whatever still
@@ -33,6 +35,7 @@ from draftwise.prefix_cache import PrefixCache
 from draftwise.sampling import SamplingParams, TokenLogprob, adjust_logits, make_generator, token_logprobs
 from draftwise.spec_decode.adaptive import FixedK, KPolicy
 from draftwise.spec_decode.proposer import EMPTY_DRAFT_IDS, Draft, Proposer
+from draftwise.spec_decode import tree
 from draftwise.spec_decode.stats import SpecStats
 from draftwise.spec_decode.verify import verify
 from draftwise.structured.matcher import GrammarError, GrammarMatcher, mask_logits
@@ -63,6 +66,7 @@ class Request:
     matcher: GrammarMatcher | None = None  # the output's grammar state: the engine advances it along emitted ids
     num_cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache (not recomputed)
     logprobs: list[TokenLogprob] = field(default_factory=list)  # per output token, when params.logprobs is set
+    cache_scope: str = ""  # whose earlier outputs the proposer may guess from (the server: one per API key)
 
     @property
     def finished(self) -> bool:
@@ -215,7 +219,7 @@ class Engine:
             r.slot = self.free_slots.pop()
             self.running.append(r)
             try:
-                self.proposer.begin(r.slot, r.prompt_ids, r.params, r.generator, r.matcher)
+                self.proposer.begin(r.slot, r.prompt_ids, r.params, r.generator, r.matcher, scope=r.cache_scope)
                 begun.append(r)
             except Exception as e:  # noqa: BLE001
                 outputs.append(self._fail(r, e))
@@ -253,7 +257,7 @@ class Engine:
                 drafts = self.proposer.propose([r.slot for r in reqs], k_per_seq)
             except Exception:  # noqa: BLE001 — guessing is optional; the first decode step guesses again
                 pass
-        cut = [self._grammar_cut(r, d) for r, d in zip(reqs, drafts)]
+        cut = [self._grammar_cut(r, _chain_prefix(d)) for r, d in zip(reqs, drafts)]
         return [d for d, _ in cut], [m for _, m in cut]
 
     def _prefill_forward(self, reqs: list[Request], drafts: list[Draft]) -> list[torch.Tensor]:
@@ -325,7 +329,7 @@ class Engine:
         return outputs
 
     def _verify_forward(self, reqs: list[Request], drafts: list[Draft]) -> torch.Tensor:  # -> [B, 1 + max k, V]
-        """One batched target forward over [pending token, guesses...] per sequence."""
+        """One batched target forward over [pending token, guesses...] per sequence (token trees: _tree_inputs)."""
         width = 1 + max(d.num_tokens for d in drafts)
         dev = self.target.device
         ids = torch.zeros(len(reqs), width, dtype=torch.int64)
@@ -335,10 +339,25 @@ class Engine:
             ids[row, 1 : 1 + d.num_tokens] = d.token_ids
             pos[row] = self.cache.lengths[r.slot] + torch.arange(width)  # padding lands past the end, rolled back
         slots = torch.tensor([r.slot for r in reqs], device=dev)
+        tree_args = self._tree_inputs(drafts, pos, dev) if any(d.parents is not None for d in drafts) else {}
         # num_tokens: row-exact attention, so each verified row equals the plain decode step at its position
         logits = self.target(ids.to(dev), pos.to(dev), self.cache, slots,
-                             num_tokens=[1 + d.num_tokens for d in drafts])  # [B, width, V]
+                             num_tokens=[1 + d.num_tokens for d in drafts], **tree_args)  # [B, width, V]
         return self._shared_vocab(logits)
+
+    # ---- token trees (spec_decode/tree.py): a draft with parents, verified in the same one forward ----------------
+    @staticmethod
+    def _tree_inputs(drafts: list[Draft], pos: torch.Tensor, dev) -> dict[str, torch.Tensor]:  # pos [B, width]
+        """The forward's tree arguments when some draft is a tree: each row's ancestor mask and RoPE position (the
+        chunk's first position + its depth); a chain in the batch is the tree whose parents are the row before."""
+        ancestors = torch.zeros(pos.shape, dtype=torch.int64)
+        rope = pos.clone()
+        for row, d in enumerate(drafts):
+            parents = d.parents if d.parents is not None else tuple(range(d.num_tokens))
+            n = 1 + d.num_tokens
+            ancestors[row, :n] = torch.tensor(tree.ancestor_masks(parents))
+            rope[row, :n] = pos[row, 0] + torch.tensor(tree.depths(parents))
+        return {"ancestors": ancestors.to(dev), "rope_positions": rope.to(dev)}
 
     def _settle(self, r: Request, d: Draft, logits: torch.Tensor, base_length: int,  # logits [width, V]
                 mask: torch.Tensor | None = None,  # [k + 1, V] bool (structured outputs)
@@ -347,24 +366,30 @@ class Engine:
         k = d.num_tokens
         rows = self._masked(r, logits[: k + 1], mask)  # [k + 1, V]
         if r.params.adjusts_logits:  # penalties, bias, min_tokens: row i from the history through guess i (as q)
-            rows = adjust_logits(rows, r.params, r.prompt_ids, r.output_ids, d.token_ids.tolist(),
-                                 self.stop_ids(r.params))
-        res = verify(d.token_ids.to(logits.device), d.probs, rows, r.params, r.generator)
+            d = _chain_prefix(d)  # a history is a chain (tree proposers give such requests chains anyway)
+            rows = adjust_logits(rows[: d.num_tokens + 1], r.params, r.prompt_ids, r.output_ids,
+                                 d.token_ids.tolist(), self.stop_ids(r.params))
+        res = verify(d.token_ids.to(logits.device), d.probs, rows, r.params, r.generator, d.parents)
+        if res.path is not None:  # a tree: the accepted path's K/V to consecutive positions, then the rollback
+            self.cache.compact(r.slot, base_length, [0, *res.path])
         self.cache.truncate(r.slot, base_length + 1 + res.num_accepted)
         if k:
             self.k_policy.observe(r, k, res.num_accepted)  # the policy learns what the target agreed with
         slot = r.slot
         emitted = self._emit(r, res.token_ids)
         if r.params.logprobs is not None:  # the target's raw rows, the same bits with or without guesses
-            r.logprobs.extend(token_logprobs(logits[: len(emitted)], emitted, r.params.logprobs))
+            at = [0, *res.path] if res.path is not None else list(range(len(emitted)))  # a tree: its path's rows
+            r.logprobs.extend(token_logprobs(logits[at[: len(emitted)]], emitted, r.params.logprobs))
         # accepted guesses discarded after a stop (EOS, stop string) inside the run do not count as accepted;
         # every step is counted in the k histogram (k = 0: a plain step, e.g. chosen by the adaptive policy)
         num_accepted = min(res.num_accepted, len(emitted))
         if k or not prefill:  # a prefill without guesses (the first token) is not a decode step
             r.spec_stats.record(k, num_accepted, forced=d.forced)
             self.stats.record(k, num_accepted, forced=d.forced)
-        if not r.finished:
+        if not r.finished and res.path is None:
             self.proposer.accept(slot, res.num_accepted, res.token_ids[-1])
+        elif not r.finished:
+            self.proposer.accept(slot, res.num_accepted, res.token_ids[-1], path=res.path)
         return StepOutput(r, emitted, r.finished, k, num_accepted)
 
     # ---- structured outputs -------------------------------------------------------------------
@@ -373,6 +398,7 @@ class Engine:
         the k' + 1 positions verification scores (row i: the state after guesses 1..i); (d, None) without."""
         if r.matcher is None:
             return d, None
+        d = _chain_prefix(d)  # the grammar walks a chain (tree proposers give such requests chains anyway)
         t0 = time.perf_counter()
         masks, num_valid = r.matcher.masks_along(d.token_ids, self.target.config.vocab_size)  # [k + 1, V]
         if not masks[0].any():  # only a tokenizer that cannot spell the constraint's next bytes gets here
@@ -468,3 +494,12 @@ class Engine:
                 self.prefix_cache.store(held, self.cache, req.slot)
             self.cache.free(req.slot)
             self.free_slots.append(req.slot)
+
+
+def _chain_prefix(d: Draft) -> Draft:
+    """A tree draft's leading chain (guesses whose parent is the row before), for forwards that verify chains only
+    (the prefill's); a chain as it is."""
+    if d.parents is None:
+        return d
+    n = next((i for i, p in enumerate(d.parents) if p != i), len(d.parents))
+    return Draft(d.token_ids[:n], None if d.probs is None else d.probs[:n])

@@ -97,5 +97,16 @@ class KVCache:
             raise ValueError(f"slot {slot}: cannot truncate length {self.lengths[slot]} to {new_len}")
         self.lengths[slot] = new_len
 
+    def compact(self, slot: int, start: int, rows: list[int]) -> None:
+        """Token-tree verification kept one root-to-node path: move the K/V of chunk rows `rows` (ascending, rows[0]
+        = 0) from positions start + rows[j] to start + j, every layer; the caller then truncates the rest."""
+        if any(b <= a for a, b in zip(rows, rows[1:])) or start + rows[-1] >= self.lengths[slot]:
+            raise ValueError(f"slot {slot}: rows {rows} are not ascending rows of the last chunk")
+        if rows == list(range(len(rows))):
+            return  # already consecutive (a chain, or the first branch all along)
+        src = torch.tensor(rows, device=self.keys[0].device) + start
+        for t in self.keys + self.values:
+            t[slot, :, start : start + len(rows)] = t[slot, :, src]
+
     def free(self, slot: int) -> None:
         self.lengths[slot] = 0

@@ -32,3 +32,15 @@ def test_command_lines():
     assert ngram["prompt_lookup_max"] == 3 and ngram["prompt_lookup_min"] == 1
     assert tune.vllm_line("some/model", None) == "vllm serve some/model"
     assert tune.spec_config_for({"method": "none", "k": 0, "draft": None}) is None
+
+
+def test_suffix_lines_carry_vllms_suffix_keys():
+    spec_config = tune.spec_config_for({"method": "suffix", "k": 16, "draft": None})
+    cfg = json.loads(tune.vllm_line("x", spec_config).split("'")[1])
+    assert cfg == {"method": "suffix", "num_speculative_tokens": 16, "suffix_decoding_max_tree_depth": 24,
+                   "suffix_decoding_max_cached_requests": 10000, "suffix_decoding_max_spec_factor": 1.0,
+                   "suffix_decoding_min_token_prob": 0.1}
+    auto = json.loads(tune.vllm_line("x", tune.spec_config_for({"method": "suffix", "k": "auto"})).split("'")[1])
+    assert auto["num_speculative_tokens"] == 16  # vLLM's suffix sizes each step itself, up to this ceiling
+    chain = tune.vllm_line("x", tune.spec_config_for({"method": "suffix-chain", "k": 8}))
+    assert "--speculative-config" not in chain and "no chain-only" in chain

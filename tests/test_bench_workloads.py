@@ -117,3 +117,22 @@ def test_structured_compact_is_the_structured_prompts_without_free_whitespace():
         assert b.messages == a.messages and b.structured_outputs["json"] == a.structured_outputs["json"]
         assert parse_structured_outputs(b.structured_outputs).compact_json
         assert not parse_structured_outputs(a.structured_outputs).compact_json
+
+
+def test_agentic_workload_repeats_within_and_across_conversations_and_warms_up_apart():
+    from draftwise.bench.runner import build_plan
+    from draftwise.bench.clients import Condition
+
+    w = load_workload("agentic")
+    assert len(w.items) == 30 and w.groups == ["agentic"]  # one segment of 30 paired prompts
+    kinds = [i.item_id.split("-")[1] for i in w.items]
+    assert all(kinds.count(k) == 10 for k in ("code", "tools", "sql")) and kinds[:3] == ["code", "tools", "sql"]
+    for it in w.items:  # two turns: the earlier answer is in the prompt, the next one re-emits most of it
+        roles = [m["role"] for m in it.messages]
+        assert roles == ["system", "user", "assistant", "user"]
+    prompts = {it.messages[0]["content"] for it in w.items}
+    assert len(prompts) == 3  # one file, one tool set, one schema: shared across the group's conversations
+    warm_ids = {i.item_id for i in w.warmup}
+    assert len(w.warmup) == 5 and not warm_ids & {i.item_id for i in w.items}
+    plan = build_plan([w], [Condition("none", 0)], 5, 30)
+    assert {b.items[0].item_id for b in plan if b.phase == "warmup"} == warm_ids

@@ -290,3 +290,26 @@ def test_metrics_names(server):
         assert name in names, name
     assert metric(m, "draftwise:prompt_tokens_total") >= 2
     assert metric(m, "draftwise:e2e_request_latency_seconds_count") >= 1
+
+
+@pytest.mark.parametrize("mode", ["key", "global"])
+def test_suffix_cache_scope_follows_the_api_key_unless_global(mode):
+    """method suffix: each bearer token's outputs land in (and guess from) its own scope, named by a hash of the
+    token, never the token; --suffix-cache-scope global puts every request in one."""
+    llm = tiny_llm({"method": "suffix", "num_speculative_tokens": 4})
+    with Server(create_app(llm, MODEL, suffix_cache_scope=mode)) as s:
+        for key in ("alice-key", "bob-key", "alice-key"):
+            s.client(api_key=key).completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=6, temperature=0,
+                                                     extra_body={"ignore_eos": True})
+    cache = llm.proposer.cache
+    assert len(cache.entries) == 3
+    if mode == "global":
+        assert list(cache.tries) == ["global"]
+    else:
+        scopes = [scope for scope, _ in cache.entries]
+        assert scopes[0] == scopes[2] != scopes[1] and all(s.startswith("key:") and "key-" not in s for s in scopes)
+
+
+def test_an_unknown_suffix_cache_scope_is_refused():
+    with pytest.raises(ValueError, match="suffix cache scope"):
+        create_app(tiny_llm(), MODEL, suffix_cache_scope="tenant")

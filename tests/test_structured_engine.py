@@ -236,7 +236,7 @@ class OracleProposer:
         self.full, self.stops, self.wrong = full, stops, wrong
         self.calls, self.accepted = [], []
 
-    def begin(self, slot, prompt_ids, params, generator, grammar=None):
+    def begin(self, slot, prompt_ids, params, generator, grammar=None, scope=""):
         pass
 
     def propose(self, slots, k_per_seq, after=None):

@@ -193,7 +193,7 @@ def register(sub) -> None:
 
     t = sub.add_parser("tune", help="sweep methods x num_speculative_tokens; print the winner (also as vLLM)")
     add_bench_args(t)
-    t.set_defaults(func=cmd_tune, methods="ngram,draft_model", num_speculative_tokens="1,2,3,4,5,6,8",
+    t.set_defaults(func=cmd_tune, methods="ngram,draft_model,suffix", num_speculative_tokens="1,2,3,4,5,6,8",
                    out="tune-out")
 
     register_memory(sub)

@@ -47,6 +47,8 @@ class Condition:
         """The speculative config; "grammar+ngram" / "grammar+draft_model" put the second method in `then`."""
         if self.method == "none":
             return None
+        if self.method == "suffix-chain":  # suffix speculation without branches: what the tree adds, measured
+            return {"method": "suffix", "num_speculative_tokens": self.k, "suffix_tree": False}
         first, _, then = self.method.partition("+")
         d = {"method": first, "num_speculative_tokens": self.k}
         if then:

@@ -37,7 +37,7 @@ class BenchOptions:
 
 
 # grammar+X: the grammar's forced tokens first, then X fills the rest of k (structured outputs)
-METHODS = ("ngram", "draft_model", "grammar", "grammar+ngram", "grammar+draft_model")
+METHODS = ("ngram", "draft_model", "grammar", "grammar+ngram", "grammar+draft_model", "suffix", "suffix-chain")
 
 
 def conditions_from(methods: list[str], k_values: list[int | str], draft: str | None) -> list[Condition]:

@@ -82,7 +82,7 @@ def summary(report: dict, out_dir: Path) -> dict:
 
 # ---- table -----------------------------------------------------------------------------------------
 COLUMNS = ("condition", "n", "TTFT med/p95 s", "E2E med/p95 s", "TPOT med ms", "tok/s med", "agg tok/s",
-           "accept", "mean len", "forced", "speedup [95% CI]", "identical", "pass@1", "valid", "peak RSS GB",
+           "accept", "mean len", "draft size", "forced", "speedup [95% CI]", "identical", "pass@1", "valid", "peak RSS GB",
            "J/1k tok")
 
 
@@ -107,6 +107,7 @@ def rows(seg: dict) -> list[list[str]]:
             f"{_f(f['e2e_s']['median'])}/{_f(f['e2e_s']['p95'])}",
             _f(f["tpot_s"]["median"] and f["tpot_s"]["median"] * 1000, "{:.1f}"), _f(f["tok_s"]["median"], "{:.1f}"),
             _f(f["aggregate_tok_s"], "{:.1f}"), _f(spec_stats.get("acceptance_rate")), _f(spec_stats.get("mean_acceptance_length")),
+            _f(spec_stats.get("mean_draft_size"), "{:.1f}"),
             _f(spec_stats.get("forced_share")) if spec_stats.get("num_forced_tokens") else "-",
             "1.00 (baseline)" if cond == "none" else
             (f"{_f(sp['speedup'])} [{_f(sp['ci_low'])}, {_f(sp['ci_high'])}]" if sp and sp["speedup"] else "-"),
@@ -149,7 +150,8 @@ def markdown(report: dict, plots: list[str]) -> str:
     md += ["", "Definitions: TTFT = request start → first token; E2E = start → last token; TPOT = (E2E − TTFT) / "
            "(tokens − 1); speedup = geometric mean over prompts of paired tok/s ratios vs none, 95% percentile "
            "bootstrap CI over prompts; acceptance rate = accepted / draft tokens; mean acceptance length = "
-           "1 + accepted / drafts (vLLM, Spec-Bench)."]
+           "1 + accepted / drafts (vLLM, Spec-Bench): tokens per drafted step; draft size = guesses verified per drafted step "
+           "(method suffix: the token tree's nodes)."]
     return "\n".join(md) + "\n"
 
 

@@ -89,7 +89,8 @@ def build_plan(workloads: list[Workload], conditions: list[Condition], warmup: i
     plan: list[Batch] = []
     for w in workloads:
         for c in concurrency or list(w.concurrency):
-            warm = [w.items[i % len(w.items)] for i in range(warmup)]
+            pool = w.warmup or w.items  # a workload's own warm-up prompts, else its first
+            warm = [pool[i % len(pool)] for i in range(warmup)]
             plan += _interleave(w, "warmup", "warmup", c, warm, conditions)
             for group, items in select(w, requests).items():
                 plan += _interleave(w, "measured", group, c, items, conditions)

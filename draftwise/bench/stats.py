@@ -96,10 +96,13 @@ def conservative_score(ratios: Sequence[float]) -> float | None:
 
 def spec_summary(num_drafts: int, num_draft_tokens: int, num_accepted_tokens: int,
                  accepted_per_position: Sequence[int] = ()) -> dict:
-    """vLLM's spec-decode metrics, one vocabulary (docs/ARCHITECTURE.md): rate, mean acceptance length, by position."""
+    """vLLM's spec-decode metrics, one vocabulary (docs/ARCHITECTURE.md): rate, mean acceptance length (tokens per
+    drafted step), by position; and the mean draft size (guesses verified per drafted step: a tree's nodes)."""
     rate = num_accepted_tokens / num_draft_tokens if num_draft_tokens else None
     mal = 1 + num_accepted_tokens / num_drafts if num_drafts else None
+    size = num_draft_tokens / num_drafts if num_drafts else None
     by_pos = [a / num_drafts for a in accepted_per_position] if num_drafts else []
     return {"num_drafts": num_drafts, "num_draft_tokens": num_draft_tokens,
             "num_accepted_tokens": num_accepted_tokens, "accepted_per_position": list(accepted_per_position),
-            "acceptance_rate": rate, "mean_acceptance_length": mal, "acceptance_by_position": by_pos}
+            "acceptance_rate": rate, "mean_acceptance_length": mal, "mean_draft_size": size,
+            "acceptance_by_position": by_pos}

@@ -3,7 +3,11 @@
 Owns the built-in workflow tests of the seed's protocol (chat, code in two groups, longform), the `structured`
 workload (30 extraction and tool-call chat prompts written for the project, each with its JSON schema: the
 output is constrained to it and its validity is checked, quality.py; `structured-compact` is the same prompts with
-vLLM's `disable_any_whitespace`, the compact JSON of tool calls, where keys and separators are forced) and the
+vLLM's `disable_any_whitespace`, the compact JSON of tool calls, where keys and separators are forced), the
+`agentic` workload (30 two-turn conversations written for the project, one group, three kinds of 10 interleaved
+(ids agentic-code/-tools/-sql): edits of one Python file answered with the whole file, tool-call JSON repeated
+with changed arguments, SQL re-emitted against one schema — what suffix speculation, method suffix, guesses from the prompt and earlier outputs; its
+warm-ups are five other conversations, so no measured one is in suffix's cache before it runs) and the
 parser for user files (`prompt` | `messages` | MT-Bench `turns`, one JSON object per line, optionally a `schema` or vLLM `structured_outputs`).
 Every bad line is reported as "FILE line N: what is wrong". Knows nothing of models, timing or HTTP: an Item is data.
 
@@ -61,13 +65,14 @@ class Workload:
     max_tokens: int
     concurrency: tuple[int, ...] = (1,)
     source: str = ""
+    warmup: list[Item] | None = None  # the warm-up requests' prompts, never measured (None: the first items)
 
     @property
     def groups(self) -> list[str]:
         return list(dict.fromkeys(i.group for i in self.items))
 
 
-BUILTIN = ("chat", "code", "longform", "structured", "structured-compact")
+BUILTIN = ("chat", "code", "longform", "structured", "structured-compact", "agentic")
 
 
 def load_workload(workload: str, turns: str = "first") -> Workload:
@@ -84,6 +89,9 @@ def load_workload(workload: str, turns: str = "first") -> Workload:
                 it.structured_outputs = {**it.structured_outputs, "disable_any_whitespace": True}
             source += ", disable_any_whitespace"
         return Workload(workload, items, 256, (1,), source)
+    if workload == "agentic":
+        return Workload("agentic", read_jsonl(DATA_DIR / "agentic.jsonl", "agentic"), 256, (1,),
+                        "draftwise/bench/data/agentic.jsonl", read_jsonl(DATA_DIR / "agentic_warmup.jsonl", "warmup"))
     if workload == "longform":
         return Workload("longform", read_jsonl(DATA_DIR / "longform.jsonl", "longform"), 1024, (1, 4),
                         "draftwise/bench/data/longform.jsonl")

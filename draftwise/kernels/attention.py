@@ -66,3 +66,22 @@ def attend_rows(
     + t + 1 (the K/V of the chunk itself must already be in the cache)."""
     return torch.ops.draftwise_attn.decode(q, keys, values, slots, positions, num_tokens, float(scale),
                                            int(window or 0), q4x8.path_id(path))
+
+
+def attend_tree(
+    q: torch.Tensor,  # [B, H, T, D], D contiguous; T <= 64
+    keys: torch.Tensor,  # one layer's cache [S, H_kv, C, D]
+    values: torch.Tensor,  # [S, H_kv, C, D]
+    slots: torch.Tensor,  # [B] int64
+    positions: torch.Tensor,  # [B, T] int64; the chunk's K/V at cache positions positions[b, 0] + t
+    num_tokens: list[int],  # real queries per sequence; rows t >= num_tokens[b] come back zero
+    ancestors: torch.Tensor,  # [B, T] int64 bitmasks: bit i of row t = row i is t's ancestor (or t itself)
+    scale: float,
+    window: int | None = None,
+    path: str = "auto",
+) -> torch.Tensor:  # [B, H, T, D], as attend_rows
+    """Token-tree verification: row t of sequence b attends the keys of slot slots[b] before positions[b, 0], then
+    the chunk rows its ancestor mask names, in row order (a sliding window keeps the list's last `window`). Parents
+    precede children, so each row is bitwise attend_rows' row for the chain of its path."""
+    return torch.ops.draftwise_attn.tree(q, keys, values, slots, positions, num_tokens, ancestors.contiguous(),
+                                         float(scale), int(window or 0), q4x8.path_id(path))

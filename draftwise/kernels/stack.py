@@ -70,6 +70,8 @@ def layers(
     norm: tuple[float, float],  # eps, weight offset of the layer norms
     qk_norm: tuple[float, float],  # eps, weight offset of the q/k norms (ignored without them)
     scale: float,  # attention softmax scale
+    ancestors: torch.Tensor | None = None,  # [B, T] int64 token-tree masks (kernels/attention.py attend_tree)
 ) -> torch.Tensor:  # [B, T, hidden]: x after every layer; K/V of every layer stored at positions
     return torch.ops.draftwise_stack.layers(x, weights, keys, values, cos, sin, slots, positions, num_tokens,
-                                            windows, list(dims), list(norm), list(qk_norm), float(scale))
+                                            windows, list(dims), list(norm), list(qk_norm), float(scale),
+                                            None if ancestors is None else ancestors.contiguous())

@@ -125,6 +125,7 @@ class Attention(nn.Module):
         positions: torch.Tensor,  # [B, T]
         kv_len: int,
         num_tokens: list[int] | None = None,  # real (unpadded) tokens per row: the row-exact path
+        ancestors: torch.Tensor | None = None,  # [B, T] int64 token-tree masks (Decoder.forward), with num_tokens
     ) -> torch.Tensor:  # [B, T, hidden]
         B, T, _ = x.shape
         if self.qkv_proj is not None:
@@ -155,11 +156,12 @@ class Attention(nn.Module):
                 q, keys, values, attn_mask=mask, scale=self.scale, enable_gqa=self.num_kv_heads != self.num_heads
             )
         else:
-            out = self._attend_exact(q, cache, layer, slots, positions, num_tokens)
+            out = self._attend_exact(q, cache, layer, slots, positions, num_tokens, ancestors)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
 
     def _attend_exact(self, q: torch.Tensor, cache: KVCache, layer: int, slots: torch.Tensor,  # q [B, H, T, D]
-                      positions: torch.Tensor, num_tokens: list[int]) -> torch.Tensor:  # -> [B, H, T, D]
+                      positions: torch.Tensor, num_tokens: list[int],
+                      ancestors: torch.Tensor | None = None) -> torch.Tensor:  # ancestors [B, T]; -> [B, H, T, D]
         """Attention whose result for a token does not depend on what else is in the batch, nor on how its
         sequence was cut into forwards. Each sequence is attended on its own, over exactly its keys (no padding).
         With our C++ op (kernels/attention.py: each query a fixed float sequence over exactly its keys, read from
@@ -170,7 +172,12 @@ class Attention(nn.Module):
         would amplify the last-bit differences of differently shaped matmuls. (The op is also faster than
         masked SDPA at prompt lengths: docs/PERFORMANCE.md, attention.)
         Without it: chunks of up to ROW_EXACT_MAX_TOKENS tokens (decode, verification) one SDPA call per query,
-        equally row-exact; longer chunks (prompts) one causal call."""
+        equally row-exact; longer chunks (prompts) one causal call.
+        With `ancestors` (a token tree): each row attends the keys before the chunk, then its ancestors' rows in the
+        chunk (kernels/attention.py attend_tree, or one SDPA call per row over exactly that key list), so a node's
+        result is bitwise its path's chain forward's."""
+        if ancestors is not None:
+            return self._attend_tree(q, cache, layer, slots, positions, num_tokens, ancestors)
         if attention_op.usable(q, cache.keys[layer]):
             return attention_op.attend_rows(q, cache.keys[layer], cache.values[layer], slots, positions, num_tokens,
                                             self.scale, self.window)  # padding rows: zero
@@ -196,6 +203,28 @@ class Attention(nn.Module):
                 mask = mask & (key_pos > q_pos - self.window)
             out[b : b + 1, :, :n] = F.scaled_dot_product_attention(
                 q[b : b + 1, :, :n], keys, values, attn_mask=mask[None, None], scale=self.scale, enable_gqa=gqa)
+        return out
+
+
+    def _attend_tree(self, q: torch.Tensor, cache: KVCache, layer: int, slots: torch.Tensor,  # q [B, H, T, D]
+                     positions: torch.Tensor, num_tokens: list[int],
+                     ancestors: torch.Tensor) -> torch.Tensor:  # ancestors [B, T] int64; -> [B, H, T, D]
+        if attention_op.usable(q, cache.keys[layer]):
+            return attention_op.attend_tree(q, cache.keys[layer], cache.values[layer], slots, positions, num_tokens,
+                                            ancestors, self.scale, self.window)
+        out = torch.zeros_like(q)
+        masks = ancestors.tolist()
+        for b, n in enumerate(num_tokens):
+            first = int(positions[b, 0])
+            keys, values = cache.read(layer, slots[b : b + 1], first + n)  # [1, H_kv, first + n, D]
+            for t in range(n):
+                index = list(range(first)) + [first + i for i in range(t + 1) if masks[b][t] >> i & 1]
+                if self.window:
+                    index = index[-self.window:]
+                index = torch.tensor(index, device=q.device)
+                out[b : b + 1, :, t : t + 1] = F.scaled_dot_product_attention(
+                    q[b : b + 1, :, t : t + 1], keys[:, :, index], values[:, :, index], scale=self.scale,
+                    enable_gqa=self.num_kv_heads != self.num_heads)
         return out
 
 
@@ -253,8 +282,9 @@ class DecoderLayer(nn.Module):
             self.pre_feedforward_layernorm = norm()
             self.post_feedforward_layernorm = norm()
 
-    def forward(self, x, rope, mask, cache, layer, slots, positions, kv_len, num_tokens=None):
-        h = self.self_attn(self.input_layernorm(x), rope, mask, cache, layer, slots, positions, kv_len, num_tokens)
+    def forward(self, x, rope, mask, cache, layer, slots, positions, kv_len, num_tokens=None, ancestors=None):
+        h = self.self_attn(self.input_layernorm(x), rope, mask, cache, layer, slots, positions, kv_len, num_tokens,
+                           ancestors)
         if self.sandwich:
             x = x + self.post_attention_layernorm(h)
             return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
@@ -424,16 +454,24 @@ class Decoder(nn.Module):
         logit_index: torch.Tensor | None = None,  # [B] or [B, J]: only these positions' logits per row
         num_tokens: list[int] | None = None,  # real tokens per row (the rest is padding): row-exact attention
         head: nn.Module | None = None,  # in place of lm_head: hidden [..., H] -> logits [..., V] (a draft's own)
+        ancestors: torch.Tensor | None = None,  # [B, T] int64: a token tree (spec_decode/tree.py), with num_tokens
+        rope_positions: torch.Tensor | None = None,  # [B, T] int64 RoPE positions of a tree (default: positions)
     ) -> torch.Tensor:  # [B, T, V] (or [B, 1, V] when last_only / logit_index [B] is given, [B, J, V] for [B, J])
+        """A token tree: row t of sequence b is written to the cache at positions[b, t] but rotated at
+        rope_positions[b, t] (first + its depth), and attends its ancestors' rows only (`ancestors`), so each row is
+        bitwise the last row of the chain forward of its root-to-row path."""
         cfg = self.config
+        if ancestors is not None and num_tokens is None:
+            raise ValueError("a token-tree forward needs num_tokens (the row-exact attention)")
         kv_len = int(positions.max()) + 1
+        rope_at, rope_len = (positions, kv_len) if rope_positions is None else (rope_positions, None)
         x = self.model.embed_tokens(token_ids)
         if x.dtype != self.dtype:  # an embedding table stored narrower than the activations (bf16 rows -> fp32)
             x = x.to(self.dtype)
         if cfg.embed_scale != 1.0:
             x = x * torch.tensor(cfg.embed_scale, dtype=x.dtype)
-        ropes = {kind: self.angles(kind, positions, kv_len) if self.fused else
-                 self.rope_for(kind, positions, x.dtype, kv_len) for kind in self._rope_tables}
+        ropes = {kind: self.angles(kind, rope_at, rope_len) if self.fused else
+                 self.rope_for(kind, rope_at, x.dtype, rope_len) for kind in self._rope_tables}
         masks = {kind: None if num_tokens is not None else self._mask(kind, positions, kv_len)
                  for kind in self._rope_tables}
         one_call = self.fused and num_tokens is not None and attention_op.usable(x, cache.keys[0])
@@ -448,11 +486,11 @@ class Decoder(nn.Module):
             dims = (attn.num_heads, attn.num_kv_heads, attn.head_dim, layer.mlp.intermediate,
                     glue.ACTIVATIONS[layer.mlp.act_name])
             x = stack_op.layers(x, weights, cache.keys, cache.values, cos, sin, slots, positions, num_tokens, windows,
-                                dims, (norm.eps, norm.weight_offset), qk, attn.scale)
+                                dims, (norm.eps, norm.weight_offset), qk, attn.scale, ancestors)
         else:
             for i, layer in enumerate(self.model.layers):
                 kind = cfg.layer_types[i]
-                x = layer(x, ropes[kind], masks[kind], cache, i, slots, positions, kv_len, num_tokens)
+                x = layer(x, ropes[kind], masks[kind], cache, i, slots, positions, kv_len, num_tokens, ancestors)
         cache.extend(slots.tolist(), (positions.max(dim=1).values + 1).tolist())
         if logit_index is not None:
             idx = logit_index if logit_index.dim() == 2 else logit_index[:, None]  # [B, J]

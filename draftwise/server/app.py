@@ -34,7 +34,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from draftwise.config import ConfigError
 from draftwise.server import protocol, tools, validation
 from draftwise.server.errors import APIError, error_body, error_response, from_api_error
-from draftwise.server.guard import LOOPBACK_HOSTS, Guard
+from draftwise.server.guard import LOOPBACK_HOSTS, Guard, cache_scope
 from draftwise.server.metrics import ServerMetrics
 from draftwise.server.runner import EngineRunner
 from draftwise.server.limits import (DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_WAITING, DEFAULT_REQUEST_TIMEOUT_S,
@@ -50,7 +50,7 @@ PREP_WORKERS = 2  # threads that decode, validate and tokenize request bodies
 def create_app(llm, served_model_name: str, api_key: str | None = None,
                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, limits: RequestLimits | None = None,
                max_waiting: int = DEFAULT_MAX_WAITING, request_timeout: float | None = DEFAULT_REQUEST_TIMEOUT_S,
-               allowed_hosts=LOOPBACK_HOSTS, allowed_origins=()) -> FastAPI:
+               allowed_hosts=LOOPBACK_HOSTS, allowed_origins=(), suffix_cache_scope: str = "key") -> FastAPI:
     metrics = ServerMetrics(served_model_name, llm.max_num_seqs, llm.spec_config.k_max)
     runner = EngineRunner(llm, metrics, max_waiting=max_waiting)
     pool = ThreadPoolExecutor(PREP_WORKERS, thread_name_prefix="draftwise-prep")
@@ -71,7 +71,9 @@ def create_app(llm, served_model_name: str, api_key: str | None = None,
     app.add_middleware(Guard, api_key=api_key, allowed_hosts=tuple(allowed_hosts),
                        allowed_origins=tuple(allowed_origins))
     auth = [Depends(_api_key_checker(api_key))]
-    ctx = _Ctx(llm, runner, served_model_name, max_body_bytes, limits or RequestLimits(), request_timeout, pool)
+    cache_scope("", suffix_cache_scope)  # an unknown mode fails here, not on the first request
+    ctx = _Ctx(llm, runner, served_model_name, max_body_bytes, limits or RequestLimits(), request_timeout, pool,
+               suffix_cache_scope)
     app.openapi = lambda: _openapi(app)
 
     async def drain(timeout: float) -> None:
@@ -135,9 +137,10 @@ class _Ctx:
     """What the generation routes share: the runner, the served name and response assembly."""
 
     def __init__(self, llm, runner: EngineRunner, served_model_name: str, max_body_bytes: int,
-                 limits: RequestLimits, request_timeout: float | None, pool: ThreadPoolExecutor):
+                 limits: RequestLimits, request_timeout: float | None, pool: ThreadPoolExecutor, scope_mode: str = "key"):
         self.llm, self.runner, self.name, self.max_body_bytes = llm, runner, served_model_name, max_body_bytes
         self.limits, self.request_timeout, self.pool = limits, request_timeout, pool
+        self.scope_mode = scope_mode  # --suffix-cache-scope: whose earlier outputs may guess a request
 
     def check_model(self, model: str) -> None:
         if model != self.name:
@@ -152,10 +155,11 @@ class _Ctx:
         if refusal is not None:
             raise refusal
         body = await _read_body(request, self.max_body_bytes)
-        prepared, req, choice = await loop.run_in_executor(self.pool, self.prepare, body, chat)
+        scope = cache_scope(request.headers.get("authorization", ""), self.scope_mode)
+        prepared, req, choice = await loop.run_in_executor(self.pool, self.prepare, body, chat, scope)
         return await self.generate(request, prepared, req, chat, deadline, choice)
 
-    def prepare(self, body: bytes, chat: bool):
+    def prepare(self, body: bytes, chat: bool, scope: str = ""):
         """Worker thread: strict JSON, field policy and limits, then tokens, then the context check."""
         obj = validation.loads(body, self.limits.max_json_depth)
         req = protocol.parse(protocol.ChatRequest if chat else protocol.CompletionRequest, obj)
@@ -181,7 +185,7 @@ class _Ctx:
             params = protocol.sampling_params(req, protocol.DEFAULT_COMPLETION_MAX_TOKENS)
         # n > 1: one engine request per sample (seed + index); the prefix cache shares the prompt's K/V
         prepared = [self.runner.prepare(prompt, one, speculate=req.draftwise.speculation,
-                                        provenance=req.stream and req.draftwise.provenance)
+                                        provenance=req.stream and req.draftwise.provenance, scope=scope)
                     for one in params.samples()]
         n = len(prepared[0][0].prompt_ids)
         if n >= context:

@@ -19,6 +19,10 @@ def register(sub) -> None:
     p.add_argument("--host", default="127.0.0.1", help="bind address (default: local only)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=None, help=f"require 'Authorization: Bearer KEY' (or set ${API_KEY_ENV})")
+    p.add_argument("--suffix-cache-scope", default="key", choices=["key", "global"],
+                   help="method suffix: whose earlier outputs may guess a request — 'key': only its own API key's "
+                        "(default; acceptance timing would otherwise tell one tenant what another generated), "
+                        "'global': every request's (opt in where all clients are one tenant)")
     p.add_argument("--served-model-name", default=None, help="the model name clients send (default: --model)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     g = p.add_argument_group("limits (README: Running it safely)")
@@ -72,7 +76,7 @@ def cmd_serve(args) -> int:
                      max_body_bytes=args.max_body_bytes, limits=limits, max_waiting=args.max_waiting,
                      request_timeout=args.request_timeout or None,
                      allowed_hosts=allowed_hosts(args.allowed_hosts, args.host, LOOPBACK_HOSTS),
-                     allowed_origins=_split(args.allowed_origins))
+                     allowed_origins=_split(args.allowed_origins), suffix_cache_scope=args.suffix_cache_scope)
     spec_config = llm.spec_config
     print(f"draftwise: serving {args.model!r} on http://{args.host}:{args.port}/v1 "
           f"(speculation: {spec_config.method}, max_num_seqs {args.max_num_seqs}, context {llm.max_model_len}, "

@@ -6,10 +6,13 @@ under its own name); the Origin check (a browser request from another origin is 
 is on the CORS allow-list; CORS itself is starlette's middleware, off by default); the API key on every route
 but the public ones (/health, GET /, /static/*: the playground page asks for the key itself); and JSON-only
 POST bodies (415 otherwise, so an HTML form or a `text/plain` fetch can't drive the API). Refusals are
-OpenAI-shaped error bodies. Knows no routes beyond those public paths, and nothing of the engine.
+OpenAI-shaped error bodies. Also owns which cache scope a request's key puts it in (`cache_scope`): a proposer that
+keeps earlier outputs (method suffix) guesses a request only from outputs of its own scope. Knows no routes beyond
+those public paths, and nothing of the engine.
 """
 from __future__ import annotations
 
+import hashlib
 import hmac
 import uuid
 
@@ -18,6 +21,22 @@ from starlette.datastructures import Headers
 from draftwise.server.errors import error_response
 
 LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
+CACHE_SCOPES = ("key", "global")  # --suffix-cache-scope
+
+
+def cache_scope(authorization: str, mode: str = "key") -> str:
+    """The cache scope of a request with this Authorization header: "key" mode, one scope per bearer token (a hash
+    of it: the proposer never holds a key; no token: one scope for all such requests); "global": one for every
+    request (the operator's opt-in). Why per key by default: speculation never changes a token, but a request whose
+    guesses come from another tenant's outputs runs measurably faster when it repeats them, so acceptance timing
+    would tell one tenant what another generated."""
+    if mode == "global":
+        return "global"
+    if mode != "key":
+        raise ValueError(f"suffix cache scope must be one of {CACHE_SCOPES}, got {mode!r}")
+    scheme, _, token = authorization.partition(" ")
+    token = token.strip() if scheme.lower() == "bearer" else ""
+    return "key:" + (hashlib.sha256(token.encode()).hexdigest()[:32] if token else "")
 
 
 def _public(method: str, path: str) -> bool:

@@ -94,14 +94,16 @@ class EngineRunner:
         decodes it plainly; `provenance=True` puts each step's token provenance on its Events."""
         return self.enqueue(self.prepare(prompt, params, speculate, provenance))
 
-    def prepare(self, prompt, params, speculate: bool = True, provenance: bool = False) -> tuple:
-        """Tokenize and build the engine request (any thread: the server runs this in its worker pool)."""
+    def prepare(self, prompt, params, speculate: bool = True, provenance: bool = False, scope: str = "") -> tuple:
+        """Tokenize and build the engine request (any thread: the server runs this in its worker pool); `scope`:
+        its cache scope (guard.cache_scope)."""
         try:
             req, stream = self.llm.new_request(prompt, params)
         except ConfigError as e:
             word = str(e).split(":", 1)[0]
             raise APIError(400, str(e), param=word if word == "logit_bias" else "prompt") from None
         req.speculate = speculate
+        req.cache_scope = scope
         tracker = None
         if provenance:
             tracker = TokenProvenance(stream, self.llm.spec_config.method if speculate else "none")

@@ -17,6 +17,7 @@ from draftwise.spec_decode.draft_model import DraftModelProposer, check_compatib
 from draftwise.spec_decode.grammar import GrammarProposer
 from draftwise.spec_decode.ngram import NgramProposer
 from draftwise.spec_decode.proposer import NoProposer, Proposer
+from draftwise.spec_decode.suffix import SuffixProposer
 
 
 @dataclass
@@ -70,11 +71,18 @@ def _build_grammar(spec_config: SpecConfig, ctx: ProposerContext) -> Proposer:
     return GrammarProposer(then)
 
 
+def _build_suffix(spec_config: SpecConfig, ctx: ProposerContext) -> Proposer:
+    return SuffixProposer(spec_config.suffix_decoding_max_tree_depth, spec_config.suffix_decoding_max_cached_requests,
+                          spec_config.suffix_decoding_max_spec_factor, spec_config.suffix_decoding_min_token_prob,
+                          spec_config.suffix_cache_max_bytes, tree=spec_config.suffix_tree)
+
+
 PROPOSER_BUILDERS: dict[str, Callable[[SpecConfig, ProposerContext], Proposer]] = {
     "none": _build_none,
     "ngram": _build_ngram,
     "draft_model": _build_draft_model,
     "grammar": _build_grammar,
+    "suffix": _build_suffix,
 }
 
 

@@ -68,7 +68,7 @@ class DraftModelProposer:
         self.grammars: dict[int, GrammarMatcher] = {}  # per slot: the accepted output's grammar state ...
         self._advanced: dict[int, int] = {}  # ... plus this many tokens of the last draft, rolled back in accept
 
-    def begin(self, slot, prompt_ids, params, generator, grammar=None):
+    def begin(self, slot, prompt_ids, params, generator, grammar=None, scope=""):
         self.tokens[slot] = list(prompt_ids)
         self.prompt_lens[slot] = len(prompt_ids)
         self.seen[slot] = 0

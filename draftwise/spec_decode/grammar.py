@@ -44,14 +44,14 @@ class GrammarProposer:
         self._own: dict[int, Layout] = {}
         self._greedy: dict[int, bool] = {}
 
-    def begin(self, slot, prompt_ids, params, generator, grammar=None):
+    def begin(self, slot, prompt_ids, params, generator, grammar=None, scope=""):
         if grammar is not None:
             self.grammars[slot] = grammar.copy()
         self._last[slot] = []
         self._tail[slot] = None
         self._own[slot] = Layout()
         self._greedy[slot] = params.greedy
-        self.then.begin(slot, prompt_ids, params, generator, grammar)
+        self.then.begin(slot, prompt_ids, params, generator, grammar, scope)
 
     def propose(self, slots, k_per_seq, after=None):
         """Per slot: the forced tokens and learned layout, then `then`'s guesses up to the first one the grammar

@@ -20,7 +20,7 @@ class NgramProposer:
         self.tokens: dict[int, list[int]] = {}
         self._last: dict[int, list[int]] = {}
 
-    def begin(self, slot, prompt_ids, params, generator, grammar=None):
+    def begin(self, slot, prompt_ids, params, generator, grammar=None, scope=""):
         self.tokens[slot] = list(prompt_ids)
         self._last[slot] = []
 

@@ -10,6 +10,10 @@ start of the output, or None); a proposer that uses it keeps its own `copy()`, a
 and along what `accept` reports. `propose(..., after=...)` lets a proposer continue a draft another one began
 (the grammar proposer's forced tokens): it guesses as if `after[i]` followed the context, returns only its own
 guesses, and counts `accept`'s num_accepted over `after[i]` + its guesses.
+
+Token trees: a proposer may return a Draft with `parents` (a tree of guesses, verified in one forward); `accept`
+then also gets `path`, the chunk rows of the accepted guesses (a root-to-node path). `begin(..., scope=...)` names
+whose earlier outputs a proposer that keeps them across requests (suffix.py) may guess this request from.
 """
 from __future__ import annotations
 
@@ -27,6 +31,9 @@ class Draft:
     token_ids: torch.Tensor  # [k] int64
     probs: torch.Tensor | None = None  # [k, target_vocab] processed draft distribution; None = point masses
     forced: tuple[int, ...] = ()  # positions (ascending) of the guesses the grammar forced (point masses)
+    # a token tree (spec_decode/tree.py): parents[i] is the chunk row of guess i's parent (0: the pending token);
+    # None = a chain. Trees are verified greedily only (verify.py): a proposer gives sampled requests chains.
+    parents: tuple[int, ...] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -47,18 +54,19 @@ class Proposer(Protocol):
     vocab_limit: int | None
 
     def begin(self, slot: int, prompt_ids: list[int], params: SamplingParams, generator: torch.Generator,
-              grammar: GrammarMatcher | None = None) -> None:
+              grammar: GrammarMatcher | None = None, scope: str = "") -> None:
         """A sequence starts in `slot` with these prompt ids; `grammar`: its output constraint's state at the
-        start of the output (copy it to use it; never advance the caller's object)."""
+        start of the output (copy it to use it; never advance the caller's object); `scope`: the request's cache
+        scope (an API key's, or one shared by all; "" outside the server)."""
 
     def propose(self, slots: list[int], k_per_seq: list[int], after: list[list[int]] | None = None) -> list[Draft]:
         """Up to k_per_seq[i] guesses for each slot (fewer, or none, is fine), after the tokens `after[i]`
         (None: right after the context; see the module docstring). Idempotent between two `accept`s: the
         engine calls it again when a step failed and is retried (the same generators state)."""
 
-    def accept(self, slot: int, num_accepted: int, token_id: int) -> None:
+    def accept(self, slot: int, num_accepted: int, token_id: int, path: tuple[int, ...] | None = None) -> None:
         """The target kept the first `num_accepted` guesses of the last draft (`after` tokens first), then
-        emitted `token_id`."""
+        emitted `token_id`; for a tree draft, `path` holds the chunk rows of the kept guesses."""
 
     def end(self, slot: int) -> None:
         """The sequence in `slot` finished; forget it."""
@@ -69,13 +77,13 @@ class NoProposer:
 
     vocab_limit = None
 
-    def begin(self, slot, prompt_ids, params, generator, grammar=None):
+    def begin(self, slot, prompt_ids, params, generator, grammar=None, scope=""):
         pass
 
     def propose(self, slots, k_per_seq, after=None):
         return [Draft(EMPTY_DRAFT_IDS) for _ in slots]
 
-    def accept(self, slot, num_accepted, token_id):
+    def accept(self, slot, num_accepted, token_id, path=None):
         pass
 
     def end(self, slot):

@@ -7,6 +7,12 @@ Greedy verification keeps the longest prefix of the draft that matches the targe
 follows Leviathan et al. 2023 (arXiv 2211.17192, Algorithm 1) and Chen et al. 2023 (arXiv 2302.01318), which
 makes the emitted tokens distributed exactly as plain sampling from the target's processed distribution.
 
+Token trees (a draft with `parents`, spec_decode/tree.py): `tree_greedy_verify` walks down from the root along
+the target's argmax while some child carries it, so it keeps the longest root path the target agrees with and
+emits exactly plain greedy decoding's tokens. Trees are verified greedily only: a sampled request gets a chain
+(its proposer's most likely branch) and the rejection sampling above — chain-only sampling, never a lossy
+multi-branch shortcut.
+
 This module does not know models, KV caches, proposers or the scheduler: the caller runs the target on
 `[last_token, *draft_ids]`, passes the k+1 logit rows here, and rolls back whatever was not accepted.
 """
@@ -30,6 +36,7 @@ class VerifyResult:
 
     num_accepted: int
     token_ids: list[int]
+    path: tuple[int, ...] | None = None  # a tree draft: the chunk rows of the accepted guesses; None: a chain
 
 
 def greedy_verify(
@@ -48,6 +55,31 @@ def greedy_verify(
     num_accepted = next((i for i, ok in enumerate(matches) if not ok), k)
     # the accepted prefix equals the target's own argmax prefix, so one slice gives prefix + correction/bonus
     return VerifyResult(num_accepted, target_ids[: num_accepted + 1].tolist())
+
+
+def tree_greedy_verify(
+    draft_ids: torch.Tensor,  # [k] int64: guess i in chunk row i + 1
+    parents: tuple[int, ...],  # [k] chunk row of each guess's parent (0: the pending token); parents precede children
+    target_logits: torch.Tensor,  # [k + 1, vocab_size]: row r predicts what follows row r's token
+) -> VerifyResult:
+    """From the root, step to the child whose token is the target's argmax at the current row while there is one
+    (siblings carry distinct tokens; were two equal, the first is taken); then emit the argmax of the row reached.
+    Every emitted token is the target's argmax given the tokens before it, so this equals plain greedy decoding."""
+    _check_shapes(draft_ids, None, target_logits)
+    if len(parents) != draft_ids.shape[0]:
+        raise ValueError(f"{len(parents)} parents for {draft_ids.shape[0]} guesses")
+    target_ids = target_logits.argmax(-1).tolist()  # [k + 1]
+    children: dict[tuple[int, int], int] = {}
+    for i, (p, tok) in enumerate(zip(parents, draft_ids.tolist())):
+        if not 0 <= p <= i:
+            raise ValueError(f"guess {i}'s parent row {p} does not precede it")
+        children.setdefault((p, tok), i + 1)
+    row, path, tokens = 0, [], []
+    while (row, target_ids[row]) in children:
+        tokens.append(target_ids[row])  # the child's token: the target's own choice
+        row = children[(row, target_ids[row])]
+        path.append(row)
+    return VerifyResult(len(path), tokens + [target_ids[row]], tuple(path))
 
 
 def rejection_verify(
@@ -123,8 +155,13 @@ def verify(
     target_logits: torch.Tensor,  # [k + 1, vocab_size]
     params: SamplingParams,
     generator: torch.Generator | None,
+    parents: tuple[int, ...] | None = None,  # [k] a token tree's parent rows; None: a chain
 ) -> VerifyResult:
-    """Greedy verification at temperature 0, speculative sampling otherwise."""
+    """Greedy verification at temperature 0, speculative sampling otherwise; a tree greedily only."""
+    if parents is not None:
+        if not params.greedy:
+            raise ValueError("token trees are verified greedily only: a sampled request's draft must be a chain")
+        return tree_greedy_verify(draft_ids, parents, target_logits)
     if params.greedy:
         return greedy_verify(draft_ids, target_logits)
     return rejection_verify(

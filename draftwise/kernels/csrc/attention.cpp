@@ -32,9 +32,10 @@ constexpr dwisa::Isa ISA{"attention", {0, dwisa::F_AVX2 | dwisa::F_FMA,
 // slots [B] int64; positions [B, >=1] int64 (positions[b, 0]: the first query's position, the rest follow);
 // num_tokens [B]: real queries per sequence. -> [B, H, T, D], a transposed view of a contiguous [B, T, H, D]
 // (so the caller's transpose(1, 2).reshape(B, T, H * D) is free); rows t >= num_tokens[b] are zero.
-at::Tensor attn_decode(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, const at::Tensor& slots,
-                       const at::Tensor& positions, at::IntArrayRef num_tokens, double scale, int64_t window,
-                       int64_t path) {
+// anc: null, or [B, T] int64 ancestor masks (tree rows, attention.h): bit t of row t set, no bit above it.
+at::Tensor attend(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, const at::Tensor& slots,
+                  const at::Tensor& positions, at::IntArrayRef num_tokens, double scale, int64_t window, int64_t path,
+                  const at::Tensor* anc) {
     TORCH_CHECK(q.dim() == 4 && keys.dim() == 4 && values.dim() == 4, "q and the cache must be 4-d");
     const auto dt = q.scalar_type();
     TORCH_CHECK(dt == at::kFloat || dt == at::kBFloat16, "attention: float32 or bfloat16 only, got ", dt);
@@ -70,6 +71,19 @@ at::Tensor attn_decode(const at::Tensor& q, const at::Tensor& keys, const at::Te
         max_len = std::max(max_len, window > 0 ? std::min(len, window) : len);
     }
     path = dwisa::select(ISA, path);
+    const uint64_t* masks = nullptr;
+    if (anc != nullptr) {
+        TORCH_CHECK(anc->dim() == 2 && anc->size(0) == B && anc->size(1) == T && anc->scalar_type() == at::kLong &&
+                        anc->is_contiguous() && anc->device().is_cpu(), "ancestors must be a contiguous [B, T] int64");
+        TORCH_CHECK(T <= 64, "a tree chunk has at most 64 rows, got ", T);
+        masks = (const uint64_t*)anc->data_ptr<int64_t>();
+        for (int64_t b = 0; b < B; ++b)
+            for (int64_t t = 0; t < ntok[b]; ++t) {
+                const uint64_t m = masks[b * T + t];
+                TORCH_CHECK(((m >> t) & 1u) && (t == 63 || (m >> (t + 1)) == 0),
+                            "ancestors[", b, ", ", t, "] must hold row ", t, " itself and only rows before it");
+            }
+    }
 
     at::Tensor out = at::empty({B, T, H, D}, q.options());
     const int64_t items = B * H * T;
@@ -77,7 +91,7 @@ at::Tensor attn_decode(const at::Tensor& q, const at::Tensor& keys, const at::Te
         DwAttnArgs a{qc.data_ptr(), qc.stride(0), qc.stride(1), qc.stride(2),
                      keys.data_ptr(), values.data_ptr(), keys.stride(0), keys.stride(1), keys.stride(2),
                      out.data_ptr(), slot.data(), first.data(), ntok.data(),
-                     B, T, H, Hkv, D, (float)scale, window, dt == at::kBFloat16 ? DW_ATTN_BF16 : DW_ATTN_F32};
+                     B, T, H, Hkv, D, (float)scale, window, dt == at::kBFloat16 ? DW_ATTN_BF16 : DW_ATTN_F32, masks};
         auto fn = dwisa::pick(path, dw_attn_rows_scalar, dw_attn_rows_avx2, dw_attn_rows_avx512);
         if (D % 16 != 0) fn = dw_attn_rows_scalar;  // the SIMD paths take whole 16-lane chunks of head_dim
         const int64_t nscratch = dw_attn_scratch_floats(max_len, D);
@@ -90,6 +104,20 @@ at::Tensor attn_decode(const at::Tensor& q, const at::Tensor& keys, const at::Te
     return out.transpose(1, 2);
 }
 
+at::Tensor attn_decode(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, const at::Tensor& slots,
+                       const at::Tensor& positions, at::IntArrayRef num_tokens, double scale, int64_t window,
+                       int64_t path) {
+    return attend(q, keys, values, slots, positions, num_tokens, scale, window, path, nullptr);
+}
+
+// decode's token-tree form: row t of sequence b attends the keys before the chunk and the chunk rows of
+// ancestors[b, t] (attention.h, tree rows).
+at::Tensor attn_tree(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, const at::Tensor& slots,
+                     const at::Tensor& positions, at::IntArrayRef num_tokens, const at::Tensor& ancestors, double scale,
+                     int64_t window, int64_t path) {
+    return attend(q, keys, values, slots, positions, num_tokens, scale, window, path, &ancestors);
+}
+
 std::vector<int64_t> paths() { return dwisa::available_paths(ISA); }
 
 }  // namespace
@@ -97,7 +125,12 @@ std::vector<int64_t> paths() { return dwisa::available_paths(ISA); }
 TORCH_LIBRARY(draftwise_attn, m) {
     m.def("decode(Tensor q, Tensor keys, Tensor values, Tensor slots, Tensor positions, int[] num_tokens, float scale, "
           "int window, int path) -> Tensor");
+    m.def("tree(Tensor q, Tensor keys, Tensor values, Tensor slots, Tensor positions, int[] num_tokens, "
+          "Tensor ancestors, float scale, int window, int path) -> Tensor");
     m.def("paths() -> int[]", &paths);
 }
 
-TORCH_LIBRARY_IMPL(draftwise_attn, CPU, m) { m.impl("decode", &attn_decode); }
+TORCH_LIBRARY_IMPL(draftwise_attn, CPU, m) {
+    m.impl("decode", &attn_decode);
+    m.impl("tree", &attn_tree);
+}

@@ -18,6 +18,10 @@
 //   o[d]  = (sum over j in order of p_j * v_j[d], starting from 0) / sum.
 // No fused multiply-adds (-ffp-contract=off) and no reassociation: it depends only on the query, its keys and
 // its values, never on B, T, the other items or how items are split among threads.
+// Tree rows (anc != null; token-tree verification): row t of sequence b attends the cache's keys before the
+// chunk, then the chunk rows i whose bit i is set in anc[b * T + t] (its ancestors and itself), in row order; the
+// "keys j" above are that list (a sliding window keeps its last `window`). Parents precede children, so a node's
+// list is its path's chain list and its result is bitwise the chain forward's row for it.
 #pragma once
 #include <stdint.h>
 
@@ -39,6 +43,7 @@ struct DwAttnArgs {
     float scale;
     int64_t window;           // 0: attend from position 0
     int64_t dtype;            // DwAttnDtype of q, k, v and out
+    const uint64_t* anc;      // [B, T] ancestor masks of tree rows (T <= 64), or null: every row a chain row
 };
 
 // Items [i0, i1) in the order (b, g, t, h within g): consecutive items share keys. scratch: at least

@@ -75,10 +75,15 @@ inline float dot(const float* q, const E* k, int64_t D) {
 template <class E>
 struct Query {
     E* o;          // the output row [D]
-    const E* K;    // the first key attended; key j at K + j * sc
+    const E* K;    // the first key attended; key j < Lp at K + j * sc
     const E* V;    // the first value, same stride
     int64_t L;     // keys attended
     int64_t sc;    // key / value stride
+    int64_t start; // absolute position of the first key
+    int64_t Lp;    // keys at consecutive positions from start (L for a chain row)
+    uint64_t anc;  // a tree row's keys Lp..L-1: the chunk rows of its set bits, in order (0 for a chain row)
+    const E* Kt;   // a tree row's chunk: row i's key at Kt + i * sc, its value at Vt + i * sc
+    const E* Vt;
 };
 
 // false for a padding query (its output row is zeroed); otherwise its q row is loaded into qf[D] as float
@@ -90,14 +95,23 @@ inline bool query(const DwAttnArgs* a, int64_t b, int64_t t, int64_t h, float* q
         for (int64_t d = 0; d < D; ++d) store(q.o, d, 0.0f);
         return false;
     }
-    const int64_t end = a->first[b] + t + 1;
+    const int64_t first = a->first[b];
+    uint64_t anc = a->anc ? a->anc[b * a->T + t] : 0;
+    // a chain row's keys end at its own position; a tree row's list is the prefix and then its ancestors
+    const int64_t end = anc ? first + __builtin_popcountll(anc) : first + t + 1;
     const int64_t start = a->window > 0 && end > a->window ? end - a->window : 0;
     const int64_t g = h / (a->H / a->Hkv);
-    const int64_t base = a->slots[b] * a->kv_ss + g * a->kv_sh + start * a->kv_sc;
-    q.K = (const E*)a->k + base;
-    q.V = (const E*)a->v + base;
+    const int64_t head = a->slots[b] * a->kv_ss + g * a->kv_sh;
+    q.K = (const E*)a->k + head + start * a->kv_sc;
+    q.V = (const E*)a->v + head + start * a->kv_sc;
+    q.Kt = (const E*)a->k + head + first * a->kv_sc;
+    q.Vt = (const E*)a->v + head + first * a->kv_sc;
     q.L = end - start;
     q.sc = a->kv_sc;
+    q.start = start;
+    q.Lp = anc ? (start < first ? first - start : 0) : q.L;
+    for (int64_t skip = start - first; anc && skip > 0; --skip) anc &= anc - 1;  // a window past the prefix
+    q.anc = anc;
     const E* qp = (const E*)a->q + b * a->q_sb + h * a->q_sh + t * a->q_st;
     for (int64_t d = 0; d < D; ++d) qf[d] = load(qp, d);
     return true;
@@ -138,7 +152,7 @@ bool gather(const DwAttnArgs* a, int64_t i0, int n, float* scratch, Block<E>& bl
         const int u = blk.n;
         blk.qf[u] = scratch + u * dp;
         if (!query(a, b, t, g * G + hg, blk.qf[u], blk.q[u])) continue;  // padding: zeroed
-        const int64_t en = a->first[b] + t + 1, st = en - blk.q[u].L;
+        const int64_t st = blk.q[u].start, en = st + blk.q[u].Lp;  // the consecutive keys (tree keys: tree_*)
         blk.start[u] = st;
         blk.a_lo = u == 0 || st < blk.a_lo ? st : blk.a_lo;
         blk.a_hi = u == 0 || en > blk.a_hi ? en : blk.a_hi;
@@ -161,7 +175,7 @@ bool gather(const DwAttnArgs* a, int64_t i0, int n, float* scratch, Block<E>& bl
 // Query u's keys in the key block [ab, ab + 16), as block offsets lo..hi-1 (none when lo >= hi).
 template <class E>
 inline void span(const Block<E>& blk, int u, int64_t ab, int& lo, int& hi) {
-    const int64_t st = blk.start[u], en = st + blk.q[u].L;
+    const int64_t st = blk.start[u], en = st + blk.q[u].Lp;
     lo = st > ab ? (int)(st - ab) : 0;
     hi = en - ab < 16 ? (int)(en - ab) : 16;
 }
@@ -179,6 +193,25 @@ void for_each_block(const DwAttnArgs* a, int64_t i0, int64_t i1, F&& fn) {
         }
         i = e;
     }
+}
+
+// A tree row's keys past its consecutive ones (its ancestors in the chunk, in row order): scores s[Lp..L) and their
+// max into m, one key at a time with the portable dot (bitwise the SIMD paths' dots); nothing for a chain row.
+template <class E>
+inline void tree_scores(const DwAttnArgs* a, const Query<E>& q, const float* qf, float* s, float& m) {
+    int64_t j = q.Lp;
+    for (uint64_t r = q.anc; r; r &= r - 1, ++j) {
+        s[j] = dot(qf, q.Kt + __builtin_ctzll(r) * q.sc, a->D) * a->scale;
+        m = s[j] > m ? s[j] : m;
+    }
+}
+
+// ... and their values, after the consecutive keys' (acc += p_j v_j in j order), through the path's `values`.
+template <class Steps, class E>
+inline void tree_values(const Query<E>& q, int64_t D, const float* p, float* acc) {
+    int64_t j = q.Lp;
+    for (uint64_t r = q.anc; r; r &= r - 1, ++j)
+        Steps::values(q.Vt + __builtin_ctzll(r) * q.sc, q.sc, D, p + j, 0, 1, acc);
 }
 
 // One query block, start to end; Steps supplies a SIMD path's loops over 16-key blocks:
@@ -199,6 +232,8 @@ void attend_block(const DwAttnArgs* a, int64_t i0, int n, float* scratch) {
         Steps::template scores<4>(a, blk, mx);
     else
         Steps::template scores<0>(a, blk, mx);
+    if (a->anc)
+        for (int u = 0; u < blk.n; ++u) tree_scores(a, blk.q[u], blk.qf[u], blk.s[u], mx[u]);
     for (int u = 0; u < blk.n; ++u) total[u] = Steps::softmax_weights(blk.s[u], blk.q[u].L, mx[u]);
     for (int64_t ab = blk.a_lo; ab < blk.a_hi; ab += 16) {
         const E* vb = blk.V0 + ab * sc;
@@ -208,6 +243,8 @@ void attend_block(const DwAttnArgs* a, int64_t i0, int n, float* scratch) {
             if (lo < hi) Steps::values(vb, sc, D, blk.s[u] + (ab - blk.start[u]), lo, hi, blk.acc[u]);
         }
     }
+    if (a->anc)
+        for (int u = 0; u < blk.n; ++u) tree_values<Steps>(blk.q[u], D, blk.s[u], blk.acc[u]);
     for (int u = 0; u < blk.n; ++u) {
         float* acc = blk.acc[u];
         for (int64_t d = 0; d < D; ++d) acc[d] = acc[d] / total[u];
@@ -225,6 +262,12 @@ void run_blocks(const DwAttnArgs* a, int64_t i0, int64_t i1, float* scratch) {
         for_each_block(a, i0, i1, [&](int64_t j0, int n) { attend_block<Steps, float>(a, j0, n, scratch); });
 }
 
+// The chunk row of a tree row's n-th ancestor key (its n-th set bit).
+inline int64_t tree_row(uint64_t anc, int64_t n) {
+    for (; n > 0; --n) anc &= anc - 1;
+    return __builtin_ctzll(anc);
+}
+
 // One item: query t of sequence b, head h (see attention.h).
 template <class E>
 void one(const DwAttnArgs* a, int64_t b, int64_t t, int64_t h, float* scratch) {
@@ -236,14 +279,15 @@ void one(const DwAttnArgs* a, int64_t b, int64_t t, int64_t h, float* scratch) {
     if (!query(a, b, t, h, qf, q)) return;
     E* o = q.o;
     const E *K = q.K, *V = q.V;
-    const int64_t L = q.L, sc = q.sc;
+    const int64_t L = q.L, Lp = q.Lp, sc = q.sc;
 
     float m = -__builtin_inff();
-    for (int64_t j = 0; j < L; ++j) {
+    for (int64_t j = 0; j < Lp; ++j) {
         const float x = dot(qf, K + j * sc, D) * a->scale;
         s[j] = x;
         m = x > m ? x : m;
     }
+    tree_scores(a, q, qf, s, m);
 
     float sum[LANES];
     for (int l = 0; l < LANES; ++l) sum[l] = 0.0f;
@@ -263,7 +307,7 @@ void one(const DwAttnArgs* a, int64_t b, int64_t t, int64_t h, float* scratch) {
 
     for (int64_t d = 0; d < D; ++d) acc[d] = 0.0f;
     j = 0;
-    for (; j + 4 <= L; j += 4) {  // four keys per pass over acc: the same additions, in the same order
+    for (; j + 4 <= Lp; j += 4) {  // four keys per pass over acc: the same additions, in the same order
         const float p0 = s[j], p1 = s[j + 1], p2 = s[j + 2], p3 = s[j + 3];
         const E* v0 = V + j * sc;
         const E* v1 = v0 + sc;
@@ -272,9 +316,9 @@ void one(const DwAttnArgs* a, int64_t b, int64_t t, int64_t h, float* scratch) {
         for (int64_t d = 0; d < D; ++d)
             acc[d] = (((acc[d] + p0 * load(v0, d)) + p1 * load(v1, d)) + p2 * load(v2, d)) + p3 * load(v3, d);
     }
-    for (; j < L; ++j) {
+    for (; j < L; ++j) {  // then a tree row's ancestors
         const float p = s[j];
-        const E* v = V + j * sc;
+        const E* v = j < Lp ? V + j * sc : q.Vt + tree_row(q.anc, j - Lp) * sc;
         for (int64_t d = 0; d < D; ++d) acc[d] = acc[d] + p * load(v, d);
     }
     for (int64_t d = 0; d < D; ++d) store(o, d, acc[d] / total);

@@ -51,6 +51,8 @@ using RopeCacheFn = at::Tensor(const at::Tensor&, const at::Tensor&, const at::T
 using GluFn = at::Tensor(const at::Tensor&, const OptT&, int64_t);
 using AttnFn = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                           const at::Tensor&, at::IntArrayRef, double, int64_t, int64_t);
+using TreeFn = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                          const at::Tensor&, at::IntArrayRef, const at::Tensor&, double, int64_t, int64_t);
 
 template <class Fn>
 c10::TypedOperatorHandle<Fn> op(const char* name) {
@@ -64,6 +66,7 @@ struct Ops {  // the registered operators, resolved once (all live in this libra
     c10::TypedOperatorHandle<RopeCacheFn> rope_qk_cache = op<RopeCacheFn>("draftwise_glue::rope_qk_cache");
     c10::TypedOperatorHandle<GluFn> glu = op<GluFn>("draftwise_glue::glu");
     c10::TypedOperatorHandle<AttnFn> attend = op<AttnFn>("draftwise_attn::decode");
+    c10::TypedOperatorHandle<TreeFn> attend_tree = op<TreeFn>("draftwise_attn::tree");
 };
 
 const Ops& ops() {
@@ -93,11 +96,12 @@ at::Tensor linear(const c10::List<OptT>& w, int64_t at_, const at::Tensor& x, in
 // slots [B], positions [B, T] int64; num_tokens [B]: real tokens per row (the row-exact attention);
 // windows: each layer's sliding window (0: none); dims = (num_heads, num_kv_heads, head_dim, intermediate,
 // activation: 0 silu / 1 gelu tanh); norm = (eps, offset) of the layer norms; qk_norm = (eps, offset) of the
-// q / k norms; scale: the attention's softmax scale.
+// q / k norms; scale: the attention's softmax scale; ancestors: a token tree's [B, T] masks (draftwise_attn::tree),
+// or none (the chunk is causal).
 at::Tensor layers(const at::Tensor& x_in, const c10::List<OptT>& weights, at::TensorList keys, at::TensorList values,
                   at::TensorList cos, at::TensorList sin, const at::Tensor& slots, const at::Tensor& positions,
                   at::IntArrayRef num_tokens, at::IntArrayRef windows, at::IntArrayRef dims, at::ArrayRef<double> norm,
-                  at::ArrayRef<double> qk_norm, double scale) {
+                  at::ArrayRef<double> qk_norm, double scale, const OptT& ancestors) {
     const int64_t L = (int64_t)keys.size();
     TORCH_CHECK(x_in.dim() == 3 && x_in.scalar_type() == at::kFloat, "stack: x must be [B, T, hidden] float32");
     TORCH_CHECK((int64_t)weights.size() == L * WEIGHTS_PER_LAYER, "stack: ", weights.size(), " weights for ", L,
@@ -120,7 +124,10 @@ at::Tensor layers(const at::Tensor& x_in, const c10::List<OptT>& weights, at::Te
                                             opt(weights, base + K_NORM), qk_norm[0], qk_norm[1], keys[l], values[l],
                                             slots, positions);
         q = q.view({B, T, H, D}).transpose(1, 2);  // [B, H, T, D]
-        const at::Tensor att = o.attend.call(q, keys[l], values[l], slots, positions, num_tokens, scale, windows[l], -1);
+        const at::Tensor att =
+            ancestors.has_value()
+                ? o.attend_tree.call(q, keys[l], values[l], slots, positions, num_tokens, *ancestors, scale, windows[l], -1)
+                : o.attend.call(q, keys[l], values[l], slots, positions, num_tokens, scale, windows[l], -1);
         const at::Tensor a = linear(weights, base + O, att.transpose(1, 2).reshape({B, T, -1}), hidden);
         // DecoderLayer.forward (fused): x, h = add_rms_norm(x, a); x = x + mlp(h)
         auto [xs, hn] = o.add_rms_norm.call(x, a, w_at(weights, base + POST_NORM), norm[0], norm[1]);
@@ -136,7 +143,7 @@ at::Tensor layers(const at::Tensor& x_in, const c10::List<OptT>& weights, at::Te
 TORCH_LIBRARY(draftwise_stack, m) {
     m.def("layers(Tensor x, Tensor?[] weights, Tensor(a!)[] keys, Tensor(b!)[] values, Tensor[] cos, Tensor[] sin, "
           "Tensor slots, Tensor positions, int[] num_tokens, int[] windows, int[] dims, float[] norm, "
-          "float[] qk_norm, float scale) -> Tensor");
+          "float[] qk_norm, float scale, Tensor? ancestors=None) -> Tensor");
     m.def("weights_per_layer() -> int", []() -> int64_t { return WEIGHTS_PER_LAYER; });
 }
 

@@ -1,0 +1,289 @@
+"""Suffix speculation (SuffixDecoding, Oliaro et al., NeurIPS 2025, arXiv 2411.04975): guesses from suffix tries
+over this request's prompt and output and over the outputs of earlier requests, proposed as a token tree.
+
+Owns `SuffixTrie` (every substring of up to `max_depth` tokens of the sequences put in, each node counting its
+occurrences: a depth-capped suffix tree), `SuffixCache` (the earlier requests' outputs, one trie per scope, bounded
+in requests and in tokens, evicted oldest first) and `SuffixProposer` (the Proposer protocol, spec_decode/proposer.py).
+A step matches the longest suffix of the context (at most max_depth - 1 tokens) that some earlier occurrence
+continued, in the request's own trie and in its scope's trie of earlier outputs, and grows a tree from each match
+best-first by estimated probability (a path's product of child count / sum of sibling counts), keeping nodes whose
+probability is at least `min_token_prob`, no deeper than `max_spec_factor` x the match length, at most k nodes
+(the engine's k); of the two trees the one with more expected accepted tokens (the sum of its nodes' probabilities)
+is proposed. Given the verification cost curve (`verify_cost`, seconds of a target forward per width, from
+spec_decode/adaptive.py's calibration), the tree is cut to the size n that maximises (1 + expected accepted) /
+verify_cost[n + 1]: a node is verified only where it pays for its row.
+
+Greedy requests get the tree (verified by spec_decode/verify.py tree_greedy_verify); sampled requests, requests
+under a grammar and requests with history-dependent controls (penalties, bias, min_tokens: their history is a
+chain) get its single most likely branch as a chain, verified by the usual rejection sampling with
+point-mass guesses — chain-only sampling, exact and lossless (no multi-branch sampling scheme here).
+
+Scopes: a request's `scope` (begin) names whose earlier outputs it may be guessed from and which trie its own output
+joins. The server passes one per API key unless the operator opts into one global scope: guesses never change a
+token, but how fast a request runs (accepted guesses) would tell one tenant what another generated.
+Knows nothing of models, caches or the engine.
+"""
+from __future__ import annotations
+
+import heapq
+from collections import deque
+
+import torch
+
+from draftwise.spec_decode.proposer import EMPTY_DRAFT_IDS, Draft
+from draftwise.spec_decode.tree import MAX_TREE_ROWS, is_chain
+
+# A trie node is a list [count, children]: children maps a token id to its node (lists: cheaper than objects here).
+COUNT, CHILDREN = 0, 1
+
+
+def _node() -> list:
+    return [0, {}]
+
+
+class SuffixTrie:
+    """Every substring of up to max_depth tokens of the sequences added, with its number of occurrences."""
+
+    def __init__(self, max_depth: int):
+        self.max_depth = max_depth
+        self.root = _node()
+        self.num_nodes = 0
+        self._open: list[list] = []  # the nodes of the current sequence's suffixes shorter than max_depth
+
+    def start(self) -> None:
+        """A new sequence begins: substrings never span two sequences."""
+        self._open = []
+
+    def append(self, token: int) -> None:
+        """The current sequence grows by one token: each of its suffixes (up to max_depth) gains an occurrence."""
+        grown = []
+        for parent in (self.root, *self._open):
+            child = parent[CHILDREN].get(token)
+            if child is None:
+                child = parent[CHILDREN][token] = _node()
+                self.num_nodes += 1
+            child[COUNT] += 1
+            grown.append(child)
+        self._open = grown[: self.max_depth - 1]
+
+    def extend(self, tokens) -> None:
+        for t in tokens:
+            self.append(t)
+
+    def remove(self, tokens: list[int]) -> None:
+        """Take out a sequence added before (start + extend): the same occurrences, counted down; empty nodes go."""
+        D = self.max_depth
+        for s in range(len(tokens)):
+            node = self.root
+            for t in tokens[s : s + D]:
+                child = node[CHILDREN][t]
+                child[COUNT] -= 1
+                if child[COUNT] == 0:
+                    del node[CHILDREN][t]
+                    self.num_nodes -= _size(child)
+                    break
+                node = child
+
+    def match(self, context: list[int]) -> tuple[list | None, int]:
+        """The node of the longest suffix of `context` (at most max_depth - 1 tokens) that occurs followed by some
+        token, and its length; (None, 0) when none does. "Occurs and is continued" shrinks with the suffix's length,
+        so a binary search over the length finds it."""
+        lo, hi, best = 1, min(self.max_depth - 1, len(context)), (None, 0)
+        while lo <= hi:
+            m = (lo + hi) // 2
+            node = self.walk(context[len(context) - m :])
+            if node is not None and node[CHILDREN]:
+                best, lo = (node, m), m + 1
+            else:
+                hi = m - 1
+        return best
+
+    def walk(self, tokens) -> list | None:
+        """The node of `tokens` (a path from the root), or None."""
+        node = self.root
+        for t in tokens:
+            node = node[CHILDREN].get(t)
+            if node is None:
+                return None
+        return node
+
+
+def _size(node: list) -> int:
+    stack, n = [node], 0
+    while stack:
+        x = stack.pop()
+        n += 1
+        stack.extend(x[CHILDREN].values())
+    return n
+
+
+def grow_tree(node: list, max_nodes: int, max_depth: int, min_prob: float,
+              chain: bool = False) -> tuple[list[int], list[int], list[float]]:
+    """Best-first from a matched node: (tokens, parents, probabilities) of up to max_nodes nodes in the order they
+    were taken (parents first: parents[i] is the chunk row of node i's parent, 0 = the root, node i sits in row
+    i + 1), no deeper than max_depth, each with probability >= min_prob. A child's probability is its parent's times
+    its count over its siblings' total, so it never exceeds its parent's and every prefix of the order is a tree.
+    chain: only the most likely child each time (a chain)."""
+    tokens, parents, probs = [], [], []
+    heap: list = []
+    tick = 0
+
+    def push_children(trie_node, p_parent, row, depth):
+        nonlocal tick
+        children = trie_node[CHILDREN]
+        if depth >= max_depth or not children:
+            return
+        total = sum(c[COUNT] for c in children.values())
+        ranked = sorted(children.items(), key=lambda kv: -kv[1][COUNT])
+        for tok, child in ranked[:1] if chain else ranked:
+            p = p_parent * child[COUNT] / total
+            if p < min_prob:
+                break
+            heapq.heappush(heap, (-p, tick, tok, row, depth + 1, child))
+            tick += 1
+
+    push_children(node, 1.0, 0, 0)
+    while heap and len(tokens) < max_nodes:
+        neg_p, _, tok, parent_row, depth, child = heapq.heappop(heap)
+        tokens.append(tok)
+        parents.append(parent_row)
+        probs.append(-neg_p)
+        push_children(child, -neg_p, len(tokens), depth)
+    return tokens, parents, probs
+
+
+NODE_BYTES = 300  # what one trie node holds in CPython (a 2-list, a dict, a count; measured ~290), for the cache's byte bound
+
+
+class SuffixCache:
+    """Earlier requests' outputs, one SuffixTrie per scope; at most max_requests outputs and about max_bytes of
+    trie nodes in all (scopes together), the oldest output evicted first. max_requests = 0: nothing is kept."""
+
+    def __init__(self, max_depth: int, max_requests: int, max_bytes: int):
+        self.max_depth, self.max_requests, self.max_bytes = max_depth, max_requests, max_bytes
+        self.tries: dict[str, SuffixTrie] = {}
+        self.entries: deque[tuple[str, list[int]]] = deque()  # (scope, output), oldest first
+
+    @property
+    def nbytes(self) -> int:
+        return NODE_BYTES * sum(t.num_nodes for t in self.tries.values())
+
+    def add(self, scope: str, tokens: list[int]) -> None:
+        if self.max_requests == 0 or not tokens:
+            return
+        trie = self.tries.get(scope)
+        if trie is None:
+            trie = self.tries[scope] = SuffixTrie(self.max_depth)
+        trie.start()
+        trie.extend(tokens)
+        self.entries.append((scope, list(tokens)))
+        while self.entries and (len(self.entries) > self.max_requests or self.nbytes > self.max_bytes):
+            self.evict_oldest()
+
+    def evict_oldest(self) -> None:
+        scope, tokens = self.entries.popleft()
+        trie = self.tries[scope]
+        trie.remove(tokens)
+        if not trie.root[CHILDREN]:
+            del self.tries[scope]
+
+    def trie(self, scope: str) -> SuffixTrie | None:
+        return self.tries.get(scope)
+
+
+class _Sequence:
+    def __init__(self, prompt_ids: list[int], max_depth: int, scope: str, chain: bool):
+        self.tokens = list(prompt_ids)
+        self.prompt_len = len(prompt_ids)
+        self.trie = SuffixTrie(max_depth)
+        self.trie.extend(prompt_ids)
+        self.scope = scope
+        self.chain = chain  # sampled or under a grammar: the most likely branch only
+        self.last: list[int] = []  # `after` + the guesses of the last draft, in chunk-row order
+
+
+class SuffixProposer:
+    vocab_limit = None  # guesses are ids already seen
+
+    def __init__(self, max_tree_depth: int = 24, max_cached_requests: int = 10000, max_spec_factor: float = 1.0,
+                 min_token_prob: float = 0.1, max_cached_bytes: int = 256 << 20, tree: bool = True):
+        self.max_depth = max_tree_depth
+        self.max_spec_factor = max_spec_factor
+        self.min_token_prob = min_token_prob
+        self.tree = tree  # False: every request gets chains (the most likely branch)
+        self.cache = SuffixCache(max_tree_depth, max_cached_requests, max_cached_bytes)
+        # width -> seconds of one target forward (AdaptiveK's calibration; api.py hands it over): cuts each tree to
+        # the size its expected tokens pay for; None: as many nodes as k allows
+        self.verify_cost: dict[int, float] | None = None
+        self.seqs: dict[int, _Sequence] = {}
+
+    def begin(self, slot, prompt_ids, params, generator, grammar=None, scope=""):
+        chain = not self.tree or not params.greedy or grammar is not None or params.adjusts_logits
+        self.seqs[slot] = _Sequence(prompt_ids, self.max_depth, scope, chain)
+
+    def propose(self, slots, k_per_seq, after=None):
+        drafts = []
+        for i, (slot, k) in enumerate(zip(slots, k_per_seq)):
+            seq = self.seqs[slot]
+            before = list(after[i]) if after else []
+            tokens, parents = self.guess(seq, seq.tokens + before, k, chain=seq.chain or bool(after)) if k > 0 else ([], [])
+            seq.last = before + tokens
+            if not tokens:
+                drafts.append(Draft(EMPTY_DRAFT_IDS))
+                continue
+            tree = None if is_chain(parents) else tuple(parents)
+            drafts.append(Draft(torch.tensor(tokens, dtype=torch.int64), parents=tree))
+        return drafts
+
+    def guess(self, seq: _Sequence, context: list[int], k: int, chain: bool) -> tuple[list[int], list[int]]:
+        """(tokens, parents) of the better tree of the request's own trie and its scope's, cut to what pays."""
+        best, best_score = ([], [], []), 0.0
+        # a trie holds substrings of up to max_depth tokens, so a match of m leaves max_depth - m for the guesses and
+        # max_spec_factor * m caps them too: besides the longest match, try the length where the two caps meet
+        balance = max(1, int(self.max_depth / (1 + self.max_spec_factor)))
+        for trie in (seq.trie, self.cache.trie(seq.scope)):
+            if trie is None:
+                continue
+            node, m = trie.match(context)
+            if node is None:
+                continue
+            for length in {m, min(m, balance)}:
+                at = node if length == m else trie.walk(context[len(context) - length :])
+                depth = min(int(self.max_spec_factor * length), self.max_depth - length)
+                grown = grow_tree(at, min(k, MAX_TREE_ROWS - 1), depth, self.min_token_prob, chain)
+                if sum(grown[2]) > best_score:
+                    best, best_score = grown, sum(grown[2])
+        tokens, parents, probs = best
+        n = self.tree_size(probs)
+        return tokens[:n], parents[:n]
+
+    def tree_size(self, probs: list[float]) -> int:
+        """Nodes worth verifying: the n <= len(probs) maximising (1 + expected accepted) / verify_cost[n + 1], nodes
+        taken in best-first order (the expected accepted tokens of the first n is the sum of their probabilities)."""
+        cost = self.verify_cost
+        if not cost:
+            return len(probs)
+        best_n, best_rate, expected = 0, 1.0 / cost[1], 1.0
+        for n, p in enumerate(probs, start=1):
+            if n + 1 not in cost:
+                break
+            expected += p
+            if expected / cost[n + 1] > best_rate:
+                best_n, best_rate = n, expected / cost[n + 1]
+        return best_n
+
+    def accept(self, slot, num_accepted, token_id, path=None):
+        """`path` (a tree draft): the chunk rows of the accepted guesses; None: the first num_accepted (a chain)."""
+        seq = self.seqs[slot]
+        kept = seq.last[:num_accepted] if path is None else [seq.last[r - 1] for r in path]
+        seq.tokens.extend(kept)
+        seq.tokens.append(token_id)
+        seq.trie.extend(kept)
+        seq.trie.append(token_id)
+        seq.last = []
+
+    def end(self, slot):
+        """The request's output joins its scope's trie of earlier outputs."""
+        seq = self.seqs.pop(slot, None)
+        if seq is not None:
+            self.cache.add(seq.scope, seq.tokens[seq.prompt_len :])
