@@ -159,6 +159,20 @@ class Server:
         return out
 
 
+def engine_run(target, proposer, k: int, prompts, params, max_num_seqs: int = 4, max_len: int = 96, eos=(0,),
+               k_policy=None, scopes=None):
+    """Run `prompts` through an Engine (engine tests: built directly) until done: (outputs, engine, requests)."""
+    from draftwise.engine import Engine, Request
+
+    eng = Engine(target, proposer, k, max_num_seqs, max_len, eos_token_ids=eos, k_policy=k_policy)
+    reqs = [Request(f"r{i}", p, params, cache_scope=(scopes or [""] * len(prompts))[i]) for i, p in enumerate(prompts)]
+    for r in reqs:
+        eng.add_request(r)
+    while eng.has_unfinished():
+        eng.step()
+    return [r.output_ids for r in reqs], eng, reqs
+
+
 @contextlib.contextmanager
 def real_model_server(model: str, spec_config: dict, **llm_kwargs):
     """A Server around a packaged real model (integration tests: loads it from the local cache)."""

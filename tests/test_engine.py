@@ -11,6 +11,7 @@ from draftwise.spec_decode.adaptive import FixedK
 from draftwise.spec_decode.draft_model import DraftModelProposer
 from draftwise.spec_decode.ngram import NgramProposer, lookup
 from draftwise.spec_decode.proposer import NoProposer
+from tests.harness import engine_run
 from tests.tiny_models import tiny_decoder
 
 import numpy as np
@@ -39,13 +40,7 @@ PROMPTS = [[1, 2, 3, 4, 5, 1, 2, 3], [9, 8, 7], [5, 5, 5, 5, 6, 5, 5, 5, 5], [10
 
 def run_engine(target, proposer, k, prompts=PROMPTS, params=None, max_num_seqs=4, k_policy=None):
     params = params or SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-    eng = Engine(target, proposer, k, max_num_seqs, MAX_LEN, eos_token_ids=(0,), k_policy=k_policy)
-    reqs = [Request(f"r{i}", p, params) for i, p in enumerate(prompts)]
-    for r in reqs:
-        eng.add_request(r)
-    while eng.has_unfinished():
-        eng.step()
-    return [r.output_ids for r in reqs], eng, reqs
+    return engine_run(target, proposer, k, prompts, params, max_num_seqs, MAX_LEN, k_policy=k_policy)
 
 
 def plain(target, **kw):

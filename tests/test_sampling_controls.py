@@ -6,12 +6,11 @@ import pytest
 import torch
 
 from draftwise.config import ConfigError
-from draftwise.engine import Engine, Request
 from draftwise.sampling import SamplingParams, adjust_logits, process_logits, token_logprobs
 from draftwise.spec_decode.draft_model import DraftModelProposer
 from draftwise.spec_decode.ngram import NgramProposer
 from draftwise.spec_decode.proposer import NoProposer
-from tests.harness import one_torch_thread  # noqa: F401 (a fixture)
+from tests.harness import engine_run, one_torch_thread  # noqa: F401 (a fixture)
 from tests.tiny_models import tiny_decoder
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -45,13 +44,8 @@ def noisy():
 
 
 def run(target, proposer, k, params, eos=(0,), prompts=PROMPTS):
-    eng = Engine(target, proposer, k, 4, MAX_LEN, eos_token_ids=eos)
-    reqs = [Request(f"r{i}", p, params) for i, p in enumerate(prompts)]
-    for r in reqs:
-        eng.add_request(r)
-    while eng.has_unfinished():
-        eng.step()
-    return [r.output_ids for r in reqs], reqs, eng
+    outs, eng, reqs = engine_run(target, proposer, k, prompts, params, max_len=MAX_LEN, eos=eos)
+    return outs, reqs, eng
 
 
 def proposer(kind, noisy, eos=(0,)):

@@ -11,13 +11,12 @@ import pytest
 import torch
 
 from draftwise.config import ConfigError, parse_spec_config
-from draftwise.engine import Engine, Request
 from draftwise.sampling import SamplingParams
 from draftwise.spec_decode.proposer import EMPTY_DRAFT_IDS, Draft, NoProposer
 from draftwise.spec_decode.suffix import SuffixCache, SuffixProposer, SuffixTrie, grow_tree
 from draftwise.spec_decode.tree import ancestor_masks, depths, path_rows
 from draftwise.spec_decode.verify import tree_greedy_verify, verify
-from tests.harness import one_torch_thread  # noqa: F401 (a fixture)
+from tests.harness import engine_run, one_torch_thread  # noqa: F401 (a fixture)
 from tests.tiny_models import tiny_decoder
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -34,13 +33,8 @@ def target():
 
 
 def run(target, proposer, k, prompts=PROMPTS, params=GREEDY, scopes=None):
-    eng = Engine(target, proposer, max(k, 1), 4, MAX_LEN, eos_token_ids=(0,))
-    reqs = [Request(f"r{i}", p, params, cache_scope=(scopes or [""] * len(prompts))[i]) for i, p in enumerate(prompts)]
-    for r in reqs:
-        eng.add_request(r)
-    while eng.has_unfinished():
-        eng.step()
-    return [r.output_ids for r in reqs], eng
+    outs, eng, _ = engine_run(target, proposer, max(k, 1), prompts, params, max_len=MAX_LEN, scopes=scopes)
+    return outs, eng
 
 
 @pytest.fixture(scope="module")
