@@ -222,8 +222,9 @@ def measure(shapes: list[ProjShape], names: list[str] | None = None, rows: tuple
     table: {"rows": [...], "ms": {impl: {rows: total ms over the model's projections, fastest round}},
     "per_shape": {impl: {shape: {rows: ms per call}}}, "round_step_ms": {impl: [step score of each round]},
     "spread": {impl: (slowest - fastest round) / fastest}, "row_exact": {impl: {"step": bool, "prefill": bool,
-    "why": {kind: first failure}}}, "shapes": [...]}. `registry` (name -> LinearImpl class, default LINEARS) lets benchmarks
-    and tests add variants; `clock` see _time_calls; `device` where weights and activations live."""
+    "why": {kind: first failure}}}, "shapes": [...]}. `registry` (name -> LinearImpl class, default LINEARS)
+    lets benchmarks and tests add variants; `clock` see _time_calls; `device` where weights and activations
+    live; `exact_threads` the thread counts of the exactness check (default: 1..torch's)."""
     from tqdm import tqdm
 
     p = run_probe(device)
