@@ -12,7 +12,7 @@ import json
 import sys
 
 from draftwise.bench import cli as bench_cli
-from draftwise.cli_args import add_model_args, add_sampling_args, llm_from_args, sampling_from_args
+from draftwise.cli_args import add_model_args, add_sampling_args, llm_from_args, plan_lines, sampling_from_args
 from draftwise.config import ConfigError
 from draftwise.models.catalog import DEFAULT_TARGET
 from draftwise.server import cli as server_cli
@@ -56,9 +56,7 @@ def cmd_generate(args) -> int:
         }))
     else:
         sys.stdout.write("\n")
-        for role, info in (("target", llm.model_info), ("draft", llm.draft_info)):
-            if info and info.get("plan"):
-                print(f"draftwise: {role} {info['plan']['summary']}", file=sys.stderr)
+        print("\n".join(plan_lines(llm)), file=sys.stderr)
     return 0
 
 

@@ -75,6 +75,13 @@ def llm_from_args(args, **overrides):
     return LLM(**kw)
 
 
+def plan_lines(llm) -> list[str]:
+    """The load log's kernel lines: each loaded model's plan (KernelPlan.describe: kernels, source, when and
+    under what load auto timed them, provisional)."""
+    return [f"draftwise: {role} {info['plan']['summary']}" for role, info in
+            (("target", llm.model_info), ("draft", llm.draft_info)) if info and info.get("plan")]
+
+
 def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int = 128) -> None:
     p.add_argument("--max-tokens", type=int, default=max_tokens)
     p.add_argument("--temperature", type=float, default=0.0)

@@ -40,6 +40,7 @@ def test_generate_streams_text_from_hf_dir(capsys, tiny_hf_dir):
                          "--ignore-eos")
     assert code == 0, err
     assert out.endswith("\n")
+    assert "draftwise: target kernels " in err and "row-exact" in err  # the load log names the plan
 
 
 @pytest.mark.parametrize("argv, message", [

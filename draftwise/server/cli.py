@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 
-from draftwise.cli_args import add_model_args, llm_from_args
+from draftwise.cli_args import add_model_args, llm_from_args, plan_lines
 from draftwise.server import limits as L
 
 API_KEY_ENV = "DRAFTWISE_API_KEY"
@@ -81,9 +81,7 @@ def cmd_serve(args) -> int:
     print(f"draftwise: serving {args.model!r} on http://{args.host}:{args.port}/v1 "
           f"(speculation: {spec_config.method}, max_num_seqs {args.max_num_seqs}, context {llm.max_model_len}, "
           f"api key {'required' if api_key else 'off'}); loaded in {llm.load_time_s:.1f}s", flush=True)
-    for role, info in (("target", llm.model_info), ("draft", llm.draft_info)):
-        if info and info.get("plan"):
-            print(f"draftwise: {role} {info['plan']['summary']}", flush=True)
+    print("\n".join(plan_lines(llm)), flush=True)
     serve(app, args.host, args.port, args.shutdown_timeout, log_level=args.log_level)
     return 0
 
