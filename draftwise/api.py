@@ -356,7 +356,7 @@ class LLM:
         beyond = [t for t in params.logit_bias if t >= self.model.config.vocab_size]
         if beyond:
             raise ConfigError(f"logit_bias: token id {beyond[0]} is out of the vocabulary (size "
-                              f"{self.model.config.vocab_size})")
+                              f"{self.model.config.vocab_size})", param="logit_bias")
         if params.n != 1:
             raise ConfigError("new_request builds one sample: split n > 1 with SamplingParams.samples()")
         stream = TextStream.for_params(self.tokenizer, params)

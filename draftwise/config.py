@@ -13,7 +13,12 @@ from typing import Any
 
 
 class ConfigError(ValueError):
-    """A configuration the user can fix; the CLI prints it without a traceback."""
+    """A configuration the user can fix; the CLI prints it without a traceback. `param`: the request field it is
+    about, where that is not the prompt (the server's 400 names it)."""
+
+    def __init__(self, message: str = "", param: str | None = None):
+        super().__init__(message)
+        self.param = param
 
 
 class ContextLengthError(ConfigError):

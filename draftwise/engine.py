@@ -368,7 +368,7 @@ class Engine:
         if r.params.adjusts_logits:  # penalties, bias, min_tokens: row i from the history through guess i (as q)
             d = _chain_prefix(d)  # a history is a chain (tree proposers give such requests chains anyway)
             rows = adjust_logits(rows[: d.num_tokens + 1], r.params, r.prompt_ids, r.output_ids,
-                                 d.token_ids.tolist(), self.stop_ids(r.params))
+                                 d.token_ids.tolist(), r.params.stop_ids(self.eos_token_ids))
         res = verify(d.token_ids.to(logits.device), d.probs, rows, r.params, r.generator, d.parents)
         if res.path is not None:  # a tree: the accepted path's K/V to consecutive positions, then the rollback
             self.cache.compact(r.slot, base_length, [0, *res.path])
@@ -456,10 +456,6 @@ class Engine:
         else:
             self._pending[req.slot] = token_ids[-1]
         return emitted
-
-    def stop_ids(self, p: SamplingParams) -> set[int]:
-        """The ids that end a request's output (what min_tokens holds back): EOS unless ignored, stop_token_ids."""
-        return (set() if p.ignore_eos else self.eos_token_ids) | set(p.stop_token_ids)
 
     def _stop_reason(self, req: Request, tok: int) -> str | None:
         p = req.params

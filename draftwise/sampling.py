@@ -114,6 +114,10 @@ class SamplingParams:
         return [replace(self, n=1, seed=None if self.seed is None else (self.seed + i - SEED_MIN) % span + SEED_MIN)
                 for i in range(self.n)]
 
+    def stop_ids(self, eos_token_ids) -> set[int]:
+        """The ids that end this request's output (what min_tokens holds back): EOS unless ignored, stop_token_ids."""
+        return (set() if self.ignore_eos else set(eos_token_ids)) | set(self.stop_token_ids)
+
     @property
     def adjusts_logits(self) -> bool:
         """Does adjust_logits change anything for these params? (False: the rows are used as they are.)"""

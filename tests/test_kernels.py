@@ -397,8 +397,10 @@ def test_a_shape_a_kernel_cannot_take_costs_its_dense_fallback(machine):
                              cold=False, progress=False)
     assert set(table["ms"]) == {"int4", "fp32"} and table["fallback"] == {"int4": ["head"]}
     assert set(table["per_shape"]["int4"]) == {"a", "head"}
-    assert table["row_exact"]["int4"]["step"] == (autotune.row_independent(make_linear("int4", torch.randn(
-        48, 64)), 64) and autotune.row_independent(make_linear("bf16", torch.randn(40, 64)), 64))
+    step_widths = range(1, autotune.EXACT_STEP_ROWS + 1)
+    assert table["row_exact"]["int4"]["step"] == all(
+        autotune.rows_exact(make_linear(name, torch.randn(N, 64)), 64, step_widths) is None
+        for name, N in (("int4", 48), ("bf16", 40)))
 
 
 def test_measure_produces_a_table_on_tiny_shapes(machine):

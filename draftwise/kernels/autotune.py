@@ -194,11 +194,6 @@ def rows_exact(module, K: int, widths, threads=None, seed: int = 0, device: str 
     return None
 
 
-def row_independent(module, K: int, seed: int = 0, device: str = "cpu") -> bool:
-    """Is every row of a step call (widths 1..EXACT_STEP_ROWS, every thread count) bitwise the row alone?"""
-    return rows_exact(module, K, range(1, EXACT_STEP_ROWS + 1), seed=seed, device=device) is None
-
-
 def load_candidates(p: dict) -> list[str]:
     """The implementations worth timing on a model's first load here: q4x8 when it builds, torch int4, dense bf16
     only where bf16 is native (AVX-512 BF16 or AMX; emulated bf16 never wins), dense fp32. On a GPU every

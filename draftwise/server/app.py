@@ -354,15 +354,20 @@ class _Choice:
         return self.calls.finish() if self.calls is not None else []
 
     def finish(self, reason: str | None) -> str | None:
-        """"tool_calls" when the output ended by itself after calls; "length" stays (a call may be cut short)."""
-        return "tool_calls" if self.calls is not None and self.calls.calls and reason == "stop" else reason
+        """The streamed finish reason: after the calls the stream parsed (_finish_reason)."""
+        return _finish_reason(reason, self.calls is not None and bool(self.calls.calls))
 
     def body(self, fmt: protocol.ResponseFormat) -> dict:
         """The finished choice of a whole response: tool calls parsed out of the text under tools."""
         text, out = "".join(self.parts), self.output.outputs[0]
         content, calls = (text, []) if self.choice is None else tools.parse_calls(text, self.choice)
-        finish = "tool_calls" if calls and self.finish_reason == "stop" else self.finish_reason
-        return fmt.choice(self.index, content, finish, out.logprobs, calls or None)
+        return fmt.choice(self.index, content, _finish_reason(self.finish_reason, bool(calls)), out.logprobs,
+                          calls or None)
+
+
+def _finish_reason(reason: str | None, made_calls: bool) -> str | None:
+    """"tool_calls" when the output ended by itself after calls; "length" stays (a call may be cut short)."""
+    return "tool_calls" if made_calls and reason == "stop" else reason
 
 
 def _sse_line(obj: dict) -> str:

@@ -100,8 +100,7 @@ class EngineRunner:
         try:
             req, stream = self.llm.new_request(prompt, params)
         except ConfigError as e:
-            word = str(e).split(":", 1)[0]
-            raise APIError(400, str(e), param=word if word == "logit_bias" else "prompt") from None
+            raise APIError(400, str(e), param=e.param or "prompt") from None
         req.speculate = speculate
         req.cache_scope = scope
         tracker = None

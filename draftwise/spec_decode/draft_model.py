@@ -173,8 +173,8 @@ class DraftModelProposer:
                 return None, None  # the grammar admits no id of the trimmed head: no guess here
         if params.adjusts_logits:
             context, n = self.tokens[slot], self.prompt_lens[slot]
-            stops = (set() if params.ignore_eos else self.eos_token_ids) | set(params.stop_token_ids)
-            logits = adjust_logits(logits[None], params, context[:n], context[n:] + drafted, [], stops)[0]
+            logits = adjust_logits(logits[None], params, context[:n], context[n:] + drafted, [],
+                                   params.stop_ids(self.eos_token_ids))[0]
         if params.greedy:
             tok, q = int(logits.argmax()), None
         else:

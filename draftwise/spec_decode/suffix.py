@@ -226,7 +226,8 @@ class SuffixProposer:
         for i, (slot, k) in enumerate(zip(slots, k_per_seq)):
             seq = self.seqs[slot]
             before = list(after[i]) if after else []
-            tokens, parents = self.guess(seq, seq.tokens + before, k, chain=seq.chain or bool(after)) if k > 0 else ([], [])
+            context = seq.tokens[-self.max_depth :] + before  # a match is at most max_depth - 1 tokens long
+            tokens, parents = self.guess(seq, context, k, chain=seq.chain or bool(after)) if k > 0 else ([], [])
             seq.last = before + tokens
             if not tokens:
                 drafts.append(Draft(EMPTY_DRAFT_IDS))
