@@ -205,7 +205,6 @@ class Attention(nn.Module):
                 q[b : b + 1, :, :n], keys, values, attn_mask=mask[None, None], scale=self.scale, enable_gqa=gqa)
         return out
 
-
     def _attend_tree(self, q: torch.Tensor, cache: KVCache, layer: int, slots: torch.Tensor,  # q [B, H, T, D]
                      positions: torch.Tensor, num_tokens: list[int],
                      ancestors: torch.Tensor) -> torch.Tensor:  # ancestors [B, T] int64; -> [B, H, T, D]
