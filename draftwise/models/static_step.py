@@ -79,7 +79,7 @@ class StaticStep:
         positions: torch.Tensor,  # [B, W] int64, positions[b, t] = positions[b, 0] + t, all < capacity
         slots: torch.Tensor,  # [B] int64 (the scratch slot for a bucket's padding sequences)
     ) -> torch.Tensor:  # [B, W, V] logits
-        with torch.inference_mode():
+        with torch.no_grad():  # (not inference_mode: its tensors cannot be mutated inside a compiled graph)
             return self._forward(token_ids, positions, slots)
 
     __call__ = forward
