@@ -171,3 +171,18 @@ def test_rejection_accept_keeps_the_target_distribution():
     mode = torch.ones(N, 1, dtype=torch.int64)
     emitted, _ = rejection_accept(P, None, mode, torch.ones(N, dtype=torch.int64), uniforms, noise)
     assert abs((emitted == 2).double().mean().item() - 0.4) < 0.02
+
+
+def test_k_auto_falls_back_to_plain_when_guesses_fail(target, plain_outputs):
+    """A draft that is never right (an unrelated model): k auto drops to plain steps once it has seen that,
+    and the output stays the engine's."""
+    other = tiny_decoder("llama", seed=7, vocab_size=VOCAB, num_layers=1)
+    step = StaticStep(target, 8, CAPACITY)
+    runner = StaticSpecDecoder(step, (), "draft_model", "auto", draft=StaticStep(other, 8, CAPACITY))
+    runner.calibrate(batches=(8,), rounds=1)
+    assert set(runner.costs[8]) == {1, 2, 4, 8, 16}
+    runner.acceptance = 0.0
+    assert runner.choose_k(8) == 0
+    runner.acceptance = 0.5
+    assert runner.generate(PROMPTS, MAX_TOKENS) == plain_outputs
+    assert runner.acceptance < 0.5

@@ -17,7 +17,10 @@ bucket W (1 = plain decoding; 2, 4, 8, 16 = verification of up to W - 1 guesses)
    overwritten by it: that is the rollback;
 5. the host reads one [B, W + 1] tensor: the number emitted and the tokens.
 
-`StaticSpecDecoder` is the host loop (admission, buckets, stop on EOS / max_tokens); greedy only. It knows
+`StaticSpecDecoder` is the host loop (admission, buckets, stop on EOS / max_tokens); greedy only. k "auto":
+each step takes the width bucket that maximises expected tokens per second, E(k) / cost(W), E(k) = (1 - a^(k+1))
+/ (1 - a), a the running acceptance rate, cost(W) the step's time per width bucket timed at the start
+(`calibrate`); k = 0 (plain) where guessing does not pay, e.g. a draft model that is rarely right. It knows
 nothing of the Engine's requests, grammars, prefix cache or sampling controls; the engine's switch to it lives
 in engine/api. Knows no kernels: the static step owns the model side.
 """
@@ -131,8 +134,11 @@ class StaticSpecDecoder:
             raise ValueError("method 'draft_model' needs the draft's StaticStep")
         if method == "host" and proposer is None:
             raise ValueError("method 'host' needs a host proposer (spec_decode/proposer.py's protocol)")
-        if method is not None and not 1 <= k <= WIDTH_BUCKETS[-1] - 1:
-            raise ValueError(f"k must be in 1..{WIDTH_BUCKETS[-1] - 1}, not {k}")
+        self.auto = k == "auto"
+        if self.auto:
+            k = WIDTH_BUCKETS[-1] - 1
+        if method is not None and not (isinstance(k, int) and 1 <= k <= WIDTH_BUCKETS[-1] - 1):
+            raise ValueError(f"k must be 'auto' or in 1..{WIDTH_BUCKETS[-1] - 1}, not {k!r}")
         if target.num_slots > BATCH_BUCKETS[-1]:
             raise ValueError(f"at most {BATCH_BUCKETS[-1]} slots (the largest batch bucket)")
         self.target, self.draft, self.proposer = target, draft, proposer
@@ -144,6 +150,9 @@ class StaticSpecDecoder:
         self.lengths = torch.ones(slots, dtype=torch.int64, device=dev)  # the scratch slot: one filler token
         self.host_reads = 0  # device -> host reads made by generate()'s steps (one per step)
         self.num_accepted = 0  # guesses accepted (emitted before a stop)
+        self.num_guessed = 0  # guesses offered (k per live sequence and step)
+        self.acceptance = 0.5  # k auto: running acceptance rate (exponential average over steps)
+        self.costs: dict[int, dict[int, float]] = {}  # k auto: batch bucket -> width bucket -> seconds per step
 
     # ---- the device step: static shapes, no host read --------------------------------------------------
     def device_step(
@@ -252,9 +261,10 @@ class StaticSpecDecoder:
             if not running:
                 continue
             slots = sorted(running)
-            ks = [min(self.k, max_tokens - len(outputs[running[s]]) - 1) for s in slots]
-            width = bucket(1 + max(ks), WIDTH_BUCKETS)
             B = bucket(len(slots), BATCH_BUCKETS)
+            k_now = self.choose_k(B) if self.auto else self.k
+            ks = [max(0, min(k_now, max_tokens - len(outputs[running[s]]) - 1)) for s in slots]
+            width = bucket(1 + max(ks), WIDTH_BUCKETS)
             pad = B - len(slots)
             slot_t = torch.tensor(slots + [self.target.scratch_slot] * pad, device=dev)
             live = torch.tensor([True] * len(slots) + [False] * pad, device=dev)
@@ -271,6 +281,10 @@ class StaticSpecDecoder:
                 extra = {"host_guesses": g.to(dev), "host_lengths": n.to(dev)}
             result = self.device_step(slot_t, live, k_t, width, **extra).tolist()  # the one host read
             self.host_reads += 1
+            guessed, accepted = sum(ks), sum(result[row][0] - 1 for row in range(len(slots)))
+            self.num_guessed += guessed
+            if guessed:
+                self.acceptance = 0.7 * self.acceptance + 0.3 * accepted / guessed
             for row, s in enumerate(slots):
                 i = running[s]
                 emitted = result[row][0]
@@ -287,6 +301,49 @@ class StaticSpecDecoder:
                     tree_rows.pop(s, None)
                     host.accept(s, emitted - 1, outputs[i][-1])
         return outputs
+
+    # ---- k auto --------------------------------------------------------------------------------------
+    def calibrate(self, batches: tuple[int, ...] = BATCH_BUCKETS, rounds: int = 3) -> dict[int, dict[int, float]]:
+        """Time the device step at every width bucket (median of `rounds`, widths interleaved in each round) for
+        each batch bucket, on the scratch slot (no sequence's state changes); what k auto divides by."""
+        import statistics
+        import time
+
+        dev = self.history.device
+        sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+        widths = WIDTH_BUCKETS if self.method else (1,)
+        for B in batches:
+            slots = torch.full((B,), self.target.scratch_slot, device=dev)
+            live = torch.zeros(B, dtype=torch.bool, device=dev)
+            times: dict[int, list[float]] = {w: [] for w in widths}
+            extra = lambda w: ({"host_guesses": torch.zeros(B, w - 1, dtype=torch.int64, device=dev),  # noqa: E731
+                                "host_lengths": torch.zeros(B, dtype=torch.int64, device=dev)}
+                               if self.method == "host" and w > 1 else {})
+            for _ in range(rounds + 1):  # the first round warms up (and compiles, when the step is compiled)
+                for w in widths:
+                    k = torch.full((B,), w - 1, device=dev)
+                    sync()
+                    t0 = time.perf_counter()
+                    self.device_step(slots, live, k, w, **extra(w))
+                    sync()
+                    times[w].append(time.perf_counter() - t0)
+            self.costs[B] = {w: statistics.median(t[1:]) for w, t in times.items()}
+        return self.costs
+
+    def choose_k(self, batch: int) -> int:
+        """The k (a width bucket filled: 0, 1, 3, 7, 15) with the most expected tokens per second at this batch
+        bucket; the largest configured k before calibration."""
+        costs = self.costs.get(batch)
+        if not costs:
+            return self.k
+        a = min(self.acceptance, 0.999)
+        best, best_rate = 0, 0.0
+        for w, cost in costs.items():
+            k = w - 1
+            rate = (1 - a ** (k + 1)) / (1 - a) / cost
+            if rate > best_rate:
+                best, best_rate = k, rate
+        return best
 
     def _release(self, running: dict, free: list, slot: int) -> None:
         del running[slot]
