@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from draftwise.kernels import attention as attention_op
 from draftwise.models.transformer import Decoder, RMSNorm, rotate_half
@@ -41,10 +42,12 @@ def default_attention(decoder: Decoder) -> str:
     return "op" if attention_op.usable(probe, probe) else "sdpa"
 
 
-class StaticStep:
-    """A Decoder's forward with static shapes and its own K/V (see the module docstring)."""
+class StaticStep(nn.Module):
+    """A Decoder's forward with static shapes and its own K/V (see the module docstring). An nn.Module whose
+    K/V are buffers, so a compiled step (CUDA graphs included) sees them as static tensors it may write."""
 
     def __init__(self, decoder: Decoder, num_slots: int, capacity: int, attention: str | None = None):
+        super().__init__()
         if attention is None:
             attention = default_attention(decoder)
         if attention not in ATTENTION_PATHS:
@@ -61,10 +64,14 @@ class StaticStep:
         self.capacity = capacity
         dev, dtype = decoder.device, decoder.dtype
         shape = (num_slots + 1, cfg.num_kv_heads, capacity, cfg.head_dim)
-        self.keys = [torch.zeros(shape, dtype=dtype, device=dev) for _ in cfg.layer_types]
-        self.values = [torch.zeros(shape, dtype=dtype, device=dev) for _ in cfg.layer_types]
-        self._head_index = torch.arange(cfg.num_kv_heads, device=dev)[None, :, None]  # [1, H_kv, 1]
-        self._key_positions = torch.arange(capacity, device=dev)  # [C]
+        for i in range(len(cfg.layer_types)):
+            self.register_buffer(f"keys_{i}", torch.zeros(shape, dtype=dtype, device=dev), persistent=False)
+            self.register_buffer(f"values_{i}", torch.zeros(shape, dtype=dtype, device=dev), persistent=False)
+        self.keys = [getattr(self, f"keys_{i}") for i in range(len(cfg.layer_types))]  # [S + 1, H_kv, C, D] each
+        self.values = [getattr(self, f"values_{i}") for i in range(len(cfg.layer_types))]
+        self.register_buffer("_head_index", torch.arange(cfg.num_kv_heads, device=dev)[None, :, None],
+                             persistent=False)  # [1, H_kv, 1]
+        self.register_buffer("_key_positions", torch.arange(capacity, device=dev), persistent=False)  # [C]
         all_positions = torch.arange(capacity, device=dev)[None]  # [1, C]
         # each kind's angles, read once from the decoder's own table (the rows Decoder.forward looks up)
         self._angles = {kind: decoder.angles(kind, all_positions, capacity) for kind in set(cfg.layer_types)}
@@ -81,8 +88,6 @@ class StaticStep:
     ) -> torch.Tensor:  # [B, W, V] logits
         with torch.no_grad():  # (not inference_mode: its tensors cannot be mutated inside a compiled graph)
             return self._forward(token_ids, positions, slots)
-
-    __call__ = forward
 
     def _forward(self, token_ids, positions, slots):
         decoder, cfg = self.decoder, self.decoder.config
