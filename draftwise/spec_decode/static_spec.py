@@ -29,6 +29,7 @@ from __future__ import annotations
 import torch
 
 from draftwise.models.static_step import StaticStep
+from draftwise.sampling import SamplingParams
 
 BATCH_BUCKETS = (1, 2, 4, 8)
 WIDTH_BUCKETS = (1, 2, 4, 8, 16)
@@ -232,18 +233,22 @@ class StaticSpecDecoder:
         self.lengths[slot] = n + 1
         return first
 
-    def generate(self, prompts: list[list[int]], max_tokens: int, params=None) -> list[list[int]]:
+    def generate(self, prompts: list[list[int]], max_tokens: int, params=None, sink=None) -> list[list[int]]:
         """Greedy outputs for `prompts` (each at most `max_tokens` tokens, cut after an EOS). Prompts are
         admitted as slots free up; each step runs every live sequence in one batch bucket. Method "host": the
         proposer's chain guesses (a tree's first branch) are inputs; it hears begin / accept / end as in the
-        engine (`params`: the SamplingParams it is given)."""
+        engine (`params`: the SamplingParams it is given; default greedy, this max_tokens). `sink` (default: stop
+        at max_tokens or an EOS): `emit(i, token) -> finished?` for each token of prompt i in order, and
+        `step(i, k, num_accepted)` after each of its decode steps."""
         dev = self.history.device
         room = self.target.capacity - WIDTH_BUCKETS[-1] - PREFILL_CHUNK
         if any(len(p) + max_tokens > room for p in prompts):
             raise ValueError(f"prompt + max_tokens must stay within {room} tokens (capacity {self.target.capacity})")
         host = self.proposer if self.method == "host" else None
-        tree_rows: dict[int, list[int] | None] = {}  # slot -> its last tree draft's branch rows
+        params = params or SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
         outputs: list[list[int]] = [[] for _ in prompts]
+        sink = sink or _StopAt(outputs, max_tokens, self.eos)
+        tree_rows: dict[int, list[int] | None] = {}  # slot -> its last tree draft's branch rows
         waiting = list(range(len(prompts)))
         running: dict[int, int] = {}  # slot -> request index
         free = list(range(self.target.num_slots))
@@ -252,12 +257,13 @@ class StaticSpecDecoder:
                 i, slot = waiting.pop(0), free.pop(0)
                 if host is not None:
                     host.begin(slot, prompts[i], params, torch.Generator().manual_seed(0))
-                outputs[i].append(self.prefill(slot, prompts[i]))
+                first = self.prefill(slot, prompts[i])
+                outputs[i].append(first)
                 running[slot] = i
-                if self._done(outputs[i], max_tokens):
+                if sink.emit(i, first):
                     self._release(running, free, slot)
                 elif host is not None:
-                    host.accept(slot, 0, outputs[i][-1])
+                    host.accept(slot, 0, first)
             if not running:
                 continue
             slots = sorted(running)
@@ -272,12 +278,14 @@ class StaticSpecDecoder:
             extra = {}
             if host is not None and width > 1:
                 g = torch.zeros(B, width - 1, dtype=torch.int64)
-                n = torch.zeros(B, dtype=torch.int64)
+                made = []
                 for row, d in enumerate(host.propose(slots, ks)):
                     guess, tree_rows[slots[row]] = _chain(d)
                     guess = guess[: ks[row]]
                     g[row, : len(guess)] = guess
-                    n[row] = len(guess)
+                    made.append(len(guess))
+                ks = made  # the guesses it made
+                n = torch.tensor(made + [0] * pad, dtype=torch.int64)
                 extra = {"host_guesses": g.to(dev), "host_lengths": n.to(dev)}
             result = self.device_step(slot_t, live, k_t, width, **extra).tolist()  # the one host read
             self.host_reads += 1
@@ -289,11 +297,14 @@ class StaticSpecDecoder:
                 i = running[s]
                 emitted = result[row][0]
                 self.num_accepted += emitted - 1
+                done = False
                 for tok in result[row][1 : 1 + emitted]:
                     outputs[i].append(tok)
-                    if self._done(outputs[i], max_tokens):
+                    if sink.emit(i, tok):
+                        done = True
                         break
-                if self._done(outputs[i], max_tokens):
+                sink.step(i, ks[row], emitted - 1)
+                if done:
                     self._release(running, free, s)
                 elif host is not None and tree_rows.get(s) is not None:
                     host.accept(s, emitted - 1, outputs[i][-1], path=tuple(tree_rows.pop(s)[: emitted - 1]))
@@ -351,8 +362,6 @@ class StaticSpecDecoder:
         if self.method == "host":
             self.proposer.end(slot)
 
-    def _done(self, out: list[int], max_tokens: int) -> bool:
-        return len(out) >= max_tokens or (bool(out) and out[-1] in self.eos)
 
 
 def _chain(draft) -> tuple[torch.Tensor, list[int] | None]:  # -> ids [n] int64, their tree rows (None: a chain)
@@ -366,3 +375,16 @@ def _chain(draft) -> tuple[torch.Tensor, list[int] | None]:  # -> ids [n] int64,
             keep.append(i)
             row = i + 1
     return draft.token_ids[keep], [i + 1 for i in keep]
+
+
+class _StopAt:
+    """generate's default sink: a sequence ends at max_tokens or after an EOS."""
+
+    def __init__(self, outputs: list[list[int]], max_tokens: int, eos: set[int]):
+        self.outputs, self.max_tokens, self.eos = outputs, max_tokens, eos
+
+    def emit(self, i: int, token: int) -> bool:
+        return len(self.outputs[i]) >= self.max_tokens or token in self.eos
+
+    def step(self, i: int, k: int, num_accepted: int) -> None:
+        pass
