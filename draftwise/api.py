@@ -20,10 +20,12 @@ from draftwise.engine import Engine, Request, StepOutput
 from draftwise.kernels import hugepages
 from draftwise.kernels.plan import KernelPlan, resolve_plan
 from draftwise.kernels.threads import ThreadGuard
+from draftwise.models.static_step import StaticStep
 from draftwise.models.transformer import Decoder
 from draftwise.output import TextStream
 from draftwise.prefix_cache import PrefixCache
 from draftwise.sampling import SamplingParams, TokenLogprob
+from draftwise.spec_decode import static_spec
 from draftwise.spec_decode.adaptive import AdaptiveK, FixedK, KPolicy
 from draftwise.spec_decode.builders import ProposerContext, build_proposer
 from draftwise.spec_decode.proposer import Proposer
@@ -215,6 +217,9 @@ class LLM:
                              seed=config.seed, k_policy=k_policy, thread_guard=self._thread_guard(config, model.plan),
                              prefix_cache=self._prefix_cache(config, model.plan),
                              speculate_in_prefill=model.plan.row_exact)
+        self._static: dict | None = None  # use_static_step: the static step and its runner per spec config
+        if model.device.type == "cuda":
+            self.use_static_step()
 
     @staticmethod
     def _thread_guard(config: EngineConfig, plan: KernelPlan) -> ThreadGuard | None:
@@ -399,8 +404,46 @@ class LLM:
         return replace(samples[0], outputs=outputs, finished=all(s.finished for s in samples),
                        error=next((s.error for s in samples if s.error), None))
 
+    # ---- the static step (models/static_step.py, spec_decode/static_spec.py): the CUDA path ------------------
+    def use_static_step(self, enable: bool = True, compile_mode: str | None = None) -> bool:
+        """Route `run`'s eligible batches (static_spec.eligible: greedy, plain or n-gram, nothing the engine adds)
+        through the static step instead of the engine. On by default on CUDA, compiled there with CUDA graphs
+        (`compile_mode` "reduce-overhead"; each bucket compiles at its first use); off on the CPU, where the engine's
+        C++ path is faster. Returns whether it is on."""
+        if not enable or self.config.max_num_seqs > static_spec.BATCH_BUCKETS[-1]:
+            self._static = None
+            return False
+        capacity = self.max_model_len + static_spec.WIDTH_BUCKETS[-1] + static_spec.PREFILL_CHUNK
+        step = StaticStep(self.model, self.config.max_num_seqs, capacity)
+        mode = compile_mode or ("reduce-overhead" if self.model.device.type == "cuda" else None)
+        if mode is not None:
+            step.forward = torch.compile(step.forward, mode=mode, fullgraph=True, dynamic=False)
+        self._static = {"step": step, "runners": {}}
+        return True
+
+    def _static_runner(self, requests: Sequence[Request]):
+        sc = self.spec_config
+        if self._static is None or not requests or not static_spec.eligible(requests, sc.method, self.max_model_len):
+            return None
+        runners = self._static["runners"]
+        if sc not in runners:
+            k = sc.num_speculative_tokens if sc.method == "ngram" else 4
+            if k != "auto":
+                k = min(k, static_spec.WIDTH_BUCKETS[-1] - 1)
+            runners[sc] = static_spec.StaticSpecDecoder(
+                self._static["step"], self.eos_token_ids, None if sc.method == "none" else sc.method, k,
+                sc.prompt_lookup_min, sc.prompt_lookup_max)
+            if k == "auto":
+                runners[sc].calibrate()
+        return runners[sc]
+
     def run(self, requests: Sequence[Request], on_finished: Callable[[Request], None] | None = None) -> None:
-        """Add the requests and step the engine until nothing is left unfinished (the one run-until-done loop)."""
+        """Add the requests and step the engine until nothing is left unfinished (the one run-until-done loop);
+        with use_static_step on, an eligible batch runs through the static step instead."""
+        static = self._static_runner(requests)
+        if static is not None:
+            static.run_requests(requests, self.eos_token_ids, on_finished)
+            return
         for req in requests:
             self.engine.add_request(req)
         while self.engine.has_unfinished():

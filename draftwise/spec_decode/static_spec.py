@@ -313,6 +313,14 @@ class StaticSpecDecoder:
                     host.accept(s, emitted - 1, outputs[i][-1])
         return outputs
 
+    def run_requests(self, requests, eos_token_ids, on_finished=None) -> None:
+        """Run engine Requests (duck-typed: prompt_ids, params, on_token, output_ids, finish_reason, times,
+        spec_stats) to the end with the engine's stop rules (EOS unless ignored, stop ids, on_token's stop
+        strings, max_tokens) and per-step stats. The caller checked `eligible`."""
+        sink = _RequestSink(requests, set(eos_token_ids), on_finished)
+        self.generate([r.prompt_ids for r in requests], max(r.params.max_tokens for r in requests),
+                      requests[0].params if requests else None, sink)
+
     # ---- k auto --------------------------------------------------------------------------------------
     def calibrate(self, batches: tuple[int, ...] = BATCH_BUCKETS, rounds: int = 3) -> dict[int, dict[int, float]]:
         """Time the device step at every width bucket (median of `rounds`, widths interleaved in each round) for
@@ -388,3 +396,46 @@ class _StopAt:
 
     def step(self, i: int, k: int, num_accepted: int) -> None:
         pass
+
+
+def eligible(requests, method: str, max_model_len: int) -> bool:
+    """Whether the static path gives these requests exactly what the engine would: greedy, one sample, no
+    grammar, logprobs or history-dependent logits (penalties, bias, min_tokens), speculation plain or n-gram, a
+    request that fits the context."""
+    return method in ("none", "ngram") and all(
+        r.params.greedy and r.grammar is None and r.params.logprobs is None and not r.params.adjusts_logits
+        and r.speculate and not r.output_ids and len(r.prompt_ids) + r.params.max_tokens <= max_model_len
+        for r in requests)
+
+
+class _RequestSink:
+    """run_requests' sink: the engine's stop rules and stats on its Request objects."""
+
+    def __init__(self, requests, eos: set[int], on_finished):
+        self.requests, self.eos, self.on_finished = requests, eos, on_finished
+
+    def emit(self, i: int, token: int) -> bool:
+        import time
+
+        r, now = self.requests[i], time.perf_counter()
+        if r.first_token_time is None:
+            r.first_token_time = now
+        r.output_ids.append(token)
+        p = r.params
+        reason = None
+        if (token in self.eos and not p.ignore_eos) or token in p.stop_token_ids:
+            reason = "stop"
+        elif r.on_token is not None and r.on_token(token):
+            reason = "stop"
+        elif len(r.output_ids) >= p.max_tokens:
+            reason = "length"
+        if reason is None:
+            return False
+        r.finish_reason, r.finish_time = reason, now
+        if self.on_finished is not None:
+            self.on_finished(r)
+        return True
+
+    def step(self, i: int, k: int, num_accepted: int) -> None:
+        r = self.requests[i]
+        r.spec_stats.record(k, min(num_accepted, k))
