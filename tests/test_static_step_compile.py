@@ -76,10 +76,15 @@ class _ReadOps(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
-def compilable_runner(method="ngram", k=4, slots=8) -> StaticSpecDecoder:
-    model = tiny_decoder("qwen2", seed=0, vocab_size=VOCAB)
+def torch_only(seed=0, family="qwen2", layers=None):
+    model = tiny_decoder(family, seed=seed, vocab_size=VOCAB, num_layers=layers)
     model.use_fused_glue(False)  # torch ops only: what a GPU runs
-    return StaticSpecDecoder(StaticStep(model, slots, 96, "sdpa"), (), method, k)
+    return model
+
+
+def compilable_runner(method="ngram", k=4, slots=8) -> StaticSpecDecoder:
+    draft = StaticStep(torch_only(7, "llama", 1), slots, 96, "sdpa") if method == "draft_model" else None
+    return StaticSpecDecoder(StaticStep(torch_only(), slots, 96, "sdpa"), (), method, k, draft=draft)
 
 
 class PlantedItem(StaticSpecDecoder):
@@ -127,6 +132,23 @@ def test_no_graph_breaks_at_any_bucket():
         assert graph_breaks(runner, B, W) == 0, (B, W)
     plain = prefilled(compilable_runner(method=None))
     assert graph_breaks(plain, 4, 1) == 0
+    drafted = prefilled(compilable_runner(method="draft_model"))  # the draft's k forwards inside the same graph
+    assert graph_breaks(drafted, 2, 4) == 0
+
+
+def test_rejection_sampling_traces_whole():
+    from draftwise.spec_decode.static_spec import rejection_accept
+
+    B, W, V = 2, 4, VOCAB
+    p = torch.softmax(torch.randn(B, W, V), -1)
+    q = torch.softmax(torch.randn(B, W - 1, V), -1)
+    args = (p, q, torch.randint(0, V, (B, W - 1)), torch.tensor([3, 1]), torch.rand(B, W - 1),
+            torch.empty(B, W, V).exponential_())
+    torch._dynamo.reset()
+    assert torch._dynamo.explain(rejection_accept)(*args).graph_break_count == 0
+    with HostReads() as reads:
+        rejection_accept(*args)
+    assert reads.count == 0
 
 
 @pytest.mark.parametrize("planted", [PlantedItem, PlantedBranch])
@@ -145,12 +167,17 @@ def count_reads(runner: StaticSpecDecoder) -> tuple[int, int]:
 
 
 @pytest.mark.parametrize("attention", ["sdpa", "op"])
-@pytest.mark.parametrize("method", [None, "ngram"])
+@pytest.mark.parametrize("method", [None, "ngram", "draft_model"])
 def test_one_host_read_per_step(method, attention):
     model = tiny_decoder("qwen2", seed=0, vocab_size=VOCAB)
     if attention == "sdpa":
         model.use_fused_glue(False)
-    runner = StaticSpecDecoder(StaticStep(model, 8, 96, attention), (), method, 4)
+    draft = None
+    if method == "draft_model":
+        draft = StaticStep(tiny_decoder("qwen2", seed=0, vocab_size=VOCAB), 8, 96, "op")
+        if attention == "sdpa":
+            draft = StaticStep(torch_only(), 8, 96, "sdpa")
+    runner = StaticSpecDecoder(StaticStep(model, 8, 96, attention), (), method, 4, draft=draft)
     counted, allowed = count_reads(runner)
     assert counted == allowed and runner.host_reads > 0
 
