@@ -417,7 +417,7 @@ class LLM:
         step = StaticStep(self.model, self.config.max_num_seqs, capacity)
         mode = compile_mode or ("reduce-overhead" if self.model.device.type == "cuda" else None)
         if mode is not None:
-            step.forward = torch.compile(step.forward, mode=mode, fullgraph=True, dynamic=False)
+            step.compile(mode)
         self._static = {"step": step, "runners": {}}
         return True
 

@@ -234,11 +234,9 @@ def static_table(out: dict, device: str, layers: int, max_tokens: int, compile_m
     step = StaticStep(target, 4, STATIC_CAPACITY, "sdpa")
     draft_step = StaticStep(draft, 4, STATIC_CAPACITY, "sdpa")
     # compiled once per bucket at load: the model forward of both steps (the step's glue around it is tensor ops)
-    forward = {"target": step.forward, "draft": draft_step.forward}
     if compile_mode != "none":
-        kw = {"mode": compile_mode} if compile_mode != "default" else {}
-        step.forward = torch.compile(step.forward, fullgraph=True, dynamic=False, **kw)
-        draft_step.forward = torch.compile(draft_step.forward, fullgraph=True, dynamic=False, **kw)
+        step.compile(None if compile_mode == "default" else compile_mode)
+        draft_step.compile(None if compile_mode == "default" else compile_mode)
     compile_s = {}
     t_load = time.perf_counter()
     for batch in (1, 4):
@@ -327,7 +325,6 @@ def static_table(out: dict, device: str, layers: int, max_tokens: int, compile_m
     table["concurrency_4"] = conc
 
     reference_rows(table, device, layers, dtype, compile_mode)
-    step.forward, draft_step.forward = forward["target"], forward["draft"]
 
 
 def reference_rows(table: dict, device: str, layers: int, dtype: torch.dtype, compile_mode: str) -> None:

@@ -191,15 +191,16 @@ def test_a_planted_host_read_is_counted(planted):
 
 
 @pytest.mark.skipif(shutil.which("g++") is None and shutil.which("cc") is None, reason="inductor needs a C++ compiler")
-def test_fullgraph_compile_gives_the_eager_step():
-    """torch.compile(fullgraph=True) of the whole device step (inductor, one bucket: 4 sequences x width 8, one
-    of them padding): the same emitted counts, tokens and history as the eager step, twice in a row (inductor
-    fuses differently, so logits may differ in the last bits; these argmaxes do not depend on them)."""
+def test_compiled_step_gives_the_eager_step():
+    """StaticStep.compile (what api.use_static_step and scripts/gpu_check.py call; inductor, fullgraph, one bucket:
+    4 sequences x width 8, one of them padding): the same emitted counts, tokens and history as the eager step,
+    twice in a row (inductor fuses differently, so logits may differ in the last bits; these argmaxes do not
+    depend on them)."""
     eager, runner = prefilled(compilable_runner()), prefilled(compilable_runner())
     torch._dynamo.reset()
-    compiled = torch.compile(runner.device_step, fullgraph=True, dynamic=False)
+    runner.target.compile()
     for _ in range(2):
         want = eager.device_step(*bucket_inputs(eager, 4, 8))
-        assert torch.equal(compiled(*bucket_inputs(runner, 4, 8)), want)
+        assert torch.equal(runner.device_step(*bucket_inputs(runner, 4, 8)), want)
         assert torch.equal(runner.lengths, eager.lengths)
         assert torch.equal(runner.history[:3], eager.history[:3])

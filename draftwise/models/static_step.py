@@ -75,6 +75,16 @@ class StaticStep(nn.Module):
         all_positions = torch.arange(capacity, device=dev)[None]  # [1, C]
         # each kind's angles, read once from the decoder's own table (the rows Decoder.forward looks up)
         self._angles = {kind: decoder.angles(kind, all_positions, capacity) for kind in set(cfg.layer_types)}
+        self._run = self._forward  # compile() swaps in the compiled forward
+        self._graphs = False
+
+    def compile(self, mode: str | None = None) -> None:
+        """Compile the forward (fullgraph, static shapes: one graph per bucket, built at its first call). Mode
+        "reduce-overhead" captures CUDA graphs; every call then starts a new step of the graph tree, so a call's
+        logits are only valid until the next call (every caller reduces them to ids at once)."""
+        kw = {"mode": mode} if mode else {}
+        self._run = torch.compile(self._forward, fullgraph=True, dynamic=False, **kw)
+        self._graphs = mode == "reduce-overhead"
 
     @property
     def nbytes(self) -> int:
@@ -86,8 +96,10 @@ class StaticStep(nn.Module):
         positions: torch.Tensor,  # [B, W] int64, positions[b, t] = positions[b, 0] + t, all < capacity
         slots: torch.Tensor,  # [B] int64 (the scratch slot for a bucket's padding sequences)
     ) -> torch.Tensor:  # [B, W, V] logits
+        if self._graphs:
+            torch.compiler.cudagraph_mark_step_begin()
         with torch.no_grad():  # (not inference_mode: its tensors cannot be mutated inside a compiled graph)
-            return self._forward(token_ids, positions, slots)
+            return self._run(token_ids, positions, slots)
 
     def _forward(self, token_ids, positions, slots):
         decoder, cfg = self.decoder, self.decoder.config

@@ -199,8 +199,7 @@ class StaticSpecDecoder:
         the other's K/V at its own position is harmless), then k - 1 width-1 forwards."""
         pos = (L - 2).clamp(min=0)[:, None] + torch.arange(2, device=L.device)  # [B, 2]
         ids = hist.gather(1, pos)
-        logits = self.draft(ids, pos, slots)  # [B, 2, V]
-        guess = logits[:, 1:].argmax(-1)  # [B, 1]
+        guess = self.draft(ids, pos, slots)[:, 1:].argmax(-1)  # [B, 1] (no call's logits outlive the next call)
         guesses = [guess]
         for i in range(1, k):
             p = (L - 1 + i)[:, None]
@@ -225,10 +224,11 @@ class StaticSpecDecoder:
         for start in range(0, n, chunk):
             pos = torch.arange(start, start + chunk, device=dev)[None]
             for step in steps:
-                logits = step(padded[None, start : start + chunk], pos, slots)
+                logits = step(padded[None, start : start + chunk], pos, slots)  # [1, chunk, V]
                 if step is self.target and start + chunk >= n:
-                    last = logits[0, (n - 1) - start]
-        first = int(last.argmax())
+                    last = logits[0, (n - 1) - start].argmax()
+                del logits
+        first = int(last)
         self.history[slot, n] = first
         self.lengths[slot] = n + 1
         return first
