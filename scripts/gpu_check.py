@@ -291,8 +291,8 @@ def static_table(out: dict, device: str, layers: int, max_tokens: int, compile_m
     runs, plain = {}, None
     for label, method, k, extra in methods:
         runner = StaticSpecDecoder(step, (), method, k if method else 4, **extra)
-        if k == "auto":
-            runner.calibrate(batches=(1, 4))
+        if k == "auto":  # (a CPU dry run times batch 1 once: the draft's rounds are slow there)
+            runner.calibrate(batches=(1, 4), rounds=3) if device == "cuda" else runner.calibrate(batches=(1,), rounds=1)
         outs, rates = [], []
         for p in prompts:
             t0 = time.perf_counter()
