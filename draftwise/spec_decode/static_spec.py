@@ -196,7 +196,9 @@ class StaticSpecDecoder:
     def draft_round(self, hist, L, slots, k: int) -> torch.Tensor:  # hist [B, C], L [B] -> guesses [B, k]
         """k greedy guesses from the draft's static step: one width-2 forward over the last two history tokens
         (catching up the one token the draft has not seen: the previous step's correction or bonus; rewriting
-        the other's K/V at its own position is harmless), then k - 1 width-1 forwards."""
+        the other's K/V at its own position is harmless), then k - 1 width-1 forwards. A plain step (width 1: k
+        auto chose 0, or the last token of max_tokens) runs no draft, so the draft's K/V keeps a gap there: its
+        later guesses get worse, the output does not change (verification decides)."""
         pos = (L - 2).clamp(min=0)[:, None] + torch.arange(2, device=L.device)  # [B, 2]
         ids = hist.gather(1, pos)
         guess = self.draft(ids, pos, slots)[:, 1:].argmax(-1)  # [B, 1] (no call's logits outlive the next call)
