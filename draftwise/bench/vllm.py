@@ -150,7 +150,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def server_env(device: str, environ=os.environ, kv_cache_gib: int = 4) -> dict[str, str]:
+def server_env(device: str, environ=os.environ, kv_cache_gib: int = 2) -> dict[str, str]:
     """The environment variables a vLLM server gets beyond ours (the CPU build's; the launcher adds LD_PRELOAD)."""
     if device != "cpu":
         return {}
