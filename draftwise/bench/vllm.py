@@ -339,7 +339,7 @@ class VLLMClient:
         self.extra, self.progress = list(extra), progress
         self._model_path = model_path or vllm_model
         self._paths: dict[str, str] = {}
-        self.http = HTTPClient(model=model)
+        self.http = HTTPClient(model=model, return_token_ids=True)  # outputs compared token for token
         self.server: VLLMServer | None = None
         self.current: str | None = None
         self.commands: dict[str, str] = {}
