@@ -59,6 +59,6 @@ def test_bench_engine_vllm_two_conditions_and_a_refused_one(tmp_path, capsys):
     assert all(r["token_ids"] for r in map(json.loads, (out / "journal.jsonl").read_text().splitlines())
                if r["condition"] != "vllm:draft_model-k4")
     assert ident["n"] == 3 and 0 <= ident["identical"] <= 3
-    assert seg["conditions"]["vllm:ngram-k4"]["memory"]["server_peak_rss_bytes"] > 500e6  # weights alone ~1 GB
+    assert seg["conditions"]["vllm:ngram-k4"]["memory"]["server_memory_bytes"] > 500e6  # weights alone ~1 GB
     assert seg["verdict"] and seg["verdict"]["text"]
     assert "vllm:ngram-k4" in printed and "vllm:none" in printed

@@ -100,7 +100,7 @@ def rows(seg: dict) -> list[list[str]]:
         p1 = (q.get("pass_at_1") or {}).get(cond)
         valid = (q.get("validity") or {}).get(cond)
         mem = f.get("memory") or {}
-        rss = mem.get("server_peak_rss_bytes") or mem.get("peak_rss_bytes") or mem.get("server_rss_bytes")  # vLLM: its tree
+        rss = mem.get("server_memory_bytes") or mem.get("peak_rss_bytes") or mem.get("server_rss_bytes")  # vLLM: its tree
         en = f.get("energy") or {}
         out.append([
             cond, str(f["n"]), f"{_f(f['ttft_s']['median'])}/{_f(f['ttft_s']['p95'])}",

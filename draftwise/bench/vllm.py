@@ -6,8 +6,8 @@ Owns four things, all on draftwise's side of a process boundary:
   * finding vLLM's own environment (`--vllm PATH_TO_ITS_PYTHON`, $DRAFTWISE_VLLM, or the repo's .venv-vllm made
     by `make vllm`) and its version and device, and saying how to install it when it is absent;
   * one vLLM OpenAI server per condition (VLLMServer): the command line (the environment's `vllm` launcher, the
-    CPU build's environment variables, a free loopback port), /health, its log, its process tree's peak RSS (CPU)
-    or nvidia-smi memory (GPU), the error line when vLLM refuses a condition, and stopping it;
+    CPU build's environment variables, a free loopback port), /health, its log, its process tree's memory (summed
+    PSS, the most read after any batch) and on a GPU nvidia-smi's, the error line when vLLM refuses a condition, and stopping it;
   * VLLMClient: the bench's client interface over those servers, one condition at a time, requests through the
     same HTTPClient as `--endpoint` (acceptance from vLLM's /metrics counters, parsed there).
 A model for vLLM (vllm_model): a catalog name or .gguf becomes a local HF directory (models/hf_export.py), a
@@ -213,13 +213,13 @@ def process_tree(pid: int) -> list[int]:
     return out
 
 
-def tree_peak_rss(pid: int) -> int:
-    """Sum of each live process's resident high-water mark (VmHWM) in the tree: the server's peak on a CPU
-    (an upper bound: the processes need not peak at once)."""
+def tree_memory(pid: int) -> int:
+    """The process tree's resident memory now: the sum of each process's PSS (/proc/PID/smaps_rollup), so the pages
+    vLLM's API server, engine core and worker share (weights, KV cache) count once."""
     total = 0
     for p in process_tree(pid):
         try:
-            m = re.search(r"^VmHWM:\s+(\d+) kB", Path(f"/proc/{p}/status").read_text(), re.M)
+            m = re.search(r"^Pss:\s+(\d+) kB", Path(f"/proc/{p}/smaps_rollup").read_text(), re.M)
         except OSError:
             continue
         total += int(m.group(1)) * 1024 if m else 0
@@ -252,7 +252,7 @@ class VLLMServer:
         self.proc: subprocess.Popen | None = None
         self.refused: str | None = None
         self.start_s: float | None = None
-        self.peak_rss = 0
+        self.peak_memory = 0  # the most tree_memory has read (at each batch's end and at stop)
         self.peak_gpu: int | None = None
 
     @property
@@ -297,7 +297,7 @@ class VLLMServer:
         if self.proc is None or self.proc.poll() is not None:
             return
         pids = process_tree(self.proc.pid)
-        self.peak_rss = max(self.peak_rss, tree_peak_rss(self.proc.pid))
+        self.peak_memory = max(self.peak_memory, tree_memory(self.proc.pid))
         if self.vinfo["device"] == "cuda":
             g = gpu_memory(pids)
             self.peak_gpu = g if self.peak_gpu is None or g is None else max(g, self.peak_gpu)
@@ -396,14 +396,14 @@ class VLLMClient:
         results, extra = self.http.run_batch(http_cond, items, calls)
         extra.pop("server_rss_bytes", None)  # the API process alone; the tree's peak is memory()'s
         server.measure()
-        self.peak[condition.id] = {"server_peak_rss_bytes": server.peak_rss, "server_gpu_memory_bytes": server.peak_gpu}
+        self.peak[condition.id] = {"server_memory_bytes": server.peak_memory, "server_gpu_memory_bytes": server.peak_gpu}
         return results, extra
 
     def close(self) -> None:
         if self.server is not None:
             self.server.stop()
             if self.current:
-                self.peak[self.current] = {"server_peak_rss_bytes": self.server.peak_rss,
+                self.peak[self.current] = {"server_memory_bytes": self.server.peak_memory,
                                            "server_gpu_memory_bytes": self.server.peak_gpu}
         self.server = None
 
@@ -420,7 +420,7 @@ class VLLMClient:
     def memory(self) -> dict:
         out = {"client_peak_rss_bytes": peak_rss_bytes()}
         if self.server is not None:
-            out["server_peak_rss_bytes"] = self.server.peak_rss
+            out["server_memory_bytes"] = self.server.peak_memory
             if self.server.peak_gpu is not None:
                 out["server_gpu_memory_bytes"] = self.server.peak_gpu
         return out

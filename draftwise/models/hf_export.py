@@ -21,7 +21,7 @@ import torch
 from draftwise.config import ConfigError, ModelConfig
 from draftwise.models import catalog
 
-EXPORT_VERSION = 1  # bump when the folder's layout changes; older folders are then written again
+EXPORT_VERSION = 2  # bump when the folder's layout changes; older folders are then written again
 _DONE = "draftwise_export.json"  # written last: its presence marks a finished export
 _HF_TYPES = {  # our architecture -> (transformers model_type, its causal-LM class)
     "llama": ("llama", "LlamaForCausalLM"),
@@ -52,7 +52,9 @@ def hf_config(config: ModelConfig, dtype: str = "bfloat16") -> dict:
         out["use_sliding_window"] = config.sliding_window is not None
     out["sliding_window"] = config.sliding_window
     if config.architecture == "gemma3":
-        out.update(hidden_activation=config.hidden_act, query_pre_attn_scalar=config.query_pre_attn_scalar,
+        scalar = config.query_pre_attn_scalar  # transformers' Gemma3TextConfig types it int
+        out.update(hidden_activation=config.hidden_act,
+                   query_pre_attn_scalar=int(scalar) if scalar is not None and scalar == int(scalar) else scalar,
                    rope_local_base_freq=config.rope_local_theta, layer_types=list(config.layer_types))
     return out
 
