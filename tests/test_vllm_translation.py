@@ -158,6 +158,11 @@ def test_error_line_and_command_line():
            "(APIServer pid=1) ValueError: Speculative decoding with draft_model is not supported on CPU.\n\n")
     assert vllm.error_line(log) == "(APIServer pid=1) ValueError: Speculative decoding with draft_model is not supported on CPU."
     assert vllm.error_line("just a line\n") == "just a line"
+    pydantic = ("(APIServer pid=7) pydantic_core._pydantic_core.ValidationError: 1 validation error for SpeculativeConfig\n"
+                "  Value error, Target and draft model should have the same vocabulary size. [type=value_error, x]\n"
+                "    For further information visit https://errors.pydantic.dev/2.14/v/value_error\n")
+    assert vllm.error_line(pydantic).endswith("SpeculativeConfig Value error, Target and draft model should have the "
+                                              "same vocabulary size.")
     line = vllm.command_line({"A": "1"}, ["/v/bin/vllm", "serve", "/m", "--speculative-config", '{"k": 1}'])
     assert line == "A=1 /v/bin/vllm serve /m --speculative-config '{\"k\": 1}'"
 

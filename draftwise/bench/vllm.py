@@ -182,17 +182,19 @@ def command_line(env: dict[str, str], cmd: list[str]) -> str:
     return " ".join([f"{k}={shlex.quote(v)}" for k, v in env.items()] + [shlex.join(cmd)])
 
 
-_ERROR_LINE = re.compile(r"^(?:\S*\s)?\s*([A-Za-z_.]*(?:Error|Exception|Exit)\b.*)$")
+_ERROR_LINE = re.compile(r"(?:^|\s)[A-Za-z_][\w.]*(?:Error|Exception|Exit)(?::|$)")  # "... ValueError: why"
 
 
 def error_line(log: str) -> str:
-    """The line of a failed vLLM start a user needs: its last exception line, else its last non-empty line."""
-    lines = [ln.strip() for ln in log.splitlines() if ln.strip()]
-    for ln in reversed(lines):
-        m = _ERROR_LINE.match(ln)
-        if m and not ln.startswith(("File ", "Traceback")):
-            return ln
-    return lines[-1] if lines else "vLLM exited without a message"
+    """The line of a failed vLLM start a user needs: its last exception line with the indented detail under it
+    (pydantic puts the reason there), else its last non-empty line."""
+    raw = [ln.rstrip() for ln in log.splitlines() if ln.strip()]
+    for i in range(len(raw) - 1, -1, -1):
+        ln = raw[i].strip()
+        if _ERROR_LINE.search(ln) and not ln.startswith(("File ", "Traceback")):
+            detail = [d.strip() for d in raw[i + 1:i + 4] if d[:1].isspace() and "errors.pydantic.dev" not in d]
+            return " ".join([ln] + [re.sub(r"\s*\[type=.*$", "", d) for d in detail])
+    return raw[-1].strip() if raw else "vLLM exited without a message"
 
 
 def process_tree(pid: int) -> list[int]:
