@@ -225,3 +225,27 @@ def test_serve_engine_vllm_translates_our_flags_and_passes_the_rest(monkeypatch,
                  '{"method":"ngram","num_speculative_tokens":"auto"}']) == 2
     assert main(["serve", "--model", "org/model", "--", "--tensor-parallel-size", "2"]) == 2  # `--` is vLLM's only
     assert "auto" in capsys.readouterr().err
+
+
+def test_http_client_sends_at_most_four_stops_and_cuts_at_the_rest():
+    """vLLM (as OpenAI) takes at most 4 stop strings; HumanEval's 5th is applied to the streamed text here."""
+    import httpx
+
+    from draftwise.bench.clients import MAX_STOP, Call, HTTPClient
+    from draftwise.bench.workloads import HUMANEVAL_STOP
+
+    sent = {}
+
+    def handler(request):
+        sent.update(json.loads(request.content))
+        chunks = [{"choices": [{"text": t, "token_ids": [i]}]} for i, t in enumerate(["    return 1", "\n#", " x"])]
+        body = "".join(f"data: {json.dumps(c)}\n\n" for c in chunks) + "data: [DONE]\n\n"
+        return httpx.Response(200, text=body, headers={"content-type": "text/event-stream"})
+
+    client = HTTPClient(model="m", transport=httpx.MockTransport(handler), return_token_ids=True)
+    client._models["http://x"] = "m"
+    res = client._stream("http://x", Call("def f():\n", None, 8, stop=list(HUMANEVAL_STOP)))
+    assert sent["stop"] == HUMANEVAL_STOP[:MAX_STOP] and sent["return_token_ids"] is True
+    assert HUMANEVAL_STOP[MAX_STOP] == "\n#" and res.text == "    return 1" and res.finish_reason == "stop"
+    res = client._stream("http://x", Call("def f():\n", None, 8, stop=["\nclass "]))
+    assert res.text == "    return 1\n# x" and res.token_ids == [0, 1, 2]

@@ -226,6 +226,7 @@ class InProcessClient:
 
 # ---- OpenAI-compatible HTTP ---------------------------------------------------------------------------
 SPEC_PREFIXES = ("vllm:spec_decode_", "draftwise:spec_decode_")
+MAX_STOP = 4  # stop strings an OpenAI-compatible server accepts per request (OpenAI's limit; vLLM enforces it)
 _METRIC_LINE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+([-+0-9.eEinfNa]+)')
 
 
@@ -341,7 +342,7 @@ class HTTPClient:
         if self.return_token_ids:
             body["return_token_ids"] = True
         if call.stop:
-            body["stop"] = call.stop
+            body["stop"] = call.stop[:MAX_STOP]  # the rest is cut here, after the stream (OpenAI and vLLM take 4)
         body.update({"messages": call.messages} if chat else {"prompt": call.prompt})
         if call.structured_outputs:
             body["structured_outputs"] = call.structured_outputs  # vLLM's field; draftwise serve takes it too
@@ -385,6 +386,9 @@ class HTTPClient:
             res.error = f"{type(e).__name__}: {e}"
         res.e2e_s = time.perf_counter() - t0
         res.text = "".join(parts)
+        cut = min((i for i in (res.text.find(x) for x in call.stop[MAX_STOP:]) if i >= 0), default=-1)
+        if cut >= 0:  # a stop string beyond the server's limit: the text ends there, as the engine's would
+            res.text, res.finish_reason, ids = res.text[:cut], "stop", []  # ids past the cut are unknown here
         if self.return_token_ids and ids:
             res.token_ids = ids
         if not res.num_output_tokens and chunks:
