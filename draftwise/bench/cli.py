@@ -198,8 +198,9 @@ def cmd_tune(args) -> int:
     pick = choose(rep)
     by_id = {c.id: c for c in conditions}
     for cond, s in sorted(pick["scores"].items(), key=lambda kv: -(kv[1]["score"] or 0)):
-        print(f"{cond:18s} median {s['median']:.3f}  MAD {s['mad']:.3f}  median-MAD {s['score']:.3f}  "
-              f"95% CI {s['ci_low']:.2f}-{s['ci_high']:.2f}  n={s['n']}")
+        f = {k: "-" if v is None else f"{v:.3f}" for k, v in s.items() if k != "n"}  # None: no paired prompt
+        print(f"{cond:18s} median {f['median']}  MAD {f['mad']}  median-MAD {f['score']}  "
+              f"95% CI {f['ci_low']}-{f['ci_high']}  n={s['n']}")
     w = by_id.get(pick["winner"])
     spec_config = spec_config_for(w.__dict__ if w else None)
     if spec_config:
