@@ -150,8 +150,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def server_env(device: str, environ=os.environ, kv_cache_gib: int = 2) -> dict[str, str]:
-    """The environment variables a vLLM server gets beyond ours (the CPU build's; the launcher adds LD_PRELOAD)."""
+def server_env(device: str, environ=os.environ, kv_cache_gib: int = 1) -> dict[str, str]:
+    """The environment variables a vLLM server gets beyond ours (the CPU build's; the launcher adds LD_PRELOAD).
+    KV space 1 GiB by default: vLLM allocates it whole at start (the 0.5B's worker then holds ~4 GB with 2 GiB; a
+    1.5B at 4096 context needs ~0.1 GiB per sequence); set VLLM_CPU_KVCACHE_SPACE for more concurrency."""
     if device != "cpu":
         return {}
     cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
