@@ -91,6 +91,7 @@ def _f(x, fmt="{:.2f}"):
 
 
 def rows(seg: dict) -> list[list[str]]:
+    from draftwise.bench.analyze import baseline_of
     out = []
     q = seg.get("quality") or {}
     for cond, f in seg["conditions"].items():
@@ -109,7 +110,7 @@ def rows(seg: dict) -> list[list[str]]:
             _f(f["aggregate_tok_s"], "{:.1f}"), _f(spec_stats.get("acceptance_rate")), _f(spec_stats.get("mean_acceptance_length")),
             _f(spec_stats.get("mean_draft_size"), "{:.1f}"),
             _f(spec_stats.get("forced_share")) if spec_stats.get("num_forced_tokens") else "-",
-            "1.00 (baseline)" if cond == "none" else
+            "1.00 (baseline)" if cond == baseline_of(cond) else
             (f"{_f(sp['speedup'])} [{_f(sp['ci_low'])}, {_f(sp['ci_high'])}]" if sp and sp["speedup"] else "-"),
             f"{ident['identical']}/{ident['n']}" if ident else "-",
             _f(p1["pass_at_1"]) if isinstance(p1, dict) else "-",
