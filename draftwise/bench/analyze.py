@@ -1,4 +1,5 @@
-"""Analysis: journal records → per-segment, per-condition figures and paired speedups vs `none`.
+"""Analysis: journal records → per-segment, per-condition figures and paired speedups vs `none`
+(a vLLM condition, `vllm:...`, vs `vllm:none`: each engine against its own plain decoding).
 
 Owns the aggregation (docs/ARCHITECTURE.md, metric definitions): median and p95 of TTFT, E2E, TPOT and per-request
 tok/s over measured requests; aggregate tok/s = all output tokens / the condition's wall time (sum of its
@@ -19,6 +20,12 @@ def measured(records: list[dict]) -> list[dict]:
     return [r for r in records if r["phase"] == "measured"]
 
 
+def baseline_of(condition: str) -> str:
+    """The plain condition a condition is paired with: `none`, or its own engine's (`vllm:ngram-k4` -> `vllm:none`)."""
+    engine, sep, _ = condition.rpartition(":")
+    return f"{engine}{sep}{BASELINE}"
+
+
 def analyze(records: list[dict], watts: float | None = None, price_per_kwh: float | None = None,
             seed: int = 0) -> dict:
     """{segment: {"conditions": {cond: figures}, "speedups": {cond: paired speedup}}}."""
@@ -29,12 +36,11 @@ def analyze(records: list[dict], watts: float | None = None, price_per_kwh: floa
     for seg, by_cond in segs.items():
         conds = {c: condition_figures(rs, watts, price_per_kwh) for c, rs in by_cond.items()}
         speedups = {}
-        if BASELINE in by_cond:
-            base = by_cond[BASELINE]
-            for c, rs in by_cond.items():
-                if c != BASELINE:
-                    speedups[c] = {"tok_s": stats.paired_speedup(_per_item(base, "tok_s"), _per_item(rs, "tok_s"), seed),
-                                   "e2e": stats.paired_speedup(_per_item(rs, "e2e_s"), _per_item(base, "e2e_s"), seed)}
+        for c, rs in by_cond.items():
+            if baseline_of(c) in by_cond and c != baseline_of(c):
+                base = by_cond[baseline_of(c)]
+                speedups[c] = {"tok_s": stats.paired_speedup(_per_item(base, "tok_s"), _per_item(rs, "tok_s"), seed),
+                               "e2e": stats.paired_speedup(_per_item(rs, "e2e_s"), _per_item(base, "e2e_s"), seed)}
         samples = {c: {m: [r.get(m) for r in rs if not r.get("error") and r.get(m) is not None] for m in ("e2e_s", "tok_s")}
                    for c, rs in by_cond.items()}
         out[seg] = {"conditions": conds, "speedups": speedups, "samples": samples,

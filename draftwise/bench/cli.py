@@ -44,6 +44,43 @@ def add_bench_args(p) -> None:
     p.add_argument("--fresh", action="store_true", help="discard an existing journal in --out")
     p.add_argument("--no-plots", action="store_true")
     p.add_argument("--no-humaneval", action="store_true", help="skip running HumanEval completions' tests")
+    add_engine_args(p)
+
+
+def add_engine_args(p) -> None:
+    p.add_argument("--engine", default="draftwise",
+                   help="draftwise | vllm | draftwise,vllm: whose engine runs the conditions (vllm: one vLLM server "
+                        "per condition, from vLLM's own environment; `make vllm` installs it)")
+    p.add_argument("--vllm", default=None, metavar="PYTHON",
+                   help="the python of vLLM's environment (default: $DRAFTWISE_VLLM, else .venv-vllm from `make vllm`)")
+
+
+def engines_of(text: str) -> list[str]:
+    engines = [e.strip() for e in text.split(",") if e.strip()]
+    bad = [e for e in engines if e not in ("draftwise", "vllm")]
+    if bad or not engines or len(set(engines)) != len(engines):
+        raise ConfigError(f"--engine {text!r}: one or both of draftwise, vllm (comma-separated)")
+    return engines
+
+
+def sweep_conditions(args, methods: list[str]):
+    """The sweep's conditions for each engine of --engine (vLLM's as `vllm:...`)."""
+    from draftwise.bench.lab import conditions_from
+
+    conds = []
+    for engine in engines_of(args.engine):
+        conds += conditions_from(methods, k_list(args.num_speculative_tokens), args.draft,
+                                 None if engine == "draftwise" else engine)
+    return conds
+
+
+def vllm_client(args, conditions):
+    from draftwise.bench import vllm
+
+    vinfo = vllm.info(vllm.find_python(args.vllm))
+    dtype = args.dtype if args.dtype in ("bfloat16", "float16", "float32") else "bfloat16"
+    return vllm.VLLMClient(vinfo, args.model, args.draft, Path(args.out), max_model_len=args.max_model_len or 4096,
+                           seed=args.seed, dtype=dtype)
 
 
 def options_from_args(args, conditions):
@@ -72,31 +109,45 @@ def endpoint_conditions(endpoints: list[str]):
 
 def make_client(args, conditions):
     if args.endpoint:
+        if engines_of(args.engine) != ["draftwise"]:
+            raise ConfigError("--endpoint benchmarks servers you started; --engine vllm starts its own")
         from draftwise.bench.clients import HTTPClient
 
         return HTTPClient(args.api_key, args.served_model)
-    from draftwise.bench.clients import InProcessClient
+    clients = {}
+    if any(c.engine == "vllm" for c in conditions):
+        clients["vllm"] = vllm_client(args, conditions)  # first: a missing vLLM fails before the model loads
+    own = [c for c in conditions if not c.engine]
+    if own:
+        from draftwise.bench.clients import InProcessClient
 
-    conc = max(int_list(args.concurrency) if args.concurrency else [4 if "longform" in args.workload else 1])
-    k_max = max([parse_spec_config(c.spec_config()).k_max for c in conditions] + [0])
-    llm = llm_from_args(args, max_num_seqs=max(conc, 1), speculative_config=None, k_max=k_max)
-    return InProcessClient(llm, args.draft, args.draft_dtype, args.draft_weights)
+        conc = max(int_list(args.concurrency) if args.concurrency else [4 if "longform" in args.workload else 1])
+        k_max = max([parse_spec_config(c.spec_config()).k_max for c in own] + [0])
+        llm = llm_from_args(args, max_num_seqs=max(conc, 1), speculative_config=None, k_max=k_max)
+        clients["draftwise"] = InProcessClient(llm, args.draft, args.draft_dtype, args.draft_weights)
+    if len(clients) == 1:
+        return next(iter(clients.values()))
+    from draftwise.bench.vllm import EnginesClient
+
+    return EnginesClient(clients)
 
 
 def cmd_bench(args) -> int:
     from draftwise.bench import report
-    from draftwise.bench.lab import conditions_from, run_bench
+    from draftwise.bench.lab import run_bench
 
     if args.endpoint:
         conditions = endpoint_conditions(args.endpoint)
     else:
-        conditions = conditions_from([m.strip() for m in args.methods.split(",")], k_list(args.num_speculative_tokens),
-                                     args.draft)
+        conditions = sweep_conditions(args, [m.strip() for m in args.methods.split(",")])
     opts = options_from_args(args, conditions)
-    rep = run_bench(make_client(args, conditions), opts)
+    client = make_client(args, conditions)
+    rep = run_bench(client, opts)
     print(report.text_table(rep))
     for d in rep["protocol_deviations"]:
         print("note: " + d)
+    for cond, line in refused_lines(rep):
+        print(f"refused: {cond}: {line}")
     print(f"report: {Path(args.out) / 'report.html'}")
     print(json.dumps(report.summary(rep, Path(args.out))))
     return 0
@@ -109,6 +160,7 @@ def cmd_demo(args) -> int:
     args.warmup, args.requests, args.concurrency = 1, args.requests, None
     args.temperature, args.top_p = 0.0, 1.0
     args.endpoint, args.api_key, args.served_model = [], None, None
+    args.engine, args.vllm = "draftwise", None
     args.watts, args.price_per_kwh, args.fresh, args.no_plots, args.no_humaneval = None, None, True, False, False
     # target and draft in the kernels the autotuner measures fastest on this machine (--weights/--dtype auto),
     # unless given explicitly
@@ -122,31 +174,52 @@ def cmd_demo(args) -> int:
     return rc
 
 
+def refused_lines(rep: dict) -> list[tuple[str, str]]:
+    """(condition, vLLM's error line) for every condition vLLM refused to serve."""
+    m = rep["manifest"]["client"]
+    refused = m.get("refused") or (m.get("vllm") or {}).get("refused") or {}
+    return sorted(refused.items())
+
+
 def cmd_tune(args) -> int:
     from draftwise.bench import report as report_mod
-    from draftwise.bench.lab import conditions_from, run_bench
+    from draftwise.bench.lab import run_bench
     from draftwise.bench.tune import choose, spec_config_for, vllm_line
 
-    conditions = conditions_from(["none"] + [m.strip() for m in args.methods.split(",") if m.strip() != "none"],
-                                 k_list(args.num_speculative_tokens), args.draft)
-    rep = run_bench(make_client(args, conditions), options_from_args(args, conditions))
+    engines = engines_of(args.engine)
+    if len(engines) != 1:
+        raise ConfigError("tune picks one engine's configuration: --engine draftwise or --engine vllm")
+    conditions = sweep_conditions(args, ["none"] + [m.strip() for m in args.methods.split(",") if m.strip() != "none"])
+    client = make_client(args, conditions)
+    rep = run_bench(client, options_from_args(args, conditions))
     print(report_mod.text_table(rep))
+    for cond, line in refused_lines(rep):
+        print(f"refused: {cond}: {line}")
     pick = choose(rep)
     by_id = {c.id: c for c in conditions}
     for cond, s in sorted(pick["scores"].items(), key=lambda kv: -(kv[1]["score"] or 0)):
-        print(f"{cond:18s} median {s['median']:.3f}  MAD {s['mad']:.3f}  median-MAD {s['score']:.3f}  "
-              f"95% CI {s['ci_low']:.2f}-{s['ci_high']:.2f}  n={s['n']}")
+        f = {k: "-" if v is None else f"{v:.3f}" for k, v in s.items() if k != "n"}  # None: no paired prompt
+        print(f"{cond:18s} median {f['median']}  MAD {f['mad']}  median-MAD {f['score']}  "
+              f"95% CI {f['ci_low']}-{f['ci_high']}  n={s['n']}")
     w = by_id.get(pick["winner"])
     spec_config = spec_config_for(w.__dict__ if w else None)
     if spec_config:
         print(f"winner: {pick['winner']}")
-        print(f"draftwise serve --model {args.model} --speculative-config '{json.dumps(spec_config)}'")
     else:
         print("winner: none — no condition beats plain decoding on a typical prompt; serve without speculation")
-        print(f"draftwise serve --model {args.model}")
-    print(vllm_line(args.model, spec_config))
-    (Path(args.out) / "tune.json").write_text(json.dumps({**pick, "speculative_config": spec_config}, indent=1))
-    print(json.dumps({"winner": pick["winner"], "speculative_config": spec_config, "vllm": vllm_line(args.model, spec_config)}))
+    if engines == ["vllm"]:
+        # the winning condition's own server command, exactly as it ran (not a translation)
+        plain = next(c.id for c in conditions if c.method == "none")
+        line = client.commands.get(w.id if w else plain) or client.commands.get(plain)
+        print("the vLLM server that produced the winning numbers:")
+    else:
+        print(f"draftwise serve --model {args.model}"
+              + (f" --speculative-config '{json.dumps(spec_config)}'" if spec_config else ""))
+        line = vllm_line(args.model, spec_config)
+    print(line)
+    (Path(args.out) / "tune.json").write_text(json.dumps({**pick, "speculative_config": spec_config, "vllm": line},
+                                                         indent=1))
+    print(json.dumps({"winner": pick["winner"], "speculative_config": spec_config, "vllm": line}))
     return 0
 
 

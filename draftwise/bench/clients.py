@@ -36,12 +36,14 @@ class Condition:
     draft: str | None = None
     endpoint: str | None = None  # HTTP mode: the server that runs this condition
     label: str | None = None
+    engine: str | None = None  # None: draftwise's own; "vllm": a vLLM server per condition (bench/vllm.py)
 
     @property
     def id(self) -> str:
         if self.label:
             return self.label
-        return "none" if self.method == "none" else f"{self.method}-k{self.k}"
+        base = "none" if self.method == "none" else f"{self.method}-k{self.k}"
+        return f"{self.engine}:{base}" if self.engine else base
 
     def spec_config(self) -> dict | None:
         """The speculative config; "grammar+ngram" / "grammar+draft_model" put the second method in `then`."""
@@ -224,6 +226,7 @@ class InProcessClient:
 
 # ---- OpenAI-compatible HTTP ---------------------------------------------------------------------------
 SPEC_PREFIXES = ("vllm:spec_decode_", "draftwise:spec_decode_")
+MAX_STOP = 4  # stop strings an OpenAI-compatible server accepts per request (OpenAI's limit; vLLM enforces it)
 _METRIC_LINE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+([-+0-9.eEinfNa]+)')
 
 
@@ -272,8 +275,11 @@ def spec_delta(before: dict | None, after: dict | None) -> dict | None:
 class HTTPClient:
     """An OpenAI-compatible server per condition (`--endpoint [LABEL=]URL`), timed from the client side."""
 
-    def __init__(self, api_key: str | None = None, model: str | None = None, timeout_s: float = 600.0, transport=None):
+    def __init__(self, api_key: str | None = None, model: str | None = None, timeout_s: float = 600.0, transport=None,
+                 return_token_ids: bool = False):
         import httpx
+
+        self.return_token_ids = return_token_ids  # vLLM's `return_token_ids`: outputs compared token for token
 
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.http = httpx.Client(headers=headers, timeout=timeout_s, transport=transport)
@@ -333,13 +339,15 @@ class HTTPClient:
                 "top_p": call.top_p, "stream": True, "stream_options": {"include_usage": True}}
         if call.seed is not None:
             body["seed"] = call.seed
+        if self.return_token_ids:
+            body["return_token_ids"] = True
         if call.stop:
-            body["stop"] = call.stop
+            body["stop"] = call.stop[:MAX_STOP]  # the rest is cut here, after the stream (OpenAI and vLLM take 4)
         body.update({"messages": call.messages} if chat else {"prompt": call.prompt})
         if call.structured_outputs:
             body["structured_outputs"] = call.structured_outputs  # vLLM's field; draftwise serve takes it too
         url = base + ("/v1/chat/completions" if chat else "/v1/completions")
-        res, chunks, parts = Result(), 0, []
+        res, chunks, parts, ids = Result(), 0, [], []
         t0 = time.perf_counter()
         try:
             with self.http.stream("POST", url, json=body) as r:
@@ -363,6 +371,7 @@ class HTTPClient:
                         res.num_prompt_tokens = obj["usage"].get("prompt_tokens")
                         res.num_output_tokens = obj["usage"].get("completion_tokens") or 0
                     for ch in obj.get("choices") or []:
+                        ids += ch.get("token_ids") or []
                         text = (ch.get("delta") or {}).get("content") if chat else ch.get("text")
                         if text:
                             if res.ttft_s is None:
@@ -377,6 +386,11 @@ class HTTPClient:
             res.error = f"{type(e).__name__}: {e}"
         res.e2e_s = time.perf_counter() - t0
         res.text = "".join(parts)
+        cut = min((i for i in (res.text.find(x) for x in call.stop[MAX_STOP:]) if i >= 0), default=-1)
+        if cut >= 0:  # a stop string beyond the server's limit: the text ends there, as the engine's would
+            res.text, res.finish_reason, ids = res.text[:cut], "stop", []  # ids past the cut are unknown here
+        if self.return_token_ids and ids:
+            res.token_ids = ids
         if not res.num_output_tokens and chunks:
             res.num_output_tokens, res.tokens_estimated = chunks, True
         return res

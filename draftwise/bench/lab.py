@@ -40,15 +40,17 @@ class BenchOptions:
 METHODS = ("ngram", "draft_model", "grammar", "grammar+ngram", "grammar+draft_model", "suffix", "suffix-chain")
 
 
-def conditions_from(methods: list[str], k_values: list[int | str], draft: str | None) -> list[Condition]:
-    """methods × k, with `none` once (k = 0) and first: the baseline every other condition is paired with."""
-    conds = [Condition("none", 0)] if "none" in methods else []
+def conditions_from(methods: list[str], k_values: list[int | str], draft: str | None,
+                    engine: str | None = None) -> list[Condition]:
+    """methods × k, with `none` once (k = 0) and first: the baseline every other condition is paired with.
+    `engine`: None for draftwise's own, "vllm" for vLLM's (ids `vllm:...`, paired with `vllm:none`)."""
+    conds = [Condition("none", 0, engine=engine)] if "none" in methods else []
     for m in methods:
         if m == "none":
             continue
         if m not in METHODS:
             raise ConfigError(f"--methods: unknown method {m!r} ({', '.join(('none',) + METHODS)})")
-        conds += [Condition(m, k, draft if "draft_model" in m else None) for k in k_values]
+        conds += [Condition(m, k, draft if "draft_model" in m else None, engine=engine) for k in k_values]
     if not conds:
         raise ConfigError("--methods selects no condition")
     return conds
@@ -58,17 +60,26 @@ def run_bench(client, opts: BenchOptions) -> dict:
     out = Path(opts.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     plan = runner.build_plan(opts.workloads, opts.conditions, opts.warmup, opts.requests, opts.concurrency)
+    if getattr(client, "condition_major", False):
+        plan = condition_major(plan)
     protocol = runner.protocol_dict(opts.workloads, opts.conditions, opts.warmup, opts.requests, opts.concurrency,
                                     opts.sampling, target=getattr(client, "identity", lambda: {})())
     key = runner.check_protocol(out, protocol, opts.fresh)
     wl = {w.name: w for w in opts.workloads}
-    records = runner.run(client, plan, wl, opts.sampling, out, opts.progress, protocol_key=key)
+    try:
+        records = runner.run(client, plan, wl, opts.sampling, out, opts.progress, protocol_key=key)
+    finally:
+        if hasattr(client, "close"):
+            client.close()  # a vLLM server stops here
     analysis = analyze_mod.analyze(records, opts.watts, opts.price_per_kwh, seed=opts.sampling.seed)
     quality = quality_by_segment(records, opts)
     verdicts = {seg: decide(a["speedups"], quality.get(seg, {}).get("identical")) for seg, a in analysis.items()}
     planned = {runner.segment_id(w.name, g, c): len(items) for w in opts.workloads
                for c in (opts.concurrency or list(w.concurrency)) for g, items in select(w, opts.requests).items()}
     devs = report_mod.deviations(opts.warmup, opts.requests, planned, asdict(opts.sampling))
+    if any(c.engine for c in opts.conditions):
+        devs.append("each vLLM condition ran on its own server, one condition after another (not interleaved "
+                    "batch by batch): machine drift between them is not spread evenly")
     from draftwise.kernels.probe import probe
 
     manifest = {"versions": report_mod.versions(), "hardware": {**report_mod.hardware(), "probe": probe()},
@@ -82,6 +93,16 @@ def run_bench(client, opts: BenchOptions) -> dict:
     rep = report_mod.build(analysis, verdicts, quality, manifest, protocol, devs)
     report_mod.write(rep, out, opts.plots)
     return rep
+
+
+def condition_major(plan: list) -> list:
+    """The plan with draftwise's batches first (interleaved, as planned) and then each other engine's condition's
+    batches together, in the sweep's order: one vLLM server per condition, started once."""
+    order: dict[str, int] = {}
+    for b in plan:
+        if b.condition.engine:
+            order.setdefault(b.condition.id, len(order) + 1)
+    return sorted(plan, key=lambda b: order.get(b.condition.id, 0))
 
 
 def quality_by_segment(records: list[dict], opts: BenchOptions) -> dict:

@@ -22,14 +22,18 @@ CANARY_TASK = "HumanEval/0"
 WRONG_BODY = "    return None\n"
 
 
-def identical_share(records: list[dict], baseline: str = "none") -> dict[str, dict]:
-    """Per condition: how many of its measured items produced exactly the baseline's output."""
-    base = {(r["segment"], r["item_id"]): _output(r) for r in records
-            if r["phase"] == "measured" and r["condition"] == baseline and not r.get("error")}
+def identical_share(records: list[dict], baseline: str | None = None) -> dict[str, dict]:
+    """Per condition: how many of its measured items produced exactly the baseline's output (default: its own
+    engine's plain condition, analyze.baseline_of: `none`, or `vllm:none` for vLLM's conditions)."""
+    from draftwise.bench.analyze import baseline_of
+
+    base = {(r["condition"], r["segment"], r["item_id"]): _output(r) for r in records
+            if r["phase"] == "measured" and not r.get("error")}
     out: dict[str, dict] = {}
     for r in records:
-        key = (r["segment"], r["item_id"])
-        if r["phase"] != "measured" or r["condition"] == baseline or key not in base or r.get("error"):
+        b = baseline or baseline_of(r["condition"])
+        key = (b, r["segment"], r["item_id"])
+        if r["phase"] != "measured" or r["condition"] == b or key not in base or r.get("error"):
             continue
         d = out.setdefault(r["condition"], {"n": 0, "identical": 0, "differing_items": []})
         d["n"] += 1

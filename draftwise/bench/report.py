@@ -91,6 +91,7 @@ def _f(x, fmt="{:.2f}"):
 
 
 def rows(seg: dict) -> list[list[str]]:
+    from draftwise.bench.analyze import baseline_of
     out = []
     q = seg.get("quality") or {}
     for cond, f in seg["conditions"].items():
@@ -100,7 +101,7 @@ def rows(seg: dict) -> list[list[str]]:
         p1 = (q.get("pass_at_1") or {}).get(cond)
         valid = (q.get("validity") or {}).get(cond)
         mem = f.get("memory") or {}
-        rss = mem.get("peak_rss_bytes") or mem.get("server_rss_bytes")
+        rss = mem.get("server_memory_bytes") or mem.get("peak_rss_bytes") or mem.get("server_rss_bytes")  # vLLM: its tree
         en = f.get("energy") or {}
         out.append([
             cond, str(f["n"]), f"{_f(f['ttft_s']['median'])}/{_f(f['ttft_s']['p95'])}",
@@ -109,7 +110,7 @@ def rows(seg: dict) -> list[list[str]]:
             _f(f["aggregate_tok_s"], "{:.1f}"), _f(spec_stats.get("acceptance_rate")), _f(spec_stats.get("mean_acceptance_length")),
             _f(spec_stats.get("mean_draft_size"), "{:.1f}"),
             _f(spec_stats.get("forced_share")) if spec_stats.get("num_forced_tokens") else "-",
-            "1.00 (baseline)" if cond == "none" else
+            "1.00 (baseline)" if cond == baseline_of(cond) else
             (f"{_f(sp['speedup'])} [{_f(sp['ci_low'])}, {_f(sp['ci_high'])}]" if sp and sp["speedup"] else "-"),
             f"{ident['identical']}/{ident['n']}" if ident else "-",
             _f(p1["pass_at_1"]) if isinstance(p1, dict) else "-",

@@ -3,8 +3,8 @@
 Owns the choice rule: per condition, the per-prompt paired tok/s speedups vs `none`; score = median − MAD
 (a winner must win on a typical prompt, not through a few lucky ones); the winner is the best score above
 1.0 whose bootstrap CI also excludes 1.0, else plain decoding; the winner as our `--speculative-config` and
-as a `vllm serve ... --speculative-config '...'` line (vLLM's JSON keys; hub ids from the catalog; method suffix with
-vLLM's four suffix_decoding_* keys written out, our own suffix keys left out).
+as a `vllm serve ... --speculative-config '...'` line (hub ids from the catalog; the keys through bench/vllm.py's
+translation table).
 The sweep itself is an ordinary journaled bench run (lab.py); the `tune` command lives in bench/cli.py.
 Knows nothing of models.
 """
@@ -13,11 +13,7 @@ from __future__ import annotations
 import json
 
 from draftwise.bench import stats
-from draftwise.config import SpecConfig
-
-# vLLM's suffix keys (its SpeculativeConfig), written out with our values (vLLM's defaults unless the config set them)
-VLLM_SUFFIX_KEYS = ("suffix_decoding_max_tree_depth", "suffix_decoding_max_cached_requests",
-                    "suffix_decoding_max_spec_factor", "suffix_decoding_min_token_prob")
+from draftwise.config import ConfigError
 
 
 def choose(report: dict) -> dict:
@@ -54,23 +50,14 @@ def hub_id(name: str | None) -> str | None:
 
 
 def vllm_line(target: str, spec_config: dict | None) -> str:
+    """The winner as a `vllm serve` hint for a draftwise tune: hub ids, our keys through the one translation table
+    (bench/vllm.py); what vLLM has no equivalent for becomes a comment. `tune --engine vllm` prints instead the
+    command its winning server ran."""
+    from draftwise.bench.vllm import to_vllm
+
     line = f"vllm serve {hub_id(target)}"
-    if spec_config:
-        s = dict(spec_config)
-        if s.get("method") == "ngram":
-            s.setdefault("prompt_lookup_max", 3)
-            s.setdefault("prompt_lookup_min", 1)
-        if "model" in s:
-            s["model"] = hub_id(s["model"])
-        if s.get("method") == "suffix":
-            if s.pop("suffix_tree", True) is False:
-                return line + "  # vLLM's suffix method always proposes trees: no chain-only equivalent"
-            s.pop("suffix_cache_max_bytes", None)
-            for key in VLLM_SUFFIX_KEYS:
-                s.setdefault(key, getattr(SpecConfig(), key))
-            if s.get("num_speculative_tokens") == "auto":  # vLLM's suffix sizes each step itself, up to this
-                s["num_speculative_tokens"] = SpecConfig(method="suffix", num_speculative_tokens="auto").k_max
-        if s.get("num_speculative_tokens") == "auto":  # draftwise's cost-model policy; vLLM takes a fixed k
-            return line + "  # vLLM has no adaptive k: use the best fixed-k condition of the table instead"
-        line += f" --speculative-config '{json.dumps(s)}'"
-    return line
+    try:
+        s = to_vllm(spec_config, hub_id)
+    except ConfigError as e:
+        return f"{line}  # {e}"
+    return line + (f" --speculative-config '{json.dumps(s)}'" if s else "")

@@ -41,6 +41,8 @@ def decide(speedups: dict[str, dict], identical: dict[str, dict] | None = None) 
         out["text"] += f" [only {n} paired prompts: a bootstrap interval this small is indicative, not reliable]"
     q = (identical or {}).get(out.get("condition"))
     if q and q.get("share") is not None and q["share"] < 1.0:
-        out["caveat"] = f"{q['n'] - q['identical']} of {q['n']} greedy outputs differ from none"
+        from draftwise.bench.analyze import baseline_of
+
+        out["caveat"] = f"{q['n'] - q['identical']} of {q['n']} greedy outputs differ from {baseline_of(out['condition'])}"
         out["text"] += f" (caveat: {out['caveat']})"
     return out

@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 
 from draftwise.cli_args import add_model_args, llm_from_args, plan_lines
+from draftwise.config import ConfigError
 from draftwise.server import limits as L
 
 API_KEY_ENV = "DRAFTWISE_API_KEY"
@@ -25,6 +26,12 @@ def register(sub) -> None:
                         "'global': every request's (opt in where all clients are one tenant)")
     p.add_argument("--served-model-name", default=None, help="the model name clients send (default: --model)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    p.add_argument("--engine", default="draftwise", choices=["draftwise", "vllm"],
+                   help="vllm: run a vLLM server instead (our flags translated; `make vllm` installs it)")
+    p.add_argument("--vllm", default=None, metavar="PYTHON",
+                   help="--engine vllm: the python of vLLM's environment (default: $DRAFTWISE_VLLM, else .venv-vllm)")
+    p.add_argument("vllm_args", nargs="*", metavar="-- VLLM_ARG",
+                   help="--engine vllm: arguments after `--` go to `vllm serve` untouched")
     g = p.add_argument_group("limits (README: Running it safely)")
     d = L.RequestLimits()
     g.add_argument("--max-body-bytes", type=int, default=L.DEFAULT_MAX_BODY_BYTES,
@@ -63,6 +70,12 @@ def resolve_api_key(flag: str | None, environ) -> str | None:
 
 
 def cmd_serve(args) -> int:
+    if args.engine == "vllm":
+        from draftwise.bench import vllm
+
+        return vllm.serve(args, resolve_api_key(args.api_key, os.environ))
+    if args.vllm_args:
+        raise ConfigError(f"arguments after `--` ({' '.join(args.vllm_args)}) are for --engine vllm")
     from draftwise.server.app import create_app
     from draftwise.server.guard import LOOPBACK_HOSTS
     from draftwise.server.shutdown import serve
