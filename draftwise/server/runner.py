@@ -20,6 +20,7 @@ import asyncio
 import logging
 import queue
 import threading
+import time
 from dataclasses import dataclass
 
 from draftwise.config import ConfigError, ContextLengthError
@@ -71,9 +72,14 @@ class EngineRunner:
         self._closed = False  # the engine thread has stopped: nothing more is accepted
         self.draining = False  # shutting down: nothing new is accepted, what is in flight finishes
         self._step_failures = 0  # consecutive llm.step() exceptions
+        self._outbox: list = []  # engine thread only: (loop, queue, Event) posted, not yet handed over (_flush)
+        self._step_end: float | None = None  # perf_counter() when the last step returned (None: idle since)
 
     # ---- event-loop side --------------------------------------------------------------------------
     def start(self) -> None:
+        import os, sys
+        if os.environ.get("DRAFTWISE_SWITCH_INTERVAL"):  # EXPERIMENT
+            sys.setswitchinterval(float(os.environ["DRAFTWISE_SWITCH_INTERVAL"]))
         self._thread.start()
 
     def stop(self, timeout: float = 10.0) -> None:
@@ -148,9 +154,17 @@ class EngineRunner:
     # ---- engine thread ----------------------------------------------------------------------------
     def _run(self) -> None:
         try:
-            while self._drain(block=not self.llm.has_unfinished()):
+            while True:
+                idle = not self.llm.has_unfinished()
+                if idle:
+                    self._step_end = None  # the wait for work is not overhead
+                go_on = self._drain(block=idle)
+                self._flush()
+                if not go_on:
+                    break
                 if self.llm.has_unfinished():
                     self._step()
+                    self._flush()
                 self.metrics.sync(self.llm.status())
         except BaseException:  # the thread ends either way; _close tells every request (503 from now on)
             log.exception("the engine thread died")
@@ -168,6 +182,7 @@ class EngineRunner:
             try:
                 item = self._inbox.get_nowait()
             except queue.Empty:
+                self._flush()
                 return
             if item is not None and item[0] == "add":
                 self._release()
@@ -220,8 +235,13 @@ class EngineRunner:
         self.metrics.on_finished("abort", None, None, len(sink.request.output_ids))
 
     def _step(self) -> None:
+        t0 = time.perf_counter()
+        if self._step_end is not None:  # since the last step: delivery, commands, metrics
+            self.metrics.overhead_s.observe(t0 - self._step_end)
         try:
             outputs = self.llm.step()
+            self._step_end = time.perf_counter()
+            self.metrics.step_s.observe(self._step_end - t0)
         except Exception as e:  # a bug must not take the server down: retry once, then fail what is in flight
             self._step_failures += 1
             self.last_error = f"{type(e).__name__}: {e}"
@@ -287,13 +307,31 @@ class EngineRunner:
         self.metrics.on_finished("error", None, None, len(sink.request.output_ids))
         self._post(sink, Event(error=error))
 
-    @staticmethod
-    def _post(sink: _Sink, event: Event) -> None:
+    def _post(self, sink: _Sink, event: Event) -> None:
+        """Queue an Event for its request; _flush hands the step's Events over (one wake-up of the loop)."""
         event.index = sink.index
-        try:
-            sink.loop.call_soon_threadsafe(sink.queue.put_nowait, event)
-        except RuntimeError:  # the event loop is closed (server shutting down)
-            pass
+        self._outbox.append((sink.loop, sink.queue, event))
+
+    def _flush(self) -> None:
+        """Hand the Events posted since the last flush to their event loops: one call_soon_threadsafe per loop,
+        whatever the number of requests (each wake-up makes the loop thread take the GIL from the engine)."""
+        if not self._outbox:
+            return
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+        for loop, q, event in self._outbox:
+            by_loop.setdefault(loop, []).append((q, event))
+        self._outbox = []
+        for loop, items in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, items)
+            except RuntimeError:  # the event loop is closed (server shutting down)
+                pass
+
+
+def _put_all(items: list) -> None:
+    """On the event loop: each (asyncio.Queue, Event) of one engine step."""
+    for q, event in items:
+        q.put_nowait(event)
 
 
 def internal_error(request_id: str) -> APIError:
