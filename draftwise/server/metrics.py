@@ -4,13 +4,17 @@ Owns one CollectorRegistry per app (so tests can build several apps in one proce
 TTFT / E2E / time-per-output-token histograms, prompt and generation token counters, running / waiting
 gauges, free KV slots, the engine thread's time per step in and outside llm.step(), process RSS (ProcessCollector), and the spec-decode counters in the shared stats
 vocabulary (num_drafts, num_draft_tokens, num_accepted_tokens, num_forced_tokens, num_accepted_forced_tokens,
-accepted per position), and the prefix cache's tokens queried / reused. Fed by the engine thread; knows nothing of
+accepted per position), the prefix cache's tokens queried / reused, and per API key (hashed) the admission's
+queue depth, admitted and rejected counts. Fed by the engine thread; knows nothing of
 HTTP.
 """
 from __future__ import annotations
 
+import hashlib
+
 from prometheus_client import (CollectorRegistry, Counter, Gauge, GCCollector, Histogram, ProcessCollector,
                                generate_latest)
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 PREFIX = "draftwise:"
 # vLLM's buckets (vllm/v1/metrics/loggers.py), so dashboards built for it read these the same way
@@ -110,8 +114,43 @@ class ServerMetrics:
         if status.prefix_cache is not None:
             _advance(self.prefix_counters, self._seen_prefix, status.prefix_cache)
 
+    def watch_keys(self, counts) -> None:
+        """Per-key admission figures at each scrape: `counts()` -> {key: (queued, admitted, rejected)}
+        (runner.key_counts). Keys are shown hashed (key_label), never as sent."""
+        self.registry.register(_KeyCollector(counts))
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+def key_label(key: str) -> str:
+    """An admission key as /metrics shows it: "anonymous", or 12 hex digits of a hash of it."""
+    key = key.removeprefix("key:")
+    return hashlib.sha256(key.encode()).hexdigest()[:12] if key else "anonymous"
+
+
+class _KeyCollector:
+    """draftwise:key_queue_depth, key_admitted_total, key_rejected_total, labelled by the hashed key."""
+
+    def __init__(self, counts):
+        self.counts = counts
+
+    def describe(self):
+        return []  # registered without a describe pass: collect() runs at scrape time only
+
+    def collect(self):
+        depth = GaugeMetricFamily(PREFIX + "key_queue_depth", "Requests of one API key queued for a slot.",
+                                  labels=["key"])
+        admitted = CounterMetricFamily(PREFIX + "key_admitted", "Requests of one API key that got a slot.",
+                                       labels=["key"])
+        rejected = CounterMetricFamily(PREFIX + "key_rejected", "Requests of one API key refused with 429.",
+                                       labels=["key"])
+        for key, (queued, n_admitted, n_rejected) in self.counts().items():
+            label = [key_label(key)]
+            depth.add_metric(label, queued)
+            admitted.add_metric(label, n_admitted)
+            rejected.add_metric(label, n_rejected)
+        yield from (depth, admitted, rejected)
 
 
 def _advance(counters: dict, seen: dict, source) -> None:
