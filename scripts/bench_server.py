@@ -57,7 +57,8 @@ def free_port() -> int:
 
 
 def model_flags(args) -> list[str]:
-    flags = ["--model", args.model, "--max-num-seqs", str(args.max_num_seqs)]
+    flags = ["--model", args.model, "--max-num-seqs", str(args.max_num_seqs), "--max-model-len",
+             str(args.max_model_len)]
     if args.threads:
         flags += ["--threads", str(args.threads)]
     if args.weights:
@@ -167,6 +168,7 @@ def main(argv=None) -> int:
     ap.add_argument("--weights", default=None, help="passed to both paths (default: auto)")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--max-num-seqs", type=int, default=8)
+    ap.add_argument("--max-model-len", type=int, default=2048, help="both paths (smaller KV caches)")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--methods", default="plain,ngram,suffix", help=f"comma-separated of {list(METHODS)}")
     ap.add_argument("--concurrency", default="1,4", help="comma-separated request counts sent at once (<= 4)")
@@ -192,6 +194,7 @@ def main(argv=None) -> int:
     for method in methods:
         spec = METHODS[method]
         llm = LLM(args.model, speculative_config=spec, max_num_seqs=args.max_num_seqs, threads=args.threads,
+                  max_model_len=args.max_model_len,
                   **({"weights": args.weights} if args.weights else {}))
         lib_steps = {"n": 0, "s": 0.0}  # the library's steps after the warm-up, and their time
         inner = llm.engine.step

@@ -200,3 +200,18 @@ def test_a_full_key_gets_429_while_another_key_is_served_and_metrics_hash_keys()
         m = s.metrics()
         assert metric(m, "draftwise:key_admitted_total", key=polite) == 1
         assert metric(m, "draftwise:key_admitted_total", key=flood) == 2
+
+
+def test_a_key_back_before_its_retry_after_has_its_refusal_held():
+    now = [100.0]
+    adm = FairAdmission(slots=1, max_waiting=None, max_queued_per_key=1, clock=lambda: now[0])
+    adm.offer("a", "a1")
+    assert adm.early_retry_hold_s("a") == 0.0  # never refused
+    refusal = adm.check("a")
+    assert refusal is not None and adm.early_retry_hold_s("a") == 1.0  # told to wait 1 s
+    now[0] += 0.4
+    assert adm.check("a") is not None  # early again: refused, and the time it was given does not move
+    assert adm.early_retry_hold_s("a") == pytest.approx(0.6)
+    now[0] += 0.6
+    assert adm.early_retry_hold_s("a") == 0.0  # back in time: answered at once
+    assert adm.early_retry_hold_s("b") == 0.0  # another key owes nothing

@@ -6,7 +6,9 @@ waiting and room to run one, so a key that floods the server waits for its own t
 the Retry-After a refused key is told (from its own queue: the keys ahead of it in the round and the measured
 time a request holds a slot), and the per-key counts /metrics shows (queued, admitted, rejected). When the server's
 whole queue is full, a request from a key with a shorter queue pushes out the newest request of the longest queue
-(longest-queue drop), so a full server still takes turns.
+(longest-queue drop), so a full server still takes turns. A key refused again before its Retry-After has passed
+has that refusal held back for the rest of the wait (early_retry_hold_s; at most 1 s), so clients that ignore
+Retry-After cannot keep the server busy with refusals.
 
 A key is whatever the caller names it by (the runner: guard.cache_scope of the Authorization header; requests
 without a key share one). Knows no HTTP, asyncio or engine: the runner calls it under its own lock, and items
@@ -15,9 +17,11 @@ are opaque.
 from __future__ import annotations
 
 import math
+import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
+EARLY_RETRY_HOLD_MAX_S = 1.0  # the longest a refusal of a key that came back early is held before it is sent
 SERVICE_EWMA = 0.2  # weight of the newest request's slot time in the running mean
 RETRY_AFTER_MIN_S, RETRY_AFTER_MAX_S = 1, 60
 
@@ -29,6 +33,7 @@ class KeyState:
     admitted: int = 0  # items that got a slot, ever
     rejected: int = 0  # requests refused (429), ever, including longest-queue drops
     last_queued: int = 0  # the admission's sequence number of this key's newest queued item
+    retry_at: float = 0.0  # clock time the key's last refusal told it to come back at
 
 
 @dataclass
@@ -44,7 +49,7 @@ class FairAdmission:
     over all keys; `max_queued_per_key` / `max_running_per_key`: one key's caps."""
 
     def __init__(self, slots: int, max_waiting: int | None, max_queued_per_key: int | None = None,
-                 max_running_per_key: int | None = None):
+                 max_running_per_key: int | None = None, clock=time.monotonic):
         for name, v in (("max_queued_per_key", max_queued_per_key), ("max_running_per_key", max_running_per_key)):
             if v is not None and v < 1:
                 raise ValueError(f"{name} must be >= 1, got {v}")
@@ -55,6 +60,7 @@ class FairAdmission:
         self.keys: OrderedDict[str, KeyState] = OrderedDict()
         self.queued = 0  # items in all queues
         self._seq = 0  # items ever queued (KeyState.last_queued)
+        self.clock = clock
         self.service_s = 1.0  # running mean of the time a request holds a slot (s); 1 s until one finishes
 
     def _state(self, key: str) -> KeyState:
@@ -80,8 +86,21 @@ class FairAdmission:
         st = self._state(key)
         refusal = self._refusal(st, key)
         if refusal is not None:
-            st.rejected += 1
+            self._rejected(st, refusal)
         return refusal
+
+    def _rejected(self, st: KeyState, refusal: Refusal) -> None:
+        st.rejected += 1
+        now = self.clock()
+        if now >= st.retry_at:  # not while it is early: retrying early does not move the time it was given
+            st.retry_at = now + refusal.retry_after_s
+
+    def early_retry_hold_s(self, key: str) -> float:
+        """How long to hold a refusal of `key` before sending it: the time left of the Retry-After it was given
+        (at most EARLY_RETRY_HOLD_MAX_S), 0 when it came back in time. A client that ignores Retry-After then
+        costs the server one idle wait per request instead of a busy loop of refusals."""
+        st = self.keys.get(key)
+        return 0.0 if st is None else max(0.0, min(EARLY_RETRY_HOLD_MAX_S, st.retry_at - self.clock()))
 
     def _refusal(self, st: KeyState, key: str) -> Refusal | None:
         if self.max_queued_per_key is not None and len(st.queue) >= self.max_queued_per_key:
@@ -105,7 +124,7 @@ class FairAdmission:
         st = self._state(key)
         refusal = self._refusal(st, key)
         if refusal is not None:
-            st.rejected += 1
+            self._rejected(st, refusal)
             return refusal, None
         dropped = None
         if self.max_waiting is not None and self.queued >= self.max_waiting:

@@ -156,8 +156,11 @@ class _Ctx:
         deadline = None if self.request_timeout is None else loop.time() + self.request_timeout
         authorization = request.headers.get("authorization", "")
         key = cache_scope(authorization, "key")  # the admission key: one per API key, always
+        hold = self.runner.early_retry_hold_s(key)  # came back before its Retry-After: read before this refusal
         refusal = self.runner.admission_error(key)  # before reading a body the server would refuse anyway
         if refusal is not None:
+            if refusal.status == 429 and hold > 0:
+                await asyncio.sleep(hold)
             raise refusal
         body = await _read_body(request, self.max_body_bytes)
         scope = cache_scope(authorization, self.scope_mode)

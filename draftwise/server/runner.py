@@ -152,6 +152,11 @@ class EngineRunner:
             refused = self.admission.check(key)
         return None if refused is None else _busy(refused)
 
+    def early_retry_hold_s(self, key: str) -> float:
+        """Seconds to hold a 429 for `key` (it came back before its Retry-After; admission.py)."""
+        with self._lock:
+            return self.admission.early_retry_hold_s(key)
+
     def _down(self) -> APIError | None:
         if self._closed or not self._thread.is_alive():
             return APIError(503, "the engine thread is not running", code="engine_unavailable")
