@@ -1,24 +1,28 @@
 """The engine thread: the one place the server steps the LLM (its engine is not thread safe).
 
 The event loop submits requests and aborts through a thread-safe inbox; a single thread drains it between
-steps, runs llm.step() while there is work (blocking on the inbox when idle) and hands each request's
-text deltas to its asyncio.Queue via loop.call_soon_threadsafe. Continuous batching is the engine's: new
-requests join at the next step, finished or aborted ones free their KV slot before the next step. A request's
-outputs of one step become one Event; a request that asked for token provenance (server/provenance.py) gets
-its step's per-token pieces and draft figures on that Event.
+steps, runs llm.step() while there is work (blocking on the inbox when idle) and hands each request's text
+deltas to its asyncio.Queue: all Events of one step in one loop.call_soon_threadsafe (one wake-up of the loop
+per step, whatever the number of requests). The GIL switch interval is shortened (ENGINE_SWITCH_INTERVAL_S) so
+the loop thread's work never holds a step back for long. Continuous batching is the engine's: new requests
+join at the next step, finished or aborted ones free their KV slot before the next step. A request's outputs
+of one step become one Event; a request that asked for token provenance (server/provenance.py) gets its
+step's per-token pieces and draft figures on that Event.
 
-Admission control lives here too: at most `max_num_seqs + max_waiting` requests in flight (429 beyond), 503 at
-once when the engine thread is down or the server is draining, and every request submitted gets exactly one
-terminal Event (finished or error), whatever happens to the thread. A step that raises is retried once, then
-fails what is in flight; a request the engine itself finishes with finish_reason "error" fails alone. 500s
-carry a request id, never exception text (the traceback goes to the log). Knows no HTTP: routes turn Events
-into responses.
+Admission control lives here too: requests wait in per-API-key queues (admission.py: round-robin, bounded,
+429 with a Retry-After from the key's queue) and enter the engine only when it has a free slot, so the
+engine's own FIFO never reorders them; 503 at once when the engine thread is down or the server is draining;
+every request submitted gets exactly one terminal Event (finished or error), whatever happens to the thread.
+A step that raises is retried once, then fails what is in flight; a request the engine itself finishes with
+finish_reason "error" fails alone. 500s carry a request id, never exception text (the traceback goes to the
+log). Knows no HTTP: routes turn Events into responses.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
 import queue
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -59,6 +63,13 @@ class _Sink:
     started: float | None = None  # perf_counter() when it got an engine slot (None: still queued)
 
 
+# The engine thread drops the GIL in every kernel call (hundreds per step) and must take it back after each; while
+# the event loop thread holds it (handing a step's events to routes, framing SSE, answering 429s), a waiting thread
+# gets it only when the holder blocks or after this interval. CPython's 5 ms default let the loop stretch steps of
+# the 1.5B by a third under load; 0.5 ms bounds that wait (docs/PERFORMANCE.md, server overhead). Process-wide.
+ENGINE_SWITCH_INTERVAL_S = 0.0005
+
+
 class EngineRunner:
     def __init__(self, llm, metrics, max_waiting: int | None = None, max_queued_per_key: int | None = None,
                  max_running_per_key: int | None = None):
@@ -81,9 +92,7 @@ class EngineRunner:
 
     # ---- event-loop side --------------------------------------------------------------------------
     def start(self) -> None:
-        import os, sys
-        if os.environ.get("DRAFTWISE_SWITCH_INTERVAL"):  # EXPERIMENT
-            sys.setswitchinterval(float(os.environ["DRAFTWISE_SWITCH_INTERVAL"]))
+        sys.setswitchinterval(ENGINE_SWITCH_INTERVAL_S)
         self._thread.start()
 
     def stop(self, timeout: float = 10.0) -> None:
