@@ -8,7 +8,6 @@ planted first-come-first-served admission (one global queue, 429 when full) must
 from __future__ import annotations
 
 import random
-import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 
@@ -168,18 +167,22 @@ def bearer(key: str) -> dict:
 def test_a_full_key_gets_429_while_another_key_is_served_and_metrics_hash_keys():
     llm = tiny_llm(max_num_seqs=1, max_model_len=256)
     app = create_app(llm, MODEL, max_waiting=8, max_queued_per_key=1)
+    started = []  # the engine's requests in the order they got the slot, by cache scope (one per key)
+    add = llm.add_request
+    llm.add_request = lambda req: (started.append(req.cache_scope), add(req))[1]
     with Server(app) as s, ThreadPoolExecutor(3) as pool:
         gate = StepGate(llm.engine, blocked=True)
         try:
             runner = s.app.state.runner
             def post(key):
                 r = httpx.post(s.url + "/v1/completions", json=GOOD, headers=bearer(key), timeout=60)
-                return r, time.monotonic()
+                return r
 
-            pending = [pool.submit(post, "flooder-secret") for _ in range(2)]  # one running, one queued
+            pending = [pool.submit(post, "flooder-secret")]  # it takes the slot (the gate holds its first step)
+            wait_until(lambda: len(started) == 1)
+            pending.append(pool.submit(post, "flooder-secret"))  # it queues: the key's one queued request
             wait_until(lambda: runner.in_flight == 2)
             refused = post("flooder-secret")
-            refused = refused[0]
             assert refused.status_code == 429 and int(refused.headers["retry-after"]) >= 1
             other = pool.submit(post, "polite-secret")  # its own queue is empty: it queues
             wait_until(lambda: runner.in_flight == 3)
@@ -193,10 +196,10 @@ def test_a_full_key_gets_429_while_another_key_is_served_and_metrics_hash_keys()
             assert metric(m, "draftwise:key_rejected_total", key=polite) == 0
         finally:
             gate.restore()
-        flooded, polite_done = [p.result() for p in pending], other.result()
-        assert [r.status_code for r, _ in flooded] + [polite_done[0].status_code] == [200, 200, 200]
+        assert [p.result().status_code for p in pending + [other]] == [200, 200, 200]
         # round-robin: the polite key's request went before the flooder's second one (its turn came first)
-        assert polite_done[1] < max(t for _, t in flooded)
+        flood_scope, polite_scope = (cache_scope(f"Bearer {k}") for k in ("flooder-secret", "polite-secret"))
+        assert started == [flood_scope, polite_scope, flood_scope]
         m = s.metrics()
         assert metric(m, "draftwise:key_admitted_total", key=polite) == 1
         assert metric(m, "draftwise:key_admitted_total", key=flood) == 2
