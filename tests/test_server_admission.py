@@ -114,8 +114,26 @@ def test_planted_first_come_first_served_fails_the_fairness_check():
     assert set(unfair_keys(log)) == set(GOOD_KEYS)
 
 
+def fill_slots(adm: FairAdmission) -> None:
+    """Every slot taken by key "busy" (a request queued while a slot is free is not waiting: it starts at once)."""
+    for i in range(adm.slots):
+        adm.offer("busy", i)
+        assert adm.pop() == ("busy", i)
+
+
+def test_a_request_a_free_slot_takes_at_once_is_not_counted_as_waiting():
+    adm = FairAdmission(slots=1, max_waiting=1, max_queued_per_key=1)
+    assert adm.offer("a", "a1") == (None, None)  # the slot is free: a1 is not waiting
+    assert adm.offer("a", "a2") == (None, None)  # so a2 is the key's one waiting request
+    assert adm.pop() == ("a", "a1")
+    assert adm.offer("a", "a3")[0] is not None  # the slot is taken: the key's cap
+    refusal, dropped = adm.offer("b", "b1")  # the server's queue is full, a's is the longer: a2 makes room
+    assert refusal is None and dropped[0] == "a2"
+
+
 def test_per_key_queue_cap_and_retry_after_from_the_keys_queue():
     adm = FairAdmission(slots=2, max_waiting=100, max_queued_per_key=2)
+    fill_slots(adm)
     for key in ("a", "b", "c"):
         for _ in range(2):
             assert adm.offer(key, object()) == (None, None)
@@ -127,6 +145,7 @@ def test_per_key_queue_cap_and_retry_after_from_the_keys_queue():
     assert adm.service_s == pytest.approx(1.0 + 0.2 * 9.0)
     assert adm.retry_after("a") == 3  # ceil(2 keys ahead * 2.8 s / 2 slots)
     assert adm.counts()["a"] == (2, 0, 1)
+    assert adm.counts()["busy"] == (0, 2, 0)
 
 
 def test_round_robin_order_and_running_cap():
@@ -143,6 +162,7 @@ def test_round_robin_order_and_running_cap():
 
 def test_longest_queue_drop_makes_room_for_a_shorter_queue():
     adm = FairAdmission(slots=1, max_waiting=3)
+    fill_slots(adm)
     for item in ("f1", "f2", "f3"):
         adm.offer("flood", item)
     refusal, dropped = adm.offer("good", "g1")
@@ -208,6 +228,7 @@ def test_a_full_key_gets_429_while_another_key_is_served_and_metrics_hash_keys()
 def test_a_key_back_before_its_retry_after_has_its_refusal_held():
     now = [100.0]
     adm = FairAdmission(slots=1, max_waiting=None, max_queued_per_key=1, clock=lambda: now[0])
+    fill_slots(adm)
     adm.offer("a", "a1")
     assert adm.early_retry_hold_s("a") == 0.0  # never refused
     refusal = adm.check("a")

@@ -59,6 +59,7 @@ class FairAdmission:
         # round-robin order, least recently served first (a new key before every key served already)
         self.keys: OrderedDict[str, KeyState] = OrderedDict()
         self.queued = 0  # items in all queues
+        self.running = 0  # items holding a slot, all keys
         self._seq = 0  # items ever queued (KeyState.last_queued)
         self.clock = clock
         self.service_s = 1.0  # running mean of the time a request holds a slot (s); 1 s until one finishes
@@ -103,10 +104,13 @@ class FairAdmission:
         return 0.0 if st is None else max(0.0, min(EARLY_RETRY_HOLD_MAX_S, st.retry_at - self.clock()))
 
     def _refusal(self, st: KeyState, key: str) -> Refusal | None:
-        if self.max_queued_per_key is not None and len(st.queue) >= self.max_queued_per_key:
+        # queued items that a free slot takes at once do not count as waiting (the engine thread moves them)
+        free = max(0, self.slots - self.running)
+        key_free = free if self.max_running_per_key is None else min(free, self.max_running_per_key - st.running)
+        if self.max_queued_per_key is not None and len(st.queue) - max(0, key_free) >= self.max_queued_per_key:
             return Refusal(f"this API key has {len(st.queue)} requests queued, the most one key may queue",
                            self.retry_after(key))
-        if self.max_waiting is not None and self.queued >= self.max_waiting and self._longest(st) is None:
+        if self.max_waiting is not None and self.queued - free >= self.max_waiting and self._longest(st) is None:
             return Refusal(f"the server is busy ({self.queued} requests queued, the most it takes)",
                            self.retry_after(key))
         return None
@@ -127,7 +131,7 @@ class FairAdmission:
             self._rejected(st, refusal)
             return refusal, None
         dropped = None
-        if self.max_waiting is not None and self.queued >= self.max_waiting:
+        if self.max_waiting is not None and self.queued - max(0, self.slots - self.running) >= self.max_waiting:
             longest = self._longest(st)
             longest_key = next(k for k, s in self.keys.items() if s is longest)
             item_out = longest.queue.pop()  # the newest of the longest queue
@@ -150,6 +154,7 @@ class FairAdmission:
                 item = st.queue.popleft()
                 self.queued -= 1
                 st.running += 1
+                self.running += 1
                 st.admitted += 1
                 self.keys.move_to_end(key)
                 return key, item
@@ -172,6 +177,7 @@ class FairAdmission:
         st = self.keys.get(key)
         if st is not None and st.running > 0:
             st.running -= 1
+            self.running -= 1
         if slot_s is not None and slot_s > 0:
             self.service_s += SERVICE_EWMA * (slot_s - self.service_s)
 

@@ -78,8 +78,7 @@ class EngineRunner:
         self._sinks: dict[str, _Sink] = {}  # engine thread only
         self._thread = threading.Thread(target=self._run, name="draftwise-llm", daemon=True)
         self.last_error: str | None = None
-        self.max_in_flight = None if max_waiting is None else llm.max_num_seqs + max_waiting
-        self._lock = threading.Lock()  # guards the three below
+        self._lock = threading.Lock()  # guards admission, _in_flight and _closed
         # requests wait here (per API key, round-robin) until the engine has a free slot: the engine's own queue
         # stays empty, so the order requests start in is this one's
         self.admission = FairAdmission(llm.max_num_seqs, max_waiting, max_queued_per_key, max_running_per_key)
