@@ -50,9 +50,12 @@ PREP_WORKERS = 2  # threads that decode, validate and tokenize request bodies
 def create_app(llm, served_model_name: str, api_key: str | None = None,
                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, limits: RequestLimits | None = None,
                max_waiting: int = DEFAULT_MAX_WAITING, request_timeout: float | None = DEFAULT_REQUEST_TIMEOUT_S,
-               allowed_hosts=LOOPBACK_HOSTS, allowed_origins=(), suffix_cache_scope: str = "key") -> FastAPI:
+               allowed_hosts=LOOPBACK_HOSTS, allowed_origins=(), suffix_cache_scope: str = "key",
+               max_queued_per_key: int | None = None, max_running_per_key: int | None = None) -> FastAPI:
     metrics = ServerMetrics(served_model_name, llm.max_num_seqs, llm.spec_config.k_max)
-    runner = EngineRunner(llm, metrics, max_waiting=max_waiting)
+    runner = EngineRunner(llm, metrics, max_waiting=max_waiting, max_queued_per_key=max_queued_per_key,
+                          max_running_per_key=max_running_per_key)
+    metrics.watch_keys(runner.key_counts)
     pool = ThreadPoolExecutor(PREP_WORKERS, thread_name_prefix="draftwise-prep")
 
     @asynccontextmanager
@@ -151,13 +154,18 @@ class _Ctx:
         """Admission check, body, then decode + validate + tokenize in the worker pool, then generate."""
         loop = asyncio.get_running_loop()
         deadline = None if self.request_timeout is None else loop.time() + self.request_timeout
-        refusal = self.runner.admission_error()  # before reading a body the server would refuse anyway
+        authorization = request.headers.get("authorization", "")
+        key = cache_scope(authorization, "key")  # the admission key: one per API key, always
+        hold = self.runner.early_retry_hold_s(key)  # came back before its Retry-After: read before this refusal
+        refusal = self.runner.admission_error(key)  # before reading a body the server would refuse anyway
         if refusal is not None:
+            if refusal.status == 429 and hold > 0:
+                await asyncio.sleep(hold)
             raise refusal
         body = await _read_body(request, self.max_body_bytes)
-        scope = cache_scope(request.headers.get("authorization", ""), self.scope_mode)
+        scope = cache_scope(authorization, self.scope_mode)
         prepared, req, choice = await loop.run_in_executor(self.pool, self.prepare, body, chat, scope)
-        return await self.generate(request, prepared, req, chat, deadline, choice)
+        return await self.generate(request, prepared, req, chat, deadline, choice, key)
 
     def prepare(self, body: bytes, chat: bool, scope: str = ""):
         """Worker thread: strict JSON, field policy and limits, then tokens, then the context check."""
@@ -205,14 +213,14 @@ class _Ctx:
                              f"{self.request_timeout:g} s", code="timeout")
 
     async def generate(self, request: Request, prepared: list, req, chat: bool, deadline: float | None = None,
-                       choice: tools.ToolChoice | None = None):
-        """Queue the request's n samples (one queue; Events carry their index), wait until each is admitted (an
+                       choice: tools.ToolChoice | None = None, key: str = ""):
+        """Queue the request's n samples (under admission `key`) (one queue; Events carry their index), wait until each is admitted (an
         error is the response's status), then stream or collect."""
         q: asyncio.Queue = asyncio.Queue()
         rids, early = [], []  # early: outputs that arrived before every sample was admitted
         try:
             for i, one in enumerate(prepared):
-                rids.append(self.runner.enqueue(one, q, i)[0])
+                rids.append(self.runner.enqueue(one, q, i, key)[0])
             admitted = 0
             while admitted < len(prepared):
                 ev = await asyncio.wait_for(q.get(), self._timeout(deadline))

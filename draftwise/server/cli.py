@@ -50,6 +50,11 @@ def register(sub) -> None:
     g.add_argument("--max-waiting", type=int, default=L.DEFAULT_MAX_WAITING,
                    help="requests queued beyond the --max-num-seqs slots; 429 with Retry-After above "
                         "(default: %(default)s)")
+    g.add_argument("--max-queued-per-key", type=int, default=None,
+                   help="requests one API key (anonymous requests: one key) may have queued for a slot; 429 with "
+                        "a Retry-After from its queue above. Keys are served round-robin (default: --max-waiting)")
+    g.add_argument("--max-running-per-key", type=int, default=None,
+                   help="requests of one API key decoded at once; more wait in its queue (default: --max-num-seqs)")
     g.add_argument("--request-timeout", type=float, default=L.DEFAULT_REQUEST_TIMEOUT_S,
                    help="seconds a request may take, queueing included; then it is aborted (504, or an error "
                         "event and [DONE] on a stream) (default: %(default)s)")
@@ -89,7 +94,8 @@ def cmd_serve(args) -> int:
                      max_body_bytes=args.max_body_bytes, limits=limits, max_waiting=args.max_waiting,
                      request_timeout=args.request_timeout or None,
                      allowed_hosts=allowed_hosts(args.allowed_hosts, args.host, LOOPBACK_HOSTS),
-                     allowed_origins=_split(args.allowed_origins), suffix_cache_scope=args.suffix_cache_scope)
+                     allowed_origins=_split(args.allowed_origins), suffix_cache_scope=args.suffix_cache_scope,
+                     max_queued_per_key=args.max_queued_per_key, max_running_per_key=args.max_running_per_key)
     spec_config = llm.spec_config
     print(f"draftwise: serving {args.model!r} on http://{args.host}:{args.port}/v1 "
           f"(speculation: {spec_config.method}, max_num_seqs {args.max_num_seqs}, context {llm.max_model_len}, "

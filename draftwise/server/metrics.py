@@ -2,15 +2,19 @@
 
 Owns one CollectorRegistry per app (so tests can build several apps in one process) with request counts,
 TTFT / E2E / time-per-output-token histograms, prompt and generation token counters, running / waiting
-gauges, free KV slots, process RSS (ProcessCollector), and the spec-decode counters in the shared stats
+gauges, free KV slots, the engine thread's time per step in and outside llm.step(), process RSS (ProcessCollector), and the spec-decode counters in the shared stats
 vocabulary (num_drafts, num_draft_tokens, num_accepted_tokens, num_forced_tokens, num_accepted_forced_tokens,
-accepted per position), and the prefix cache's tokens queried / reused. Fed by the engine thread; knows nothing of
+accepted per position), the prefix cache's tokens queried / reused, and per API key (hashed) the admission's
+queue depth, admitted and rejected counts. Fed by the engine thread; knows nothing of
 HTTP.
 """
 from __future__ import annotations
 
+import hashlib
+
 from prometheus_client import (CollectorRegistry, Counter, Gauge, GCCollector, Histogram, ProcessCollector,
                                generate_latest)
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 PREFIX = "draftwise:"
 # vLLM's buckets (vllm/v1/metrics/loggers.py), so dashboards built for it read these the same way
@@ -18,6 +22,8 @@ TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75
                 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
 E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
                480.0, 960.0, 1920.0, 7680.0)
+STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5,
+                5.0, 10.0)  # one engine step (ours: vLLM has no such histogram)
 TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
                 40.0, 80.0)
 # + the grammar's forced tokens (structured outputs), a subset of the draft tokens, and how many were accepted
@@ -55,6 +61,9 @@ class ServerMetrics:
         self.e2e = hist("e2e_request_latency_seconds", "Arrival to last output token.", E2E_BUCKETS)
         self.tpot = hist("request_time_per_output_token_seconds", "(E2E - TTFT) / (output tokens - 1).",
                          TPOT_BUCKETS)
+        self.step_s = hist("engine_step_seconds", "Engine thread: time in one llm.step().", STEP_BUCKETS)
+        self.overhead_s = hist("engine_overhead_seconds", "Engine thread, per step while it has work: time outside "
+                               "llm.step() (handing outputs over, commands, metrics).", STEP_BUCKETS)
         self.spec_counters = {f: counter(f"spec_decode_{f}", f"Speculative decoding: {f.replace('_', ' ')}.")
                      for f in _SPEC_FIELDS}
         self.per_pos = Counter(PREFIX + "spec_decode_num_accepted_tokens_per_pos",
@@ -105,8 +114,43 @@ class ServerMetrics:
         if status.prefix_cache is not None:
             _advance(self.prefix_counters, self._seen_prefix, status.prefix_cache)
 
+    def watch_keys(self, counts) -> None:
+        """Per-key admission figures at each scrape: `counts()` -> {key: (queued, admitted, rejected)}
+        (runner.key_counts). Keys are shown hashed (key_label), never as sent."""
+        self.registry.register(_KeyCollector(counts))
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+def key_label(key: str) -> str:
+    """An admission key as /metrics shows it: "anonymous", or 12 hex digits of a hash of it."""
+    key = key.removeprefix("key:")
+    return hashlib.sha256(key.encode()).hexdigest()[:12] if key else "anonymous"
+
+
+class _KeyCollector:
+    """draftwise:key_queue_depth, key_admitted_total, key_rejected_total, labelled by the hashed key."""
+
+    def __init__(self, counts):
+        self.counts = counts
+
+    def describe(self):
+        return []  # registered without a describe pass: collect() runs at scrape time only
+
+    def collect(self):
+        depth = GaugeMetricFamily(PREFIX + "key_queue_depth", "Requests of one API key queued for a slot.",
+                                  labels=["key"])
+        admitted = CounterMetricFamily(PREFIX + "key_admitted", "Requests of one API key that got a slot.",
+                                       labels=["key"])
+        rejected = CounterMetricFamily(PREFIX + "key_rejected", "Requests of one API key refused with 429.",
+                                       labels=["key"])
+        for key, (queued, n_admitted, n_rejected) in self.counts().items():
+            label = [key_label(key)]
+            depth.add_metric(label, queued)
+            admitted.add_metric(label, n_admitted)
+            rejected.add_metric(label, n_rejected)
+        yield from (depth, admitted, rejected)
 
 
 def _advance(counters: dict, seen: dict, source) -> None:

@@ -1,0 +1,264 @@
+#!/usr/bin/env python
+"""The server's overhead: the same greedy requests through the library (api.LLM in this process) and through a
+`draftwise serve` this script starts, side by side, as tok/s and the ratio server / library per row.
+
+Rows: each method (plain, ngram, suffix) x concurrency (1, 4) x {not streamed, streamed}. Concurrency c sends the
+first c prompts at once; the library runs the same c prompts as one batched `LLM.generate`. tok/s = all output
+tokens / wall from the first request sent to the last byte received. Each row is measured --repeats times,
+library and server interleaved (so machine noise hits both), and the median is printed; the first request of each
+kind is a warm-up, not counted. Every server output is compared with the library's (greedy: they must be equal;
+the `same` column says so).
+
+    .venv/bin/python scripts/bench_server.py                      # packaged 1.5B, 128 tokens, all rows
+    .venv/bin/python scripts/bench_server.py --model gemma-3-270m --methods plain --repeats 1   # a quick run
+
+The server runs as its own process (`python -m draftwise.cli serve`, from this checkout) on a free loopback port,
+with the same model flags; it is stopped with SIGTERM at the end. Its /metrics engine-loop figures
+(draftwise:engine_step_seconds, draftwise:engine_overhead_seconds) are printed per method beside the library's
+own time per step: where the server's time went. Not a test: it measures; it asserts nothing (exit 1 only when an output differs or a request fails).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import re
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+PROMPTS = [
+    "def quicksort(xs):\n    \"\"\"Sort a list of integers with quicksort and return a new list.\"\"\"\n",
+    "# A Python class for a bank account with deposit, withdraw and a transaction history\nclass BankAccount:\n",
+    "def parse_csv_line(line, sep=','):\n    \"\"\"Split one CSV line into fields, honouring double quotes.\"\"\"\n",
+    "# Binary search tree with insert, delete and in-order traversal\nclass Node:\n",
+]
+METHODS = {
+    "plain": None,
+    "ngram": {"method": "ngram", "num_speculative_tokens": 3},
+    "suffix": {"method": "suffix", "num_speculative_tokens": "auto"},
+}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def model_flags(args) -> list[str]:
+    flags = ["--model", args.model, "--max-num-seqs", str(args.max_num_seqs), "--max-model-len",
+             str(args.max_model_len)]
+    if args.threads:
+        flags += ["--threads", str(args.threads)]
+    if args.weights:
+        flags += ["--weights", args.weights]
+    return flags
+
+
+class Server:
+    """A `draftwise serve` subprocess on a loopback port."""
+
+    def __init__(self, args, spec: dict | None):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        cmd = [sys.executable, "-m", "draftwise.cli", "serve", *model_flags(args), "--port", str(self.port),
+               "--log-level", "warning", "--served-model-name", "bench"]
+        if spec is not None:
+            cmd += ["--speculative-config", json.dumps(spec)]
+        cmd += args.serve_args
+        env = dict(os.environ, HF_HUB_OFFLINE="1")
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env)
+        deadline = time.monotonic() + args.load_timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise SystemExit(f"the server exited with {self.proc.returncode} while loading")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        self.stop()
+        raise SystemExit(f"the server did not answer /health within {args.load_timeout:g} s")
+
+    def metrics(self) -> str:
+        return httpx.get(self.url + "/metrics", timeout=30).text
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def body(prompt: str, max_tokens: int, stream: bool) -> dict:
+    b = {"model": "bench", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True}
+    if stream:
+        b |= {"stream": True, "stream_options": {"include_usage": True}}
+    return b
+
+
+async def one(client: httpx.AsyncClient, prompt: str, max_tokens: int, stream: bool) -> tuple[str, int]:
+    """(text, completion tokens) of one request."""
+    if not stream:
+        r = await client.post("/v1/completions", json=body(prompt, max_tokens, False))
+        r.raise_for_status()
+        js = r.json()
+        return js["choices"][0]["text"], int(js["usage"]["completion_tokens"])
+    parts, tokens = [], 0
+    async with client.stream("POST", "/v1/completions", json=body(prompt, max_tokens, True)) as r:
+        r.raise_for_status()
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if "error" in chunk:
+                raise RuntimeError(f"stream error: {chunk['error']}")
+            if chunk.get("usage"):
+                tokens = int(chunk["usage"]["completion_tokens"])
+            for c in chunk.get("choices", []):
+                parts.append(c.get("text") or "")
+    return "".join(parts), tokens
+
+
+async def server_run(url: str, prompts: list[str], max_tokens: int, stream: bool) -> tuple[float, int, list[str]]:
+    """(wall s, output tokens, texts) of the prompts sent at once."""
+    async with httpx.AsyncClient(base_url=url, timeout=600) as client:
+        t0 = time.perf_counter()
+        res = await asyncio.gather(*(one(client, p, max_tokens, stream) for p in prompts))
+        wall = time.perf_counter() - t0
+    return wall, sum(n for _, n in res), [t for t, _ in res]
+
+
+def library_run(llm, prompts: list[str], max_tokens: int) -> tuple[float, int, list[str]]:
+    from draftwise.sampling import SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params)
+    wall = time.perf_counter() - t0
+    return wall, sum(len(o.outputs[0].token_ids) for o in outs), [o.outputs[0].text for o in outs]
+
+
+def metric_sum(text: str, name: str) -> tuple[float, float]:
+    """(_sum, _count) of a histogram in a /metrics text (0, 0 when absent)."""
+    def get(suffix):
+        m = re.search(rf"^draftwise:{name}_{suffix}{{[^}}]*}} ([0-9.e+-]+)$", text, re.M)
+        return float(m.group(1)) if m else 0.0
+    return get("sum"), get("count")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="qwen2.5-coder-1.5b-instruct")
+    ap.add_argument("--weights", default=None, help="passed to both paths (default: auto)")
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--max-num-seqs", type=int, default=8)
+    ap.add_argument("--max-model-len", type=int, default=2048, help="both paths (smaller KV caches)")
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--methods", default="plain,ngram,suffix", help=f"comma-separated of {list(METHODS)}")
+    ap.add_argument("--concurrency", default="1,4", help="comma-separated request counts sent at once (<= 4)")
+    ap.add_argument("--repeats", type=int, default=3, help="measurements per row (median printed)")
+    ap.add_argument("--load-timeout", type=float, default=300.0, help="seconds the server may take to load")
+    ap.add_argument("--serve-arg", dest="serve_args", action="append", default=[],
+                    help="extra `draftwise serve` argument (repeatable, e.g. --serve-arg=--no-thread-guard)")
+    ap.add_argument("--json", default=None, help="also write the rows to this JSON file")
+    args = ap.parse_args(argv)
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    bad = [m for m in methods if m not in METHODS]
+    if bad:
+        ap.error(f"unknown method(s) {bad}; choose from {list(METHODS)}")
+    concs = [int(c) for c in args.concurrency.split(",")]
+    if any(not 1 <= c <= len(PROMPTS) for c in concs):
+        ap.error(f"--concurrency values must be 1..{len(PROMPTS)}")
+
+    from draftwise.api import LLM
+
+    rows, ok = [], True
+    print(f"{'method':7} {'conc':>4} {'mode':10} {'library tok/s':>13} {'server tok/s':>12} {'ratio':>6} same",
+          flush=True)
+    for method in methods:
+        spec = METHODS[method]
+        llm = LLM(args.model, speculative_config=spec, max_num_seqs=args.max_num_seqs, threads=args.threads,
+                  max_model_len=args.max_model_len,
+                  **({"weights": args.weights} if args.weights else {}))
+        lib_steps = {"n": 0, "s": 0.0}  # the library's steps after the warm-up, and their time
+        inner = llm.engine.step
+
+        def counted_step():
+            t = time.perf_counter()
+            out = inner()
+            lib_steps["s"] += time.perf_counter() - t
+            lib_steps["n"] += 1
+            return out
+
+        server = Server(args, spec)
+        try:
+            # warm-up: one request of each kind on each path (kernels, caches, first-request costs)
+            library_run(llm, PROMPTS[:max(concs)], args.max_tokens)
+            for stream in (False, True):
+                asyncio.run(server_run(server.url, PROMPTS[:max(concs)], args.max_tokens, stream))
+            m0 = server.metrics()
+            llm.engine.step = counted_step
+            for c in concs:
+                prompts = PROMPTS[:c]
+                lib, srv = [], {False: [], True: []}
+                same = {False: True, True: True}
+                for _ in range(args.repeats):
+                    wall, n, lib_texts = library_run(llm, prompts, args.max_tokens)
+                    lib.append(n / wall)
+                    for stream in (False, True):
+                        wall, n, texts = asyncio.run(server_run(server.url, prompts, args.max_tokens, stream))
+                        srv[stream].append(n / wall)
+                        if texts != lib_texts and same[stream]:
+                            i = next(j for j, (a, b) in enumerate(zip(texts, lib_texts)) if a != b)
+                            at = next((j for j, (a, b) in enumerate(zip(texts[i], lib_texts[i])) if a != b),
+                                      min(len(texts[i]), len(lib_texts[i])))
+                            print(f"  prompt {i}: the server's text differs from the library's at character {at}: "
+                                  f"{texts[i][at:at + 40]!r} vs {lib_texts[i][at:at + 40]!r}", flush=True)
+                        same[stream] &= texts == lib_texts
+                for stream in (False, True):
+                    lib_tps, srv_tps = statistics.median(lib), statistics.median(srv[stream])
+                    mode = "streamed" if stream else "whole"
+                    ok &= same[stream]
+                    rows.append({"method": method, "concurrency": c, "mode": mode, "library_tok_s": lib_tps,
+                                 "server_tok_s": srv_tps, "ratio": srv_tps / lib_tps, "same_text": same[stream],
+                                 "library_all": lib, "server_all": srv[stream]})
+                    print(f"{method:7} {c:>4} {mode:10} {lib_tps:>13.2f} {srv_tps:>12.2f} {srv_tps / lib_tps:>6.3f} "
+                          f"{'yes' if same[stream] else 'NO'}", flush=True)
+            m1 = server.metrics()
+            step_s, steps = (a - b for a, b in zip(metric_sum(m1, "engine_step_seconds"),
+                                                   metric_sum(m0, "engine_step_seconds")))
+            over_s, overs = (a - b for a, b in zip(metric_sum(m1, "engine_overhead_seconds"),
+                                                   metric_sum(m0, "engine_overhead_seconds")))
+            if steps:
+                print(f"  {method}: library {lib_steps['n']} steps, {1000 * lib_steps['s'] / lib_steps['n']:.2f} ms "
+                      f"per llm.step(); server {steps:.0f} steps, {1000 * step_s / steps:.2f} ms per llm.step(), "
+                      f"{1000 * over_s / max(overs, 1):.2f} ms between steps (engine thread)", flush=True)
+        except (httpx.HTTPError, RuntimeError) as e:
+            print(f"request failed: {type(e).__name__}: {e}", flush=True)
+            ok = False
+        finally:
+            server.stop()
+            del llm
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
