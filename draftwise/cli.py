@@ -12,7 +12,8 @@ import json
 import sys
 
 from draftwise.bench import cli as bench_cli
-from draftwise.cli_args import add_model_args, add_sampling_args, llm_from_args, plan_lines, sampling_from_args
+from draftwise.cli_args import (add_model_args, add_sampling_args, llm_from_args, plan_lines, sampling_from_args,
+                                weights_arg)
 from draftwise.config import ConfigError
 from draftwise.models.catalog import DEFAULT_TARGET
 from draftwise.server import cli as server_cli
@@ -185,6 +186,37 @@ def register_equivalence(sub) -> None:
     v.set_defaults(func=cmd_equivalence)
 
 
+# ---- quality ------------------------------------------------------------------------------------
+def cmd_quality(args) -> int:
+    from draftwise.bench.quality import format_quality, quality
+
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    weights = [w.strip() for w in args.weights.split(",") if w.strip()]
+    for w in weights + [args.reference]:
+        weights_arg(w)
+    result = quality(args.model, weights, args.reference, args.text, args.tokens, not args.no_llama_cpp,
+                     args.threads)
+    print(json.dumps(result) if args.json else format_quality(result))
+    return 0
+
+
+def register_quality(sub) -> None:
+    q = sub.add_parser("quality", help="mean / p99 KL, top-1 agreement and perplexity of plans against the file's "
+                                       "dense model (--weights fp32), and llama.cpp's when importable")
+    q.add_argument("--model", default=DEFAULT_TARGET, help="catalog name, .gguf file or HF checkpoint dir")
+    q.add_argument("--weights", default="auto", help="comma-separated plans to measure, e.g. auto,q4x8")
+    q.add_argument("--reference", default="fp32", help="the reference plan (default fp32: the dequantized file)")
+    q.add_argument("--text", default=None, help="a UTF-8 text file (default: the shipped ~1k-token code + prose)")
+    q.add_argument("--tokens", type=int, default=1024, help="tokens of the text to score")
+    q.add_argument("--threads", type=int, default=None, help="torch (and llama.cpp) CPU threads")
+    q.add_argument("--no-llama-cpp", action="store_true", help="skip llama.cpp even when llama_cpp is importable")
+    q.add_argument("--json", action="store_true")
+    q.set_defaults(func=cmd_quality)
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="draftwise", description="Local LLM engine with speculative decoding")
     sub = ap.add_subparsers(dest="command", required=True)
@@ -206,6 +238,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     register_equivalence(sub)
     register_kernels(sub)
+    register_quality(sub)
     server_cli.register(sub)
     bench_cli.register(sub)
     return ap
