@@ -39,6 +39,12 @@ SOURCES = ("pinned", "tuned", "cached", "default", "file")
 # GGUF block type -> the kernel that holds it exactly (kernels/linear.py); other types -> fp32, dequantized exactly
 FAITHFUL_KERNELS = {"Q4_K": "q4x8", "Q6_K": "q6k", "Q8_0": "q8_0", "Q5_0": "q8_0"}
 EXACT_DENSE = "fp32"
+FLOAT_TYPES = ("F32", "F16", "BF16", "F64")  # a GGUF holding only these has no quantization to honour
+
+
+def quantized(stored_types: dict | None) -> bool:
+    """Whether a census of stored types holds any quantized tensor (then `auto` is the faithful plan)."""
+    return any(t not in FLOAT_TYPES for t in stored_types or {})
 
 
 def faithful_kernel(gguf_type: str) -> str:
@@ -190,7 +196,8 @@ def resolve_plan(weights: str, dtype: str, cfg, device: str = "cpu", tune=None, 
     kernel. `weights` and `dtype` were validated where they were parsed (config.py)."""
     names = parse_weights(weights, device)
     tuning, source, provisional = None, "pinned", False
-    if names == ("faithful", "faithful") or (names is None and stored_types and device == "cpu" and _kernels_build()):
+    if names == ("faithful", "faithful") or (names is None and quantized(stored_types) and device == "cpu"
+                                              and _kernels_build()):
         if not stored_types:
             raise ValueError("weights 'faithful' keeps a GGUF's stored types: it needs a GGUF model on the cpu")
         act = dtype if dtype != "auto" else "float32"
