@@ -112,7 +112,8 @@ def cmd_kernels(args) -> int:
     check_device(args.device)
     if args.threads:
         torch.set_num_threads(args.threads)
-    cfg = load_checkpoint(args.model).config  # config and tokenizer only: no weights are read
+    ckpt = load_checkpoint(args.model)
+    cfg = ckpt.config  # config and tokenizer only: no weights are read
     result = autotune.autotune(autotune.shapes_from_config(cfg), refresh=args.refresh, fast=not args.full,
                                device=args.device)
     if args.json:
@@ -128,7 +129,28 @@ def cmd_kernels(args) -> int:
           + (f" with {max(busy):.1f} other cores busy" if busy else "")
           + ("; PROVISIONAL: timed under load, re-timed at the next quiet start (or --refresh)"
              if result.get("provisional") else ""))
+    print(_faithful_note(ckpt, cfg, list(result["table"]["ms"])))
     return 0
+
+
+def _faithful_note(ckpt, cfg, candidates: list[str]) -> str:
+    """For a quantized GGUF: what `auto` runs (every tensor as stored) and which timed candidates are lossy."""
+    from draftwise.kernels.plan import KernelPlan, quantized
+    from draftwise.models.quant import type_census
+
+    types = ckpt.tensor_types() if "converted_path" in ckpt.info else None
+    census = type_census(types, cfg) if types else None
+    if not quantized(census):
+        return "a dense checkpoint: --weights auto takes the choice above"
+    faithful = KernelPlan("q4x8", "q4x8", "float32", faithful=True, stored_types=census)
+    lines = [f"this GGUF stores {faithful.types_text().replace('->', ' -> ')}: --weights auto runs the faithful plan "
+             "(each tensor by the kernel of its stored type), not the table's choice"]
+    for name in candidates:
+        lossy = KernelPlan(name, name, "float32", stored_types=census).lossy_types
+        if lossy:
+            lines.append(f"{name}: LOSSY here (requantizes the file's {', '.join(lossy)} tensors); "
+                         f"`draftwise quality --weights auto,{name}` measures the cost in KL")
+    return "\n".join(lines)
 
 
 def register_kernels(sub) -> None:
