@@ -162,3 +162,14 @@ def test_registered_with_their_stored_form(kernel):
     x = torch.randn(3, 512)
     assert torch.equal(again(x), mod(x))
     assert sum(t.numel() * t.element_size() for t in mod.state().values()) == cls.nbytes(24, 512, bias=True)
+
+
+@pytest.mark.parametrize("kind", ["Q6_K", "Q8_0"])
+def test_dense_rows_are_the_blocks_weights(kind):
+    N, K = 40, 512
+    cls = Q6KLinear if kind == "Q6_K" else Q80Linear
+    parts = ggml_blocks.FROM_BLOCKS[kind](_random_blocks(kind, N, K, seed=2), N, K)
+    w = ggml_blocks.dequantize_q6k(parts) if kind == "Q6_K" else ggml_blocks.dequantize_q8_0(parts)
+    mod = cls(parts=parts)
+    for n0, n1 in ((0, 40), (3, 17), (16, 32), (33, 40)):
+        assert torch.equal(mod.dense_rows(n0, n1), w[n0:n1]), (n0, n1)

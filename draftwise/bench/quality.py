@@ -3,7 +3,9 @@
 Owns the distribution check of a plan against the file's own dense model (`quality`, `draftwise quality`), measured
 as llama.cpp's --kl-divergence measures it: teacher-forced next-token distributions over one text (default: a
 ~1k-token mix of Python and prose shipped as data/quality_text.txt), each candidate against the reference plan
-(`--weights fp32`: the GGUF dequantized to float32) at the same positions: mean and 99th-percentile KL(ref || plan),
+(`dense`, the default: the file's dense float32 model, each linear's float32 weights rebuilt from its stored
+blocks at every call, so only the compact model is held: a quarter of `--weights fp32`'s memory for the same
+values; or any `--weights` plan, e.g. fp32) at the same positions: mean and 99th-percentile KL(ref || plan),
 top-1 agreement, perplexity of both; llama.cpp's numbers on the same GGUF and tokens beside them when
 `llama_cpp` (llama-cpp-python) is importable; and `quality_bar`, the issue-32 bar a plan must meet against such a
 baseline. The reference's log-probabilities go to a temporary file, so one model is in memory at a time.
@@ -29,10 +31,10 @@ import sys
 import tempfile
 from pathlib import Path
 import math
-from typing import TYPE_CHECKING, Iterator
+from typing import Iterator
 
-if TYPE_CHECKING:
-    import torch
+import torch
+from torch import nn
 
 DEFAULT_TEXT = Path(__file__).parent / "data" / "quality_text.txt"
 DEFAULT_TOKENS = 1024
@@ -129,6 +131,51 @@ def quality_bar(row: dict, baseline: dict, ratio: float = BAR_KL_RATIO, slack: f
     return kl_ok and top1_ok, "; ".join(why)
 
 
+class DenseOnTheFly(nn.Module):
+    """A linear as the dense float32 layer of its exact weights: y = x W^T + b with W rebuilt in float32 from the
+    module's stored form at every call (`ROWS` output rows at a time, so an LM head never needs its whole float32
+    copy), the values `--weights fp32` holds (the GGUF dequantized)."""
+
+    ROWS = 16384
+
+    def __init__(self, module: nn.Module):
+        super().__init__()
+        self.module = module
+        self.in_features, self.out_features = module.in_features, module.out_features
+
+    def weight_rows(self, n0: int, n1: int) -> torch.Tensor:  # -> [n1 - n0, K] float32
+        from draftwise.kernels.linear import Q4x8Linear
+        from draftwise.kernels.q4x8 import Q4x8Embedding
+
+        m = self.module
+        if isinstance(m, Q4x8Linear):
+            return Q4x8Embedding.from_linear(m)(torch.arange(n0, n1))
+        if hasattr(m, "dense_rows"):
+            return m.dense_rows(n0, n1)
+        return m.weight[n0:n1].float()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [..., K] -> [..., N]
+        import torch.nn.functional as F
+
+        x32 = x.float()
+        y = torch.cat([F.linear(x32, self.weight_rows(n0, min(n0 + self.ROWS, self.out_features)))
+                       for n0 in range(0, self.out_features, self.ROWS)], dim=-1)
+        bias = getattr(self.module, "bias", None)
+        return (y if bias is None else y + bias.float()).to(x.dtype)
+
+
+def dense_reference(model: nn.Module) -> nn.Module:
+    """Replace every linear kernel of a model loaded with exact kernels (a faithful or fp32 plan) by DenseOnTheFly
+    (in place); the decoder's one-call layer loop, which reads its modules at each call, then stands aside."""
+    from draftwise.kernels.linear import LinearImpl
+
+    targets = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
+               if isinstance(child, LinearImpl)]
+    for parent, name, child in targets:
+        setattr(parent, name, DenseOnTheFly(child))
+    return model
+
+
 def llama_cpp_available() -> bool:
     try:
         import llama_cpp  # noqa: F401
@@ -137,7 +184,7 @@ def llama_cpp_available() -> bool:
     return True
 
 
-def quality(model: str, weights: list[str], reference: str = "fp32", text: str | None = None,
+def quality(model: str, weights: list[str], reference: str = "dense", text: str | None = None,
             max_tokens: int = DEFAULT_TOKENS, llama: bool = True, threads: int | None = None,
             progress: bool = True) -> dict:
     """Rows of mean KL, p99 KL, top-1 agreement and perplexity for each `weights` plan of `model` (and llama.cpp
@@ -151,7 +198,11 @@ def quality(model: str, weights: list[str], reference: str = "fp32", text: str |
             print(msg, file=sys.stderr, flush=True)
 
     say(f"quality: reference {reference} of {model} ...")
-    ref_model, tokenizer, info = load_model(model, weights=reference)
+    if reference == "dense":  # the faithful plan's exact weights as dense float32 layers
+        ref_model, tokenizer, info = load_model(model, weights="faithful")
+        dense_reference(ref_model)
+    else:
+        ref_model, tokenizer, info = load_model(model, weights=reference)
     ids = text_ids(tokenizer, text, max_tokens)
     rows = []
     with tempfile.TemporaryDirectory(prefix="draftwise-quality-") as tmp:
@@ -195,8 +246,8 @@ def quality(model: str, weights: list[str], reference: str = "fp32", text: str |
 
 def format_quality(result: dict) -> str:
     """The quality table, one line per engine / plan."""
-    lines = [f"{result['model']}: {result['tokens']} tokens of {result['text']}, against --weights "
-             f"{result['reference']} (the file's dense model); llama.cpp: {result['llama_cpp']}",
+    lines = [f"{result['model']}: {result['tokens']} tokens of {result['text']}, against reference "
+             f"{result['reference']} (the file's dense float32 model); llama.cpp: {result['llama_cpp']}",
              f"{'engine':<22} {'plan':<12} {'mean KL':>9} {'p99 KL':>8} {'top-1':>7} {'ppl (ref)':>17}  bar"]
     for r in result["rows"]:
         plan = r.get("plan", r["weights"]) + (" (lossy)" if r.get("lossy") else "")

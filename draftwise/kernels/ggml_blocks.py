@@ -80,7 +80,7 @@ def dequantize_q6k(parts: dict[str, torch.Tensor]) -> torch.Tensor:
     q = parts["q"]
     N, K = q.shape
     s = parts["d"].repeat_interleave(16, dim=1) * parts["sc"].float()  # [N, K/16]
-    return (s[..., None] * (q.view(N, K // 16, 16).float() - 32)).view(N, K)
+    return (s[..., None] * (q.reshape(N, K // 16, 16).float() - 32)).reshape(N, K)
 
 
 def pack_q6k(parts: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -151,7 +151,7 @@ def quantize_q8_0(weight: torch.Tensor) -> dict[str, torch.Tensor]:
 def dequantize_q8_0(parts: dict[str, torch.Tensor]) -> torch.Tensor:
     v = parts["v"]
     N, K = v.shape
-    return (parts["d"][..., None] * v.view(N, K // 32, 32).float()).view(N, K)
+    return (parts["d"][..., None] * v.reshape(N, K // 32, 32).float()).reshape(N, K)
 
 
 def pack_q8_0(parts: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -173,6 +173,29 @@ def q8_0_bytes(N: int, K: int) -> int:
     8.5, Q5_0: 5.5)."""
     NB = -(-N // COLS)
     return NB * (K // 32) * (512 + COLS * 4)
+
+
+def unpack_q6k(packed: dict[str, torch.Tensor], b0: int, b1: int) -> dict[str, torch.Tensor]:
+    """pack_q6k's buffers -> the parts of the 16-column blocks [b0, b1) (rows 16 b0 .. 16 b1), the inverse of
+    pack_q6k: dequantize_q6k of them is those rows' weights."""
+    ql, qh, sc, d = (packed[k][b0:b1] for k in ("ql", "qh", "sc", "d"))
+    nb, G = ql.shape[:2]
+    lo = ql.view(nb, G, 4, COLS, 4)
+    hi = qh.view(nb, G, 2, 1, COLS, 4).expand(nb, G, 2, 2, COLS, 4).reshape(nb, G, 4, COLS, 4)
+    shift = (4 * (torch.arange(4) % 2)).view(1, 1, 4, 1, 1).to(torch.uint8)  # chunk c = 2 p + r: bits 4 r + 2 half
+    halves = [((lo >> (4 * h)) & 15) | (((hi >> (shift + 2 * h)) & 3) << 4) for h in range(2)]
+    q = torch.stack(halves, dim=-1)  # [b, g, c, col, t, half]
+    q = q.permute(0, 3, 1, 5, 2, 4).reshape(nb * COLS, G * 32)  # K index 32 g + 16 half + 4 c + t
+    return {"q": q, "sc": sc.permute(0, 3, 1, 2).reshape(nb * COLS, G * 2),
+            "d": d.permute(0, 2, 1).reshape(nb * COLS, -1)}
+
+
+def unpack_q8_0(packed: dict[str, torch.Tensor], b0: int, b1: int) -> dict[str, torch.Tensor]:
+    """pack_q8_0's buffers -> the parts of the 16-column blocks [b0, b1), the inverse of pack_q8_0."""
+    qw, d = packed["qw"][b0:b1], packed["d"][b0:b1]
+    nb, G = qw.shape[:2]
+    v = (qw.view(nb, G, 8, COLS, 4).to(torch.int16) - 128).to(torch.int8)
+    return {"v": v.permute(0, 3, 1, 2, 4).reshape(nb * COLS, G * 32), "d": d.permute(0, 2, 1).reshape(nb * COLS, G)}
 
 
 FROM_BLOCKS = {"Q6_K": q6k_from_blocks, "Q8_0": q8_0_from_blocks, "Q5_0": q5_0_from_blocks}

@@ -526,6 +526,13 @@ class _BlockLinear(LinearImpl):
         y = self._call(x2).view(*x.shape[:-1], self.out_features)
         return y if y.dtype == x.dtype else y.to(x.dtype)
 
+    def dense_rows(self, n0: int, n1: int) -> torch.Tensor:  # -> [n1 - n0, K] float32
+        """Weight rows n0 .. n1 - 1 in float32, exactly the values the kernel computes with (what a GGUF of these
+        blocks dequantizes to)."""
+        b0, b1 = n0 // ggml_blocks.COLS, -(-n1 // ggml_blocks.COLS)
+        w = self._dense(self._buffers, b0, b1)
+        return w[n0 - b0 * ggml_blocks.COLS:n1 - b0 * ggml_blocks.COLS]
+
     def _with_path(self, mod: _BlockLinear) -> _BlockLinear:
         mod.path = self.path
         return mod
@@ -604,6 +611,10 @@ class Q6KLinear(_BlockLinear):
     def _pack(parts: dict) -> dict:
         return ggml_blocks.pack_q6k(parts)
 
+    @staticmethod
+    def _dense(buffers: dict, b0: int, b1: int) -> torch.Tensor:
+        return ggml_blocks.dequantize_q6k(ggml_blocks.unpack_q6k(buffers, b0, b1))
+
     def _call(self, x2: torch.Tensor) -> torch.Tensor:  # x2 [M, K] float32 -> [M, N]
         b = self._buffers
         return _block_op("q6k")(x2, b["ql"], b["qh"], b["sc"], b["d"], b["bias"], self.out_features,
@@ -641,6 +652,10 @@ class Q80Linear(_BlockLinear):
     @staticmethod
     def _pack(parts: dict) -> dict:
         return ggml_blocks.pack_q8_0(parts)
+
+    @staticmethod
+    def _dense(buffers: dict, b0: int, b1: int) -> torch.Tensor:
+        return ggml_blocks.dequantize_q8_0(ggml_blocks.unpack_q8_0(buffers, b0, b1))
 
     def _call(self, x2: torch.Tensor) -> torch.Tensor:  # x2 [M, K] float32 -> [M, N]
         b = self._buffers
