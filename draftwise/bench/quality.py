@@ -208,7 +208,8 @@ def quality(model: str, weights: list[str], reference: str = "dense", text: str 
     with tempfile.TemporaryDirectory(prefix="draftwise-quality-") as tmp:
         ref = None
         start = 0
-        for lp in teacher_forced(ref_model, ids):
+        # the dense reference rebuilds every weight per forward: fewer, longer chunks
+        for lp in teacher_forced(ref_model, ids, chunk=4 * CHUNK_TOKENS if reference == "dense" else CHUNK_TOKENS):
             if ref is None:
                 ref = np.lib.format.open_memmap(Path(tmp) / "ref.npy", mode="w+", dtype=np.float32,
                                                 shape=(len(ids) - 1, lp.shape[1]))
