@@ -189,15 +189,15 @@ def main() -> None:
             {"name": "draftwise auto draft k=4", "spec": {**draft, "num_speculative_tokens": 4}},
             {"name": "draftwise auto draft k=auto", "spec": {**draft, "num_speculative_tokens": "auto"}},
         )]
-        if args.lossy:
-            lossy = {"dtype": "auto", "weights": args.lossy}
-            args.ours += [json.dumps(c) for c in (
-                {"name": f"draftwise {args.lossy} (lossy) plain", **lossy},
-                {"name": f"draftwise {args.lossy} (lossy) ngram k=auto", **lossy,
-                 "spec": {"method": "ngram", "num_speculative_tokens": "auto"}},
-                {"name": f"draftwise {args.lossy} (lossy) draft k=auto", **lossy,
-                 "spec": {**draft, "num_speculative_tokens": "auto", "draft_weights": args.lossy}},
-            )]
+    if args.lossy:
+        lossy = {"dtype": "auto", "weights": args.lossy}
+        args.ours += [json.dumps(c) for c in (
+            {"name": f"draftwise {args.lossy} (lossy) plain", **lossy},
+            {"name": f"draftwise {args.lossy} (lossy) ngram k=auto", **lossy,
+             "spec": {"method": "ngram", "num_speculative_tokens": "auto"}},
+            {"name": f"draftwise {args.lossy} (lossy) draft k=auto", **lossy,
+             "spec": {**draft, "num_speculative_tokens": "auto", "draft_weights": args.lossy}},
+        )]
     specs = [json.loads(s) for s in args.format_spec] or [ngram]
     for fmt in [f for f in args.formats.split(",") if f]:
         base = {"dtype": "auto", "weights": fmt}
