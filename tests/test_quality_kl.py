@@ -105,3 +105,17 @@ def test_bar_arithmetic():
     assert not quality.quality_bar({"mean_kl": 0.004, "top1_agreement": 0.965}, base)[0]
     assert quality.quality_bar({"mean_kl": 0.029, "top1_agreement": 0.98}, {"mean_kl": 0.02, "top1_agreement": 0.98})[0]
     assert "q8_0" in LINEARS
+
+
+def test_the_dense_reference_rebuilds_exactly_the_kernels_weights():
+    from draftwise.kernels.q4x8 import Q4x8Embedding
+
+    q4 = Q4x8Linear(torch.randn(100, 512))
+    q8 = Q80Linear(torch.randn(40, 512))
+    want4 = Q4x8Embedding.from_linear(q4)(torch.arange(100))
+    want8 = ggml_blocks.dequantize_q8_0(ggml_blocks.unpack_q8_0(q8._buffers, 0, 3))[:40]
+    for n0, n1 in ((0, 100), (5, 37), (32, 48), (90, 100)):
+        assert torch.equal(quality.DenseOnTheFly(q4).weight_rows(n0, n1), want4[n0:n1]), (n0, n1)
+    assert torch.equal(quality.DenseOnTheFly(q8).weight_rows(3, 40), want8[3:40])
+    x = torch.randn(3, 512)
+    assert torch.allclose(quality.DenseOnTheFly(q4)(x), x @ want4.T, atol=1e-5)

@@ -90,7 +90,7 @@ def llama_cpp_teacher_forced(gguf_path: str, ids: list[int], threads: int | None
     del llm
 
 
-def compare(reference, chunks: Iterator, ids: list[int]) -> dict:
+def compare(reference, chunks, ids: list[int]) -> dict:
     """KL(ref || candidate) per position, top-1 agreement and perplexities; `reference` [n - 1, V] float32
     log-probabilities (an array or memmap), `chunks` the candidate's in order."""
     import numpy as np
@@ -145,11 +145,20 @@ class DenseOnTheFly(nn.Module):
 
     def weight_rows(self, n0: int, n1: int) -> torch.Tensor:  # -> [n1 - n0, K] float32
         from draftwise.kernels.linear import Q4x8Linear
-        from draftwise.kernels.q4x8 import Q4x8Embedding
 
         m = self.module
-        if isinstance(m, Q4x8Linear):
-            return Q4x8Embedding.from_linear(m)(torch.arange(n0, n1))
+        if isinstance(m, Q4x8Linear):  # whole 16-column blocks unpacked at once, then the rows asked for
+            from draftwise.kernels.q4x8 import COLS, dequantize_q4
+
+            b0, b1 = n0 // COLS, -(-n1 // COLS)
+            packed = m.packed[b0:b1]
+            nb, G = packed.shape[:2]
+            nib = packed.view(nb, G, 4, COLS, 4)  # [b, g, chunk, col, t]
+            q = torch.stack([nib & 15, nib >> 4], dim=-1)  # [b, g, c, col, t, half]: K = 32 g + 16 half + 4 c + t
+            q = q.permute(0, 3, 1, 5, 2, 4).reshape(nb * COLS, G * 32)
+            cols = lambda t: t[b0:b1].permute(0, 2, 1).reshape(nb * COLS, -1)  # noqa: E731
+            parts = {"q": q, "sc": cols(m.sc), "mn": cols(m.mn), "d": cols(m.d), "dmin": cols(m.dmin)}
+            return dequantize_q4(parts)[n0 - b0 * COLS:n1 - b0 * COLS]
         if hasattr(m, "dense_rows"):
             return m.dense_rows(n0, n1)
         return m.weight[n0:n1].float()
@@ -227,13 +236,21 @@ def quality(model: str, weights: list[str], reference: str = "dense", text: str 
                          "summary": plan["summary"], **row})
             del m
             gc.collect()
+        llama_error = None
         if llama and llama_cpp_available() and info.get("path", "").endswith(".gguf"):
             import llama_cpp
 
-            say("quality: llama.cpp on the same GGUF ...")
-            row = compare(ref, llama_cpp_teacher_forced(info["path"], ids, threads), ids)
-            rows.append({"engine": f"llama.cpp {getattr(llama_cpp, '__version__', '?')}", "weights": "gguf",
-                         **row})
+            say("quality: llama.cpp on the same GGUF (a child process) ...")
+            try:
+                scores = _llama_cpp_child(info["path"], ids, threads, Path(tmp))
+                chunks = (torch.from_numpy(np.asarray(scores[i:i + CHUNK_TOKENS])) for i in range(0, len(ids) - 1,
+                                                                                                  CHUNK_TOKENS))
+                row = compare(ref, chunks, ids)
+                rows.append({"engine": f"llama.cpp {getattr(llama_cpp, '__version__', '?')}", "weights": "gguf",
+                             **row})
+            except RuntimeError as e:
+                llama_error = str(e)
+                say(f"quality: {llama_error}")
         del ref
     llama_row = next((r for r in rows if r["engine"].startswith("llama.cpp")), None)
     if llama_row is not None:
@@ -241,8 +258,31 @@ def quality(model: str, weights: list[str], reference: str = "dense", text: str 
             if r is not llama_row:
                 r["bar_vs_llama_cpp"] = dict(zip(("passed", "why"), quality_bar(r, llama_row)))
     return {"model": model, "reference": reference, "text": str(text or DEFAULT_TEXT), "tokens": len(ids),
-            "rows": rows, "llama_cpp": "measured" if llama_row else
+            "rows": rows, "llama_cpp": "measured" if llama_row else llama_error or
             ("not importable (pip install llama-cpp-python)" if not llama_cpp_available() else "off")}
+
+
+def _llama_cpp_child(gguf_path: str, ids: list[int], threads: int | None, folder: Path):
+    """llama.cpp's log-probabilities [n - 1, V] computed in a child interpreter (a crash in the native library
+    cannot take the measurement down) into folder/llama.npy; RuntimeError naming what went wrong."""
+    import numpy as np
+
+    out = folder / "llama.npy"
+    payload = json.dumps({"path": gguf_path, "ids": ids, "threads": threads, "out": str(out)})
+    p = subprocess.run([sys.executable, "-c", "from draftwise.bench.quality import _llama_cpp_main; "
+                        "_llama_cpp_main()"], input=payload, capture_output=True, text=True, check=False)
+    if p.returncode != 0 or not out.exists():
+        raise RuntimeError(f"llama.cpp failed (exit {p.returncode}): {p.stderr.strip()[-300:]}")
+    return np.load(out, mmap_mode="r")
+
+
+def _llama_cpp_main() -> None:
+    import numpy as np
+
+    req = json.loads(sys.stdin.read())
+    ids = req["ids"]
+    parts = [lp.numpy() for lp in llama_cpp_teacher_forced(req["path"], ids, req["threads"])]
+    np.save(req["out"], np.concatenate(parts))
 
 
 def format_quality(result: dict) -> str:
