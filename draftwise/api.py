@@ -109,7 +109,10 @@ def load_model(name: str, dtype: str = "auto", device: str = "cpu", weights: str
 
     check_device(device)  # before the checkpoint is read
     ckpt = load_checkpoint(name, cache_dir=cache_dir)
-    plan = resolve_plan(weights, dtype, ckpt.config, device, tune=tune)
+    # a GGUF built from its blocks on the CPU: the plan knows the file's stored types (auto keeps them: faithful)
+    types = ckpt.tensor_types() if "converted_path" in ckpt.info and device == "cpu" else None
+    stored = quant.type_census(types, ckpt.config) if types else None
+    plan = resolve_plan(weights, dtype, ckpt.config, device, tune=tune, stored_types=stored)
     torch_dtype = TORCH_DTYPES[plan.dtype]
     cfg = ckpt.config
     # a GGUF on the CPU: built from its blocks, cached in the plan's stored form, no dense float32 copy on disk

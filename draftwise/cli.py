@@ -12,7 +12,8 @@ import json
 import sys
 
 from draftwise.bench import cli as bench_cli
-from draftwise.cli_args import add_model_args, add_sampling_args, llm_from_args, plan_lines, sampling_from_args
+from draftwise.cli_args import (add_model_args, add_sampling_args, llm_from_args, plan_lines, sampling_from_args,
+                                weights_arg)
 from draftwise.config import ConfigError
 from draftwise.models.catalog import DEFAULT_TARGET
 from draftwise.server import cli as server_cli
@@ -111,7 +112,8 @@ def cmd_kernels(args) -> int:
     check_device(args.device)
     if args.threads:
         torch.set_num_threads(args.threads)
-    cfg = load_checkpoint(args.model).config  # config and tokenizer only: no weights are read
+    ckpt = load_checkpoint(args.model)
+    cfg = ckpt.config  # config and tokenizer only: no weights are read
     result = autotune.autotune(autotune.shapes_from_config(cfg), refresh=args.refresh, fast=not args.full,
                                device=args.device)
     if args.json:
@@ -127,7 +129,28 @@ def cmd_kernels(args) -> int:
           + (f" with {max(busy):.1f} other cores busy" if busy else "")
           + ("; PROVISIONAL: timed under load, re-timed at the next quiet start (or --refresh)"
              if result.get("provisional") else ""))
+    print(_faithful_note(ckpt, cfg, list(result["table"]["ms"])))
     return 0
+
+
+def _faithful_note(ckpt, cfg, candidates: list[str]) -> str:
+    """For a quantized GGUF: what `auto` runs (every tensor as stored) and which timed candidates are lossy."""
+    from draftwise.kernels.plan import KernelPlan, quantized
+    from draftwise.models.quant import type_census
+
+    types = ckpt.tensor_types() if "converted_path" in ckpt.info else None
+    census = type_census(types, cfg) if types else None
+    if not quantized(census):
+        return "a dense checkpoint: --weights auto takes the choice above"
+    faithful = KernelPlan("q4x8", "q4x8", "float32", faithful=True, stored_types=census)
+    lines = [f"this GGUF stores {faithful.types_text().replace('->', ' -> ')}: --weights auto runs the faithful plan "
+             "(each tensor by the kernel of its stored type), not the table's choice"]
+    for name in candidates:
+        lossy = KernelPlan(name, name, "float32", stored_types=census).lossy_types
+        if lossy:
+            lines.append(f"{name}: LOSSY here (requantizes the file's {', '.join(lossy)} tensors); "
+                         f"`draftwise quality --weights auto,{name}` measures the cost in KL")
+    return "\n".join(lines)
 
 
 def register_kernels(sub) -> None:
@@ -185,6 +208,39 @@ def register_equivalence(sub) -> None:
     v.set_defaults(func=cmd_equivalence)
 
 
+# ---- quality ------------------------------------------------------------------------------------
+def cmd_quality(args) -> int:
+    from draftwise.bench.quality import format_quality, quality
+
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    weights = [w.strip() for w in args.weights.split(",") if w.strip()]
+    for w in weights + ([args.reference] if args.reference != "dense" else []):
+        weights_arg(w)
+    result = quality(args.model, weights, args.reference, args.text, args.tokens, not args.no_llama_cpp,
+                     args.threads)
+    print(json.dumps(result) if args.json else format_quality(result))
+    return 0
+
+
+def register_quality(sub) -> None:
+    q = sub.add_parser("quality", help="mean / p99 KL, top-1 agreement and perplexity of plans against the file's "
+                                       "dense model (--weights fp32), and llama.cpp's when importable")
+    q.add_argument("--model", default=DEFAULT_TARGET, help="catalog name, .gguf file or HF checkpoint dir")
+    q.add_argument("--weights", default="auto", help="comma-separated plans to measure, e.g. auto,q4x8")
+    q.add_argument("--reference", default="dense",
+                   help="dense (default: the file's float32 weights rebuilt per layer from its blocks, 1/4 of fp32's "
+                        "memory) or a --weights plan such as fp32")
+    q.add_argument("--text", default=None, help="a UTF-8 text file (default: the shipped ~1k-token code + prose)")
+    q.add_argument("--tokens", type=int, default=1024, help="tokens of the text to score")
+    q.add_argument("--threads", type=int, default=None, help="torch (and llama.cpp) CPU threads")
+    q.add_argument("--no-llama-cpp", action="store_true", help="skip llama.cpp even when llama_cpp is importable")
+    q.add_argument("--json", action="store_true")
+    q.set_defaults(func=cmd_quality)
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="draftwise", description="Local LLM engine with speculative decoding")
     sub = ap.add_subparsers(dest="command", required=True)
@@ -206,6 +262,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     register_equivalence(sub)
     register_kernels(sub)
+    register_quality(sub)
     server_cli.register(sub)
     bench_cli.register(sub)
     return ap

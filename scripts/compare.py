@@ -14,8 +14,11 @@ rounds) and the median of the PAIRED ratios to llama.cpp plain (same prompt, sam
 Without --ours it runs draftwise's defaults (`--dtype auto --weights auto`: the kernels the autotuner picked on
 this machine) plain, with n-gram lookup and with the draft model (draft also auto), and with adaptive k, all on
 one loaded model (LLM.set_speculation switches between them). --formats adds fixed weight formats (each loaded
-once, plain and with each --format-spec) beside auto for the "auto vs the best fixed format" table. The
-machine probe (instruction sets, measured memory bandwidth) is printed beside the tables.
+once, plain and with each --format-spec) beside auto for the "auto vs the best fixed format" table. On a GGUF,
+auto is the faithful plan (every tensor as the file stores it); --lossy (default q4x8: every linear requantized to
+4 bits, today's speed at the file's quality cost) adds that plan plain, with n-gram k=auto and with its draft on
+the same lossy plan, labelled "(lossy)", so the table shows what faithfulness costs (`draftwise quality` shows what
+it buys). The machine probe (instruction sets, measured memory bandwidth) is printed beside the tables.
     .venv/bin/python scripts/compare.py --skip llamacpp,hf --formats q4x8,int4,bf16
 """
 from __future__ import annotations
@@ -162,6 +165,8 @@ def main() -> None:
                                                  "q4x8+bf16), each with --dtype auto")
     ap.add_argument("--format-spec", action="append", default=[],
                     help="JSON spec config each --formats entry also runs (default: ngram with --lookup-k)")
+    ap.add_argument("--lossy", default="q4x8", help="a lossy --weights plan run beside auto (faithful on a GGUF), "
+                                                    "plain, n-gram k=auto and draft k=auto; '' for none")
     ap.add_argument("--lookup-k", type=int, default=4)
     ap.add_argument("--skip", default="", help="comma list of: llamacpp,hf")
     ap.add_argument("--json", default="", help="write the results here")
@@ -183,6 +188,15 @@ def main() -> None:
             {"name": "draftwise auto ngram k=auto", "spec": {"method": "ngram", "num_speculative_tokens": "auto"}},
             {"name": "draftwise auto draft k=4", "spec": {**draft, "num_speculative_tokens": 4}},
             {"name": "draftwise auto draft k=auto", "spec": {**draft, "num_speculative_tokens": "auto"}},
+        )]
+    if args.lossy:
+        lossy = {"dtype": "auto", "weights": args.lossy}
+        args.ours += [json.dumps(c) for c in (
+            {"name": f"draftwise {args.lossy} (lossy) plain", **lossy},
+            {"name": f"draftwise {args.lossy} (lossy) ngram k=auto", **lossy,
+             "spec": {"method": "ngram", "num_speculative_tokens": "auto"}},
+            {"name": f"draftwise {args.lossy} (lossy) draft k=auto", **lossy,
+             "spec": {**draft, "num_speculative_tokens": "auto", "draft_weights": args.lossy}},
         )]
     specs = [json.loads(s) for s in args.format_spec] or [ngram]
     for fmt in [f for f in args.formats.split(",") if f]:
@@ -208,6 +222,7 @@ def main() -> None:
         c = json.loads(conf)
         print(f"  loading: {c.get('name', conf)}", flush=True)
         runners.append(ours(llms, args.model, c, args.max_tokens, args.threads))
+        print(f"    plan: {llms[(c.get('dtype', 'auto'), c.get('weights', 'auto'))].model.plan.describe()}", flush=True)
     if "hf" not in skip:
         hf, _ = hf_from(args.model, torch.bfloat16)
         runners.append(hf_runner("transformers bf16 plain", hf, args.max_tokens))

@@ -7,6 +7,8 @@ Owns, per implementation (one class each, registered under the name a user types
   int8          torch's weight-only int8 per output channel, bf16 activations
   int8_dynamic  fbgemm's dynamically quantized int8 (x86): a row depends on the other rows, never chosen
   q4x8          ours: int4 weights x int8 activations (kernels/q4x8.py builds the C++ operator and the format)
+  q6k           ours: GGUF Q6_K weights held exactly x int8 activations per 256 (GGUF's Q8_K)
+  q8_0          ours: GGUF Q8_0 / Q5_0 weights held exactly x int8 activations per 32 (GGUF's Q8_0)
 and what each declares as class attributes: `devices` it runs on, `dtype` its activations are computed in (the
 model dtype "auto" resolves to when it is the step kernel), `row_exact` (by construction: every output row is a
 fixed computation of that row alone, whatever other rows share the call and however many threads run it —
@@ -33,6 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from draftwise.kernels import ggml_blocks
 from draftwise.kernels import q4x8 as q4x8_format
 
 _X86 = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
@@ -452,6 +455,230 @@ class Q4x8Linear(LinearImpl):
         return f"in_features={self.in_features}, out_features={self.out_features}, path={self.path}"
 
 
+class _BlockLinear(LinearImpl):
+    """Shared by our GGUF block kernels (Q6KLinear, Q80Linear): weights packed per 16 output columns
+    (kernels/ggml_blocks.py), activations quantized per row inside the C++ operator, work split by column block
+    (so every row is exact by construction, as q4x8). Subclasses set PACKED (the buffers of the layout, dim 0 the
+    16-column block), OP (the torch.ops namespace), and `_parts` / `_pack` / `_call`."""
+
+    dtype = "float32"
+    row_exact = True
+    mergeable = True
+    PACKED: ClassVar[tuple[str, ...]] = ()
+    GGUF_TYPES: ClassVar[tuple[str, ...]] = ()  # the GGUF block types this kernel holds exactly
+
+    @classmethod
+    def available(cls, probe: dict) -> bool:
+        if not super().available(probe):
+            return False
+        try:
+            q4x8_format.load()
+        except q4x8_format.KernelBuildError:
+            return False
+        return True
+
+    @classmethod
+    def stored_buffers(cls) -> tuple[str, ...]:
+        return (*cls.PACKED, "bias")
+
+    def __init__(self, weight: torch.Tensor | None = None, bias: torch.Tensor | None = None, path: str = "auto",
+                 parts: dict | None = None):
+        super().__init__()
+        if parts is None:
+            self._weight_shape(weight)
+            parts = self._quantize(weight)
+        q4x8_format.load()
+        q4x8_format.check_path(path)
+        first = next(iter(parts.values()))
+        self._shape(first.shape[0], self._k_of(parts))
+        self.path = path
+        for name, t in self._pack(parts).items():
+            self.register_buffer(name, t)
+        self.register_buffer("bias", None if bias is None else bias.detach().float().contiguous())
+
+    @classmethod
+    def from_blocks(cls, kind: str, blocks, N: int, K: int, bias: torch.Tensor | None = None) -> _BlockLinear:
+        """A GGUF tensor's raw blocks of type `kind` (one of GGUF_TYPES), held exactly."""
+        if kind not in cls.GGUF_TYPES:
+            raise ValueError(f"{cls.name} holds {', '.join(cls.GGUF_TYPES)} blocks, not {kind}")
+        return cls(bias=bias, parts=ggml_blocks.FROM_BLOCKS[kind](blocks, N, K))
+
+    @classmethod
+    def from_state(cls, tensors: dict[str, torch.Tensor], N: int, K: int | None = None) -> _BlockLinear:
+        q4x8_format.load()
+        first = tensors[cls.PACKED[0]]
+        if first.dim() != 4 or not 0 < N <= first.shape[0] * ggml_blocks.COLS:
+            raise ValueError(f"not a packed {cls.name} weight for N={N}: {tuple(first.shape)}")
+        mod = cls.__new__(cls)
+        nn.Module.__init__(mod)
+        mod._shape(N, first.shape[1] * 32)
+        mod.path = "auto"
+        for name in cls.PACKED:
+            mod.register_buffer(name, tensors[name].contiguous())
+        bias = tensors.get("bias")
+        mod.register_buffer("bias", None if bias is None else bias.detach().float().contiguous())
+        return mod
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [..., K] -> [..., N]
+        x2 = x.reshape(-1, self.in_features)
+        if x2.dtype != torch.float32 or not x2.is_contiguous():
+            x2 = x2.float().contiguous()
+        y = self._call(x2).view(*x.shape[:-1], self.out_features)
+        return y if y.dtype == x.dtype else y.to(x.dtype)
+
+    def dense_rows(self, n0: int, n1: int) -> torch.Tensor:  # -> [n1 - n0, K] float32
+        """Weight rows n0 .. n1 - 1 in float32, exactly the values the kernel computes with (what a GGUF of these
+        blocks dequantizes to)."""
+        b0, b1 = n0 // ggml_blocks.COLS, -(-n1 // ggml_blocks.COLS)
+        w = self._dense(self._buffers, b0, b1)
+        return w[n0 - b0 * ggml_blocks.COLS:n1 - b0 * ggml_blocks.COLS]
+
+    def _with_path(self, mod: _BlockLinear) -> _BlockLinear:
+        mod.path = self.path
+        return mod
+
+    def rows(self, ids: torch.Tensor) -> nn.Module:  # ids [M] int64 -> module x [..., K] -> [..., M]
+        """As Q4x8Linear.rows: a prefix is a view of the first blocks; other ids gather their 16-column blocks
+        and pick columns. Bitwise this module's outputs (a column depends on its block and the row only)."""
+        cols, b = ggml_blocks.COLS, self._buffers
+        if is_prefix(ids):
+            n = len(ids)
+            if n > self.out_features:
+                raise ValueError(f"rows of a {self.name} linear with {self.out_features} outputs: {n}")
+            tensors = {name: b[name][:-(-n // cols)] for name in self.PACKED}
+            tensors["bias"] = None if b["bias"] is None else b["bias"][:n]
+            return self._with_path(type(self).from_state(tensors, n))
+        blocks, inverse = torch.unique(ids // cols, return_inverse=True)  # [nb], [M]
+        tensors = {name: b[name].index_select(0, blocks) for name in self.PACKED}
+        if b["bias"] is not None:
+            bias = torch.zeros(len(blocks) * cols)
+            span = blocks[:, None] * cols + torch.arange(cols)  # [nb, 16]
+            real = span < self.out_features
+            bias.view(-1, cols)[real] = b["bias"][span[real]]
+            tensors["bias"] = bias
+        whole = self._with_path(type(self).from_state(tensors, len(blocks) * cols))
+        return Columns(whole, inverse * cols + ids % cols)
+
+    @classmethod
+    def concat(cls, parts: list[_BlockLinear]) -> _BlockLinear | None:
+        """Bitwise torch.cat of the parts' outputs when every part but the last fills its 16-column blocks (as
+        Q4x8Linear.concat); None otherwise."""
+        if len({(p.in_features, p.path) for p in parts}) != 1:
+            return None
+        if any(p.out_features % ggml_blocks.COLS for p in parts[:-1]):
+            return None
+        tensors = {n: torch.cat([getattr(p, n) for p in parts]) for n in cls.PACKED}
+        if any(p.bias is not None for p in parts):
+            tensors["bias"] = torch.cat([p.bias if p.bias is not None else torch.zeros(p.out_features)
+                                         for p in parts])
+        merged = cls.from_state(tensors, sum(p.out_features for p in parts))
+        merged.path = parts[0].path
+        return merged
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, path={self.path}"
+
+
+class Q6KLinear(_BlockLinear):
+    """Ours: GGUF Q6_K weights held exactly (kernels/ggml_blocks.py, csrc/q6k.h) x int8 activations per row and
+    256 K values (GGUF's Q8_K, as llama.cpp's CPU dot product of Q6_K); AVX-512 VNNI / AVX2 / scalar, bitwise
+    the same. Q6KLinear(weight [N, K], bias) quantizes a float weight (a simple max-abs Q6_K); `from_blocks`
+    takes a GGUF tensor's blocks as they are. forward(x [..., K]) -> [..., N] in x's dtype."""
+
+    name = "q6k"
+    description = "ours: GGUF Q6_K weights (exact) x int8 activations per 256, AVX-512 VNNI / AVX2"
+    tolerance = 0.03  # 6-bit weights (~0.02 for Gaussian weights) plus int8 activations per 256 (~0.007)
+    PACKED = ("ql", "qh", "sc", "d")
+    GGUF_TYPES = ("Q6_K",)
+
+    @classmethod
+    def supports(cls, N: int, K: int) -> bool:
+        return K % ggml_blocks.QK_K == 0
+
+    @classmethod
+    def nbytes(cls, N: int, K: int, bias: bool = False) -> int:
+        return ggml_blocks.q6k_bytes(N, K) + (4 * N if bias else 0)
+
+    @staticmethod
+    def _quantize(weight: torch.Tensor) -> dict:
+        return ggml_blocks.quantize_q6k(weight)
+
+    @staticmethod
+    def _k_of(parts: dict) -> int:
+        return parts["q"].shape[1]
+
+    @staticmethod
+    def _pack(parts: dict) -> dict:
+        return ggml_blocks.pack_q6k(parts)
+
+    @staticmethod
+    def _dense(buffers: dict, b0: int, b1: int) -> torch.Tensor:
+        return ggml_blocks.dequantize_q6k(ggml_blocks.unpack_q6k(buffers, b0, b1))
+
+    def _call(self, x2: torch.Tensor) -> torch.Tensor:  # x2 [M, K] float32 -> [M, N]
+        b = self._buffers
+        return _block_op("q6k")(x2, b["ql"], b["qh"], b["sc"], b["d"], b["bias"], self.out_features,
+                                q4x8_format.PATHS[self.path])
+
+
+class Q80Linear(_BlockLinear):
+    """Ours: GGUF Q8_0 or Q5_0 weights held exactly as int8 per 32 with a scale (kernels/ggml_blocks.py,
+    csrc/q8_0.h) x int8 activations per row and 32 K values (GGUF's Q8_0, as llama.cpp's CPU dot products of
+    these types); AVX-512 VNNI / AVX2 / scalar, bitwise the same. Q80Linear(weight [N, K], bias) quantizes a float
+    weight as ggml's Q8_0; `from_blocks` takes Q8_0 or Q5_0 blocks as they are."""
+
+    name = "q8_0"
+    description = "ours: GGUF Q8_0 / Q5_0 weights (exact) x int8 activations per 32, AVX-512 VNNI / AVX2"
+    tolerance = 0.02  # 8-bit weights (~0.005) plus int8 activations per 32 (~0.006)
+    PACKED = ("qw", "d")
+    GGUF_TYPES = ("Q8_0", "Q5_0")
+
+    @classmethod
+    def supports(cls, N: int, K: int) -> bool:
+        return K % 32 == 0
+
+    @classmethod
+    def nbytes(cls, N: int, K: int, bias: bool = False) -> int:
+        return ggml_blocks.q8_0_bytes(N, K) + (4 * N if bias else 0)
+
+    @staticmethod
+    def _quantize(weight: torch.Tensor) -> dict:
+        return ggml_blocks.quantize_q8_0(weight)
+
+    @staticmethod
+    def _k_of(parts: dict) -> int:
+        return parts["v"].shape[1]
+
+    @staticmethod
+    def _pack(parts: dict) -> dict:
+        return ggml_blocks.pack_q8_0(parts)
+
+    @staticmethod
+    def _dense(buffers: dict, b0: int, b1: int) -> torch.Tensor:
+        return ggml_blocks.dequantize_q8_0(ggml_blocks.unpack_q8_0(buffers, b0, b1))
+
+    def _call(self, x2: torch.Tensor) -> torch.Tensor:  # x2 [M, K] float32 -> [M, N]
+        b = self._buffers
+        return _block_op("q8_0")(x2, b["qw"], b["d"], b["bias"], self.out_features, q4x8_format.PATHS[self.path])
+
+
+_BLOCK_OPS: dict[str, object] = {}
+
+
+def _block_op(name: str):
+    """torch.ops.draftwise_<name>.linear.default, resolved once."""
+    if name not in _BLOCK_OPS:
+        q4x8_format.load()
+        _BLOCK_OPS[name] = getattr(torch.ops, f"draftwise_{name}").linear.default
+    return _BLOCK_OPS[name]
+
+
+def block_paths(name: str) -> list[str]:
+    """The ISA paths the `name` ("q6k", "q8_0") operator can run on this CPU, slowest first."""
+    q4x8_format.load()
+    return q4x8_format.path_names(getattr(torch.ops, f"draftwise_{name}").paths())
+
+
 _CUDA_SMOKE: dict[str, bool] = {}
 
 
@@ -470,7 +697,8 @@ def _runs_on_cuda(cls: type[LinearImpl]) -> bool:
 
 
 LINEARS: dict[str, type[LinearImpl]] = {
-    c.name: c for c in (DenseF32, DenseBF16, TorchInt4, TorchInt8, FbgemmDynamicInt8, Q4x8Linear)
+    c.name: c for c in (DenseF32, DenseBF16, TorchInt4, TorchInt8, FbgemmDynamicInt8, Q4x8Linear, Q6KLinear,
+                        Q80Linear)
 }
 
 

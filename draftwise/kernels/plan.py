@@ -8,12 +8,18 @@ dtype (also the KV cache's); the device; the attention (our row-exact op or torc
 from; and, for `auto`, the autotuner's evidence.
 
 `--weights` takes:
-  auto          the autotuner's choice for this model's shapes on this machine (kernels/autotune.py: timed on
+  auto          for a GGUF on the CPU: the faithful plan (below); otherwise the autotuner's choice for this model's shapes on this machine (kernels/autotune.py: timed on
                 the real projection shapes, step score (cost(1) + cost(9)) / 2 and prefill cost at 128 rows, both
                 among implementations whose rows were found bitwise independent of the other rows; cached per
                 machine, torch version, threads and shapes)
   NAME          one implementation for every call (q4x8, int4, int8, bf16, fp32, int8_dynamic)
   STEP+PREFILL  two, e.g. q4x8+bf16; `+dense` is the dense implementation of the activation dtype
+  faithful      every tensor at the precision its GGUF stores: each linear (and the embedding table) by the kernel
+                of its stored block type (FAITHFUL_KERNELS: Q4_K -> q4x8, Q6_K -> q6k, Q8_0 / Q5_0 -> q8_0; float
+                and other types -> fp32 over the exactly dequantized weights). What `auto` is for a GGUF source: a
+                file's quantization is the user's trade of size against quality, and no plan should spend more of
+                it. A plan that requantizes a stored tensor to another format (e.g. q4x8 over Q6_K) is labelled
+                LOSSY in its summary (`lossy_types`).
 `--dtype auto` follows the step kernel's activation dtype (kernels/linear.py: float32 for q4x8 and fp32).
 
 The engine, the prefix cache, the thread guard and in-prefill speculation ask the plan one question,
@@ -29,7 +35,26 @@ from dataclasses import asdict, dataclass
 from draftwise.kernels.linear import LINEARS, dense_for
 
 ACTIVATION_DTYPES = ("float32", "bfloat16")
-SOURCES = ("pinned", "tuned", "cached", "default")
+SOURCES = ("pinned", "tuned", "cached", "default", "file")
+# GGUF block type -> the kernel that holds it exactly (kernels/linear.py); other types -> fp32, dequantized exactly
+FAITHFUL_KERNELS = {"Q4_K": "q4x8", "Q6_K": "q6k", "Q8_0": "q8_0", "Q5_0": "q8_0"}
+EXACT_DENSE = "fp32"
+FLOAT_TYPES = ("F32", "F16", "BF16", "F64")  # a GGUF holding only these has no quantization to honour
+
+
+def quantized(stored_types: dict | None) -> bool:
+    """Whether a census of stored types holds any quantized tensor (then `auto` is the faithful plan)."""
+    return any(t not in FLOAT_TYPES for t in stored_types or {})
+
+
+def faithful_kernel(gguf_type: str) -> str:
+    """The kernel a faithful plan gives a tensor stored as `gguf_type` (a ggml type name: "Q6_K", "F32", ...)."""
+    return FAITHFUL_KERNELS.get(gguf_type, EXACT_DENSE)
+
+
+def holds_exactly(kernel: str, gguf_type: str) -> bool:
+    """Whether `kernel` computes with exactly the weights a tensor stored as `gguf_type` holds."""
+    return kernel == EXACT_DENSE or FAITHFUL_KERNELS.get(gguf_type) == kernel
 
 
 @dataclass(frozen=True)
@@ -43,6 +68,8 @@ class KernelPlan:
     # cache), "default" (a decoder built without a plan: its nn.Linear layers, dense in its dtype)
     provisional: bool = False  # timed while other processes kept cores busy (autotune.py): re-tuned at a quiet start
     tuning: dict | None = None  # the autotuner's evidence (key, probe summary, scores)
+    faithful: bool = False  # each tensor by the kernel of its stored GGUF type (faithful_kernel), step and prefill
+    stored_types: dict | None = None  # a GGUF source's linears and embedding table: ggml type -> tensor count
 
     def __post_init__(self):
         for name in (self.step, self.prefill):
@@ -55,7 +82,9 @@ class KernelPlan:
 
     @property
     def label(self) -> str:
-        """What `--weights` would name this plan: "q4x8", or "q4x8+bf16" for a split."""
+        """What `--weights` would name this plan: "faithful", "q4x8", or "q4x8+bf16" for a split."""
+        if self.faithful:
+            return "faithful"
         return self.step if self.step == self.prefill else f"{self.step}+{self.prefill}"
 
     @property
@@ -65,24 +94,53 @@ class KernelPlan:
         the plain step's row, a prompt prefilled after a cached prefix equals the prompt prefilled whole, and a
         thread count can change no token — where the prefix cache is on by default, guesses ride in the prefill
         and the thread guard may run."""
-        return all(LINEARS[n].row_exact for n in (self.step, self.prefill)) and self.attention == "ours"
+        return all(LINEARS[n].row_exact for n in self.kernels()) and self.attention == "ours"
+
+    def kernels(self) -> list[str]:
+        """Every implementation the plan's linears use: the step and prefill kernels, or, faithful, the kernel of
+        each stored type."""
+        if self.faithful:
+            return sorted({faithful_kernel(t) for t in self.stored_types or {}})
+        return list(dict.fromkeys((self.step, self.prefill)))
+
+    @property
+    def lossy_types(self) -> list[str]:
+        """The stored GGUF types this plan computes with other weights than the file holds (requantized, or
+        rounded to bf16): [] for a faithful plan, for fp32 and for a dense source (nothing stored to honour)."""
+        if self.faithful or not self.stored_types:
+            return []
+        return sorted(t for t in self.stored_types
+                      if not all(holds_exactly(k, t) for k in dict.fromkeys((self.step, self.prefill))))
+
+    def types_text(self) -> str:
+        """'Q4_K->q4x8 x197, Q6_K->q6k x29' (faithful) or the stored types with their counts."""
+        types = self.stored_types or {}
+        if self.faithful:
+            return ", ".join(f"{t}->{faithful_kernel(t)} x{n}" for t, n in sorted(types.items()))
+        return ", ".join(f"{t} x{n}" for t, n in sorted(types.items()))
 
     def describe(self) -> str:
         """One line for a load log: the kernels, where they came from, and when and under what load auto timed
         them."""
         text = f"kernels {self.label} ({self.dtype}, attention {self.attention}, {self.source}"
+        if self.faithful:
+            text += f"; every tensor as the file stores it: {self.types_text()}"
         t = self.tuning or {}
         if t.get("measured_at"):
             busy = [v for v in (t.get("busy_before"), t.get("busy_cores")) if v is not None]
             text += f", timed {t['measured_at']}" + (f" with {max(busy):.1f} other cores busy" if busy else "")
         text += ")" + ("; row-exact" if self.row_exact else "; not row-exact")
+        if self.lossy_types:
+            text += (f"; LOSSY: requantizes the file's {', '.join(self.lossy_types)} tensors "
+                     "(--weights auto keeps them as stored)")
         if self.provisional:
             text += "; PROVISIONAL: timed under load, re-tuned at the next quiet start (draftwise kernels --refresh)"
         return text
 
     def to_dict(self) -> dict:
         """The plan as JSON (load logs, /v1/models, generate --json, bench manifests)."""
-        return {"weights": self.label, **asdict(self), "row_exact": self.row_exact, "summary": self.describe()}
+        return {"weights": self.label, **asdict(self), "row_exact": self.row_exact, "lossy": bool(self.lossy_types),
+                "lossy_types": self.lossy_types, "summary": self.describe()}
 
 
 def attention_for(dtype: str, device: str) -> str:
@@ -100,6 +158,10 @@ def parse_weights(weights: str, device: str | None = "cpu") -> tuple[str, str] |
         raise ValueError(f"weights must be 'auto', a kernel name or STEP+PREFILL, got {weights!r}")
     if weights == "auto":
         return None
+    if weights == "faithful":
+        if device not in (None, "cpu"):
+            raise ValueError(f"weights 'faithful': its kernels run on cpu, not {device}")
+        return "faithful", "faithful"
     parts = weights.split("+")
     if len(parts) == 1:
         parts = parts * 2
@@ -109,7 +171,7 @@ def parse_weights(weights: str, device: str | None = "cpu") -> tuple[str, str] |
         if name == "dense" and i == 1:
             continue
         if name not in LINEARS:
-            raise ValueError(f"weights {weights!r}: unknown kernel {name!r}; one of auto, {', '.join(LINEARS)}, "
+            raise ValueError(f"weights {weights!r}: unknown kernel {name!r}; one of auto, faithful, {', '.join(LINEARS)}, "
                              "or STEP+PREFILL (e.g. q4x8+bf16, q4x8+dense)")
         if device is not None and device not in LINEARS[name].devices:
             raise ValueError(f"weights {weights!r}: {name} does not run on {device} (it runs on "
@@ -120,15 +182,27 @@ def parse_weights(weights: str, device: str | None = "cpu") -> tuple[str, str] |
 def weights_help() -> str:
     """One line per accepted `--weights` value, for --help."""
     names = "; ".join(f"{n}: {cls.description}" for n, cls in LINEARS.items())
-    return f"auto (measured here), a kernel ({names}), or STEP+PREFILL (e.g. q4x8+bf16; +dense: the dtype's dense)"
+    return (f"auto (a GGUF: faithful; else measured here), faithful (each tensor by the kernel of its stored GGUF type), "
+            f"a kernel ({names}), or STEP+PREFILL (e.g. q4x8+bf16; +dense: the dtype's dense)")
 
 
-def resolve_plan(weights: str, dtype: str, cfg, device: str = "cpu", tune=None, progress: bool = True) -> KernelPlan:
-    """The plan to build `cfg`'s model with. A named plan is used as it is ("pinned"); "auto" asks the autotuner
-    for this model's shapes on `device` (`tune(shapes) -> autotune result` may be injected: tests). `dtype`
-    "auto" follows the step kernel. `weights` and `dtype` were validated where they were parsed (config.py)."""
+def resolve_plan(weights: str, dtype: str, cfg, device: str = "cpu", tune=None, progress: bool = True,
+                 stored_types: dict | None = None) -> KernelPlan:
+    """The plan to build `cfg`'s model with. `stored_types` (ggml type -> count of the linears and embedding
+    table, models/quant.py type_census) is given for a GGUF source built from its blocks: then "auto" is the
+    faithful plan (source "file"; where the C++ kernels build), and every plan carries the types (a lossy one
+    says so). A named plan is used as it is ("pinned"); "auto" otherwise asks the autotuner for this model's
+    shapes on `device` (`tune(shapes) -> autotune result` may be injected: tests). `dtype` "auto" follows the step
+    kernel. `weights` and `dtype` were validated where they were parsed (config.py)."""
     names = parse_weights(weights, device)
     tuning, source, provisional = None, "pinned", False
+    if names == ("faithful", "faithful") or (names is None and quantized(stored_types) and device == "cpu"
+                                              and _kernels_build()):
+        if not stored_types:
+            raise ValueError("weights 'faithful' keeps a GGUF's stored types: it needs a GGUF model on the cpu")
+        act = dtype if dtype != "auto" else "float32"
+        return KernelPlan("q4x8", "q4x8", act, device, attention_for(act, device), "file" if names is None else
+                          "pinned", faithful=True, stored_types=dict(stored_types))
     if names is None:
         from draftwise.kernels import autotune as at
 
@@ -142,7 +216,19 @@ def resolve_plan(weights: str, dtype: str, cfg, device: str = "cpu", tune=None, 
     act = dtype if dtype != "auto" else LINEARS[step].dtype
     if prefill == "dense":
         prefill = dense_for(act)
-    return KernelPlan(step, prefill, act, device, attention_for(act, device), source, provisional, tuning)
+    return KernelPlan(step, prefill, act, device, attention_for(act, device), source, provisional, tuning,
+                      stored_types=dict(stored_types) if stored_types else None)
+
+
+def _kernels_build() -> bool:
+    """Whether our C++ kernels (q4x8, q6k, q8_0) build and load here: what a faithful plan runs."""
+    from draftwise.kernels import q4x8
+
+    try:
+        q4x8.load()
+    except q4x8.KernelBuildError:
+        return False
+    return True
 
 
 def default_plan(dtype: str, device: str) -> KernelPlan:

@@ -92,7 +92,7 @@ def _units() -> list[tuple[str, list[str]]]:
     """(source, extra flags) per translation unit; the ISA units get their own -m flags and no torch headers."""
     main_flags = ["-fopenmp"] + (["-DDW_HAVE_X86"] if _X86 else [])
     mains = [("q4x8.cpp", main_flags), ("attention.cpp", main_flags), ("glue.cpp", main_flags),
-             ("stack.cpp", main_flags)]
+             ("stack.cpp", main_flags), ("q6k.cpp", main_flags), ("q8_0.cpp", main_flags)]
     if not _X86:
         return mains
     return mains + [
@@ -103,6 +103,10 @@ def _units() -> list[tuple[str, list[str]]]:
                                   "-mprefer-vector-width=512"]),
         ("glue_avx2.cpp", ["-mavx2"]),
         ("glue_avx512.cpp", ["-mavx512f", "-mavx512dq", "-mavx512vl", "-mprefer-vector-width=512"]),
+        ("q6k_avx2.cpp", ["-mavx2", "-mfma"]),
+        ("q6k_avx512.cpp", ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mfma"]),
+        ("q8_0_avx2.cpp", ["-mavx2", "-mfma"]),
+        ("q8_0_avx512.cpp", ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mfma"]),
     ]
 
 
@@ -140,7 +144,7 @@ def build(verbose: bool = False) -> Path:
     cxx = _compiler()
     common, includes, link = _flags()
     target.parent.mkdir(parents=True, exist_ok=True)
-    print(f"draftwise: building the CPU kernels (q4x8, attention, glue, layer loop) once (~20-40 s) into {target.parent}", file=sys.stderr,
+    print(f"draftwise: building the CPU kernels (q4x8, q6k, q8_0, attention, glue, layer loop) once (~20-40 s) into {target.parent}", file=sys.stderr,
           flush=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         procs = []

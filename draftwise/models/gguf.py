@@ -250,7 +250,7 @@ class GGUFFile:
 
 class GGUFTensor:
     """One tensor of a GGUF file under its HF name: `shape` (torch order), `type` (ggml type name), `dense()` the
-    float32 tensor in HF conventions, `q4k_blocks()` its raw Q4_K blocks [N, K / 256 * 144] uint8 with the same
+    float32 tensor in HF conventions, `blocks()` the raw blocks of any quantized type, `q4k_blocks()` its raw Q4_K blocks [N, K / 256 * 144] uint8 with the same
     row order as dense() (llama's Q/K rows un-permuted; a row permutation moves whole blocks, so it is exact),
     or None when the tensor is not Q4_K."""
 
@@ -272,7 +272,22 @@ class GGUFTensor:
     def q4k_blocks(self) -> torch.Tensor | None:
         if self.type != "Q4_K" or len(self.shape) != 2:
             return None
+        return self.raw_rows()
+
+    def blocks(self) -> torch.Tensor | None:
+        """The raw blocks of a quantized 2-D tensor [N, row bytes] uint8, rows as dense() orders them (llama's Q/K
+        rows un-permuted: whole rows move, exact), or None for a float or 1-D tensor."""
+        if self.type in ("F32", "F16", "BF16", "F64") or len(self.shape) != 2:
+            return None
+        return self.raw_rows()
+
+    def raw_rows(self) -> torch.Tensor:
+        """The tensor's bytes as stored, one row [row bytes] per output row ([N, row bytes] uint8, a copy), rows in
+        dense()'s order."""
         N = self.shape[0]
-        raw = torch.from_numpy(np.array(self._t.data).view(np.uint8).reshape(N, -1))  # a copy  # [N, K/256*144]
+        raw = torch.from_numpy(np.array(self._t.data).view(np.uint8).reshape(N, -1))  # a copy  # [N, row bytes]
         heads = self.file._rope_heads(self.name)
         return unpermute_rope(raw, heads).contiguous() if heads else raw
+
+    def __repr__(self) -> str:
+        return f"GGUFTensor({self.name!r}, {self.type}, {self.shape})"

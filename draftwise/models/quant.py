@@ -7,9 +7,12 @@ Which kernels a model gets is kernels/plan.py's KernelPlan; what each kernel is,
 Here a plan becomes modules: each linear is one implementation, or a SplitLinear (the step kernel up to
 STEP_MAX_TOKENS tokens per sequence, the prefill kernel above); a kernel that cannot take a weight's shape
 falls back to the dense implementation of its activation dtype (linear.impl_for, the autotuner's rule too).
-q4x8 takes a GGUF Q4_K tensor's blocks exactly (kernels/q4x8.py, q4k_from_blocks); other GGUF types are
-dequantized and quantized to the plan's format. Knows nothing of the engine; of checkpoints it knows only the
-GGUFTensor handle (shape, dense(), q4k_blocks()).
+q4x8 takes a GGUF Q4_K tensor's blocks exactly (kernels/q4x8.py, q4k_from_blocks); under a named plan other GGUF
+types are dequantized and quantized to the plan's format. A faithful plan (kernels/plan.py) gives each tensor the
+kernel of its stored type instead, built from its blocks (Q6_K -> q6k, Q8_0 / Q5_0 -> q8_0, others -> fp32 over
+the exactly dequantized weight), and keeps the embedding table as stored (`GGUFRowsEmbedding` for types other
+than Q4_K). `type_census` counts a file's types for the plan. Knows nothing of the engine; of checkpoints it knows
+only the GGUFTensor handle (shape, type, dense(), blocks(), q4k_blocks()).
 """
 from __future__ import annotations
 
@@ -20,19 +23,34 @@ from torch import nn
 
 from draftwise.kernels import linear
 from draftwise.kernels.linear import SplitLinear, derived_split, impl_for, make_linear
-from draftwise.kernels.plan import KernelPlan
+from draftwise.kernels.plan import EXACT_DENSE, KernelPlan, faithful_kernel
 
-PREPARED_FORMAT_VERSION = 4  # bump when a prepared module's stored tensors change; cached copies are then rebuilt
+PREPARED_FORMAT_VERSION = 5  # bump when a prepared module's stored tensors change; cached copies are then rebuilt
 # (2: the embedding table in q4x8's packed form, shared with a tied head; torch int4 linears prepared too;
 # 3: a q4x8 step + dense prefill split stores only the q4x8 half, the dense one is derived at load;
-# 4: one registry: implementations stored under their --weights names, with K). Bump
+# 4: one registry: implementations stored under their --weights names, with K; 5: faithful plans, q6k / q8_0
+# linears and the GGUF-rows embedding). Bump
 # sources.CONVERSION_VERSION with it: the converted folder is rebuilt, so the old prepared files leave the disk.
 
 
-def kernel_linear(plan: KernelPlan, N: int, K: int, weight=None, bias=None, parts: dict | None = None) -> nn.Module:
+def kernel_linear(plan: KernelPlan, N: int, K: int, weight=None, bias=None, parts: dict | None = None,
+                  stored_type: str | None = None, blocks=None) -> nn.Module:
     """One linear layer for a plan: weight [N, K] (float; a callable returning it is called only if needed) and
-    bias [N]; `parts` (q4x8 parts, e.g. exact from Q4_K blocks) are used for q4x8 instead of quantizing weight."""
+    bias [N]; `parts` (q4x8 parts, e.g. exact from Q4_K blocks) are used for q4x8 instead of quantizing weight.
+    A faithful plan needs the tensor's `stored_type` (ggml type name) and, for a block type, its raw `blocks`."""
     dense = {}
+    if plan.faithful:
+        if stored_type is None:
+            raise ValueError("a faithful plan builds a linear from its stored GGUF type; none was given")
+        name = faithful_kernel(stored_type)
+        if name == "q4x8" and parts is not None:
+            return linear.Q4x8Linear.from_parts(parts, bias)
+        if name in ("q6k", "q8_0") and blocks is not None and linear.LINEARS[name].supports(N, K):
+            try:
+                return linear.LINEARS[name].from_blocks(stored_type, blocks, N, K, bias)
+            except ValueError:  # a value the kernel cannot take (a Q8_0 -128): the exact dense weight instead
+                pass
+        return make_linear(EXACT_DENSE, weight() if callable(weight) else weight, bias)
 
     def get_weight() -> torch.Tensor:
         if "w" not in dense:
@@ -118,7 +136,20 @@ def prepared_tensors(items: dict, cfg, plan: KernelPlan,
             from draftwise.kernels.q4x8 import q4k_from_blocks
 
             parts = q4k_from_blocks(blocks, N, K)
-        yield path, kernel_linear(plan, N, K, item.dense, bias, parts)
+        faithful_blocks = item.blocks() if plan.faithful and faithful_kernel(item.type) in ("q6k", "q8_0") else None
+        yield path, kernel_linear(plan, N, K, item.dense, bias, parts, item.type, faithful_blocks)
+
+
+def type_census(types: dict[str, str], cfg) -> dict[str, int]:
+    """{HF tensor name: ggml type} of a GGUF -> {ggml type: count} over what a plan builds from it: the linears,
+    the embedding table and (tied) the LM head that reuses it."""
+    names = [n for n in types if linear_path(n) or n == f"{EMBED}.weight"]
+    if cfg.tie_word_embeddings and "lm_head.weight" not in types and f"{EMBED}.weight" in types:
+        names.append(f"{EMBED}.weight")
+    census: dict[str, int] = {}
+    for n in names:
+        census[types[n]] = census.get(types[n], 0) + 1
+    return census
 
 
 # ---- the embedding table in the prepared form ------------------------------------------------------------
@@ -144,14 +175,48 @@ def prepared_weights(items: dict, cfg, plan: KernelPlan,
     """prepared_tensors, with the embedding table as a module when compact_embedding says so (EMBED, after the
     linears): a tied LM head's q4x8 buffers shared (one copy serves both), else built from the table's own Q4_K
     blocks exactly, or dequantized (this one tensor) and quantized to q4x8."""
-    compact = compact_embedding(plan, cfg.hidden_size)
+    table = items[f"{EMBED}.weight"]
+    rows = plan.faithful and table.type != "Q4_K"  # faithful: a Q4_K table in q4x8 (exact), others as stored
+    compact = compact_embedding(plan, cfg.hidden_size) and not rows
     head = None
-    for name, value in prepared_tensors(items, cfg, plan, progress, dense_embedding=not compact):
+    for name, value in prepared_tensors(items, cfg, plan, progress, dense_embedding=not (compact or rows)):
         if name == "lm_head":
             head = value
         yield name, value
     if compact:
-        yield EMBED, _q4x8_embedding(items[f"{EMBED}.weight"], head if cfg.tie_word_embeddings else None)
+        yield EMBED, _q4x8_embedding(table, head if cfg.tie_word_embeddings else None)
+    elif rows:
+        yield EMBED, GGUFRowsEmbedding(table.raw_rows(), table.type, *table.shape)
+
+
+class GGUFRowsEmbedding(nn.Module):
+    """An embedding table [V, H] kept as the GGUF stores it: raw [V, row bytes] uint8 (the file's blocks, or a
+    float type's bytes), a looked-up row dequantized by the `gguf` package's own dequantizer, so every row is
+    bitwise the row of the dense float32 model (`--weights fp32`) and depends on its id alone (row-exact).
+    forward(ids [...] int64) -> [..., H] float32."""
+
+    def __init__(self, raw: torch.Tensor, gguf_type: str, num_embeddings: int, embedding_dim: int):
+        super().__init__()
+        from gguf import GGMLQuantizationType
+
+        if raw.dim() != 2 or raw.dtype != torch.uint8 or raw.shape[0] != num_embeddings:
+            raise ValueError(f"not the raw rows of a [{num_embeddings}, {embedding_dim}] table: {tuple(raw.shape)}")
+        self.gguf_type, self.num_embeddings, self.embedding_dim = gguf_type, num_embeddings, embedding_dim
+        self._qtype = GGMLQuantizationType[gguf_type]
+        self.register_buffer("raw", raw)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:  # ids [...] -> [..., H] float32
+        from gguf.quants import dequantize
+
+        flat = ids.reshape(-1).cpu()
+        if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= self.num_embeddings):
+            raise IndexError(f"token id out of range for an embedding of {self.num_embeddings} rows")
+        rows = self.raw.index_select(0, flat).numpy()
+        dense = dequantize(rows, self._qtype).reshape(len(flat), self.embedding_dim)
+        return torch.from_numpy(dense.astype("float32", copy=False)).reshape(*ids.shape, self.embedding_dim)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, {self.gguf_type} as stored"
 
 
 def _q4x8_embedding(item, tied_head: nn.Module | None) -> nn.Module:
@@ -178,6 +243,9 @@ def module_state(module: nn.Module, modules: dict[str, nn.Module]) -> tuple[dict
     whose q4x8 buffers it shares (a tied head: the cache stores the table once)."""
     from draftwise.kernels.q4x8 import PACKED, Q4x8Embedding
 
+    if isinstance(module, GGUFRowsEmbedding):
+        return ({"embedding": "gguf_rows", "type": module.gguf_type, "N": module.num_embeddings,
+                 "K": module.embedding_dim}, {"raw": module.raw})
     if not isinstance(module, Q4x8Embedding):
         return linear.stored(module)
     kind = {"embedding": "q4x8", "N": module.num_embeddings}
@@ -192,6 +260,8 @@ def module_from_state(kind: dict, tensors: dict[str, torch.Tensor], modules: dic
     """The inverse of module_state (`modules`: those already rebuilt, for a shared table)."""
     from draftwise.kernels.q4x8 import Q4x8Embedding
 
+    if kind.get("embedding") == "gguf_rows":
+        return GGUFRowsEmbedding(tensors["raw"], kind["type"], kind["N"], kind["K"])
     if kind.get("embedding") == "q4x8":
         if "shares" in kind:
             return Q4x8Embedding.from_linear(_q4x8_part(modules[kind["shares"]]))

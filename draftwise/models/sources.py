@@ -74,6 +74,23 @@ class Checkpoint:
                     catalog.replace_durably(tmp, path)
         return st.iter_tensors([path])
 
+    def tensor_types(self) -> dict[str, str] | None:
+        """{HF tensor name: ggml type} of a GGUF checkpoint (None otherwise): read once from the file's tensor table
+        and kept beside the converted copy (tensor_types.json, with the GGUF's sha256), so a load need not open the
+        GGUF to know which kernels keep it faithful (kernels/plan.py)."""
+        if "converted_path" not in self.info:
+            return None
+        path = Path(self.info["converted_path"]) / "tensor_types.json"
+        try:
+            saved = json.loads(path.read_text())
+            if saved.get("sha256") == self.info["sha256"]:
+                return saved["types"]
+        except (OSError, ValueError, KeyError):
+            pass
+        types = {name: item.type for name, item in self.gguf().items().items()}
+        catalog.write_text_durably(path, json.dumps({"sha256": self.info["sha256"], "types": types}))
+        return types
+
     def gguf(self):
         """The source GGUFFile (GGUF checkpoints only)."""
         from draftwise.models.gguf import GGUFFile
@@ -193,6 +210,8 @@ def _prepared(ckpt: Checkpoint, plan, embed_dtype: torch.dtype,
     folder = Path(ckpt.info["converted_path"])
     dtype = getattr(torch, plan.dtype)
     what = [ckpt.info["sha256"], quant.PREPARED_FORMAT_VERSION, plan.step, plan.prefill, str(dtype), str(embed_dtype)]
+    if plan.faithful:
+        what.append("faithful")
     if "int4" in (plan.step, plan.prefill):  # torch's int4 packing is its own, and may change between versions
         what.append(torch.__version__)
     key = hashlib.sha256(json.dumps(what).encode()).hexdigest()[:16]

@@ -1,0 +1,137 @@
+// q6k: the torch operator (torch.ops.draftwise_q6k.linear) and the scalar path of GGUF Q6_K x Q8_K.
+// Owns: argument checks, the activation quantization (q4x8's Q8_K rows, plus the per-16 sums Q6_K's offset needs),
+// threading over output-column blocks (at::parallel_for) and which cpuid features each ISA unit needs (dispatch.h's
+// rule picks the path). Knows nothing of models or files; the layout and the arithmetic are defined in q6k.h.
+// The scalar path performs the exact float sequence of the SIMD paths (std::fma), so it is their oracle.
+#include <torch/library.h>
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <cmath>
+#include "dispatch.h"
+#include "q4x8.h"
+#include "q6k.h"
+
+namespace {
+
+// What q6k_avx2.cpp and q6k_avx512.cpp are compiled for (kernels/q4x8.py `_units`).
+constexpr dwisa::Isa ISA{"q6k", {0, dwisa::F_AVX2 | dwisa::F_FMA,
+                                 dwisa::F_AVX512F | dwisa::F_AVX512BW | dwisa::F_AVX512VL | dwisa::F_AVX512VNNI}};
+
+}  // namespace
+
+extern "C" void dw_q6k_gemm_scalar(const DwQ6* w, const DwQ8K16* a, float* out, int64_t b0, int64_t b1) {
+    const int64_t G = w->G, S = w->S, N = w->N, M = a->M;
+    for (int64_t b = b0; b < b1; ++b) {
+        for (int j = 0; j < 16; ++j) {
+            const int64_t n = b * 16 + j;
+            if (n >= N) break;
+            for (int64_t m = 0; m < M; ++m) {
+                float acc = 0.0f;
+                for (int64_t s = 0; s < S; ++s) {
+                    int32_t isc = 0, imn = 0;
+                    for (int64_t g = s * 8; g < s * 8 + 8; ++g) {
+                        const uint8_t* L = w->ql + (b * G + g) * 256;
+                        const uint8_t* H = w->qh + (b * G + g) * 128;
+                        const int8_t* xq = a->q + (g * M + m) * 32;
+                        int32_t lo = 0, hi = 0;
+                        for (int c = 0; c < 4; ++c)
+                            for (int t = 0; t < 4; ++t) {
+                                const uint8_t byte = L[c * 64 + j * 4 + t];
+                                const uint8_t top = (uint8_t)(H[(c / 2) * 64 + j * 4 + t] >> ((c % 2) * 4));
+                                const int32_t ql = (byte & 15) | ((top & 3) << 4), qh = (byte >> 4) | (((top >> 2) & 3) << 4);
+                                lo += ql * xq[c * 4 + t];
+                                hi += qh * xq[16 + c * 4 + t];
+                            }
+                        const int8_t* SC = w->sc + (b * G + g) * 32;
+                        const int16_t* qs = a->qsum16 + (s * M + m) * 16 + (g - s * 8) * 2;
+                        isc += (int32_t)SC[j] * lo + (int32_t)SC[16 + j] * hi;
+                        imn += (int32_t)SC[j] * qs[0] + (int32_t)SC[16 + j] * qs[1];
+                    }
+                    const float t = (float)(isc - 32 * imn) * w->d[(b * S + s) * 16 + j];
+                    acc = std::fma(t, a->dx[s * M + m], acc);
+                }
+                out[m * N + n] = acc + (w->bias ? w->bias[n] : 0.0f);
+            }
+        }
+    }
+}
+
+namespace {
+
+// x [M, K] float32 -> y [M, N] float32
+at::Tensor q6k_linear(const at::Tensor& x, const at::Tensor& ql, const at::Tensor& qh, const at::Tensor& sc,
+                      const at::Tensor& d, const std::optional<at::Tensor>& bias, int64_t N, int64_t path) {
+    TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be [M, K] float32 contiguous");
+    const int64_t M = x.size(0), K = x.size(1);
+    TORCH_CHECK(K % 256 == 0, "Q6_K needs K a multiple of 256");
+    const int64_t G = K / 32, S = K / 256, NB = (N + 15) / 16;
+    TORCH_CHECK(ql.scalar_type() == at::kByte && ql.is_contiguous() && ql.numel() == NB * G * 256, "ql: bad shape");
+    TORCH_CHECK(qh.scalar_type() == at::kByte && qh.is_contiguous() && qh.numel() == NB * G * 128, "qh: bad shape");
+    TORCH_CHECK(sc.scalar_type() == at::kChar && sc.is_contiguous() && sc.numel() == NB * G * 32, "sc: bad shape");
+    TORCH_CHECK(d.scalar_type() == at::kFloat && d.is_contiguous() && d.numel() == NB * S * 16, "d: bad shape");
+    const float* bias_p = nullptr;
+    if (bias.has_value() && bias->defined()) {
+        TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N, "bias must be [N] float32");
+        bias_p = bias->data_ptr<float>();
+    }
+    path = dwisa::select(ISA, path);
+    at::Tensor y = at::empty({M, N}, x.options());
+    if (M == 0) return y;
+    at::Tensor q = at::empty({G, M, 32}, x.options().dtype(at::kChar));
+    at::Tensor dx = at::empty({S, M}, x.options());
+    at::Tensor qsum = at::empty({S, M, 8}, x.options().dtype(at::kShort));
+    at::Tensor qsum16 = at::empty({S, M, 16}, x.options().dtype(at::kShort));
+    at::Tensor qoff16 = at::empty({G, M, 2}, x.options().dtype(at::kInt));
+    const float* xp = x.data_ptr<float>();
+    int8_t* qp = q.data_ptr<int8_t>();
+    float* dxp = dx.data_ptr<float>();
+    int16_t* qsp = qsum.data_ptr<int16_t>();
+    int16_t* q16 = qsum16.data_ptr<int16_t>();
+    int32_t* qo = qoff16.data_ptr<int32_t>();
+    // q4x8's Q8_K rows (every path bitwise the same), then the per-16 sums from the int8 values
+    const auto quant = dwisa::pick(path, dw_q8_rows_scalar, dw_q8_rows_avx2, dw_q8_rows_avx512);
+    auto rows = [&](int64_t r0, int64_t r1) {
+        quant(xp, M, K, qp, dxp, qsp, r0, r1);
+        for (int64_t r = r0; r < r1; ++r)
+            for (int64_t g = 0; g < G; ++g) {
+                const int8_t* v = qp + (g * M + r) * 32;
+                int32_t lo = 0, hi = 0;
+                for (int i = 0; i < 16; ++i) {
+                    lo += v[i];
+                    hi += v[16 + i];
+                }
+                q16[((g / 8) * M + r) * 16 + (g % 8) * 2] = (int16_t)lo;
+                q16[((g / 8) * M + r) * 16 + (g % 8) * 2 + 1] = (int16_t)hi;
+                qo[(g * M + r) * 2] = -32 * lo;
+                qo[(g * M + r) * 2 + 1] = -32 * hi;
+            }
+    };
+    if (M * K >= (1 << 16)) {
+        at::parallel_for(0, M, 1, rows);
+    } else {
+        rows(0, M);
+    }
+    const auto gemm = dwisa::pick(path, dw_q6k_gemm_scalar, dw_q6k_gemm_avx2, dw_q6k_gemm_avx512);
+    DwQ6 w{ql.data_ptr<uint8_t>(), qh.data_ptr<uint8_t>(), sc.data_ptr<int8_t>(), d.data_ptr<float>(), bias_p, N, K, G, S};
+    DwQ8K16 a{qp, dxp, q16, qo, M};
+    float* yp = y.data_ptr<float>();
+    at::parallel_for(0, NB, 1, [&](int64_t b0, int64_t b1) { gemm(&w, &a, yp, b0, b1); });
+    return y;
+}
+
+std::vector<int64_t> paths() { return dwisa::available_paths(ISA); }
+
+}  // namespace
+
+#ifndef DW_HAVE_X86
+extern "C" void dw_q6k_gemm_avx2(const DwQ6*, const DwQ8K16*, float*, int64_t, int64_t) {}
+extern "C" void dw_q6k_gemm_avx512(const DwQ6*, const DwQ8K16*, float*, int64_t, int64_t) {}
+#endif
+
+TORCH_LIBRARY(draftwise_q6k, m) {
+    m.def("linear(Tensor x, Tensor ql, Tensor qh, Tensor sc, Tensor d, Tensor? bias, int N, int path) -> Tensor");
+    m.def("paths() -> int[]", &paths);
+}
+
+TORCH_LIBRARY_IMPL(draftwise_q6k, CPU, m) { m.impl("linear", &q6k_linear); }

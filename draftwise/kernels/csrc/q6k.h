@@ -1,0 +1,55 @@
+// q6k: GGUF Q6_K weights x int8 activations (GGUF's Q8_K), the plain-C interface shared by the ISA units.
+//
+// Owns: the packed Q6_K layout and the arithmetic every path performs, described here once. Knows nothing of torch
+// (the ISA units include only this header and intrin.h) or of how the blocks were read (kernels/ggml_blocks.py).
+//
+// Weights W [N, K], K a multiple of 256, N padded to NB = ceil(N / 16) blocks of 16 output columns. As ggml defines
+// Q6_K: w[n, k] = d[n, s] * sc[n, j] * (q[n, k] - 32), q in 0..63 (6 bits), sc int8 per sub-block j of 16 K values,
+// d per super-block s of 256 (fp16 in the file, float32 here: exact). Group g = 32 K values = sub-blocks 2g, 2g + 1.
+//   ql [NB, G, 4, 64] uint8: byte i of chunk c of group g of block b holds, for column n = 16 b + i / 4, t = i % 4,
+//     the low 4 bits of q[n, 32 g + 4 c + t] in its low nibble and of q[n, 32 g + 16 + 4 c + t] in its high one
+//     (q4x8's nibble layout: the low nibbles are sub-block 2g, the high ones sub-block 2g + 1).
+//   qh [NB, G, 2, 64] uint8: byte i of pair p holds the top 2 bits of, from bit 0 up: chunk 2p's low-nibble value,
+//     its high-nibble value, chunk 2p + 1's low-nibble value, its high-nibble value (same column and t as ql's i).
+//   sc [NB, G, 2, 16] int8 (sub-block 2g + h of column 16 b + i at [b, g, h, i]); d [NB, S, 16] float32.
+// Activations X [M, K]: q4x8's Q8_K quantization (q4x8.h: per row and super-block, dx = amax / 127, q =
+// round_half_even(x * 127 / amax)), stored q [G, M, 32], dx [S, M], plus per sub-block of 16 the integer sum
+// qsum16 [S, M, 16] int16 (|qsum16| <= 16 * 127) and the same times -32 as qoff16 [G, M, 2] int32.
+// Per output (m, n) and super-block s, with isum_j = sum over sub-block j of q[n, k] * q_x[m, k] (0 <= q <= 63,
+// |isum_j| <= 16 * 63 * 127 = 128,016):
+//   isc = sum_j sc_j * isum_j           int32, exact: |isc| <= 16 * 128 * 128,016 = 262,176,768
+//   imn = sum_j sc_j * qsum16_j         int32, exact: |imn| <= 16 * 128 * 2,032 = 4,161,536
+//   tot = isc - 32 * imn                int32, exact: |tot| <= 395,345,920 < 2^31
+//   (the AVX-512 path starts each isum_j at qoff16_j = -32 * qsum16_j and multiplies by sc_j: the same exact tot)
+//   then in super-block order, one rounding per operation, identically in every path:
+//   t = (float) tot * d[n, s];  acc = fma(t, dx[s, m], acc);  y = acc + bias.
+// Every integer sum is exact and the float steps are the same sequence, so a row never depends on M, on other rows
+// or on the path (scalar, AVX2, AVX-512 agree bitwise).
+#pragma once
+#include <stdint.h>
+
+extern "C" {
+
+struct DwQ6 {
+    const uint8_t* ql;  // [NB, G, 4, 64]
+    const uint8_t* qh;  // [NB, G, 2, 64]
+    const int8_t* sc;   // [NB, G, 2, 16]
+    const float* d;     // [NB, S, 16]
+    const float* bias;  // [N] or null
+    int64_t N, K, G, S;
+};
+
+struct DwQ8K16 {
+    const int8_t* q;         // [G, M, 32]
+    const float* dx;         // [S, M]
+    const int16_t* qsum16;   // [S, M, 16]
+    const int32_t* qoff16;   // [G, M, 2]
+    int64_t M;
+};
+
+// out [M, N] float32 for the 16-column blocks [b0, b1), all M rows
+void dw_q6k_gemm_scalar(const DwQ6* w, const DwQ8K16* a, float* out, int64_t b0, int64_t b1);
+void dw_q6k_gemm_avx2(const DwQ6* w, const DwQ8K16* a, float* out, int64_t b0, int64_t b1);
+void dw_q6k_gemm_avx512(const DwQ6* w, const DwQ8K16* a, float* out, int64_t b0, int64_t b1);
+
+}

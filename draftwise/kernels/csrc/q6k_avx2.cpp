@@ -1,0 +1,135 @@
+// q6k, AVX2 path (AVX2 + FMA): the 6-bit weights rebuilt per 32-byte half chunk, _mm256_maddubs_epi16 (u8 weight
+// 0..63 x s8 activation pairs, |pair| <= 2 * 63 * 127 = 16002) summed over two chunks in int16 (<= 32004, no
+// saturation), then _mm256_madd_epi16 by the column's (sc, sc) to int32; the -32 offset as one _mm256_madd_epi16 of
+// (sc_lo, sc_hi) pairs by the row's (qsum16_lo, qsum16_hi) per group. The exact totals meet d and dx in q6k.h's
+// float steps. Owns only this path's arithmetic; knows nothing of torch, threads or when it runs. Compiled with
+// -mavx2 -mfma and called only after a run-time cpuid check. Includes no C++ library header.
+#include "intrin.h"
+#include "q6k.h"
+
+namespace {
+
+inline int32_t load_i32(const void* p) {
+    int32_t v;
+    __builtin_memcpy(&v, p, 4);
+    return v;
+}
+
+// (sc, sc) per column as int16 pairs from 8 int8 scales
+inline __m256i sc_twice(const int8_t* p) {
+    long long v;
+    __builtin_memcpy(&v, p, 8);
+    const __m256i s32 = _mm256_cvtepi8_epi32(_mm_cvtsi64_si128(v));
+    return _mm256_or_si256(_mm256_and_si256(s32, _mm256_set1_epi32(0xFFFF)), _mm256_slli_epi32(s32, 16));
+}
+
+// (sc_lo, sc_hi) per column as int16 pairs
+inline __m256i sc_pair(const int8_t* lo, const int8_t* hi) {
+    long long a, b;
+    __builtin_memcpy(&a, lo, 8);
+    __builtin_memcpy(&b, hi, 8);
+    return _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(_mm_cvtsi64_si128(a), _mm_cvtsi64_si128(b)));
+}
+
+// Rows [m0, m0 + MT) of one half (h = 0: columns 0-7, h = 1: columns 8-15) of the 16-column block b.
+template <int MT>
+void half_rows(const DwQ6* w, const DwQ8K16* a, float* out, int64_t b, int h, int64_t m0, bool prefetch) {
+    const int64_t G = w->G, S = w->S, N = w->N, M = a->M;
+    const uint8_t* L = w->ql + b * G * 256 + h * 32;
+    const uint8_t* H = w->qh + b * G * 128 + h * 32;
+    const int8_t* SC = w->sc + b * G * 32 + h * 8;
+    const float* D = w->d + b * S * 16 + h * 8;
+    const __m256i low4 = _mm256_set1_epi8(0x0F), top2 = _mm256_set1_epi8(0x30);
+    __m256 acc[MT];
+    for (int m = 0; m < MT; ++m) acc[m] = _mm256_setzero_ps();
+    for (int64_t s = 0; s < S; ++s) {
+        __m256i isc[MT], imn[MT];
+        for (int m = 0; m < MT; ++m) isc[m] = imn[m] = _mm256_setzero_si256();
+        for (int64_t g = s * 8; g < s * 8 + 8; ++g) {
+            if (prefetch) {
+                const char* nl = (const char*)(L - h * 32 + G * 256 + g * 256);
+                for (int c = 0; c < 4; ++c) _mm_prefetch(nl + 64 * c, _MM_HINT_T1);
+                _mm_prefetch((const char*)(H - h * 32 + G * 128 + g * 128), _MM_HINT_T1);
+                _mm_prefetch((const char*)(H - h * 32 + G * 128 + g * 128 + 64), _MM_HINT_T1);
+            }
+            __m256i wl[4], wh[4];
+            for (int c = 0; c < 4; ++c) {
+                const __m256i raw = _mm256_loadu_si256((const __m256i*)(L + g * 256 + c * 64));
+                const __m256i hv = _mm256_loadu_si256((const __m256i*)(H + g * 128 + (c / 2) * 64));
+                const __m256i hl = (c & 1) ? _mm256_and_si256(hv, top2) : _mm256_and_si256(_mm256_slli_epi16(hv, 4), top2);
+                const __m256i hh = (c & 1) ? _mm256_and_si256(_mm256_srli_epi16(hv, 2), top2)
+                                           : _mm256_and_si256(_mm256_slli_epi16(hv, 2), top2);
+                wl[c] = _mm256_or_si256(_mm256_and_si256(raw, low4), hl);
+                wh[c] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(raw, 4), low4), hh);
+            }
+            const __m256i scl = sc_twice(SC + g * 32), sch = sc_twice(SC + g * 32 + 16);
+            const __m256i scp = sc_pair(SC + g * 32, SC + g * 32 + 16);
+            const int8_t* xg = a->q + (g * M + m0) * 32;
+            const int16_t* QS = a->qsum16 + (s * M + m0) * 16 + (g - s * 8) * 2;
+            for (int m = 0; m < MT; ++m) {
+                const int8_t* xq = xg + m * 32;
+                __m256i pl[2], ph[2];
+                for (int k = 0; k < 2; ++k) {
+                    pl[k] = _mm256_add_epi16(
+                        _mm256_maddubs_epi16(wl[2 * k], _mm256_set1_epi32(load_i32(xq + 8 * k))),
+                        _mm256_maddubs_epi16(wl[2 * k + 1], _mm256_set1_epi32(load_i32(xq + 8 * k + 4))));
+                    ph[k] = _mm256_add_epi16(
+                        _mm256_maddubs_epi16(wh[2 * k], _mm256_set1_epi32(load_i32(xq + 16 + 8 * k))),
+                        _mm256_maddubs_epi16(wh[2 * k + 1], _mm256_set1_epi32(load_i32(xq + 16 + 8 * k + 4))));
+                }
+                const __m256i sl = _mm256_add_epi32(_mm256_madd_epi16(pl[0], scl), _mm256_madd_epi16(pl[1], scl));
+                const __m256i sh = _mm256_add_epi32(_mm256_madd_epi16(ph[0], sch), _mm256_madd_epi16(ph[1], sch));
+                isc[m] = _mm256_add_epi32(isc[m], _mm256_add_epi32(sl, sh));
+                imn[m] = _mm256_add_epi32(imn[m], _mm256_madd_epi16(scp, _mm256_set1_epi32(load_i32(QS + m * 16))));
+            }
+        }
+        const __m256 dv = _mm256_loadu_ps(D + s * 16);
+        const float* DX = a->dx + s * M + m0;
+        for (int m = 0; m < MT; ++m) {
+            const __m256i tot = _mm256_sub_epi32(isc[m], _mm256_slli_epi32(imn[m], 5));
+            const __m256 t = _mm256_mul_ps(_mm256_cvtepi32_ps(tot), dv);
+            acc[m] = _mm256_fmadd_ps(t, _mm256_set1_ps(DX[m]), acc[m]);
+        }
+    }
+    const int64_t n0 = b * 16 + h * 8;
+    const int64_t live = N - n0 < 8 ? N - n0 : 8;
+    for (int m = 0; m < MT; ++m) {
+        float* o = out + (m0 + m) * N + n0;
+        if (live == 8) {
+            const __m256 bias = w->bias ? _mm256_loadu_ps(w->bias + n0) : _mm256_setzero_ps();
+            _mm256_storeu_ps(o, _mm256_add_ps(acc[m], bias));
+        } else {
+            alignas(32) float tmp[8];
+            _mm256_store_ps(tmp, acc[m]);
+            for (int64_t j = 0; j < live; ++j) o[j] = tmp[j] + (w->bias ? w->bias[n0 + j] : 0.0f);
+        }
+    }
+}
+
+constexpr int MAX_TILE = 4;
+
+void half(const DwQ6* w, const DwQ8K16* a, float* out, int64_t b, int h, bool prefetch) {
+    const int64_t M = a->M;
+    const int64_t tiles = (M + MAX_TILE - 1) / MAX_TILE;
+    int64_t m0 = 0;
+    for (int64_t t = 0; t < tiles; ++t) {
+        const int64_t rows = (M - m0) / (tiles - t);
+        const bool pf = prefetch && t == 0 && h == 0;
+        switch (rows) {
+            case 1: half_rows<1>(w, a, out, b, h, m0, pf); break;
+            case 2: half_rows<2>(w, a, out, b, h, m0, pf); break;
+            case 3: half_rows<3>(w, a, out, b, h, m0, pf); break;
+            default: half_rows<4>(w, a, out, b, h, m0, pf); break;
+        }
+        m0 += rows;
+    }
+}
+
+}  // namespace
+
+extern "C" void dw_q6k_gemm_avx2(const DwQ6* w, const DwQ8K16* a, float* out, int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+        half(w, a, out, b, 0, b + 1 < b1);
+        if (b * 16 + 8 < w->N) half(w, a, out, b, 1, false);
+    }
+}

@@ -1,0 +1,126 @@
+// q6k, AVX-512 path (F + BW + VNNI): the 6-bit weights rebuilt per 64-byte chunk from their low nibbles and top
+// 2 bits (three logic ops and a shift each), VPDPBUSD on 16 columns x 4 K values with the activation operand an
+// embedded broadcast; each sub-block's sum starts at the row's qoff16 (the -32 offset) and meets its int8 scale in
+// one VPMULLD. Owns only this path's arithmetic (layout and float sequence: q6k.h); knows nothing of torch,
+// threads or when it runs (q6k.cpp and dispatch.h decide). Compiled with -mavx512f -mavx512bw -mavx512vl
+// -mavx512vnni and called only after a run-time cpuid check. Includes no C++ library header.
+#include "intrin.h"
+#include "q6k.h"
+
+namespace {
+
+typedef int32_t __attribute__((may_alias)) i32_alias;
+
+inline __m512i dpbusd_b(__m512i acc, __m512i w, const int8_t* p) {
+    __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*(const i32_alias*)p));
+    return acc;
+}
+
+// Rows [m0, m0 + MT) of one 16-column block b: per group, 8 VPDPBUSD per row into two sub-block sums, two VPMULLD
+// by the sub-blocks' scales into the super-block's int32; per super-block the float steps of q6k.h.
+template <int MT>
+void block_rows(const DwQ6* w, const DwQ8K16* a, float* out, int64_t b, int64_t m0, bool prefetch) {
+    const int64_t G = w->G, S = w->S, N = w->N, M = a->M;
+    const uint8_t* L = w->ql + b * G * 256;
+    const uint8_t* H = w->qh + b * G * 128;
+    const int8_t* SC = w->sc + b * G * 32;
+    const float* D = w->d + b * S * 16;
+    const __m512i low4 = _mm512_set1_epi8(0x0F), top2 = _mm512_set1_epi8(0x30);
+    __m512 acc[MT];
+#pragma GCC unroll 8
+    for (int m = 0; m < MT; ++m) acc[m] = _mm512_setzero_ps();
+#pragma GCC unroll 1
+    for (int64_t s = 0; s < S; ++s) {
+        __m512i isc[MT];
+#pragma GCC unroll 8
+        for (int m = 0; m < MT; ++m) isc[m] = _mm512_setzero_si512();
+#pragma GCC unroll 1
+        for (int64_t g = s * 8; g < s * 8 + 8; ++g) {
+            if (prefetch) {
+                const char* nl = (const char*)(L + G * 256 + g * 256);
+                const char* nh = (const char*)(H + G * 128 + g * 128);
+                _mm_prefetch(nl, _MM_HINT_T1);
+                _mm_prefetch(nl + 64, _MM_HINT_T1);
+                _mm_prefetch(nl + 128, _MM_HINT_T1);
+                _mm_prefetch(nl + 192, _MM_HINT_T1);
+                _mm_prefetch(nh, _MM_HINT_T1);
+                _mm_prefetch(nh + 64, _MM_HINT_T1);
+                _mm_prefetch((const char*)(SC + G * 32 + g * 32), _MM_HINT_T0);
+            }
+            __m512i lo[MT], hi[MT];
+            const int32_t* qo = a->qoff16 + (g * M + m0) * 2;
+#pragma GCC unroll 8
+            for (int m = 0; m < MT; ++m) {
+                lo[m] = _mm512_set1_epi32(qo[2 * m]);
+                hi[m] = _mm512_set1_epi32(qo[2 * m + 1]);
+            }
+            const int8_t* xg = a->q + (g * M + m0) * 32;
+            const __m512i h0 = _mm512_loadu_si512((const void*)(H + g * 128));
+            const __m512i h1 = _mm512_loadu_si512((const void*)(H + g * 128 + 64));
+#pragma GCC unroll 4
+            for (int c = 0; c < 4; ++c) {
+                const __m512i raw = _mm512_loadu_si512((const void*)(L + g * 256 + c * 64));
+                const __m512i hv = c < 2 ? h0 : h1;
+                const __m512i hl = (c & 1) ? _mm512_and_si512(hv, top2) : _mm512_and_si512(_mm512_slli_epi16(hv, 4), top2);
+                const __m512i hh = (c & 1) ? _mm512_and_si512(_mm512_srli_epi16(hv, 2), top2)
+                                           : _mm512_and_si512(_mm512_slli_epi16(hv, 2), top2);
+                const __m512i wl = _mm512_or_si512(_mm512_and_si512(raw, low4), hl);
+                const __m512i wh = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(raw, 4), low4), hh);
+#pragma GCC unroll 8
+                for (int m = 0; m < MT; ++m) {
+                    lo[m] = dpbusd_b(lo[m], wl, xg + m * 32 + 4 * c);
+                    hi[m] = dpbusd_b(hi[m], wh, xg + m * 32 + 16 + 4 * c);
+                }
+            }
+            const __m512i scl = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(SC + g * 32)));
+            const __m512i sch = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(SC + g * 32 + 16)));
+#pragma GCC unroll 8
+            for (int m = 0; m < MT; ++m)
+                isc[m] = _mm512_add_epi32(isc[m], _mm512_add_epi32(_mm512_mullo_epi32(lo[m], scl),
+                                                                   _mm512_mullo_epi32(hi[m], sch)));
+        }
+        const __m512 dv = _mm512_loadu_ps(D + s * 16);
+        const float* DX = a->dx + s * M + m0;
+#pragma GCC unroll 8
+        for (int m = 0; m < MT; ++m) {
+            const __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(isc[m]), dv);
+            acc[m] = _mm512_fmadd_ps(t, _mm512_set1_ps(DX[m]), acc[m]);
+        }
+    }
+    const int64_t n0 = b * 16;
+    const int64_t live = N - n0 < 16 ? N - n0 : 16;
+    const __mmask16 keep = (__mmask16)((1u << live) - 1u);
+    const __m512 bias = w->bias ? _mm512_maskz_loadu_ps(keep, w->bias + n0) : _mm512_setzero_ps();
+#pragma GCC unroll 8
+    for (int m = 0; m < MT; ++m) _mm512_mask_storeu_ps(out + (m0 + m) * N + n0, keep, _mm512_add_ps(acc[m], bias));
+}
+
+// 8 rows x (2 sub-block sums + 1 super-block sum) = 24 zmm, plus weights and constants
+constexpr int MAX_TILE = 8;
+
+void block(const DwQ6* w, const DwQ8K16* a, float* out, int64_t b, bool prefetch) {
+    const int64_t M = a->M;
+    const int64_t tiles = (M + MAX_TILE - 1) / MAX_TILE;
+    int64_t m0 = 0;
+    for (int64_t t = 0; t < tiles; ++t) {
+        const int64_t rows = (M - m0) / (tiles - t);
+        const bool pf = prefetch && t == 0;
+        switch (rows) {
+            case 1: block_rows<1>(w, a, out, b, m0, pf); break;
+            case 2: block_rows<2>(w, a, out, b, m0, pf); break;
+            case 3: block_rows<3>(w, a, out, b, m0, pf); break;
+            case 4: block_rows<4>(w, a, out, b, m0, pf); break;
+            case 5: block_rows<5>(w, a, out, b, m0, pf); break;
+            case 6: block_rows<6>(w, a, out, b, m0, pf); break;
+            case 7: block_rows<7>(w, a, out, b, m0, pf); break;
+            default: block_rows<8>(w, a, out, b, m0, pf); break;
+        }
+        m0 += rows;
+    }
+}
+
+}  // namespace
+
+extern "C" void dw_q6k_gemm_avx512(const DwQ6* w, const DwQ8K16* a, float* out, int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) block(w, a, out, b, b + 1 < b1);
+}

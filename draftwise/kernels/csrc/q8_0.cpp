@@ -1,0 +1,119 @@
+// q8_0: the torch operator (torch.ops.draftwise_q8_0.linear) and the scalar path of GGUF Q8_0 / Q5_0 x Q8_0.
+// Owns: argument checks, the activation quantization per group of 32 (one scalar implementation serves every path,
+// so its bits cannot differ between them), threading over output-column blocks (at::parallel_for) and which cpuid
+// features each ISA unit needs (dispatch.h's rule picks the path). Knows nothing of models or files; the layout and
+// the arithmetic are defined in q8_0.h. The scalar path performs the exact float sequence of the SIMD paths.
+#include <torch/library.h>
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <cmath>
+#include "dispatch.h"
+#include "q8_0.h"
+
+namespace {
+
+// What q8_0_avx2.cpp and q8_0_avx512.cpp are compiled for (kernels/q4x8.py `_units`).
+constexpr dwisa::Isa ISA{"q8_0", {0, dwisa::F_AVX2 | dwisa::F_FMA,
+                                  dwisa::F_AVX512F | dwisa::F_AVX512BW | dwisa::F_AVX512VL | dwisa::F_AVX512VNNI}};
+
+// x [M, K] -> q [G, M, 32], dx [G, M], qoff [G, M] for rows [r0, r1) (q8_0.h)
+void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* q, float* dx, int32_t* qoff, int64_t r0, int64_t r1) {
+    const int64_t G = K / 32;
+    for (int64_t r = r0; r < r1; ++r)
+        for (int64_t g = 0; g < G; ++g) {
+            const float* p = x + r * K + g * 32;
+            float amax = 0.0f;
+            for (int i = 0; i < 32; ++i) amax = std::fmax(amax, std::fabs(p[i]));
+            const float id = amax > 0.0f ? 127.0f / amax : 0.0f;
+            int8_t* o = q + (g * M + r) * 32;
+            int32_t sum = 0;
+            for (int i = 0; i < 32; ++i) {
+                const int32_t v = (int32_t)std::nearbyint(p[i] * id);
+                o[i] = (int8_t)v;
+                sum += v;
+            }
+            dx[g * M + r] = amax / 127.0f;
+            qoff[g * M + r] = -128 * sum;
+        }
+}
+
+}  // namespace
+
+extern "C" void dw_q80_gemm_scalar(const DwQ80* w, const DwQ80Act* a, float* out, int64_t b0, int64_t b1) {
+    const int64_t G = w->G, N = w->N, M = a->M;
+    for (int64_t b = b0; b < b1; ++b) {
+        for (int j = 0; j < 16; ++j) {
+            const int64_t n = b * 16 + j;
+            if (n >= N) break;
+            for (int64_t m = 0; m < M; ++m) {
+                float acc = 0.0f;
+                for (int64_t g = 0; g < G; ++g) {
+                    const uint8_t* P = w->qw + (b * G + g) * 512;
+                    const int8_t* xq = a->q + (g * M + m) * 32;
+                    int32_t isum = 0;
+                    for (int c = 0; c < 8; ++c)
+                        for (int t = 0; t < 4; ++t) isum += ((int32_t)P[c * 64 + j * 4 + t] - 128) * xq[c * 4 + t];
+                    const float t = (float)isum * w->d[(b * G + g) * 16 + j];
+                    acc = std::fma(t, a->dx[g * M + m], acc);
+                }
+                out[m * N + n] = acc + (w->bias ? w->bias[n] : 0.0f);
+            }
+        }
+    }
+}
+
+namespace {
+
+// x [M, K] float32 -> y [M, N] float32
+at::Tensor q80_linear(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& d,
+                      const std::optional<at::Tensor>& bias, int64_t N, int64_t path) {
+    TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be [M, K] float32 contiguous");
+    const int64_t M = x.size(0), K = x.size(1);
+    TORCH_CHECK(K % 32 == 0, "K must be a multiple of 32");
+    const int64_t G = K / 32, NB = (N + 15) / 16;
+    TORCH_CHECK(qw.scalar_type() == at::kByte && qw.is_contiguous() && qw.numel() == NB * G * 512, "qw: bad shape");
+    TORCH_CHECK(d.scalar_type() == at::kFloat && d.is_contiguous() && d.numel() == NB * G * 16, "d: bad shape");
+    const float* bias_p = nullptr;
+    if (bias.has_value() && bias->defined()) {
+        TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N, "bias must be [N] float32");
+        bias_p = bias->data_ptr<float>();
+    }
+    path = dwisa::select(ISA, path);
+    at::Tensor y = at::empty({M, N}, x.options());
+    if (M == 0) return y;
+    at::Tensor q = at::empty({G, M, 32}, x.options().dtype(at::kChar));
+    at::Tensor dx = at::empty({G, M}, x.options());
+    at::Tensor qoff = at::empty({G, M}, x.options().dtype(at::kInt));
+    const float* xp = x.data_ptr<float>();
+    int8_t* qp = q.data_ptr<int8_t>();
+    float* dxp = dx.data_ptr<float>();
+    int32_t* qop = qoff.data_ptr<int32_t>();
+    if (M * K >= (1 << 16)) {
+        at::parallel_for(0, M, 1, [&](int64_t r0, int64_t r1) { quantize_rows(xp, M, K, qp, dxp, qop, r0, r1); });
+    } else {
+        quantize_rows(xp, M, K, qp, dxp, qop, 0, M);
+    }
+    const auto gemm = dwisa::pick(path, dw_q80_gemm_scalar, dw_q80_gemm_avx2, dw_q80_gemm_avx512);
+    DwQ80 w{qw.data_ptr<uint8_t>(), d.data_ptr<float>(), bias_p, N, K, G};
+    DwQ80Act a{qp, dxp, qop, M};
+    float* yp = y.data_ptr<float>();
+    at::parallel_for(0, NB, 1, [&](int64_t b0, int64_t b1) { gemm(&w, &a, yp, b0, b1); });
+    return y;
+}
+
+std::vector<int64_t> paths() { return dwisa::available_paths(ISA); }
+
+}  // namespace
+
+#ifndef DW_HAVE_X86
+extern "C" void dw_q80_gemm_avx2(const DwQ80*, const DwQ80Act*, float*, int64_t, int64_t) {}
+extern "C" void dw_q80_gemm_avx512(const DwQ80*, const DwQ80Act*, float*, int64_t, int64_t) {}
+#endif
+
+TORCH_LIBRARY(draftwise_q8_0, m) {
+    m.def("linear(Tensor x, Tensor qw, Tensor d, Tensor? bias, int N, int path) -> Tensor");
+    m.def("paths() -> int[]", &paths);
+}
+
+TORCH_LIBRARY_IMPL(draftwise_q8_0, CPU, m) { m.impl("linear", &q80_linear); }
