@@ -6,8 +6,12 @@
 // attention_kernel.h and intrin.h), of models or of speculation.
 //
 // Work item (b, t, h): query t of sequence b, head h; kv head g = h / (H / Hkv) (GQA). It attends over exactly
-// the keys [start, end) of cache slot slots[b]: end = first[b] + t + 1, start = max(0, end - window) when
+// the keys at positions [start, end) of sequence b: end = first[b] + t + 1, start = max(0, end - window) when
 // window > 0, else 0. Items with t >= ntok[b] (padding) write zeros.
+// Paged K/V (kv_cache.py): the layer's cache is a pool of pages [P, Hkv, BS, D]; position p of sequence b lives
+// in page tables[b * nb + p / BS], row p % BS. Where the pages sit changes no float operation (keys are visited
+// in position order whatever page holds them). The SIMD paths read keys in 16-position blocks aligned to 16, so
+// BS is a multiple of 16, or a sequence holds one page (nb == 1: the contiguous layout, one page per slot).
 // The float sequence of one item (fp32 throughout; bf16 inputs are widened exactly, the output is rounded to
 // nearest even once at the end), with L = end - start, j = 0..L-1 counted from start, 16 "lanes":
 //   s_j   = dot(q, k_j) * scale,  dot = lanes l = i mod 16 summed in i order (a tail after the last whole 16
@@ -32,11 +36,12 @@ enum DwAttnDtype { DW_ATTN_F32 = 0, DW_ATTN_BF16 = 1 };
 struct DwAttnArgs {
     const void* q;            // [B, H, T, D] with strides q_sb, q_sh, q_st (elements); D contiguous
     int64_t q_sb, q_sh, q_st;
-    const void* k;            // the layer's cache [S, Hkv, C, D] with strides kv_ss, kv_sh, kv_sc; D contiguous
+    const void* k;            // the layer's page pool [P, Hkv, BS, D] with strides kv_ss, kv_sh, kv_sc; D contiguous
     const void* v;            // same shape and strides as k
     int64_t kv_ss, kv_sh, kv_sc;
     void* out;                // [B, T, H, D] contiguous
-    const int64_t* slots;     // [B] cache slot of each sequence
+    const int64_t* tables;    // [B, nb] each sequence's pages, in position order
+    int64_t nb, bs;           // pages per table row, positions per page (BS)
     const int64_t* first;     // [B] position of each sequence's first query
     const int64_t* ntok;      // [B] real queries per sequence (<= T)
     int64_t B, T, H, Hkv, D;
