@@ -15,11 +15,12 @@ from typing import Callable, Iterator, Sequence
 
 import torch
 
-from draftwise.config import ConfigError, EngineConfig, SpecConfig, parse_spec_config
+from draftwise.config import ConfigError, EngineConfig, SpecConfig, parse_kv_cache_memory, parse_spec_config
 from draftwise.engine import Engine, Request, StepOutput
 from draftwise.kernels import hugepages
 from draftwise.kernels.plan import KernelPlan, resolve_plan
 from draftwise.kernels.threads import ThreadGuard
+from draftwise.kv_cache import bytes_per_token, pool_blocks, target_cache_capacity
 from draftwise.models.transformer import Decoder
 from draftwise.output import TextStream
 from draftwise.prefix_cache import PrefixCache
@@ -159,13 +160,15 @@ class LLM:
         k_max: int | None = None,
         thread_guard: bool = True,
         enable_prefix_caching: bool | None = None,
+        kv_cache_memory: str | int | float | None = None,
         **old_keywords,
     ):
         k_max = _k_max_or_old(k_max, old_keywords, "LLM")
         config = EngineConfig(model=model, dtype=dtype, device=device, weights=weights, threads=threads,
                               max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                               spec_config=parse_spec_config(speculative_config), seed=seed, thread_guard=thread_guard,
-                              enable_prefix_caching=enable_prefix_caching)
+                              enable_prefix_caching=enable_prefix_caching,
+                              kv_cache_memory=parse_kv_cache_memory(kv_cache_memory))
         if threads:
             torch.set_num_threads(threads)
         t0 = time.perf_counter()
@@ -185,14 +188,15 @@ class LLM:
                    max_model_len: int | None = None, seed: int = 0, k_max: int | None = None,
                    load_draft: Callable[[str, str, str | None], tuple] | None = None,
                    model_info: dict | None = None, enable_prefix_caching: bool | None = None,
-                   **old_keywords) -> "LLM":
+                   kv_cache_memory: str | int | float | None = None, **old_keywords) -> "LLM":
         """An LLM around an already built decoder and tokenizer; `load_draft(name, dtype, weights)` returns
         (Decoder, Tokenizer, info) for method draft_model."""
         k_max = _k_max_or_old(k_max, old_keywords, "LLM.from_parts")
         llm = cls.__new__(cls)
         config = EngineConfig(model=name, dtype=dtype, device=str(model.device.type), max_num_seqs=max_num_seqs,
                               max_model_len=max_model_len, spec_config=parse_spec_config(speculative_config),
-                              seed=seed, enable_prefix_caching=enable_prefix_caching)
+                              seed=seed, enable_prefix_caching=enable_prefix_caching,
+                              kv_cache_memory=parse_kv_cache_memory(kv_cache_memory))
         llm._assemble(config, model, tokenizer, model_info or {}, load_draft, k_max)
         llm.load_time_s = 0.0
         return llm
@@ -208,13 +212,17 @@ class LLM:
         self._proposers: dict[SpecConfig, Proposer] = {}  # by the config without k
         self._k_policies: dict[SpecConfig, KPolicy] = {}
         k_max = max(k_max or 0, config.spec_config.k_max)
+        # the target's K/V pool from the budget (a draft model's pool follows it: spec_decode/builders.py)
+        self.kv_cache_blocks = pool_blocks(
+            config.kv_cache_memory, bytes_per_token(mc.num_layers, mc.num_kv_heads, mc.head_dim, model.dtype.itemsize),
+            config.max_num_seqs, target_cache_capacity(self.max_model_len, k_max))
         proposer, k_policy = self._proposer_and_policy(config.spec_config, k_max)
         eos = tuple(tokenizer.eos_token_ids) or tuple(mc.eos_token_ids)
         self.eos_token_ids = eos  # what ends a sequence; a grammar allows them exactly when the output is complete
         self.engine = Engine(model, proposer, k_max, config.max_num_seqs, self.max_model_len, eos,
                              seed=config.seed, k_policy=k_policy, thread_guard=self._thread_guard(config, model.plan),
                              prefix_cache=self._prefix_cache(config, model.plan),
-                             speculate_in_prefill=model.plan.row_exact)
+                             speculate_in_prefill=model.plan.row_exact, kv_cache_blocks=self.kv_cache_blocks)
 
     @staticmethod
     def _thread_guard(config: EngineConfig, plan: KernelPlan) -> ThreadGuard | None:
@@ -332,7 +340,7 @@ class LLM:
             target_tokenizer=self.tokenizer, max_num_seqs=self.config.max_num_seqs,
             max_model_len=self.max_model_len, k_max=k_max, dtype=self.config.dtype,
             load_draft=load_draft if self._load_draft is not None else None,
-            prefix_caching=self.config.enable_prefix_caching,
+            prefix_caching=self.config.enable_prefix_caching, kv_cache_blocks=self.kv_cache_blocks,
             proposer_for=lambda spec_config: self._proposer(spec_config, k_max))  # grammar + X shares X's proposer
 
     # ---- prompts ------------------------------------------------------------------------------

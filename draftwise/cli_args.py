@@ -55,6 +55,10 @@ def add_model_args(p: argparse.ArgumentParser, speculative: bool = True) -> None
                    action=argparse.BooleanOptionalAction,
                    help="reuse the K/V of a prompt's longest prefix seen before (default: on where it changes no "
                         "token: a row-exact kernel plan, e.g. q4x8 for every width with our attention op)")
+    p.add_argument("--kv-cache-memory", default=None,
+                   help="K/V pool budget: bytes (e.g. 2GiB, 512MiB) or a fraction of available RAM (e.g. 0.25); "
+                        "paged, so memory is used only as tokens are held (default 4GiB; a draft model's pool holds "
+                        "the same tokens)")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=8)
     p.add_argument("--seed", type=int, default=0, help="engine seed (requests without their own seed derive from it)")
@@ -70,7 +74,8 @@ def llm_from_args(args, **overrides):
               max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs, seed=args.seed,
               speculative_config=getattr(args, "speculative_config", None),
               thread_guard=getattr(args, "thread_guard", True),
-              enable_prefix_caching=getattr(args, "enable_prefix_caching", None))
+              enable_prefix_caching=getattr(args, "enable_prefix_caching", None),
+              kv_cache_memory=getattr(args, "kv_cache_memory", None))
     kw.update(overrides)
     return LLM(**kw)
 

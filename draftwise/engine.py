@@ -1,6 +1,8 @@
 """The engine: continuous batching of requests over one target decoder and one proposer.
 
-step(): admit waiting requests into free slots (prefill from the end of the prompt's longest prefix in the
+step(): admit waiting requests into free slots while the K/V pool (kv_cache.py, blocks) has room for each one's
+claim — prompt + max_tokens + one verification's look-ahead, so a running request never finds the pool empty
+(prefill from the end of the prompt's longest prefix in the
 prefix cache; where prompt rows are bitwise decode rows, the prompt's first guesses ride along and are verified
 like a step's, else the first token) → ask the proposer for up to k guesses per running sequence → mask: under structured outputs, cut each draft at its first token the grammar forbids →
 one batched target forward over [pending token, guesses...] for every sequence → verify each row (pure
@@ -29,7 +31,7 @@ import torch
 
 from draftwise.config import ConfigError, ContextLengthError
 from draftwise.kernels.threads import ThreadGuard
-from draftwise.kv_cache import KVCache, target_cache_capacity
+from draftwise.kv_cache import KVCache, blocks_for, target_cache_capacity
 from draftwise.models.transformer import Decoder
 from draftwise.prefix_cache import PrefixCache
 from draftwise.sampling import SamplingParams, TokenLogprob, adjust_logits, make_generator, token_logprobs
@@ -98,6 +100,8 @@ class Engine:
         thread_guard: ThreadGuard | None = None,
         prefix_cache: PrefixCache | None = None,
         speculate_in_prefill: bool = False,
+        kv_cache_blocks: int | None = None,  # the K/V pool (kv_cache.py); None: every slot at full context
+        kv_cache_dtype: torch.dtype | None = None,  # K/V storage; None: the target's activation dtype
     ):
         c = target.config
         self.target = target
@@ -114,7 +118,8 @@ class Engine:
         self.running: list[Request] = []
         self.set_speculation(proposer, k_policy or FixedK(k_max))
         capacity = target_cache_capacity(max_model_len, k_max)
-        self.cache = KVCache(c.num_layers, max_num_seqs, c.num_kv_heads, capacity, c.head_dim, target.dtype, target.device)
+        self.cache = KVCache(c.num_layers, max_num_seqs, c.num_kv_heads, capacity, c.head_dim,
+                             kv_cache_dtype or target.dtype, target.device, num_blocks=kv_cache_blocks)
         self.free_slots = list(range(max_num_seqs))[::-1]
         self.stats = SpecStats()  # engine-wide
         self._counter = itertools.count()
@@ -130,6 +135,11 @@ class Engine:
                 f"prompt ({len(req.prompt_ids)} tokens) + max_tokens ({req.params.max_tokens}) = {need} tokens "
                 f"exceeds the context length of {self.max_model_len} tokens"
             )
+        if self._claim(req) > self.cache.num_blocks:
+            raise ContextLengthError(
+                f"prompt ({len(req.prompt_ids)} tokens) + max_tokens ({req.params.max_tokens}) needs "
+                f"{self._claim(req)} K/V blocks of {self.cache.block_size} tokens, the pool holds "
+                f"{self.cache.num_blocks} (--kv-cache-memory)")
         self.check_vocab_limit(req.prompt_ids)
         if req.params.structured_outputs is not None and req.grammar is None:
             raise ConfigError("structured_outputs need the grammar compiled for the tokenizer (LLM.new_request)")
@@ -186,6 +196,18 @@ class Engine:
     def num_free_slots(self) -> int:
         return len(self.free_slots)
 
+    def _claim(self, req: Request) -> int:
+        """K/V blocks `req` may hold at most: its prompt and max_tokens (within the context) plus one
+        verification's look-ahead."""
+        tokens = min(len(req.prompt_ids) + req.params.max_tokens, self.max_model_len) + self.k_max + 1
+        return blocks_for(tokens, self.cache.block_size)
+
+    def _unclaimed_blocks(self) -> int:
+        """Free blocks not promised to running requests: a request is admitted only when its whole claim fits
+        here, so a running request never finds the pool empty."""
+        promised = sum(max(0, self._claim(r) - len(self.cache.held[r.slot])) for r in self.running)
+        return self.cache.num_free_blocks - promised
+
     # ---- one step -----------------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
         outputs: list[StepOutput] = []
@@ -193,10 +215,14 @@ class Engine:
             self.thread_guard.tick()
         # admit waiting requests up to a prompt-token budget, so running sequences keep decoding meanwhile
         admit, budget = [], PREFILL_TOKENS_PER_STEP
+        unclaimed = self._unclaimed_blocks() if self.waiting else 0
         while self.waiting and len(admit) < len(self.free_slots):
             n = len(self.waiting[0].prompt_ids)
             if admit and n > budget:
                 break
+            if self._claim(self.waiting[0]) > unclaimed:
+                break  # the K/V pool is promised to running requests: wait until one finishes
+            unclaimed -= self._claim(self.waiting[0])
             if self.prefix_cache is not None and any(a.prompt_ids == self.waiting[0].prompt_ids for a in admit):
                 break  # the same prompt again (n > 1 samples): next step, its K/V from the prefix cache
             admit.append(self.waiting.pop(0))

@@ -8,8 +8,9 @@ Position p of a slot lives in block tables[slot, p // block_size], row p % block
 and preempts by `num_free_blocks`), writes K/V through the table (`write`, or the C++ glue given `table(slots)`),
 then `extend`s the lengths. `truncate(slot, new_len)` is the only rollback: the length moves back and the blocks
 wholly past it return to the pool; entries past the length are never visible (attention reads by position) and
-are overwritten by the next write. A block is zeroed when taken, so whatever the torch path reads past a
-sequence's end (padding rows, masked out) is finite. `block_size >= capacity` gives one block per slot: the
+are overwritten by the next write. A block is zeroed when taken, and padding rows (a forward's positions past a
+row's real tokens) write into one null block past the pool, which no table maps; so whatever the torch path reads
+past a sequence's end (masked out) is finite, and padding costs no block. `block_size >= capacity` gives one block per slot: the
 contiguous layout of earlier versions (the tests compare the two bit for bit).
 
 Also owns what a cache weighs: `target_cache_capacity` and `draft_cache_capacity` (the most tokens a slot may
@@ -59,6 +60,43 @@ def blocks_for_budget(budget_bytes: int, per_token: int, block_size: int = BLOCK
     return budget_bytes // (per_token * block_size)
 
 
+def available_memory() -> int:
+    """Bytes of RAM available now (/proc/meminfo MemAvailable; elsewhere physical pages x page size)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import os
+
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def budget_bytes(kv_cache_memory: int | float) -> int:
+    """config.parse_kv_cache_memory's value in bytes: an int is bytes, a float a fraction of available RAM."""
+    if isinstance(kv_cache_memory, float):
+        return int(kv_cache_memory * available_memory())
+    return int(kv_cache_memory)
+
+
+def pool_blocks(kv_cache_memory: int | float, per_token: int, num_slots: int, capacity: int,
+                block_size: int = BLOCK_SIZE) -> int:
+    """Blocks of the target's pool: what the budget holds at `per_token` bytes a position, at most every slot at
+    full capacity, at least one block."""
+    return max(1, min(blocks_for_budget(budget_bytes(kv_cache_memory), per_token, block_size),
+                      num_slots * blocks_for(capacity, block_size)))
+
+
+def draft_pool_blocks(target_blocks: int, num_slots: int, capacity: int, block_size: int = BLOCK_SIZE) -> int:
+    """Blocks of a draft model's pool next to a target pool of `target_blocks`: the same positions, plus each
+    slot's lead over the target's (a catch-up and a spare: draft_cache_capacity - target_cache_capacity), at
+    most every slot at full capacity — so a draft never runs out while the target's admission holds."""
+    lead = MAX_BATCHED_CATCH_UP + 1
+    return min(target_blocks + num_slots * blocks_for(lead, block_size), num_slots * blocks_for(capacity, block_size))
+
+
 def blocks_for(num_tokens: int, block_size: int = BLOCK_SIZE) -> int:
     """Blocks holding positions 0 .. num_tokens - 1."""
     return -(-num_tokens // block_size)
@@ -88,7 +126,8 @@ class KVCache:
         if num_blocks < 1:
             raise ValueError(f"a KV cache needs at least one block, got {num_blocks}")
         self.num_blocks = num_blocks
-        # one more block past the pool: the null block, zeroed, where unmapped table entries point (never handed out)
+        # one more block past the pool: the null block, where unmapped table entries point (never handed out; it
+        # takes padding rows' writes and is never read unmasked)
         shape = (num_blocks + 1, num_kv_heads, block_size, head_dim)
         self.keys = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.values = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
@@ -173,7 +212,7 @@ class KVCache:
         self, layer: int, tables: torch.Tensor, kv_len: int  # tables [B, nb]
     ) -> tuple[torch.Tensor, torch.Tensor]:  # each [B, H, kv_len, D]
         """Positions 0 .. kv_len - 1 of each sequence, gathered out of its blocks (a copy unless one block holds
-        them); past a sequence's blocks: the null block's zeros."""
+        them); past a sequence's blocks: the null block (finite values, for masked positions only)."""
         nb = blocks_for(kv_len, self.block_size)
         ids = tables[:, :nb].to(self.keys[layer].device)
         if nb > ids.shape[1]:  # a shorter table: the null block beyond

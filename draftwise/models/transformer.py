@@ -14,7 +14,8 @@ keeps the loop).
 
 Contract (docs/ARCHITECTURE.md): forward(token_ids[B,T], positions[B,T], cache, slots[B]) -> logits[B,T,V].
 The forward reserves the cache blocks its positions need (kv_cache.CacheFull when the pool is short), writes K/V
-at `positions` through each slot's block table and extends each slot's length to max(position)+1;
+at `positions` through each slot's block table and extends each slot's length to max(position)+1 (with
+`num_tokens`: to its last real token + 1; padding rows go to the cache's null block);
 rollback is the caller's `cache.truncate`. Knows nothing about requests, sampling or speculation.
 With `num_tokens` (every engine call: prefill, decode, verification) attention is row-exact: `Attention._attend_exact`,
 one C++ call per layer (kernels/attention.py) or, without it, one SDPA call per query of a short chunk.
@@ -464,9 +465,13 @@ class Decoder(nn.Module):
         if ancestors is not None and num_tokens is None:
             raise ValueError("a token-tree forward needs num_tokens (the row-exact attention)")
         kv_len = int(positions.max()) + 1
-        slot_list, ends = slots.tolist(), (positions.max(dim=1).values + 1).tolist()
-        cache.reserve(slot_list, ends)  # the blocks every written position needs (CacheFull: none taken)
-        tables = cache.table(slots)  # [B, nb]: where each sequence's positions live
+        slot_list = slots.tolist()
+        if num_tokens is not None:  # real tokens only: padding rows write into the cache's null block
+            ends = [int(p) + n for p, n in zip(positions[:, 0].tolist(), num_tokens)]
+        else:
+            ends = (positions.max(dim=1).values + 1).tolist()
+        cache.reserve(slot_list, ends)  # the blocks those positions need (kv_cache.CacheFull: none taken)
+        tables = cache.table(slots, kv_len)  # [B, nb]: where each sequence's positions live
         rope_at, rope_len = (positions, kv_len) if rope_positions is None else (rope_positions, None)
         x = self.model.embed_tokens(token_ids)
         if x.dtype != self.dtype:  # an embedding table stored narrower than the activations (bf16 rows -> fp32)
