@@ -20,7 +20,8 @@ from draftwise.engine import Engine, Request, StepOutput
 from draftwise.kernels import hugepages
 from draftwise.kernels.plan import KernelPlan, resolve_plan
 from draftwise.kernels.threads import ThreadGuard
-from draftwise.kv_cache import bytes_per_token, pool_blocks, target_cache_capacity
+from draftwise.kv_cache import (BLOCK_SIZE, blocks_for_budget, budget_bytes, bytes_per_token, pool_blocks,
+                                target_cache_capacity)
 from draftwise.models.transformer import Decoder
 from draftwise.output import TextStream
 from draftwise.prefix_cache import PrefixCache
@@ -33,7 +34,6 @@ from draftwise.spec_decode.stats import SpecStats
 __all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "load_model"]
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}  # a plan's dtype as torch's
-DEFAULT_MAX_MODEL_LEN = 4096
 _OLD_K_MAX_KEYWORD = "max_lookahead"  # LLM(k_max=...)'s keyword before the rename: still accepted, deprecated
 
 
@@ -205,7 +205,8 @@ class LLM:
                   k_max: int | None) -> None:
         mc = model.config
         self.model, self.tokenizer, self.model_info = model, tokenizer, model_info
-        self.max_model_len = config.max_model_len or min(mc.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
+        # the model's own context by default, within what the K/V pool holds (its budget at this model's width)
+        self.max_model_len = config.max_model_len or self._context_in_pool(config, model, k_max)
         self.config = replace(config, max_model_len=self.max_model_len)
         self.draft_info: dict | None = None
         self._load_draft = load_draft
@@ -223,6 +224,16 @@ class LLM:
                              seed=config.seed, k_policy=k_policy, thread_guard=self._thread_guard(config, model.plan),
                              prefix_cache=self._prefix_cache(config, model.plan),
                              speculate_in_prefill=model.plan.row_exact, kv_cache_blocks=self.kv_cache_blocks)
+
+    @staticmethod
+    def _context_in_pool(config: EngineConfig, model: Decoder, k_max: int | None) -> int:
+        """The model's context (max_position_embeddings), cut to the tokens the K/V budget holds for one
+        sequence (less a verification's look-ahead)."""
+        mc = model.config
+        k = max(k_max or 0, config.spec_config.k_max)
+        per_token = bytes_per_token(mc.num_layers, mc.num_kv_heads, mc.head_dim, model.dtype.itemsize)
+        pooled = blocks_for_budget(budget_bytes(config.kv_cache_memory), per_token) * BLOCK_SIZE - k - 1
+        return max(1, min(mc.max_position_embeddings, pooled))
 
     @staticmethod
     def _thread_guard(config: EngineConfig, plan: KernelPlan) -> ThreadGuard | None:

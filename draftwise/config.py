@@ -309,7 +309,7 @@ class EngineConfig:
     weights: str = "auto"  # "auto" = measured per machine; a kernel name or STEP+PREFILL (kernels/plan.py)
     threads: int | None = None
     max_num_seqs: int = 8
-    max_model_len: int | None = None  # None = min(model's context, 4096)
+    max_model_len: int | None = None  # None = the model's context, within the K/V pool (kv_cache_memory)
     spec_config: SpecConfig = field(default_factory=SpecConfig)
     seed: int = 0
     # fewer torch threads while other processes hold cores (kernels/threads.py); only where results can't change

@@ -44,6 +44,9 @@ from draftwise.structured.matcher import GrammarError, GrammarMatcher, mask_logi
 
 
 PREFILL_TOKENS_PER_STEP = 1024  # prompt tokens admitted per step (at least one request always)
+# a longer prompt is prefilled in forwards of at most this many tokens, so its activations (the MLP's are ~12 KiB a
+# token on the 1.5B) follow the chunk, not the prompt; where rows are exact the result is bitwise one forward's
+PREFILL_CHUNK_TOKENS = 2048
 
 
 @dataclass
@@ -290,6 +293,16 @@ class Engine:
         """-> per request [1 + k, V]: the logits at its last prompt token and at each of its k guesses."""
         dev = self.target.device
         starts = [self._load_prefix(r) for r in reqs]  # each prompt's tokens already in its slot (prefix cache)
+        for i, r in enumerate(reqs):  # all but the last chunk of a long prompt, chunk by chunk, no logits kept
+            while len(r.prompt_ids) + drafts[i].num_tokens - starts[i] > PREFILL_CHUNK_TOKENS:
+                size = min(PREFILL_CHUNK_TOKENS, len(r.prompt_ids) - 1 - starts[i])  # the last token: with logits
+                if size <= 0:
+                    break
+                chunk = r.prompt_ids[starts[i] : starts[i] + size]
+                self.target(torch.tensor([chunk], device=dev), torch.arange(starts[i], starts[i] + len(chunk),
+                            device=dev)[None], self.cache, torch.tensor([r.slot], device=dev), last_only=True,
+                            num_tokens=[len(chunk)])
+                starts[i] += len(chunk)
         rows = [r.prompt_ids[s:] + d.token_ids.tolist() for r, s, d in zip(reqs, starts, drafts)]
         width = max(len(row) for row in rows)
         if max(starts) + width > self.cache.capacity:  # padding after a long cached prefix would not fit: alone

@@ -166,3 +166,35 @@ def test_budget_parsing_and_pool_size():
     assert pool_blocks(2**30, per_token, 8, 4101) == 2**30 // (per_token * 16) == 1170
     assert pool_blocks(2**40, per_token, 8, 4101) == 8 * 257  # never more than every slot at full context
     assert 1 <= pool_blocks(0.01, per_token, 8, 32769)  # a fraction of available RAM
+
+
+def test_a_long_prompt_prefilled_in_chunks_changes_no_token(monkeypatch):
+    """Prompts longer than the prefill chunk (and the draft's catch-up chunk) go in several forwards, each with
+    activations of one chunk: on a row-exact (q4x8) target the outputs are those of one forward per prompt."""
+    from draftwise import engine as engine_mod
+    from draftwise.spec_decode import draft_model
+    from tests.test_kernels_stack import q4x8_model
+
+    target, draft = q4x8_model("qwen2"), q4x8_model("qwen2", seed=1)
+    prompts = [[(7 * i + j) % 60 + 1 for j in range(n)] for i, n in enumerate((41, 5, 23))]
+
+    def outputs():
+        eng = Engine(target, DraftModelProposer(draft, 3, 96 + 16, 64), 3, 3, 96, eos_token_ids=(0,))
+        reqs = [Request(f"r{i}", p, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
+                for i, p in enumerate(prompts)]
+        for r in reqs:
+            eng.add_request(r)
+        calls = []
+        real = target.forward
+        with monkeypatch.context() as m:
+            m.setattr(target, "forward", lambda ids, *a, **k: calls.append(ids.shape[1]) or real(ids, *a, **k))
+            while eng.has_unfinished():
+                eng.step()
+        return [r.output_ids for r in reqs], max(calls)
+
+    whole, widest = outputs()
+    assert widest >= 41
+    monkeypatch.setattr(engine_mod, "PREFILL_CHUNK_TOKENS", 8)
+    monkeypatch.setattr(draft_model, "CATCH_UP_CHUNK_TOKENS", 8)
+    chunked, widest = outputs()
+    assert chunked == whole and widest <= 8 + 3 + 1  # a chunk, or the last one with the first guesses

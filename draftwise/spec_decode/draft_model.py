@@ -40,6 +40,9 @@ from draftwise.spec_decode.proposer import EMPTY_DRAFT_IDS, Draft
 from draftwise.structured.matcher import GrammarError, GrammarMatcher, mask_logits
 
 
+CATCH_UP_CHUNK_TOKENS = 2048  # a long prompt is fed in forwards of at most this many tokens (activations per chunk)
+
+
 class DraftModelProposer:
     def __init__(self, model, num_slots: int, capacity: int, target_vocab_size: int,
                  draft_vocab_size: int | None = None, eos_token_ids: tuple[int, ...] = (),
@@ -196,6 +199,8 @@ class DraftModelProposer:
         for s in slots:
             unseen = len(self.tokens[s]) - self.seen[s]
             if unseen > MAX_BATCHED_CATCH_UP:
+                while len(self.tokens[s]) - self.seen[s] > CATCH_UP_CHUNK_TOKENS:  # a long prompt: chunk by chunk
+                    self._forward([s], [self.tokens[s][self.seen[s] : self.seen[s] + CATCH_UP_CHUNK_TOKENS]])
                 rows[s] = self._forward([s], [self.tokens[s][self.seen[s]:] + before[s]])[0]
             else:
                 small.append(s)
