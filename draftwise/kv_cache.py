@@ -205,11 +205,13 @@ class KVCache:
     ) -> None:
         blocks, rows = self._locate(tables, positions)
         index = (blocks[:, None, :], self._head_index, rows[:, None, :])
-        self.keys[layer].index_put_(index, k)
-        self.values[layer].index_put_(index, v)
+        dtype = self.keys[layer].dtype  # a narrower K/V dtype: rounded to nearest even (what the C++ glue does)
+        self.keys[layer].index_put_(index, k.to(dtype))
+        self.values[layer].index_put_(index, v.to(dtype))
 
     def read(
-        self, layer: int, tables: torch.Tensor, kv_len: int  # tables [B, nb]
+        self, layer: int, tables: torch.Tensor, kv_len: int,  # tables [B, nb]
+        dtype: torch.dtype | None = None,  # widened (or not) to this dtype; None: as stored
     ) -> tuple[torch.Tensor, torch.Tensor]:  # each [B, H, kv_len, D]
         """Positions 0 .. kv_len - 1 of each sequence, gathered out of its blocks (a copy unless one block holds
         them); past a sequence's blocks: the null block (finite values, for masked positions only)."""
@@ -221,7 +223,7 @@ class KVCache:
         for t in (self.keys[layer], self.values[layer]):
             g = t[ids]  # [B, nb, H, bs, D]
             B, _, H, bs, D = g.shape
-            out.append(g.transpose(1, 2).reshape(B, H, nb * bs, D)[:, :, :kv_len])
+            out.append(g.transpose(1, 2).reshape(B, H, nb * bs, D)[:, :, :kv_len].to(dtype or t.dtype))
         return out[0], out[1]
 
     def extend(self, slots: list[int], new_lengths: list[int]) -> None:

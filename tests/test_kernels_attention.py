@@ -197,6 +197,25 @@ def test_paged_blocks_give_bitwise_the_contiguous_result(paths, dtype):
                 assert torch.equal(want, got), ("tree", H, D, bs, path, window)
 
 
+def test_bfloat16_kv_is_bitwise_its_float32_widening(paths):
+    """A bfloat16 cache under float32 queries (--kv-cache-dtype bfloat16) gives bitwise what the float32 cache
+    holding the same values gives, on every path, window and tree: K/V are widened exactly, nothing else changes."""
+    for (H, Hkv, D), bs in (((4, 4, 16), 16), ((12, 2, 128), 32), ((4, 2, 24), 16)):
+        q, keys, values, tables, positions, ntoks = _case(S=5, H=H, Hkv=Hkv, C=96, D=D, firsts=[40, 7, 0, 79],
+                                                          ntoks=[12, 9, 1, 4], T=12, seed=4)
+        pk, pv, ptables = _paged(keys.bfloat16(), values.bfloat16(), tables, bs, seed=D)
+        anc = torch.tensor([[(1 << t) | (1 if t else 0) for t in range(12)]] * 4)
+        for path in paths:
+            for window in (None, 23):
+                want = attention.attend_rows(q, pk.float(), pv.float(), ptables, positions, ntoks, 0.3, window, path=path)
+                got = attention.attend_rows(q, pk, pv, ptables, positions, ntoks, 0.3, window, path=path)
+                assert got.dtype == torch.float32 and torch.equal(want, got), (H, D, path, window)
+                want = attention.attend_tree(q, pk.float(), pv.float(), ptables, positions, ntoks, anc, 0.3, window,
+                                             path=path)
+                got = attention.attend_tree(q, pk, pv, ptables, positions, ntoks, anc, 0.3, window, path=path)
+                assert torch.equal(want, got), ("tree", H, D, path, window)
+
+
 def test_paged_refuses_bad_tables(paths):
     q, keys, values, tables, positions, _ = _case(S=2, H=4, Hkv=2, C=32, D=16, firsts=[0, 15], ntoks=[4, 4], T=4)
     pk, pv, ptables = _paged(keys, values, tables, 16)
@@ -225,6 +244,8 @@ def test_refuses_bad_arguments(paths):
         attention.attend_rows(q[:, :3], keys, values, slots, positions, [4, 4], 0.25)
     with pytest.raises(RuntimeError, match="float32 or bfloat16"):
         attention.attend_rows(q.double(), keys, values, slots, positions, [4, 4], 0.25)
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        attention.attend_rows(q, keys.half(), values.half(), slots, positions, [4, 4], 0.25)
 
 
 @pytest.mark.parametrize("family,dtype", [("qwen3", torch.float32), ("gemma3", torch.float32),  # head_dim 16

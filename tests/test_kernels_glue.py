@@ -115,6 +115,24 @@ def test_rope_cache_write_is_kvcache_write():
                            positions)
 
 
+def test_rope_cache_write_rounds_into_a_bfloat16_cache_as_kvcache_write():
+    g = torch.Generator().manual_seed(5)
+    B, T, H, Hk, D = 2, 3, 4, 2, 16
+    ours, ref = (KVCache(1, 3, Hk, 32, D, torch.bfloat16) for _ in range(2))
+    slots = torch.tensor([2, 0])
+    for c in (ours, ref):
+        c.reserve([2, 0], [20, 3])
+    tables = ours.table(slots)
+    q, k, v = torch.randn(B, T, (H + 2 * Hk) * D, generator=g).split([H * D, Hk * D, Hk * D], dim=-1)
+    positions = torch.tensor([[17, 18, 19], [0, 1, 2]])
+    cos, sin = angles(B * T, D, seed=6)
+    glue.rope_qk_cache(q, k, v, cos, sin, D, None, None, 0.0, 0.0, ours.keys[0], ours.values[0], tables, positions)
+    _, want_k = glue.rope_qk(q, k, cos, sin, D)
+    ref.write(0, tables, positions, want_k.view(B, T, Hk, D).transpose(1, 2), v.reshape(B, T, Hk, D).transpose(1, 2))
+    for a, b in zip(ours.gather(0, 20) + ours.gather(2, 20), ref.gather(0, 20) + ref.gather(2, 20)):
+        assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
 def test_silu_glu_is_within_its_tolerance_and_gelu_is_bitwise():
     g = torch.Generator().manual_seed(4)
     gu = torch.randn(2, 3, 2 * 96, generator=g) * 4

@@ -1,7 +1,8 @@
 """Row-exact decode/verification attention: one C++ call per layer (csrc/attention*.{h,cpp}) computes, for every
 real query (b, t) of a chunk, softmax(scale * q K^T) V over exactly keys [start, first_b + t] of sequence b
-(its K/V in the pages its block-table row names; start = max(0, end - window) on sliding-window layers), GQA included, float32 or bfloat16 (fp32
-accumulation), in parallel over (b, t, head) items.
+(its K/V in the pages its block-table row names; start = max(0, end - window) on sliding-window layers), GQA
+included, float32 or bfloat16 queries over float32 or bfloat16 K/V (fp32 accumulation), in parallel over
+(b, t, head) items.
 
 Owns: whether the op can run here (it is built into the q4x8 library: `q4x8.load`, KernelBuildError without a
 compiler) and its Python signature; its ISA path is chosen by csrc/dispatch.h's rule, like every op of the library
@@ -42,9 +43,10 @@ def available() -> bool:
 
 
 def usable(q: torch.Tensor, keys: torch.Tensor) -> bool:
-    """The op can compute attention for these tensors (CPU, float32 or bfloat16 alike, library available)."""
-    return (q.device.type == "cpu" and keys.device.type == "cpu" and q.dtype in ATTENTION_DTYPES and keys.dtype == q.dtype
-            and available())
+    """The op can compute attention for these tensors (CPU; q and the cache each float32 or bfloat16; library
+    available)."""
+    return (q.device.type == "cpu" and keys.device.type == "cpu" and q.dtype in ATTENTION_DTYPES
+            and keys.dtype in ATTENTION_DTYPES and available())
 
 
 def cpu_paths() -> list[str]:

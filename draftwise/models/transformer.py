@@ -135,7 +135,7 @@ class Attention(nn.Module):
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         cos, sin = rope
-        if self.fused:  # one C++ call: q/k norm, RoPE, K/V into the (float32) cache as KVCache.write stores them;
+        if self.fused:  # one C++ call: q/k norm, RoPE, K/V into the cache (float32 / bfloat16) as KVCache.write does;
             # bitwise the reference below up to the q/k norm's summation (kernels/glue.py)
             qn, kn = (self.q_norm.weight, self.k_norm.weight) if self.qk_norm else (None, None)
             eps, off = (self.q_norm.eps, self.q_norm.weight_offset) if self.qk_norm else (0.0, 0.0)
@@ -153,7 +153,7 @@ class Attention(nn.Module):
             k = k * cos + rotate_half(k) * sin
             cache.write(layer, tables, positions, k, v)
         if num_tokens is None:
-            keys, values = cache.read(layer, tables, kv_len)  # [B, H_kv, kv_len, D]
+            keys, values = cache.read(layer, tables, kv_len, q.dtype)  # [B, H_kv, kv_len, D]
             out = F.scaled_dot_product_attention(
                 q, keys, values, attn_mask=mask, scale=self.scale, enable_gqa=self.num_kv_heads != self.num_heads
             )
@@ -189,7 +189,7 @@ class Attention(nn.Module):
             if n == 0:
                 continue
             first = int(positions[b, 0])
-            keys, values = cache.read(layer, tables[b : b + 1], first + n)  # [1, H_kv, first + n, D]
+            keys, values = cache.read(layer, tables[b : b + 1], first + n, q.dtype)  # [1, H_kv, first + n, D]
             if n <= ROW_EXACT_MAX_TOKENS:
                 for t in range(n):
                     end = first + t + 1
@@ -217,7 +217,7 @@ class Attention(nn.Module):
         masks = ancestors.tolist()
         for b, n in enumerate(num_tokens):
             first = int(positions[b, 0])
-            keys, values = cache.read(layer, tables[b : b + 1], first + n)  # [1, H_kv, first + n, D]
+            keys, values = cache.read(layer, tables[b : b + 1], first + n, q.dtype)  # [1, H_kv, first + n, D]
             for t in range(n):
                 index = list(range(first)) + [first + i for i in range(t + 1) if masks[b][t] >> i & 1]
                 if self.window:

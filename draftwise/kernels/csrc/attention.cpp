@@ -28,7 +28,8 @@ namespace {
 constexpr dwisa::Isa ISA{"attention", {0, dwisa::F_AVX2 | dwisa::F_FMA,
                                        dwisa::F_AVX512F | dwisa::F_AVX512BW | dwisa::F_AVX512VL | dwisa::F_AVX512DQ}};
 
-// q [B, H, T, D] (D contiguous, any other strides), keys/values: one layer's page pool [P, Hkv, BS, D];
+// q [B, H, T, D] (D contiguous, any other strides; float32 or bfloat16, the output's dtype), keys/values: one
+// layer's page pool [P, Hkv, BS, D] (float32 or bfloat16, whatever q's);
 // tables [B, nb] int64: each sequence's pages in position order (position p: page tables[b, p / BS], row p % BS;
 // BS a multiple of 16 unless nb == 1); positions [B, >=1] int64 (positions[b, 0]: the first query's position, the
 // rest follow); num_tokens [B]: real queries per sequence. -> [B, H, T, D], a transposed view of a contiguous
@@ -40,7 +41,9 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& keys, const at::Tensor&
     TORCH_CHECK(q.dim() == 4 && keys.dim() == 4 && values.dim() == 4, "q and the cache must be 4-d");
     const auto dt = q.scalar_type();
     TORCH_CHECK(dt == at::kFloat || dt == at::kBFloat16, "attention: float32 or bfloat16 only, got ", dt);
-    TORCH_CHECK(keys.scalar_type() == dt && values.scalar_type() == dt, "q, keys and values must share a dtype");
+    const auto kvt = keys.scalar_type();
+    TORCH_CHECK((kvt == at::kFloat || kvt == at::kBFloat16) && values.scalar_type() == kvt,
+                "keys and values: one dtype, float32 or bfloat16, got ", kvt, " and ", values.scalar_type());
     TORCH_CHECK(q.device().is_cpu() && keys.device().is_cpu() && values.device().is_cpu() &&
                     tables_in.device().is_cpu() && positions.device().is_cpu(), "CPU tensors only");
     TORCH_CHECK(keys.sizes() == values.sizes() && keys.strides() == values.strides(), "keys and values differ in layout");
@@ -97,7 +100,8 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& keys, const at::Tensor&
         DwAttnArgs a{qc.data_ptr(), qc.stride(0), qc.stride(1), qc.stride(2),
                      keys.data_ptr(), values.data_ptr(), keys.stride(0), keys.stride(1), keys.stride(2),
                      out.data_ptr(), tp, nb, BS, first.data(), ntok.data(),
-                     B, T, H, Hkv, D, (float)scale, window, dt == at::kBFloat16 ? DW_ATTN_BF16 : DW_ATTN_F32, masks};
+                     B, T, H, Hkv, D, (float)scale, window, dt == at::kBFloat16 ? DW_ATTN_BF16 : DW_ATTN_F32,
+                     kvt == at::kBFloat16 ? DW_ATTN_BF16 : DW_ATTN_F32, masks};
         auto fn = dwisa::pick(path, dw_attn_rows_scalar, dw_attn_rows_avx2, dw_attn_rows_avx512);
         if (D % 16 != 0) fn = dw_attn_rows_scalar;  // the SIMD paths take whole 16-lane chunks of head_dim
         const int64_t nscratch = dw_attn_scratch_floats(max_len, D);

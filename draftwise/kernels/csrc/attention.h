@@ -12,8 +12,8 @@
 // in page tables[b * nb + p / BS], row p % BS. Where the pages sit changes no float operation (keys are visited
 // in position order whatever page holds them). The SIMD paths read keys in 16-position blocks aligned to 16, so
 // BS is a multiple of 16, or a sequence holds one page (nb == 1: the contiguous layout, one page per slot).
-// The float sequence of one item (fp32 throughout; bf16 inputs are widened exactly, the output is rounded to
-// nearest even once at the end), with L = end - start, j = 0..L-1 counted from start, 16 "lanes":
+// The float sequence of one item (fp32 throughout; bf16 inputs — q, or K/V, or both — are widened exactly, a bf16
+// output is rounded to nearest even once at the end), with L = end - start, j = 0..L-1 counted from start, 16 "lanes":
 //   s_j   = dot(q, k_j) * scale,  dot = lanes l = i mod 16 summed in i order (a tail after the last whole 16
 //           goes to lanes 0..), then lanes folded 8+8, 4+4, 2+2, 1+1 (a[l] += a[l + w]);
 //   m     = max_j s_j;
@@ -47,7 +47,8 @@ struct DwAttnArgs {
     int64_t B, T, H, Hkv, D;
     float scale;
     int64_t window;           // 0: attend from position 0
-    int64_t dtype;            // DwAttnDtype of q, k, v and out
+    int64_t dtype;            // DwAttnDtype of q and out
+    int64_t kv_dtype;         // DwAttnDtype of k and v (bf16 K/V under float32 queries: widened exactly)
     const uint64_t* anc;      // [B, T] ancestor masks of tree rows (T <= 64), or null: every row a chain row
 };
 

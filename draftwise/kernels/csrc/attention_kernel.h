@@ -35,6 +35,15 @@ inline float load(const float* p, int64_t i) { return p[i]; }
 inline float load(const uint16_t* p, int64_t i) { return bits_to_f32((uint32_t)p[i] << 16); }  // bf16: exact
 
 inline void store(float* p, int64_t i, float x) { p[i] = x; }
+inline void store(uint16_t* p, int64_t i, float x);
+
+// The output row o [D] (float32, or bfloat16 when the call's dtype is): acc[d] / div (div = 1: acc as it is).
+inline void store_row(const DwAttnArgs* a, void* o, const float* acc, float div) {
+    if (a->dtype == DW_ATTN_BF16)
+        for (int64_t d = 0; d < a->D; ++d) store((uint16_t*)o, d, acc[d] / div);
+    else
+        for (int64_t d = 0; d < a->D; ++d) store((float*)o, d, acc[d] / div);
+}
 inline void store(uint16_t* p, int64_t i, float x) {  // fp32 -> bf16, round to nearest even (NaN stays NaN)
     uint32_t u = f32_to_bits(x);
     if ((u & 0x7fffffffu) > 0x7f800000u) {
@@ -74,7 +83,7 @@ inline float dot(const float* q, const E* k, int64_t D) {
 // the row-exact contract (keys [start, first_b + t], start = end - window on sliding layers) is written once.
 template <class E>
 struct Query {
-    E* o;          // the output row [D]
+    void* o;       // the output row [D], in the call's dtype (store_row)
     const E* Kh;   // this kv head's keys: position p at Kh + pages[p / bs] * ps + (p % bs) * sc (`at`)
     const E* Vh;   // its values, same layout
     const int64_t* pages;  // the sequence's block table row
@@ -98,9 +107,11 @@ inline const E* at(const E* h, const Query<E>& q, int64_t p) {
 template <class E>
 inline bool query(const DwAttnArgs* a, int64_t b, int64_t t, int64_t h, float* qf, Query<E>& q) {
     const int64_t D = a->D;
-    q.o = (E*)a->out + ((b * a->T + t) * a->H + h) * D;
+    const int64_t osize = a->dtype == DW_ATTN_BF16 ? 2 : 4;
+    q.o = (char*)a->out + ((b * a->T + t) * a->H + h) * D * osize;
     if (t >= a->ntok[b]) {
-        for (int64_t d = 0; d < D; ++d) store(q.o, d, 0.0f);
+        for (int64_t d = 0; d < D; ++d) qf[d] = 0.0f;
+        store_row(a, q.o, qf, 1.0f);
         return false;
     }
     const int64_t first = a->first[b];
@@ -121,8 +132,11 @@ inline bool query(const DwAttnArgs* a, int64_t b, int64_t t, int64_t h, float* q
     q.Lp = anc ? (start < first ? first - start : 0) : q.L;
     for (int64_t skip = start - first; anc && skip > 0; --skip) anc &= anc - 1;  // a window past the prefix
     q.anc = anc;
-    const E* qp = (const E*)a->q + b * a->q_sb + h * a->q_sh + t * a->q_st;
-    for (int64_t d = 0; d < D; ++d) qf[d] = load(qp, d);
+    const int64_t qoff = b * a->q_sb + h * a->q_sh + t * a->q_st;
+    if (a->dtype == DW_ATTN_BF16)
+        for (int64_t d = 0; d < D; ++d) qf[d] = load((const uint16_t*)a->q + qoff, d);
+    else
+        for (int64_t d = 0; d < D; ++d) qf[d] = load((const float*)a->q + qoff, d);
     return true;
 }
 
@@ -258,9 +272,7 @@ void attend_block(const DwAttnArgs* a, int64_t i0, int n, float* scratch) {
     if (a->anc)
         for (int u = 0; u < blk.n; ++u) tree_values<Steps>(blk.q[u], D, blk.s[u], blk.acc[u]);
     for (int u = 0; u < blk.n; ++u) {
-        float* acc = blk.acc[u];
-        for (int64_t d = 0; d < D; ++d) acc[d] = acc[d] / total[u];
-        for (int64_t d = 0; d < D; ++d) store(blk.q[u].o, d, acc[d]);
+        store_row(a, blk.q[u].o, blk.acc[u], total[u]);
     }
 }
 
@@ -268,7 +280,7 @@ void attend_block(const DwAttnArgs* a, int64_t i0, int n, float* scratch) {
 // that path's Steps, for the call's dtype.
 template <class Steps>
 void run_blocks(const DwAttnArgs* a, int64_t i0, int64_t i1, float* scratch) {
-    if (a->dtype == DW_ATTN_BF16)
+    if (a->kv_dtype == DW_ATTN_BF16)
         for_each_block(a, i0, i1, [&](int64_t j0, int n) { attend_block<Steps, uint16_t>(a, j0, n, scratch); });
     else
         for_each_block(a, i0, i1, [&](int64_t j0, int n) { attend_block<Steps, float>(a, j0, n, scratch); });
@@ -289,7 +301,6 @@ void one(const DwAttnArgs* a, int64_t b, int64_t t, int64_t h, float* scratch) {
     float* s = scratch + 2 * dp;  // [L]
     Query<E> q;
     if (!query(a, b, t, h, qf, q)) return;
-    E* o = q.o;
     const int64_t L = q.L, Lp = q.Lp, st = q.start;
 
     float m = -__builtin_inff();
@@ -332,7 +343,7 @@ void one(const DwAttnArgs* a, int64_t b, int64_t t, int64_t h, float* scratch) {
         const E* v = at(q.Vh, q, j < Lp ? st + j : q.first + tree_row(q.anc, j - Lp));
         for (int64_t d = 0; d < D; ++d) acc[d] = acc[d] + p * load(v, d);
     }
-    for (int64_t d = 0; d < D; ++d) store(o, d, acc[d] / total);
+    store_row(a, q.o, acc, total);
 }
 
 template <class E>
@@ -345,7 +356,7 @@ void rows(const DwAttnArgs* a, int64_t i0, int64_t i1, float* scratch) {
 }
 
 inline void run(const DwAttnArgs* a, int64_t i0, int64_t i1, float* scratch) {
-    if (a->dtype == DW_ATTN_BF16)
+    if (a->kv_dtype == DW_ATTN_BF16)
         rows<uint16_t>(a, i0, i1, scratch);
     else
         rows<float>(a, i0, i1, scratch);

@@ -222,7 +222,7 @@ std::tuple<at::Tensor, at::Tensor> rope_qk(const at::Tensor& q_in, const at::Ten
 }
 
 // rope_qk, then k' and v stored straight into one layer's paged KV cache (keys / values [P, Hkv, BS, D],
-// contiguous, as kv_cache.py allocates them): position p of row b goes to page tables[b, p / BS], row p % BS —
+// contiguous, float32 or bfloat16 — rounded to nearest even as KVCache.write's cast — as kv_cache.py allocates them): position p of row b goes to page tables[b, p / BS], row p % BS —
 // KVCache.write's index_put, without the ~12 small aten calls it takes per layer; the pages are the caller's
 // (`KVCache.reserve` before, `KVCache.extend` after). Returns q' only.
 at::Tensor rope_qk_cache(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cos,
@@ -231,8 +231,9 @@ at::Tensor rope_qk_cache(const at::Tensor& q, const at::Tensor& k, const at::Ten
                          const at::Tensor& values, const at::Tensor& tables, const at::Tensor& positions) {
     auto [qo, ko] = rope_qk(q, k, cos, sin, head_dim, q_norm, k_norm, eps, offset);
     check_f32_cpu(v, "v");
-    check_f32_cpu(keys, "keys");
-    check_f32_cpu(values, "values");
+    const auto kvt = keys.scalar_type();
+    TORCH_CHECK(keys.device().is_cpu() && values.device().is_cpu() && (kvt == at::kFloat || kvt == at::kBFloat16) &&
+                    values.scalar_type() == kvt, "keys / values: float32 or bfloat16 CPU tensors of one dtype");
     const int64_t D = head_dim;
     TORCH_CHECK(keys.dim() == 4 && keys.is_contiguous() && values.sizes() == keys.sizes() && values.is_contiguous() &&
                     keys.size(3) == D, "keys / values must be contiguous [pages, kv heads, page size, head_dim]");
@@ -260,6 +261,21 @@ at::Tensor rope_qk_cache(const at::Tensor& q, const at::Tensor& k, const at::Ten
         }
     const float* kp = ko.data_ptr<float>();
     const float* vp = vr.data_ptr<float>();
+    if (kvt == at::kBFloat16) {  // rounded to nearest even, as tensor.to(torch.bfloat16) (c10::BFloat16)
+        c10::BFloat16* K = keys.data_ptr<c10::BFloat16>();
+        c10::BFloat16* V = values.data_ptr<c10::BFloat16>();
+        for (int64_t r = 0; r < B * T; ++r)
+            for (int64_t h = 0; h < Hkv; ++h) {
+                const int64_t dst = ((page[r] * Hkv + h) * BS + pp[r] % BS) * D;
+                const float* ks = kp + r * Hkv * D + h * D;
+                const float* vs_ = vp + r * vs + h * D;
+                for (int64_t d = 0; d < D; ++d) {
+                    K[dst + d] = c10::BFloat16(ks[d]);
+                    V[dst + d] = c10::BFloat16(vs_[d]);
+                }
+            }
+        return qo;
+    }
     float* K = keys.data_ptr<float>();
     float* V = values.data_ptr<float>();
     for (int64_t r = 0; r < B * T; ++r)
