@@ -20,7 +20,7 @@ from draftwise.engine import Engine, Request, StepOutput
 from draftwise.kernels import hugepages
 from draftwise.kernels.plan import KernelPlan, resolve_plan
 from draftwise.kernels.threads import ThreadGuard
-from draftwise.kv_cache import (BLOCK_SIZE, blocks_for_budget, budget_bytes, bytes_per_token, pool_blocks,
+from draftwise.kv_cache import (BLOCK_SIZE, blocks_for_budget, budget_bytes, bytes_per_token, kv_dtype, pool_blocks,
                                 target_cache_capacity)
 from draftwise.models.transformer import Decoder
 from draftwise.output import TextStream
@@ -161,6 +161,7 @@ class LLM:
         thread_guard: bool = True,
         enable_prefix_caching: bool | None = None,
         kv_cache_memory: str | int | float | None = None,
+        kv_cache_dtype: str = "auto",
         **old_keywords,
     ):
         k_max = _k_max_or_old(k_max, old_keywords, "LLM")
@@ -168,7 +169,7 @@ class LLM:
                               max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                               spec_config=parse_spec_config(speculative_config), seed=seed, thread_guard=thread_guard,
                               enable_prefix_caching=enable_prefix_caching,
-                              kv_cache_memory=parse_kv_cache_memory(kv_cache_memory))
+                              kv_cache_memory=parse_kv_cache_memory(kv_cache_memory), kv_cache_dtype=kv_cache_dtype)
         if threads:
             torch.set_num_threads(threads)
         t0 = time.perf_counter()
@@ -188,7 +189,8 @@ class LLM:
                    max_model_len: int | None = None, seed: int = 0, k_max: int | None = None,
                    load_draft: Callable[[str, str, str | None], tuple] | None = None,
                    model_info: dict | None = None, enable_prefix_caching: bool | None = None,
-                   kv_cache_memory: str | int | float | None = None, **old_keywords) -> "LLM":
+                   kv_cache_memory: str | int | float | None = None, kv_cache_dtype: str = "auto",
+                   **old_keywords) -> "LLM":
         """An LLM around an already built decoder and tokenizer; `load_draft(name, dtype, weights)` returns
         (Decoder, Tokenizer, info) for method draft_model."""
         k_max = _k_max_or_old(k_max, old_keywords, "LLM.from_parts")
@@ -196,7 +198,7 @@ class LLM:
         config = EngineConfig(model=name, dtype=dtype, device=str(model.device.type), max_num_seqs=max_num_seqs,
                               max_model_len=max_model_len, spec_config=parse_spec_config(speculative_config),
                               seed=seed, enable_prefix_caching=enable_prefix_caching,
-                              kv_cache_memory=parse_kv_cache_memory(kv_cache_memory))
+                              kv_cache_memory=parse_kv_cache_memory(kv_cache_memory), kv_cache_dtype=kv_cache_dtype)
         llm._assemble(config, model, tokenizer, model_info or {}, load_draft, k_max)
         llm.load_time_s = 0.0
         return llm
@@ -206,6 +208,7 @@ class LLM:
         mc = model.config
         self.model, self.tokenizer, self.model_info = model, tokenizer, model_info
         # the model's own context by default, within what the K/V pool holds (its budget at this model's width)
+        self.kv_cache_dtype = kv_dtype(config.kv_cache_dtype, model.dtype, getattr(model, "fused", False))
         self.max_model_len = config.max_model_len or self._context_in_pool(config, model, k_max)
         self.config = replace(config, max_model_len=self.max_model_len)
         self.draft_info: dict | None = None
@@ -215,7 +218,8 @@ class LLM:
         k_max = max(k_max or 0, config.spec_config.k_max)
         # the target's K/V pool from the budget (a draft model's pool follows it: spec_decode/builders.py)
         self.kv_cache_blocks = pool_blocks(
-            config.kv_cache_memory, bytes_per_token(mc.num_layers, mc.num_kv_heads, mc.head_dim, model.dtype.itemsize),
+            config.kv_cache_memory, bytes_per_token(mc.num_layers, mc.num_kv_heads, mc.head_dim,
+                                                    self.kv_cache_dtype.itemsize),
             config.max_num_seqs, target_cache_capacity(self.max_model_len, k_max))
         proposer, k_policy = self._proposer_and_policy(config.spec_config, k_max)
         eos = tuple(tokenizer.eos_token_ids) or tuple(mc.eos_token_ids)
@@ -223,7 +227,8 @@ class LLM:
         self.engine = Engine(model, proposer, k_max, config.max_num_seqs, self.max_model_len, eos,
                              seed=config.seed, k_policy=k_policy, thread_guard=self._thread_guard(config, model.plan),
                              prefix_cache=self._prefix_cache(config, model.plan),
-                             speculate_in_prefill=model.plan.row_exact, kv_cache_blocks=self.kv_cache_blocks)
+                             speculate_in_prefill=model.plan.row_exact, kv_cache_blocks=self.kv_cache_blocks,
+                             kv_cache_dtype=self.kv_cache_dtype)
 
     @staticmethod
     def _context_in_pool(config: EngineConfig, model: Decoder, k_max: int | None) -> int:
@@ -231,7 +236,8 @@ class LLM:
         sequence (less a verification's look-ahead)."""
         mc = model.config
         k = max(k_max or 0, config.spec_config.k_max)
-        per_token = bytes_per_token(mc.num_layers, mc.num_kv_heads, mc.head_dim, model.dtype.itemsize)
+        kv = kv_dtype(config.kv_cache_dtype, model.dtype, getattr(model, "fused", False))
+        per_token = bytes_per_token(mc.num_layers, mc.num_kv_heads, mc.head_dim, kv.itemsize)
         pooled = blocks_for_budget(budget_bytes(config.kv_cache_memory), per_token) * BLOCK_SIZE - k - 1
         return max(1, min(mc.max_position_embeddings, pooled))
 
@@ -352,6 +358,7 @@ class LLM:
             max_model_len=self.max_model_len, k_max=k_max, dtype=self.config.dtype,
             load_draft=load_draft if self._load_draft is not None else None,
             prefix_caching=self.config.enable_prefix_caching, kv_cache_blocks=self.kv_cache_blocks,
+            kv_cache_dtype=self.config.kv_cache_dtype,
             proposer_for=lambda spec_config: self._proposer(spec_config, k_max))  # grammar + X shares X's proposer
 
     # ---- prompts ------------------------------------------------------------------------------

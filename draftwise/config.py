@@ -27,6 +27,11 @@ class ContextLengthError(ConfigError):
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma3")
 
+# --kv-cache-dtype: how K/V is stored. auto: the activation dtype (float32 for q4x8: bfloat16 K/V has not yet been
+# held to `draftwise verify`'s tolerance on the packaged models). bfloat16 halves the pool per token; the attention
+# op widens it exactly (fp32 accumulation); float16 runs only where the decoder takes its torch path (not our ops).
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
+
 # --kv-cache-memory: the K/V pool's budget (kv_cache.py pages it; memory is committed only as blocks are used).
 # Default as vLLM's CPU backend (VLLM_CPU_KVCACHE_SPACE=4 GiB), never more than every slot at full context.
 DEFAULT_KV_CACHE_MEMORY = 4 * 2**30
@@ -318,6 +323,7 @@ class EngineConfig:
     enable_prefix_caching: bool | None = None
     # the K/V pool's budget: bytes, or a fraction (0, 1] of the RAM available at load (parse_kv_cache_memory)
     kv_cache_memory: int | float = DEFAULT_KV_CACHE_MEMORY
+    kv_cache_dtype: str = "auto"  # KV_CACHE_DTYPES
 
     def __post_init__(self):
         if self.dtype not in DTYPE_CHOICES:
@@ -332,6 +338,8 @@ class EngineConfig:
         if self.threads is not None and self.threads < 1:
             raise ConfigError("threads must be >= 1")
         object.__setattr__(self, "kv_cache_memory", parse_kv_cache_memory(self.kv_cache_memory))
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ConfigError(f"kv_cache_dtype must be one of {list(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
 
 
 def hub_offline() -> bool:

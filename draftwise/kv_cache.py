@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import torch
 
+from draftwise.config import ConfigError
+
 MAX_BATCHED_CATCH_UP = 4  # a draft's rows with more unseen tokens than this (a new prompt) are prefilled alone
 BLOCK_SIZE = 16  # positions per block: a multiple of 16 (the attention op reads keys in aligned blocks of 16)
 
@@ -95,6 +97,15 @@ def draft_pool_blocks(target_blocks: int, num_slots: int, capacity: int, block_s
     most every slot at full capacity — so a draft never runs out while the target's admission holds."""
     lead = MAX_BATCHED_CATCH_UP + 1
     return min(target_blocks + num_slots * blocks_for(lead, block_size), num_slots * blocks_for(capacity, block_size))
+
+
+def kv_dtype(name: str, activations: torch.dtype, fused: bool = False) -> torch.dtype:
+    """--kv-cache-dtype for a model with these activations: "auto" is the activation dtype; `fused` (the C++ glue
+    writes K/V) takes float32 or bfloat16 only."""
+    dtype = activations if name == "auto" else getattr(torch, name)
+    if fused and dtype not in (torch.float32, torch.bfloat16):
+        raise ConfigError(f"kv_cache_dtype {name}: our CPU kernels store K/V as float32 or bfloat16 only")
+    return dtype
 
 
 def blocks_for(num_tokens: int, block_size: int = BLOCK_SIZE) -> int:

@@ -198,3 +198,28 @@ def test_a_long_prompt_prefilled_in_chunks_changes_no_token(monkeypatch):
     monkeypatch.setattr(draft_model, "CATCH_UP_CHUNK_TOKENS", 8)
     chunked, widest = outputs()
     assert chunked == whole and widest <= 8 + 3 + 1  # a chunk, or the last one with the first guesses
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_bfloat16_kv_speculative_greedy_equals_plain(method):
+    """--kv-cache-dtype bfloat16 on a row-exact (q4x8) tiny target: speculation and plain decoding read the same
+    K/V bits, so greedy outputs are equal; the LLM resolves the dtype and sizes the pool with it."""
+    from tests.harness import tiny_tokenizer
+    from tests.test_kernels_stack import q4x8_model
+    from draftwise.api import LLM
+
+    target, tok = q4x8_model("qwen2"), tiny_tokenizer()
+    spec = {"method": "ngram", "num_speculative_tokens": 3} if method == "ngram" else \
+        {"method": "draft_model", "model": "d", "num_speculative_tokens": 3}
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    outs = {}
+    for name, config in (("plain", None), ("spec", spec)):
+        llm = LLM.from_parts(target, tok, speculative_config=config, max_model_len=128, kv_cache_dtype="bfloat16",
+                             load_draft=lambda n, d, w: (q4x8_model("qwen2", seed=1), tok, {"name": n}))
+        assert llm.engine.cache.keys[0].dtype == torch.bfloat16
+        if name == "spec" and method == "draft":
+            assert llm.proposer.cache.keys[0].dtype == torch.bfloat16
+        outs[name] = [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:3], params)]
+    assert outs["spec"] == outs["plain"]
+    with pytest.raises(ConfigError, match="kv_cache_dtype"):
+        LLM.from_parts(target, tok, kv_cache_dtype="int8")
