@@ -1,8 +1,8 @@
 """The engine: continuous batching of requests over one target decoder and one proposer.
 
 step(): admit waiting requests into free slots while the K/V pool (kv_cache.py, blocks) has room for each one's
-claim — prompt + max_tokens + one verification's look-ahead, so a running request never finds the pool empty
-(prefill from the end of the prompt's longest prefix in the
+context and a look-ahead — when the pool later runs out, the youngest running request is preempted (blocks freed,
+re-prefilled from prompt + output when re-admitted: `_preempt`) — (prefill from the end of the prompt's longest prefix in the
 prefix cache; where prompt rows are bitwise decode rows, the prompt's first guesses ride along and are verified
 like a step's, else the first token) → ask the proposer for up to k guesses per running sequence → mask: under structured outputs, cut each draft at its first token the grammar forbids →
 one batched target forward over [pending token, guesses...] for every sequence → verify each row (pure
