@@ -57,6 +57,9 @@ class EngineStatus:
     free_slots: int
     spec_stats: SpecStats  # cumulative speculation counters (the engine's own, read live)
     prefix_cache: PrefixCache | None  # its counters (prefix_cache_queries / hits), None when off
+    kv_blocks_free: int = 0  # the target's K/V pool: free blocks (of kv_block_size tokens) for admission
+    kv_blocks: int = 0
+    kv_block_size: int = 0
 
 
 @dataclass
@@ -300,7 +303,8 @@ class LLM:
     def status(self) -> EngineStatus:
         """What a monitor reads (the server's /metrics): queue lengths, free slots and the cumulative counters."""
         e = self.engine
-        return EngineStatus(len(e.running), len(e.waiting), e.num_free_slots, e.stats, e.prefix_cache)
+        return EngineStatus(len(e.running), len(e.waiting), e.num_free_slots, e.stats, e.prefix_cache,
+                            e.cache.num_free_blocks, e.cache.num_blocks, e.cache.block_size)
 
     # ---- speculation --------------------------------------------------------------------------
     @property
