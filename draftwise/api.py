@@ -15,12 +15,14 @@ from typing import Callable, Iterator, Sequence
 
 import torch
 
-from draftwise.config import ConfigError, EngineConfig, SpecConfig, parse_spec_config
+from draftwise.config import ConfigError, EngineConfig, SpecConfig, parse_kv_cache_memory, parse_spec_config
 from draftwise.engine import Engine, Request, StepOutput
 from draftwise.kernels import hugepages
 from draftwise.kernels.plan import KernelPlan, resolve_plan
 from draftwise.kernels.threads import ThreadGuard
 from draftwise.models.static_step import StaticStep
+from draftwise.kv_cache import (BLOCK_SIZE, blocks_for_budget, budget_bytes, bytes_per_token, kv_dtype, pool_blocks,
+                                target_cache_capacity)
 from draftwise.models.transformer import Decoder
 from draftwise.output import TextStream
 from draftwise.prefix_cache import PrefixCache
@@ -34,7 +36,6 @@ from draftwise.spec_decode.stats import SpecStats
 __all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "load_model"]
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}  # a plan's dtype as torch's
-DEFAULT_MAX_MODEL_LEN = 4096
 _OLD_K_MAX_KEYWORD = "max_lookahead"  # LLM(k_max=...)'s keyword before the rename: still accepted, deprecated
 
 
@@ -58,6 +59,9 @@ class EngineStatus:
     free_slots: int
     spec_stats: SpecStats  # cumulative speculation counters (the engine's own, read live)
     prefix_cache: PrefixCache | None  # its counters (prefix_cache_queries / hits), None when off
+    kv_blocks_free: int = 0  # the target's K/V pool: free blocks (of kv_block_size tokens) for admission
+    kv_blocks: int = 0
+    kv_block_size: int = 0
 
 
 @dataclass
@@ -164,13 +168,16 @@ class LLM:
         k_max: int | None = None,
         thread_guard: bool = True,
         enable_prefix_caching: bool | None = None,
+        kv_cache_memory: str | int | float | None = None,
+        kv_cache_dtype: str = "auto",
         **old_keywords,
     ):
         k_max = _k_max_or_old(k_max, old_keywords, "LLM")
         config = EngineConfig(model=model, dtype=dtype, device=device, weights=weights, threads=threads,
                               max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                               spec_config=parse_spec_config(speculative_config), seed=seed, thread_guard=thread_guard,
-                              enable_prefix_caching=enable_prefix_caching)
+                              enable_prefix_caching=enable_prefix_caching,
+                              kv_cache_memory=parse_kv_cache_memory(kv_cache_memory), kv_cache_dtype=kv_cache_dtype)
         if threads:
             torch.set_num_threads(threads)
         t0 = time.perf_counter()
@@ -190,6 +197,7 @@ class LLM:
                    max_model_len: int | None = None, seed: int = 0, k_max: int | None = None,
                    load_draft: Callable[[str, str, str | None], tuple] | None = None,
                    model_info: dict | None = None, enable_prefix_caching: bool | None = None,
+                   kv_cache_memory: str | int | float | None = None, kv_cache_dtype: str = "auto",
                    **old_keywords) -> "LLM":
         """An LLM around an already built decoder and tokenizer; `load_draft(name, dtype, weights)` returns
         (Decoder, Tokenizer, info) for method draft_model."""
@@ -197,7 +205,8 @@ class LLM:
         llm = cls.__new__(cls)
         config = EngineConfig(model=name, dtype=dtype, device=str(model.device.type), max_num_seqs=max_num_seqs,
                               max_model_len=max_model_len, spec_config=parse_spec_config(speculative_config),
-                              seed=seed, enable_prefix_caching=enable_prefix_caching)
+                              seed=seed, enable_prefix_caching=enable_prefix_caching,
+                              kv_cache_memory=parse_kv_cache_memory(kv_cache_memory), kv_cache_dtype=kv_cache_dtype)
         llm._assemble(config, model, tokenizer, model_info or {}, load_draft, k_max)
         llm.load_time_s = 0.0
         return llm
@@ -206,23 +215,42 @@ class LLM:
                   k_max: int | None) -> None:
         mc = model.config
         self.model, self.tokenizer, self.model_info = model, tokenizer, model_info
-        self.max_model_len = config.max_model_len or min(mc.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
+        # the model's own context by default, within what the K/V pool holds (its budget at this model's width)
+        self.kv_cache_dtype = kv_dtype(config.kv_cache_dtype, model.dtype, getattr(model, "fused", False))
+        self.max_model_len = config.max_model_len or self._context_in_pool(config, model, k_max)
         self.config = replace(config, max_model_len=self.max_model_len)
         self.draft_info: dict | None = None
         self._load_draft = load_draft
         self._proposers: dict[SpecConfig, Proposer] = {}  # by the config without k
         self._k_policies: dict[SpecConfig, KPolicy] = {}
         k_max = max(k_max or 0, config.spec_config.k_max)
+        # the target's K/V pool from the budget (a draft model's pool follows it: spec_decode/builders.py)
+        self.kv_cache_blocks = pool_blocks(
+            config.kv_cache_memory, bytes_per_token(mc.num_layers, mc.num_kv_heads, mc.head_dim,
+                                                    self.kv_cache_dtype.itemsize),
+            config.max_num_seqs, target_cache_capacity(self.max_model_len, k_max))
         proposer, k_policy = self._proposer_and_policy(config.spec_config, k_max)
         eos = tuple(tokenizer.eos_token_ids) or tuple(mc.eos_token_ids)
         self.eos_token_ids = eos  # what ends a sequence; a grammar allows them exactly when the output is complete
         self.engine = Engine(model, proposer, k_max, config.max_num_seqs, self.max_model_len, eos,
                              seed=config.seed, k_policy=k_policy, thread_guard=self._thread_guard(config, model.plan),
                              prefix_cache=self._prefix_cache(config, model.plan),
-                             speculate_in_prefill=model.plan.row_exact)
+                             speculate_in_prefill=model.plan.row_exact, kv_cache_blocks=self.kv_cache_blocks,
+                             kv_cache_dtype=self.kv_cache_dtype)
         self._static: dict | None = None  # use_static_step: the static step and its runner per spec config
         if model.device.type == "cuda":
             self.use_static_step()
+
+    @staticmethod
+    def _context_in_pool(config: EngineConfig, model: Decoder, k_max: int | None) -> int:
+        """The model's context (max_position_embeddings), cut to the tokens the K/V budget holds for one
+        sequence (less a verification's look-ahead)."""
+        mc = model.config
+        k = max(k_max or 0, config.spec_config.k_max)
+        kv = kv_dtype(config.kv_cache_dtype, model.dtype, getattr(model, "fused", False))
+        per_token = bytes_per_token(mc.num_layers, mc.num_kv_heads, mc.head_dim, kv.itemsize)
+        pooled = blocks_for_budget(budget_bytes(config.kv_cache_memory), per_token) * BLOCK_SIZE - k - 1
+        return max(1, min(mc.max_position_embeddings, pooled))
 
     @staticmethod
     def _thread_guard(config: EngineConfig, plan: KernelPlan) -> ThreadGuard | None:
@@ -283,7 +311,8 @@ class LLM:
     def status(self) -> EngineStatus:
         """What a monitor reads (the server's /metrics): queue lengths, free slots and the cumulative counters."""
         e = self.engine
-        return EngineStatus(len(e.running), len(e.waiting), e.num_free_slots, e.stats, e.prefix_cache)
+        return EngineStatus(len(e.running), len(e.waiting), e.num_free_slots, e.stats, e.prefix_cache,
+                            e.cache.num_free_blocks, e.cache.num_blocks, e.cache.block_size)
 
     # ---- speculation --------------------------------------------------------------------------
     @property
@@ -340,7 +369,8 @@ class LLM:
             target_tokenizer=self.tokenizer, max_num_seqs=self.config.max_num_seqs,
             max_model_len=self.max_model_len, k_max=k_max, dtype=self.config.dtype,
             load_draft=load_draft if self._load_draft is not None else None,
-            prefix_caching=self.config.enable_prefix_caching,
+            prefix_caching=self.config.enable_prefix_caching, kv_cache_blocks=self.kv_cache_blocks,
+            kv_cache_dtype=self.config.kv_cache_dtype,
             proposer_for=lambda spec_config: self._proposer(spec_config, k_max))  # grammar + X shares X's proposer
 
     # ---- prompts ------------------------------------------------------------------------------

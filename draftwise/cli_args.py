@@ -55,6 +55,13 @@ def add_model_args(p: argparse.ArgumentParser, speculative: bool = True) -> None
                    action=argparse.BooleanOptionalAction,
                    help="reuse the K/V of a prompt's longest prefix seen before (default: on where it changes no "
                         "token: a row-exact kernel plan, e.g. q4x8 for every width with our attention op)")
+    p.add_argument("--kv-cache-memory", default=None,
+                   help="K/V pool budget: bytes (e.g. 2GiB, 512MiB) or a fraction of available RAM (e.g. 0.25); "
+                        "paged, so memory is used only as tokens are held (default 4GiB; a draft model's pool holds "
+                        "the same tokens)")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="K/V storage; auto: the activation dtype (float32 for q4x8); bfloat16 halves the K/V memory "
+                        "(our attention widens it exactly, fp32 accumulation)")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=8)
     p.add_argument("--seed", type=int, default=0, help="engine seed (requests without their own seed derive from it)")
@@ -70,16 +77,23 @@ def llm_from_args(args, **overrides):
               max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs, seed=args.seed,
               speculative_config=getattr(args, "speculative_config", None),
               thread_guard=getattr(args, "thread_guard", True),
-              enable_prefix_caching=getattr(args, "enable_prefix_caching", None))
+              enable_prefix_caching=getattr(args, "enable_prefix_caching", None),
+              kv_cache_memory=getattr(args, "kv_cache_memory", None),
+              kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"))
     kw.update(overrides)
     return LLM(**kw)
 
 
 def plan_lines(llm) -> list[str]:
     """The load log's kernel lines: each loaded model's plan (KernelPlan.describe: kernels, source, when and
-    under what load auto timed them, provisional)."""
-    return [f"draftwise: {role} {info['plan']['summary']}" for role, info in
-            (("target", llm.model_info), ("draft", llm.draft_info)) if info and info.get("plan")]
+    under what load auto timed them, provisional), then the K/V cache (dtype, as auto picked it; pool; context)."""
+    lines = [f"draftwise: {role} {info['plan']['summary']}" for role, info in
+             (("target", llm.model_info), ("draft", llm.draft_info)) if info and info.get("plan")]
+    cache = llm.engine.cache
+    return lines + [f"draftwise: K/V {str(cache.keys[0].dtype).removeprefix('torch.')} "
+                    f"(--kv-cache-dtype {llm.config.kv_cache_dtype}), pool {cache.num_blocks} blocks of "
+                    f"{cache.block_size} tokens ({cache.nbytes / 2**30:.2f} GiB, used as tokens are held), "
+                    f"context {llm.max_model_len}"]
 
 
 def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int = 128) -> None:

@@ -27,6 +27,50 @@ class ContextLengthError(ConfigError):
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma3")
 
+# --kv-cache-dtype: how K/V is stored. auto: the activation dtype (float32 for q4x8: bfloat16 K/V has not yet been
+# held to `draftwise verify`'s tolerance on the packaged models). bfloat16 halves the pool per token; the attention
+# op widens it exactly (fp32 accumulation); float16 runs only where the decoder takes its torch path (not our ops).
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+# --kv-cache-memory: the K/V pool's budget (kv_cache.py pages it; memory is committed only as blocks are used).
+# Default as vLLM's CPU backend (VLLM_CPU_KVCACHE_SPACE=4 GiB), never more than every slot at full context.
+DEFAULT_KV_CACHE_MEMORY = 4 * 2**30
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,
+          "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12, "tib": 2**40}
+
+
+def parse_kv_cache_memory(value: str | int | float | None) -> int | float:
+    """--kv-cache-memory: bytes (an int, or a size such as "2GiB", "512MiB", "4GB") or a fraction of the RAM
+    available at load (a float in (0, 1], e.g. 0.25). None: DEFAULT_KV_CACHE_MEMORY."""
+    if value is None:
+        return DEFAULT_KV_CACHE_MEMORY
+    if isinstance(value, bool):
+        raise ConfigError(f"kv_cache_memory must be bytes or a fraction, got {value!r}")
+    if isinstance(value, (int, float)) and not isinstance(value, str):
+        number, unit = value, ""
+    else:
+        text = str(value).strip().lower().replace(" ", "")
+        i = len(text)
+        while i and text[i - 1].isalpha():
+            i -= 1
+        try:
+            number, unit = float(text[:i]), text[i:]
+        except ValueError:
+            raise ConfigError(f"kv_cache_memory: expected bytes (e.g. 2GiB, 512MiB) or a fraction of free RAM "
+                              f"(e.g. 0.25), got {value!r}") from None
+        if unit not in _UNITS:
+            raise ConfigError(f"kv_cache_memory: unknown unit {unit!r} in {value!r} (B, KiB, MiB, GiB, KB, MB, GB)")
+        if not unit and "." not in text[:i]:
+            number = int(number)
+    if not unit and isinstance(number, float):
+        if not 0 < number <= 1:
+            raise ConfigError(f"kv_cache_memory: a fraction of free RAM must be in (0, 1], got {value!r}")
+        return number
+    nbytes = int(number * _UNITS[unit])
+    if nbytes <= 0:
+        raise ConfigError(f"kv_cache_memory must be > 0 bytes, got {value!r}")
+    return nbytes
+
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -270,13 +314,16 @@ class EngineConfig:
     weights: str = "auto"  # "auto" = measured per machine; a kernel name or STEP+PREFILL (kernels/plan.py)
     threads: int | None = None
     max_num_seqs: int = 8
-    max_model_len: int | None = None  # None = min(model's context, 4096)
+    max_model_len: int | None = None  # None = the model's context, within the K/V pool (kv_cache_memory)
     spec_config: SpecConfig = field(default_factory=SpecConfig)
     seed: int = 0
     # fewer torch threads while other processes hold cores (kernels/threads.py); only where results can't change
     thread_guard: bool = True
     # keep recent prompts' K/V and reuse their longest common prefix (prefix_cache.py); None = where it is exact
     enable_prefix_caching: bool | None = None
+    # the K/V pool's budget: bytes, or a fraction (0, 1] of the RAM available at load (parse_kv_cache_memory)
+    kv_cache_memory: int | float = DEFAULT_KV_CACHE_MEMORY
+    kv_cache_dtype: str = "auto"  # KV_CACHE_DTYPES
 
     def __post_init__(self):
         if self.dtype not in DTYPE_CHOICES:
@@ -290,6 +337,9 @@ class EngineConfig:
             raise ConfigError("max_num_seqs must be >= 1")
         if self.threads is not None and self.threads < 1:
             raise ConfigError("threads must be >= 1")
+        object.__setattr__(self, "kv_cache_memory", parse_kv_cache_memory(self.kv_cache_memory))
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ConfigError(f"kv_cache_dtype must be one of {list(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
 
 
 def hub_offline() -> bool:

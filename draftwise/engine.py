@@ -1,6 +1,8 @@
 """The engine: continuous batching of requests over one target decoder and one proposer.
 
-step(): admit waiting requests into free slots (prefill from the end of the prompt's longest prefix in the
+step(): admit waiting requests into free slots while the K/V pool (kv_cache.py, blocks) has room for each one's
+context and a look-ahead — when the pool later runs out, the youngest running request is preempted (blocks freed,
+re-prefilled from prompt + output when re-admitted: `_preempt`) — (prefill from the end of the prompt's longest prefix in the
 prefix cache; where prompt rows are bitwise decode rows, the prompt's first guesses ride along and are verified
 like a step's, else the first token) → ask the proposer for up to k guesses per running sequence → mask: under structured outputs, cut each draft at its first token the grammar forbids →
 one batched target forward over [pending token, guesses...] for every sequence → verify each row (pure
@@ -29,7 +31,7 @@ import torch
 
 from draftwise.config import ConfigError, ContextLengthError
 from draftwise.kernels.threads import ThreadGuard
-from draftwise.kv_cache import KVCache, target_cache_capacity
+from draftwise.kv_cache import CacheFull, KVCache, blocks_for, target_cache_capacity
 from draftwise.models.transformer import Decoder
 from draftwise.prefix_cache import PrefixCache
 from draftwise.sampling import SamplingParams, TokenLogprob, adjust_logits, make_generator, token_logprobs
@@ -42,6 +44,9 @@ from draftwise.structured.matcher import GrammarError, GrammarMatcher, mask_logi
 
 
 PREFILL_TOKENS_PER_STEP = 1024  # prompt tokens admitted per step (at least one request always)
+# a longer prompt is prefilled in forwards of at most this many tokens, so its activations (the MLP's are ~12 KiB a
+# token on the 1.5B) follow the chunk, not the prompt; where rows are exact the result is bitwise one forward's
+PREFILL_CHUNK_TOKENS = 2048
 
 
 @dataclass
@@ -67,10 +72,16 @@ class Request:
     num_cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache (not recomputed)
     logprobs: list[TokenLogprob] = field(default_factory=list)  # per output token, when params.logprobs is set
     cache_scope: str = ""  # whose earlier outputs the proposer may guess from (the server: one per API key)
+    num_preemptions: int = 0  # times the K/V pool ran out and this request gave its blocks back (Engine._preempt)
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    @property
+    def context_ids(self) -> list[int]:
+        """What a prefill feeds: the prompt, and after a preemption the output so far too."""
+        return self.prompt_ids + self.output_ids
 
 
 @dataclass
@@ -98,6 +109,8 @@ class Engine:
         thread_guard: ThreadGuard | None = None,
         prefix_cache: PrefixCache | None = None,
         speculate_in_prefill: bool = False,
+        kv_cache_blocks: int | None = None,  # the K/V pool (kv_cache.py); None: every slot at full context
+        kv_cache_dtype: torch.dtype | None = None,  # K/V storage; None: the target's activation dtype
     ):
         c = target.config
         self.target = target
@@ -114,7 +127,8 @@ class Engine:
         self.running: list[Request] = []
         self.set_speculation(proposer, k_policy or FixedK(k_max))
         capacity = target_cache_capacity(max_model_len, k_max)
-        self.cache = KVCache(c.num_layers, max_num_seqs, c.num_kv_heads, capacity, c.head_dim, target.dtype, target.device)
+        self.cache = KVCache(c.num_layers, max_num_seqs, c.num_kv_heads, capacity, c.head_dim,
+                             kv_cache_dtype or target.dtype, target.device, num_blocks=kv_cache_blocks)
         self.free_slots = list(range(max_num_seqs))[::-1]
         self.stats = SpecStats()  # engine-wide
         self._counter = itertools.count()
@@ -130,6 +144,11 @@ class Engine:
                 f"prompt ({len(req.prompt_ids)} tokens) + max_tokens ({req.params.max_tokens}) = {need} tokens "
                 f"exceeds the context length of {self.max_model_len} tokens"
             )
+        if self._claim(req) > self.cache.num_blocks:
+            raise ContextLengthError(
+                f"prompt ({len(req.prompt_ids)} tokens) + max_tokens ({req.params.max_tokens}) needs "
+                f"{self._claim(req)} K/V blocks of {self.cache.block_size} tokens, the pool holds "
+                f"{self.cache.num_blocks} (--kv-cache-memory)")
         self.check_vocab_limit(req.prompt_ids)
         if req.params.structured_outputs is not None and req.grammar is None:
             raise ConfigError("structured_outputs need the grammar compiled for the tokenizer (LLM.new_request)")
@@ -186,6 +205,34 @@ class Engine:
     def num_free_slots(self) -> int:
         return len(self.free_slots)
 
+    def _claim(self, req: Request) -> int:
+        """K/V blocks `req` may hold at most: its prompt and max_tokens (within the context) plus one
+        verification's look-ahead. A request whose claim exceeds the pool is refused; any other one finishes,
+        alone if it must (preemption gives it the others' blocks)."""
+        tokens = min(len(req.prompt_ids) + req.params.max_tokens, self.max_model_len) + self.k_max + 1
+        return blocks_for(tokens, self.cache.block_size)
+
+    def _admittable_blocks(self) -> int:
+        """Free blocks less what the running requests' next steps may take (a verification's look-ahead each):
+        a waiting request is admitted when its context and a look-ahead fit here. Admission is optimistic, as
+        vLLM's: when the pool later runs out, the youngest running request is preempted (`_preempt`)."""
+        ahead = sum(self.cache.blocks_needed(r.slot, self.cache.lengths[r.slot] + self.k_max + 1)
+                    for r in self.running if r.slot is not None)
+        return self.cache.num_free_blocks - ahead
+
+    def _preempt(self, r: Request) -> None:
+        """The pool ran out: r (the youngest running request) gives back its slot and blocks and waits at the head
+        of the queue; re-admitted, its prompt and output so far are prefilled again (bitwise the K/V it had, where
+        rows are exact: KernelPlan.row_exact) and it goes on from its pending token, its output unchanged."""
+        self.running.remove(r)
+        self._pending.pop(r.slot, None)
+        self.proposer.end(r.slot)
+        self.cache.free(r.slot)
+        self.free_slots.append(r.slot)
+        r.slot = None
+        r.num_preemptions += 1
+        self.waiting.insert(0, r)
+
     # ---- one step -----------------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
         outputs: list[StepOutput] = []
@@ -193,10 +240,15 @@ class Engine:
             self.thread_guard.tick()
         # admit waiting requests up to a prompt-token budget, so running sequences keep decoding meanwhile
         admit, budget = [], PREFILL_TOKENS_PER_STEP
+        room = self._admittable_blocks() if self.waiting else 0
         while self.waiting and len(admit) < len(self.free_slots):
-            n = len(self.waiting[0].prompt_ids)
+            n = len(self.waiting[0].context_ids)
             if admit and n > budget:
                 break
+            need = blocks_for(n + self.k_max + 1, self.cache.block_size)
+            if need > room and (admit or self.running):
+                break  # the K/V pool is short: wait until blocks come back (alone, a request always starts)
+            room -= need
             if self.prefix_cache is not None and any(a.prompt_ids == self.waiting[0].prompt_ids for a in admit):
                 break  # the same prompt again (n > 1 samples): next step, its K/V from the prefix cache
             admit.append(self.waiting.pop(0))
@@ -219,7 +271,7 @@ class Engine:
             r.slot = self.free_slots.pop()
             self.running.append(r)
             try:
-                self.proposer.begin(r.slot, r.prompt_ids, r.params, r.generator, r.matcher, scope=r.cache_scope)
+                self.proposer.begin(r.slot, r.context_ids, r.params, r.generator, r.matcher, scope=r.cache_scope)
                 begun.append(r)
             except Exception as e:  # noqa: BLE001
                 outputs.append(self._fail(r, e))
@@ -238,11 +290,11 @@ class Engine:
                     outputs.append(self._fail(r, e_alone))
         for r, d, mask, row_logits in rows:
             try:
-                if self.prefix_cache is not None:
+                if self.prefix_cache is not None and not r.num_preemptions:
                     self.prefix_cache.count(len(r.prompt_ids), r.num_cached_tokens)
                     self.prefix_cache.store(r.prompt_ids, self.cache, r.slot)
                 # the last prompt token plays the pending token's part: the cache keeps the prompt + what is accepted
-                outputs.append(self._settle(r, d, row_logits, len(r.prompt_ids) - 1, mask, prefill=True))
+                outputs.append(self._settle(r, d, row_logits, len(r.context_ids) - 1, mask, prefill=True))
             except Exception as e:  # noqa: BLE001
                 outputs.append(self._fail(r, e))
         return outputs
@@ -250,7 +302,7 @@ class Engine:
     def _first_drafts(self, reqs: list[Request]) -> tuple[list[Draft], list[torch.Tensor | None]]:
         """Each new request's first draft, cut by its grammar, and the masks of its rows (mask [k + 1, V]).
         No guesses unless the prefill verifies them; a proposer that fails here leaves the requests unguessed."""
-        k_per_seq = [self._k_for(r, len(r.prompt_ids) - 1) if self.speculate_in_prefill else 0 for r in reqs]
+        k_per_seq = [self._k_for(r, len(r.context_ids) - 1) if self.speculate_in_prefill else 0 for r in reqs]
         drafts = [Draft(EMPTY_DRAFT_IDS) for _ in reqs]
         if any(k_per_seq):
             try:
@@ -264,7 +316,18 @@ class Engine:
         """-> per request [1 + k, V]: the logits at its last prompt token and at each of its k guesses."""
         dev = self.target.device
         starts = [self._load_prefix(r) for r in reqs]  # each prompt's tokens already in its slot (prefix cache)
-        rows = [r.prompt_ids[s:] + d.token_ids.tolist() for r, s, d in zip(reqs, starts, drafts)]
+        contexts = [r.context_ids for r in reqs]  # the prompt (and a preempted request's output so far)
+        for i, r in enumerate(reqs):  # all but the last chunk of a long prompt, chunk by chunk, no logits kept
+            while len(contexts[i]) + drafts[i].num_tokens - starts[i] > PREFILL_CHUNK_TOKENS:
+                size = min(PREFILL_CHUNK_TOKENS, len(contexts[i]) - 1 - starts[i])  # the last token: with logits
+                if size <= 0:
+                    break
+                chunk = contexts[i][starts[i] : starts[i] + size]
+                self.target(torch.tensor([chunk], device=dev), torch.arange(starts[i], starts[i] + len(chunk),
+                            device=dev)[None], self.cache, torch.tensor([r.slot], device=dev), last_only=True,
+                            num_tokens=[len(chunk)])
+                starts[i] += len(chunk)
+        rows = [c[s:] + d.token_ids.tolist() for c, s, d in zip(contexts, starts, drafts)]
         width = max(len(row) for row in rows)
         if max(starts) + width > self.cache.capacity:  # padding after a long cached prefix would not fit: alone
             return [self._prefill_forward([r], [d])[0] for r, d in zip(reqs, drafts)]
@@ -288,11 +351,24 @@ class Engine:
         self.cache.free(r.slot)
         r.num_cached_tokens = 0
         if self.prefix_cache is not None:
-            entry, r.num_cached_tokens = self.prefix_cache.match(r.prompt_ids)
+            entry, r.num_cached_tokens = self.prefix_cache.match(r.context_ids)
             self.prefix_cache.load(entry, r.num_cached_tokens, self.cache, r.slot)
         return r.num_cached_tokens
 
     def _decode(self, reqs: list[Request]) -> list[StepOutput]:
+        """One decode step over reqs; when the K/V pool runs out, the youngest running request is preempted and
+        the step runs again without it."""
+        while True:
+            try:
+                return self._decode_step(reqs)
+            except CacheFull:  # rolled back already: free the youngest request's blocks, then again
+                victim = self.running[-1]
+                self._preempt(victim)
+                reqs = [r for r in reqs if r is not victim]
+                if not reqs:
+                    return []
+
+    def _decode_step(self, reqs: list[Request]) -> list[StepOutput]:
         slots = [r.slot for r in reqs]
         k_per_seq = [self._k_for(r) for r in reqs]
         base_lengths = [self.cache.lengths[s] for s in slots]
@@ -311,6 +387,8 @@ class Engine:
                 for r, n, state in zip(reqs, base_lengths, rng_states):
                     self.cache.truncate(r.slot, n)
                     r.generator.set_state(state)
+                if isinstance(e, CacheFull) and len(self.running) > 1:
+                    raise  # _decode preempts a request and runs the step again
                 if attempt == 2:
                     return [self._fail(r, e) for r in reqs]
         outputs = []

@@ -60,15 +60,12 @@ class PrefixCache:
         return best, best_n
 
     def load(self, entry: int | None, n: int, cache: KVCache, slot: int) -> None:
-        """Write the entry's first n tokens' K/V into `slot` (which must be empty)."""
+        """Write the entry's first n tokens' K/V into `slot` (which must be empty), taking its blocks."""
         if entry is None or n == 0:
             return
         e = self._entries[entry]
         self._entries.move_to_end(entry)
-        for layer, (k, v) in enumerate(zip(e.keys, e.values)):
-            cache.keys[layer][slot, :, :n] = k[:, :n]
-            cache.values[layer][slot, :, :n] = v[:, :n]
-        cache.extend([slot], [n])
+        cache.load(slot, e.keys, e.values, n)
 
     def count(self, num_prompt_tokens: int, num_cached: int) -> None:  # once per prompt admitted
         self.queries += num_prompt_tokens
@@ -81,7 +78,7 @@ class PrefixCache:
         n = len(prompt_ids)
         if n == 0 or cache.lengths[slot] < n:
             return
-        per_token = sum(t[slot, :, :1].numel() * t.element_size() for t in cache.keys + cache.values)
+        per_token = cache.bytes_per_block // cache.block_size
         if n * per_token > self.max_bytes:
             return
         ids = tuple(prompt_ids)
@@ -91,8 +88,7 @@ class PrefixCache:
                 return
             if ids[: len(e.token_ids)] == e.token_ids:  # the new entry extends it
                 self._drop(key)
-        keys = [k[slot, :, :n].clone() for k in cache.keys]
-        values = [v[slot, :, :n].clone() for v in cache.values]
+        keys, values = cache.gather(slot, n)
         while self._entries and self.nbytes + n * per_token > self.max_bytes:
             self._drop(next(iter(self._entries)))
         self._ids += 1

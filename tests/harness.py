@@ -37,13 +37,14 @@ def tiny_tokenizer() -> Tokenizer:
     return Tokenizer(backend, chat_template=CHAT_TEMPLATE, eos_token=EOS)
 
 
-def tiny_llm(spec_config=None, max_num_seqs: int = 4, max_model_len: int = 256, k_max: int | None = None) -> LLM:
+def tiny_llm(spec_config=None, max_num_seqs: int = 4, max_model_len: int = 256, k_max: int | None = None,
+             kv_cache_memory=None) -> LLM:
     """api.LLM assembled around a tiny random model (no checkpoint loading); method draft_model gets a noisy
     copy of the target, whatever draft name is asked for."""
     tok = tiny_tokenizer()
     return LLM.from_parts(tiny_decoder("qwen2", 0, VOCAB), tok, name=MODEL, speculative_config=spec_config,
                           max_num_seqs=max_num_seqs, max_model_len=max_model_len, k_max=k_max,
-                          load_draft=lambda name, dtype, weights: (noisy_draft(), tok, {"name": name}))
+                          kv_cache_memory=kv_cache_memory, load_draft=lambda name, dtype, weights: (noisy_draft(), tok, {"name": name}))
 
 
 def noisy_draft():

@@ -10,8 +10,10 @@ from draftwise.kv_cache import draft_cache_capacity, target_cache_capacity
 def test_kv_bytes_by_hand():
     cfg = ModelConfig("qwen2", vocab_size=10, hidden_size=8, intermediate_size=16, num_layers=28, num_heads=12,
                       num_kv_heads=2, head_dim=128)
-    # 2 (K, V) x 28 layers x 2 kv heads x 128 dims x 2 bytes (bf16) x 1000 tokens x 4 slots
-    assert memory.kv_bytes(cfg, "bfloat16", 1000, 4) == 2 * 28 * 2 * 128 * 2 * 1000 * 4
+    # 2 (K, V) x 28 layers x 2 kv heads x 128 dims x 2 bytes (bf16) x 1008 tokens (63 blocks of 16) x 4 slots
+    assert memory.kv_bytes(cfg, "bfloat16", 1000, 4) == 2 * 28 * 2 * 128 * 2 * 1008 * 4
+    # a budget of 10 MiB: whole blocks of 16 positions (28,672 bytes a position) that fit
+    assert memory.kv_bytes(cfg, "bfloat16", 1000, 4, 10 * 2**20) == 10 * 2**20 // (16 * 28672) * 16 * 28672
 
 
 def test_shapes_from_gguf_metadata_match_the_loaded_model(tiny_gguf_path):
@@ -49,17 +51,24 @@ def test_estimate_phases(tiny_gguf_path, monkeypatch):
 
 
 @pytest.mark.parametrize("spec_config", [None, {"method": "ngram", "num_speculative_tokens": 3},
-                                  {"method": "draft_model", "model": "tiny-draft", "num_speculative_tokens": 5}])
-def test_kv_estimate_equals_what_the_engine_allocates(spec_config):
+                                         {"method": "draft_model", "model": "tiny-draft", "num_speculative_tokens": 5}])
+@pytest.mark.parametrize("budget", [None, 20_000])  # the default (every slot at full context fits), a few blocks
+def test_kv_estimate_equals_what_the_engine_allocates(spec_config, budget):
+    from draftwise.kv_cache import draft_pool_blocks
     from tests.harness import tiny_llm
 
-    llm = tiny_llm(spec_config, max_num_seqs=3, max_model_len=200)
+    llm = tiny_llm(spec_config, max_num_seqs=3, max_model_len=200, kv_cache_memory=budget)
     k = llm.k_max
     capacity = target_cache_capacity(200, k)
-    assert memory.kv_bytes(llm.model.config, "float32", capacity, 3) == llm.engine.cache.nbytes
+    mem = budget or memory.DEFAULT_KV_CACHE_MEMORY
+    assert memory.kv_bytes(llm.model.config, "float32", capacity, 3, mem) == llm.engine.cache.nbytes
+    blocks = memory.kv_blocks(llm.model.config, "float32", capacity, 3, mem)
+    assert blocks == llm.engine.cache.num_blocks and (budget is None) == (blocks == 3 * 13)
     if spec_config and spec_config["method"] == "draft_model":
         capacity = draft_cache_capacity(200, k)
-        assert memory.kv_bytes(llm.proposer.model.config, "float32", capacity, 3) == llm.proposer.cache.nbytes
+        draft_blocks = draft_pool_blocks(blocks, 3, capacity)
+        assert memory.kv_bytes(llm.proposer.model.config, "float32", capacity, 3,
+                               blocks=draft_blocks) == llm.proposer.cache.nbytes
 
 
 def held_bytes(model) -> int:

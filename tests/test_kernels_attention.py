@@ -28,13 +28,14 @@ def paths() -> list[str]:
 
 def _case(S, H, Hkv, C, D, firsts, ntoks, T, seed=0, dtype=torch.float32):
     """A random cache (stale entries everywhere: a key outside a query's range changes its result), queries
-    [B, H, T, D] laid out as the decoder makes them (a transposed [B, T, H, D]), slots in scrambled order."""
+    [B, H, T, D] laid out as the decoder makes them (a transposed [B, T, H, D]), slots in scrambled order, each one
+    block of the whole capacity (block tables [B, 1]: the contiguous layout; `_paged` cuts it into blocks)."""
     g = torch.Generator().manual_seed(seed)
     keys = torch.randn(S, Hkv, C, D, generator=g).to(dtype)
     values = torch.randn(S, Hkv, C, D, generator=g).to(dtype)
     B = len(firsts)
     q = (torch.randn(B, T, H, D, generator=g) * 2).to(dtype).transpose(1, 2)
-    slots = torch.randperm(S, generator=g)[:B]
+    slots = torch.randperm(S, generator=g)[:B, None]  # [B, 1] block tables
     positions = torch.tensor(firsts)[:, None] + torch.arange(T)  # [B, T]
     return q, keys, values, slots, positions, list(ntoks)
 
@@ -44,7 +45,7 @@ def _reference(q, keys, values, slots, positions, ntoks, scale, window):  # -> [
     gqa = keys.shape[1] != H
     out = torch.zeros(B, H, T, D, dtype=torch.float64)
     for b in range(B):
-        s = int(slots[b])
+        s = int(slots[b, 0])
         for t in range(ntoks[b]):
             end = int(positions[b, 0]) + t + 1
             start = max(0, end - window) if window else 0
@@ -160,6 +161,70 @@ def test_blocked_queries_are_bitwise_the_oracle(paths, H, Hkv, D, dtype):
                     assert torch.equal(outs[p], outs[paths[0]]), (p, T, window, threads)
 
 
+def _paged(keys, values, tables, bs, seed=0):
+    """The contiguous case's caches [S, Hkv, C, D] cut into blocks of bs positions, the blocks shuffled in one pool
+    [S * C / bs, Hkv, bs, D] (plus stale blocks nobody holds), and the block tables [B, C / bs] that name them."""
+    S, Hkv, C, D = keys.shape
+    n = C // bs
+    g = torch.Generator().manual_seed(seed)
+    perm = torch.randperm(S * n + 3, generator=g)  # block (s, i) -> pool block perm[s * n + i]
+    pools = []
+    for t in (keys, values):
+        pool = torch.randn(S * n + 3, Hkv, bs, D, generator=g).to(t.dtype)  # 3 stale blocks
+        pool[perm[: S * n]] = t.view(S, Hkv, n, bs, D).permute(0, 2, 1, 3, 4).reshape(S * n, Hkv, bs, D)
+        pools.append(pool)
+    paged = perm[: S * n].view(S, n)[tables[:, 0]]  # [B, n]
+    return pools[0], pools[1], paged
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_paged_blocks_give_bitwise_the_contiguous_result(paths, dtype):
+    """K/V cut into blocks of 16 or 32 positions scattered over a pool (block tables) give every query bitwise
+    what the contiguous layout gives (one block per sequence), on every path, window, GQA shape and tree row:
+    where the keys lie changes no float operation."""
+    for (H, Hkv, D), bs in (((4, 4, 16), 16), ((12, 2, 128), 32), ((8, 2, 64), 16), ((4, 2, 24), 16)):
+        q, keys, values, tables, positions, ntoks = _case(S=5, H=H, Hkv=Hkv, C=96, D=D, firsts=[40, 7, 0, 79],
+                                                          ntoks=[12, 9, 1, 4], T=12, seed=3, dtype=dtype)
+        pk, pv, ptables = _paged(keys, values, tables, bs, seed=H + D)
+        anc = torch.tensor([[(1 << t) | (1 if t else 0) for t in range(12)]] * 4)  # a star: each row, and row 0
+        for path in paths:
+            for window in (None, 5, 23):
+                want = attention.attend_rows(q, keys, values, tables, positions, ntoks, 0.3, window, path=path)
+                got = attention.attend_rows(q, pk, pv, ptables, positions, ntoks, 0.3, window, path=path)
+                assert torch.equal(want, got), (H, D, bs, path, window)
+                want = attention.attend_tree(q, keys, values, tables, positions, ntoks, anc, 0.3, window, path=path)
+                got = attention.attend_tree(q, pk, pv, ptables, positions, ntoks, anc, 0.3, window, path=path)
+                assert torch.equal(want, got), ("tree", H, D, bs, path, window)
+
+
+def test_bfloat16_kv_is_bitwise_its_float32_widening(paths):
+    """A bfloat16 cache under float32 queries (--kv-cache-dtype bfloat16) gives bitwise what the float32 cache
+    holding the same values gives, on every path, window and tree: K/V are widened exactly, nothing else changes."""
+    for (H, Hkv, D), bs in (((4, 4, 16), 16), ((12, 2, 128), 32), ((4, 2, 24), 16)):
+        q, keys, values, tables, positions, ntoks = _case(S=5, H=H, Hkv=Hkv, C=96, D=D, firsts=[40, 7, 0, 79],
+                                                          ntoks=[12, 9, 1, 4], T=12, seed=4)
+        pk, pv, ptables = _paged(keys.bfloat16(), values.bfloat16(), tables, bs, seed=D)
+        anc = torch.tensor([[(1 << t) | (1 if t else 0) for t in range(12)]] * 4)
+        for path in paths:
+            for window in (None, 23):
+                want = attention.attend_rows(q, pk.float(), pv.float(), ptables, positions, ntoks, 0.3, window, path=path)
+                got = attention.attend_rows(q, pk, pv, ptables, positions, ntoks, 0.3, window, path=path)
+                assert got.dtype == torch.float32 and torch.equal(want, got), (H, D, path, window)
+                want = attention.attend_tree(q, pk.float(), pv.float(), ptables, positions, ntoks, anc, 0.3, window,
+                                             path=path)
+                got = attention.attend_tree(q, pk, pv, ptables, positions, ntoks, anc, 0.3, window, path=path)
+                assert torch.equal(want, got), ("tree", H, D, path, window)
+
+
+def test_paged_refuses_bad_tables(paths):
+    q, keys, values, tables, positions, _ = _case(S=2, H=4, Hkv=2, C=32, D=16, firsts=[0, 15], ntoks=[4, 4], T=4)
+    pk, pv, ptables = _paged(keys, values, tables, 16)
+    with pytest.raises(RuntimeError, match="outside the cache's"):  # a table entry past the pool
+        attention.attend_rows(q, pk, pv, ptables.clone().fill_(99), positions, [4, 4], 0.25)
+    with pytest.raises(RuntimeError, match="multiple of 16"):  # blocks that 16-key reads would straddle
+        attention.attend_rows(q, pk[:, :, :8], pv[:, :, :8], ptables, positions, [4, 4], 0.25)
+
+
 def test_bfloat16_accumulates_in_float32(paths):
     case = _case(S=2, H=4, Hkv=2, C=50, D=64, firsts=[33, 2], ntoks=[5, 2], T=5, seed=5, dtype=torch.bfloat16)
     ref = _reference(*case, 0.125, None)  # on the very bf16 inputs, in float64
@@ -171,7 +236,7 @@ def test_bfloat16_accumulates_in_float32(paths):
 def test_refuses_bad_arguments(paths):
     q, keys, values, slots, positions, _ = _case(S=2, H=4, Hkv=2, C=20, D=16, firsts=[0, 15], ntoks=[4, 4], T=4)
     attention.attend_rows(q, keys, values, slots, positions + 1, [4, 4], 0.25)  # positions 16..19 fit in 20
-    with pytest.raises(RuntimeError, match="capacity"):  # 17..20 do not
+    with pytest.raises(RuntimeError, match="outside the 20 positions"):  # 17..20 do not
         attention.attend_rows(q, keys, values, slots, positions + 2, [4, 4], 0.25)
     with pytest.raises(RuntimeError, match="num_tokens"):
         attention.attend_rows(q, keys, values, slots, positions, [5, 4], 0.25)
@@ -179,6 +244,8 @@ def test_refuses_bad_arguments(paths):
         attention.attend_rows(q[:, :3], keys, values, slots, positions, [4, 4], 0.25)
     with pytest.raises(RuntimeError, match="float32 or bfloat16"):
         attention.attend_rows(q.double(), keys, values, slots, positions, [4, 4], 0.25)
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        attention.attend_rows(q, keys.half(), values.half(), slots, positions, [4, 4], 0.25)
 
 
 @pytest.mark.parametrize("family,dtype", [("qwen3", torch.float32), ("gemma3", torch.float32),  # head_dim 16

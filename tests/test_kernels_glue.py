@@ -83,28 +83,54 @@ def test_rope_is_bitwise_the_reference_on_slices_of_a_merged_projection():
 
 
 def test_rope_cache_write_is_kvcache_write():
-    """The fused op stores exactly what KVCache.write stores (scrambled slots, several positions), and returns
-    rope_qk's q."""
+    """The fused op stores exactly what KVCache.write stores (scrambled slots, several positions, blocks of 16
+    positions taken out of order), and returns rope_qk's q."""
     g = torch.Generator().manual_seed(2)
     B, T, H, Hk, D = 3, 4, 4, 2, 16
     ours, ref = (KVCache(1, 5, Hk, 32, D, torch.float32) for _ in range(2))
-    for c in (ours, ref):  # stale contents that must survive outside the written positions
+    slots = torch.tensor([4, 0, 2])
+    for c in (ours, ref):
+        c.reserve([1], [16])  # a block held by another slot: slot 4's first block is not block 0
+        c.reserve([4, 0, 2], [7, 4, 24])
+        # stale contents that must survive outside the written positions
         c.keys[0].copy_(torch.arange(c.keys[0].numel()).view_as(c.keys[0]).float())
         c.values[0].copy_(-c.keys[0])
+    tables = ours.table(slots)
+    assert tables[0, 0] != 0 and torch.equal(tables, ref.table(slots))
     qkv = torch.randn(B, T, (H + 2 * Hk) * D, generator=g)
     q, k, v = qkv.split([H * D, Hk * D, Hk * D], dim=-1)
-    slots = torch.tensor([4, 0, 2])
     positions = torch.tensor([[3, 4, 5, 6], [0, 1, 2, 3], [20, 21, 22, 23]])
     cos, sin = angles(B * T, D, seed=3)
-    rq = glue.rope_qk_cache(q, k, v, cos, sin, D, None, None, 0.0, 0.0, ours.keys[0], ours.values[0], slots,
+    rq = glue.rope_qk_cache(q, k, v, cos, sin, D, None, None, 0.0, 0.0, ours.keys[0], ours.values[0], tables,
                             positions)
     want_q, want_k = glue.rope_qk(q, k, cos, sin, D)
     assert torch.equal(rq, want_q)
-    ref.write(0, slots, positions, want_k.view(B, T, Hk, D).transpose(1, 2), v.reshape(B, T, Hk, D).transpose(1, 2))
+    ref.write(0, tables, positions, want_k.view(B, T, Hk, D).transpose(1, 2), v.reshape(B, T, Hk, D).transpose(1, 2))
     assert torch.equal(ours.keys[0], ref.keys[0]) and torch.equal(ours.values[0], ref.values[0])
-    with pytest.raises(RuntimeError, match="capacity"):
-        glue.rope_qk_cache(q, k, v, cos, sin, D, None, None, 0.0, 0.0, ours.keys[0], ours.values[0], slots,
+    with pytest.raises(RuntimeError, match="beyond the 32 positions"):
+        glue.rope_qk_cache(q, k, v, cos, sin, D, None, None, 0.0, 0.0, ours.keys[0], ours.values[0], tables,
                            positions + 30)
+    with pytest.raises(RuntimeError, match="out of range"):  # a table entry past the pool
+        glue.rope_qk_cache(q, k, v, cos, sin, D, None, None, 0.0, 0.0, ours.keys[0], ours.values[0], tables + 99,
+                           positions)
+
+
+def test_rope_cache_write_rounds_into_a_bfloat16_cache_as_kvcache_write():
+    g = torch.Generator().manual_seed(5)
+    B, T, H, Hk, D = 2, 3, 4, 2, 16
+    ours, ref = (KVCache(1, 3, Hk, 32, D, torch.bfloat16) for _ in range(2))
+    slots = torch.tensor([2, 0])
+    for c in (ours, ref):
+        c.reserve([2, 0], [20, 3])
+    tables = ours.table(slots)
+    q, k, v = torch.randn(B, T, (H + 2 * Hk) * D, generator=g).split([H * D, Hk * D, Hk * D], dim=-1)
+    positions = torch.tensor([[17, 18, 19], [0, 1, 2]])
+    cos, sin = angles(B * T, D, seed=6)
+    glue.rope_qk_cache(q, k, v, cos, sin, D, None, None, 0.0, 0.0, ours.keys[0], ours.values[0], tables, positions)
+    _, want_k = glue.rope_qk(q, k, cos, sin, D)
+    ref.write(0, tables, positions, want_k.view(B, T, Hk, D).transpose(1, 2), v.reshape(B, T, Hk, D).transpose(1, 2))
+    for a, b in zip(ours.gather(0, 20) + ours.gather(2, 20), ref.gather(0, 20) + ref.gather(2, 20)):
+        assert all(torch.equal(x, y) for x, y in zip(a, b))
 
 
 def test_silu_glu_is_within_its_tolerance_and_gelu_is_bitwise():

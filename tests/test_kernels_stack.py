@@ -57,7 +57,8 @@ def run(model, stack: bool) -> list[torch.Tensor]:
     out = [model(ids[:, :20], torch.arange(20)[None].expand(2, 20), cache, slots, num_tokens=[20, 13]),
            model(ids[:, 20:21], lens, cache, slots, num_tokens=[1, 1]),
            model(ids[:, 21:30], lens + 1 + torch.arange(9)[None], cache, slots, num_tokens=[9, 4])]
-    return out + list(cache.keys) + list(cache.values)
+    held = [cache.gather(s, cache.lengths[s]) for s in (0, 1)]  # every position written, padding included
+    return out + [t for keys, values in held for t in keys + values]
 
 
 @pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3"])
@@ -129,7 +130,7 @@ def test_a_bad_weight_list_is_a_clear_error():
     assert weights is not None and len(weights) == c.num_layers * stack_op.SLOTS
     assert torch.ops.draftwise_stack.weights_per_layer() == stack_op.SLOTS  # the C++ layout's size
     angles = model.angles("full_attention", torch.tensor([[0]]))
-    args = (cache.keys, cache.values, [angles[0]] * c.num_layers, [angles[1]] * c.num_layers, torch.tensor([0]),
+    args = (cache.keys, cache.values, [angles[0]] * c.num_layers, [angles[1]] * c.num_layers, torch.tensor([[0]]),
             torch.tensor([[0]]), [1], [0] * c.num_layers, (4, 2, 8, 64, 0), (1e-6, 0.0), (0.0, 0.0), 8 ** -0.5)
     x = torch.zeros(1, 1, c.hidden_size)
     with pytest.raises(RuntimeError, match="weights for 2 layers"):

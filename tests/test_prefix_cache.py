@@ -28,7 +28,10 @@ TOKEN_BYTES = LAYERS * 2 * HEADS * DIM * 4  # K and V, every layer, float32
 
 
 def filled_cache(slots: int = 3, capacity: int = 32) -> KVCache:
-    cache = KVCache(LAYERS, slots, HEADS, capacity, DIM, torch.float32)
+    """One block per slot (the contiguous layout: t[slot] is slot's K/V), every slot's block taken, random."""
+    cache = KVCache(LAYERS, slots, HEADS, capacity, DIM, torch.float32, block_size=capacity)
+    cache.reserve(list(range(slots)), [capacity] * slots)
+    assert cache.tables[:, 0].tolist() == list(range(slots))
     g = torch.Generator().manual_seed(0)
     for t in cache.keys + cache.values:
         t.copy_(torch.randn(t.shape, generator=g))
@@ -128,8 +131,8 @@ def test_prefill_after_a_cached_prefix_is_bitwise_the_whole_prefill():
         model(ids[:, :cut], torch.arange(cut)[None], parts, slot, last_only=True, num_tokens=[cut])
         b = model(ids[:, cut:], torch.arange(cut, 40)[None], parts, slot, last_only=True, num_tokens=[40 - cut])
         assert torch.equal(a, b), cut
-        for x, y in zip(whole.keys + whole.values, parts.keys + parts.values):
-            assert torch.equal(x[0, :, :40], y[0, :, :40]), cut
+        for x, y in zip(whole.gather(0, 40), parts.gather(0, 40)):  # keys, values
+            assert all(torch.equal(a, b) for a, b in zip(x, y)), cut
 
 
 def q4x8_draft():

@@ -8,10 +8,11 @@ safetensors header, or the GGUF's key-values and tensor table — never by loadi
              scale per row; dense 16 or 32; a SplitLinear both), the embedding table as load_model keeps it (q4x8
              packed for 4-bit plans, shared with a tied head; else dense), norms in the activation dtype — the
              bytes the loaded model holds (tests/test_bench_memory.py checks them against the module's tensors);
-  KV cache = 2 (K and V) × layers × kv_heads × head_dim × bytes × tokens per slot × slots, where the engine
-             preallocates every slot at full length (kv_cache.py: target_cache_capacity, draft_cache_capacity
-             and cache_bytes, the same functions the engine and the draft's builder call) — so concurrency is
-             the number of slots (--max-num-seqs), used or not;
+  KV cache = the paged pool as the engine sizes it (kv_cache.py: pool_blocks from --kv-cache-memory, at most
+             `concurrency` slots at full context, in whole blocks of BLOCK_SIZE positions; a draft's pool from
+             draft_pool_blocks — the same functions the engine and the draft's builder call), each position
+             2 (K and V) × layers × kv_heads × head_dim × bytes: what `concurrency` full-context sequences commit
+             at most (blocks are committed as they are used);
   prefix cache = its byte budget (prefix_cache.py) per model, where it is on by default (a row-exact plan);
   overhead = the interpreter with torch and the tokenizer (measured, RUNTIME_BASE_BYTES) plus prefill
              activations for a full-context prompt (a few hidden-size and MLP-width buffers per token);
@@ -31,7 +32,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from draftwise.config import ConfigError, ModelConfig
-from draftwise.kv_cache import cache_bytes, draft_cache_capacity, target_cache_capacity
+from draftwise.config import DEFAULT_KV_CACHE_MEMORY
+from draftwise.kv_cache import (BLOCK_SIZE, bytes_per_token, draft_cache_capacity, draft_pool_blocks, pool_blocks,
+                                target_cache_capacity)
 from draftwise.models.safetensors import header_specs
 from draftwise.prefix_cache import DEFAULT_BYTES as PREFIX_CACHE_BYTES
 
@@ -156,9 +159,19 @@ def loading_bytes(s: Shapes, plan) -> int:
     return s.num_params * BYTES[plan.dtype] + s.largest_tensor * BYTES["float32"]
 
 
-def kv_bytes(cfg: ModelConfig, dtype: str, tokens_per_slot: int, slots: int) -> int:
-    """The KV cache a model of this config allocates (kv_cache.cache_bytes, the model's shapes filled in)."""
-    return cache_bytes(cfg.num_layers, slots, cfg.num_kv_heads, tokens_per_slot, cfg.head_dim, BYTES[dtype])
+def kv_blocks(cfg: ModelConfig, dtype: str, tokens_per_slot: int, slots: int,
+              kv_cache_memory: int | float = DEFAULT_KV_CACHE_MEMORY) -> int:
+    """Blocks of the pool the engine gives a target of this config (kv_cache.pool_blocks)."""
+    per_token = bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, BYTES[dtype])
+    return pool_blocks(kv_cache_memory, per_token, slots, tokens_per_slot)
+
+
+def kv_bytes(cfg: ModelConfig, dtype: str, tokens_per_slot: int, slots: int,
+             kv_cache_memory: int | float = DEFAULT_KV_CACHE_MEMORY, blocks: int | None = None) -> int:
+    """The K/V pool a model of this config gets: `blocks` (default: kv_blocks) of BLOCK_SIZE positions."""
+    if blocks is None:
+        blocks = kv_blocks(cfg, dtype, tokens_per_slot, slots, kv_cache_memory)
+    return blocks * BLOCK_SIZE * bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, BYTES[dtype])
 
 
 def activation_bytes(cfg: ModelConfig, context: int) -> int:
@@ -169,7 +182,7 @@ def activation_bytes(cfg: ModelConfig, context: int) -> int:
 
 def estimate(target: str, draft: str | None, max_model_len: int, concurrency: int, dtype: str = "auto",
              weights: str = "auto", draft_dtype: str | None = None, k: int = 8, cache_dir: str | None = None,
-             device: str = "cpu", tune=None) -> dict:
+             device: str = "cpu", tune=None, kv_cache_memory: int | float = DEFAULT_KV_CACHE_MEMORY) -> dict:
     """Steady-state rows, and the peak over the three phases of LLM(...): load target, load draft, serve.
 
     Each model in the formats load_model resolves for it (`resolve_plan`; the draft as LLM loads it: its own
@@ -178,7 +191,9 @@ def estimate(target: str, draft: str | None, max_model_len: int, concurrency: in
     t = model_shapes(target, cache_dir)
     tp = resolve_plan(t, dtype, weights, device, tune)
     rows = {"target_weights": weight_bytes(t, tp),
-            "target_kv_cache": kv_bytes(t.config, tp.dtype, target_cache_capacity(max_model_len, k), concurrency)}
+            "target_kv_cache": kv_bytes(t.config, tp.dtype, target_cache_capacity(max_model_len, k), concurrency,
+                                        kv_cache_memory)}
+    target_blocks = kv_blocks(t.config, tp.dtype, target_cache_capacity(max_model_len, k), concurrency, kv_cache_memory)
     plans = {"target": _plan_dict(tp)}
     loading = {"target": RUNTIME_BASE_BYTES + loading_bytes(t, tp)}
     if draft:
@@ -186,7 +201,9 @@ def estimate(target: str, draft: str | None, max_model_len: int, concurrency: in
         dp = resolve_plan(d, draft_dtype or dtype, weights, device, tune)
         plans["draft"] = _plan_dict(dp)
         rows["draft_weights"] = weight_bytes(d, dp)
-        rows["draft_kv_cache"] = kv_bytes(d.config, dp.dtype, draft_cache_capacity(max_model_len, k), concurrency)
+        draft_capacity = draft_cache_capacity(max_model_len, k)
+        rows["draft_kv_cache"] = kv_bytes(d.config, dp.dtype, draft_capacity, concurrency,
+                                          blocks=draft_pool_blocks(target_blocks, concurrency, draft_capacity))
         if dp.row_exact:
             rows["draft_prefix_cache"] = PREFIX_CACHE_BYTES
         loading["draft"] = RUNTIME_BASE_BYTES + rows["target_weights"] + loading_bytes(d, dp)

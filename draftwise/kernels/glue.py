@@ -7,7 +7,8 @@ of a one-token step of the 1.5B; with these ops (and merged projections) a layer
 Owns: whether the ops can run here (`available`: the library builds and loads; `q4x8.load`) and their Python
 signatures. float32 CPU tensors only: the decoder (models/transformer.py) keeps its torch reference for other
 dtypes and devices and where the library cannot be built. Knows nothing of models beyond these shapes and the KV
-cache's layout ([slots, kv heads, capacity, head_dim] per layer, written in place as KVCache.write would).
+cache's layout (kv_cache.py: per layer a pool [blocks, kv heads, block_size, head_dim] and block-table rows,
+written in place as KVCache.write would).
 
 Exactness (csrc/glue.h and glue.cpp document the float sequences): every op computes a row from that row alone,
 the same way for any number of rows and any thread split (row-exact), and on every ISA path (`cpu_paths`: scalar,
@@ -73,14 +74,14 @@ def rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
 
 def rope_qk_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                   head_dim: int, q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, eps: float, offset: float,
-                  keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor,
+                  keys: torch.Tensor, values: torch.Tensor, tables: torch.Tensor,
                   positions: torch.Tensor) -> torch.Tensor:
     """rope_qk, then the rotated k and v (rows b * T + t of [B, T, Hk * D]) stored into one layer's KV cache
-    (keys / values [S, Hk, C, D] as kv_cache.py holds them) at [slots[b], :, positions[b, t]] — what
-    KVCache.write does, in the same call; slot lengths are the caller's (`KVCache.extend`). Returns the rotated
-    q, contiguous [..., Hq * D]."""
+    (keys / values [P, Hk, BS, D] as kv_cache.py holds them) at [tables[b, p // BS], :, p % BS], p =
+    positions[b, t] — what KVCache.write does, in the same call; blocks and lengths are the caller's
+    (`KVCache.reserve`, `KVCache.extend`). Returns the rotated q, contiguous [..., Hq * D]."""
     return torch.ops.draftwise_glue.rope_qk_cache(q, k, v, cos, sin, head_dim, q_norm, k_norm, eps, offset, keys,
-                                                  values, slots, positions)
+                                                  values, tables, positions)
 
 
 def glu(gate: torch.Tensor, up: torch.Tensor | None, activation: str) -> torch.Tensor:

@@ -58,11 +58,11 @@ def layer_weights(in_norm: torch.Tensor, qkv: Q4x8Linear, q_norm: torch.Tensor |
 def layers(
     x: torch.Tensor,  # [B, T, hidden] float32
     weights: list[torch.Tensor | None],  # SLOTS per layer (layer_weights)
-    keys: list[torch.Tensor],  # per layer: the KV cache's [S, H_kv, C, D], written in place
+    keys: list[torch.Tensor],  # per layer: the KV cache's pool [P, H_kv, BS, D], written in place
     values: list[torch.Tensor],
     cos: list[torch.Tensor],  # per layer: RoPE angles [B * T, D / 2] (Decoder.angles)
     sin: list[torch.Tensor],
-    slots: torch.Tensor,  # [B] int64
+    tables: torch.Tensor,  # [B, nb] int64: block-table rows (KVCache.table)
     positions: torch.Tensor,  # [B, T] int64
     num_tokens: list[int],  # real tokens per row: the row-exact attention
     windows: list[int],  # per layer: sliding window, 0 for none
@@ -72,6 +72,6 @@ def layers(
     scale: float,  # attention softmax scale
     ancestors: torch.Tensor | None = None,  # [B, T] int64 token-tree masks (kernels/attention.py attend_tree)
 ) -> torch.Tensor:  # [B, T, hidden]: x after every layer; K/V of every layer stored at positions
-    return torch.ops.draftwise_stack.layers(x, weights, keys, values, cos, sin, slots, positions, num_tokens,
+    return torch.ops.draftwise_stack.layers(x, weights, keys, values, cos, sin, tables, positions, num_tokens,
                                             windows, list(dims), list(norm), list(qk_norm), float(scale),
                                             None if ancestors is None else ancestors.contiguous())

@@ -13,7 +13,9 @@ one C++ call (kernels/stack.py: the same ops in the same order, bitwise this fil
 keeps the loop).
 
 Contract (docs/ARCHITECTURE.md): forward(token_ids[B,T], positions[B,T], cache, slots[B]) -> logits[B,T,V].
-The forward writes K/V at `positions` into `cache` and extends each slot's length to max(position)+1;
+The forward reserves the cache blocks its positions need (kv_cache.CacheFull when the pool is short), writes K/V
+at `positions` through each slot's block table and extends each slot's length to max(position)+1 (with
+`num_tokens`: to its last real token + 1; padding rows go to the cache's null block);
 rollback is the caller's `cache.truncate`. Knows nothing about requests, sampling or speculation.
 With `num_tokens` (every engine call: prefill, decode, verification) attention is row-exact: `Attention._attend_exact`,
 one C++ call per layer (kernels/attention.py) or, without it, one SDPA call per query of a short chunk.
@@ -121,7 +123,7 @@ class Attention(nn.Module):
         mask: torch.Tensor | None,  # [B, 1, T, kv_len] bool, True = attend
         cache: KVCache,
         layer: int,
-        slots: torch.Tensor,  # [B]
+        tables: torch.Tensor,  # [B, nb] int64: each sequence's block-table row (KVCache.table)
         positions: torch.Tensor,  # [B, T]
         kv_len: int,
         num_tokens: list[int] | None = None,  # real (unpadded) tokens per row: the row-exact path
@@ -133,12 +135,12 @@ class Attention(nn.Module):
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         cos, sin = rope
-        if self.fused:  # one C++ call: q/k norm, RoPE, K/V into the (float32) cache as KVCache.write stores them;
+        if self.fused:  # one C++ call: q/k norm, RoPE, K/V into the cache (float32 / bfloat16) as KVCache.write does;
             # bitwise the reference below up to the q/k norm's summation (kernels/glue.py)
             qn, kn = (self.q_norm.weight, self.k_norm.weight) if self.qk_norm else (None, None)
             eps, off = (self.q_norm.eps, self.q_norm.weight_offset) if self.qk_norm else (0.0, 0.0)
             q = glue.rope_qk_cache(q, k, v, cos, sin, self.head_dim, qn, kn, eps, off, cache.keys[layer],
-                                   cache.values[layer], slots, positions)
+                                   cache.values[layer], tables, positions)
             q = q.view(B, T, self.num_heads, self.head_dim).transpose(1, 2)  # [B, H, T, D]
         else:
             v = v.view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
@@ -149,17 +151,17 @@ class Attention(nn.Module):
             q, k = q.transpose(1, 2), k.transpose(1, 2)  # [B, H, T, D]
             q = q * cos + rotate_half(q) * sin
             k = k * cos + rotate_half(k) * sin
-            cache.write(layer, slots, positions, k, v)
+            cache.write(layer, tables, positions, k, v)
         if num_tokens is None:
-            keys, values = cache.read(layer, slots, kv_len)  # [B, H_kv, kv_len, D]
+            keys, values = cache.read(layer, tables, kv_len, q.dtype)  # [B, H_kv, kv_len, D]
             out = F.scaled_dot_product_attention(
                 q, keys, values, attn_mask=mask, scale=self.scale, enable_gqa=self.num_kv_heads != self.num_heads
             )
         else:
-            out = self._attend_exact(q, cache, layer, slots, positions, num_tokens, ancestors)
+            out = self._attend_exact(q, cache, layer, tables, positions, num_tokens, ancestors)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
 
-    def _attend_exact(self, q: torch.Tensor, cache: KVCache, layer: int, slots: torch.Tensor,  # q [B, H, T, D]
+    def _attend_exact(self, q: torch.Tensor, cache: KVCache, layer: int, tables: torch.Tensor,  # q [B, H, T, D]
                       positions: torch.Tensor, num_tokens: list[int],
                       ancestors: torch.Tensor | None = None) -> torch.Tensor:  # ancestors [B, T]; -> [B, H, T, D]
         """Attention whose result for a token does not depend on what else is in the batch, nor on how its
@@ -177,9 +179,9 @@ class Attention(nn.Module):
         chunk (kernels/attention.py attend_tree, or one SDPA call per row over exactly that key list), so a node's
         result is bitwise its path's chain forward's."""
         if ancestors is not None:
-            return self._attend_tree(q, cache, layer, slots, positions, num_tokens, ancestors)
+            return self._attend_tree(q, cache, layer, tables, positions, num_tokens, ancestors)
         if attention_op.usable(q, cache.keys[layer]):
-            return attention_op.attend_rows(q, cache.keys[layer], cache.values[layer], slots, positions, num_tokens,
+            return attention_op.attend_rows(q, cache.keys[layer], cache.values[layer], tables, positions, num_tokens,
                                             self.scale, self.window)  # padding rows: zero
         out = torch.zeros_like(q)
         gqa = self.num_kv_heads != self.num_heads
@@ -187,7 +189,7 @@ class Attention(nn.Module):
             if n == 0:
                 continue
             first = int(positions[b, 0])
-            keys, values = cache.read(layer, slots[b : b + 1], first + n)  # [1, H_kv, first + n, D]
+            keys, values = cache.read(layer, tables[b : b + 1], first + n, q.dtype)  # [1, H_kv, first + n, D]
             if n <= ROW_EXACT_MAX_TOKENS:
                 for t in range(n):
                     end = first + t + 1
@@ -205,17 +207,17 @@ class Attention(nn.Module):
                 q[b : b + 1, :, :n], keys, values, attn_mask=mask[None, None], scale=self.scale, enable_gqa=gqa)
         return out
 
-    def _attend_tree(self, q: torch.Tensor, cache: KVCache, layer: int, slots: torch.Tensor,  # q [B, H, T, D]
+    def _attend_tree(self, q: torch.Tensor, cache: KVCache, layer: int, tables: torch.Tensor,  # q [B, H, T, D]
                      positions: torch.Tensor, num_tokens: list[int],
                      ancestors: torch.Tensor) -> torch.Tensor:  # ancestors [B, T] int64; -> [B, H, T, D]
         if attention_op.usable(q, cache.keys[layer]):
-            return attention_op.attend_tree(q, cache.keys[layer], cache.values[layer], slots, positions, num_tokens,
+            return attention_op.attend_tree(q, cache.keys[layer], cache.values[layer], tables, positions, num_tokens,
                                             ancestors, self.scale, self.window)
         out = torch.zeros_like(q)
         masks = ancestors.tolist()
         for b, n in enumerate(num_tokens):
             first = int(positions[b, 0])
-            keys, values = cache.read(layer, slots[b : b + 1], first + n)  # [1, H_kv, first + n, D]
+            keys, values = cache.read(layer, tables[b : b + 1], first + n, q.dtype)  # [1, H_kv, first + n, D]
             for t in range(n):
                 index = list(range(first)) + [first + i for i in range(t + 1) if masks[b][t] >> i & 1]
                 if self.window:
@@ -281,8 +283,8 @@ class DecoderLayer(nn.Module):
             self.pre_feedforward_layernorm = norm()
             self.post_feedforward_layernorm = norm()
 
-    def forward(self, x, rope, mask, cache, layer, slots, positions, kv_len, num_tokens=None, ancestors=None):
-        h = self.self_attn(self.input_layernorm(x), rope, mask, cache, layer, slots, positions, kv_len, num_tokens,
+    def forward(self, x, rope, mask, cache, layer, tables, positions, kv_len, num_tokens=None, ancestors=None):
+        h = self.self_attn(self.input_layernorm(x), rope, mask, cache, layer, tables, positions, kv_len, num_tokens,
                            ancestors)
         if self.sandwich:
             x = x + self.post_attention_layernorm(h)
@@ -463,6 +465,13 @@ class Decoder(nn.Module):
         if ancestors is not None and num_tokens is None:
             raise ValueError("a token-tree forward needs num_tokens (the row-exact attention)")
         kv_len = int(positions.max()) + 1
+        slot_list = slots.tolist()
+        if num_tokens is not None:  # real tokens only: padding rows write into the cache's null block
+            ends = [int(p) + n for p, n in zip(positions[:, 0].tolist(), num_tokens)]
+        else:
+            ends = (positions.max(dim=1).values + 1).tolist()
+        cache.reserve(slot_list, ends)  # the blocks those positions need (kv_cache.CacheFull: none taken)
+        tables = cache.table(slots, kv_len)  # [B, nb]: where each sequence's positions live
         rope_at, rope_len = (positions, kv_len) if rope_positions is None else (rope_positions, None)
         x = self.model.embed_tokens(token_ids)
         if x.dtype != self.dtype:  # an embedding table stored narrower than the activations (bf16 rows -> fp32)
@@ -484,13 +493,13 @@ class Decoder(nn.Module):
             windows = [int(m.self_attn.window or 0) for m in self.model.layers]
             dims = (attn.num_heads, attn.num_kv_heads, attn.head_dim, layer.mlp.intermediate,
                     glue.ACTIVATIONS[layer.mlp.act_name])
-            x = stack_op.layers(x, weights, cache.keys, cache.values, cos, sin, slots, positions, num_tokens, windows,
+            x = stack_op.layers(x, weights, cache.keys, cache.values, cos, sin, tables, positions, num_tokens, windows,
                                 dims, (norm.eps, norm.weight_offset), qk, attn.scale, ancestors)
         else:
             for i, layer in enumerate(self.model.layers):
                 kind = cfg.layer_types[i]
-                x = layer(x, ropes[kind], masks[kind], cache, i, slots, positions, kv_len, num_tokens, ancestors)
-        cache.extend(slots.tolist(), (positions.max(dim=1).values + 1).tolist())
+                x = layer(x, ropes[kind], masks[kind], cache, i, tables, positions, kv_len, num_tokens, ancestors)
+        cache.extend(slot_list, ends)
         if logit_index is not None:
             idx = logit_index if logit_index.dim() == 2 else logit_index[:, None]  # [B, J]
             x = x[torch.arange(x.shape[0], device=x.device)[:, None], idx]  # [B, J, dim]

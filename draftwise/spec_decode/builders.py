@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from draftwise.config import ConfigError, SpecConfig
-from draftwise.kv_cache import draft_cache_capacity
+from draftwise.kv_cache import draft_cache_capacity, draft_pool_blocks, kv_dtype
 from draftwise.prefix_cache import PrefixCache
 from draftwise.spec_decode.draft_model import DraftModelProposer, check_compatible
 from draftwise.spec_decode.grammar import GrammarProposer
@@ -36,6 +36,8 @@ class ProposerContext:
     # the caller's cached builder (a composite method reuses the proposer its part already has); None = build
     proposer_for: Callable[[SpecConfig], Proposer] | None = None
     prefix_caching: bool | None = None  # a draft model's own prefix cache: on / off / None = where it is exact
+    kv_cache_blocks: int | None = None  # the target's K/V pool (blocks); a draft's pool follows it. None: full
+    kv_cache_dtype: str = "auto"  # config.KV_CACHE_DTYPES, resolved per draft model (kv_cache.kv_dtype)
 
 
 def _build_none(spec_config: SpecConfig, ctx: ProposerContext) -> Proposer:
@@ -58,9 +60,11 @@ def _build_draft_model(spec_config: SpecConfig, ctx: ProposerContext) -> Propose
     prefix = ctx.prefix_caching
     if prefix is None:  # exact only: a sampled request's tokens depend on the draft's q, which must not move
         prefix = model.plan.row_exact
+    blocks = None if ctx.kv_cache_blocks is None else draft_pool_blocks(ctx.kv_cache_blocks, ctx.max_num_seqs, capacity)
     return DraftModelProposer(model, ctx.max_num_seqs, capacity, ctx.target_vocab_size,
                               draft_vocab_size=spec_config.draft_vocab_size, eos_token_ids=eos,
-                              prefix_cache=PrefixCache() if prefix else None)
+                              prefix_cache=PrefixCache() if prefix else None, num_blocks=blocks,
+                              kv_cache_dtype=kv_dtype(ctx.kv_cache_dtype, model.dtype, getattr(model, "fused", False)))
 
 
 def _build_grammar(spec_config: SpecConfig, ctx: ProposerContext) -> Proposer:

@@ -40,10 +40,14 @@ from draftwise.spec_decode.proposer import EMPTY_DRAFT_IDS, Draft
 from draftwise.structured.matcher import GrammarError, GrammarMatcher, mask_logits
 
 
+CATCH_UP_CHUNK_TOKENS = 2048  # a long prompt is fed in forwards of at most this many tokens (activations per chunk)
+
+
 class DraftModelProposer:
     def __init__(self, model, num_slots: int, capacity: int, target_vocab_size: int,
                  draft_vocab_size: int | None = None, eos_token_ids: tuple[int, ...] = (),
-                 prefix_cache: PrefixCache | None = None):
+                 prefix_cache: PrefixCache | None = None, num_blocks: int | None = None,
+                 kv_cache_dtype: torch.dtype | None = None):
         c = model.config
         self.model = model
         # the draft's own head over the kept ids (None: the model's lm_head, the whole vocabulary)
@@ -53,7 +57,9 @@ class DraftModelProposer:
                               f"(the draft's vocabulary)")
         if draft_vocab_size is not None and draft_vocab_size < c.vocab_size:
             self.head = TrimmedHead(model.lm_head, c.vocab_size, kept_ids(draft_vocab_size, c.vocab_size, eos_token_ids))
-        self.cache = KVCache(c.num_layers, num_slots, c.num_kv_heads, capacity, c.head_dim, model.dtype, model.device)
+        # its own paged pool (kv_cache.py; num_blocks None: every slot at full capacity)
+        self.cache = KVCache(c.num_layers, num_slots, c.num_kv_heads, capacity, c.head_dim,
+                             kv_cache_dtype or model.dtype, model.device, num_blocks=num_blocks)
         self.prefix_cache = prefix_cache  # the draft's own: a prompt's cached prefix is not fed again
         self.target_vocab_size = target_vocab_size
         # ids the draft can embed: fewer rows than the target (padding) -> the engine masks to the shared ids
@@ -194,6 +200,8 @@ class DraftModelProposer:
         for s in slots:
             unseen = len(self.tokens[s]) - self.seen[s]
             if unseen > MAX_BATCHED_CATCH_UP:
+                while len(self.tokens[s]) - self.seen[s] > CATCH_UP_CHUNK_TOKENS:  # a long prompt: chunk by chunk
+                    self._forward([s], [self.tokens[s][self.seen[s] : self.seen[s] + CATCH_UP_CHUNK_TOKENS]])
                 rows[s] = self._forward([s], [self.tokens[s][self.seen[s]:] + before[s]])[0]
             else:
                 small.append(s)

@@ -28,46 +28,55 @@ namespace {
 constexpr dwisa::Isa ISA{"attention", {0, dwisa::F_AVX2 | dwisa::F_FMA,
                                        dwisa::F_AVX512F | dwisa::F_AVX512BW | dwisa::F_AVX512VL | dwisa::F_AVX512DQ}};
 
-// q [B, H, T, D] (D contiguous, any other strides), keys/values: one layer's cache [S, Hkv, C, D];
-// slots [B] int64; positions [B, >=1] int64 (positions[b, 0]: the first query's position, the rest follow);
-// num_tokens [B]: real queries per sequence. -> [B, H, T, D], a transposed view of a contiguous [B, T, H, D]
-// (so the caller's transpose(1, 2).reshape(B, T, H * D) is free); rows t >= num_tokens[b] are zero.
+// q [B, H, T, D] (D contiguous, any other strides; float32 or bfloat16, the output's dtype), keys/values: one
+// layer's page pool [P, Hkv, BS, D] (float32 or bfloat16, whatever q's);
+// tables [B, nb] int64: each sequence's pages in position order (position p: page tables[b, p / BS], row p % BS;
+// BS a multiple of 16 unless nb == 1); positions [B, >=1] int64 (positions[b, 0]: the first query's position, the
+// rest follow); num_tokens [B]: real queries per sequence. -> [B, H, T, D], a transposed view of a contiguous
+// [B, T, H, D] (so the caller's transpose(1, 2).reshape(B, T, H * D) is free); rows t >= num_tokens[b] are zero.
 // anc: null, or [B, T] int64 ancestor masks (tree rows, attention.h): bit t of row t set, no bit above it.
-at::Tensor attend(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, const at::Tensor& slots,
+at::Tensor attend(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, const at::Tensor& tables_in,
                   const at::Tensor& positions, at::IntArrayRef num_tokens, double scale, int64_t window, int64_t path,
                   const at::Tensor* anc) {
     TORCH_CHECK(q.dim() == 4 && keys.dim() == 4 && values.dim() == 4, "q and the cache must be 4-d");
     const auto dt = q.scalar_type();
     TORCH_CHECK(dt == at::kFloat || dt == at::kBFloat16, "attention: float32 or bfloat16 only, got ", dt);
-    TORCH_CHECK(keys.scalar_type() == dt && values.scalar_type() == dt, "q, keys and values must share a dtype");
-    TORCH_CHECK(q.device().is_cpu() && keys.device().is_cpu() && values.device().is_cpu() && slots.device().is_cpu() &&
-                    positions.device().is_cpu(), "CPU tensors only");
+    const auto kvt = keys.scalar_type();
+    TORCH_CHECK((kvt == at::kFloat || kvt == at::kBFloat16) && values.scalar_type() == kvt,
+                "keys and values: one dtype, float32 or bfloat16, got ", kvt, " and ", values.scalar_type());
+    TORCH_CHECK(q.device().is_cpu() && keys.device().is_cpu() && values.device().is_cpu() &&
+                    tables_in.device().is_cpu() && positions.device().is_cpu(), "CPU tensors only");
     TORCH_CHECK(keys.sizes() == values.sizes() && keys.strides() == values.strides(), "keys and values differ in layout");
     const at::Tensor qc = q.stride(3) == 1 ? q : q.contiguous();
     const int64_t B = q.size(0), H = q.size(1), T = q.size(2), D = q.size(3);
-    const int64_t S = keys.size(0), Hkv = keys.size(1), C = keys.size(2);
-    TORCH_CHECK(keys.size(3) == D && keys.stride(3) == 1, "cache must be [S, Hkv, C, D] with D contiguous");
+    const int64_t P = keys.size(0), Hkv = keys.size(1), BS = keys.size(2);
+    TORCH_CHECK(keys.size(3) == D && keys.stride(3) == 1, "cache must be [pages, Hkv, BS, D] with D contiguous");
     TORCH_CHECK(Hkv > 0 && H % Hkv == 0, "num_heads must be a multiple of num_kv_heads");
-    TORCH_CHECK(slots.dim() == 1 && slots.size(0) == B && slots.scalar_type() == at::kLong, "slots must be [B] int64");
+    TORCH_CHECK(tables_in.dim() == 2 && tables_in.size(0) == B && tables_in.size(1) >= 1 &&
+                    tables_in.scalar_type() == at::kLong, "tables must be [B, pages per sequence] int64");
+    const at::Tensor tables = tables_in.contiguous();
+    const int64_t nb = tables.size(1);
+    TORCH_CHECK(nb == 1 || BS % 16 == 0, "a paged cache needs pages of a multiple of 16 positions, got ", BS);
     TORCH_CHECK(positions.dim() == 2 && positions.size(0) == B && positions.size(1) >= 1 &&
                     positions.scalar_type() == at::kLong, "positions must be [B, T] int64");
     TORCH_CHECK((int64_t)num_tokens.size() == B, "num_tokens must have B entries");
     TORCH_CHECK(window >= 0, "window must be >= 0");
 
-    std::vector<int64_t> slot(B), first(B), ntok(B);
-    const int64_t* sp = slots.data_ptr<int64_t>();
+    std::vector<int64_t> first(B), ntok(B);
+    const int64_t* tp = tables.data_ptr<int64_t>();
     const int64_t* pp = positions.data_ptr<int64_t>();
     int64_t max_len = 1;
     for (int64_t b = 0; b < B; ++b) {
-        slot[b] = sp[b * slots.stride(0)];
         first[b] = pp[b * positions.stride(0)];
         ntok[b] = num_tokens[b];
         TORCH_CHECK(0 <= ntok[b] && ntok[b] <= T, "num_tokens[", b, "] = ", ntok[b], " outside 0..", T);
         if (ntok[b] == 0) continue;
-        TORCH_CHECK(0 <= slot[b] && slot[b] < S, "slot ", slot[b], " outside the cache's ", S, " slots");
-        TORCH_CHECK(first[b] >= 0 && first[b] + ntok[b] <= C, "positions ", first[b], "..", first[b] + ntok[b] - 1,
-                    " outside the cache's capacity ", C);
         const int64_t len = first[b] + ntok[b];
+        TORCH_CHECK(first[b] >= 0 && len <= nb * BS, "positions ", first[b], "..", len - 1,
+                    " outside the ", nb * BS, " positions of sequence ", b, "'s pages");
+        for (int64_t i = 0; i < (len + BS - 1) / BS; ++i)
+            TORCH_CHECK(0 <= tp[b * nb + i] && tp[b * nb + i] < P, "sequence ", b, ": page ", tp[b * nb + i],
+                        " (of position ", i * BS, ") outside the cache's ", P, " pages");
         max_len = std::max(max_len, window > 0 ? std::min(len, window) : len);
     }
     path = dwisa::select(ISA, path);
@@ -90,8 +99,9 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& keys, const at::Tensor&
     if (items > 0 && D > 0) {
         DwAttnArgs a{qc.data_ptr(), qc.stride(0), qc.stride(1), qc.stride(2),
                      keys.data_ptr(), values.data_ptr(), keys.stride(0), keys.stride(1), keys.stride(2),
-                     out.data_ptr(), slot.data(), first.data(), ntok.data(),
-                     B, T, H, Hkv, D, (float)scale, window, dt == at::kBFloat16 ? DW_ATTN_BF16 : DW_ATTN_F32, masks};
+                     out.data_ptr(), tp, nb, BS, first.data(), ntok.data(),
+                     B, T, H, Hkv, D, (float)scale, window, dt == at::kBFloat16 ? DW_ATTN_BF16 : DW_ATTN_F32,
+                     kvt == at::kBFloat16 ? DW_ATTN_BF16 : DW_ATTN_F32, masks};
         auto fn = dwisa::pick(path, dw_attn_rows_scalar, dw_attn_rows_avx2, dw_attn_rows_avx512);
         if (D % 16 != 0) fn = dw_attn_rows_scalar;  // the SIMD paths take whole 16-lane chunks of head_dim
         const int64_t nscratch = dw_attn_scratch_floats(max_len, D);
@@ -104,18 +114,18 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& keys, const at::Tensor&
     return out.transpose(1, 2);
 }
 
-at::Tensor attn_decode(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, const at::Tensor& slots,
+at::Tensor attn_decode(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, const at::Tensor& tables,
                        const at::Tensor& positions, at::IntArrayRef num_tokens, double scale, int64_t window,
                        int64_t path) {
-    return attend(q, keys, values, slots, positions, num_tokens, scale, window, path, nullptr);
+    return attend(q, keys, values, tables, positions, num_tokens, scale, window, path, nullptr);
 }
 
 // decode's token-tree form: row t of sequence b attends the keys before the chunk and the chunk rows of
 // ancestors[b, t] (attention.h, tree rows).
-at::Tensor attn_tree(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, const at::Tensor& slots,
+at::Tensor attn_tree(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, const at::Tensor& tables,
                      const at::Tensor& positions, at::IntArrayRef num_tokens, const at::Tensor& ancestors, double scale,
                      int64_t window, int64_t path) {
-    return attend(q, keys, values, slots, positions, num_tokens, scale, window, path, &ancestors);
+    return attend(q, keys, values, tables, positions, num_tokens, scale, window, path, &ancestors);
 }
 
 std::vector<int64_t> paths() { return dwisa::available_paths(ISA); }
@@ -123,9 +133,9 @@ std::vector<int64_t> paths() { return dwisa::available_paths(ISA); }
 }  // namespace
 
 TORCH_LIBRARY(draftwise_attn, m) {
-    m.def("decode(Tensor q, Tensor keys, Tensor values, Tensor slots, Tensor positions, int[] num_tokens, float scale, "
-          "int window, int path) -> Tensor");
-    m.def("tree(Tensor q, Tensor keys, Tensor values, Tensor slots, Tensor positions, int[] num_tokens, "
+    m.def("decode(Tensor q, Tensor keys, Tensor values, Tensor tables, Tensor positions, int[] num_tokens, "
+          "float scale, int window, int path) -> Tensor");
+    m.def("tree(Tensor q, Tensor keys, Tensor values, Tensor tables, Tensor positions, int[] num_tokens, "
           "Tensor ancestors, float scale, int window, int path) -> Tensor");
     m.def("paths() -> int[]", &paths);
 }

@@ -6,10 +6,14 @@
 // attention_kernel.h and intrin.h), of models or of speculation.
 //
 // Work item (b, t, h): query t of sequence b, head h; kv head g = h / (H / Hkv) (GQA). It attends over exactly
-// the keys [start, end) of cache slot slots[b]: end = first[b] + t + 1, start = max(0, end - window) when
+// the keys at positions [start, end) of sequence b: end = first[b] + t + 1, start = max(0, end - window) when
 // window > 0, else 0. Items with t >= ntok[b] (padding) write zeros.
-// The float sequence of one item (fp32 throughout; bf16 inputs are widened exactly, the output is rounded to
-// nearest even once at the end), with L = end - start, j = 0..L-1 counted from start, 16 "lanes":
+// Paged K/V (kv_cache.py): the layer's cache is a pool of pages [P, Hkv, BS, D]; position p of sequence b lives
+// in page tables[b * nb + p / BS], row p % BS. Where the pages sit changes no float operation (keys are visited
+// in position order whatever page holds them). The SIMD paths read keys in 16-position blocks aligned to 16, so
+// BS is a multiple of 16, or a sequence holds one page (nb == 1: the contiguous layout, one page per slot).
+// The float sequence of one item (fp32 throughout; bf16 inputs — q, or K/V, or both — are widened exactly, a bf16
+// output is rounded to nearest even once at the end), with L = end - start, j = 0..L-1 counted from start, 16 "lanes":
 //   s_j   = dot(q, k_j) * scale,  dot = lanes l = i mod 16 summed in i order (a tail after the last whole 16
 //           goes to lanes 0..), then lanes folded 8+8, 4+4, 2+2, 1+1 (a[l] += a[l + w]);
 //   m     = max_j s_j;
@@ -32,17 +36,19 @@ enum DwAttnDtype { DW_ATTN_F32 = 0, DW_ATTN_BF16 = 1 };
 struct DwAttnArgs {
     const void* q;            // [B, H, T, D] with strides q_sb, q_sh, q_st (elements); D contiguous
     int64_t q_sb, q_sh, q_st;
-    const void* k;            // the layer's cache [S, Hkv, C, D] with strides kv_ss, kv_sh, kv_sc; D contiguous
+    const void* k;            // the layer's page pool [P, Hkv, BS, D] with strides kv_ss, kv_sh, kv_sc; D contiguous
     const void* v;            // same shape and strides as k
     int64_t kv_ss, kv_sh, kv_sc;
     void* out;                // [B, T, H, D] contiguous
-    const int64_t* slots;     // [B] cache slot of each sequence
+    const int64_t* tables;    // [B, nb] each sequence's pages, in position order
+    int64_t nb, bs;           // pages per table row, positions per page (BS)
     const int64_t* first;     // [B] position of each sequence's first query
     const int64_t* ntok;      // [B] real queries per sequence (<= T)
     int64_t B, T, H, Hkv, D;
     float scale;
     int64_t window;           // 0: attend from position 0
-    int64_t dtype;            // DwAttnDtype of q, k, v and out
+    int64_t dtype;            // DwAttnDtype of q and out
+    int64_t kv_dtype;         // DwAttnDtype of k and v (bf16 K/V under float32 queries: widened exactly)
     const uint64_t* anc;      // [B, T] ancestor masks of tree rows (T <= 64), or null: every row a chain row
 };
 

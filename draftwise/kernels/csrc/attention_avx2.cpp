@@ -78,7 +78,6 @@ struct Steps {
 // or past its end) land in the 16 floats of room on either side of s[u] and are never read.
 template <int NI, class E>
 static void scores(const DwAttnArgs* a, Block<E>& blk, float* mx) {
-    const E* K0 = blk.K0;
     const int64_t a_lo = blk.a_lo, a_hi = blk.a_hi;
     const int64_t sc = blk.q[0].sc, D = a->D;
     const __m256 vscale = _mm256_set1_ps(a->scale), ninf = _mm256_set1_ps(-__builtin_inff());
@@ -93,7 +92,7 @@ static void scores(const DwAttnArgs* a, Block<E>& blk, float* mx) {
             for (int grp = 0; grp < 2; ++grp) {
                 const int glo = lo - 8 * grp > 0 ? lo - 8 * grp : 0, ghi = hi - 8 * grp < 8 ? hi - 8 * grp : 8;
                 if (glo >= ghi) continue;
-                const E* kb = K0 + (ab + 8 * grp) * sc;
+                const E* kb = dwattn::block_at(blk, blk.q[0].Kh, ab) + 8 * grp * sc;
                 __m256 f[8];
                 const bool full = glo == 0 && ghi == 8;
                 if (full)

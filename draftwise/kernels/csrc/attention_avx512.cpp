@@ -84,14 +84,13 @@ struct Steps {
 
 template <int NC, class E>
 static void scores(const DwAttnArgs* a, Block<E>& blk, float* mx) {
-    const E* K0 = blk.K0;
     const int64_t a_lo = blk.a_lo, a_hi = blk.a_hi;
     const int64_t sc = blk.q[0].sc, D = a->D;
     const __m512 vscale = _mm512_set1_ps(a->scale);
     __m512 vmax[QB];
     for (int u = 0; u < blk.n; ++u) vmax[u] = _mm512_set1_ps(-__builtin_inff());
     for (int64_t ab = a_lo; ab < a_hi; ab += 16) {
-        const E* kb = K0 + ab * sc;
+        const E* kb = dwattn::block_at(blk, blk.q[0].Kh, ab);
         for (int u = 0; u < blk.n; ++u) {
             const int64_t st = blk.start[u];
             int lo, hi;

@@ -35,6 +35,15 @@ inline float load(const float* p, int64_t i) { return p[i]; }
 inline float load(const uint16_t* p, int64_t i) { return bits_to_f32((uint32_t)p[i] << 16); }  // bf16: exact
 
 inline void store(float* p, int64_t i, float x) { p[i] = x; }
+inline void store(uint16_t* p, int64_t i, float x);
+
+// The output row o [D] (float32, or bfloat16 when the call's dtype is): acc[d] / div (div = 1: acc as it is).
+inline void store_row(const DwAttnArgs* a, void* o, const float* acc, float div) {
+    if (a->dtype == DW_ATTN_BF16)
+        for (int64_t d = 0; d < a->D; ++d) store((uint16_t*)o, d, acc[d] / div);
+    else
+        for (int64_t d = 0; d < a->D; ++d) store((float*)o, d, acc[d] / div);
+}
 inline void store(uint16_t* p, int64_t i, float x) {  // fp32 -> bf16, round to nearest even (NaN stays NaN)
     uint32_t u = f32_to_bits(x);
     if ((u & 0x7fffffffu) > 0x7f800000u) {
@@ -74,25 +83,35 @@ inline float dot(const float* q, const E* k, int64_t D) {
 // the row-exact contract (keys [start, first_b + t], start = end - window on sliding layers) is written once.
 template <class E>
 struct Query {
-    E* o;          // the output row [D]
-    const E* K;    // the first key attended; key j < Lp at K + j * sc
-    const E* V;    // the first value, same stride
+    void* o;       // the output row [D], in the call's dtype (store_row)
+    const E* Kh;   // this kv head's keys: position p at Kh + pages[p / bs] * ps + (p % bs) * sc (`at`)
+    const E* Vh;   // its values, same layout
+    const int64_t* pages;  // the sequence's block table row
+    int64_t bs;    // positions per page
+    int64_t ps;    // page stride
     int64_t L;     // keys attended
-    int64_t sc;    // key / value stride
-    int64_t start; // absolute position of the first key
+    int64_t sc;    // key / value stride within a page
+    int64_t start; // absolute position of the first key; key j < Lp at position start + j
     int64_t Lp;    // keys at consecutive positions from start (L for a chain row)
     uint64_t anc;  // a tree row's keys Lp..L-1: the chunk rows of its set bits, in order (0 for a chain row)
-    const E* Kt;   // a tree row's chunk: row i's key at Kt + i * sc, its value at Vt + i * sc
-    const E* Vt;
+    int64_t first; // a tree row's chunk: row i at position first + i
 };
+
+// The key (h = q.Kh) or value (h = q.Vh) at absolute position p of the query's sequence.
+template <class E>
+inline const E* at(const E* h, const Query<E>& q, int64_t p) {
+    return h + q.pages[p / q.bs] * q.ps + (p % q.bs) * q.sc;
+}
 
 // false for a padding query (its output row is zeroed); otherwise its q row is loaded into qf[D] as float
 template <class E>
 inline bool query(const DwAttnArgs* a, int64_t b, int64_t t, int64_t h, float* qf, Query<E>& q) {
     const int64_t D = a->D;
-    q.o = (E*)a->out + ((b * a->T + t) * a->H + h) * D;
+    const int64_t osize = a->dtype == DW_ATTN_BF16 ? 2 : 4;
+    q.o = (char*)a->out + ((b * a->T + t) * a->H + h) * D * osize;
     if (t >= a->ntok[b]) {
-        for (int64_t d = 0; d < D; ++d) store(q.o, d, 0.0f);
+        for (int64_t d = 0; d < D; ++d) qf[d] = 0.0f;
+        store_row(a, q.o, qf, 1.0f);
         return false;
     }
     const int64_t first = a->first[b];
@@ -101,19 +120,23 @@ inline bool query(const DwAttnArgs* a, int64_t b, int64_t t, int64_t h, float* q
     const int64_t end = anc ? first + __builtin_popcountll(anc) : first + t + 1;
     const int64_t start = a->window > 0 && end > a->window ? end - a->window : 0;
     const int64_t g = h / (a->H / a->Hkv);
-    const int64_t head = a->slots[b] * a->kv_ss + g * a->kv_sh;
-    q.K = (const E*)a->k + head + start * a->kv_sc;
-    q.V = (const E*)a->v + head + start * a->kv_sc;
-    q.Kt = (const E*)a->k + head + first * a->kv_sc;
-    q.Vt = (const E*)a->v + head + first * a->kv_sc;
+    q.Kh = (const E*)a->k + g * a->kv_sh;
+    q.Vh = (const E*)a->v + g * a->kv_sh;
+    q.pages = a->tables + b * a->nb;
+    q.bs = a->bs;
+    q.ps = a->kv_ss;
+    q.first = first;
     q.L = end - start;
     q.sc = a->kv_sc;
     q.start = start;
     q.Lp = anc ? (start < first ? first - start : 0) : q.L;
     for (int64_t skip = start - first; anc && skip > 0; --skip) anc &= anc - 1;  // a window past the prefix
     q.anc = anc;
-    const E* qp = (const E*)a->q + b * a->q_sb + h * a->q_sh + t * a->q_st;
-    for (int64_t d = 0; d < D; ++d) qf[d] = load(qp, d);
+    const int64_t qoff = b * a->q_sb + h * a->q_sh + t * a->q_st;
+    if (a->dtype == DW_ATTN_BF16)
+        for (int64_t d = 0; d < D; ++d) qf[d] = load((const uint16_t*)a->q + qoff, d);
+    else
+        for (int64_t d = 0; d < D; ++d) qf[d] = load((const float*)a->q + qoff, d);
     return true;
 }
 
@@ -132,10 +155,15 @@ struct Block {
     Query<E> q[QB];
     int64_t start[QB];          // absolute position of each query's first key
     float *qf[QB], *s[QB], *acc[QB];  // q row, scores (16 floats of room on either side), accumulator [D]
-    int64_t a_lo, a_hi;         // the absolute key range of the block: [min start, max end)
-    const E* K0;                // the key (value) at absolute position 0 of this (b, g)
-    const E* V0;
+    int64_t a_lo, a_hi;         // the absolute key range of the block: [min start rounded down to 16, max end)
 };
+
+// The first key (value: h = Vh) of the 16-position block at ab (a multiple of 16): the block's 16 positions lie in
+// one page (attention.h: BS is a multiple of 16, or one page holds the sequence), at stride sc from it.
+template <class E>
+inline const E* block_at(const Block<E>& blk, const E* h, int64_t ab) {
+    return at(h, blk.q[0], ab);
+}
 
 // Items [i0, i0 + n) of one (b, g), n <= QB, into blk: q rows loaded, padding rows zeroed and left out, scratch
 // laid out as dw_attn_scratch_floats sizes it (q rows and accumulators [QB][dp], then the scores), accumulators
@@ -160,15 +188,13 @@ bool gather(const DwAttnArgs* a, int64_t i0, int n, float* scratch, Block<E>& bl
         ++blk.n;
     }
     if (blk.n == 0) return false;
+    blk.a_lo -= blk.a_lo % 16;  // 16-position blocks never straddle a page; a query's scores stay where they were
     const int64_t sstride = 32 + (Lmax + 15) / 16 * 16;
     for (int u = 0; u < blk.n; ++u) {
         blk.acc[u] = scratch + (QB + u) * dp;
         blk.s[u] = scratch + 2 * QB * dp + u * sstride + 16;
         for (int64_t d = 0; d < D; ++d) blk.acc[u][d] = 0.0f;
     }
-    const int64_t sc = blk.q[0].sc;
-    blk.K0 = blk.q[0].K - blk.start[0] * sc;
-    blk.V0 = blk.q[0].V - blk.start[0] * sc;
     return true;
 }
 
@@ -201,7 +227,7 @@ template <class E>
 inline void tree_scores(const DwAttnArgs* a, const Query<E>& q, const float* qf, float* s, float& m) {
     int64_t j = q.Lp;
     for (uint64_t r = q.anc; r; r &= r - 1, ++j) {
-        s[j] = dot(qf, q.Kt + __builtin_ctzll(r) * q.sc, a->D) * a->scale;
+        s[j] = dot(qf, at(q.Kh, q, q.first + __builtin_ctzll(r)), a->D) * a->scale;
         m = s[j] > m ? s[j] : m;
     }
 }
@@ -211,7 +237,7 @@ template <class Steps, class E>
 inline void tree_values(const Query<E>& q, int64_t D, const float* p, float* acc) {
     int64_t j = q.Lp;
     for (uint64_t r = q.anc; r; r &= r - 1, ++j)
-        Steps::values(q.Vt + __builtin_ctzll(r) * q.sc, q.sc, D, p + j, 0, 1, acc);
+        Steps::values(at(q.Vh, q, q.first + __builtin_ctzll(r)), q.sc, D, p + j, 0, 1, acc);
 }
 
 // One query block, start to end; Steps supplies a SIMD path's loops over 16-key blocks:
@@ -236,7 +262,7 @@ void attend_block(const DwAttnArgs* a, int64_t i0, int n, float* scratch) {
         for (int u = 0; u < blk.n; ++u) tree_scores(a, blk.q[u], blk.qf[u], blk.s[u], mx[u]);
     for (int u = 0; u < blk.n; ++u) total[u] = Steps::softmax_weights(blk.s[u], blk.q[u].L, mx[u]);
     for (int64_t ab = blk.a_lo; ab < blk.a_hi; ab += 16) {
-        const E* vb = blk.V0 + ab * sc;
+        const E* vb = block_at(blk, blk.q[0].Vh, ab);
         for (int u = 0; u < blk.n; ++u) {
             int lo, hi;
             span(blk, u, ab, lo, hi);
@@ -246,9 +272,7 @@ void attend_block(const DwAttnArgs* a, int64_t i0, int n, float* scratch) {
     if (a->anc)
         for (int u = 0; u < blk.n; ++u) tree_values<Steps>(blk.q[u], D, blk.s[u], blk.acc[u]);
     for (int u = 0; u < blk.n; ++u) {
-        float* acc = blk.acc[u];
-        for (int64_t d = 0; d < D; ++d) acc[d] = acc[d] / total[u];
-        for (int64_t d = 0; d < D; ++d) store(blk.q[u].o, d, acc[d]);
+        store_row(a, blk.q[u].o, blk.acc[u], total[u]);
     }
 }
 
@@ -256,7 +280,7 @@ void attend_block(const DwAttnArgs* a, int64_t i0, int n, float* scratch) {
 // that path's Steps, for the call's dtype.
 template <class Steps>
 void run_blocks(const DwAttnArgs* a, int64_t i0, int64_t i1, float* scratch) {
-    if (a->dtype == DW_ATTN_BF16)
+    if (a->kv_dtype == DW_ATTN_BF16)
         for_each_block(a, i0, i1, [&](int64_t j0, int n) { attend_block<Steps, uint16_t>(a, j0, n, scratch); });
     else
         for_each_block(a, i0, i1, [&](int64_t j0, int n) { attend_block<Steps, float>(a, j0, n, scratch); });
@@ -277,13 +301,11 @@ void one(const DwAttnArgs* a, int64_t b, int64_t t, int64_t h, float* scratch) {
     float* s = scratch + 2 * dp;  // [L]
     Query<E> q;
     if (!query(a, b, t, h, qf, q)) return;
-    E* o = q.o;
-    const E *K = q.K, *V = q.V;
-    const int64_t L = q.L, Lp = q.Lp, sc = q.sc;
+    const int64_t L = q.L, Lp = q.Lp, st = q.start;
 
     float m = -__builtin_inff();
     for (int64_t j = 0; j < Lp; ++j) {
-        const float x = dot(qf, K + j * sc, D) * a->scale;
+        const float x = dot(qf, at(q.Kh, q, st + j), D) * a->scale;
         s[j] = x;
         m = x > m ? x : m;
     }
@@ -309,19 +331,19 @@ void one(const DwAttnArgs* a, int64_t b, int64_t t, int64_t h, float* scratch) {
     j = 0;
     for (; j + 4 <= Lp; j += 4) {  // four keys per pass over acc: the same additions, in the same order
         const float p0 = s[j], p1 = s[j + 1], p2 = s[j + 2], p3 = s[j + 3];
-        const E* v0 = V + j * sc;
-        const E* v1 = v0 + sc;
-        const E* v2 = v1 + sc;
-        const E* v3 = v2 + sc;
+        const E* v0 = at(q.Vh, q, st + j);
+        const E* v1 = at(q.Vh, q, st + j + 1);
+        const E* v2 = at(q.Vh, q, st + j + 2);
+        const E* v3 = at(q.Vh, q, st + j + 3);
         for (int64_t d = 0; d < D; ++d)
             acc[d] = (((acc[d] + p0 * load(v0, d)) + p1 * load(v1, d)) + p2 * load(v2, d)) + p3 * load(v3, d);
     }
     for (; j < L; ++j) {  // then a tree row's ancestors
         const float p = s[j];
-        const E* v = j < Lp ? V + j * sc : q.Vt + tree_row(q.anc, j - Lp) * sc;
+        const E* v = at(q.Vh, q, j < Lp ? st + j : q.first + tree_row(q.anc, j - Lp));
         for (int64_t d = 0; d < D; ++d) acc[d] = acc[d] + p * load(v, d);
     }
-    for (int64_t d = 0; d < D; ++d) store(o, d, acc[d] / total);
+    store_row(a, q.o, acc, total);
 }
 
 template <class E>
@@ -334,7 +356,7 @@ void rows(const DwAttnArgs* a, int64_t i0, int64_t i1, float* scratch) {
 }
 
 inline void run(const DwAttnArgs* a, int64_t i0, int64_t i1, float* scratch) {
-    if (a->dtype == DW_ATTN_BF16)
+    if (a->kv_dtype == DW_ATTN_BF16)
         rows<uint16_t>(a, i0, i1, scratch);
     else
         rows<float>(a, i0, i1, scratch);

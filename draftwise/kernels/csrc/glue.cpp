@@ -221,50 +221,68 @@ std::tuple<at::Tensor, at::Tensor> rope_qk(const at::Tensor& q_in, const at::Ten
     return {qo, ko};
 }
 
-// rope_qk, then k' and v stored straight into one layer's KV cache (keys / values [S, Hkv, C, D], contiguous, as
-// kv_cache.py allocates them) at [slots[b], :, positions[b, t]] — KVCache.write's index_put, without the ~12 small
-// aten calls it takes per layer; the slot lengths stay the caller's (`cache.extend`). Returns q' only.
+// rope_qk, then k' and v stored straight into one layer's paged KV cache (keys / values [P, Hkv, BS, D],
+// contiguous, float32 or bfloat16 — rounded to nearest even as KVCache.write's cast — as kv_cache.py allocates them): position p of row b goes to page tables[b, p / BS], row p % BS —
+// KVCache.write's index_put, without the ~12 small aten calls it takes per layer; the pages are the caller's
+// (`KVCache.reserve` before, `KVCache.extend` after). Returns q' only.
 at::Tensor rope_qk_cache(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cos,
                          const at::Tensor& sin, int64_t head_dim, const std::optional<at::Tensor>& q_norm,
                          const std::optional<at::Tensor>& k_norm, double eps, double offset, const at::Tensor& keys,
-                         const at::Tensor& values, const at::Tensor& slots, const at::Tensor& positions) {
+                         const at::Tensor& values, const at::Tensor& tables, const at::Tensor& positions) {
     auto [qo, ko] = rope_qk(q, k, cos, sin, head_dim, q_norm, k_norm, eps, offset);
     check_f32_cpu(v, "v");
-    check_f32_cpu(keys, "keys");
-    check_f32_cpu(values, "values");
+    const auto kvt = keys.scalar_type();
+    TORCH_CHECK(keys.device().is_cpu() && values.device().is_cpu() && (kvt == at::kFloat || kvt == at::kBFloat16) &&
+                    values.scalar_type() == kvt, "keys / values: float32 or bfloat16 CPU tensors of one dtype");
     const int64_t D = head_dim;
     TORCH_CHECK(keys.dim() == 4 && keys.is_contiguous() && values.sizes() == keys.sizes() && values.is_contiguous() &&
-                    keys.size(3) == D, "keys / values must be contiguous [slots, kv heads, capacity, head_dim]");
-    const int64_t S = keys.size(0), Hkv = keys.size(1), C = keys.size(2);
-    TORCH_CHECK(positions.dim() == 2 && positions.scalar_type() == at::kLong && slots.dim() == 1 &&
-                    slots.scalar_type() == at::kLong && slots.size(0) == positions.size(0),
-                "slots [B] and positions [B, T] must be int64");
-    const int64_t B = positions.size(0), T = positions.size(1);
+                    keys.size(3) == D, "keys / values must be contiguous [pages, kv heads, page size, head_dim]");
+    const int64_t P = keys.size(0), Hkv = keys.size(1), BS = keys.size(2);
+    TORCH_CHECK(positions.dim() == 2 && positions.scalar_type() == at::kLong && tables.dim() == 2 &&
+                    tables.scalar_type() == at::kLong && tables.size(0) == positions.size(0) && tables.size(1) >= 1,
+                "tables [B, pages per sequence] and positions [B, T] must be int64");
+    const int64_t B = positions.size(0), T = positions.size(1), nb = tables.size(1);
     TORCH_CHECK(ko.size(-1) == Hkv * D && ko.numel() == B * T * Hkv * D, "k must be [B, T, kv heads * head_dim]");
     TORCH_CHECK(v.size(-1) == Hkv * D && v.numel() == ko.numel(), "v must be shaped like k");
     int64_t vs;
     const at::Tensor vr = rows_of(v, vs);
-    const at::Tensor sl = slots.contiguous(), ps = positions.contiguous();
-    const int64_t* slp = sl.data_ptr<int64_t>();
+    const at::Tensor tb = tables.contiguous(), ps = positions.contiguous();
+    const int64_t* tp = tb.data_ptr<int64_t>();
     const int64_t* pp = ps.data_ptr<int64_t>();
-    for (int64_t b = 0; b < B; ++b) {
-        TORCH_CHECK(slp[b] >= 0 && slp[b] < S, "slot ", slp[b], " out of range [0, ", S, ")");
-        for (int64_t t = 0; t < T; ++t)
-            TORCH_CHECK(pp[b * T + t] >= 0 && pp[b * T + t] < C, "position ", pp[b * T + t],
-                        " beyond the cache capacity ", C);
-    }
-    const float* kp = ko.data_ptr<float>();
-    const float* vp = vr.data_ptr<float>();
-    float* K = keys.data_ptr<float>();
-    float* V = values.data_ptr<float>();
+    std::vector<int64_t> page(B * T);
     for (int64_t b = 0; b < B; ++b)
         for (int64_t t = 0; t < T; ++t) {
-            const int64_t r = b * T + t;
+            const int64_t p = pp[b * T + t];
+            TORCH_CHECK(p >= 0 && p < nb * BS, "position ", p, " beyond the ", nb * BS, " positions of row ", b,
+                        "'s pages");
+            page[b * T + t] = tp[b * nb + p / BS];
+            TORCH_CHECK(page[b * T + t] >= 0 && page[b * T + t] < P, "row ", b, ": page ", page[b * T + t],
+                        " of position ", p, " out of range [0, ", P, ")");
+        }
+    const float* kp = ko.data_ptr<float>();
+    const float* vp = vr.data_ptr<float>();
+    if (kvt == at::kBFloat16) {  // rounded to nearest even, as tensor.to(torch.bfloat16) (c10::BFloat16)
+        c10::BFloat16* K = keys.data_ptr<c10::BFloat16>();
+        c10::BFloat16* V = values.data_ptr<c10::BFloat16>();
+        for (int64_t r = 0; r < B * T; ++r)
             for (int64_t h = 0; h < Hkv; ++h) {
-                const int64_t dst = ((slp[b] * Hkv + h) * C + pp[r]) * D;
-                std::memcpy(K + dst, kp + r * Hkv * D + h * D, D * sizeof(float));
-                std::memcpy(V + dst, vp + r * vs + h * D, D * sizeof(float));
+                const int64_t dst = ((page[r] * Hkv + h) * BS + pp[r] % BS) * D;
+                const float* ks = kp + r * Hkv * D + h * D;
+                const float* vs_ = vp + r * vs + h * D;
+                for (int64_t d = 0; d < D; ++d) {
+                    K[dst + d] = c10::BFloat16(ks[d]);
+                    V[dst + d] = c10::BFloat16(vs_[d]);
+                }
             }
+        return qo;
+    }
+    float* K = keys.data_ptr<float>();
+    float* V = values.data_ptr<float>();
+    for (int64_t r = 0; r < B * T; ++r)
+        for (int64_t h = 0; h < Hkv; ++h) {
+            const int64_t dst = ((page[r] * Hkv + h) * BS + pp[r] % BS) * D;
+            std::memcpy(K + dst, kp + r * Hkv * D + h * D, D * sizeof(float));
+            std::memcpy(V + dst, vp + r * vs + h * D, D * sizeof(float));
         }
     return qo;
 }
@@ -314,7 +332,7 @@ TORCH_LIBRARY(draftwise_glue, m) {
     m.def("rope_qk(Tensor q, Tensor k, Tensor cos, Tensor sin, int head_dim, Tensor? q_norm, Tensor? k_norm, "
           "float eps, float offset) -> (Tensor, Tensor)");
     m.def("rope_qk_cache(Tensor q, Tensor k, Tensor v, Tensor cos, Tensor sin, int head_dim, Tensor? q_norm, "
-          "Tensor? k_norm, float eps, float offset, Tensor(a!) keys, Tensor(b!) values, Tensor slots, "
+          "Tensor? k_norm, float eps, float offset, Tensor(a!) keys, Tensor(b!) values, Tensor tables, "
           "Tensor positions) -> Tensor");
     m.def("glu(Tensor gate, Tensor? up, int kind) -> Tensor");
     m.def("paths() -> int[]", &paths);

@@ -92,14 +92,14 @@ at::Tensor linear(const c10::List<OptT>& w, int64_t at_, const at::Tensor& x, in
 }
 
 // x [B, T, hidden] float32 -> x after every layer. weights: WEIGHTS_PER_LAYER entries per layer (Slot);
-// keys / values: each layer's cache [S, Hkv, C, D]; cos / sin: each layer's RoPE angles [B * T, D / 2];
-// slots [B], positions [B, T] int64; num_tokens [B]: real tokens per row (the row-exact attention);
+// keys / values: each layer's page pool [P, Hkv, BS, D]; cos / sin: each layer's RoPE angles [B * T, D / 2];
+// tables [B, pages per sequence] (each sequence's pages, kv_cache.py), positions [B, T] int64; num_tokens [B]: real tokens per row (the row-exact attention);
 // windows: each layer's sliding window (0: none); dims = (num_heads, num_kv_heads, head_dim, intermediate,
 // activation: 0 silu / 1 gelu tanh); norm = (eps, offset) of the layer norms; qk_norm = (eps, offset) of the
 // q / k norms; scale: the attention's softmax scale; ancestors: a token tree's [B, T] masks (draftwise_attn::tree),
 // or none (the chunk is causal).
 at::Tensor layers(const at::Tensor& x_in, const c10::List<OptT>& weights, at::TensorList keys, at::TensorList values,
-                  at::TensorList cos, at::TensorList sin, const at::Tensor& slots, const at::Tensor& positions,
+                  at::TensorList cos, at::TensorList sin, const at::Tensor& tables, const at::Tensor& positions,
                   at::IntArrayRef num_tokens, at::IntArrayRef windows, at::IntArrayRef dims, at::ArrayRef<double> norm,
                   at::ArrayRef<double> qk_norm, double scale, const OptT& ancestors) {
     const int64_t L = (int64_t)keys.size();
@@ -122,12 +122,12 @@ at::Tensor layers(const at::Tensor& x_in, const c10::List<OptT>& weights, at::Te
         const auto parts = qkv.split_with_sizes({Nq, Nkv, Nkv}, -1);
         at::Tensor q = o.rope_qk_cache.call(parts[0], parts[1], parts[2], cos[l], sin[l], D, opt(weights, base + Q_NORM),
                                             opt(weights, base + K_NORM), qk_norm[0], qk_norm[1], keys[l], values[l],
-                                            slots, positions);
+                                            tables, positions);
         q = q.view({B, T, H, D}).transpose(1, 2);  // [B, H, T, D]
         const at::Tensor att =
             ancestors.has_value()
-                ? o.attend_tree.call(q, keys[l], values[l], slots, positions, num_tokens, *ancestors, scale, windows[l], -1)
-                : o.attend.call(q, keys[l], values[l], slots, positions, num_tokens, scale, windows[l], -1);
+                ? o.attend_tree.call(q, keys[l], values[l], tables, positions, num_tokens, *ancestors, scale, windows[l], -1)
+                : o.attend.call(q, keys[l], values[l], tables, positions, num_tokens, scale, windows[l], -1);
         const at::Tensor a = linear(weights, base + O, att.transpose(1, 2).reshape({B, T, -1}), hidden);
         // DecoderLayer.forward (fused): x, h = add_rms_norm(x, a); x = x + mlp(h)
         auto [xs, hn] = o.add_rms_norm.call(x, a, w_at(weights, base + POST_NORM), norm[0], norm[1]);
@@ -142,7 +142,7 @@ at::Tensor layers(const at::Tensor& x_in, const c10::List<OptT>& weights, at::Te
 
 TORCH_LIBRARY(draftwise_stack, m) {
     m.def("layers(Tensor x, Tensor?[] weights, Tensor(a!)[] keys, Tensor(b!)[] values, Tensor[] cos, Tensor[] sin, "
-          "Tensor slots, Tensor positions, int[] num_tokens, int[] windows, int[] dims, float[] norm, "
+          "Tensor tables, Tensor positions, int[] num_tokens, int[] windows, int[] dims, float[] norm, "
           "float[] qk_norm, float scale, Tensor? ancestors=None) -> Tensor");
     m.def("weights_per_layer() -> int", []() -> int64_t { return WEIGHTS_PER_LAYER; });
 }
