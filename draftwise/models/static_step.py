@@ -131,7 +131,8 @@ class StaticStep(nn.Module):
         else:  # the torch reference's [B, 1, W, D] form (Decoder.rope_for)
             c, s = cos.view(B, W, -1), sin.view(B, W, -1)
             rope = (torch.cat((c, c), -1)[:, None].to(x.dtype), torch.cat((s, s), -1)[:, None].to(x.dtype))
-        return layer(x, rope, None, _CacheView(self), i, slots, positions, 0, [W] * B)
+        tables = slots[:, None]  # [B, 1]: this cache is a paged pool of one block (the whole capacity) per slot
+        return layer(x, rope, None, _CacheView(self), i, tables, positions, 0, [W] * B)
 
     # ---- "sdpa": torch only -----------------------------------------------------------------------------
     def _layer_sdpa(self, layer, i, x, cos, sin, positions, slots):  # x [B, W, hidden]
@@ -174,17 +175,22 @@ class StaticStep(nn.Module):
 
 
 class _CacheView:
-    """What Attention.forward reads of a KVCache on the row-exact path (keys, values, write), over a
-    StaticStep's tensors: the decoder's own layer code writes and attends here."""
+    """What Attention.forward reads of a KVCache on the row-exact path (keys, values, write, read), over a
+    StaticStep's tensors: the decoder's own layer code writes and attends here. Its layout is kv_cache.py's paged
+    pool [blocks, H_kv, block, D] with one block (the step's whole capacity) per slot, so a slot's table is [slot]."""
 
     def __init__(self, step: StaticStep):
         self.keys, self.values = step.keys, step.values
         self._head_index = step._head_index
 
-    def write(self, layer, slots, positions, k, v) -> None:  # slots [B], positions [B, T], k, v [B, H, T, D]
-        where = (slots[:, None, None], self._head_index, positions[:, None, :])
+    def write(self, layer, tables, positions, k, v) -> None:  # tables [B, 1], positions [B, T], k, v [B, H, T, D]
+        where = (tables[:, :1, None], self._head_index, positions[:, None, :])
         self.keys[layer].index_put_(where, k)
         self.values[layer].index_put_(where, v)
+
+    def read(self, layer, tables, kv_len, dtype):  # tables [B, 1] -> keys, values [B, H_kv, kv_len, D]
+        slots = tables[:, 0]
+        return (self.keys[layer][slots, :, :kv_len].to(dtype), self.values[layer][slots, :, :kv_len].to(dtype))
 
 
 def _rms_norm(norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:  # [..., dim]: RMSNorm's torch reference
