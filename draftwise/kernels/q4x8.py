@@ -92,7 +92,7 @@ def _units() -> list[tuple[str, list[str]]]:
     """(source, extra flags) per translation unit; the ISA units get their own -m flags and no torch headers."""
     main_flags = ["-fopenmp"] + (["-DDW_HAVE_X86"] if _X86 else [])
     mains = [("q4x8.cpp", main_flags), ("attention.cpp", main_flags), ("glue.cpp", main_flags),
-             ("stack.cpp", main_flags)]
+             ("stack.cpp", main_flags), ("gemm_q4x8.cpp", main_flags)]
     if not _X86:
         return mains
     return mains + [
@@ -101,6 +101,8 @@ def _units() -> list[tuple[str, list[str]]]:
         ("attention_avx2.cpp", ["-mavx2", "-mfma"]),
         ("attention_avx512.cpp", ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma",
                                   "-mprefer-vector-width=512"]),
+        ("gemm_q4x8_amx.cpp", ["-mamx-tile", "-mamx-int8", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni",
+                               "-mfma"]),
         ("glue_avx2.cpp", ["-mavx2"]),
         ("glue_avx512.cpp", ["-mavx512f", "-mavx512dq", "-mavx512vl", "-mprefer-vector-width=512"]),
     ]
