@@ -189,11 +189,87 @@ def load() -> object:
                 torch.ops.load_library(str(path))
                 ops = torch.ops.draftwise_q4x8
                 PATHS.update({name: int(ops.path_id(name)) for name in ("auto", *ops.path_names())})
+                ops.set_wide_min_rows(wide_min_rows(ops, path.parent))
             except (KernelBuildError, OSError, RuntimeError) as e:
                 _failed = str(e)
                 raise KernelBuildError(_failed) from e
             _loaded = str(path)
     return torch.ops.draftwise_q4x8
+
+
+WIDE_ENV = "DRAFTWISE_WIDE_MIN_ROWS"  # an integer: 'auto' calls of at least this many rows take the AMX GEMM; 0: never
+WIDE_PROBE_WIDTHS = (16, 32, 64, 128, 256)  # the row counts the probe times (the AMX tile loop takes 32 rows a pass)
+WIDE_PROBE_SHAPE = (2048, 2048)  # N, K of the probe's weight: a mid-sized projection, K 8 super-blocks
+
+
+def wide_min_rows(ops, where: Path) -> int:
+    """The smallest row count from which 'auto' calls take the wide (AMX) kernel instead of the GEMV: both give
+    bitwise the same rows, so this is a speed choice only, measured here once per library build and CPU and kept
+    in `where`/wide.txt ($DRAFTWISE_WIDE_MIN_ROWS overrides; 0 or no AMX: never). The probe times both kernels
+    on one thread on a WIDE_PROBE_SHAPE weight at each of WIDE_PROBE_WIDTHS (best of 5) and takes the smallest
+    width from which the wide kernel is faster at every larger width too."""
+    never = 2 ** 62
+    env = os.environ.get(WIDE_ENV)
+    if env is not None:
+        try:
+            rows = int(env)
+        except ValueError:
+            raise KernelBuildError(f"{WIDE_ENV}={env!r}: an integer (0: never the wide kernel)") from None
+        return rows if rows > 0 else never
+    if not ops.wide_available():
+        return never
+    from draftwise.kernels.probe import probe  # same layer; imported here: only an AMX machine's first load needs it
+    cache = where / "wide.txt"
+    key = f"{probe(bandwidth=False)['cpu']}|{os.cpu_count()}"
+    try:
+        saved_key, saved = cache.read_text().rsplit("\n", 1)
+        if saved_key == key:
+            return int(saved)
+    except (OSError, ValueError):
+        pass
+    rows = _probe_wide(ops)
+    print(f"draftwise: q4x8 wide (AMX) kernel from {rows if rows < never else 'no'} rows on (measured once, kept in "
+          f"{cache})", file=sys.stderr, flush=True)
+    try:
+        cache.write_text(f"{key}\n{rows}")
+    except OSError:
+        pass
+    return rows
+
+
+def _probe_wide(ops) -> int:
+    import time
+
+    N, K = WIDE_PROBE_SHAPE
+    gen = torch.Generator().manual_seed(0)
+    t = pack(quantize_q4(torch.randn(N, K, generator=gen)))
+    args = (t["packed"], t["sc"], t["mn"], t["d"], t["dmin"], None, N)
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        faster = []
+        for M in WIDE_PROBE_WIDTHS:
+            x = torch.randn(M, K, generator=gen)
+            best = {}
+            gemv = lambda: ops.linear(x, *args, int(ops.paths()[-1]))  # the best GEMV path here, explicitly
+            wide = lambda: ops.wide(x, *args)
+            for name, run in (("gemv", gemv), ("wide", wide)):
+                run()
+                ts = []
+                for _ in range(5):
+                    t0 = time.perf_counter()
+                    run()
+                    ts.append(time.perf_counter() - t0)
+                best[name] = min(ts)
+            faster.append(best["wide"] < best["gemv"])
+    finally:
+        torch.set_num_threads(before)
+    rows = 2 ** 62
+    for M, ok in reversed(list(zip(WIDE_PROBE_WIDTHS, faster))):
+        if not ok:
+            break
+        rows = M
+    return rows
 
 
 def path_id(name: str) -> int:
