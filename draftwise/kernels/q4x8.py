@@ -272,6 +272,57 @@ def _probe_wide(ops) -> int:
     return rows
 
 
+PREFILL_WIDTHS = (64, 512)  # rows per call the prefill table times: a short prompt chunk and a long one
+
+
+def prefill_table(shapes, widths=PREFILL_WIDTHS, repeats: int = 3) -> list[dict]:
+    """Per (name, N, K) of `shapes` (autotune.ProjShape-like, the LM head skipped: prefill computes it on one row)
+    and per width: ms per call of the best GEMV path and of the wide (AMX) kernel (None where it cannot run), best
+    of `repeats`, on random weights, and which one 'auto' takes there. Both give bitwise the same rows."""
+    import time
+
+    ops = load()
+    gemv_path = int(ops.paths()[-1])
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    for shape in shapes:
+        if shape.name == "lm_head":
+            continue
+        t = pack(quantize_q4(torch.randn(shape.N, shape.K, generator=gen)))
+        args = (t["packed"], t["sc"], t["mn"], t["d"], t["dmin"], None, shape.N)
+        for M in widths:
+            x = torch.randn(M, shape.K, generator=gen)
+            ms = {}
+            kernels = {"gemv": lambda: ops.linear(x, *args, gemv_path)}
+            if ops.wide_available():
+                kernels["wide"] = lambda: ops.wide(x, *args)
+            for name, run in kernels.items():
+                run()
+                best = float("inf")
+                for _ in range(repeats):
+                    t0 = time.perf_counter()
+                    run()
+                    best = min(best, time.perf_counter() - t0)
+                ms[name] = best * 1e3
+            rows.append({"name": shape.name, "N": shape.N, "K": shape.K, "rows": M, "gemv_ms": ms["gemv"],
+                         "wide_ms": ms.get("wide"), "auto": "wide" if M >= ops.wide_min_rows() and "wide" in ms
+                         else "gemv"})
+    return rows
+
+
+def format_prefill_table(rows: list[dict]) -> str:
+    ops = load()
+    head = (f"q4x8 at prefill widths (ms per call; 'wide' = the AMX GEMM, bitwise the GEMV's rows; 'auto' takes it "
+            f"from {ops.wide_min_rows() if ops.wide_available() else 'no'} rows on)")
+    lines = [head, f"  {'projection':28s} {'N x K':>12s} {'rows':>5s} {'gemv ms':>9s} {'wide ms':>9s} {'speed-up':>8s}  auto"]
+    for r in rows:
+        wide = f"{r['wide_ms']:9.2f}" if r["wide_ms"] is not None else f"{'-':>9s}"
+        up = f"{r['gemv_ms'] / r['wide_ms']:7.2f}x" if r["wide_ms"] else f"{'-':>8s}"
+        lines.append(f"  {r['name'][:28]:28s} {r['N']:>5d} x {r['K']:<5d} {r['rows']:5d} {r['gemv_ms']:9.2f} {wide} {up}  "
+                     f"{r['auto']}")
+    return "\n".join(lines)
+
+
 def path_id(name: str) -> int:
     """The library's id of an ISA path name (PATHS; loads the library first). KeyError for a name it lacks."""
     if not PATHS:
