@@ -173,3 +173,30 @@ def test_a_planted_width_dependent_reduction_fails_the_check(ops):
 
 def _linear_rows(lin: Q4x8Linear, x: torch.Tensor) -> torch.Tensor:
     return torch.cat([lin(x[i:i + 1]) for i in range(x.shape[0])])
+
+
+def test_chunked_prefill_is_the_whole_prefill_across_the_switch(ops):
+    """A tiny q4x8 decoder (tests/test_prefix_cache.py's): a 40-token prompt prefilled whole (the wide kernel, with
+    the switch at 33 rows) and in two chunks of which one or both stay on the GEMV give bitwise the same logits
+    and K/V (what chunked prefill and the prefix cache rely on)."""
+    from draftwise.kv_cache import KVCache
+    from tests.test_prefix_cache import VOCAB, q4x8_decoder
+
+    model = q4x8_decoder()
+    c = model.config
+    ids = torch.randint(0, VOCAB, (1, 40), generator=torch.Generator().manual_seed(3))
+    before = ops.wide_min_rows()
+    try:
+        ops.set_wide_min_rows(33)
+        for cut in (1, 7, 20, 39):
+            whole = KVCache(c.num_layers, 1, c.num_kv_heads, 48, c.head_dim, model.dtype)
+            parts = KVCache(c.num_layers, 1, c.num_kv_heads, 48, c.head_dim, model.dtype)
+            slot = torch.tensor([0])
+            a = model(ids, torch.arange(40)[None], whole, slot, last_only=True, num_tokens=[40])
+            model(ids[:, :cut], torch.arange(cut)[None], parts, slot, last_only=True, num_tokens=[cut])
+            b = model(ids[:, cut:], torch.arange(cut, 40)[None], parts, slot, last_only=True, num_tokens=[40 - cut])
+            assert torch.equal(a, b), cut
+            for x, y in zip(whole.keys + whole.values, parts.keys + parts.values):
+                assert torch.equal(x[0, :, :40], y[0, :, :40]), cut
+    finally:
+        ops.set_wide_min_rows(before)
