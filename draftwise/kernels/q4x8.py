@@ -10,7 +10,9 @@ is compiled with WARNINGS (-Wall -Wextra ...), torch's headers as system headers
 build.log next to the library: warnings are printed, only errors fail the build), quantizing an fp32 weight
 to the Q4_K-style representation, mapping Q4_K sub-blocks onto it exactly, packing it into the kernel's layout
 (csrc/q4x8.h documents it) and the packed embedding table `Q4x8Embedding`. The linear module is
-kernels/linear.py's `Q4x8Linear`. Knows nothing of checkpoints or decoders.
+kernels/linear.py's `Q4x8Linear`. Also the wide side's switch: `wide_min_rows` measures once per build and CPU from
+how many rows 'auto' calls take the AMX GEMM (csrc/gemm_q4x8*.cpp, bitwise the GEMV's rows) and `prefill_table`
+times both at prompt widths (`draftwise kernels`). Knows nothing of checkpoints or decoders.
 
 ISA paths: every op of the library picks its path by csrc/dispatch.h's one rule ('auto': the best this CPU runs for
 that op, by cpuid; an explicit path only where the CPU runs it). The path names and their ids come from there too:
