@@ -124,6 +124,13 @@ def cmd_kernels(args) -> int:
           f"{'trimmed load-time tuning (as --weights auto runs it)' if not args.full else 'full sweep'}; "
           f"cache key {result['key']}")
     print(autotune.format_table(result["table"], result["choice"]))
+    if args.device == "cpu":  # q4x8's prefill side: the GEMV against the wide (AMX) GEMM at prompt widths
+        from draftwise.kernels import q4x8
+
+        try:
+            print(q4x8.format_prefill_table(q4x8.prefill_table(autotune.shapes_from_config(cfg))))
+        except q4x8.KernelBuildError as e:
+            print(f"q4x8 prefill table: the kernel cannot run here ({e})")
     busy = [v for v in (result.get("busy_before"), result.get("busy_cores")) if v is not None]
     print(f"{'read from the cache; ' if result.get('cached') else ''}timed {result.get('measured_at', '?')}"
           + (f" with {max(busy):.1f} other cores busy" if busy else "")

@@ -136,3 +136,17 @@ def test_agentic_workload_repeats_within_and_across_conversations_and_warms_up_a
     assert len(w.warmup) == 5 and not warm_ids & {i.item_id for i in w.items}
     plan = build_plan([w], [Condition("none", 0)], 5, 30)
     assert {b.items[0].item_id for b in plan if b.phase == "warmup"} == warm_ids
+
+
+def test_longprompt_is_one_growing_self_written_module_per_size():
+    import ast
+
+    from draftwise.bench.workloads import LONGPROMPT_TOKENS, longprompt_text
+
+    w = load_workload("longprompt")
+    assert [it.group for it in w.items] == list(LONGPROMPT_TOKENS) and w.warmup and w.max_tokens == 16
+    sizes = [len(it.prompt) for it in w.items]
+    assert sizes == sorted(sizes) and sizes[-1] > 12 * sizes[0]
+    assert longprompt_text(2048, seed=3) == longprompt_text(2048, seed=3) != longprompt_text(2048, seed=4)
+    for it in w.items:
+        ast.parse(it.prompt)  # real Python source

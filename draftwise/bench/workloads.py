@@ -4,7 +4,8 @@ Owns the built-in workflow tests of the seed's protocol (chat, code in two group
 workload (30 extraction and tool-call chat prompts written for the project, each with its JSON schema: the
 output is constrained to it and its validity is checked, quality.py; `structured-compact` is the same prompts with
 vLLM's `disable_any_whitespace`, the compact JSON of tool calls, where keys and separators are forced), the
-`agentic` workload (30 two-turn conversations written for the project, one group, three kinds of 10 interleaved
+`longprompt` workload (one self-written Python module per size, ~512 / 2k / 4k / 8k tokens: TTFT and prefill
+tok/s), the `agentic` workload (30 two-turn conversations written for the project, one group, three kinds of 10 interleaved
 (ids agentic-code/-tools/-sql): edits of one Python file answered with the whole file, tool-call JSON repeated
 with changed arguments, SQL re-emitted against one schema — what suffix speculation, method suffix, guesses from the prompt and earlier outputs; its
 warm-ups are five other conversations, so no measured one is in suffix's cache before it runs) and the
@@ -72,7 +73,7 @@ class Workload:
         return list(dict.fromkeys(i.group for i in self.items))
 
 
-BUILTIN = ("chat", "code", "longform", "structured", "structured-compact", "agentic")
+BUILTIN = ("chat", "code", "longform", "structured", "structured-compact", "agentic", "longprompt")
 
 
 def load_workload(workload: str, turns: str = "first") -> Workload:
@@ -95,6 +96,9 @@ def load_workload(workload: str, turns: str = "first") -> Workload:
     if workload == "longform":
         return Workload("longform", read_jsonl(DATA_DIR / "longform.jsonl", "longform"), 1024, (1, 4),
                         "draftwise/bench/data/longform.jsonl")
+    if workload == "longprompt":
+        return Workload("longprompt", longprompt_items(), 16, (1,), "draftwise/bench/workloads.py longprompt_text",
+                        [Item("longprompt-warmup", "warmup", prompt=longprompt_text(64, seed=99))])
     path = Path(workload)
     if not path.exists():
         raise WorkloadError(f"--workload {workload!r} is neither one of {list(BUILTIN)} nor an existing file")
@@ -113,6 +117,55 @@ def code_items() -> list[Item]:
     for it in repeated:
         it.stop = list(HUMANEVAL_STOP) if not it.stop else it.stop
     return repeated + novel
+
+
+# ---- longprompt: prompts of 512 to 8k tokens for time to first token -----------------------------------
+LONGPROMPT_TOKENS = {"512": 512, "2k": 2048, "4k": 4096, "8k": 8192}  # group -> the prompt's approximate tokens
+CODE_CHARS_PER_TOKEN = 3.5  # what the Qwen2.5 tokenizer gives longprompt_text (3.5 measured); the report shows the real count
+_NOUNS = ("order", "invoice", "customer", "shipment", "ledger", "account", "route", "sensor", "batch", "report",
+          "session", "token", "cache", "queue", "window", "record", "policy", "quota", "schedule", "tenant")
+_VERBS = ("load", "validate", "merge", "split", "normalize", "score", "render", "archive", "retry", "reconcile",
+          "summarize", "index", "expire", "rebalance", "export", "audit")
+
+
+def longprompt_text(tokens: int, seed: int = 0) -> str:
+    """About `tokens` tokens of Python source written by this function (deterministic in `seed`): functions over
+    made-up business records, each with a docstring, a loop, a condition and a return, no two alike (the names,
+    constants and branches vary), then a request to review the module. A prompt shaped like an agent's turn that
+    carries a whole file; self-written, so free to ship."""
+    import random
+
+    rng = random.Random(seed)
+    parts = ['"""Service helpers for the records pipeline (generated for the longprompt benchmark)."""',
+             "from __future__ import annotations", "", "import math", "from dataclasses import dataclass", ""]
+    budget = int(tokens * CODE_CHARS_PER_TOKEN) - 120
+    i = 0
+    while sum(len(p) + 1 for p in parts) < budget:
+        verb, noun, other = rng.choice(_VERBS), rng.choice(_NOUNS), rng.choice(_NOUNS)
+        limit, factor = rng.randint(2, 97), round(rng.uniform(0.1, 9.9), 2)
+        field = rng.choice(("amount", "weight", "count", "age_days", "priority", "latency_ms"))
+        cmp = rng.choice(("<", ">", ">=", "<=", "=="))
+        parts += [
+            f"def {verb}_{noun}_{i}(items: list[dict], {other}_limit: int = {limit}) -> dict:",
+            f'    """{verb.capitalize()} each {noun} whose {field} {cmp} the {other} limit; return totals by kind."""',
+            "    totals: dict[str, float] = {}",
+            "    for item in items:",
+            f"        value = float(item.get('{field}', 0)) * {factor}",
+            f"        if value {cmp} {other}_limit:",
+            f"            totals[item.get('kind', '{noun}')] = totals.get(item.get('kind', '{noun}'), 0.0) + value",
+            "        elif math.isnan(value):",
+            f"            raise ValueError('{noun} {i}: {field} is not a number')",
+            f"    return {{k: round(v, {rng.randint(0, 4)}) for k, v in sorted(totals.items())}}",
+            ""]
+        i += 1
+    parts.append("# Review the module above: which functions could share one helper? Answer briefly.")
+    return "\n".join(parts) + "\n"
+
+
+def longprompt_items() -> list[Item]:
+    """One prompt per size (groups 512, 2k, 4k, 8k: each reported on its own), completion-style, 16 output tokens:
+    the measure is TTFT and prefill tok/s (prompt tokens / TTFT)."""
+    return [Item(f"longprompt-{name}", name, prompt=longprompt_text(n, seed=n)) for name, n in LONGPROMPT_TOKENS.items()]
 
 
 # ---- user files ---------------------------------------------------------------------------------

@@ -10,7 +10,9 @@ is compiled with WARNINGS (-Wall -Wextra ...), torch's headers as system headers
 build.log next to the library: warnings are printed, only errors fail the build), quantizing an fp32 weight
 to the Q4_K-style representation, mapping Q4_K sub-blocks onto it exactly, packing it into the kernel's layout
 (csrc/q4x8.h documents it) and the packed embedding table `Q4x8Embedding`. The linear module is
-kernels/linear.py's `Q4x8Linear`. Knows nothing of checkpoints or decoders.
+kernels/linear.py's `Q4x8Linear`. Also the wide side's switch: `wide_min_rows` measures once per build and CPU from
+how many rows 'auto' calls take the AMX GEMM (csrc/gemm_q4x8*.cpp, bitwise the GEMV's rows) and `prefill_table`
+times both at prompt widths (`draftwise kernels`). Knows nothing of checkpoints or decoders.
 
 ISA paths: every op of the library picks its path by csrc/dispatch.h's one rule ('auto': the best this CPU runs for
 that op, by cpuid; an explicit path only where the CPU runs it). The path names and their ids come from there too:
@@ -92,7 +94,8 @@ def _units() -> list[tuple[str, list[str]]]:
     """(source, extra flags) per translation unit; the ISA units get their own -m flags and no torch headers."""
     main_flags = ["-fopenmp"] + (["-DDW_HAVE_X86"] if _X86 else [])
     mains = [("q4x8.cpp", main_flags), ("attention.cpp", main_flags), ("glue.cpp", main_flags),
-             ("stack.cpp", main_flags), ("q6k.cpp", main_flags), ("q8_0.cpp", main_flags)]
+             ("stack.cpp", main_flags), ("q6k.cpp", main_flags), ("q8_0.cpp", main_flags),
+             ("gemm_q4x8.cpp", main_flags)]
     if not _X86:
         return mains
     return mains + [
@@ -101,6 +104,8 @@ def _units() -> list[tuple[str, list[str]]]:
         ("attention_avx2.cpp", ["-mavx2", "-mfma"]),
         ("attention_avx512.cpp", ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma",
                                   "-mprefer-vector-width=512"]),
+        ("gemm_q4x8_amx.cpp", ["-mamx-tile", "-mamx-int8", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni",
+                               "-mfma"]),
         ("glue_avx2.cpp", ["-mavx2"]),
         ("glue_avx512.cpp", ["-mavx512f", "-mavx512dq", "-mavx512vl", "-mprefer-vector-width=512"]),
         ("q6k_avx2.cpp", ["-mavx2", "-mfma"]),
@@ -191,11 +196,138 @@ def load() -> object:
                 torch.ops.load_library(str(path))
                 ops = torch.ops.draftwise_q4x8
                 PATHS.update({name: int(ops.path_id(name)) for name in ("auto", *ops.path_names())})
+                ops.set_wide_min_rows(wide_min_rows(ops, path.parent))
             except (KernelBuildError, OSError, RuntimeError) as e:
                 _failed = str(e)
                 raise KernelBuildError(_failed) from e
             _loaded = str(path)
     return torch.ops.draftwise_q4x8
+
+
+WIDE_ENV = "DRAFTWISE_WIDE_MIN_ROWS"  # an integer: 'auto' calls of at least this many rows take the AMX GEMM; 0: never
+WIDE_PROBE_WIDTHS = (16, 32, 64, 128, 256)  # the row counts the probe times (the AMX tile loop takes 32 rows a pass)
+WIDE_PROBE_SHAPE = (2048, 2048)  # N, K of the probe's weight: a mid-sized projection, K 8 super-blocks
+
+
+def wide_min_rows(ops, where: Path) -> int:
+    """The smallest row count from which 'auto' calls take the wide (AMX) kernel instead of the GEMV: both give
+    bitwise the same rows, so this is a speed choice only, measured here once per library build and CPU and kept
+    in `where`/wide.txt ($DRAFTWISE_WIDE_MIN_ROWS overrides; 0 or no AMX: never). The probe times both kernels
+    on one thread on a WIDE_PROBE_SHAPE weight at each of WIDE_PROBE_WIDTHS (best of 5) and takes the smallest
+    width from which the wide kernel is faster at every larger width too."""
+    never = 2 ** 62
+    env = os.environ.get(WIDE_ENV)
+    if env is not None:
+        try:
+            rows = int(env)
+        except ValueError:
+            raise KernelBuildError(f"{WIDE_ENV}={env!r}: an integer (0: never the wide kernel)") from None
+        return rows if rows > 0 else never
+    if not ops.wide_available():
+        return never
+    from draftwise.kernels.probe import probe  # same layer; imported here: only an AMX machine's first load needs it
+    cache = where / "wide.txt"
+    key = f"{probe(bandwidth=False)['cpu']}|{os.cpu_count()}"
+    try:
+        saved_key, saved = cache.read_text().rsplit("\n", 1)
+        if saved_key == key:
+            return int(saved)
+    except (OSError, ValueError):
+        pass
+    rows = _probe_wide(ops)
+    print(f"draftwise: q4x8 wide (AMX) kernel from {rows if rows < never else 'no'} rows on (measured once, kept in "
+          f"{cache})", file=sys.stderr, flush=True)
+    try:
+        cache.write_text(f"{key}\n{rows}")
+    except OSError:
+        pass
+    return rows
+
+
+def _probe_wide(ops) -> int:
+    import time
+
+    N, K = WIDE_PROBE_SHAPE
+    gen = torch.Generator().manual_seed(0)
+    t = pack(quantize_q4(torch.randn(N, K, generator=gen)))
+    args = (t["packed"], t["sc"], t["mn"], t["d"], t["dmin"], None, N)
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        faster = []
+        for M in WIDE_PROBE_WIDTHS:
+            x = torch.randn(M, K, generator=gen)
+            best = {}
+            gemv = lambda: ops.linear(x, *args, int(ops.paths()[-1]))  # the best GEMV path here, explicitly
+            wide = lambda: ops.wide(x, *args)
+            for name, run in (("gemv", gemv), ("wide", wide)):
+                run()
+                ts = []
+                for _ in range(5):
+                    t0 = time.perf_counter()
+                    run()
+                    ts.append(time.perf_counter() - t0)
+                best[name] = min(ts)
+            faster.append(best["wide"] < best["gemv"])
+    finally:
+        torch.set_num_threads(before)
+    rows = 2 ** 62
+    for M, ok in reversed(list(zip(WIDE_PROBE_WIDTHS, faster))):
+        if not ok:
+            break
+        rows = M
+    return rows
+
+
+PREFILL_WIDTHS = (64, 512)  # rows per call the prefill table times: a short prompt chunk and a long one
+
+
+def prefill_table(shapes, widths=PREFILL_WIDTHS, repeats: int = 3) -> list[dict]:
+    """Per (name, N, K) of `shapes` (autotune.ProjShape-like, the LM head skipped: prefill computes it on one row)
+    and per width: ms per call of the best GEMV path and of the wide (AMX) kernel (None where it cannot run), best
+    of `repeats`, on random weights, and which one 'auto' takes there. Both give bitwise the same rows."""
+    import time
+
+    ops = load()
+    gemv_path = int(ops.paths()[-1])
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    for shape in shapes:
+        if shape.name == "lm_head":
+            continue
+        t = pack(quantize_q4(torch.randn(shape.N, shape.K, generator=gen)))
+        args = (t["packed"], t["sc"], t["mn"], t["d"], t["dmin"], None, shape.N)
+        for M in widths:
+            x = torch.randn(M, shape.K, generator=gen)
+            ms = {}
+            kernels = {"gemv": lambda: ops.linear(x, *args, gemv_path)}
+            if ops.wide_available():
+                kernels["wide"] = lambda: ops.wide(x, *args)
+            for name, run in kernels.items():
+                run()
+                best = float("inf")
+                for _ in range(repeats):
+                    t0 = time.perf_counter()
+                    run()
+                    best = min(best, time.perf_counter() - t0)
+                ms[name] = best * 1e3
+            rows.append({"name": shape.name, "N": shape.N, "K": shape.K, "rows": M, "gemv_ms": ms["gemv"],
+                         "wide_ms": ms.get("wide"), "auto": "wide" if M >= ops.wide_min_rows() and "wide" in ms
+                         else "gemv"})
+    return rows
+
+
+def format_prefill_table(rows: list[dict]) -> str:
+    ops = load()
+    head = (f"q4x8 at prefill widths (ms per call; 'wide' = the AMX GEMM, bitwise the GEMV's rows; 'auto' takes it "
+            f"from {ops.wide_min_rows() if ops.wide_available() else 'no'} rows on)")
+    lines = [head, f"  {'projection':28s} {'N x K':>12s} {'rows':>5s} {'gemv ms':>9s} {'wide ms':>9s} {'speed-up':>8s}  auto"]
+    for r in rows:
+        wide = f"{r['wide_ms']:9.2f}" if r["wide_ms"] is not None else f"{'-':>9s}"
+        up = f"{r['gemv_ms'] / r['wide_ms']:7.2f}x" if r["wide_ms"] else f"{'-':>8s}"
+        lines.append(f"  {r['name'][:28]:28s} {r['N']:>5d} x {r['K']:<5d} {r['rows']:5d} {r['gemv_ms']:9.2f} {wide} {up}  "
+                     f"{r['auto']}")
+    return "\n".join(lines)
 
 
 def path_id(name: str) -> int:

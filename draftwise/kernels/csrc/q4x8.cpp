@@ -81,12 +81,15 @@ extern "C" void dw_gemm_scalar(const DwQ4* w, const DwQ8* a, float* out, int64_t
     }
 }
 
-namespace {
+// The wide side (gemm_q4x8.cpp): whether 'auto' hands M rows to it, and the kernel (bitwise the same rows).
+bool dw_wide_takes(int64_t M);
+at::Tensor dw_q4x8_wide(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& sc, const at::Tensor& mn,
+                        const at::Tensor& d, const at::Tensor& dmin, const float* bias, int64_t N);
 
-// x [M, K] float32 -> y [M, N] float32
-at::Tensor q4x8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& sc, const at::Tensor& mn,
-                       const at::Tensor& d, const at::Tensor& dmin, const std::optional<at::Tensor>& bias, int64_t N,
-                       int64_t path) {
+// x [M, K] float32 -> y [M, N] float32; `wide`: the wide kernel whatever M is (draftwise_q4x8::wide)
+at::Tensor dw_q4x8_linear_checked(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& sc,
+                                  const at::Tensor& mn, const at::Tensor& d, const at::Tensor& dmin,
+                                  const std::optional<at::Tensor>& bias, int64_t N, int64_t path, bool wide) {
     TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be [M, K] float32 contiguous");
     const int64_t M = x.size(0), K = x.size(1);
     TORCH_CHECK(K % 32 == 0, "K must be a multiple of 32");
@@ -101,6 +104,8 @@ at::Tensor q4x8_linear(const at::Tensor& x, const at::Tensor& packed, const at::
         TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N, "bias must be [N] float32");
         bias_p = bias->data_ptr<float>();
     }
+    if (wide || (path == dwisa::AUTO && dw_wide_takes(x.size(0))))
+        return dw_q4x8_wide(x, packed, sc, mn, d, dmin, bias_p, N);
     path = dwisa::select(ISA, path);
 
     at::Tensor y = at::empty({M, N}, x.options());
@@ -125,6 +130,14 @@ at::Tensor q4x8_linear(const at::Tensor& x, const at::Tensor& packed, const at::
     float* yp = y.data_ptr<float>();
     at::parallel_for(0, NB, 1, [&](int64_t b0, int64_t b1) { gemm(&w, &a, yp, b0, b1); });
     return y;
+}
+
+namespace {
+
+at::Tensor q4x8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& sc, const at::Tensor& mn,
+                       const at::Tensor& d, const at::Tensor& dmin, const std::optional<at::Tensor>& bias, int64_t N,
+                       int64_t path) {
+    return dw_q4x8_linear_checked(x, packed, sc, mn, d, dmin, bias, N, path, false);
 }
 
 std::vector<int64_t> paths() { return dwisa::available_paths(ISA); }

@@ -1,0 +1,133 @@
+// q4x8 wide side, torch-facing: the operator draftwise_q4x8::wide (the AMX GEMM) and the rule by which
+// draftwise_q4x8::linear with path 'auto' hands a call of many rows to it (q4x8.cpp calls dw_wide_takes).
+// Owns: whether this process may run AMX (cpuid AMX-TILE + AMX-INT8 + the AVX-512 the epilogue uses, no
+// $DRAFTWISE_MAX_ISA cap, and the kernel's permission for tile data: arch_prctl(ARCH_REQ_XCOMP_PERM,
+// XFEATURE_XTILEDATA), asked once per process), the smallest row count it takes (set from Python, which measures
+// it: kernels/q4x8.py wide_min_rows), quantizing the activations row-major (gemm_q4x8.h) and threading over
+// 16-column blocks. Knows nothing of models; the arithmetic is q4x8.h's, the tile loop gemm_q4x8_amx.cpp's.
+// Every row is bitwise the GEMV's row (tests/test_kernels_gemm.py), so which side serves a call changes speed only.
+#include <torch/library.h>
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+#include <algorithm>
+#include <atomic>
+#include <cstdlib>
+#include <cstring>
+#include <limits>
+#include <vector>
+#include "gemm_q4x8.h"
+#if defined(DW_HAVE_X86) && defined(__linux__)
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
+namespace {
+
+bool detect_amx() {
+#if defined(DW_HAVE_X86) && defined(__linux__)
+    const char* cap = std::getenv("DRAFTWISE_MAX_ISA");  // any cap (avx512, avx2, scalar) is a CPU without AMX
+    if (cap != nullptr && *cap != '\0') return false;
+    unsigned a = 0, b = 0, c = 0, d = 0;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
+    const bool tile = (d >> 24) & 1u, int8 = (d >> 25) & 1u;
+    __builtin_cpu_init();
+    if (!(tile && int8 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+          __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni")))
+        return false;
+    constexpr long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
+    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;  // the kernel may refuse: no AMX
+#else
+    return false;
+#endif
+}
+
+bool amx() {
+    static const bool ok = detect_amx();
+    return ok;
+}
+
+constexpr int64_t CHUNK_BYTES = 1536 * 1024;  // int8 activations per row chunk: most of a 2 MB L2
+
+std::atomic<int64_t> min_rows{std::numeric_limits<int64_t>::max()};  // until Python sets it: never
+
+}  // namespace
+
+#ifndef DW_HAVE_X86
+extern "C" int64_t dw_amx_scratch_bytes(int64_t) { return 0; }
+extern "C" void dw_gemm_amx(const DwQ4*, const DwQ8Rows*, float*, int64_t, int64_t, uint8_t*) {}
+#endif
+
+// draftwise_q4x8::linear with path 'auto' serves a call of M rows here when this is true.
+bool dw_wide_takes(int64_t M) { return M >= min_rows.load(std::memory_order_relaxed) && amx(); }
+
+// x [M, K] float32 contiguous -> y [M, N]; the weight buffers as q4x8.cpp's linear takes them (it checked them).
+at::Tensor dw_q4x8_wide(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& sc, const at::Tensor& mn,
+                        const at::Tensor& d, const at::Tensor& dmin, const float* bias, int64_t N) {
+    TORCH_CHECK(amx(), "q4x8 wide: this CPU or process cannot run AMX int8 tiles");
+    const int64_t M = x.size(0), K = x.size(1), G = K / 32, S = (G + 7) / 8, NB = (N + 15) / 16;
+    const int64_t Kp = (K + 63) / 64 * 64, Mp = (M + 31) / 32 * 32;
+    at::Tensor y = at::empty({M, N}, x.options());
+    if (M == 0) return y;
+    at::Tensor q = at::zeros({Mp, Kp}, x.options().dtype(at::kChar));
+    at::Tensor dx = at::zeros({Mp, S}, x.options());
+    at::Tensor qsum = at::zeros({Mp, S, 8}, x.options().dtype(at::kShort));
+    const float* xp = x.data_ptr<float>();
+    int8_t* qp = q.data_ptr<int8_t>();
+    float* dxp = dx.data_ptr<float>();
+    int16_t* qsp = qsum.data_ptr<int16_t>();
+    // one row at a time as a 1-row matrix ([G, 1, 32] is the row's K bytes in order): the GEMV's very values
+    at::parallel_for(0, M, 16, [&](int64_t r0, int64_t r1) {
+        for (int64_t r = r0; r < r1; ++r) dw_q8_rows_avx512(xp + r * K, 1, K, qp + r * Kp, dxp + r * S, qsp + r * S * 8, 0, 1);
+    });
+    DwQ4 w{packed.data_ptr<uint8_t>(), sc.data_ptr<uint8_t>(), mn.data_ptr<uint8_t>(), d.data_ptr<float>(),
+           dmin.data_ptr<float>(), bias, N, K, G, S};
+    float* yp = y.data_ptr<float>();
+    // Rows in chunks whose activations stay in a core's L2 while every block of the chunk passes over them (a
+    // prompt of 4k rows is 6-36 MB of int8 that each 16-column block would otherwise stream from memory again);
+    // each block's tiles are rebuilt per chunk. A row's arithmetic is the same in every chunk: bits unchanged.
+    const int64_t chunk = std::max<int64_t>(128, std::min<int64_t>(1024, CHUNK_BYTES / Kp / 32 * 32));
+    for (int64_t m0 = 0; m0 < M; m0 += chunk) {
+        DwQ8Rows a{qp + m0 * Kp, dxp + m0 * S, qsp + m0 * S * 8, std::min(chunk, M - m0), Kp};
+        at::parallel_for(0, NB, 1, [&](int64_t b0, int64_t b1) {
+            thread_local std::vector<uint8_t> scratch;
+            scratch.resize(dw_amx_scratch_bytes(Kp));
+            dw_gemm_amx(&w, &a, yp + m0 * N, b0, b1, scratch.data());
+        });
+    }
+    return y;
+}
+
+at::Tensor dw_q4x8_linear_checked(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& sc,
+                                  const at::Tensor& mn, const at::Tensor& d, const at::Tensor& dmin,
+                                  const std::optional<at::Tensor>& bias, int64_t N, int64_t path, bool wide);
+
+namespace {
+
+// The wide kernel on its own (tests, benchmarks): the argument checks are linear's.
+at::Tensor wide(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& sc, const at::Tensor& mn,
+                const at::Tensor& d, const at::Tensor& dmin, const std::optional<at::Tensor>& bias, int64_t N) {
+    return dw_q4x8_linear_checked(x, packed, sc, mn, d, dmin, bias, N, -1, true);
+}
+
+bool wide_available() { return amx(); }
+
+void set_wide_min_rows(int64_t rows) {
+    TORCH_CHECK(rows >= 1, "wide_min_rows must be >= 1");
+    min_rows.store(rows, std::memory_order_relaxed);
+}
+
+int64_t get_wide_min_rows() { return min_rows.load(std::memory_order_relaxed); }
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(draftwise_q4x8, m) {
+    m.def("wide(Tensor x, Tensor packed, Tensor sc, Tensor mn, Tensor d, Tensor dmin, Tensor? bias, int N) -> Tensor");
+    m.def("wide_available() -> bool", &wide_available);
+    m.def("set_wide_min_rows(int rows) -> ()", &set_wide_min_rows);
+    m.def("wide_min_rows() -> int", &get_wide_min_rows);
+}
+
+TORCH_LIBRARY_IMPL(draftwise_q4x8, CPU, m) { m.impl("wide", &wide); }

@@ -1,0 +1,145 @@
+// q4x8 wide side, AMX path: the int8 tile multiply (TDPBSUD) for calls of many rows (prefill chunks, wide
+// verification), row-exact with the GEMV (q4x8.cpp, q4x8_avx512.cpp): every output is the same integer isc and
+// imn per super-block followed by the same three float operations in the same super-block order, so each row is
+// bitwise the row the GEMV computes alone, whatever M is.
+// Owns: rebuilding one 16-column block's packed nibbles into B tiles (gemm_q4x8.h: sc split into two 4-bit
+// halves so that sc-weighted int4 weights fit unsigned bytes), the tile loop (32 rows x 16 columns x one
+// super-block per pass: 4 accumulator tiles, 2 activation tiles, 2 weight tiles = all 8 tiles) and the epilogue.
+// Knows nothing of torch, threads or when it runs (gemm_q4x8.cpp decides); called only after a cpuid check for
+// AMX-TILE, AMX-INT8 and AVX-512 and with the process's permission for tile data. Compiled with -mamx-tile
+// -mamx-int8 -mavx512f -mavx512bw -mavx512vl -mavx512vnni; includes no C++ library header.
+#include "intrin.h"
+#include "gemm_q4x8.h"
+
+namespace {
+
+typedef int32_t __attribute__((may_alias)) i32_alias;  // a row's qsum pairs (int16 x 2) read as one int32
+
+struct alignas(64) TileConfig {  // the LDTILECFG operand, palette 1
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+};
+
+// 16 sc bytes (columns 0-15) -> 64 bytes, byte 4n + t = sc[n]: the VNNI layout of one B-tile row
+inline __m512i sc_lanes(const uint8_t* sc16) {
+    return _mm512_mullo_epi32(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)sc16)), _mm512_set1_epi32(0x01010101));
+}
+
+// bytewise a * b where every byte of both is <= 15 (so every product is <= 225 and fits its byte)
+inline __m512i mul_u4(__m512i a, __m512i b) {
+    const __m512i even = _mm512_and_si512(_mm512_mullo_epi16(a, b), _mm512_set1_epi16(0x00FF));
+    const __m512i odd = _mm512_mullo_epi16(_mm512_srli_epi16(a, 8), _mm512_and_si512(b, _mm512_set1_epi16((short)0xFF00)));
+    return _mm512_or_si512(even, odd);
+}
+
+// Block b's weights as B tiles: step j (groups 2j, 2j + 1) at scratch + 2048 j: lo tile, then hi tile (gemm_q4x8.h).
+void prepare(const DwQ4* w, int64_t b, int64_t steps, uint8_t* scratch) {
+    const int64_t G = w->G;
+    const uint8_t* P = w->packed + b * G * 256;
+    const uint8_t* SC = w->sc + b * G * 16;
+    const __m512i low4 = _mm512_set1_epi8(0x0F);
+    for (int64_t j = 0; j < steps; ++j) {
+        uint8_t* lo = scratch + j * 2048;
+        uint8_t* hi = lo + 1024;
+        for (int h = 0; h < 2; ++h) {
+            const int64_t g = 2 * j + h;
+            if (g >= G) {
+                for (int r = 0; r < 8; ++r) {
+                    _mm512_storeu_si512((void*)(lo + (h * 8 + r) * 64), _mm512_setzero_si512());
+                    _mm512_storeu_si512((void*)(hi + (h * 8 + r) * 64), _mm512_setzero_si512());
+                }
+                continue;
+            }
+            const __m512i scv = sc_lanes(SC + g * 16);
+            const __m512i slo = _mm512_and_si512(scv, low4);
+            const __m512i shi = _mm512_and_si512(_mm512_srli_epi16(scv, 4), low4);
+            for (int c = 0; c < 4; ++c) {  // chunk c: low nibbles = K values 4c..4c+3 of the group, high = 16 + 4c..
+                const __m512i raw = _mm512_loadu_si512((const void*)(P + g * 256 + c * 64));
+                const __m512i ql = _mm512_and_si512(raw, low4);
+                const __m512i qh = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low4);
+                _mm512_storeu_si512((void*)(lo + (h * 8 + c) * 64), mul_u4(ql, slo));
+                _mm512_storeu_si512((void*)(lo + (h * 8 + 4 + c) * 64), mul_u4(qh, slo));
+                _mm512_storeu_si512((void*)(hi + (h * 8 + c) * 64), mul_u4(ql, shi));
+                _mm512_storeu_si512((void*)(hi + (h * 8 + 4 + c) * 64), mul_u4(qh, shi));
+            }
+        }
+    }
+}
+
+// Columns 0-15 of groups g, g + 1 as int16 pairs (q4x8_avx512.cpp's mn_pair: the same operand, the same sums)
+inline __m512i mn_pair(const uint8_t* MN, int64_t g, int64_t G) {
+    const __m128i a = _mm_loadu_si128((const __m128i*)(MN + g * 16));
+    const __m128i b = g + 1 < G ? _mm_loadu_si128((const __m128i*)(MN + (g + 1) * 16)) : _mm_setzero_si128();
+    return _mm512_cvtepu8_epi16(_mm256_set_m128i(_mm_unpackhi_epi8(a, b), _mm_unpacklo_epi8(a, b)));
+}
+
+}  // namespace
+
+extern "C" int64_t dw_amx_scratch_bytes(int64_t Kp) { return Kp / 64 * 2048; }
+
+extern "C" void dw_gemm_amx(const DwQ4* w, const DwQ8Rows* a, float* out, int64_t b0, int64_t b1, uint8_t* scratch) {
+    TileConfig cfg = {};
+    cfg.palette = 1;
+    for (int i = 0; i < 8; ++i) {
+        cfg.colsb[i] = 64;
+        cfg.rows[i] = 16;
+    }
+    _tile_loadconfig(&cfg);
+    const int64_t G = w->G, S = w->S, N = w->N, M = a->M, Kp = a->Kp, steps = Kp / 64;
+    alignas(64) int32_t C[4][16][16];  // lo rows 0-15, hi rows 0-15, lo rows 16-31, hi rows 16-31
+    __m512 acc[32];
+    for (int64_t b = b0; b < b1; ++b) {
+        prepare(w, b, steps, scratch);
+        const uint8_t* MN = w->mn + b * G * 16;
+        const float* D = w->d + b * S * 16;
+        const float* DM = w->dmin + b * S * 16;
+        const int64_t n0 = b * 16;
+        const int64_t live = N - n0 < 16 ? N - n0 : 16;
+        const __mmask16 keep = (__mmask16)((1u << live) - 1u);
+        const __m512 bias = w->bias ? _mm512_maskz_loadu_ps(keep, w->bias + n0) : _mm512_setzero_ps();
+        for (int64_t m0 = 0; m0 < M; m0 += 32) {  // q, dx, qsum are padded to whole 32-row tiles
+            const int rows = M - m0 < 32 ? (int)(M - m0) : 32;
+            for (int m = 0; m < 32; ++m) acc[m] = _mm512_setzero_ps();
+            const int8_t* A = a->q + m0 * Kp;
+            for (int64_t s = 0; s < S; ++s) {
+                const int64_t g0 = s * 8, g1 = g0 + 8 < G ? g0 + 8 : G;
+                _tile_zero(0);
+                _tile_zero(1);
+                _tile_zero(2);
+                _tile_zero(3);
+                for (int64_t j = g0 / 2; j < (g1 + 1) / 2; ++j) {
+                    _tile_loadd(4, A + j * 64, Kp);
+                    _tile_loadd(5, A + 16 * Kp + j * 64, Kp);
+                    _tile_loadd(6, scratch + j * 2048, 64);
+                    _tile_loadd(7, scratch + j * 2048 + 1024, 64);
+                    _tile_dpbsud(0, 4, 6);
+                    _tile_dpbsud(1, 4, 7);
+                    _tile_dpbsud(2, 5, 6);
+                    _tile_dpbsud(3, 5, 7);
+                }
+                _tile_stored(0, C[0], 64);
+                _tile_stored(1, C[1], 64);
+                _tile_stored(2, C[2], 64);
+                _tile_stored(3, C[3], 64);
+                __m512i mnp[4];
+                for (int p = 0; p < 4; ++p) mnp[p] = g0 + 2 * p < g1 ? mn_pair(MN, g0 + 2 * p, G) : _mm512_setzero_si512();
+                const __m512 dv = _mm512_loadu_ps(D + s * 16), dmv = _mm512_loadu_ps(DM + s * 16);
+                for (int m = 0; m < rows; ++m) {
+                    const int half = m >> 4, r = m & 15;
+                    const __m512i lo = _mm512_load_si512((const void*)C[2 * half][r]);
+                    const __m512i hi = _mm512_load_si512((const void*)C[2 * half + 1][r]);
+                    const __m512i isc = _mm512_add_epi32(lo, _mm512_slli_epi32(hi, 4));
+                    const i32_alias* qs = (const i32_alias*)(a->qsum + ((m0 + m) * S + s) * 8);
+                    __m512i imn = _mm512_setzero_si512();
+                    for (int p = 0; p < 4; ++p) imn = _mm512_dpwssd_epi32(imn, mnp[p], _mm512_set1_epi32(qs[p]));
+                    __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(isc), dv);
+                    t = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(imn), dmv, t);
+                    acc[m] = _mm512_fmadd_ps(t, _mm512_set1_ps(a->dx[(m0 + m) * S + s]), acc[m]);
+                }
+            }
+            for (int m = 0; m < rows; ++m) _mm512_mask_storeu_ps(out + (m0 + m) * N + n0, keep, _mm512_add_ps(acc[m], bias));
+        }
+    }
+    _tile_release();
+}

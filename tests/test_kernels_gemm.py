@@ -1,0 +1,202 @@
+"""q4x8's wide side (csrc/gemm_q4x8*.cpp: the AMX int8 tile GEMM that 'auto' calls of many rows take): every row it
+computes is bitwise the row the GEMV computes, at every width 1..512, on 1 and 2 threads, on every projection shape of
+the packaged models (random weights of those shapes; the LM heads on their first rows), against each GEMV ISA path;
+'auto' hands wide calls to it only from the measured width on and never under a $DRAFTWISE_MAX_ISA cap; and the
+check used here catches a planted kernel whose reduction order depends on the width. No timing asserts.
+Skipped where the CPU (or the kernel's permission) has no AMX: there 'auto' never leaves the GEMV."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from draftwise.kernels import q4x8
+from draftwise.kernels.linear import Q4x8Linear, available
+from draftwise.kernels.probe import probe
+
+# (N, K) of every projection of the packaged models, merged as the plans merge them (q|k|v, gate|up) and alone;
+# the heads (vocabulary x hidden) cut to their first HEAD_ROWS rows
+HEAD_ROWS = 2048
+SHAPES = {
+    "qwen2.5-coder-1.5b": [(2048, 1536), (1536, 1536), (256, 1536), (17920, 1536), (8960, 1536), (1536, 8960),
+                           (HEAD_ROWS, 1536)],
+    "qwen2.5-coder-0.5b": [(1152, 896), (896, 896), (128, 896), (9728, 896), (4864, 896), (896, 4864),
+                           (HEAD_ROWS, 896)],
+    "gemma-3-270m": [(1536, 640), (1024, 640), (256, 640), (640, 1024), (4096, 640), (2048, 640), (640, 2048),
+                     (HEAD_ROWS, 640)],
+}
+KS = sorted({k for shapes in SHAPES.values() for _, k in shapes})  # 640 896 1024 1536 2048 4864 8960
+WIDTHS = range(1, 513)
+
+
+@pytest.fixture(scope="module")
+def ops():
+    if "q4x8" not in available(probe(bandwidth=False)):
+        pytest.skip("q4x8 cannot run here")
+    lib = q4x8.load()
+    if not lib.wide_available():
+        pytest.skip("no AMX int8 tiles on this CPU (or capped by $DRAFTWISE_MAX_ISA): 'auto' stays on the GEMV")
+    return lib
+
+
+@pytest.fixture
+def threads():
+    before = torch.get_num_threads()
+    yield torch.set_num_threads
+    torch.set_num_threads(before)
+
+
+def _linear(N: int, K: int, seed: int, path: str = "avx512", bias: bool = True) -> Q4x8Linear:
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(N, K, generator=g) * 0.05
+    w[:, :32] *= 20  # groups of very different ranges: sc and mn span their 8 bits
+    return Q4x8Linear(w, torch.randn(N, generator=g) if bias else None, path=path)
+
+
+def _wide(ops, lin: Q4x8Linear, x: torch.Tensor) -> torch.Tensor:  # x [M, K] -> [M, N] by the wide kernel
+    b = lin._buffers
+    return ops.wide(x.contiguous(), b["packed"], b["sc"], b["mn"], b["d"], b["dmin"], b["bias"], lin.out_features)
+
+
+def _x(M: int, K: int, seed: int) -> torch.Tensor:  # [M, K]: rows of different scales, some with zero super-blocks
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(M, K, generator=g) * torch.logspace(-2, 2, M)[:, None]
+    x[::7, :256] = 0.0
+    return x
+
+
+def first_inexact_width(fn, x: torch.Tensor, ref: torch.Tensor, widths) -> int | None:
+    """The first width W at which fn(x[:W]) is not bitwise ref[:W] (ref: the GEMV's rows), or None."""
+    for W in widths:
+        if not torch.equal(fn(x[:W]), ref[:W]):
+            return W
+    return None
+
+
+@pytest.mark.parametrize("K", KS)
+def test_wide_rows_are_the_gemv_rows_at_every_width_and_thread_count(ops, threads, K):
+    """Every width 1..512 on a 40-column weight (two whole 16-column blocks and a partial one) of each K the
+    packaged models have, on 1 and 2 threads, against the GEMV's rows (which are themselves each row alone:
+    spot-checked here, tested at length in test_kernels.py)."""
+    lin = _linear(40, K, seed=K)
+    x = _x(max(WIDTHS), K, seed=K + 1)
+    ref = lin(x)  # [512, 40], the AVX-512 GEMV
+    for i in (0, 1, 31, 32, 255, 511):
+        assert torch.equal(lin(x[i:i + 1]), ref[i:i + 1])
+    for n in (1, 2):
+        threads(n)
+        assert first_inexact_width(lambda xs: _wide(ops, lin, xs), x, ref, WIDTHS) is None, (K, n)
+
+
+@pytest.mark.parametrize("model", sorted(SHAPES))
+def test_wide_rows_are_the_gemv_rows_on_every_projection_shape(ops, threads, model):
+    for i, (N, K) in enumerate(SHAPES[model]):
+        lin = _linear(N, K, seed=100 + i, bias=i % 2 == 0)
+        x = _x(512, K, seed=200 + i)
+        ref = lin(x)
+        for n in (1, 2):
+            threads(n)
+            assert first_inexact_width(lambda xs: _wide(ops, lin, xs), x, ref, (1, 16, 33, 64, 200, 512)) is None, \
+                (model, N, K, n)
+
+
+def test_wide_rows_are_every_gemv_paths_rows(ops):
+    """The GEMV's ISA paths agree bitwise (test_kernels.py); the wide kernel agrees with each of them."""
+    K = 1536
+    x = _x(64, K, seed=7)
+    for path in q4x8.cpu_paths():
+        lin = _linear(40, K, seed=8, path=path)
+        ref = lin(x)
+        assert first_inexact_width(lambda xs: _wide(ops, lin, xs), x, ref, range(1, 65)) is None, path
+
+
+def test_auto_takes_the_wide_kernel_from_the_measured_width_and_stays_exact(ops):
+    """'auto' (Q4x8Linear's default path, and the C++ layer loop's) switches at wide_min_rows; the rows do not
+    change across it. The threshold is measured (q4x8.wide_min_rows) and at least 1."""
+    assert ops.wide_min_rows() >= 1
+    auto, gemv = _linear(40, 1536, seed=9, path="auto"), _linear(40, 1536, seed=9, path="avx512")
+    x = _x(96, 1536, seed=10)
+    ref = gemv(x)
+    before = ops.wide_min_rows()
+    try:
+        for at in (1, 32, 33):
+            ops.set_wide_min_rows(at)
+            assert first_inexact_width(auto, x, ref, range(1, 97)) is None, at
+    finally:
+        ops.set_wide_min_rows(before)
+    with pytest.raises(RuntimeError):
+        ops.set_wide_min_rows(0)
+
+
+def test_an_isa_cap_or_the_override_keeps_auto_off_the_wide_kernel(ops):
+    """DRAFTWISE_MAX_ISA=avx512 is a CPU without AMX (a Zen 4): no wide kernel, in a fresh process (read once);
+    DRAFTWISE_WIDE_MIN_ROWS sets the width without measuring (0: never)."""
+    code = "import json; from draftwise.kernels import q4x8; o = q4x8.load(); print(json.dumps([o.wide_available(), o.wide_min_rows()]))"
+
+    def run(**env):
+        out = subprocess.run([sys.executable, "-c", code], env={**os.environ, **env}, capture_output=True, text=True,
+                             timeout=600, check=True).stdout.strip().splitlines()[-1]
+        return json.loads(out)
+
+    assert run(DRAFTWISE_MAX_ISA="avx512")[0] is False
+    assert run(DRAFTWISE_WIDE_MIN_ROWS="48") == [True, 48]
+    assert run(DRAFTWISE_WIDE_MIN_ROWS="0")[1] > 2 ** 40
+
+
+def test_a_planted_width_dependent_reduction_fails_the_check(ops):
+    """A kernel that sums the super-blocks in reverse order from 33 rows on (the same exact integer terms, another
+    float order: what splitting K differently by width does) must be caught by first_inexact_width."""
+    N, K = 40, 1536
+    g = torch.Generator().manual_seed(11)
+    parts = q4x8.quantize_q4(torch.randn(N, K, generator=g) * 0.05)
+    S = K // 256
+    rev = {"q": parts["q"].view(N, S, 256).flip(1).reshape(N, K), "sc": parts["sc"].view(N, S, 8).flip(1).reshape(N, -1),
+           "mn": parts["mn"].view(N, S, 8).flip(1).reshape(N, -1), "d": parts["d"].flip(1), "dmin": parts["dmin"].flip(1)}
+    lin, lin_rev = Q4x8Linear.from_parts(parts), Q4x8Linear.from_parts({k: v.contiguous() for k, v in rev.items()})
+    x = _x(64, K, seed=12)
+    ref = _linear_rows(lin, x)
+
+    def planted(xs):
+        if xs.shape[0] <= 32:
+            return _wide(ops, lin, xs)
+        return _wide(ops, lin_rev, xs.view(-1, S, 256).flip(1).reshape(-1, K))
+
+    assert first_inexact_width(lambda xs: _wide(ops, lin, xs), x, ref, range(1, 65)) is None
+    assert first_inexact_width(planted, x, ref, range(1, 65)) == 33
+    # the planted kernel is close (same integers): only exactness tells it apart
+    assert torch.allclose(planted(x), ref, rtol=1e-4, atol=1e-4)
+
+
+def _linear_rows(lin: Q4x8Linear, x: torch.Tensor) -> torch.Tensor:
+    return torch.cat([lin(x[i:i + 1]) for i in range(x.shape[0])])
+
+
+def test_chunked_prefill_is_the_whole_prefill_across_the_switch(ops):
+    """A tiny q4x8 decoder (tests/test_prefix_cache.py's): a 40-token prompt prefilled whole (the wide kernel, with
+    the switch at 33 rows) and in two chunks of which one or both stay on the GEMV give bitwise the same logits
+    and K/V (what chunked prefill and the prefix cache rely on)."""
+    from draftwise.kv_cache import KVCache
+    from tests.test_prefix_cache import VOCAB, q4x8_decoder
+
+    model = q4x8_decoder()
+    c = model.config
+    ids = torch.randint(0, VOCAB, (1, 40), generator=torch.Generator().manual_seed(3))
+    before = ops.wide_min_rows()
+    try:
+        ops.set_wide_min_rows(33)
+        for cut in (1, 7, 20, 39):
+            whole = KVCache(c.num_layers, 1, c.num_kv_heads, 48, c.head_dim, model.dtype)
+            parts = KVCache(c.num_layers, 1, c.num_kv_heads, 48, c.head_dim, model.dtype)
+            slot = torch.tensor([0])
+            a = model(ids, torch.arange(40)[None], whole, slot, last_only=True, num_tokens=[40])
+            model(ids[:, :cut], torch.arange(cut)[None], parts, slot, last_only=True, num_tokens=[cut])
+            b = model(ids[:, cut:], torch.arange(cut, 40)[None], parts, slot, last_only=True, num_tokens=[40 - cut])
+            assert torch.equal(a, b), cut
+            for x, y in zip(whole.keys + whole.values, parts.keys + parts.values):
+                assert torch.equal(x[0, :, :40], y[0, :, :40]), cut
+    finally:
+        ops.set_wide_min_rows(before)
