@@ -1,7 +1,9 @@
 """Two servers of the packaged 0.5B started at the same moment against an empty autotune cache, one plain and one
-with n-gram speculation (what anyone comparing "with and without speculation" does): they tune one plan between
-them (the file lock), and return the same greedy JSON for the same response_format requests. Integration: two
-real `draftwise serve` processes, ~2-4 min on 2 CPU cores."""
+with n-gram speculation (what anyone comparing "with and without speculation" does): `auto` on a quantized GGUF
+is the faithful plan, read off the file with nothing timed, so both run the same plan, write no autotune entry,
+and return the same greedy JSON for the same response_format requests. (Two processes tuning one plan under the
+file lock: tests/test_kernels_autotune.py.) Integration: two real `draftwise serve` processes, ~2-4 min on 2 CPU
+cores."""
 from __future__ import annotations
 
 import json
@@ -85,10 +87,9 @@ def test_plain_and_ngram_servers_started_together_agree_on_plan_and_json(tmp_pat
         for proc, port in zip(procs, ports):
             _wait_ready(proc, port, deadline)
         plans = [_get(f"http://127.0.0.1:{p}/v1/models")["data"][0]["draftwise"]["plan"] for p in ports]
-        assert (plans[0]["step"], plans[0]["prefill"]) == (plans[1]["step"], plans[1]["prefill"])
-        assert plans[0]["tuning"]["autotune_key"] == plans[1]["tuning"]["autotune_key"]
-        assert sorted(p["source"] for p in plans) == ["cached", "tuned"]  # one timed, the other waited for it
-        assert len(list((cache / "kernels" / "autotune").glob("*.json"))) == 1
+        assert plans[0]["summary"] == plans[1]["summary"] and plans[0]["weights"] == "faithful"
+        assert all(p["faithful"] and not p["lossy"] and p["row_exact"] for p in plans)
+        assert not list((cache / "kernels" / "autotune").glob("*.json"))  # nothing was timed for a faithful plan
         fmt = {"type": "json_schema", "json_schema": {"name": "language", "schema": SCHEMA}}
         for q in QUESTIONS:
             body = {"model": MODEL, "messages": [{"role": "user", "content": q}], "max_tokens": 48,
