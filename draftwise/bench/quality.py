@@ -243,8 +243,8 @@ def quality(model: str, weights: list[str], reference: str = "dense", text: str 
             say("quality: llama.cpp on the same GGUF (a child process) ...")
             try:
                 scores = _llama_cpp_child(info["path"], ids, threads, Path(tmp))
-                chunks = (torch.from_numpy(np.asarray(scores[i:i + CHUNK_TOKENS])) for i in range(0, len(ids) - 1,
-                                                                                                  CHUNK_TOKENS))
+                chunks = (torch.from_numpy(np.array(scores[i:i + CHUNK_TOKENS]))  # a writable copy of the memmap
+                          for i in range(0, len(ids) - 1, CHUNK_TOKENS))
                 row = compare(ref, chunks, ids)
                 rows.append({"engine": f"llama.cpp {getattr(llama_cpp, '__version__', '?')}", "weights": "gguf",
                              **row})
