@@ -1,5 +1,6 @@
 """Analysis: journal records → per-segment, per-condition figures and paired speedups vs `none`
-(a vLLM condition, `vllm:...`, vs `vllm:none`: each engine against its own plain decoding).
+(a vLLM condition, `vllm:...`, vs `vllm:none`: each engine against its own plain decoding), and, where a segment
+holds more than one engine, every other engine's conditions paired against draftwise's `none` too (`across`).
 
 Owns the aggregation (docs/ARCHITECTURE.md, metric definitions): median and p95 of TTFT, E2E, TPOT and per-request
 tok/s over measured requests; aggregate tok/s = all output tokens / the condition's wall time (sum of its
@@ -18,6 +19,12 @@ METRICS = ("ttft_s", "e2e_s", "tpot_s", "tok_s")
 
 def measured(records: list[dict]) -> list[dict]:
     return [r for r in records if r["phase"] == "measured"]
+
+
+def engine_of(condition: str) -> str:
+    """The engine a condition ran on: `draftwise` for bare names, else the prefix (`vllm:ngram-k4` -> `vllm`)."""
+    engine, _, _ = condition.rpartition(":")
+    return engine or "draftwise"
 
 
 def baseline_of(condition: str) -> str:
@@ -41,9 +48,14 @@ def analyze(records: list[dict], watts: float | None = None, price_per_kwh: floa
                 base = by_cond[baseline_of(c)]
                 speedups[c] = {"tok_s": stats.paired_speedup(_per_item(base, "tok_s"), _per_item(rs, "tok_s"), seed),
                                "e2e": stats.paired_speedup(_per_item(rs, "e2e_s"), _per_item(base, "e2e_s"), seed)}
+        across = {}
+        if len({engine_of(c) for c in by_cond}) > 1 and BASELINE in by_cond:
+            ref = _per_item(by_cond[BASELINE], "tok_s")
+            across = {c: stats.paired_speedup(ref, _per_item(rs, "tok_s"), seed)
+                      for c, rs in by_cond.items() if engine_of(c) != "draftwise"}
         samples = {c: {m: [r.get(m) for r in rs if not r.get("error") and r.get(m) is not None] for m in ("e2e_s", "tok_s")}
                    for c, rs in by_cond.items()}
-        out[seg] = {"conditions": conds, "speedups": speedups, "samples": samples,
+        out[seg] = {"conditions": conds, "speedups": speedups, "samples": samples, "across": across,
                     "concurrency": by_cond[next(iter(by_cond))][0]["concurrency"]}
     return out
 

@@ -13,7 +13,7 @@ from draftwise.bench import quality as quality_mod
 from draftwise.bench import report as report_mod
 from draftwise.bench import runner
 from draftwise.bench.clients import Condition
-from draftwise.bench.verdict import decide
+from draftwise.bench.verdict import across_engines, decide
 from draftwise.bench.workloads import Workload, select
 from draftwise.config import ConfigError
 
@@ -74,6 +74,10 @@ def run_bench(client, opts: BenchOptions) -> dict:
     analysis = analyze_mod.analyze(records, opts.watts, opts.price_per_kwh, seed=opts.sampling.seed)
     quality = quality_by_segment(records, opts)
     verdicts = {seg: decide(a["speedups"], quality.get(seg, {}).get("identical")) for seg, a in analysis.items()}
+    for seg, a in analysis.items():
+        cross = across_engines(a["speedups"], a.get("across") or {})
+        if cross:
+            verdicts[seg] = dict(verdicts[seg], across=cross, text=verdicts[seg]["text"] + " | " + cross["text"])
     planned = {runner.segment_id(w.name, g, c): len(items) for w in opts.workloads
                for c in (opts.concurrency or list(w.concurrency)) for g, items in select(w, opts.requests).items()}
     devs = report_mod.deviations(opts.warmup, opts.requests, planned, asdict(opts.sampling))

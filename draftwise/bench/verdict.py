@@ -5,7 +5,10 @@ Owns the decision rule (docs/ARCHITECTURE.md: a verdict needs a CI that excludes
     one with the highest lower bound (the conservative pick, not the highest point estimate);
   - every condition's CI lies wholly below 1 → "don't speculate";
   - otherwise → "no measurable difference".
-Greedy outputs that differ from `none` are attached as a caveat. Knows nothing of records or formats.
+Greedy outputs that differ from `none` are attached as a caveat. Where several engines ran, `across` names the
+fastest engine and configuration by the same conservative rule over tok/s paired against draftwise's plain decoding
+(each engine's own verdict above says whether speculation pays on that engine; this one says which engine to run).
+Knows nothing of records or formats.
 """
 from __future__ import annotations
 
@@ -46,3 +49,37 @@ def decide(speedups: dict[str, dict], identical: dict[str, dict] | None = None) 
         out["caveat"] = f"{q['n'] - q['identical']} of {q['n']} greedy outputs differ from {baseline_of(out['condition'])}"
         out["text"] += f" (caveat: {out['caveat']})"
     return out
+
+
+def across_engines(speedups: dict[str, dict], across: dict[str, dict]) -> dict | None:
+    """speedups: draftwise's conditions vs `none`; across: other engines' conditions vs `none` (paired tok/s).
+
+    The pick is the highest CI lower bound, `none` itself counting as exactly 1.0x; every other engine's best
+    condition is quoted beside it so the user sees the gap."""
+    if not across:
+        return None
+    s = {c: v["tok_s"] for c, v in speedups.items() if v["tok_s"]["n"] >= MIN_PAIRS and v["tok_s"]["ci_low"]}
+    s.update({c: v for c, v in across.items() if v["n"] >= MIN_PAIRS and v["ci_low"]})
+    if not s:
+        return None
+    from draftwise.bench.analyze import BASELINE, engine_of
+
+    lows = {c: v["ci_low"] for c, v in s.items()}
+    lows.setdefault(BASELINE, 1.0)
+    best = max(lows, key=lows.get)
+
+    def quote(c: str) -> str:
+        if c == BASELINE:
+            return f"{c} (draftwise plain, 1.00x)"
+        v = s[c]
+        return f"{c} at {v['speedup']:.2f}x draftwise plain (95% CI {v['ci_low']:.2f}-{v['ci_high']:.2f})"
+
+    others = {}
+    for c in lows:
+        e = engine_of(c)
+        if e != engine_of(best) and (e not in others or lows[c] > lows[others[e]]):
+            others[e] = c
+    text = f"across engines, run {quote(best)}"
+    if others:
+        text += "; best of " + ", ".join(f"{e}: {quote(c)}" for e, c in sorted(others.items()))
+    return {"condition": best, "engine": engine_of(best), "text": text}
