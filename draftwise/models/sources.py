@@ -232,6 +232,10 @@ def _prepared(ckpt: Checkpoint, plan, embed_dtype: torch.dtype,
                         tensors += [(f"{name}.{n}", t) for n, t in state.items()]
                     else:
                         tensors.append((name, value.to(embed_dtype if name == "model.embed_tokens.weight" else dtype)))
+                owners = {f"{name}.{n}": name for name, value in built if isinstance(value, torch.nn.Module)
+                          for n in quant.module_state(value, modules)[1]}
+                by_name = dict(tensors)
+                tensors = [(n, by_name[n]) for n in quant.storage_order(list(by_name), owners)]
                 st.write_tensors(tmp, [(name, tuple(t.shape), t.dtype) for name, t in tensors], tensors,
                                  {"format": "draftwise-prepared", "source_sha256": ckpt.info["sha256"],
                                   "linears": json.dumps(kinds)})
@@ -245,7 +249,7 @@ def _prepared_from_cache(path: Path, kinds: dict) -> Iterator[tuple[str, torch.T
     from draftwise.models import quant
 
     pending: dict[str, dict[str, torch.Tensor]] = {}
-    for name, t in st.iter_tensors([path]):
+    for name, t in st.map_tensors(path):  # views of the file, used as they are (README: what is mapped)
         owner = next((p for p in (name.rpartition(".")[0], name.rpartition(".")[0].rpartition(".")[0]) if p in kinds),
                      None)
         if owner is None:
