@@ -447,7 +447,7 @@ class LLM:
             self._static = None
             return False
         capacity = self.max_model_len + static_spec.WIDTH_BUCKETS[-1] + static_spec.PREFILL_CHUNK
-        step = StaticStep(self.model, self.config.max_num_seqs, capacity)
+        step = StaticStep(self.model, self.config.max_num_seqs, capacity, kv_dtype=self.kv_cache_dtype)
         mode = compile_mode or ("reduce-overhead" if self.model.device.type == "cuda" else None)
         if mode is not None:
             step.compile(mode)
