@@ -36,8 +36,9 @@ def auto_kv_cache_dtype(activations: str, widens_exactly: bool) -> str:
     """What --kv-cache-dtype auto stores K/V in, for a model with these activations ("float32" / "bfloat16"):
     bfloat16 where our C++ attention reads K/V (`widens_exactly`: the CPU kernels path, float32 activations),
     since there it is widened exactly and accumulated in float32, so speculation and plain decoding read the same
-    bits by construction, and its quality was measured within quality_bar's slack of float32 K/V on the packaged
-    models (bench/quality.py kv_dtype_quality; docs/PERFORMANCE.md, "K/V dtype"); elsewhere the activation dtype."""
+    bits by construction, and on the packaged models its quality was measured within the bar `quality` holds a
+    plan to against llama.cpp on the same GGUF, as float32 K/V's is (bench/quality.py kv_dtype_quality;
+    docs/PERFORMANCE.md, "K/V dtype"); elsewhere the activation dtype."""
     return "bfloat16" if widens_exactly else activations
 
 # --kv-cache-memory: the K/V pool's budget (kv_cache.py pages it; memory is committed only as blocks are used).
