@@ -16,7 +16,7 @@ from typing import Callable, Iterator, Sequence
 import torch
 
 from draftwise.config import ConfigError, EngineConfig, SpecConfig, parse_kv_cache_memory, parse_spec_config
-from draftwise.engine import Engine, Request, StepOutput
+from draftwise.engine import PREFILL_CHUNK_TOKENS, Engine, Request, StepOutput  # noqa: F401 (the chunk: bench/memory.py)
 from draftwise.kernels import hugepages
 from draftwise.kernels.plan import KernelPlan, resolve_plan
 from draftwise.kernels.threads import ThreadGuard

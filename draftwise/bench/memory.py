@@ -413,7 +413,7 @@ def predict_peak_rss(target: str, draft: str | None = None, prompt_tokens: int =
     block arithmetic, in the dtype --kv-cache-dtype resolves to) + one prefill chunk's activations per model."""
     import torch
 
-    from draftwise.engine import PREFILL_CHUNK_TOKENS
+    from draftwise.api import PREFILL_CHUNK_TOKENS
     from draftwise.kernels import glue
     from draftwise.kv_cache import MAX_BATCHED_CATCH_UP, blocks_for, kv_dtype
 
