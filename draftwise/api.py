@@ -16,7 +16,7 @@ from typing import Callable, Iterator, Sequence
 import torch
 
 from draftwise.config import ConfigError, EngineConfig, SpecConfig, parse_kv_cache_memory, parse_spec_config
-from draftwise.engine import Engine, Request, StepOutput
+from draftwise.engine import PREFILL_CHUNK_TOKENS, Engine, Request, StepOutput  # noqa: F401 (the chunk: bench/memory.py)
 from draftwise.kernels import hugepages
 from draftwise.kernels.plan import KernelPlan, resolve_plan
 from draftwise.kernels.threads import ThreadGuard
@@ -447,7 +447,7 @@ class LLM:
             self._static = None
             return False
         capacity = self.max_model_len + static_spec.WIDTH_BUCKETS[-1] + static_spec.PREFILL_CHUNK
-        step = StaticStep(self.model, self.config.max_num_seqs, capacity)
+        step = StaticStep(self.model, self.config.max_num_seqs, capacity, kv_dtype=self.kv_cache_dtype)
         mode = compile_mode or ("reduce-overhead" if self.model.device.type == "cuda" else None)
         if mode is not None:
             step.compile(mode)

@@ -54,6 +54,7 @@ def cmd_generate(args) -> int:
             "model": {k: llm.model_info.get(k) for k in ("name", "weights", "dtype", "plan")},
             "draft": ({k: llm.draft_info.get(k) for k in ("name", "weights", "dtype", "plan")}
                       if llm.draft_info else None),
+            "kv_cache_dtype": str(llm.kv_cache_dtype).removeprefix("torch."),  # as --kv-cache-dtype auto picked it
         }))
     else:
         sys.stdout.write("\n")

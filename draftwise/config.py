@@ -27,10 +27,19 @@ class ContextLengthError(ConfigError):
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma3")
 
-# --kv-cache-dtype: how K/V is stored. auto: the activation dtype (float32 for q4x8: bfloat16 K/V has not yet been
-# held to `draftwise verify`'s tolerance on the packaged models). bfloat16 halves the pool per token; the attention
+# --kv-cache-dtype: how K/V is stored (auto: auto_kv_cache_dtype). bfloat16 halves the pool per token; the attention
 # op widens it exactly (fp32 accumulation); float16 runs only where the decoder takes its torch path (not our ops).
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+def auto_kv_cache_dtype(activations: str, widens_exactly: bool) -> str:
+    """What --kv-cache-dtype auto stores K/V in, for a model with these activations ("float32" / "bfloat16"):
+    bfloat16 where our C++ attention reads K/V (`widens_exactly`: the CPU kernels path, float32 activations),
+    since there it is widened exactly and accumulated in float32, so speculation and plain decoding read the same
+    bits by construction, and on the packaged models its quality was measured within the bar `quality` holds a
+    plan to against llama.cpp on the same GGUF, as float32 K/V's is (bench/quality.py kv_dtype_quality;
+    docs/PERFORMANCE.md, "K/V dtype"); elsewhere the activation dtype."""
+    return "bfloat16" if widens_exactly else activations
 
 # --kv-cache-memory: the K/V pool's budget (kv_cache.py pages it; memory is committed only as blocks are used).
 # Default as vLLM's CPU backend (VLLM_CPU_KVCACHE_SPACE=4 GiB), never more than every slot at full context.

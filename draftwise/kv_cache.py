@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from draftwise.config import ConfigError
+from draftwise.config import ConfigError, auto_kv_cache_dtype
 
 MAX_BATCHED_CATCH_UP = 4  # a draft's rows with more unseen tokens than this (a new prompt) are prefilled alone
 BLOCK_SIZE = 16  # positions per block: a multiple of 16 (the attention op reads keys in aligned blocks of 16)
@@ -100,9 +100,11 @@ def draft_pool_blocks(target_blocks: int, num_slots: int, capacity: int, block_s
 
 
 def kv_dtype(name: str, activations: torch.dtype, fused: bool = False) -> torch.dtype:
-    """--kv-cache-dtype for a model with these activations: "auto" is the activation dtype; `fused` (the C++ glue
-    writes K/V) takes float32 or bfloat16 only."""
-    dtype = activations if name == "auto" else getattr(torch, name)
+    """--kv-cache-dtype for a model with these activations: "auto" as config.auto_kv_cache_dtype picks it (bfloat16
+    where `fused`, the C++ glue and attention op, float32 activations); `fused` takes float32 or bfloat16 only."""
+    if name == "auto":
+        name = auto_kv_cache_dtype(str(activations).removeprefix("torch."), fused and activations == torch.float32)
+    dtype = getattr(torch, name)
     if fused and dtype not in (torch.float32, torch.bfloat16):
         raise ConfigError(f"kv_cache_dtype {name}: our CPU kernels store K/V as float32 or bfloat16 only")
     return dtype

@@ -30,7 +30,8 @@ def test_greedy_matches_transformers(name):
     require_packaged(name)
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    llm = LLM(name, dtype="float32", weights="fp32", max_num_seqs=5, max_model_len=256)  # dense: compared with HF
+    llm = LLM(name, dtype="float32", weights="fp32", max_num_seqs=5, max_model_len=256,  # dense: compared with HF
+              kv_cache_dtype="float32")  # HF's eager attention keeps float32 K/V (auto would store bfloat16)
     outs = llm.generate(PROMPTS, GREEDY)
     path = llm.model_info["path"]
     folder, file = path.rsplit("/", 1)

@@ -224,7 +224,13 @@ def cmd_tune(args) -> int:
 
 
 def cmd_memory(args) -> int:
-    from draftwise.bench.memory import HEADROOM, available_memory, estimate, format_estimate
+    from draftwise.bench.memory import HEADROOM, available_memory, estimate, format_estimate, format_rss, predict_peak_rss
+
+    if args.rss:  # peak RSS of one run with generate's defaults: measured runtime + predicted weights, K/V
+        p = predict_peak_rss(args.model, args.draft, args.prompt_tokens, args.max_tokens, args.concurrency,
+                             args.num_speculative_tokens, refresh=args.recalibrate)
+        print(json.dumps(p) if args.json else format_rss(p))
+        return 0
 
     e = estimate(args.model, args.draft, args.max_model_len, args.concurrency, args.dtype, args.weights,
                  args.draft_dtype, args.num_speculative_tokens, device=args.device)
@@ -251,6 +257,12 @@ def register_memory(sub) -> None:
                         "now, a few seconds per model, and cached for the load)")
     p.add_argument("--num-speculative-tokens", type=int, default=8)
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--rss", action="store_true",
+                   help="predict the peak RSS of --concurrency requests of --prompt-tokens + --max-tokens tokens "
+                        "(generate's defaults; the runtime baseline is measured once here and cached)")
+    p.add_argument("--prompt-tokens", type=int, default=512)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--recalibrate", action="store_true", help="with --rss: measure the runtime baseline again")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_memory)
 

@@ -11,8 +11,8 @@ safetensors header, or the GGUF's key-values and tensor table — never by loadi
   KV cache = the paged pool as the engine sizes it (kv_cache.py: pool_blocks from --kv-cache-memory, at most
              `concurrency` slots at full context, in whole blocks of BLOCK_SIZE positions; a draft's pool from
              draft_pool_blocks — the same functions the engine and the draft's builder call), each position
-             2 (K and V) × layers × kv_heads × head_dim × bytes: what `concurrency` full-context sequences commit
-             at most (blocks are committed as they are used);
+             2 (K and V) × layers × kv_heads × head_dim × bytes of the K/V dtype --kv-cache-dtype resolves to
+             (kv_dtype_name): what `concurrency` full-context sequences commit at most (committed as used);
   prefix cache = its byte budget (prefix_cache.py) per model, where it is on by default (a row-exact plan);
   overhead = the interpreter with torch and the tokenizer (measured, RUNTIME_BASE_BYTES) plus prefill
              activations for a full-context prompt (a few hidden-size and MLP-width buffers per token);
@@ -22,6 +22,12 @@ safetensors header, or the GGUF's key-values and tensor table — never by loadi
              weights) plus its largest tensor in float32; the peak is the max of (load target), (target + load
              draft), (serving).
 Available memory: MemAvailable from /proc/meminfo, or free VRAM from torch.cuda.mem_get_info on GPU.
+`predict_peak_rss` (`draftwise memory --rss`) predicts one run's peak RSS instead: a runtime baseline measured
+once per machine and configuration in a child process that builds the engine with its weights mapped but unread
+(`runtime_baseline`, cached in <cache>/memory-baseline.json), plus each model's resident weights
+(`resident_weight_bytes`: the prepared file's tensors, an embedding table of its own by the rows a run looks up),
+the K/V blocks the run's tokens commit and one prefill chunk's activations (tests/test_memory_rss.py holds it
+within 10% of a measured `generate`).
 Loads no weights (auto with no cached choice for the shapes times the kernels on random weights first, as a
 first load would, and caches the choice for it); the cache sizes come from kv_cache.py, as the engine's do.
 """
@@ -38,7 +44,7 @@ from draftwise.kv_cache import (BLOCK_SIZE, bytes_per_token, draft_cache_capacit
 from draftwise.models.safetensors import header_specs
 from draftwise.prefix_cache import DEFAULT_BYTES as PREFIX_CACHE_BYTES
 
-BYTES = {"float32": 4, "bfloat16": 2}
+BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 RUNTIME_BASE_BYTES = 420 * 2**20  # python + torch + tokenizers + numpy, measured RSS after `import draftwise.api`
 HEADROOM = 0.9  # warn when the estimate exceeds 90% of what is available
 
@@ -180,9 +186,23 @@ def activation_bytes(cfg: ModelConfig, context: int) -> int:
     return per_token * context
 
 
+def kv_dtype_name(plan, kv_cache_dtype: str = "auto", device: str = "cpu") -> str:
+    """The K/V dtype a model loaded under `plan` gets (kv_cache.kv_dtype, as LLM resolves it: auto is bfloat16
+    where our C++ glue and attention run, float32 activations on the CPU)."""
+    import torch
+
+    from draftwise.kernels import glue
+    from draftwise.kv_cache import kv_dtype
+
+    act = getattr(torch, plan.dtype)
+    fused = device == "cpu" and act == torch.float32 and glue.available()
+    return str(kv_dtype(kv_cache_dtype, act, fused)).removeprefix("torch.")
+
+
 def estimate(target: str, draft: str | None, max_model_len: int, concurrency: int, dtype: str = "auto",
              weights: str = "auto", draft_dtype: str | None = None, k: int = 8, cache_dir: str | None = None,
-             device: str = "cpu", tune=None, kv_cache_memory: int | float = DEFAULT_KV_CACHE_MEMORY) -> dict:
+             device: str = "cpu", tune=None, kv_cache_memory: int | float = DEFAULT_KV_CACHE_MEMORY,
+             kv_cache_dtype: str = "auto") -> dict:
     """Steady-state rows, and the peak over the three phases of LLM(...): load target, load draft, serve.
 
     Each model in the formats load_model resolves for it (`resolve_plan`; the draft as LLM loads it: its own
@@ -190,10 +210,11 @@ def estimate(target: str, draft: str | None, max_model_len: int, concurrency: in
     injects the autotuner's result (tests). While a model loads it costs loading_bytes."""
     t = model_shapes(target, cache_dir)
     tp = resolve_plan(t, dtype, weights, device, tune)
+    tkv = kv_dtype_name(tp, kv_cache_dtype, device)
     rows = {"target_weights": weight_bytes(t, tp),
-            "target_kv_cache": kv_bytes(t.config, tp.dtype, target_cache_capacity(max_model_len, k), concurrency,
+            "target_kv_cache": kv_bytes(t.config, tkv, target_cache_capacity(max_model_len, k), concurrency,
                                         kv_cache_memory)}
-    target_blocks = kv_blocks(t.config, tp.dtype, target_cache_capacity(max_model_len, k), concurrency, kv_cache_memory)
+    target_blocks = kv_blocks(t.config, tkv, target_cache_capacity(max_model_len, k), concurrency, kv_cache_memory)
     plans = {"target": _plan_dict(tp)}
     loading = {"target": RUNTIME_BASE_BYTES + loading_bytes(t, tp)}
     if draft:
@@ -202,7 +223,7 @@ def estimate(target: str, draft: str | None, max_model_len: int, concurrency: in
         plans["draft"] = _plan_dict(dp)
         rows["draft_weights"] = weight_bytes(d, dp)
         draft_capacity = draft_cache_capacity(max_model_len, k)
-        rows["draft_kv_cache"] = kv_bytes(d.config, dp.dtype, draft_capacity, concurrency,
+        rows["draft_kv_cache"] = kv_bytes(d.config, kv_dtype_name(dp, kv_cache_dtype, device), draft_capacity, concurrency,
                                           blocks=draft_pool_blocks(target_blocks, concurrency, draft_capacity))
         if dp.row_exact:
             rows["draft_prefix_cache"] = PREFIX_CACHE_BYTES
@@ -253,4 +274,176 @@ def format_estimate(e: dict) -> str:
         lines.append(f"{'available':18s} {gb(e['available_bytes'])}  ({e['available_kind']})")
     lines.append("fits" if e["fits"] else "WARNING: likely out of memory — lower --max-model-len or --concurrency, "
                  "use --dtype bfloat16 or --weights int8/int4")
+    return "\n".join(lines)
+
+
+# ---- peak RSS of one run (`draftwise memory --rss`): a measured runtime, predicted weights, K/V, activations ------
+
+BASELINE_FILE = "memory-baseline.json"  # in the cache dir: runtime baselines measured here, by machine and config
+ROW_FAULT_BYTES = 64 * 2**10  # a looked-up embedding row maps this much of a mapped file (the kernel's fault-around)
+
+_BASELINE_CHILD = r"""
+import json, re, sys
+args = json.loads(sys.argv[1])
+from draftwise.api import LLM
+from draftwise.models.safetensors import mapped_file
+llm = LLM(args["target"], speculative_config=args["spec"], max_num_seqs=args["concurrency"],
+          kv_cache_dtype=args["kv_cache_dtype"], cache_dir=args["cache_dir"])
+models = [llm.model] + ([llm.proposer.model] if getattr(llm.proposer, "model", None) is not None else [])
+mapped = all(mapped_file(b) is not None for m in models for b in m.buffers() if b.numel() * b.element_size() > 2**20)
+status = {l.split(":")[0]: int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith("VmRSS")}
+weights, cur = 0, None
+for line in open("/proc/self/smaps"):
+    if re.match(r"^[0-9a-f]+-[0-9a-f]+ ", line):
+        cur = line.split()[-1] if len(line.split()) >= 6 else ""
+    elif line.startswith("Rss:") and "prepared-" in (cur or ""):
+        weights += int(line.split()[1]) * 1024
+print(json.dumps({"rss": status["VmRSS"], "mapped_weights_resident": weights, "weights_mapped": mapped}))
+"""
+
+
+def _machine_key(parts: dict) -> str:
+    import hashlib
+    import platform
+    import sys
+
+    import torch
+
+    cpu = next((line.split(":", 1)[1].strip() for line in _read_lines("/proc/cpuinfo") if line.startswith("model name")),
+               platform.processor())
+    what = {**parts, "cpu": cpu, "torch": torch.__version__, "python": sys.version.split()[0]}
+    return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _read_lines(path: str) -> list[str]:
+    try:
+        return Path(path).read_text().splitlines()
+    except OSError:
+        return []
+
+
+def runtime_baseline(target: str, spec: dict | None = None, concurrency: int = 1, kv_cache_dtype: str = "auto",
+                     cache_dir: str | None = None, refresh: bool = False) -> dict:
+    """Measured, not guessed: the RSS of a fresh process that has imported the runtime (python, torch, our C++
+    libraries), loaded the tokenizer(s) and built the engine (`LLM(target, spec)`) with its weights mapped but not
+    yet read — everything but what a run then reads and writes. Measured once in a child process per machine (CPU
+    model, torch and python versions) and configuration, cached in <cache>/memory-baseline.json. Returns
+    {"bytes", "measured", "key"}. A load that had to prepare the weights first (built in memory) is measured again."""
+    import datetime
+    import os
+    import subprocess
+    import sys
+
+    from draftwise.paths import default_cache_dir
+
+    cache = Path(cache_dir or default_cache_dir())
+    args = {"target": target, "spec": spec, "concurrency": concurrency, "kv_cache_dtype": kv_cache_dtype,
+            "cache_dir": str(cache)}
+    key = _machine_key({k: v for k, v in args.items() if k != "cache_dir"} | {"version": 1})
+    store = cache / BASELINE_FILE
+    try:
+        known = json.loads(store.read_text())
+    except (OSError, ValueError):
+        known = {}
+    if key in known and not refresh:
+        return known[key]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[2]),
+                                                         os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
+    for _ in range(2):
+        out = subprocess.run([sys.executable, "-c", _BASELINE_CHILD, json.dumps(args)], capture_output=True,
+                             text=True, env=env)
+        if out.returncode != 0:
+            raise ConfigError(f"measuring the runtime baseline failed: {out.stderr.strip()[-800:]}")
+        got = json.loads(out.stdout.strip().splitlines()[-1])
+        if got["weights_mapped"]:
+            break
+    row = {"bytes": got["rss"] - got["mapped_weights_resident"], "key": key,
+           "measured": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+           "config": {k: v for k, v in args.items() if k != "cache_dir"}}
+    known[key] = row
+    cache.mkdir(parents=True, exist_ok=True)
+    tmp = store.with_name(f"{store.name}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(known, indent=1))
+    tmp.replace(store)
+    return row
+
+
+def resident_weight_bytes(name: str, weights: str = "auto", dtype: str = "auto", tokens: int = 0,
+                          cache_dir: str | None = None, tune=None) -> tuple[int, dict]:
+    """Bytes of a model's weights a decoding process holds resident, and where the number comes from. A converted
+    GGUF with its prepared file: that file's tensors (mapped, and every step reads them), less
+    an embedding table of its own (a GGUFRowsEmbedding's raw rows, a Q4x8Embedding not shared with a head): a
+    looked-up row is read alone, mapping about ROW_FAULT_BYTES around it in each of the table's arrays, so `tokens`
+    distinct tokens at most; otherwise weight_bytes of the plan load_model resolves (built in memory). The plan is resolved as
+    load_model resolves it (the GGUF's stored types: `auto` is the faithful plan)."""
+    from draftwise.kernels import plan as kplan
+    from draftwise.models import quant
+    from draftwise.models import safetensors as st
+    from draftwise.models.sources import load_checkpoint, prepared_path
+
+    ckpt = load_checkpoint(name, cache_dir=cache_dir, progress=False)
+    cfg = ckpt.config
+    types = ckpt.tensor_types() if "converted_path" in ckpt.info else None
+    stored = quant.type_census(types, cfg) if types else None
+    plan = kplan.resolve_plan(weights, dtype, cfg, "cpu", tune=tune, stored_types=stored)
+    info = {"plan": plan.label, "dtype": plan.dtype}
+    if types:
+        path = prepared_path(ckpt, plan, quant.embed_storage_dtype(cfg.vocab_size, cfg.hidden_size, plan))
+        if st.is_complete(path):
+            with open(path, "rb") as f:
+                entries, _ = st._read_header(f)
+            total = table = arrays = 0
+            for key, entry in entries:
+                size = entry["data_offsets"][1] - entry["data_offsets"][0]
+                if key.startswith(f"{quant.EMBED}."):  # a table of its own (not a head's): read row by row
+                    table, arrays = table + size, arrays + 1
+                else:
+                    total += size
+            rows = min(table, tokens * arrays * ROW_FAULT_BYTES)
+            return total + rows, {**info, "source": str(path), "table_bytes": table, "rows_resident": rows}
+    return weight_bytes(model_shapes(name, cache_dir), plan), {**info, "source": "weight_bytes (not prepared yet)"}
+
+
+def predict_peak_rss(target: str, draft: str | None = None, prompt_tokens: int = 512, max_tokens: int = 64,
+                     concurrency: int = 1, k: int = 4, kv_cache_dtype: str = "auto", cache_dir: str | None = None,
+                     tune=None, refresh: bool = False) -> dict:
+    """Peak RSS of serving `concurrency` requests of `prompt_tokens` + `max_tokens` tokens with the defaults of
+    `generate` (weights auto, a draft model at k when `draft`): the measured runtime baseline + each model's
+    resident weights + the K/V blocks those tokens commit (the target's and a draft's pool, kv_cache.py's
+    block arithmetic, in the dtype --kv-cache-dtype resolves to) + one prefill chunk's activations per model."""
+    import torch
+
+    from draftwise.api import PREFILL_CHUNK_TOKENS
+    from draftwise.kernels import glue
+    from draftwise.kv_cache import MAX_BATCHED_CATCH_UP, blocks_for, kv_dtype
+
+    spec = {"method": "draft_model", "model": draft, "num_speculative_tokens": k} if draft else None
+    base = runtime_baseline(target, spec, concurrency, kv_cache_dtype, cache_dir, refresh)
+    rows = {"runtime (measured)": base["bytes"]}
+    sources = {}
+    tokens = prompt_tokens + max_tokens
+    for role, name in (("target", target), ("draft", draft)):
+        if name is None:
+            continue
+        resident, info = resident_weight_bytes(name, tokens=tokens, cache_dir=cache_dir, tune=tune)
+        cfg = model_shapes(name, cache_dir).config
+        act = getattr(torch, info["dtype"])
+        kv = kv_dtype(kv_cache_dtype, act, act == torch.float32 and glue.available())
+        lead = k + 1 + (MAX_BATCHED_CATCH_UP + 1 if role == "draft" else 0)
+        blocks = concurrency * blocks_for(tokens + lead)
+        rows[f"{role} weights"] = resident
+        rows[f"{role} K/V"] = blocks * BLOCK_SIZE * bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
+                                                                    kv.itemsize)
+        rows[f"{role} activations"] = activation_bytes(cfg, min(prompt_tokens, PREFILL_CHUNK_TOKENS))
+        sources[role] = {**info, "kv_cache_dtype": str(kv).removeprefix("torch."), "kv_blocks": blocks}
+    return {"target": target, "draft": draft, "prompt_tokens": prompt_tokens, "max_tokens": max_tokens,
+            "concurrency": concurrency, "bytes": rows, "peak_rss_bytes": sum(rows.values()),
+            "baseline": base, "models": sources}
+
+
+def format_rss(p: dict) -> str:
+    mb = lambda x: f"{x / 1e9:7.3f} GB"  # noqa: E731
+    lines = [f"{k:22s} {mb(v)}" for k, v in p["bytes"].items()]
+    lines.append(f"{'peak RSS (predicted)':22s} {mb(p['peak_rss_bytes'])}  ({p['concurrency']} x {p['prompt_tokens']}"
+                 f" prompt + {p['max_tokens']} output tokens; runtime measured {p['baseline']['measured']})")
     return "\n".join(lines)

@@ -56,15 +56,16 @@ def text_ids(tokenizer, path: str | None = None, max_tokens: int = DEFAULT_TOKEN
     return ids
 
 
-def teacher_forced(model, ids: list[int], chunk: int = CHUNK_TOKENS) -> Iterator[torch.Tensor]:
+def teacher_forced(model, ids: list[int], chunk: int = CHUNK_TOKENS,
+                   kv_dtype: torch.dtype | None = None) -> Iterator[torch.Tensor]:
     """Log-probabilities [T, V] float32 of the next token at positions 0 .. len(ids) - 2, chunk by chunk, the
-    context always the text itself (one KV cache slot)."""
+    context always the text itself (one KV cache slot, in `kv_dtype`; default the model's dtype)."""
     import torch
 
     from draftwise.kv_cache import KVCache
 
     c = model.config
-    cache = KVCache(c.num_layers, 1, c.num_kv_heads, len(ids) + 1, c.head_dim, model.dtype, model.device)
+    cache = KVCache(c.num_layers, 1, c.num_kv_heads, len(ids) + 1, c.head_dim, kv_dtype or model.dtype, model.device)
     slot = torch.tensor([0], device=model.device)
     with torch.inference_mode():
         for start in range(0, len(ids) - 1, chunk):
@@ -173,6 +174,26 @@ class DenseOnTheFly(nn.Module):
         return (y if bias is None else y + bias.float()).to(x.dtype)
 
 
+def kv_dtype_quality(model: str, dtypes: tuple[str, ...] = ("float32", "bfloat16"), text: str | None = None,
+                     max_tokens: int = DEFAULT_TOKENS, progress: bool = True) -> dict:
+    """What storing K/V in each of `dtypes` costs a model under its default plan (`--weights auto`): `quality`'s
+    rows against the dense reference (float32 K/V) and llama.cpp on the same GGUF and text, each with the issue-32
+    bar against llama.cpp (`bar_vs_llama_cpp`: the tolerance auto's K/V dtype is held to, config.py
+    auto_kv_cache_dtype), and the K/V dtypes against each other: KL(first dtype || each other) and top-1 agreement
+    of the same plan, teacher-forced on the quality text."""
+    from draftwise.api import load_model
+    from draftwise.kv_cache import kv_dtype
+
+    result = quality(model, ["auto"], text=text, max_tokens=max_tokens, progress=progress, kv_cache_dtypes=dtypes)
+    m, tokenizer, _ = load_model(model)
+    ids = text_ids(tokenizer, text, max_tokens)
+    fused = getattr(m, "fused", False)
+    first = torch.cat(list(teacher_forced(m, ids, kv_dtype=kv_dtype(dtypes[0], m.dtype, fused)))).numpy()
+    result["kv_vs_" + dtypes[0]] = {name: compare(first, teacher_forced(m, ids, kv_dtype=kv_dtype(name, m.dtype, fused)),
+                                                  ids) for name in dtypes[1:]}
+    return result
+
+
 def dense_reference(model: nn.Module) -> nn.Module:
     """Replace every linear kernel of a model loaded with exact kernels (a faithful or fp32 plan) by DenseOnTheFly
     (in place); the decoder's one-call layer loop, which reads its modules at each call, then stands aside."""
@@ -195,12 +216,15 @@ def llama_cpp_available() -> bool:
 
 def quality(model: str, weights: list[str], reference: str = "dense", text: str | None = None,
             max_tokens: int = DEFAULT_TOKENS, llama: bool = True, threads: int | None = None,
-            progress: bool = True) -> dict:
+            progress: bool = True, kv_cache_dtypes: tuple[str | None, ...] = (None,)) -> dict:
     """Rows of mean KL, p99 KL, top-1 agreement and perplexity for each `weights` plan of `model` (and llama.cpp
-    on the same GGUF when importable and `llama`) against the `reference` plan, on the quality text."""
+    on the same GGUF when importable and `llama`) against the `reference` plan, on the quality text; one row per
+    plan and K/V dtype in `kv_cache_dtypes` (--kv-cache-dtype names as kv_cache.kv_dtype resolves them; None:
+    the model's activation dtype, as the reference always stores its K/V)."""
     import numpy as np
 
     from draftwise.api import load_model
+    from draftwise.kv_cache import kv_dtype
 
     def say(msg: str) -> None:
         if progress:
@@ -230,10 +254,12 @@ def quality(model: str, weights: list[str], reference: str = "dense", text: str 
         for w in weights:
             say(f"quality: {w} ...")
             m, _, minfo = load_model(model, weights=w)
-            row = compare(ref, teacher_forced(m, ids), ids)
             plan = minfo["plan"]
-            rows.append({"engine": "draftwise", "weights": w, "plan": plan["weights"], "lossy": plan.get("lossy"),
-                         "summary": plan["summary"], **row})
+            for name in kv_cache_dtypes:
+                kv = m.dtype if name is None else kv_dtype(name, m.dtype, getattr(m, "fused", False))
+                row = compare(ref, teacher_forced(m, ids, kv_dtype=kv), ids)
+                rows.append({"engine": "draftwise", "weights": w, "plan": plan["weights"], "lossy": plan.get("lossy"),
+                             "summary": plan["summary"], "kv_cache_dtype": str(kv).removeprefix("torch."), **row})
             del m
             gc.collect()
         llama_error = None

@@ -442,9 +442,9 @@ class Q4x8Linear(LinearImpl):
             return None
         if any(p.out_features % q4x8_format.COLS for p in parts[:-1]):
             return None
-        tensors = {n: torch.cat([getattr(p, n) for p in parts]) for n in cls.PACKED}
+        tensors = {n: cat_rows([getattr(p, n) for p in parts]) for n in cls.PACKED}
         if any(p.bias is not None for p in parts):
-            tensors["bias"] = torch.cat([p.bias if p.bias is not None else torch.zeros(p.out_features,
+            tensors["bias"] = cat_rows([p.bias if p.bias is not None else torch.zeros(p.out_features,
                                                                                          device=p.packed.device)
                                          for p in parts])
         merged = cls.from_state(tensors, sum(p.out_features for p in parts))
@@ -567,9 +567,9 @@ class _BlockLinear(LinearImpl):
             return None
         if any(p.out_features % ggml_blocks.COLS for p in parts[:-1]):
             return None
-        tensors = {n: torch.cat([getattr(p, n) for p in parts]) for n in cls.PACKED}
+        tensors = {n: cat_rows([getattr(p, n) for p in parts]) for n in cls.PACKED}
         if any(p.bias is not None for p in parts):
-            tensors["bias"] = torch.cat([p.bias if p.bias is not None else torch.zeros(p.out_features)
+            tensors["bias"] = cat_rows([p.bias if p.bias is not None else torch.zeros(p.out_features)
                                          for p in parts])
         merged = cls.from_state(tensors, sum(p.out_features for p in parts))
         merged.path = parts[0].path
@@ -716,6 +716,19 @@ def dense_for(dtype: str) -> str:
 def impl_for(name: str, N: int, K: int) -> str:
     """`name`, or the dense implementation of its activation dtype where it cannot take a weight [N, K]."""
     return name if LINEARS[name].supports(N, K) else dense_for(LINEARS[name].dtype)
+
+
+def cat_rows(parts: list[torch.Tensor]) -> torch.Tensor:
+    """torch.cat(parts) along dim 0, bitwise; a view, not a copy, where the parts already lie back to back in one
+    storage (a prepared file mapped as it is: models/quant.py storage_order), so a merged module shares the file."""
+    first = parts[0]
+    adjacent = all(t.is_contiguous() and t.dtype == first.dtype and t.device == first.device
+                   and t.shape[1:] == first.shape[1:]
+                   and t.untyped_storage().data_ptr() == first.untyped_storage().data_ptr() for t in parts)
+    if adjacent and all(b.storage_offset() == a.storage_offset() + a.numel() for a, b in zip(parts, parts[1:])):
+        shape = (sum(t.shape[0] for t in parts), *first.shape[1:])
+        return first.as_strided(shape, torch.empty(shape, device="meta").stride(), first.storage_offset())
+    return torch.cat(parts)
 
 
 def make_linear(name: str, weight: torch.Tensor, bias: torch.Tensor | None = None) -> LinearImpl:

@@ -25,12 +25,13 @@ from draftwise.kernels import linear
 from draftwise.kernels.linear import SplitLinear, derived_split, impl_for, make_linear
 from draftwise.kernels.plan import EXACT_DENSE, KernelPlan, faithful_kernel
 
-PREPARED_FORMAT_VERSION = 5  # bump when a prepared module's stored tensors change; cached copies are then rebuilt
+PREPARED_FORMAT_VERSION = 6  # bump when a prepared module's stored tensors change; cached copies are then rebuilt
 # (2: the embedding table in q4x8's packed form, shared with a tied head; torch int4 linears prepared too;
 # 3: a q4x8 step + dense prefill split stores only the q4x8 half, the dense one is derived at load;
 # 4: one registry: implementations stored under their --weights names, with K; 5: faithful plans, q6k / q8_0
-# linears and the GGUF-rows embedding). Bump
-# sources.CONVERSION_VERSION with it: the converted folder is rebuilt, so the old prepared files leave the disk.
+# linears and the GGUF-rows embedding; 6: merge groups' buffers stored back to back, `storage_order`, so a merged
+# q/k/v or gate/up is a view of the mapped file). Bump sources.CONVERSION_VERSION with it: the converted folder is
+# rebuilt, so the old prepared files leave the disk.
 
 
 def kernel_linear(plan: KernelPlan, N: int, K: int, weight=None, bias=None, parts: dict | None = None,
@@ -138,6 +139,36 @@ def prepared_tensors(items: dict, cfg, plan: KernelPlan,
             parts = q4k_from_blocks(blocks, N, K)
         faithful_blocks = item.blocks() if plan.faithful and faithful_kernel(item.type) in ("q6k", "q8_0") else None
         yield path, kernel_linear(plan, N, K, item.dense, bias, parts, item.type, faithful_blocks)
+
+
+MERGE_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))  # as Decoder.merge_projections merges
+
+
+def storage_order(names: list[str], owners: dict[str, str]) -> list[str]:
+    """The order a prepared file stores tensors in: `names` as given, except that the same buffer of the linears one
+    merge concatenates (q/k/v, gate/up of a layer; `owners`: tensor name -> its linear's path) is stored back to
+    back in group order — `q_proj.packed, k_proj.packed, v_proj.packed, q_proj.d, ...` — so a merged module over
+    a mapped file is a view of it (kernels/linear.py cat_rows), not a copy."""
+    group_of = {leaf: (g, i) for g, group in enumerate(MERGE_GROUPS) for i, leaf in enumerate(group)}
+    members: dict[tuple, list[tuple[int, str]]] = {}
+    keys = {}
+    for name in names:
+        owner = owners.get(name)
+        parent, _, leaf = (owner or "").rpartition(".")
+        if owner is None or leaf not in group_of:
+            continue
+        g, i = group_of[leaf]
+        keys[name] = (parent, g, name[len(owner):])
+        members.setdefault(keys[name], []).append((i, name))
+    out, done = [], set()
+    for name in names:
+        key = keys.get(name)
+        if key is None:
+            out.append(name)
+        elif key not in done:
+            done.add(key)
+            out += [n for _, n in sorted(members[key])]
+    return out
 
 
 def type_census(types: dict[str, str], cfg) -> dict[str, int]:

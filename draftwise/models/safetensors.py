@@ -1,8 +1,9 @@
 """HF checkpoint directories (config.json + *.safetensors) → the checkpoint contract; safetensors writing.
 
 This module owns mapping a transformers config.json onto ModelConfig (model_type → architecture), reading
-possibly-sharded safetensors weights under HF names, and writing a safetensors file tensor by tensor
-(the converted-GGUF cache is written this way, so a 6 GB float32 conversion never sits in memory at once).
+possibly-sharded safetensors weights under HF names (`iter_tensors`: read into fresh memory; `map_tensors`: views
+of a private file mapping, for files whose bytes are used as they are), and writing a safetensors file tensor by
+tensor (the converted-GGUF cache is written this way, so a 6 GB float32 conversion never sits in memory at once).
 
 It does not know GGUF, tokenizers or the hub; it yields tensors in their stored dtype and the decoder casts.
 """
@@ -11,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import mmap
 import os
 import struct
 from pathlib import Path
@@ -190,6 +192,48 @@ def iter_tensors(files: Iterable[Path]) -> Iterator[tuple[str, torch.Tensor]]:
                     raise ConfigError(f"{path}: tensor {key!r} is truncated: expected {end - start} bytes at offset "
                                       f"{base + start}, read {got or 0}")
                 yield name, buf.view(_TORCH_DTYPES[entry["dtype"]]).reshape(entry["shape"])
+
+
+def map_tensors(path: str | os.PathLike) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (name, tensor) of one safetensors file as views of a private mapping of the whole file (MAP_PRIVATE:
+    pages come from the page cache, so processes mapping one file share them, and a page is read from disk only
+    when something touches it; a write would copy that page for this process and never reach the file).
+
+    For files whose bytes are the loaded tensors as they are (the prepared kernel caches): unlike iter_tensors,
+    nothing is copied, and the pages count in RSS only once touched (as file-backed, shareable, reclaimable
+    memory). A tensor whose offset is not a multiple of its element size (the format packs tensors without
+    padding) cannot be a view and is copied instead; so is every tensor of an empty file region."""
+    with open(path, "rb") as f:
+        entries, base = _read_header(f)
+        size = os.fstat(f.fileno()).st_size
+        _check_size(path, entries, base, size)
+        mapping = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) if size else None
+    whole = torch.frombuffer(mapping, dtype=torch.uint8) if mapping is not None else None  # holds the mapping
+    for key, entry in entries:
+        name = hf_name(key)
+        if name is None:
+            continue
+        start, end = entry["data_offsets"]
+        dtype = _TORCH_DTYPES[entry["dtype"]]
+        raw = whole[base + start:base + end] if end > start else torch.empty(0, dtype=torch.uint8)
+        if (base + start) % dtype.itemsize or end == start:
+            raw = raw.clone()
+        yield name, raw.view(dtype).reshape(entry["shape"])
+
+
+def mapped_file(t: torch.Tensor) -> str | None:
+    """The file a tensor's memory is mapped from (/proc/self/maps), or None (anonymous memory, or not Linux)."""
+    ptr = t.untyped_storage().data_ptr()
+    try:
+        lines = Path("/proc/self/maps").read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        fields = line.split(maxsplit=5)
+        lo, hi = (int(x, 16) for x in fields[0].split("-"))
+        if lo <= ptr < hi and len(fields) == 6 and fields[5].startswith("/"):
+            return fields[5]
+    return None
 
 
 def is_complete(path: str | os.PathLike) -> bool:

@@ -201,13 +201,13 @@ def _ensure_fp32_cache(folder: Path, gguf_path: Path, progress: bool) -> None:
         catalog.write_text_durably(meta_path, json.dumps(meta, indent=1))
 
 
-def _prepared(ckpt: Checkpoint, plan, embed_dtype: torch.dtype,
-              progress: bool) -> Iterator[tuple[str, torch.Tensor | torch.nn.Module]]:
+def prepared_path(ckpt: Checkpoint, plan, embed_dtype: torch.dtype) -> Path:
+    """Where a converted GGUF's prepared weights for a plan live (written or not): keyed by the GGUF's sha256,
+    PREPARED_FORMAT_VERSION, the plan's kernels and dtypes (and torch's version for its own int4 packing)."""
     import hashlib
 
     from draftwise.models import quant
 
-    folder = Path(ckpt.info["converted_path"])
     dtype = getattr(torch, plan.dtype)
     what = [ckpt.info["sha256"], quant.PREPARED_FORMAT_VERSION, plan.step, plan.prefill, str(dtype), str(embed_dtype)]
     if plan.faithful:
@@ -215,7 +215,15 @@ def _prepared(ckpt: Checkpoint, plan, embed_dtype: torch.dtype,
     if "int4" in (plan.step, plan.prefill):  # torch's int4 packing is its own, and may change between versions
         what.append(torch.__version__)
     key = hashlib.sha256(json.dumps(what).encode()).hexdigest()[:16]
-    path = folder / f"prepared-{key}.safetensors"
+    return Path(ckpt.info["converted_path"]) / f"prepared-{key}.safetensors"
+
+
+def _prepared(ckpt: Checkpoint, plan, embed_dtype: torch.dtype,
+              progress: bool) -> Iterator[tuple[str, torch.Tensor | torch.nn.Module]]:
+    from draftwise.models import quant
+
+    dtype = getattr(torch, plan.dtype)
+    path = prepared_path(ckpt, plan, embed_dtype)
     if not st.is_complete(path):
         with catalog.file_lock(path.with_name(path.name + ".lock")):
             if not st.is_complete(path):
@@ -232,6 +240,10 @@ def _prepared(ckpt: Checkpoint, plan, embed_dtype: torch.dtype,
                         tensors += [(f"{name}.{n}", t) for n, t in state.items()]
                     else:
                         tensors.append((name, value.to(embed_dtype if name == "model.embed_tokens.weight" else dtype)))
+                owners = {f"{name}.{n}": name for name, value in built if isinstance(value, torch.nn.Module)
+                          for n in quant.module_state(value, modules)[1]}
+                by_name = dict(tensors)
+                tensors = [(n, by_name[n]) for n in quant.storage_order(list(by_name), owners)]
                 st.write_tensors(tmp, [(name, tuple(t.shape), t.dtype) for name, t in tensors], tensors,
                                  {"format": "draftwise-prepared", "source_sha256": ckpt.info["sha256"],
                                   "linears": json.dumps(kinds)})
@@ -245,7 +257,7 @@ def _prepared_from_cache(path: Path, kinds: dict) -> Iterator[tuple[str, torch.T
     from draftwise.models import quant
 
     pending: dict[str, dict[str, torch.Tensor]] = {}
-    for name, t in st.iter_tensors([path]):
+    for name, t in st.map_tensors(path):  # views of the file, used as they are (README: what is mapped)
         owner = next((p for p in (name.rpartition(".")[0], name.rpartition(".")[0].rpartition(".")[0]) if p in kinds),
                      None)
         if owner is None:

@@ -46,7 +46,8 @@ class StaticStep(nn.Module):
     """A Decoder's forward with static shapes and its own K/V (see the module docstring). An nn.Module whose
     K/V are buffers, so a compiled step (CUDA graphs included) sees them as static tensors it may write."""
 
-    def __init__(self, decoder: Decoder, num_slots: int, capacity: int, attention: str | None = None):
+    def __init__(self, decoder: Decoder, num_slots: int, capacity: int, attention: str | None = None,
+                 kv_dtype: torch.dtype | None = None):  # K/V storage (the engine's --kv-cache-dtype); None: decoder's
         super().__init__()
         if attention is None:
             attention = default_attention(decoder)
@@ -62,7 +63,7 @@ class StaticStep(nn.Module):
         self.num_slots = num_slots
         self.scratch_slot = num_slots  # padding sequences of a batch bucket write here
         self.capacity = capacity
-        dev, dtype = decoder.device, decoder.dtype
+        dev, dtype = decoder.device, kv_dtype or decoder.dtype
         shape = (num_slots + 1, cfg.num_kv_heads, capacity, cfg.head_dim)
         for i in range(len(cfg.layer_types)):
             self.register_buffer(f"keys_{i}", torch.zeros(shape, dtype=dtype, device=dev), persistent=False)
@@ -162,9 +163,9 @@ class StaticStep(nn.Module):
         q = q * c + rotate_half(q) * s
         k = k * c + rotate_half(k) * s
         where = (slots[:, None, None], self._head_index, positions[:, None, :])
-        self.keys[i].index_put_(where, k)
-        self.values[i].index_put_(where, v)
-        keys, values = self.keys[i][slots], self.values[i][slots]  # [B, H_kv, C, D]
+        self.keys[i].index_put_(where, k.to(self.keys[i].dtype))
+        self.values[i].index_put_(where, v.to(self.values[i].dtype))
+        keys, values = self.keys[i][slots].to(q.dtype), self.values[i][slots].to(q.dtype)  # [B, H_kv, C, D]
         q_pos = positions[:, None, :, None]  # [B, 1, W, 1]
         mask = self._key_positions <= q_pos  # [B, 1, W, C]
         if attn.window:
@@ -185,8 +186,8 @@ class _CacheView:
 
     def write(self, layer, tables, positions, k, v) -> None:  # tables [B, 1], positions [B, T], k, v [B, H, T, D]
         where = (tables[:, :1, None], self._head_index, positions[:, None, :])
-        self.keys[layer].index_put_(where, k)
-        self.values[layer].index_put_(where, v)
+        self.keys[layer].index_put_(where, k.to(self.keys[layer].dtype))  # rounded as KVCache.write rounds
+        self.values[layer].index_put_(where, v.to(self.values[layer].dtype))
 
     def read(self, layer, tables, kv_len, dtype):  # tables [B, 1] -> keys, values [B, H_kv, kv_len, D]
         slots = tables[:, 0]
