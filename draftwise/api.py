@@ -100,12 +100,13 @@ class RequestOutput:
 
 
 def load_model(name: str, dtype: str = "auto", device: str = "cpu", weights: str = "auto",
-               cache_dir: str | None = None, tune=None):
+               cache_dir: str | None = None, tune=None, role: str = "target"):
     """Resolve and load a checkpoint: returns (Decoder, Tokenizer, info dict). The one loader of the package.
 
     The decoder is built with the KernelPlan kernels/plan.py resolves for `weights` / `dtype` on `device` ("auto"
     weights: the kernels the autotuner measured fastest here for this model's shapes; `tune` injects its result
-    in tests) and owns it (`Decoder.plan`). A GGUF on the CPU is built straight from its blocks and cached in
+    in tests) and owns it (`Decoder.plan`); `role` "draft": a speculation draft, whose "auto" is the fastest plan,
+    lossy allowed (kernels/plan.py resolve_plan). A GGUF on the CPU is built straight from its blocks and cached in
     the plan's stored form; otherwise the dense weights load and the plan's kernels are built from them. info
     gets the resolved `weights` (the plan's label), `dtype` and `plan` (its dict)."""
     from draftwise.models import quant
@@ -116,7 +117,7 @@ def load_model(name: str, dtype: str = "auto", device: str = "cpu", weights: str
     # a GGUF built from its blocks on the CPU: the plan knows the file's stored types (auto keeps them: faithful)
     types = ckpt.tensor_types() if "converted_path" in ckpt.info and device == "cpu" else None
     stored = quant.type_census(types, ckpt.config) if types else None
-    plan = resolve_plan(weights, dtype, ckpt.config, device, tune=tune, stored_types=stored)
+    plan = resolve_plan(weights, dtype, ckpt.config, device, tune=tune, stored_types=stored, role=role)
     torch_dtype = TORCH_DTYPES[plan.dtype]
     cfg = ckpt.config
     # a GGUF on the CPU: built from its blocks, cached in the plan's stored form, no dense float32 copy on disk
@@ -184,8 +185,10 @@ class LLM:
         target, tokenizer, info = load_model(model, config.dtype, config.device, config.weights, cache_dir)
 
         def load_draft(name: str, draft_dtype: str, draft_weights: str | None):
-            # no draft_weights given: the draft follows the target's weights ("auto": its own shapes, its own choice)
-            return load_model(name, draft_dtype, config.device, draft_weights or config.weights, cache_dir)
+            # the one place a draft's plan is decided: draft_weights as given, else "auto" in the draft role — the
+            # fastest plan the autotuner measures for its shapes, lossy allowed even under a faithful target (a
+            # draft's precision never changes the output: every guess is verified exactly by the target)
+            return load_model(name, draft_dtype, config.device, draft_weights or "auto", cache_dir, role="draft")
 
         self._assemble(config, target, tokenizer, info, load_draft, k_max)
         self.load_time_s = time.perf_counter() - t0

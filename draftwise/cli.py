@@ -142,7 +142,9 @@ def cmd_kernels(args) -> int:
 
 
 def _faithful_note(ckpt, cfg, candidates: list[str]) -> str:
-    """For a quantized GGUF: what `auto` runs (every tensor as stored) and which timed candidates are lossy."""
+    """For a quantized GGUF: what `auto` runs (every tensor as stored) and which timed candidates are lossy, each
+    with its KL from the last `draftwise quality` run on this file where one was recorded (nothing is measured)."""
+    from draftwise.bench.quality import recorded
     from draftwise.kernels.plan import KernelPlan, quantized
     from draftwise.models.quant import type_census
 
@@ -151,13 +153,21 @@ def _faithful_note(ckpt, cfg, candidates: list[str]) -> str:
     if not quantized(census):
         return "a dense checkpoint: --weights auto takes the choice above"
     faithful = KernelPlan("q4x8", "q4x8", "float32", faithful=True, stored_types=census)
+    kl = recorded(ckpt.info["path"]) if ckpt.info.get("path") else {}
+
+    def measured(label: str) -> str:
+        r = kl.get(label)
+        return (f"mean KL {r['mean_kl']:.5f}, p99 {r['p99_kl']:.4f}, top-1 {100 * r['top1_agreement']:.1f}% against "
+                f"the file's dense model (draftwise quality, {r['measured_at']})") if r else ""
+
     lines = [f"this GGUF stores {faithful.types_text().replace('->', ' -> ')}: --weights auto runs the faithful plan "
-             "(each tensor by the kernel of its stored type), not the table's choice"]
+             "(each tensor by the kernel of its stored type), not the table's choice"
+             + (f"; {measured('faithful')}" if measured("faithful") else "")]
     for name in candidates:
         lossy = KernelPlan(name, name, "float32", stored_types=census).lossy_types
         if lossy:
             lines.append(f"{name}: LOSSY here (requantizes the file's {', '.join(lossy)} tensors); "
-                         f"`draftwise quality --weights auto,{name}` measures the cost in KL")
+                         + (measured(name) or f"`draftwise quality --weights auto,{name}` measures the cost in KL"))
     return "\n".join(lines)
 
 

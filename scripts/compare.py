@@ -12,7 +12,8 @@ rounds) and the median of the PAIRED ratios to llama.cpp plain (same prompt, sam
     .venv/bin/python scripts/compare.py --groups repeated,chat --per-group 3 --rounds 2 --max-tokens 128
 
 Without --ours it runs draftwise's defaults (`--dtype auto --weights auto`: the kernels the autotuner picked on
-this machine) plain, with n-gram lookup and with the draft model (draft also auto), and with adaptive k, all on
+this machine) plain, with n-gram lookup and with the draft model (the draft on its default plan: the autotuner's
+fastest, lossy allowed, since a draft's precision never changes the output), and with adaptive k, all on
 one loaded model (LLM.set_speculation switches between them). --formats adds fixed weight formats (each loaded
 once, plain and with each --format-spec) beside auto for the "auto vs the best fixed format" table. On a GGUF,
 auto is the faithful plan (every tensor as the file stores it); --lossy (default q4x8: every linear requantized to
@@ -222,7 +223,10 @@ def main() -> None:
         c = json.loads(conf)
         print(f"  loading: {c.get('name', conf)}", flush=True)
         runners.append(ours(llms, args.model, c, args.max_tokens, args.threads))
-        print(f"    plan: {llms[(c.get('dtype', 'auto'), c.get('weights', 'auto'))].model.plan.describe()}", flush=True)
+        llm = llms[(c.get('dtype', 'auto'), c.get('weights', 'auto'))]
+        print(f"    plan: {llm.model.plan.describe()}", flush=True)
+        if c.get("spec", {}).get("method") == "draft_model" and llm.draft_info:
+            print(f"    draft plan: {llm.draft_info['plan']['summary']}", flush=True)
     if "hf" not in skip:
         hf, _ = hf_from(args.model, torch.bfloat16)
         runners.append(hf_runner("transformers bf16 plain", hf, args.max_tokens))

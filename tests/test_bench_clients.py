@@ -141,3 +141,32 @@ def test_k_auto_is_a_bench_condition(tmp_path):
     seg = run_bench(client, opts)["segments"]["tiny@c1"]
     assert seg["conditions"]["ngram-kauto"]["n"] == 3 and seg["conditions"]["ngram-kauto"]["errors"] == 0
     assert seg["quality"]["identical"]["ngram-kauto"]["share"] == 1.0
+
+
+def test_a_sweep_over_the_drafts_plans_loads_each_and_keeps_them_apart(tmp_path):
+    """`--draft-weights auto,faithful` (tune, bench): one condition per draft plan for draft_model (not for the
+    others), distinct ids, each condition's draft loaded with its own weights, and tune's winner carries them."""
+    from draftwise.api import LLM
+    from draftwise.bench import tune
+    from tests.harness import noisy_draft, tiny_decoder, tiny_tokenizer, VOCAB
+
+    asked = []
+    tok = tiny_tokenizer()
+
+    def load_draft(name, dtype, weights):
+        asked.append(weights)
+        return noisy_draft(), tok, {"name": name, "weights": weights}
+
+    llm = LLM.from_parts(tiny_decoder("qwen2", 0, VOCAB), tok, name=MODEL, max_num_seqs=2, k_max=2,
+                         load_draft=load_draft)
+    conds = conditions_from(["none", "ngram", "draft_model"], [2], "tiny-draft", draft_weights=["auto", "faithful"])
+    assert [c.id for c in conds] == ["none", "ngram-k2", "draft_model-k2-draft:auto", "draft_model-k2-draft:faithful"]
+    rep = run_bench(InProcessClient(llm, draft="tiny-draft"),
+                    BenchOptions([tiny_workload()], conds, tmp_path / "out", warmup=0, requests=2, concurrency=[1],
+                                 progress=False, plots=False))
+    assert sorted(asked) == ["auto", "faithful"]  # each plan's draft loaded once
+    assert set(rep["segments"]["tiny@c1"]["conditions"]) == {c.id for c in conds}
+    cond = next(c for c in conds if c.draft_weights == "faithful").__dict__
+    assert tune.spec_config_for(cond) == {"method": "draft_model", "num_speculative_tokens": 2,
+                                          "model": "tiny-draft", "draft_weights": "faithful"}
+    assert conditions_from(["draft_model"], [2], "d", draft_weights=["q4x8"])[0].draft_weights is None  # one: client's

@@ -1,8 +1,10 @@
 """draftwise.kernels.stack: the decoder's layer loop in one C++ call is bitwise the Python loop it replaces (the
-logits and every layer's K/V), for each family whose layers qualify, at prompt, decode and verification widths in
-ragged padded batches; it runs where it should and nowhere else (sandwich norms, separate projections, torch's
-kernels, a prefill half that is not q4x8, `Decoder.stack = False`); the comparison catches a wrong layer; a bad
-weight list is a clear error. Tiny random models; no timing asserts."""
+logits and every layer's K/V), for each family whose layers qualify, and for layers mixing the kernels a faithful
+plan mixes (q4x8, q6k, q8_0 per projection, q/k/v merged or as three calls), at prompt, decode and verification
+widths in ragged padded batches; it runs where it should and nowhere else (sandwich norms, separate gate/up, torch's
+kernels, a prefill half it cannot call, `Decoder.stack = False`); the comparison catches a wrong layer and a
+projection run by another kind's kernel; a bad weight list is a clear error. Tiny random models; no timing
+asserts."""
 from __future__ import annotations
 
 import pytest
@@ -80,9 +82,10 @@ def test_the_comparison_catches_a_wrong_layer(calls, monkeypatch):
     loop = run(model, False)
     real = stack_op.layers
 
-    def shifted(x, weights, *rest):
+    def shifted(x, weights, kinds, *rest):
         n = stack_op.SLOTS
-        return real(x, weights[:n] + weights[:n] + weights[2 * n:], *rest)
+        k = len(kinds) // (len(weights) // n)  # kinds per layer
+        return real(x, weights[:n] + weights[:n] + weights[2 * n:], kinds[:k] + kinds[:k] + kinds[2 * k:], *rest)
 
     monkeypatch.setattr(stack_op, "layers", shifted)
     wrong = run(model, True)
@@ -104,7 +107,7 @@ def test_layers_that_do_not_qualify_take_the_python_loop(calls):
     run(gemma, True)
     dense = tiny_decoder("qwen2", 0, 64)  # torch's fp32 linears
     run(dense, True)
-    separate = tiny_decoder("qwen2", 0, 64)  # q4x8, but q/k/v and gate/up left separate
+    separate = tiny_decoder("qwen2", 0, 64)  # q4x8, but q/k/v and gate/up left separate (gate/up: not in the loop)
     separate.merge_projections = lambda merge=None: 0
     quant.build_linears(separate, resolve_plan("q4x8", "auto", None))
     assert separate.model.layers[0].self_attn.qkv_proj is None
@@ -126,16 +129,93 @@ def test_a_bad_weight_list_is_a_clear_error():
     model = q4x8_model("qwen2")
     c = model.config
     cache = KVCache(c.num_layers, 1, c.num_kv_heads, 8, c.head_dim, model.dtype)
-    weights = model._stack_weights(1)
-    assert weights is not None and len(weights) == c.num_layers * stack_op.SLOTS
+    weights, kinds = model._stack_weights(1)
+    assert len(weights) == c.num_layers * stack_op.SLOTS and len(kinds) == c.num_layers * 6
     assert torch.ops.draftwise_stack.weights_per_layer() == stack_op.SLOTS  # the C++ layout's size
     angles = model.angles("full_attention", torch.tensor([[0]]))
     args = (cache.keys, cache.values, [angles[0]] * c.num_layers, [angles[1]] * c.num_layers, torch.tensor([[0]]),
             torch.tensor([[0]]), [1], [0] * c.num_layers, (4, 2, 8, 64, 0), (1e-6, 0.0), (0.0, 0.0), 8 ** -0.5)
     x = torch.zeros(1, 1, c.hidden_size)
     with pytest.raises(RuntimeError, match="weights for 2 layers"):
-        stack_op.layers(x, weights[:-1], *args)
+        stack_op.layers(x, weights[:-1], kinds, *args)
+    with pytest.raises(RuntimeError, match="projection kinds for 2 layers"):
+        stack_op.layers(x, weights, kinds[:-1], *args)
+    with pytest.raises(RuntimeError, match="has kind 7"):
+        stack_op.layers(x, weights, [7] + kinds[1:], *args)
+    with pytest.raises(RuntimeError, match="k_proj and v_proj come together"):
+        stack_op.layers(x, weights, kinds[:1] + [0] + kinds[2:], *args)
     missing = list(weights)
     missing[stack_op.SLOTS + 1] = None  # layer 1's packed q/k/v nibbles
-    with pytest.raises(RuntimeError, match="weight 29 .* is missing"):
-        stack_op.layers(x, missing, *args)
+    with pytest.raises(RuntimeError, match=f"weight {stack_op.SLOTS + 1} .* is missing"):
+        stack_op.layers(x, missing, kinds, *args)
+
+
+# per layer, each projection's kernel: what faithful plans mix (the 1.5B: v_proj and down_proj in Q6_K on half
+# its layers, so q/k/v stay three calls; the 0.5B: Q5_0 / Q8_0 held as q8_0 with Q6_K or Q4_K down_proj)
+MIXED = [
+    {"q_proj": "q4x8", "k_proj": "q4x8", "v_proj": "q6k", "o_proj": "q4x8", "gate_proj": "q4x8", "up_proj": "q4x8",
+     "down_proj": "q6k"},
+    {"q_proj": "q8_0", "k_proj": "q8_0", "v_proj": "q8_0", "o_proj": "q8_0", "gate_proj": "q8_0", "up_proj": "q8_0",
+     "down_proj": "q4x8"},
+    {"q_proj": "q6k", "k_proj": "q8_0", "v_proj": "q4x8", "o_proj": "q6k", "gate_proj": "q6k", "up_proj": "q6k",
+     "down_proj": "q8_0"},
+]
+
+
+def mixed_model(family: str, layout: list[dict] = MIXED):
+    """A tiny decoder (K = 256 everywhere, as Q6_K blocks need) whose projections take `layout`'s kernels, merged
+    where the kinds agree (linear.merge), as a faithful plan builds them."""
+    from draftwise.kernels import linear
+
+    sizes = dict(hidden_size=256, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2)
+    if family == "qwen3":  # its head_dim is 16: 16 heads make o_proj's K 256
+        sizes.update(num_attention_heads=16, num_key_value_heads=4)
+    model = tiny_decoder(family, 0, 64, num_layers=len(layout), sizes=sizes)
+    for layer, kernels in zip(model.model.layers, layout):
+        for parent in (layer.self_attn, layer.mlp):
+            for name, child in list(parent.named_children()):
+                if name in kernels:
+                    cls = stack_op.KERNELS[kernels[name]]
+                    setattr(parent, name, cls(child.weight.detach().float(),
+                                              None if child.bias is None else child.bias.detach().float()))
+    model.merge_projections(linear.merge)
+    return model
+
+
+@pytest.mark.parametrize("family", ["qwen2", "llama", "qwen3"])
+def test_layers_mixing_q4x8_q6k_and_q8_0_are_bitwise_the_python_loop(family, calls):
+    """Layer 0 as the 1.5B's faithful layers (q/k/v three calls: v in q6k), layer 1 as the 0.5B's (merged q8_0),
+    layer 2 every kind in one layer: all in the one call, bitwise the Python loop (qwen2: q/k/v bias; qwen3: q/k
+    norms)."""
+    model = mixed_model(family)
+    attn = [layer.self_attn for layer in model.model.layers]
+    assert attn[0].qkv_proj is None and attn[1].qkv_proj is not None and attn[2].qkv_proj is None
+    _, kinds = model._stack_weights(1)
+    ids = stack_op.kind_ids()
+    assert kinds[:6] == [ids["q4x8"], ids["q4x8"], ids["q6k"], ids["q4x8"], ids["q4x8"], ids["q6k"]]
+    assert kinds[6:9] == [ids["q8_0"], stack_op.ABSENT, stack_op.ABSENT]
+    one_call = run(model, True)
+    assert len(calls) == 3
+    for a, b in zip(one_call, run(model, False)):
+        assert torch.equal(a, b)
+
+
+def test_the_comparison_catches_a_projection_run_by_another_kinds_kernel(calls, monkeypatch):
+    """Layer 0's q6k down_proj announced as q8_0 to the library (a wrong kind mapping) is caught: either the
+    kernel refuses the buffers or the logits differ. The mixed test above is not vacuous about kinds."""
+    model = mixed_model("qwen2")
+    loop = run(model, False)
+    real = stack_op.layers
+    ids = stack_op.kind_ids()
+
+    def relabelled(x, weights, kinds, *rest):
+        kinds = list(kinds)
+        kinds[5] = ids["q4x8"]  # layer 0's down_proj (Proj order: qkv, k, v, o, gate_up, down)
+        return real(x, weights, kinds, *rest)
+
+    monkeypatch.setattr(stack_op, "layers", relabelled)
+    try:
+        wrong = run(model, True)
+    except RuntimeError:
+        return
+    assert not torch.equal(wrong[0], loop[0])

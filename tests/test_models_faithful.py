@@ -1,8 +1,9 @@
 """The faithful plan (kernels/plan.py, models/quant.py): `--weights auto` on a quantized GGUF gives each tensor the
 kernel of its stored type, built from its blocks (Q4_K -> q4x8, Q8_0 -> q8_0, the Q8_0 embedding table kept as
 stored), is row-exact, close to the file's dense model, cached and reloaded bitwise; greedy speculation (n-gram,
-suffix, a draft model) equals plain decoding under it; a plan that requantizes a stored type says LOSSY. A GGUF of
-float tensors only keeps the autotuner's auto. About 20 s."""
+suffix, a draft model) equals plain decoding under it, with the draft faithful or on its default plan (the fastest,
+lossy allowed: a draft's precision cannot reach the output); a plan that requantizes a stored type says LOSSY (a
+draft's says the output is unaffected). A GGUF of float tensors only keeps the autotuner's auto. About 25 s."""
 from __future__ import annotations
 
 import shutil
@@ -80,7 +81,7 @@ def test_faithful_needs_a_gguf(tiny_hf_dir, tmp_path):
 @pytest.mark.parametrize("spec", [
     {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1},
     {"method": "suffix", "num_speculative_tokens": 4},
-    {"method": "draft_model", "model": "SELF", "num_speculative_tokens": 3},
+    {"method": "draft_model", "model": "SELF", "num_speculative_tokens": 3, "draft_weights": "faithful"},
 ])
 def test_greedy_speculation_equals_plain_under_the_faithful_plan(mixed_gguf, tmp_path, spec):
     from draftwise.equivalence import run_engine
@@ -93,3 +94,29 @@ def test_greedy_speculation_equals_plain_under_the_faithful_plan(mixed_gguf, tmp
     prompts = [[5, 6, 7, 8, 5, 6, 7], [9, 10, 11, 9, 10], [12, 13, 14, 15, 16, 12, 13, 14]]
     params = [SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)] * len(prompts)
     assert run_engine(llm, spec, prompts, params) == run_engine(llm, None, prompts, params)
+
+
+def test_a_draft_gets_the_fastest_plan_lossy_allowed_and_the_output_stays_the_targets(mixed_gguf, tmp_path,
+                                                                                     monkeypatch):
+    """No draft_weights: the draft's `auto` is the autotuner's choice (here injected: q4x8, which requantizes the
+    file's Q8_0 head and table) even under a faithful target; the plan says so, and greedy speculation with that
+    lossy draft still equals plain decoding (verification is exact). A named draft_weights is honoured."""
+    from draftwise.equivalence import run_engine
+    from draftwise.kernels import autotune
+
+    tuned = fixed_tune("q4x8", "q4x8")
+    monkeypatch.setattr(autotune, "autotune", lambda shapes, **kw: tuned(shapes))
+    shutil.copy(mixed_gguf, tmp_path / "m.gguf")
+    path = str(tmp_path / "m.gguf")
+    llm = LLM(path, max_num_seqs=3, max_model_len=160, k_max=4, cache_dir=str(tmp_path / "c"))
+    assert llm.model.plan.faithful and llm.model.plan.role == "target"
+    prompts = [[5, 6, 7, 8, 5, 6, 7], [9, 10, 11, 9, 10], [12, 13, 14, 15, 16, 12, 13, 14]]
+    params = [SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)] * len(prompts)
+    plain = run_engine(llm, None, prompts, params)
+    spec = {"method": "draft_model", "model": path, "num_speculative_tokens": 3}
+    assert run_engine(llm, spec, prompts, params) == plain
+    plan = llm.draft_info["plan"]
+    assert plan["weights"] == "q4x8" and plan["role"] == "draft" and plan["lossy_types"] == ["Q8_0"]
+    assert "output unaffected: verification is exact" in plan["summary"] and "LOSSY" not in plan["summary"]
+    assert run_engine(llm, {**spec, "draft_weights": "faithful"}, prompts, params) == plain
+    assert llm.draft_info["plan"]["weights"] == "faithful" and not llm.draft_info["plan"]["lossy"]

@@ -119,3 +119,29 @@ def test_the_dense_reference_rebuilds_exactly_the_kernels_weights():
     assert torch.equal(quality.DenseOnTheFly(q8).weight_rows(3, 40), want8[3:40])
     x = torch.randn(3, 512)
     assert torch.allclose(quality.DenseOnTheFly(q4)(x), x @ want4.T, atol=1e-5)
+
+
+def test_a_recorded_quality_run_is_what_kernels_prints_beside_lossy_candidates(monkeypatch, tmp_path):
+    """`quality` records each plan's row per model file; `draftwise kernels`' note reads it (no measuring): the
+    lossy candidate shows its KL, a file without a record keeps the hint to measure it."""
+    from types import SimpleNamespace
+
+    from draftwise.cli import _faithful_note
+
+    monkeypatch.setenv("DRAFTWISE_CACHE_DIR", str(tmp_path / "cache"))
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"x" * 10)
+    cfg = SimpleNamespace()
+    census = {"Q4_K": 3, "Q6_K": 1}
+    monkeypatch.setattr("draftwise.models.quant.type_census", lambda types, cfg: census)
+    ckpt = SimpleNamespace(info={"path": str(gguf), "converted_path": "c"}, tensor_types=lambda: {"t": "Q4_K"})
+    before = _faithful_note(ckpt, cfg, ["q4x8", "fp32"])
+    assert "q4x8: LOSSY here" in before and "measures the cost in KL" in before and "fp32" not in before
+    row = {"mean_kl": 0.01732, "p99_kl": 0.0787, "top1_agreement": 0.948, "lossy": True}
+    quality._record(str(gguf), [{"plan": "q4x8", **row}, {"plan": "faithful", **row, "mean_kl": 0.00608,
+                                                          "lossy": False}], 1024)
+    assert quality.recorded(str(gguf))["q4x8"]["mean_kl"] == 0.01732
+    after = _faithful_note(ckpt, cfg, ["q4x8", "fp32"])
+    assert "q4x8: LOSSY here" in after and "mean KL 0.01732, p99 0.0787, top-1 94.8%" in after
+    assert "mean KL 0.00608" in after.splitlines()[0]  # the faithful plan's own, on the first line
+    assert quality.recorded(str(tmp_path / "other.gguf")) == {}

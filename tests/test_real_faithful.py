@@ -1,7 +1,8 @@
 """Integration: the packaged GGUFs under `--weights auto` load as the faithful plan (every linear and the embedding
 table by the kernel of its stored type, census as the files hold: the 1.5B Q4_K + Q6_K, the 0.5B Q4_K, Q5_0, Q6_K,
 Q8_0), row-exact; the real Q6_K / Q8_0 blocks are held exactly (a module's weights equal the gguf package's
-dequantization); greedy speculation with the draft model equals plain decoding under the faithful plans. (The
+dequantization); greedy speculation with the draft model equals plain decoding under the faithful target, with
+the draft on its default plan (the fastest, lossy allowed) and on the faithful one. (The
 other speculative methods run on the faithful plan in test_real_greedy.py and test_real_suffix.py, whose default
 `auto` is now this plan.) About 1-2 minutes with the prepared cache."""
 from __future__ import annotations
@@ -42,7 +43,7 @@ def test_packaged_models_load_faithful_and_hold_their_blocks_exactly(name):
     assert torch.equal(head.dense_rows(0, 64), torch.from_numpy(want))
 
 
-def test_default_pair_draft_speculation_equals_plain_under_the_faithful_plans():
+def test_default_pair_draft_speculation_equals_plain_under_the_faithful_target():
     require_packaged("qwen2.5-coder-1.5b-instruct")
     require_packaged("qwen2.5-coder-0.5b-instruct")
     from draftwise.equivalence import run_engine
@@ -52,4 +53,8 @@ def test_default_pair_draft_speculation_equals_plain_under_the_faithful_plans():
     prompts = [llm.tokenizer.encode(p) for p in ("def fibonacci(n):", "The three laws of thermodynamics are")]
     params = [SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)] * len(prompts)
     spec = {"method": "draft_model", "model": "qwen2.5-coder-0.5b-instruct", "num_speculative_tokens": 4}
-    assert run_engine(llm, spec, prompts, params) == run_engine(llm, None, prompts, params)
+    plain = run_engine(llm, None, prompts, params)
+    assert run_engine(llm, spec, prompts, params) == plain  # the draft's default: the autotuner's fastest plan
+    assert llm.draft_info["plan"]["role"] == "draft" and not llm.draft_info["plan"]["faithful"]
+    assert run_engine(llm, {**spec, "draft_weights": "faithful"}, prompts, params) == plain
+    assert llm.draft_info["plan"]["faithful"]

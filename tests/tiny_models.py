@@ -15,11 +15,13 @@ _COMMON = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_l
                num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-6, max_position_embeddings=256)
 
 
-def hf_model(family: str, seed: int = 0, vocab_size: int = 96, num_layers: int | None = None):
-    """An HF transformers causal LM of `family` with random weights (fp32, eval mode)."""
+def hf_model(family: str, seed: int = 0, vocab_size: int = 96, num_layers: int | None = None,
+             sizes: dict | None = None):
+    """An HF transformers causal LM of `family` with random weights (fp32, eval mode); `sizes` overrides _COMMON's
+    (e.g. hidden_size=256 for kernels that need K % 256 == 0)."""
     import transformers as tf
 
-    kw = dict(_COMMON, vocab_size=vocab_size)
+    kw = dict(_COMMON, vocab_size=vocab_size, **(sizes or {}))
     if num_layers:
         kw["num_hidden_layers"] = num_layers
     if family == "llama":
@@ -84,5 +86,5 @@ def draftwise_from_hf(hf, dtype=torch.float32) -> Decoder:
 
 
 def tiny_decoder(family: str = "llama", seed: int = 0, vocab_size: int = 96, num_layers: int | None = None,
-                 dtype=torch.float32) -> Decoder:
-    return draftwise_from_hf(hf_model(family, seed, vocab_size, num_layers), dtype)
+                 dtype=torch.float32, sizes: dict | None = None) -> Decoder:
+    return draftwise_from_hf(hf_model(family, seed, vocab_size, num_layers, sizes), dtype)

@@ -26,8 +26,10 @@ def add_bench_args(p) -> None:
                    help="comma list of k; 'auto' = the cost-model policy that picks k per step (or plain decoding)")
     p.add_argument("--draft", default=DEFAULT_DRAFT, help="draft model for method draft_model")
     p.add_argument("--draft-dtype", default=None, choices=list(DTYPE_CHOICES), help="default: the target's --dtype")
-    p.add_argument("--draft-weights", default=None, type=weights_arg,
-                   help="as --weights, for the draft (default: the target's --weights)")
+    p.add_argument("--draft-weights", default=None, type=weights_list_arg,
+                   help="as --weights, for the draft (default auto: the fastest plan, lossy allowed, as a draft's "
+                        "precision never changes the output); a comma list (e.g. auto,faithful) sweeps the draft's "
+                        "plans as conditions")
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--requests", type=int, default=30, help="measured requests per condition and group")
     p.add_argument("--concurrency", default=None, help="e.g. 1,4 (default: each workload's own; longform 1,4)")
@@ -45,6 +47,11 @@ def add_bench_args(p) -> None:
     p.add_argument("--no-plots", action="store_true")
     p.add_argument("--no-humaneval", action="store_true", help="skip running HumanEval completions' tests")
     add_engine_args(p)
+
+
+def weights_list_arg(text: str) -> list[str]:
+    """argparse type of --draft-weights: one --weights value or a comma list of them (a sweep)."""
+    return [weights_arg(w.strip()) for w in text.split(",") if w.strip()]
 
 
 def add_engine_args(p) -> None:
@@ -70,7 +77,8 @@ def sweep_conditions(args, methods: list[str]):
     conds = []
     for engine in engines_of(args.engine):
         conds += conditions_from(methods, k_list(args.num_speculative_tokens), args.draft,
-                                 None if engine == "draftwise" else engine)
+                                 None if engine == "draftwise" else engine,
+                                 args.draft_weights if engine == "draftwise" else None)
     return conds
 
 
@@ -124,7 +132,8 @@ def make_client(args, conditions):
         conc = max(int_list(args.concurrency) if args.concurrency else [4 if "longform" in args.workload else 1])
         k_max = max([parse_spec_config(c.spec_config()).k_max for c in own] + [0])
         llm = llm_from_args(args, max_num_seqs=max(conc, 1), speculative_config=None, k_max=k_max)
-        clients["draftwise"] = InProcessClient(llm, args.draft, args.draft_dtype, args.draft_weights)
+        one = args.draft_weights[0] if args.draft_weights and len(args.draft_weights) == 1 else None
+        clients["draftwise"] = InProcessClient(llm, args.draft, args.draft_dtype, one)  # several: per condition
     if len(clients) == 1:
         return next(iter(clients.values()))
     from draftwise.bench.vllm import EnginesClient

@@ -37,12 +37,14 @@ class Condition:
     endpoint: str | None = None  # HTTP mode: the server that runs this condition
     label: str | None = None
     engine: str | None = None  # None: draftwise's own; "vllm": a vLLM server per condition (bench/vllm.py)
+    draft_weights: str | None = None  # the draft's --weights when the sweep varies it (None: the client's default)
 
     @property
     def id(self) -> str:
         if self.label:
             return self.label
         base = "none" if self.method == "none" else f"{self.method}-k{self.k}"
+        base += f"-draft:{self.draft_weights}" if self.draft_weights else ""
         return f"{self.engine}:{base}" if self.engine else base
 
     def spec_config(self) -> dict | None:
@@ -53,10 +55,11 @@ class Condition:
             return {"method": "suffix", "num_speculative_tokens": self.k, "suffix_tree": False}
         first, _, then = self.method.partition("+")
         d = {"method": first, "num_speculative_tokens": self.k}
+        plan = {"draft_weights": self.draft_weights} if self.draft_weights else {}
         if then:
-            d["then"] = {"method": then, "model": self.draft} if then == "draft_model" else {"method": then}
+            d["then"] = {"method": then, "model": self.draft, **plan} if then == "draft_model" else {"method": then}
         elif self.method == "draft_model":
-            d["model"] = self.draft
+            d.update(model=self.draft, **plan)
         return d
 
 
@@ -158,7 +161,8 @@ class InProcessClient:
                 part["model"] = part.get("model") or self.draft
                 if not part["model"]:
                     raise ConfigError("method draft_model needs a draft model (--draft)")
-                part.update(draft_dtype=self.draft_dtype, draft_weights=self.draft_weights)
+                # a condition's own draft_weights (a sweep over the draft's plan) wins over the client's
+                part.update(draft_dtype=self.draft_dtype, draft_weights=part.get("draft_weights") or self.draft_weights)
                 for k in [k for k, v in part.items() if v is None]:
                     del part[k]
         return d

@@ -41,8 +41,9 @@ METHODS = ("ngram", "draft_model", "grammar", "grammar+ngram", "grammar+draft_mo
 
 
 def conditions_from(methods: list[str], k_values: list[int | str], draft: str | None,
-                    engine: str | None = None) -> list[Condition]:
-    """methods × k, with `none` once (k = 0) and first: the baseline every other condition is paired with.
+                    engine: str | None = None, draft_weights: list[str] | None = None) -> list[Condition]:
+    """methods × k (× the draft's plans, for a method with a draft model, when `draft_weights` names more than
+    one), with `none` once (k = 0) and first: the baseline every other condition is paired with.
     `engine`: None for draftwise's own, "vllm" for vLLM's (ids `vllm:...`, paired with `vllm:none`)."""
     conds = [Condition("none", 0, engine=engine)] if "none" in methods else []
     for m in methods:
@@ -50,7 +51,9 @@ def conditions_from(methods: list[str], k_values: list[int | str], draft: str | 
             continue
         if m not in METHODS:
             raise ConfigError(f"--methods: unknown method {m!r} ({', '.join(('none',) + METHODS)})")
-        conds += [Condition(m, k, draft if "draft_model" in m else None, engine=engine) for k in k_values]
+        plans = draft_weights if "draft_model" in m and draft_weights and len(draft_weights) > 1 else [None]
+        conds += [Condition(m, k, draft if "draft_model" in m else None, engine=engine, draft_weights=w)
+                  for k in k_values for w in plans]
     if not conds:
         raise ConfigError("--methods selects no condition")
     return conds

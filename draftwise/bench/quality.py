@@ -8,7 +8,9 @@ blocks at every call, so only the compact model is held: a quarter of `--weights
 values; or any `--weights` plan, e.g. fp32) at the same positions: mean and 99th-percentile KL(ref || plan),
 top-1 agreement, perplexity of both; llama.cpp's numbers on the same GGUF and tokens beside them when
 `llama_cpp` (llama-cpp-python) is importable; and `quality_bar`, the issue-32 bar a plan must meet against such a
-baseline. The reference's log-probabilities go to a temporary file, so one model is in memory at a time.
+baseline. The reference's log-probabilities go to a temporary file, so one model is in memory at a time. A run
+on the default text against the dense reference is recorded per model file (`recorded`: what `draftwise kernels`
+prints beside each lossy candidate's time, without measuring anything).
 
 Also owns three checks of benchmark records: (1) under greedy decoding, the share of each condition's outputs identical to the `none`
 condition's on the same item (speculation verified greedily must reproduce the target's greedy choices;
@@ -283,9 +285,51 @@ def quality(model: str, weights: list[str], reference: str = "dense", text: str 
         for r in rows:
             if r is not llama_row:
                 r["bar_vs_llama_cpp"] = dict(zip(("passed", "why"), quality_bar(r, llama_row)))
+    if reference == "dense" and text is None and max_tokens == DEFAULT_TOKENS and info.get("path"):
+        _record(info["path"], [r for r in rows if r["engine"] == "draftwise"], len(ids))
     return {"model": model, "reference": reference, "text": str(text or DEFAULT_TEXT), "tokens": len(ids),
             "rows": rows, "llama_cpp": "measured" if llama_row else llama_error or
             ("not importable (pip install llama-cpp-python)" if not llama_cpp_available() else "off")}
+
+
+def _record_path(model_path: str) -> Path:
+    """Where quality runs of the model file at `model_path` are recorded: the cache dir's quality/, keyed by the
+    file's resolved path and size."""
+    import hashlib
+
+    from draftwise.paths import default_cache_dir
+
+    p = Path(model_path).resolve()
+    key = hashlib.sha256(f"{p}:{p.stat().st_size if p.exists() else 0}".encode()).hexdigest()[:20]
+    return Path(default_cache_dir()) / "quality" / f"{key}.json"
+
+
+def _record(model_path: str, rows: list[dict], tokens: int) -> None:
+    """Keep each plan's latest row (default text, dense reference) for `recorded`; a failure to write is not
+    the measurement's failure."""
+    import time
+
+    path = _record_path(model_path)
+    try:
+        entries = recorded(model_path)
+        stamp = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+        entries.update({r["plan"]: {**{k: r[k] for k in ("mean_kl", "p99_kl", "top1_agreement", "lossy")},
+                                    "tokens": tokens, "measured_at": stamp} for r in rows})
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(entries, indent=1))
+        tmp.replace(path)
+    except OSError as e:
+        print(f"quality: could not record the result in {path}: {e}", file=sys.stderr)
+
+
+def recorded(model_path: str) -> dict[str, dict]:
+    """Plan label -> {mean_kl, p99_kl, top1_agreement, lossy, tokens, measured_at} of the latest `quality` run on
+    this model file (default text, dense reference); {} when none was recorded. Reads one small file."""
+    try:
+        return json.loads(_record_path(model_path).read_text())
+    except (OSError, ValueError):
+        return {}
 
 
 def _llama_cpp_child(gguf_path: str, ids: list[int], threads: int | None, folder: Path):

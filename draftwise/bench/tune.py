@@ -1,4 +1,5 @@
-"""What `draftwise tune` decides after sweeping methods × num_speculative_tokens on a workload: a conservative winner.
+"""What `draftwise tune` decides after sweeping methods × num_speculative_tokens (× the draft's plans, given
+`--draft-weights auto,faithful`) on a workload: a conservative winner.
 
 Owns the choice rule: per condition, the per-prompt paired tok/s speedups vs `none`; score = median − MAD
 (a winner must win on a typical prompt, not through a few lucky ones); the winner is the best score above
@@ -40,7 +41,8 @@ def spec_config_for(cond: dict | None) -> dict | None:
         return None
     from draftwise.bench.clients import Condition
 
-    return Condition(cond["method"], cond["k"], cond.get("draft")).spec_config()  # grammar+X: X in "then"
+    return Condition(cond["method"], cond["k"], cond.get("draft"),  # grammar+X: X in "then"
+                     draft_weights=cond.get("draft_weights")).spec_config()
 
 
 def hub_id(name: str | None) -> str | None:

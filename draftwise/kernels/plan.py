@@ -20,6 +20,10 @@ from; and, for `auto`, the autotuner's evidence.
                 file's quantization is the user's trade of size against quality, and no plan should spend more of
                 it. A plan that requantizes a stored tensor to another format (e.g. q4x8 over Q6_K) is labelled
                 LOSSY in its summary (`lossy_types`).
+A draft model's plan (role "draft") is chosen for speed: its precision never changes the output (every guess is
+verified exactly against the target), so `auto` for a draft is the autotuner's fastest plan even over a GGUF (lossy
+allowed: e.g. q4x8 over the file's Q5_0 / Q6_K / Q8_0), and the summary says the loss does not reach the output;
+`draft_weights: faithful` (or any other name) is honoured as given.
 `--dtype auto` follows the step kernel's activation dtype (kernels/linear.py: float32 for q4x8 and fp32).
 
 The engine, the prefix cache, the thread guard and in-prefill speculation ask the plan one question,
@@ -36,6 +40,7 @@ from draftwise.kernels.linear import LINEARS, dense_for
 
 ACTIVATION_DTYPES = ("float32", "bfloat16")
 SOURCES = ("pinned", "tuned", "cached", "default", "file")
+ROLES = ("target", "draft")  # what a plan's model is for: a draft's precision never reaches the output
 # GGUF block type -> the kernel that holds it exactly (kernels/linear.py); other types -> fp32, dequantized exactly
 FAITHFUL_KERNELS = {"Q4_K": "q4x8", "Q6_K": "q6k", "Q8_0": "q8_0", "Q5_0": "q8_0"}
 EXACT_DENSE = "fp32"
@@ -70,6 +75,7 @@ class KernelPlan:
     tuning: dict | None = None  # the autotuner's evidence (key, probe summary, scores)
     faithful: bool = False  # each tensor by the kernel of its stored GGUF type (faithful_kernel), step and prefill
     stored_types: dict | None = None  # a GGUF source's linears and embedding table: ggml type -> tensor count
+    role: str = "target"  # ROLES: "draft" = a speculation draft's plan (auto: fastest, lossy allowed)
 
     def __post_init__(self):
         for name in (self.step, self.prefill):
@@ -79,6 +85,8 @@ class KernelPlan:
             raise ValueError(f"a plan's dtype is one of {ACTIVATION_DTYPES}, got {self.dtype!r}")
         if self.source not in SOURCES:
             raise ValueError(f"a plan's source is one of {SOURCES}, got {self.source!r}")
+        if self.role not in ROLES:
+            raise ValueError(f"a plan's role is one of {ROLES}, got {self.role!r}")
 
     @property
     def label(self) -> str:
@@ -130,7 +138,10 @@ class KernelPlan:
             busy = [v for v in (t.get("busy_before"), t.get("busy_cores")) if v is not None]
             text += f", timed {t['measured_at']}" + (f" with {max(busy):.1f} other cores busy" if busy else "")
         text += ")" + ("; row-exact" if self.row_exact else "; not row-exact")
-        if self.lossy_types:
+        if self.lossy_types and self.role == "draft":
+            text += (f"; lossy (requantizes the file's {', '.join(self.lossy_types)} tensors); output unaffected: "
+                     "verification is exact (draft_weights faithful keeps them as stored)")
+        elif self.lossy_types:
             text += (f"; LOSSY: requantizes the file's {', '.join(self.lossy_types)} tensors "
                      "(--weights auto keeps them as stored)")
         if self.provisional:
@@ -187,22 +198,26 @@ def weights_help() -> str:
 
 
 def resolve_plan(weights: str, dtype: str, cfg, device: str = "cpu", tune=None, progress: bool = True,
-                 stored_types: dict | None = None) -> KernelPlan:
+                 stored_types: dict | None = None, role: str = "target") -> KernelPlan:
     """The plan to build `cfg`'s model with. `stored_types` (ggml type -> count of the linears and embedding
     table, models/quant.py type_census) is given for a GGUF source built from its blocks: then "auto" is the
     faithful plan (source "file"; where the C++ kernels build), and every plan carries the types (a lossy one
     says so). A named plan is used as it is ("pinned"); "auto" otherwise asks the autotuner for this model's
     shapes on `device` (`tune(shapes) -> autotune result` may be injected: tests). `dtype` "auto" follows the step
-    kernel. `weights` and `dtype` were validated where they were parsed (config.py)."""
+    kernel. `role` "draft": "auto" is the autotuner's fastest plan, never the faithful one (a draft's precision
+    cannot change the output; the plan says so). `weights` and `dtype` were validated where they were parsed
+    (config.py)."""
+    if role not in ROLES:
+        raise ValueError(f"a plan's role is one of {ROLES}, got {role!r}")
     names = parse_weights(weights, device)
     tuning, source, provisional = None, "pinned", False
-    if names == ("faithful", "faithful") or (names is None and quantized(stored_types) and device == "cpu"
-                                              and _kernels_build()):
+    if names == ("faithful", "faithful") or (names is None and role == "target" and quantized(stored_types)
+                                              and device == "cpu" and _kernels_build()):
         if not stored_types:
             raise ValueError("weights 'faithful' keeps a GGUF's stored types: it needs a GGUF model on the cpu")
         act = dtype if dtype != "auto" else "float32"
         return KernelPlan("q4x8", "q4x8", act, device, attention_for(act, device), "file" if names is None else
-                          "pinned", faithful=True, stored_types=dict(stored_types))
+                          "pinned", faithful=True, stored_types=dict(stored_types), role=role)
     if names is None:
         from draftwise.kernels import autotune as at
 
@@ -217,7 +232,7 @@ def resolve_plan(weights: str, dtype: str, cfg, device: str = "cpu", tune=None, 
     if prefill == "dense":
         prefill = dense_for(act)
     return KernelPlan(step, prefill, act, device, attention_for(act, device), source, provisional, tuning,
-                      stored_types=dict(stored_types) if stored_types else None)
+                      stored_types=dict(stored_types) if stored_types else None, role=role)
 
 
 def _kernels_build() -> bool:

@@ -6,12 +6,15 @@ dispatch, argument parsing, views) kept the second core idle. `layers` makes tho
 registered operators with the same arguments, from C++: its result is bitwise the Python loop's (transformer.py's
 fused path), 3-8 ms sooner per forward of the 1.5B on 2 cores (docs/ARCHITECTURE.md, Kernels).
 
-Owns: building the flat weight list (`layer_weights`: one layer's entries in csrc/stack.cpp's Slot order, checked
-to be exactly SLOTS long); whether it can run here is glue's `available` (one library). The layout itself is
-csrc/stack.cpp's alone: SLOTS, the entries per layer, is read from the loaded library (`weights_per_layer`) the first
-time it is used, never written here. Knows nothing of models beyond those shapes: the decoder
-(models/transformer.py) decides when its layers qualify (q4x8 projections with merged q/k/v and gate/up, our glue
-and attention ops, no sandwich norms) and keeps its Python loop for everything else.
+Owns: building the flat weight list and the projections' kinds (`layer_weights`: one layer's entries in
+csrc/stack.cpp's Slot order, checked to be exactly SLOTS long, and its KINDS_PER_LAYER kind ids); whether it can run
+here is glue's `available` (one library). The layout itself is csrc/stack.cpp's alone: SLOTS, the entries per layer,
+the kinds per layer and the kinds' ids are read from the loaded library (`weights_per_layer`, `kinds_per_layer`,
+`linear_kinds`) the first time they are used, never written here. Each projection may be any of the row-exact
+kernels the library runs (q4x8, q6k, q8_0: a faithful plan mixes them layer by layer), with q/k/v merged or as
+three calls. Knows nothing of models beyond those shapes: the decoder (models/transformer.py) decides when its
+layers qualify (those kernels on their auto path, gate/up merged, our glue and attention ops, no sandwich norms)
+and keeps its Python loop for everything else.
 """
 from __future__ import annotations
 
@@ -20,8 +23,12 @@ import functools
 import torch
 
 from draftwise.kernels import q4x8
-from draftwise.kernels.linear import Q4x8Linear
+from draftwise.kernels.linear import LinearImpl, Q4x8Linear, Q6KLinear, Q80Linear
 from draftwise.kernels.glue import available  # noqa: F401 (one library: built and loaded, or not)
+
+# the projections' kernels the library's loop calls, by registry name (csrc/stack.cpp's Kind: linear_kinds())
+KERNELS = {cls.name: cls for cls in (Q4x8Linear, Q6KLinear, Q80Linear)}
+ABSENT = -1  # csrc/stack.cpp's Kind for k_proj / v_proj where q/k/v are merged
 
 
 @functools.cache
@@ -38,26 +45,53 @@ def __getattr__(name: str) -> int:  # `stack.SLOTS`: the library's count, read o
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-def _linear(m: Q4x8Linear) -> list[torch.Tensor | None]:  # packed, sc, mn, d, dmin, bias
-    b = m._buffers  # read directly, as Q4x8Linear.forward does (a model's buffers may be swapped: hugepages.py)
-    return [b["packed"], b["sc"], b["mn"], b["d"], b["dmin"], b["bias"]]
+@functools.cache
+def kind_ids() -> dict[str, int]:
+    """Registry name -> csrc/stack.cpp's Kind id, from the loaded library (linear_kinds)."""
+    q4x8.load()
+    return {name: i for i, name in enumerate(torch.ops.draftwise_stack.linear_kinds())}
 
 
-def layer_weights(in_norm: torch.Tensor, qkv: Q4x8Linear, q_norm: torch.Tensor | None,
-                  k_norm: torch.Tensor | None, o: Q4x8Linear, post_norm: torch.Tensor,
-                  gate_up: Q4x8Linear, down: Q4x8Linear) -> list[torch.Tensor | None]:
-    """One layer's SLOTS entries: norm weights [hidden] / [head_dim] float32, projections as q4x8 modules."""
-    w = [in_norm, *_linear(qkv), q_norm, k_norm, *_linear(o), post_norm, *_linear(gate_up), *_linear(down)]
+def kernel_of(m) -> LinearImpl | None:
+    """`m` itself when the library's loop can call it: one of KERNELS on its auto path (the kernel picked by cpuid,
+    as the Python loop calls it); else None."""
+    return m if type(m) in KERNELS.values() and m.path == "auto" and m.name in kind_ids() else None
+
+
+def _linear(m: LinearImpl | None) -> list[torch.Tensor | None]:  # csrc/stack.cpp's LINEAR entries, by kind
+    if m is None:
+        return [None] * 6
+    b = m._buffers  # read directly, as the modules' forward does (a model's buffers may be swapped: hugepages.py)
+    if isinstance(m, Q4x8Linear):
+        return [b["packed"], b["sc"], b["mn"], b["d"], b["dmin"], b["bias"]]
+    if isinstance(m, Q6KLinear):
+        return [b["ql"], b["qh"], b["sc"], b["d"], None, b["bias"]]
+    return [b["qw"], b["d"], None, None, None, b["bias"]]  # Q80Linear
+
+
+def layer_weights(in_norm: torch.Tensor, qkv: LinearImpl, k: LinearImpl | None, v: LinearImpl | None,
+                  q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, o: LinearImpl, post_norm: torch.Tensor,
+                  gate_up: LinearImpl, down: LinearImpl) -> tuple[list[torch.Tensor | None], list[int]]:
+    """One layer's SLOTS entries (norm weights [hidden] / [head_dim] float32, projections as kernel_of modules:
+    `qkv` the merged q|k|v with `k`, `v` None, or q_proj with k_proj and v_proj) and its projections' kind ids in
+    csrc/stack.cpp's Proj order (qkv, k, v, o, gate_up, down)."""
+    w = [in_norm, *_linear(qkv), *_linear(k), *_linear(v), q_norm, k_norm, *_linear(o), post_norm,
+         *_linear(gate_up), *_linear(down)]
     if len(w) != slots_per_layer():
         raise RuntimeError(f"stack.layer_weights built {len(w)} entries for a layer, but csrc/stack.cpp's Slot layout "
                            f"takes {slots_per_layer()} (weights_per_layer): layer_weights no longer follows that "
                            f"layout; make it build csrc/stack.cpp's Slot order")
-    return w
+    ids = kind_ids()
+    kinds = [ABSENT if m is None else ids[m.name] for m in (qkv, k, v, o, gate_up, down)]
+    if len(kinds) != int(torch.ops.draftwise_stack.kinds_per_layer()):
+        raise RuntimeError("stack.layer_weights: csrc/stack.cpp's Proj order changed; follow it here")
+    return w, kinds
 
 
 def layers(
     x: torch.Tensor,  # [B, T, hidden] float32
     weights: list[torch.Tensor | None],  # SLOTS per layer (layer_weights)
+    kinds: list[int],  # KINDS_PER_LAYER per layer: each projection's kernel (layer_weights)
     keys: list[torch.Tensor],  # per layer: the KV cache's pool [P, H_kv, BS, D], written in place
     values: list[torch.Tensor],
     cos: list[torch.Tensor],  # per layer: RoPE angles [B * T, D / 2] (Decoder.angles)
@@ -74,4 +108,4 @@ def layers(
 ) -> torch.Tensor:  # [B, T, hidden]: x after every layer; K/V of every layer stored at positions
     return torch.ops.draftwise_stack.layers(x, weights, keys, values, cos, sin, tables, positions, num_tokens,
                                             windows, list(dims), list(norm), list(qk_norm), float(scale),
-                                            None if ancestors is None else ancestors.contiguous())
+                                            None if ancestors is None else ancestors.contiguous(), kinds)

@@ -8,7 +8,7 @@ gate/up into one module each where that is bitwise the separate calls (kernels/l
 and `use_fused_glue` routes the glue between the matmuls (RMSNorm, residual add + norm, q/k norm + RoPE + the
 K/V cache write, act(gate) * up) through kernels/glue.py's C++ ops for float32 on CPU; the torch code here is
 their reference and what other dtypes and devices run. Both keep the decoder row-exact. Where every layer
-qualifies (q4x8 projections, merged, fused glue, our attention op, no sandwich norms), `forward` runs all layers in
+qualifies (q4x8 / q6k / q8_0 projections, gate/up merged, fused glue, our attention op, no sandwich norms), `forward` runs all layers in
 one C++ call (kernels/stack.py: the same ops in the same order, bitwise this file's loop; `Decoder.stack = False`
 keeps the loop).
 
@@ -34,7 +34,6 @@ from draftwise.kernels import attention as attention_op
 from draftwise.kernels import glue
 from draftwise.kernels import stack as stack_op
 from draftwise.kernels import linear
-from draftwise.kernels.linear import Q4x8Linear
 from draftwise.kernels.plan import KernelPlan, default_plan
 from draftwise.kv_cache import KVCache
 
@@ -483,8 +482,9 @@ class Decoder(nn.Module):
         masks = {kind: None if num_tokens is not None else self._mask(kind, positions, kv_len)
                  for kind in self._rope_tables}
         one_call = self.fused and num_tokens is not None and attention_op.usable(x, cache.keys[0])
-        weights = self._stack_weights(token_ids.shape[1]) if one_call else None
-        if weights is not None:  # every layer in one C++ call: bitwise the loop below (kernels/stack.py)
+        stacked = self._stack_weights(token_ids.shape[1]) if one_call else None
+        if stacked is not None:  # every layer in one C++ call: bitwise the loop below (kernels/stack.py)
+            weights, kinds = stacked
             layer = self.model.layers[0]
             attn, norm = layer.self_attn, layer.input_layernorm
             qk = (attn.q_norm.eps, attn.q_norm.weight_offset) if attn.qk_norm else (0.0, 0.0)
@@ -493,7 +493,7 @@ class Decoder(nn.Module):
             windows = [int(m.self_attn.window or 0) for m in self.model.layers]
             dims = (attn.num_heads, attn.num_kv_heads, attn.head_dim, layer.mlp.intermediate,
                     glue.ACTIVATIONS[layer.mlp.act_name])
-            x = stack_op.layers(x, weights, cache.keys, cache.values, cos, sin, tables, positions, num_tokens, windows,
+            x = stack_op.layers(x, weights, kinds, cache.keys, cache.values, cos, sin, tables, positions, num_tokens, windows,
                                 dims, (norm.eps, norm.weight_offset), qk, attn.scale, ancestors)
         else:
             for i, layer in enumerate(self.model.layers):
@@ -507,29 +507,35 @@ class Decoder(nn.Module):
             x = x[:, -1:]
         return (self.lm_head if head is None else head)(self.model.norm(x))
 
-    def _stack_weights(self, tokens: int) -> list[torch.Tensor | None] | None:
-        """kernels/stack.py's flat weight list when every layer can run in its one C++ call for a forward with
-        `tokens` tokens per sequence (q4x8 projections, q/k/v and gate/up merged, our attention op and glue, no
-        sandwich norms), else None: the Python loop runs. Read from the modules at every call (~50 us: their
+    def _stack_weights(self, tokens: int) -> tuple[list[torch.Tensor | None], list[int]] | None:
+        """kernels/stack.py's flat weight list and projection kinds when every layer can run in its one C++ call
+        for a forward with `tokens` tokens per sequence (projections by kernels the loop runs: q4x8, q6k, q8_0;
+        q/k/v merged or separate, gate/up merged; our attention op and glue; no sandwich norms), else None: the
+        Python loop runs. Read from the modules at every call (~50 us: their
         `_modules` / `_parameters` dicts directly, not nn.Module's slow attribute lookup), so a module or buffer
         swapped after loading is never missed."""
         if self.stack is False or not stack_op.available() or not len(self.model.layers):
             return None
-        weights = []
+        weights, kinds = [], []
         for layer in self.model.layers:
             mods = layer._modules
             attn, mlp = mods["self_attn"], mods["mlp"]
             a, m = attn._modules, mlp._modules
-            if layer.sandwich or a.get("qkv_proj") is None or m.get("gate_up_proj") is None:
+            if layer.sandwich or m.get("gate_up_proj") is None:
                 return None
-            projections = [_q4x8(p, tokens) for p in (a["qkv_proj"], a["o_proj"], m["gate_up_proj"], m["down_proj"])]
+            qkv = ("qkv_proj",) if a.get("qkv_proj") is not None else ("q_proj", "k_proj", "v_proj")
+            projections = [_stackable(a[n], tokens) for n in qkv] + [
+                _stackable(p, tokens) for p in (a["o_proj"], m["gate_up_proj"], m["down_proj"])]
             if None in projections:
                 return None
-            qkv, o, gate_up, down = projections
+            *qkv, o, gate_up, down = projections
+            q, k, v = qkv if len(qkv) == 3 else (qkv[0], None, None)
             qn, kn = (a["q_norm"]._parameters["weight"], a["k_norm"]._parameters["weight"]) if attn.qk_norm else (None, None)
-            weights += stack_op.layer_weights(mods["input_layernorm"]._parameters["weight"], qkv, qn, kn, o,
-                                              mods["post_attention_layernorm"]._parameters["weight"], gate_up, down)
-        return weights
+            w, kind = stack_op.layer_weights(mods["input_layernorm"]._parameters["weight"], q, k, v, qn, kn, o,
+                                             mods["post_attention_layernorm"]._parameters["weight"], gate_up, down)
+            weights += w
+            kinds += kind
+        return weights, kinds
 
     def _mask(self, kind: str, positions: torch.Tensor, kv_len: int) -> torch.Tensor | None:
         window = self.config.sliding_window if kind == "sliding_attention" else None
@@ -544,14 +550,12 @@ class Decoder(nn.Module):
         return mask  # [B, 1, T, kv_len]
 
 
-def _q4x8(m: nn.Module, tokens: int) -> Q4x8Linear | None:
-    """The q4x8 module that runs `m` for calls with `tokens` tokens per sequence (a SplitLinear's half), if any,
-    on the 'auto' path (what kernels/stack.py calls)."""
-    if not isinstance(m, Q4x8Linear):
-        if not hasattr(type(m), "module_for"):  # (on the class: a module's own getattr miss raises, slowly)
-            return None
+def _stackable(m: nn.Module, tokens: int) -> nn.Module | None:
+    """The module that runs `m` for calls with `tokens` tokens per sequence (a SplitLinear's half), if
+    kernels/stack.py's loop can call it (kernel_of: q4x8, q6k, q8_0 on the 'auto' path)."""
+    if hasattr(type(m), "module_for"):  # (on the class: a module's own getattr miss raises, slowly)
         m = m.module_for(tokens)
-    return m if isinstance(m, Q4x8Linear) and m.path == "auto" else None
+    return stack_op.kernel_of(m)
 
 
 def _dims(m: nn.Module) -> tuple[int, int]:

@@ -1,9 +1,11 @@
 // The decoder's layer loop as one torch operator (torch.ops.draftwise_stack.layers): every layer of a
-// pre-norm decoder whose projections are q4x8 and whose glue and attention are our ops, in one call from Python.
+// pre-norm decoder whose projections are our row-exact kernels (q4x8, q6k, q8_0: each projection its own, as a
+// faithful plan mixes them) and whose glue and attention are our ops, in one call from Python.
 //
 // Owns: the order of the per-layer calls, which is transformer.py's fused path (DecoderLayer / Attention / MLP
 // with merged q/k/v and gate/up, `num_tokens` given) call for call, on the same registered operators
-// (draftwise_q4x8::linear, draftwise_glue::*, draftwise_attn::decode) with the same arguments, views and
+// (draftwise_q4x8::linear / draftwise_q6k::linear / draftwise_q8_0::linear, draftwise_glue::*,
+// draftwise_attn::decode) with the same arguments, views and
 // shapes — so its output is bitwise the Python loop's (tests/test_kernels_stack.py checks that). What it saves
 // is the Python between those calls (module dispatch, argument parsing, views), during which the other core sat
 // idle: 3-8 ms of a 1- or 9-row forward of the 1.5B on 2 cores (docs/ARCHITECTURE.md, Kernels).
@@ -12,12 +14,15 @@
 //
 // The weights arrive as one flat list, WEIGHTS_PER_LAYER entries per layer in Slot order (defined below, only here;
 // kernels/stack.py builds the list and takes the count from weights_per_layer()); optional entries (biases, q/k
-// norms) may be None.
+// norms, a kind's unused entries, the separate k / v projections of a merged q|k|v) may be None. Each projection's
+// kernel arrives in `kinds`, KINDS_PER_LAYER per layer in Proj order (Kind ids; kernels/stack.py reads the names
+// from linear_kinds()).
 #include <torch/library.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/add.h>
 #include <optional>
+#include <string>
 #include <tuple>
 #include <vector>
 
@@ -25,12 +30,21 @@ namespace {
 
 // The flat list's layout, the one definition of it: kernels/stack.py reads the count (weights_per_layer, SLOTS
 // there) and builds each layer's entries in this order; every offset follows from the one before it.
-constexpr int64_t LINEAR = 6;  // a q4x8 projection's entries: packed, sc, mn, d, dmin, bias (Q4x8Linear's buffers)
+// A projection's entries, by its kind (its module's buffers; unused entries None, the bias always last):
+//   q4x8: packed, sc, mn, d, dmin, bias    q6k: ql, qh, sc, d, -, bias    q8_0: qw, d, -, -, -, bias
+constexpr int64_t LINEAR = 6;
+
+enum Kind : int64_t { ABSENT = -1, Q4X8 = 0, Q6K = 1, Q8_0 = 2, NUM_KINDS = 3 };
+const char* const KIND_NAMES[NUM_KINDS] = {"q4x8", "q6k", "q8_0"};  // kernels/linear.py's registry names
+
+enum Proj : int64_t { P_QKV = 0, P_K, P_V, P_O, P_GATE_UP, P_DOWN, KINDS_PER_LAYER };
 
 enum Slot : int64_t {
     IN_NORM = 0,                      // input_layernorm.weight [hidden]
-    QKV = IN_NORM + 1,                // the merged q|k|v projection (LINEAR entries)
-    Q_NORM = QKV + LINEAR,            // per-head q / k norm weights [head_dim] (qwen3), or None
+    QKV = IN_NORM + 1,                // the merged q|k|v projection, or q_proj where they are separate (LINEAR)
+    K_PROJ = QKV + LINEAR,            // k_proj and v_proj where q/k/v are separate (kinds differ), else ABSENT
+    V_PROJ = K_PROJ + LINEAR,
+    Q_NORM = V_PROJ + LINEAR,         // per-head q / k norm weights [head_dim] (qwen3), or None
     K_NORM = Q_NORM + 1,
     O = K_NORM + 1,                   // o_proj
     POST_NORM = O + LINEAR,           // post_attention_layernorm.weight (the pre-MLP norm)
@@ -42,6 +56,9 @@ enum Slot : int64_t {
 using OptT = std::optional<at::Tensor>;
 using LinearFn = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                             const at::Tensor&, const at::Tensor&, const OptT&, int64_t, int64_t);
+using Q6KFn = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                         const at::Tensor&, const OptT&, int64_t, int64_t);
+using Q80Fn = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const OptT&, int64_t, int64_t);
 using NormFn = at::Tensor(const at::Tensor&, const at::Tensor&, double, double);
 using AddNormFn = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&, double,
                                                      double);
@@ -61,6 +78,8 @@ c10::TypedOperatorHandle<Fn> op(const char* name) {
 
 struct Ops {  // the registered operators, resolved once (all live in this library)
     c10::TypedOperatorHandle<LinearFn> linear = op<LinearFn>("draftwise_q4x8::linear");
+    c10::TypedOperatorHandle<Q6KFn> q6k = op<Q6KFn>("draftwise_q6k::linear");
+    c10::TypedOperatorHandle<Q80Fn> q8_0 = op<Q80Fn>("draftwise_q8_0::linear");
     c10::TypedOperatorHandle<NormFn> rms_norm = op<NormFn>("draftwise_glue::rms_norm");
     c10::TypedOperatorHandle<AddNormFn> add_rms_norm = op<AddNormFn>("draftwise_glue::add_rms_norm");
     c10::TypedOperatorHandle<RopeCacheFn> rope_qk_cache = op<RopeCacheFn>("draftwise_glue::rope_qk_cache");
@@ -82,12 +101,27 @@ at::Tensor w_at(const c10::List<OptT>& w, int64_t i) {
 
 OptT opt(const c10::List<OptT>& w, int64_t i) { return w.get(i); }
 
-// Q4x8Linear.forward: x [B, T, K] -> [B, T, N] (x.reshape(-1, K) is contiguous float32 at every call site here)
-at::Tensor linear(const c10::List<OptT>& w, int64_t at_, const at::Tensor& x, int64_t N) {
+// Q4x8Linear.forward / Q6KLinear / Q80Linear (_BlockLinear.forward), path auto: x [B, T, K] -> [B, T, N]
+// (x.reshape(-1, K) is contiguous float32 at every call site here)
+at::Tensor linear(const c10::List<OptT>& w, int64_t at_, int64_t kind, const at::Tensor& x, int64_t N) {
     const at::Tensor x2 = x.reshape({-1, x.size(-1)});
     TORCH_CHECK(x2.is_contiguous() && x2.scalar_type() == at::kFloat, "stack: a projection's input must be float32");
-    at::Tensor y = ops().linear.call(x2, w_at(w, at_), w_at(w, at_ + 1), w_at(w, at_ + 2), w_at(w, at_ + 3),
-                                     w_at(w, at_ + 4), opt(w, at_ + 5), N, -1);
+    const Ops& o = ops();
+    at::Tensor y;
+    switch (kind) {
+        case Q4X8:
+            y = o.linear.call(x2, w_at(w, at_), w_at(w, at_ + 1), w_at(w, at_ + 2), w_at(w, at_ + 3), w_at(w, at_ + 4),
+                              opt(w, at_ + 5), N, -1);
+            break;
+        case Q6K:
+            y = o.q6k.call(x2, w_at(w, at_), w_at(w, at_ + 1), w_at(w, at_ + 2), w_at(w, at_ + 3), opt(w, at_ + 5), N, -1);
+            break;
+        case Q8_0:
+            y = o.q8_0.call(x2, w_at(w, at_), w_at(w, at_ + 1), opt(w, at_ + 5), N, -1);
+            break;
+        default:
+            TORCH_CHECK(false, "stack: projection kind ", kind, " at weight ", at_, " is not one of 0..", NUM_KINDS - 1);
+    }
     return y.view({x.size(0), x.size(1), N});
 }
 
@@ -97,11 +131,12 @@ at::Tensor linear(const c10::List<OptT>& w, int64_t at_, const at::Tensor& x, in
 // windows: each layer's sliding window (0: none); dims = (num_heads, num_kv_heads, head_dim, intermediate,
 // activation: 0 silu / 1 gelu tanh); norm = (eps, offset) of the layer norms; qk_norm = (eps, offset) of the
 // q / k norms; scale: the attention's softmax scale; ancestors: a token tree's [B, T] masks (draftwise_attn::tree),
-// or none (the chunk is causal).
+// or none (the chunk is causal); kinds: KINDS_PER_LAYER per layer (Proj order), each projection's Kind (P_K and
+// P_V ABSENT where q/k/v are merged).
 at::Tensor layers(const at::Tensor& x_in, const c10::List<OptT>& weights, at::TensorList keys, at::TensorList values,
                   at::TensorList cos, at::TensorList sin, const at::Tensor& tables, const at::Tensor& positions,
                   at::IntArrayRef num_tokens, at::IntArrayRef windows, at::IntArrayRef dims, at::ArrayRef<double> norm,
-                  at::ArrayRef<double> qk_norm, double scale, const OptT& ancestors) {
+                  at::ArrayRef<double> qk_norm, double scale, const OptT& ancestors, at::IntArrayRef kinds) {
     const int64_t L = (int64_t)keys.size();
     TORCH_CHECK(x_in.dim() == 3 && x_in.scalar_type() == at::kFloat, "stack: x must be [B, T, hidden] float32");
     TORCH_CHECK((int64_t)weights.size() == L * WEIGHTS_PER_LAYER, "stack: ", weights.size(), " weights for ", L,
@@ -109,6 +144,15 @@ at::Tensor layers(const at::Tensor& x_in, const c10::List<OptT>& weights, at::Te
     TORCH_CHECK((int64_t)values.size() == L && (int64_t)cos.size() == L && (int64_t)sin.size() == L &&
                     (int64_t)windows.size() == L, "stack: keys, values, cos, sin and windows need one entry per layer");
     TORCH_CHECK(dims.size() == 5 && norm.size() == 2 && qk_norm.size() == 2, "stack: dims (5), norm (2), qk_norm (2)");
+    TORCH_CHECK((int64_t)kinds.size() == L * KINDS_PER_LAYER, "stack: ", kinds.size(), " projection kinds for ", L,
+                " layers (", KINDS_PER_LAYER, " each)");
+    for (int64_t l = 0; l < L; ++l) {
+        const int64_t* k = kinds.data() + l * KINDS_PER_LAYER;
+        TORCH_CHECK((k[P_K] == ABSENT) == (k[P_V] == ABSENT), "stack: layer ", l, ": k_proj and v_proj come together");
+        for (int64_t p = 0; p < KINDS_PER_LAYER; ++p)
+            TORCH_CHECK((k[p] == ABSENT && (p == P_K || p == P_V)) || (k[p] >= 0 && k[p] < NUM_KINDS), "stack: layer ",
+                        l, ": projection ", p, " has kind ", k[p]);
+    }
     const int64_t H = dims[0], Hkv = dims[1], D = dims[2], I = dims[3], act = dims[4];
     const int64_t B = x_in.size(0), T = x_in.size(1), hidden = x_in.size(2);
     const int64_t Nq = H * D, Nkv = Hkv * D;
@@ -116,10 +160,17 @@ at::Tensor layers(const at::Tensor& x_in, const c10::List<OptT>& weights, at::Te
     at::Tensor x = x_in;
     for (int64_t l = 0; l < L; ++l) {
         const int64_t base = l * WEIGHTS_PER_LAYER;
-        // Attention (transformer.py Attention.forward, fused, merged q/k/v)
+        const int64_t* kind = kinds.data() + l * KINDS_PER_LAYER;
+        // Attention (transformer.py Attention.forward, fused; q/k/v merged, or three calls q, k, v where not)
         const at::Tensor h = o.rms_norm.call(x, w_at(weights, base + IN_NORM), norm[0], norm[1]);
-        const at::Tensor qkv = linear(weights, base + QKV, h, Nq + 2 * Nkv);
-        const auto parts = qkv.split_with_sizes({Nq, Nkv, Nkv}, -1);
+        std::vector<at::Tensor> parts;
+        if (kind[P_K] == ABSENT) {
+            parts = linear(weights, base + QKV, kind[P_QKV], h, Nq + 2 * Nkv).split_with_sizes({Nq, Nkv, Nkv}, -1);
+        } else {
+            parts.push_back(linear(weights, base + QKV, kind[P_QKV], h, Nq));
+            parts.push_back(linear(weights, base + K_PROJ, kind[P_K], h, Nkv));
+            parts.push_back(linear(weights, base + V_PROJ, kind[P_V], h, Nkv));
+        }
         at::Tensor q = o.rope_qk_cache.call(parts[0], parts[1], parts[2], cos[l], sin[l], D, opt(weights, base + Q_NORM),
                                             opt(weights, base + K_NORM), qk_norm[0], qk_norm[1], keys[l], values[l],
                                             tables, positions);
@@ -128,11 +179,11 @@ at::Tensor layers(const at::Tensor& x_in, const c10::List<OptT>& weights, at::Te
             ancestors.has_value()
                 ? o.attend_tree.call(q, keys[l], values[l], tables, positions, num_tokens, *ancestors, scale, windows[l], -1)
                 : o.attend.call(q, keys[l], values[l], tables, positions, num_tokens, scale, windows[l], -1);
-        const at::Tensor a = linear(weights, base + O, att.transpose(1, 2).reshape({B, T, -1}), hidden);
+        const at::Tensor a = linear(weights, base + O, kind[P_O], att.transpose(1, 2).reshape({B, T, -1}), hidden);
         // DecoderLayer.forward (fused): x, h = add_rms_norm(x, a); x = x + mlp(h)
         auto [xs, hn] = o.add_rms_norm.call(x, a, w_at(weights, base + POST_NORM), norm[0], norm[1]);
-        const at::Tensor gu = linear(weights, base + GATE_UP, hn, 2 * I);
-        const at::Tensor m = linear(weights, base + DOWN, o.glu.call(gu, OptT(), act), hidden);
+        const at::Tensor gu = linear(weights, base + GATE_UP, kind[P_GATE_UP], hn, 2 * I);
+        const at::Tensor m = linear(weights, base + DOWN, kind[P_DOWN], o.glu.call(gu, OptT(), act), hidden);
         x = at::add(xs, m);
     }
     return x;
@@ -143,8 +194,12 @@ at::Tensor layers(const at::Tensor& x_in, const c10::List<OptT>& weights, at::Te
 TORCH_LIBRARY(draftwise_stack, m) {
     m.def("layers(Tensor x, Tensor?[] weights, Tensor(a!)[] keys, Tensor(b!)[] values, Tensor[] cos, Tensor[] sin, "
           "Tensor tables, Tensor positions, int[] num_tokens, int[] windows, int[] dims, float[] norm, "
-          "float[] qk_norm, float scale, Tensor? ancestors=None) -> Tensor");
+          "float[] qk_norm, float scale, Tensor? ancestors, int[] kinds) -> Tensor");
     m.def("weights_per_layer() -> int", []() -> int64_t { return WEIGHTS_PER_LAYER; });
+    m.def("kinds_per_layer() -> int", []() -> int64_t { return KINDS_PER_LAYER; });
+    m.def("linear_kinds() -> str[]", []() {  // Kind ids 0.. in order: kernels/stack.py maps modules to them
+        return std::vector<std::string>(KIND_NAMES, KIND_NAMES + NUM_KINDS);
+    });
 }
 
 TORCH_LIBRARY_IMPL(draftwise_stack, CPU, m) { m.impl("layers", &layers); }
