@@ -129,7 +129,7 @@ def _fails_to_load():
 
 def test_a_load_failure_in_the_child_names_its_cause():
     with pytest.raises(ConfigError, match="could not load the model: RuntimeError: no such checkpoint"):
-        EngineProcess(_fails_to_load)
+        EngineProcess(_fails_to_load).front  # the constructor returns at once; the front waits for the load
 
 
 PARENT = """

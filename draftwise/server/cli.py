@@ -82,15 +82,17 @@ def cmd_serve(args) -> int:
         return vllm.serve(args, resolve_api_key(args.api_key, os.environ))
     if args.vllm_args:
         raise ConfigError(f"arguments after `--` ({' '.join(args.vllm_args)}) are for --engine vllm")
-    from draftwise.server.app import create_app
     from draftwise.server.engine_host import EngineProcess
+
+    # the engine in its own process: it loads the model there and steps it without sharing a GIL with HTTP;
+    # started first, so its imports and loading overlap this process's
+    engine = EngineProcess(functools.partial(llm_from_args, args))
+    from draftwise.server.app import create_app
     from draftwise.server.guard import LOOPBACK_HOSTS
     from draftwise.server.shutdown import serve
 
     api_key = resolve_api_key(args.api_key, os.environ)
-    # the engine in its own process: it loads the model there and steps it without sharing a GIL with HTTP
-    engine = EngineProcess(functools.partial(llm_from_args, args))
-    llm = engine.front
+    llm = engine.front  # waits for the model
     limits = L.RequestLimits(max_stop_strings=args.max_stop_strings, max_stop_length=args.max_stop_length,
                              max_stop_token_ids=args.max_stop_token_ids, max_prompt_chars=args.max_prompt_chars,
                              max_json_depth=args.max_json_depth)

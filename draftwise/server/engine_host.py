@@ -291,7 +291,8 @@ class EngineThread:
 
 class EngineProcess:
     """serve_engine in a child process that builds its LLM with `factory()` (picklable: a module-level function or
-    a functools.partial of one). Blocks until the model is loaded; ConfigError when the child fails to load it."""
+    a functools.partial of one). The constructor starts it and returns (the caller may import and build the app
+    meanwhile); `front` waits until the model is loaded: ConfigError when the child fails to load it."""
 
     in_process = False
 
@@ -300,12 +301,23 @@ class EngineProcess:
         self.conn, their_end = ctx.Pipe()
         self.process = ctx.Process(target=_child_main, args=(their_end, factory, os.getpid()),
                                    name="draftwise-engine", daemon=True)
-        t0 = time.perf_counter()
+        self._t0 = time.perf_counter()
         self.process.start()
         their_end.close()  # ours is gone: the child's end of file when we die is the pipe's
-        if start_timeout_s is not None and not self.conn.poll(start_timeout_s):
+        self.start_timeout_s = start_timeout_s
+        self._front: EngineFront | None = None
+        self.start_s: float | None = None  # from spawning to the model loaded and ready
+
+    @property
+    def front(self) -> EngineFront:
+        if self._front is None:
+            self._front = self._wait_ready()
+        return self._front
+
+    def _wait_ready(self) -> EngineFront:
+        if self.start_timeout_s is not None and not self.conn.poll(self.start_timeout_s):
             self.kill()
-            raise ConfigError(f"the engine process did not load the model within {start_timeout_s:g} s")
+            raise ConfigError(f"the engine process did not load the model within {self.start_timeout_s:g} s")
         try:
             msg = self.conn.recv()
         except (EOFError, OSError):
@@ -315,8 +327,8 @@ class EngineProcess:
         if msg[0] != "ready":
             self.process.join(5)
             raise ConfigError(f"the engine process could not load the model: {msg[1]}")
-        self.front = EngineFront(**msg[1])
-        self.start_s = time.perf_counter() - t0
+        self.start_s = time.perf_counter() - self._t0
+        return EngineFront(**msg[1])
 
     @property
     def pid(self) -> int:
