@@ -108,6 +108,22 @@ class Server:
                 self.proc.wait()
 
 
+def cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) a process has used so far (Linux /proc; 0.0 elsewhere)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return 0.0
+
+
+def children(pid: int) -> list[int]:
+    try:
+        return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except (OSError, ValueError):
+        return []
+
+
 def body(prompt: str, max_tokens: int, stream: bool) -> dict:
     b = {"model": "bench", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True}
     if stream:
@@ -223,6 +239,8 @@ def main(argv=None) -> int:
             for stream in (False, True):
                 asyncio.run(server_run(server.url, PROMPTS[:max(concs)], args.max_tokens, stream, "warm-up"))
             m0 = server.metrics()
+            engine_pids = children(server.proc.pid)  # the engine process(es) the server spawned
+            cpu0 = [cpu_s(server.proc.pid)] + [cpu_s(p) for p in engine_pids]
             llm.engine.step = counted_step
             for c in concs:
                 prompts = PROMPTS[:c]
@@ -253,6 +271,9 @@ def main(argv=None) -> int:
                     print(f"{method:7} {c:>4} {mode:10} {lib_tps:>13.2f} {srv_tps:>12.2f} {srv_tps / lib_tps:>6.3f} "
                           f"{'yes' if same[stream] else 'NO'}", flush=True)
             m1 = server.metrics()
+            cpu1 = [cpu_s(server.proc.pid)] + [cpu_s(p) for p in engine_pids]
+            print(f"  {method}: CPU s during the measured rows: server process {cpu1[0] - cpu0[0]:.1f}, engine "
+                  f"process {sum(cpu1[1:]) - sum(cpu0[1:]):.1f}", flush=True)
             step_s, steps = (a - b for a, b in zip(metric_sum(m1, "engine_step_seconds"),
                                                    metric_sum(m0, "engine_step_seconds")))
             over_s, overs = (a - b for a, b in zip(metric_sum(m1, "engine_overhead_seconds"),

@@ -242,7 +242,9 @@ class _Ctx:
         except BaseException:
             self._abort(rids)
             raise
-        for ev in early:
+        # the early outputs go back in front of whatever arrived after the last admission (order is text order)
+        later = [q.get_nowait() for _ in range(q.qsize())]
+        for ev in early + later:
             q.put_nowait(ev)
         fmt = protocol.ResponseFormat(chat, self.name, self._token_text)
         choices = [_Choice(i, choice) for i in range(len(prepared))]

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import queue
 import sys
 import threading
 import time
@@ -81,7 +82,10 @@ class EngineRunner:
         self._pump = threading.Thread(target=self._run, name="draftwise-pump", daemon=True)
         self.last_error: str | None = None
         self._lock = threading.RLock()  # guards admission, _sinks, _in_flight, _outbox and _closed
-        self._send_lock = threading.Lock()  # one writer on the pipe at a time
+        # commands go down the pipe from their own thread: neither the event loop nor the pump ever blocks on a
+        # full pipe (the pump blocking while the engine blocks sending it a step would deadlock both)
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._sender = threading.Thread(target=self._send_loop, name="draftwise-commands", daemon=True)
         # requests wait here (per API key, round-robin) until the engine has a free slot: the engine's own queue
         # stays empty, so the order requests start in is this one's
         self.admission = FairAdmission(self.front.max_num_seqs, max_waiting, max_queued_per_key, max_running_per_key)
@@ -97,12 +101,14 @@ class EngineRunner:
         if self.host.in_process:
             sys.setswitchinterval(ENGINE_SWITCH_INTERVAL_S)
         self.host.start()
+        self._sender.start()
         self._pump.start()
 
     def stop(self, timeout: float = 10.0) -> None:
         """Tell the engine to stop, and wait for it and the pump (a child process is killed after `timeout`)."""
         self._stopping = True
         self._send(("stop",))
+        self._commands.put(None)
         if self._pump.is_alive():
             self._pump.join(timeout)
         self.host.join(timeout)
@@ -216,13 +222,19 @@ class EngineRunner:
         self._in_flight -= 1
         self.admission.finished(sink.key, slot_s)
 
-    def _send(self, msg) -> bool:
-        with self._send_lock:
+    def _send(self, msg) -> None:
+        """Queue a command for the engine (any thread; never blocks)."""
+        self._commands.put(msg)
+
+    def _send_loop(self) -> None:
+        while True:
+            msg = self._commands.get()
+            if msg is None:
+                return
             try:
                 self._conn.send(msg)
-                return True
             except (OSError, ValueError):  # the engine is gone (the pump sees its end of file)
-                return False
+                pass
 
     # ---- admission (any thread) -------------------------------------------------------------------
     def _engine_has_room(self) -> bool:
