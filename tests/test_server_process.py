@@ -170,3 +170,29 @@ def test_the_child_dies_with_its_parent(tmp_path):
     finally:
         if parent.poll() is None:
             parent.kill()
+
+
+@pytest.mark.integration
+def test_packaged_model_through_the_process_equals_the_library():
+    """The packaged 0.5B with n-gram speculation: `draftwise serve`'s engine process gives the library's tokens."""
+    from draftwise.api import LLM
+
+    model, spec = "qwen2.5-coder-0.5b-instruct", {"method": "ngram", "num_speculative_tokens": 3}
+    kw = dict(speculative_config=spec, max_num_seqs=4, max_model_len=2048)
+    engine = EngineProcess(functools.partial(LLM, model, **kw))
+    prompts = ["def fib(n):\n", "# a stack class in Python\nclass Stack:\n"]
+    want = [o.outputs[0].text for o in LLM(model, **kw).generate(
+        prompts, SamplingParams(max_tokens=32, temperature=0, ignore_eos=True))]
+    with Server(create_app(engine, model)) as s:
+        for stream in (False, True):
+            got = []
+            for p in prompts:
+                body = {"model": model, "prompt": p, "max_tokens": 32, "temperature": 0,
+                        "extra_body": {"ignore_eos": True}}
+                if stream:
+                    chunks = s.client().completions.create(**body, stream=True)
+                    got.append("".join(c.choices[0].text for c in chunks if c.choices))
+                else:
+                    got.append(s.client().completions.create(**body).choices[0].text)
+            assert got == want
+    engine.join(10)
