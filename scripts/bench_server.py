@@ -202,8 +202,13 @@ def main(argv=None) -> int:
     ap.add_argument("--load-timeout", type=float, default=300.0, help="seconds the server may take to load")
     ap.add_argument("--serve-arg", dest="serve_args", action="append", default=[],
                     help="extra `draftwise serve` argument (repeatable, e.g. --serve-arg=--no-thread-guard)")
+    ap.add_argument("--no-thread-guard", action="store_true",
+                    help="both paths keep their torch threads whatever the load (each path's thread guard counts the "
+                         "other's engine as load: on a busy machine they can settle on different thread counts)")
     ap.add_argument("--json", default=None, help="also write the rows to this JSON file")
     args = ap.parse_args(argv)
+    if args.no_thread_guard:
+        args.serve_args = [*args.serve_args, "--no-thread-guard"]
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     bad = [m for m in methods if m not in METHODS]
     if bad:
@@ -220,7 +225,7 @@ def main(argv=None) -> int:
     for method in methods:
         spec = METHODS[method]
         llm = LLM(args.model, speculative_config=spec, max_num_seqs=args.max_num_seqs, threads=args.threads,
-                  max_model_len=args.max_model_len,
+                  max_model_len=args.max_model_len, thread_guard=not args.no_thread_guard,
                   **({"weights": args.weights} if args.weights else {}))
         lib_steps = {"n": 0, "s": 0.0}  # the library's steps after the warm-up, and their time
         inner = llm.engine.step
