@@ -6,7 +6,10 @@ Rows: each method (plain, ngram, suffix) x concurrency (1, 4) x {not streamed, s
 first c prompts at once; the library runs the same c prompts as one batched `LLM.generate`. tok/s = all output
 tokens / wall from the first request sent to the last byte received. Each row is measured --repeats times,
 library and server interleaved (so machine noise hits both), and the median is printed; the first request of each
-kind is a warm-up, not counted. Every server output is compared with the library's (greedy: they must be equal;
+kind is a warm-up, not counted. Each measurement (each path, row and repeat) runs under its own cache scope -- a
+fresh API key on the server (`--suffix-cache-scope key`), the same scope set on the library's requests -- so method
+suffix starts every measurement from an empty cache on both paths (its cache learns from outputs: without this
+the path measured second would find the first one's text). Every server output is compared with the library's (greedy: they must be equal;
 the `same` column says so).
 
     .venv/bin/python scripts/bench_server.py                      # packaged 1.5B, 128 tokens, all rows
@@ -105,6 +108,22 @@ class Server:
                 self.proc.wait()
 
 
+def cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) a process has used so far (Linux /proc; 0.0 elsewhere)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return 0.0
+
+
+def children(pid: int) -> list[int]:
+    try:
+        return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except (OSError, ValueError):
+        return []
+
+
 def body(prompt: str, max_tokens: int, stream: bool) -> dict:
     b = {"model": "bench", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True}
     if stream:
@@ -135,21 +154,28 @@ async def one(client: httpx.AsyncClient, prompt: str, max_tokens: int, stream: b
     return "".join(parts), tokens
 
 
-async def server_run(url: str, prompts: list[str], max_tokens: int, stream: bool) -> tuple[float, int, list[str]]:
-    """(wall s, output tokens, texts) of the prompts sent at once."""
-    async with httpx.AsyncClient(base_url=url, timeout=600) as client:
+async def server_run(url: str, prompts: list[str], max_tokens: int, stream: bool,
+                     scope: str) -> tuple[float, int, list[str]]:
+    """(wall s, output tokens, texts) of the prompts sent at once under API key `scope` (its own suffix cache)."""
+    headers = {"Authorization": f"Bearer {scope}"}
+    async with httpx.AsyncClient(base_url=url, timeout=600, headers=headers) as client:
         t0 = time.perf_counter()
         res = await asyncio.gather(*(one(client, p, max_tokens, stream) for p in prompts))
         wall = time.perf_counter() - t0
     return wall, sum(n for _, n in res), [t for t, _ in res]
 
 
-def library_run(llm, prompts: list[str], max_tokens: int) -> tuple[float, int, list[str]]:
+def library_run(llm, prompts: list[str], max_tokens: int, scope: str) -> tuple[float, int, list[str]]:
+    """What `LLM.generate` does (the prompts as one batch), its requests under cache scope `scope`."""
     from draftwise.sampling import SamplingParams
 
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     t0 = time.perf_counter()
-    outs = llm.generate(prompts, params)
+    pairs = [llm.new_request(p, params) for p in prompts]
+    for req, _ in pairs:
+        req.cache_scope = scope
+    llm.run([req for req, _ in pairs])
+    outs = [llm._finish_output(req, stream) for req, stream in pairs]
     wall = time.perf_counter() - t0
     return wall, sum(len(o.outputs[0].token_ids) for o in outs), [o.outputs[0].text for o in outs]
 
@@ -176,8 +202,13 @@ def main(argv=None) -> int:
     ap.add_argument("--load-timeout", type=float, default=300.0, help="seconds the server may take to load")
     ap.add_argument("--serve-arg", dest="serve_args", action="append", default=[],
                     help="extra `draftwise serve` argument (repeatable, e.g. --serve-arg=--no-thread-guard)")
+    ap.add_argument("--no-thread-guard", action="store_true",
+                    help="both paths keep their torch threads whatever the load (each path's thread guard counts the "
+                         "other's engine as load: on a busy machine they can settle on different thread counts)")
     ap.add_argument("--json", default=None, help="also write the rows to this JSON file")
     args = ap.parse_args(argv)
+    if args.no_thread_guard:
+        args.serve_args = [*args.serve_args, "--no-thread-guard"]
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     bad = [m for m in methods if m not in METHODS]
     if bad:
@@ -194,7 +225,7 @@ def main(argv=None) -> int:
     for method in methods:
         spec = METHODS[method]
         llm = LLM(args.model, speculative_config=spec, max_num_seqs=args.max_num_seqs, threads=args.threads,
-                  max_model_len=args.max_model_len,
+                  max_model_len=args.max_model_len, thread_guard=not args.no_thread_guard,
                   **({"weights": args.weights} if args.weights else {}))
         lib_steps = {"n": 0, "s": 0.0}  # the library's steps after the warm-up, and their time
         inner = llm.engine.step
@@ -209,20 +240,24 @@ def main(argv=None) -> int:
         server = Server(args, spec)
         try:
             # warm-up: one request of each kind on each path (kernels, caches, first-request costs)
-            library_run(llm, PROMPTS[:max(concs)], args.max_tokens)
+            library_run(llm, PROMPTS[:max(concs)], args.max_tokens, "warm-up")
             for stream in (False, True):
-                asyncio.run(server_run(server.url, PROMPTS[:max(concs)], args.max_tokens, stream))
+                asyncio.run(server_run(server.url, PROMPTS[:max(concs)], args.max_tokens, stream, "warm-up"))
             m0 = server.metrics()
+            engine_pids = children(server.proc.pid)  # the engine process(es) the server spawned
+            cpu0 = [cpu_s(server.proc.pid)] + [cpu_s(p) for p in engine_pids]
             llm.engine.step = counted_step
             for c in concs:
                 prompts = PROMPTS[:c]
                 lib, srv = [], {False: [], True: []}
                 same = {False: True, True: True}
-                for _ in range(args.repeats):
-                    wall, n, lib_texts = library_run(llm, prompts, args.max_tokens)
+                for rep in range(args.repeats):
+                    scope = f"{method}-c{c}-r{rep}"  # every measurement its own (empty) suffix cache
+                    wall, n, lib_texts = library_run(llm, prompts, args.max_tokens, scope + "-library")
                     lib.append(n / wall)
                     for stream in (False, True):
-                        wall, n, texts = asyncio.run(server_run(server.url, prompts, args.max_tokens, stream))
+                        wall, n, texts = asyncio.run(server_run(server.url, prompts, args.max_tokens, stream,
+                                                                f"{scope}-{'streamed' if stream else 'whole'}"))
                         srv[stream].append(n / wall)
                         if texts != lib_texts and same[stream]:
                             i = next(j for j, (a, b) in enumerate(zip(texts, lib_texts)) if a != b)
@@ -241,6 +276,9 @@ def main(argv=None) -> int:
                     print(f"{method:7} {c:>4} {mode:10} {lib_tps:>13.2f} {srv_tps:>12.2f} {srv_tps / lib_tps:>6.3f} "
                           f"{'yes' if same[stream] else 'NO'}", flush=True)
             m1 = server.metrics()
+            cpu1 = [cpu_s(server.proc.pid)] + [cpu_s(p) for p in engine_pids]
+            print(f"  {method}: CPU s during the measured rows: server process {cpu1[0] - cpu0[0]:.1f}, engine "
+                  f"process {sum(cpu1[1:]) - sum(cpu0[1:]):.1f}", flush=True)
             step_s, steps = (a - b for a, b in zip(metric_sum(m1, "engine_step_seconds"),
                                                    metric_sum(m0, "engine_step_seconds")))
             over_s, overs = (a - b for a, b in zip(metric_sum(m1, "engine_overhead_seconds"),
@@ -248,7 +286,7 @@ def main(argv=None) -> int:
             if steps:
                 print(f"  {method}: library {lib_steps['n']} steps, {1000 * lib_steps['s'] / lib_steps['n']:.2f} ms "
                       f"per llm.step(); server {steps:.0f} steps, {1000 * step_s / steps:.2f} ms per llm.step(), "
-                      f"{1000 * over_s / max(overs, 1):.2f} ms between steps (engine thread)", flush=True)
+                      f"{1000 * over_s / max(overs, 1):.2f} ms between steps (engine process)", flush=True)
         except (httpx.HTTPError, RuntimeError) as e:
             print(f"request failed: {type(e).__name__}: {e}", flush=True)
             ok = False

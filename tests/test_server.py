@@ -161,7 +161,7 @@ def test_still_serving_after_bad_input(server):
 
 def test_internal_error_fails_one_request_not_the_server(server, monkeypatch, caplog):
     """A 500 names a request id and never the exception text; the traceback goes to the server log."""
-    llm = server.app.state.llm
+    llm = server.app.state.front  # to_output runs on the server side of the pipe
 
     def broken(req, text):
         raise RuntimeError("boom")

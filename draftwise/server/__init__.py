@@ -1,5 +1,6 @@
-"""OpenAI-compatible HTTP server over the engine: app.py (routes), runner.py (the engine thread),
-protocol.py (request/response shapes), metrics.py (Prometheus), errors.py (OpenAI error bodies), cli.py.
+"""OpenAI-compatible HTTP server over the engine: app.py (routes), runner.py (admission and the pump),
+engine_host.py (the engine process), protocol.py (request/response shapes), metrics.py (Prometheus), errors.py
+(OpenAI error bodies), cli.py.
 
 `create_app` is imported lazily so that `draftwise --help` does not pay for FastAPI."""
 

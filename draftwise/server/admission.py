@@ -104,7 +104,7 @@ class FairAdmission:
         return 0.0 if st is None else max(0.0, min(EARLY_RETRY_HOLD_MAX_S, st.retry_at - self.clock()))
 
     def _refusal(self, st: KeyState, key: str) -> Refusal | None:
-        # queued items that a free slot takes at once do not count as waiting (the engine thread moves them)
+        # queued items that a free slot takes at once do not count as waiting (the runner moves them)
         free = max(0, self.slots - self.running)
         key_free = free if self.max_running_per_key is None else min(free, self.max_running_per_key - st.running)
         if self.max_queued_per_key is not None and len(st.queue) - max(0, key_free) >= self.max_queued_per_key:

@@ -1,10 +1,11 @@
 """The FastAPI app: OpenAI-compatible routes, SSE streaming, /metrics, /health and OpenAI-shaped errors; the
 playground page at / (static files in server/static/) and what it reads, GET /draftwise/info.
 
-`create_app(llm, served_model_name, api_key=None, max_body_bytes=...)` wraps an already loaded `api.LLM` (the
-server's only way to the engine: new_request, add_request / step / abort, to_output, max_num_seqs), so tests build it
-around a tiny model without uvicorn. The engine runs on its own thread (runner.py); routes only submit,
-await events and format them. Request bodies are decoded, validated (validation.py) and tokenized in a small
+`create_app(engine, served_model_name, api_key=None, max_body_bytes=...)` serves an engine_host.EngineProcess (the
+engine in its own process: `draftwise serve`) or an already loaded `api.LLM`, which then runs on a thread of this
+process (tests build it around a tiny model without uvicorn); both over the same pipe (engine_host.py, runner.py).
+The server side knows the engine only through its EngineFront (tokenizer, limits, spec config); routes only
+submit, await events and format them. Request bodies are decoded, validated (validation.py) and tokenized in a small
 worker pool, never on the event loop, and checked against the context before they are queued; each request
 has a deadline (`request_timeout`); `app.state.drain(timeout)` is the graceful shutdown (shutdown.py calls
 it). Every request first passes guard.py (host, origin, API key, JSON-only bodies). Knows no argv or
@@ -36,6 +37,7 @@ from draftwise.server import protocol, tools, validation
 from draftwise.server.errors import APIError, error_body, error_response, from_api_error
 from draftwise.server.guard import LOOPBACK_HOSTS, Guard, cache_scope
 from draftwise.server.metrics import ServerMetrics
+from draftwise.server.engine_host import EngineProcess, EngineThread
 from draftwise.server.runner import EngineRunner
 from draftwise.server.limits import (DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_WAITING, DEFAULT_REQUEST_TIMEOUT_S,
                                      RequestLimits)
@@ -47,13 +49,15 @@ DISCONNECT_POLL_S = 0.5  # non-streaming requests: how often to check whether th
 PREP_WORKERS = 2  # threads that decode, validate and tokenize request bodies
 
 
-def create_app(llm, served_model_name: str, api_key: str | None = None,
+def create_app(engine, served_model_name: str, api_key: str | None = None,
                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, limits: RequestLimits | None = None,
                max_waiting: int = DEFAULT_MAX_WAITING, request_timeout: float | None = DEFAULT_REQUEST_TIMEOUT_S,
                allowed_hosts=LOOPBACK_HOSTS, allowed_origins=(), suffix_cache_scope: str = "key",
                max_queued_per_key: int | None = None, max_running_per_key: int | None = None) -> FastAPI:
+    host = engine if isinstance(engine, EngineProcess) else EngineThread(engine)
+    llm = host.front  # what this process knows of the engine (never the model itself)
     metrics = ServerMetrics(served_model_name, llm.max_num_seqs, llm.spec_config.k_max)
-    runner = EngineRunner(llm, metrics, max_waiting=max_waiting, max_queued_per_key=max_queued_per_key,
+    runner = EngineRunner(host, metrics, max_waiting=max_waiting, max_queued_per_key=max_queued_per_key,
                           max_running_per_key=max_running_per_key)
     metrics.watch_keys(runner.key_counts)
     pool = ThreadPoolExecutor(PREP_WORKERS, thread_name_prefix="draftwise-prep")
@@ -66,7 +70,8 @@ def create_app(llm, served_model_name: str, api_key: str | None = None,
         pool.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="draftwise", lifespan=lifespan)
-    app.state.runner, app.state.metrics, app.state.llm = runner, metrics, llm
+    app.state.runner, app.state.metrics, app.state.front = runner, metrics, llm
+    app.state.llm = engine if host.in_process else None  # the LLM itself when it runs in this process
     _add_error_handlers(app)
     if allowed_origins:  # CORS is off unless origins are listed
         app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["GET", "POST"],
@@ -95,7 +100,7 @@ def create_app(llm, served_model_name: str, api_key: str | None = None,
     @app.get("/health")
     async def health():
         if not runner.alive:
-            return error_response(503, "the engine thread is not running")
+            return error_response(503, runner.down_message)
         if runner.draining:
             return error_response(503, "the server is shutting down")
         return {"status": "ok"}
@@ -137,7 +142,8 @@ def create_app(llm, served_model_name: str, api_key: str | None = None,
 
 
 class _Ctx:
-    """What the generation routes share: the runner, the served name and response assembly."""
+    """What the generation routes share: the runner, the served name and response assembly (`llm`: the
+    engine_host.EngineFront)."""
 
     def __init__(self, llm, runner: EngineRunner, served_model_name: str, max_body_bytes: int,
                  limits: RequestLimits, request_timeout: float | None, pool: ThreadPoolExecutor, scope_mode: str = "key"):
@@ -236,7 +242,9 @@ class _Ctx:
         except BaseException:
             self._abort(rids)
             raise
-        for ev in early:
+        # the early outputs go back in front of whatever arrived after the last admission (order is text order)
+        later = [q.get_nowait() for _ in range(q.qsize())]
+        for ev in early + later:
             q.put_nowait(ev)
         fmt = protocol.ResponseFormat(chat, self.name, self._token_text)
         choices = [_Choice(i, choice) for i in range(len(prepared))]

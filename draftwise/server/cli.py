@@ -1,13 +1,14 @@
-"""`draftwise serve`: load the model, build the app, run uvicorn.
+"""`draftwise serve`: start the engine process (it loads the model), build the app, run uvicorn.
 
 Owns the serve flags and the one environment read of the server (DRAFTWISE_API_KEY, when --api-key is not
 given); everything below receives plain values.
 """
 from __future__ import annotations
 
+import functools
 import os
 
-from draftwise.cli_args import add_model_args, llm_from_args, plan_lines
+from draftwise.cli_args import add_model_args, llm_from_args
 from draftwise.config import ConfigError
 from draftwise.server import limits as L
 
@@ -81,16 +82,21 @@ def cmd_serve(args) -> int:
         return vllm.serve(args, resolve_api_key(args.api_key, os.environ))
     if args.vllm_args:
         raise ConfigError(f"arguments after `--` ({' '.join(args.vllm_args)}) are for --engine vllm")
+    from draftwise.server.engine_host import EngineProcess
+
+    # the engine in its own process: it loads the model there and steps it without sharing a GIL with HTTP;
+    # started first, so its imports and loading overlap this process's
+    engine = EngineProcess(functools.partial(llm_from_args, args))
     from draftwise.server.app import create_app
     from draftwise.server.guard import LOOPBACK_HOSTS
     from draftwise.server.shutdown import serve
 
     api_key = resolve_api_key(args.api_key, os.environ)
-    llm = llm_from_args(args)
+    llm = engine.front  # waits for the model
     limits = L.RequestLimits(max_stop_strings=args.max_stop_strings, max_stop_length=args.max_stop_length,
                              max_stop_token_ids=args.max_stop_token_ids, max_prompt_chars=args.max_prompt_chars,
                              max_json_depth=args.max_json_depth)
-    app = create_app(llm, args.served_model_name or args.model, api_key=api_key,
+    app = create_app(engine, args.served_model_name or args.model, api_key=api_key,
                      max_body_bytes=args.max_body_bytes, limits=limits, max_waiting=args.max_waiting,
                      request_timeout=args.request_timeout or None,
                      allowed_hosts=allowed_hosts(args.allowed_hosts, args.host, LOOPBACK_HOSTS),
@@ -99,8 +105,9 @@ def cmd_serve(args) -> int:
     spec_config = llm.spec_config
     print(f"draftwise: serving {args.model!r} on http://{args.host}:{args.port}/v1 "
           f"(speculation: {spec_config.method}, max_num_seqs {args.max_num_seqs}, context {llm.max_model_len}, "
-          f"api key {'required' if api_key else 'off'}); loaded in {llm.load_time_s:.1f}s", flush=True)
-    print("\n".join(plan_lines(llm)), flush=True)
+          f"api key {'required' if api_key else 'off'}); loaded in {llm.load_time_s:.1f}s (engine process "
+          f"{engine.pid} ready after {engine.start_s:.1f}s)", flush=True)
+    print("\n".join(llm.plan_lines), flush=True)
     serve(app, args.host, args.port, args.shutdown_timeout, log_level=args.log_level)
     return 0
 

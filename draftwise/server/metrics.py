@@ -2,10 +2,11 @@
 
 Owns one CollectorRegistry per app (so tests can build several apps in one process) with request counts,
 TTFT / E2E / time-per-output-token histograms, prompt and generation token counters, running / waiting
-gauges, free KV slots, the engine thread's time per step in and outside llm.step(), process RSS (ProcessCollector), and the spec-decode counters in the shared stats
+gauges, free KV slots, the engine's time per step in and between llm.step() calls (measured in the engine
+process), the server process's RSS (ProcessCollector), and the spec-decode counters in the shared stats
 vocabulary (num_drafts, num_draft_tokens, num_accepted_tokens, num_forced_tokens, num_accepted_forced_tokens,
 accepted per position), the prefix cache's tokens queried / reused, and per API key (hashed) the admission's
-queue depth, admitted and rejected counts. Fed by the engine thread; knows nothing of
+queue depth, admitted and rejected counts. Fed by the pump thread (runner.py); knows nothing of
 HTTP.
 """
 from __future__ import annotations
@@ -79,7 +80,7 @@ class ServerMetrics:
         self._seen_prefix = {f: 0 for f in self.prefix_counters}
         self._seen_pos: list[int] = []
 
-    # ---- fed by the engine thread -----------------------------------------------------------------
+    # ---- fed by the pump thread -----------------------------------------------------------------
     def on_admitted(self, num_prompt_tokens: int) -> None:
         self.prompt_tokens.inc(num_prompt_tokens)
 

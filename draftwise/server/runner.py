@@ -1,21 +1,23 @@
-"""The engine thread: the one place the server steps the LLM (its engine is not thread safe).
+"""The server's side of the engine: admission, the request shadows, and text and Events for the routes.
 
-The event loop submits requests and aborts through a thread-safe inbox; a single thread drains it between
-steps, runs llm.step() while there is work (blocking on the inbox when idle) and hands each request's text
-deltas to its asyncio.Queue: all Events of one step in one loop.call_soon_threadsafe (one wake-up of the loop
-per step, whatever the number of requests). The GIL switch interval is shortened (ENGINE_SWITCH_INTERVAL_S) so
-the loop thread's work never holds a step back for long. Continuous batching is the engine's: new requests
-join at the next step, finished or aborted ones free their KV slot before the next step. A request's outputs
-of one step become one Event; a request that asked for token provenance (server/provenance.py) gets its
-step's per-token pieces and draft figures on that Event.
+The engine runs elsewhere (engine_host.py: in a child process under `draftwise serve`, or on a thread of this
+process around an LLM already built) and talks over one pipe: requests and aborts go down, one message per engine
+step comes back. A pump thread here blocks on that pipe (without the GIL), applies each step's token ids to the
+requests' shadows (their output ids, and their text through output.TextStream: detokenization and stop strings
+happen here, off the engine's path) and hands each request's text delta to its asyncio.Queue: all Events of one
+step in one loop.call_soon_threadsafe. A request's outputs of one step become one Event; a request that asked for
+token provenance (server/provenance.py) gets its step's per-token pieces and draft figures on that Event.
 
-Admission control lives here too: requests wait in per-API-key queues (admission.py: round-robin, bounded,
-429 with a Retry-After from the key's queue) and enter the engine only when it has a free slot, so the
-engine's own FIFO never reorders them; 503 at once when the engine thread is down or the server is draining;
-every request submitted gets exactly one terminal Event (finished or error), whatever happens to the thread.
-A step that raises is retried once, then fails what is in flight; a request the engine itself finishes with
-finish_reason "error" fails alone. 500s carry a request id, never exception text (the traceback goes to the
-log). Knows no HTTP: routes turn Events into responses.
+Admission control lives here too: requests wait in per-API-key queues (admission.py: round-robin, bounded, 429
+with a Retry-After from the key's queue) and go to the engine only when it has a free slot (`_engine_has_room`),
+so the engine's own FIFO never reorders them; 503 at once when the engine is down or the server is draining;
+every request submitted gets exactly one terminal Event (finished or error), whatever happens to the engine. A
+step that raises is retried once by the engine, then what is in flight fails; a request the engine itself
+finishes with finish_reason "error" fails alone; an engine process that dies fails what is in flight with a 503
+naming how it ended (exit code or signal), and the server stays up answering 503 (/health too) until it is
+restarted (it does not restart the engine itself). Other 500s carry
+a request id, never exception text (the traceback goes to the log). Knows no HTTP: routes turn Events into
+responses.
 """
 from __future__ import annotations
 
@@ -27,8 +29,9 @@ import threading
 import time
 from dataclasses import dataclass
 
-from draftwise.config import ConfigError, ContextLengthError
+from draftwise.config import ConfigError
 from draftwise.server.admission import FairAdmission
+from draftwise.server.engine_host import AddCommand, StepItem
 from draftwise.server.errors import APIError
 from draftwise.server.provenance import TokenProvenance
 
@@ -37,7 +40,7 @@ log = logging.getLogger("draftwise.server")
 
 @dataclass
 class Event:
-    """What the engine thread tells one request: admitted, new text, finished (with the output) or failed."""
+    """What the engine tells one request: admitted, new text, finished (with the output) or failed."""
 
     text: str = ""
     num_new_tokens: int = 0
@@ -55,7 +58,7 @@ class Event:
 class _Sink:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
-    request: object  # engine.Request
+    request: object  # engine.Request: the shadow (its output ids, logprobs and finish are copied from the engine's)
     stream: object  # output.TextStream
     provenance: TokenProvenance | None = None
     index: int = 0  # the sample's index among the request's n (events carry it)
@@ -63,67 +66,83 @@ class _Sink:
     started: float | None = None  # perf_counter() when it got an engine slot (None: still queued)
 
 
-# The engine thread drops the GIL in every kernel call (hundreds per step) and must take it back after each; while
-# the event loop thread holds it (handing a step's events to routes, framing SSE, answering 429s), a waiting thread
-# gets it only when the holder blocks or after this interval. CPython's 5 ms default let the loop stretch steps of
-# the 1.5B by a third under load; 0.5 ms bounds that wait (docs/PERFORMANCE.md, server overhead). Process-wide.
+# With the engine on a thread of this process (EngineThread), it drops the GIL in every kernel call and must take
+# it back after each; CPython's 5 ms default switch interval let the loop thread stretch its steps by a third.
+# 0.5 ms bounds that wait. Not set with the engine in its own process (nothing to share).
 ENGINE_SWITCH_INTERVAL_S = 0.0005
 
 
 class EngineRunner:
-    def __init__(self, llm, metrics, max_waiting: int | None = None, max_queued_per_key: int | None = None,
+    def __init__(self, host, metrics, max_waiting: int | None = None, max_queued_per_key: int | None = None,
                  max_running_per_key: int | None = None):
-        self.llm, self.metrics = llm, metrics
-        self._inbox: queue.Queue = queue.Queue()
-        self._sinks: dict[str, _Sink] = {}  # engine thread only
-        self._thread = threading.Thread(target=self._run, name="draftwise-llm", daemon=True)
+        self.host, self.metrics = host, metrics  # engine_host.EngineProcess / EngineThread
+        self.front = host.front
+        self._conn = host.conn
+        self._sinks: dict[str, _Sink] = {}  # requests the engine has (or was sent), under _lock
+        self._pump = threading.Thread(target=self._run, name="draftwise-pump", daemon=True)
         self.last_error: str | None = None
-        self._lock = threading.Lock()  # guards admission, _in_flight and _closed
+        self._lock = threading.RLock()  # guards admission, _sinks, _in_flight, _outbox and _closed
+        # commands go down the pipe from their own thread: neither the event loop nor the pump ever blocks on a
+        # full pipe (the pump blocking while the engine blocks sending it a step would deadlock both)
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._sender = threading.Thread(target=self._send_loop, name="draftwise-commands", daemon=True)
         # requests wait here (per API key, round-robin) until the engine has a free slot: the engine's own queue
         # stays empty, so the order requests start in is this one's
-        self.admission = FairAdmission(llm.max_num_seqs, max_waiting, max_queued_per_key, max_running_per_key)
+        self.admission = FairAdmission(self.front.max_num_seqs, max_waiting, max_queued_per_key, max_running_per_key)
         self._in_flight = 0  # submitted, no terminal Event yet
-        self._closed = False  # the engine thread has stopped: nothing more is accepted
+        self._closed = False  # the engine has stopped: nothing more is accepted
+        self._stopping = False  # stop() was called: the engine's end is expected
+        self._down_message = "the engine is not running"
         self.draining = False  # shutting down: nothing new is accepted, what is in flight finishes
-        self._step_failures = 0  # consecutive llm.step() exceptions
-        self._outbox: list = []  # engine thread only: (loop, queue, Event) posted, not yet handed over (_flush)
-        self._step_end: float | None = None  # perf_counter() when the last step returned (None: idle since)
+        self._outbox: list = []  # (loop, queue, Event) posted, not yet handed over (_flush)
 
     # ---- event-loop side --------------------------------------------------------------------------
     def start(self) -> None:
-        sys.setswitchinterval(ENGINE_SWITCH_INTERVAL_S)
-        self._thread.start()
+        if self.host.in_process:
+            sys.setswitchinterval(ENGINE_SWITCH_INTERVAL_S)
+        self.host.start()
+        self._sender.start()
+        self._pump.start()
 
     def stop(self, timeout: float = 10.0) -> None:
-        if self._thread.is_alive():
-            self._inbox.put(None)
-            self._thread.join(timeout)
+        """Tell the engine to stop, and wait for it and the pump (a child process is killed after `timeout`)."""
+        self._stopping = True
+        self._send(("stop",))
+        self._commands.put(None)
+        if self._pump.is_alive():
+            self._pump.join(timeout)
+        self.host.join(timeout)
 
     @property
     def alive(self) -> bool:
-        return self._thread.is_alive() and not self._closed
+        return self._pump.is_alive() and not self._closed
+
+    @property
+    def down_message(self) -> str:
+        """Why the engine is not running (how a child process ended, when it did)."""
+        return self._down_message
 
     @property
     def in_flight(self) -> int:
         return self._in_flight
 
     def submit(self, prompt, params, speculate: bool = True, provenance: bool = False) -> tuple[str, asyncio.Queue]:
-        """Queue a request for the engine thread; its first Event says admitted or error. `speculate=False`
-        decodes it plainly; `provenance=True` puts each step's token provenance on its Events."""
+        """Queue a request for the engine; its first Event says admitted or error. `speculate=False` decodes it
+        plainly; `provenance=True` puts each step's token provenance on its Events."""
         return self.enqueue(self.prepare(prompt, params, speculate, provenance))
 
     def prepare(self, prompt, params, speculate: bool = True, provenance: bool = False, scope: str = "") -> tuple:
-        """Tokenize and build the engine request (any thread: the server runs this in its worker pool); `scope`:
+        """Tokenize and build the request's shadow (any thread: the server runs this in its worker pool); `scope`:
         its cache scope (guard.cache_scope)."""
         try:
-            req, stream = self.llm.new_request(prompt, params)
+            req, stream = self.front.new_request(prompt, params)
         except ConfigError as e:
             raise APIError(400, str(e), param=e.param or "prompt") from None
         req.speculate = speculate
         req.cache_scope = scope
         tracker = None
         if provenance:
-            tracker = TokenProvenance(stream, self.llm.spec_config.method if speculate else "none")
+            tracker = TokenProvenance(stream, self.front.spec_config.method if speculate else "none")
             req.on_token = tracker.add
         return req, stream, tracker
 
@@ -147,7 +166,7 @@ class EngineRunner:
                 out, why = dropped
                 self._in_flight -= 1
                 out.loop.call_soon_threadsafe(out.queue.put_nowait, Event(error=_busy(why), index=out.index))
-        self._inbox.put(("wake", None))
+        self._admit()
         return req.request_id, q
 
     def admission_error(self, key: str = "") -> APIError | None:
@@ -166,8 +185,8 @@ class EngineRunner:
             return self.admission.early_retry_hold_s(key)
 
     def _down(self) -> APIError | None:
-        if self._closed or not self._thread.is_alive():
-            return APIError(503, "the engine thread is not running", code="engine_unavailable")
+        if self._closed or not self._pump.is_alive():
+            return APIError(503, self._down_message, code="engine_unavailable")
         if self.draining:
             return APIError(503, "the server is shutting down", code="shutting_down")
         return None
@@ -178,212 +197,236 @@ class EngineRunner:
             return self.admission.counts()
 
     def abort(self, request_id: str) -> None:
-        self._inbox.put(("abort", request_id))
+        """The client is gone (or timed out): free its slot now, or take it out of its queue."""
+        with self._lock:
+            sink = self._sinks.pop(request_id, None)
+            if sink is None:  # still queued, or already finished (the abort raced the last token)
+                queued = self.admission.remove_where(lambda s: s.request.request_id == request_id)
+                if queued is not None:
+                    self._in_flight -= 1
+                return
+            self._release(sink)
+        self._send(("abort", request_id))
+        self.metrics.on_finished("abort", None, None, len(sink.request.output_ids))
+        self._admit()
 
     def fail_all(self, status: int, message: str, code: str | None = None) -> None:
         """End every request in flight with this error (graceful shutdown once its timeout has passed)."""
-        self._inbox.put(("fail_all", APIError(status, message, code=code)))
+        self._fail_everything(APIError(status, message, code=code))
+        self._flush()
 
     def _release(self, sink: _Sink, finished: bool = False) -> None:
         """`sink` (which held an engine slot) is done; `finished`: it ran to its end (its slot time is a measure
-        for Retry-After)."""
+        for Retry-After). Under _lock."""
         slot_s = time.perf_counter() - sink.started if finished and sink.started is not None else None
-        with self._lock:
-            self._in_flight -= 1
-            self.admission.finished(sink.key, slot_s)
+        self._in_flight -= 1
+        self.admission.finished(sink.key, slot_s)
 
-    # ---- engine thread ----------------------------------------------------------------------------
+    def _send(self, msg) -> None:
+        """Queue a command for the engine (any thread; never blocks)."""
+        self._commands.put(msg)
+
+    def _send_loop(self) -> None:
+        while True:
+            msg = self._commands.get()
+            if msg is None:
+                return
+            try:
+                self._conn.send(msg)
+            except (OSError, ValueError):  # the engine is gone (the pump sees its end of file)
+                pass
+
+    # ---- admission (any thread) -------------------------------------------------------------------
+    def _engine_has_room(self) -> bool:
+        """Whether the engine takes one more request now (a free KV slot). The one place admission asks the
+        engine; a paged KV cache would also ask for free blocks here (the step snapshot carries them)."""
+        return len(self._sinks) < self.front.max_num_seqs
+
+    def _admit(self) -> None:
+        """Send queued requests to the engine while it has room, in the admission's (round-robin) order."""
+        while True:
+            with self._lock:
+                if self._closed or not self._engine_has_room():
+                    return
+                nxt = self.admission.pop()
+                if nxt is None:
+                    return
+                sink = nxt[1]
+                req = sink.request
+                self._sinks[req.request_id] = sink
+                cmd = AddCommand(req.request_id, req.prompt_ids, req.params, req.speculate, req.cache_scope,
+                                 req.arrival_time)
+            self._send(("add", cmd))
+
+    # ---- the pump thread ----------------------------------------------------------------------------
     def _run(self) -> None:
         try:
             while True:
-                idle = not self.llm.has_unfinished()
-                if idle:
-                    self._step_end = None  # the wait for work is not overhead
-                go_on = self._drain(block=idle)
-                if go_on:
-                    self._admit()
+                try:
+                    msg = self._conn.recv()
+                except (EOFError, OSError):
+                    if not self._stopping:
+                        self._down_message = self.host.exit_description()
+                        log.error("%s", self._down_message)
+                    return
+                kind = msg[0]
+                if kind == "step":
+                    self._on_step(*msg[1:])
+                elif kind == "added":
+                    self._on_added(msg[1])
+                elif kind == "add_failed":
+                    self._on_add_failed(*msg[1:])
+                elif kind == "status":
+                    self.metrics.sync(msg[1])
+                elif kind == "failed":
+                    self._on_failed(*msg[1:])
+                elif kind == "stopped":
+                    return
+                self._admit()
                 self._flush()
-                if not go_on:
-                    break
-                if self.llm.has_unfinished():
-                    self._step()
-                    self._admit()  # into the slots this step freed, to join the next step
-                    self._flush()
-                self.metrics.sync(self.llm.status())
-        except BaseException:  # the thread ends either way; _close tells every request (503 from now on)
-            log.exception("the engine thread died")
+        except BaseException:  # the pump ends either way; _close tells every request (503 from now on)
+            log.exception("the engine pump died")
         finally:
             self._close()
 
     def _close(self) -> None:
-        """The thread is ending: refuse new work, and give every request still here its terminal Event."""
+        """The engine is gone: refuse new work, and give every request still here its terminal Event."""
         with self._lock:
             self._closed = True
-        gone = APIError(503, "the engine thread stopped", code="engine_unavailable")
-        self._fail_everything(gone)
+        self._fail_everything(APIError(503, "the engine stopped" if self._stopping else self._down_message,
+                                       code="engine_unavailable"))
         self._flush()
 
     def _fail_everything(self, error: APIError) -> None:
-        """End every request, running or queued, with `error`."""
-        for rid in list(self._sinks):
-            self._fail(rid, error)
+        """End every request, running or queued, with `error` (aborting them in the engine)."""
         with self._lock:
+            running = list(self._sinks.values())
+            self._sinks.clear()
+            for sink in running:
+                self._release(sink)
             queued = self.admission.drain_all()
             self._in_flight -= len(queued)
-        for sink in queued:
-            self._post(sink, Event(error=error))
+            for sink in running + queued:
+                self._post(sink, Event(error=error))
+        for sink in running:
+            self.metrics.on_finished("error", None, None, len(sink.request.output_ids))
+            self._send(("abort", sink.request.request_id))
 
-    def _drain(self, block: bool) -> bool:
-        """Handle every queued command; False once asked to stop."""
-        try:
-            item = self._inbox.get(block=block)
-            while item is not None:
-                self._handle(*item)
-                item = self._inbox.get_nowait()
-            return False
-        except queue.Empty:
-            return True
-
-    def _handle(self, kind: str, arg) -> None:
-        if kind == "abort":
-            self._abort(arg)
-        elif kind == "fail_all":
-            self._fail_everything(arg)
-        # "wake": a request was queued; _admit (after the drain) looks
-
-    def _engine_has_room(self) -> bool:
-        """Whether the engine takes one more request now (a free KV slot). The one place admission asks the
-        engine; a paged KV cache would also ask for free blocks here."""
-        return len(self._sinks) < self.llm.max_num_seqs
-
-    def _admit(self) -> None:
-        """Move queued requests into the engine while it has room, in the admission's (round-robin) order."""
-        while self._engine_has_room():
-            with self._lock:
-                nxt = self.admission.pop()
-            if nxt is None:
-                return
-            self._start(nxt[1])
-
-    def _start(self, sink: _Sink) -> None:
-        try:
-            self.llm.add_request(sink.request)
-        except ConfigError as e:
-            too_long = isinstance(e, ContextLengthError)
-            self._release(sink)
-            self._post(sink, Event(error=APIError(400, str(e), param="max_tokens" if too_long else "prompt",
-                                                  code="context_length_exceeded" if too_long else None)))
-            return
-        except Exception:  # a bug must not take the engine thread down
-            rid = sink.request.request_id
-            log.exception("add_request failed (request id %s)", rid)
-            self._release(sink)
-            self._post(sink, Event(error=internal_error(rid)))
-            return
-        sink.started = time.perf_counter()
-        self._sinks[sink.request.request_id] = sink
-        self.metrics.on_admitted(len(sink.request.prompt_ids))
-        self._post(sink, Event(admitted=True))
-
-    def _abort(self, request_id: str) -> None:
-        sink = self._sinks.pop(request_id, None)
-        if sink is None:  # still queued, or already finished (the abort raced the last token)
-            with self._lock:
-                queued = self.admission.remove_where(lambda s: s.request.request_id == request_id)
-                if queued is not None:
-                    self._in_flight -= 1
-            return
-        self._release(sink)
-        self.llm.abort(request_id)
-        self.metrics.on_finished("abort", None, None, len(sink.request.output_ids))
-
-    def _step(self) -> None:
-        t0 = time.perf_counter()
-        if self._step_end is not None:  # since the last step: delivery, commands, metrics
-            self.metrics.overhead_s.observe(t0 - self._step_end)
-        try:
-            outputs = self.llm.step()
-            self._step_end = time.perf_counter()
-            self.metrics.step_s.observe(self._step_end - t0)
-        except Exception as e:  # a bug must not take the server down: retry once, then fail what is in flight
-            self._step_failures += 1
-            self.last_error = f"{type(e).__name__}: {e}"
-            rids = ", ".join(self._sinks) or "none"
-            if self._step_failures == 1:
-                log.exception("engine step failed; retrying once (requests in flight: %s)", rids)
-                return
-            log.exception("engine step failed again; failing the requests in flight: %s", rids)
-            self._step_failures = 0
-            for rid in list(self._sinks):
-                self._fail(rid, internal_error(rid))
-            return
-        self._step_failures = 0
-        by_request: dict[str, list] = {}  # a request admitted this step has two outputs: prefill, first decode
-        for out in outputs:
-            by_request.setdefault(out.request.request_id, []).append(out)
-        for rid, outs in by_request.items():
+    def _on_added(self, rid: str) -> None:
+        with self._lock:
             sink = self._sinks.get(rid)
+            if sink is None:  # aborted before the engine took it (the engine has dropped it too)
+                return
+            sink.started = time.perf_counter()
+            self._post(sink, Event(admitted=True))
+        self.metrics.on_admitted(len(sink.request.prompt_ids))
+
+    def _on_add_failed(self, rid: str, status: int, message: str, param, code) -> None:
+        with self._lock:
+            sink = self._sinks.pop(rid, None)
             if sink is None:
+                return
+            self._release(sink)
+            if status == 500:
+                log.error("the engine could not take request %s: %s", rid, message)
+                self._post(sink, Event(error=internal_error(rid)))
+            else:
+                self._post(sink, Event(error=APIError(status, message, param=param, code=code)))
+
+    def _on_failed(self, rids: list, message: str) -> None:
+        """A step failed twice: the engine dropped these requests."""
+        self.last_error = message
+        log.error("engine step failed again (%s); failing the requests in flight: %s", message,
+                  ", ".join(rids) or "none")
+        for rid in rids:
+            self._fail(rid, internal_error(rid))
+
+    def _on_step(self, step_s: float, gap_s: float | None, items: list[StepItem], snapshot) -> None:
+        self.metrics.step_s.observe(step_s)
+        if gap_s is not None:  # between two steps: commands, the step message, metrics
+            self.metrics.overhead_s.observe(gap_s)
+        for item in items:
+            with self._lock:
+                sink = self._sinks.get(item.request_id)
+            if sink is None:  # aborted: its tokens are nobody's
                 continue
             try:
-                self._deliver(sink, outs)
+                self._deliver(sink, item)
             except Exception:  # e.g. detokenization: fail this request only
-                log.exception("delivering output failed (request id %s)", rid)
-                self._fail(rid, internal_error(rid))
+                log.exception("delivering output failed (request id %s)", item.request_id)
+                self._fail(item.request_id, internal_error(item.request_id))
+        self.metrics.sync(snapshot)
 
-    def _deliver(self, sink: _Sink, outs: list) -> None:
-        """One Event for the request's outputs of this step (their text is one delta: the tokens are all in)."""
-        out = outs[-1]
-        req, n = out.request, sum(len(o.new_token_ids) for o in outs)
+    def _deliver(self, sink: _Sink, item: StepItem) -> None:
+        """Apply a step's tokens to the request's shadow; one Event for them (their text is one delta)."""
+        req, n = sink.request, len(item.new_token_ids)
+        req.output_ids.extend(item.new_token_ids)
+        if req.on_token is not None:
+            for tok in item.new_token_ids:
+                req.on_token(tok)
+        if item.logprobs:
+            req.logprobs.extend(item.logprobs)
+        req.first_token_time = item.first_token_time
         self.metrics.on_tokens(n)
         if n and len(req.output_ids) == n and req.first_token_time is not None:
             self.metrics.on_first_token(req.first_token_time - req.arrival_time)
+        if item.finished:
+            req.finish_reason, req.error, req.finish_time = item.finish_reason, item.error, item.finish_time
+            req.num_cached_tokens = item.num_cached_tokens
+            if item.spec_stats is not None:
+                req.spec_stats = item.spec_stats
         if req.finish_reason == "error":  # the engine failed this request alone (Request.error)
-            log.error("the engine failed request %s: %s", req.request_id, getattr(req, "error", None))
-            self._fail(req.request_id, internal_error(req.request_id))
+            log.error("the engine failed request %s: %s", req.request_id, req.error)
+            self._fail(req.request_id, internal_error(req.request_id), in_engine=False)
             return
         text = sink.stream.delta()
-        lp = req.logprobs[len(req.logprobs) - n:] if req.params.logprobs is not None else None
-        if not out.finished:
+        lp = item.logprobs if req.params.logprobs is not None else None
+        if not item.finished:
             if text or n:
-                self._post(sink, Event(text=text, num_new_tokens=n, provenance=_provenance(sink, outs, text),
-                                       logprobs=lp))
+                self._post_now(sink, Event(text=text, num_new_tokens=n, provenance=_provenance(sink, item, text),
+                                           logprobs=lp))
             return
         text += sink.stream.finish()
-        prov = _provenance(sink, outs, text)
-        output = self.llm.to_output(req, sink.stream.text)
-        del self._sinks[req.request_id]  # only now: if anything above raised, _fail still finds the sink
-        self._release(sink, finished=True)
+        prov = _provenance(sink, item, text)
+        output = self.front.to_output(req, sink.stream.text)
+        with self._lock:
+            if self._sinks.pop(req.request_id, None) is None:  # aborted meanwhile
+                return
+            self._release(sink, finished=True)
+            self._post(sink, Event(text=text, num_new_tokens=n, finished=True, finish_reason=req.finish_reason,
+                                   output=output, provenance=prov, logprobs=lp))
         self.metrics.on_finished(req.finish_reason, output.total_s, output.ttft_s, len(req.output_ids))
-        self._post(sink, Event(text=text, num_new_tokens=n, finished=True, finish_reason=req.finish_reason,
-                               output=output, provenance=prov, logprobs=lp))
 
-    def _fail(self, request_id: str, error: APIError) -> None:
-        sink = self._sinks.pop(request_id, None)
-        if sink is None:
-            return
-        self._release(sink)
-        try:
-            self.llm.abort(request_id)
-        except Exception:  # the engine is already in trouble; the request is failed either way
-            log.exception("abort after a failure")
+    def _fail(self, request_id: str, error: APIError, in_engine: bool = True) -> None:
+        with self._lock:
+            sink = self._sinks.pop(request_id, None)
+            if sink is None:
+                return
+            self._release(sink)
+            self._post(sink, Event(error=error))
+        if in_engine:
+            self._send(("abort", request_id))
         self.metrics.on_finished("error", None, None, len(sink.request.output_ids))
-        self._post(sink, Event(error=error))
+
+    def _post_now(self, sink: _Sink, event: Event) -> None:
+        with self._lock:
+            self._post(sink, event)
 
     def _post(self, sink: _Sink, event: Event) -> None:
-        """Queue an Event for its request; _flush hands the step's Events over (one wake-up of the loop)."""
+        """Queue an Event for its request (under _lock); _flush hands them over (one wake-up of the loop)."""
         event.index = sink.index
         self._outbox.append((sink.loop, sink.queue, event))
 
     def _flush(self) -> None:
         """Hand the Events posted since the last flush to their event loops: one call_soon_threadsafe per loop,
-        whatever the number of requests (each wake-up makes the loop thread take the GIL from the engine)."""
-        if not self._outbox:
-            return
+        whatever the number of requests."""
+        with self._lock:
+            if not self._outbox:
+                return
+            outbox, self._outbox = self._outbox, []
         by_loop: dict[asyncio.AbstractEventLoop, list] = {}
-        for loop, q, event in self._outbox:
+        for loop, q, event in outbox:
             by_loop.setdefault(loop, []).append((q, event))
-        self._outbox = []
         for loop, items in by_loop.items():
             try:
                 loop.call_soon_threadsafe(_put_all, items)
@@ -409,7 +452,7 @@ def internal_error(request_id: str) -> APIError:
                     code="internal_error")
 
 
-def _provenance(sink: _Sink, outs: list, text: str) -> dict | None:
+def _provenance(sink: _Sink, item: StepItem, text: str) -> dict | None:
     if sink.provenance is None:
         return None
-    return sink.provenance.chunk(text, [(len(o.new_token_ids), o.k, o.num_accepted) for o in outs])
+    return sink.provenance.chunk(text, item.pieces)

@@ -1,0 +1,382 @@
+"""The engine's side of the server: who owns the LLM, how it is stepped, and the pipe it talks over.
+
+`serve_engine(llm, conn)` is the step loop: it takes commands from `conn` (a multiprocessing Connection) between
+steps (blocking on it when idle), steps the LLM while there is work, and sends ONE message per step with every
+request's new token ids, finish, logprobs and the step's speculation figures, plus a snapshot of the engine's
+counters for /metrics. It owns the LLM, its grammar states (structured outputs are compiled and advanced here) and
+its suffix caches; it knows nothing of HTTP, text deltas or admission. Detokenization for the response happens on
+the other side (runner.py); this side detokenizes only requests with stop strings (the engine must stop at one).
+
+Two hosts run that loop: `EngineProcess(factory)` in a child process that builds the LLM itself (what `draftwise
+serve` uses: the engine never shares a GIL with the event loop), and `EngineThread(llm)` on a thread of this
+process around an LLM already built (tests, embedding), over the same pipe protocol. The child dies with its
+parent (PR_SET_PDEATHSIG, and an end of file on the pipe), ignores SIGINT / SIGTERM (the parent drains, then
+tells it to stop), and a child that dies is seen as an end of file by the parent (runner.py fails what is in
+flight with a 500 naming the exit code; the server stays up and answers 503 until restarted).
+
+Messages, engine -> server: ("ready", EngineFront fields) once (process host only), ("added", rid) or ("add_failed",
+rid, status, message, param, code) per request, ("step", step_s, gap_s, [StepItem], EngineSnapshot) per step,
+("failed", [rid], message) when a step failed twice, ("status", EngineSnapshot) after aborts, ("stopped",). Server -> engine: ("add", AddCommand),
+("abort", rid), ("stop",).
+"""
+from __future__ import annotations
+
+import ctypes
+import logging
+import multiprocessing as mp
+import os
+import signal
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from draftwise.config import ConfigError, ContextLengthError
+
+log = logging.getLogger("draftwise.server")
+
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+@dataclass
+class AddCommand:
+    """A request as the engine gets it: tokens and params (the server tokenized and checked the context)."""
+
+    request_id: str
+    prompt_ids: list[int]
+    params: object  # sampling.SamplingParams (its structured_outputs are compiled on the engine's side)
+    speculate: bool = True
+    cache_scope: str = ""
+    arrival_time: float = 0.0  # perf_counter() when the server built it (CLOCK_MONOTONIC: one clock for both sides)
+
+
+@dataclass
+class StepItem:
+    """One request's part of a step: the tokens it gained (a request admitted this step may have had two engine
+    outputs, prefill and first decode: `pieces` keeps each one's (tokens, k, accepted) for provenance)."""
+
+    request_id: str
+    new_token_ids: list[int]
+    pieces: list[tuple[int, int, int]]  # (len(new_token_ids), k, num_accepted) per engine StepOutput
+    logprobs: list | None  # sampling.TokenLogprob of new_token_ids, when the request asked for logprobs
+    first_token_time: float | None
+    finished: bool = False
+    finish_reason: str | None = None
+    error: str | None = None
+    finish_time: float | None = None
+    spec_stats: object | None = None  # SpecStats, once finished
+    num_cached_tokens: int = 0
+
+
+@dataclass
+class PrefixCounters:
+    queries: int = 0
+    hits: int = 0
+
+
+@dataclass
+class EngineSnapshot:
+    """api.EngineStatus as numbers (metrics.sync reads the same fields)."""
+
+    running: int
+    waiting: int
+    free_slots: int
+    spec_stats: object  # SpecStats, a copy
+    prefix_cache: PrefixCounters | None
+    kv_blocks_free: int = 0
+    kv_blocks: int = 0
+    kv_block_size: int = 0
+
+
+@dataclass
+class EngineFront:
+    """What the server knows of the engine: its tokenizer and limits, and how to build a request's shadow (the
+    Request whose output_ids and text the server side keeps up to date from the step messages)."""
+
+    tokenizer: object
+    max_model_len: int
+    max_num_seqs: int
+    k_max: int
+    spec_config: object  # SpecConfig
+    model_info: dict = field(default_factory=dict)
+    load_time_s: float = 0.0
+    plan_lines: list[str] = field(default_factory=list)
+
+    @classmethod
+    def of(cls, llm) -> "EngineFront":
+        from draftwise.cli_args import plan_lines
+
+        try:
+            lines = list(plan_lines(llm))
+        except Exception:  # a model built by hand (tests) may not carry everything a plan line reads
+            lines = []
+        return cls(llm.tokenizer, llm.max_model_len, llm.max_num_seqs, llm.k_max, llm.spec_config,
+                   dict(getattr(llm, "model_info", None) or {}), getattr(llm, "load_time_s", 0.0), lines)
+
+    def new_request(self, prompt, params):
+        """(engine.Request, output.TextStream): the server's shadow of a request (tokenized here)."""
+        from draftwise.api import LLM, Request  # api re-exports engine.Request (entry reaches the engine via api)
+        from draftwise.output import TextStream
+
+        if params.n != 1:
+            raise ConfigError("new_request builds one sample: split n > 1 with SamplingParams.samples()")
+        text, ids = LLM._prompt_ids(self, prompt)  # reads only self.tokenizer
+        stream = TextStream.for_params(self.tokenizer, params)
+        return Request(uuid.uuid4().hex[:16], ids, params, on_token=stream.add, prompt_text=text), stream
+
+    def to_output(self, req, text: str):
+        from draftwise.api import LLM
+
+        return LLM.to_output(self, req, text)  # reads only self.spec_config
+
+    @staticmethod
+    def merge_outputs(samples):
+        from draftwise.api import LLM
+
+        return LLM.merge_outputs(samples)
+
+
+# ---- the step loop (the engine's side) --------------------------------------------------------------------------
+def serve_engine(llm, conn) -> None:
+    """Step `llm` for the server at the other end of `conn` until told to stop or the pipe closes."""
+    live: dict[str, object] = {}  # request id -> engine.Request
+    failures = 0  # consecutive step exceptions
+    last_end = None  # perf_counter() when the last step ended (None: idle since)
+    while True:
+        idle = not llm.has_unfinished()
+        if idle:
+            last_end = None
+        try:
+            if idle or conn.poll():
+                cmd, aborted = conn.recv(), False
+                while True:
+                    if cmd[0] == "stop":
+                        conn.send(("stopped",))
+                        return
+                    _handle(llm, conn, live, cmd)
+                    aborted = aborted or cmd[0] == "abort"
+                    if not conn.poll():
+                        break
+                    cmd = conn.recv()
+                if aborted:  # slots freed with no step to follow: /metrics should see it now
+                    _send(conn, ("status", _snapshot(llm)))
+        except (EOFError, OSError):  # the server is gone: nothing to serve
+            return
+        if not llm.has_unfinished():
+            continue
+        t0 = time.perf_counter()
+        gap = None if last_end is None else t0 - last_end
+        try:
+            outputs = llm.step()
+        except Exception as e:  # retry once, then fail what is in flight (the server stays up)
+            failures += 1
+            log.exception("engine step failed%s (requests: %s)", "; retrying once" if failures == 1 else " again",
+                          ", ".join(live) or "none")
+            if failures == 1:
+                continue
+            failures = 0
+            rids = list(live)
+            for rid in rids:
+                _abort(llm, live, rid)
+            _send(conn, ("failed", rids, f"{type(e).__name__}: {e}"))
+            continue
+        failures = 0
+        last_end = time.perf_counter()
+        _send(conn, ("step", last_end - t0, gap, _items(outputs, live), _snapshot(llm)))
+
+
+def _send(conn, msg) -> None:
+    try:
+        conn.send(msg)
+    except (BrokenPipeError, OSError):
+        pass  # the server is gone; the next recv ends the loop
+
+
+def _handle(llm, conn, live: dict, cmd) -> None:
+    """One command other than stop."""
+    if cmd[0] == "add":
+        _add(llm, conn, live, cmd[1])
+    elif cmd[0] == "abort":
+        _abort(llm, live, cmd[1])
+
+
+def _add(llm, conn, live: dict, add: AddCommand) -> None:
+    try:
+        req, _ = llm.new_request({"prompt_token_ids": add.prompt_ids}, add.params)
+        req.request_id, req.arrival_time = add.request_id, add.arrival_time
+        req.speculate, req.cache_scope = add.speculate, add.cache_scope
+        if not add.params.stop:  # text is the server's; only a stop string needs it here (to end the request)
+            req.on_token = None
+        llm.add_request(req)
+    except ConfigError as e:
+        too_long = isinstance(e, ContextLengthError)
+        _send(conn, ("add_failed", add.request_id, 400, str(e), "max_tokens" if too_long else (e.param or "prompt"),
+                     "context_length_exceeded" if too_long else None))
+        return
+    except Exception as e:  # a bug must not take the engine down
+        log.exception("add_request failed (request id %s)", add.request_id)
+        _send(conn, ("add_failed", add.request_id, 500, f"{type(e).__name__}: {e}", None, None))
+        return
+    live[add.request_id] = req
+    _send(conn, ("added", add.request_id))
+
+
+def _abort(llm, live: dict, rid: str) -> None:
+    live.pop(rid, None)
+    try:
+        llm.abort(rid)
+    except Exception:  # the engine is in trouble; the request is gone either way
+        log.exception("abort failed (request id %s)", rid)
+
+
+def _items(outputs, live: dict) -> list[StepItem]:
+    """The step's outputs grouped per request, in the order the engine gave them."""
+    by_rid: dict[str, list] = {}
+    for out in outputs:
+        by_rid.setdefault(out.request.request_id, []).append(out)
+    items = []
+    for rid, outs in by_rid.items():
+        req = outs[-1].request
+        new = [t for o in outs for t in o.new_token_ids]
+        n = len(new)
+        lp = list(req.logprobs[len(req.logprobs) - n:]) if n and req.params.logprobs is not None else None
+        item = StepItem(rid, new, [(len(o.new_token_ids), o.k, o.num_accepted) for o in outs], lp,
+                        req.first_token_time)
+        if outs[-1].finished or req.finished:  # the request's own state wins (an engine may fail it mid-step)
+            live.pop(rid, None)
+            item.finished, item.finish_reason, item.error = True, req.finish_reason, req.error
+            item.finish_time, item.spec_stats = req.finish_time, req.spec_stats
+            item.num_cached_tokens = req.num_cached_tokens
+        items.append(item)
+    return items
+
+
+def _snapshot(llm) -> EngineSnapshot:
+    s = llm.status()
+    pc = None if s.prefix_cache is None else PrefixCounters(int(s.prefix_cache.queries), int(s.prefix_cache.hits))
+    return EngineSnapshot(s.running, s.waiting, s.free_slots, s.spec_stats, pc, s.kv_blocks_free, s.kv_blocks,
+                          s.kv_block_size)
+
+
+# ---- the hosts ---------------------------------------------------------------------------------------------------
+class EngineThread:
+    """serve_engine on a thread of this process, around an LLM already built (tests; embedding in a program)."""
+
+    in_process = True
+
+    def __init__(self, llm):
+        self.llm = llm
+        self.front = EngineFront.of(llm)
+        self.conn, self._their_end = mp.Pipe()
+        self._thread = threading.Thread(target=self._run, name="draftwise-llm", daemon=True)
+
+    def _run(self) -> None:
+        try:
+            serve_engine(self.llm, self._their_end)
+        except BaseException:
+            log.exception("the engine thread died")
+        finally:
+            self._their_end.close()
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def join(self, timeout: float) -> None:
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    def exit_description(self) -> str:
+        return "the engine thread stopped"
+
+
+class EngineProcess:
+    """serve_engine in a child process that builds its LLM with `factory()` (picklable: a module-level function or
+    a functools.partial of one). The constructor starts it and returns (the caller may import and build the app
+    meanwhile); `front` waits until the model is loaded: ConfigError when the child fails to load it."""
+
+    in_process = False
+
+    def __init__(self, factory, start_timeout_s: float | None = None):
+        ctx = mp.get_context("spawn")  # a fresh interpreter: no inherited threads, locks or OpenMP pools
+        self.conn, their_end = ctx.Pipe()
+        self.process = ctx.Process(target=_child_main, args=(their_end, factory, os.getpid()),
+                                   name="draftwise-engine", daemon=True)
+        self._t0 = time.perf_counter()
+        self.process.start()
+        their_end.close()  # ours is gone: the child's end of file when we die is the pipe's
+        self.start_timeout_s = start_timeout_s
+        self._front: EngineFront | None = None
+        self.start_s: float | None = None  # from spawning to the model loaded and ready
+
+    @property
+    def front(self) -> EngineFront:
+        if self._front is None:
+            self._front = self._wait_ready()
+        return self._front
+
+    def _wait_ready(self) -> EngineFront:
+        if self.start_timeout_s is not None and not self.conn.poll(self.start_timeout_s):
+            self.kill()
+            raise ConfigError(f"the engine process did not load the model within {self.start_timeout_s:g} s")
+        try:
+            msg = self.conn.recv()
+        except (EOFError, OSError):
+            self.process.join(5)
+            raise ConfigError(f"the engine process exited while loading the model (exit code "
+                              f"{self.process.exitcode}; its error is printed above)") from None
+        if msg[0] != "ready":
+            self.process.join(5)
+            raise ConfigError(f"the engine process could not load the model: {msg[1]}")
+        self.start_s = time.perf_counter() - self._t0
+        return EngineFront(**msg[1])
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def start(self) -> None:
+        """Already running (the constructor waited for the model)."""
+
+    def join(self, timeout: float) -> None:
+        self.process.join(timeout)
+        if self.process.is_alive():
+            log.warning("the engine process did not stop within %g s; killing it", timeout)
+            self.kill()
+
+    def kill(self) -> None:
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join(5)
+
+    def exit_description(self) -> str:
+        self.process.join(1)
+        code = self.process.exitcode
+        how = f"signal {-code}" if code is not None and code < 0 else f"exit code {code}"
+        return f"the engine process stopped unexpectedly ({how})"
+
+
+def _child_main(conn, factory, parent_pid: int) -> None:
+    """The child process: die with the parent, leave signals to it, load the model, serve."""
+    _die_with_parent(parent_pid)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's ^C / systemd's SIGTERM: the parent drains first
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    logging.basicConfig(format="draftwise engine: %(levelname)s %(message)s")
+    try:
+        llm = factory()
+    except BaseException as e:
+        conn.send(("load_failed", f"{type(e).__name__}: {e}"))
+        return
+    front = EngineFront.of(llm)
+    conn.send(("ready", {f: getattr(front, f) for f in front.__dataclass_fields__}))
+    serve_engine(llm, conn)
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    """SIGKILL this process when its parent dies (Linux prctl; elsewhere the pipe's end of file ends the loop)."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent_pid:  # the parent died before prctl took effect
+        os._exit(1)

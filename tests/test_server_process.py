@@ -1,0 +1,198 @@
+"""The engine in its own process (server/engine_host.EngineProcess, what `draftwise serve` runs): the same tokens
+as the library through it (greedy, whole and streamed, n > 1, logprobs, stop strings, structured outputs), engine
+counters forwarded to /metrics, a clean stop, the child dying with its parent (SIGKILL), and a child that dies
+or cannot load reported clearly. Tiny models built in the child from tests/harness.py (no downloads); each
+EngineProcess costs a fresh interpreter (~3-5 s)."""
+from __future__ import annotations
+
+import functools
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import jsonschema
+import pytest
+
+from draftwise.config import ConfigError
+from draftwise.sampling import SamplingParams
+from draftwise.server.app import create_app
+from draftwise.server.engine_host import EngineProcess
+from tests.harness import MODEL, PROMPTS, Server, json_llm, metric, tiny_llm
+
+ROOT = Path(__file__).resolve().parent.parent
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3}
+
+
+@pytest.fixture(scope="module")
+def proc_server():
+    engine = EngineProcess(functools.partial(tiny_llm, NGRAM, max_model_len=1024))
+    app = create_app(engine, MODEL)
+    with Server(app) as s:
+        yield s
+    engine.join(10)
+    assert engine.process.exitcode == 0  # told to stop at the lifespan's end, it stopped by itself
+
+
+def _texts(server, prompts, stream: bool, **extra) -> list[str]:
+    out = []
+    for p in prompts:
+        body = {"model": MODEL, "prompt": p, "max_tokens": 24, "temperature": 0, "ignore_eos": True, **extra}
+        if not stream:
+            r = httpx.post(server.url + "/v1/completions", json=body, timeout=60)
+            assert r.status_code == 200, r.text
+            out.append(r.json()["choices"][0]["text"])
+            continue
+        parts = []
+        with httpx.stream("POST", server.url + "/v1/completions", json=dict(body, stream=True), timeout=60) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    parts += [c.get("text") or "" for c in json.loads(line[6:])["choices"]]
+        out.append("".join(parts))
+    return out
+
+
+def test_greedy_through_the_process_equals_the_library(proc_server):
+    lib = tiny_llm(NGRAM, max_model_len=1024)  # the same seeded weights, built here
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    want = [o.outputs[0].text for o in lib.generate(PROMPTS, params)]
+    assert _texts(proc_server, PROMPTS, stream=False) == want
+    assert _texts(proc_server, PROMPTS, stream=True) == want
+    # a stop string: the engine (child) stops at it, the server cuts the text the same way
+    stop = want[0].split()[3]
+    cut = lib.generate(PROMPTS[0], SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, stop=[stop]))[0]
+    body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 24, "temperature": 0, "ignore_eos": True,
+            "stop": [stop]}
+    js = httpx.post(proc_server.url + "/v1/completions", json=body, timeout=60).json()
+    assert js["choices"][0]["text"] == cut.outputs[0].text and js["choices"][0]["finish_reason"] == "stop"
+    assert js["usage"]["completion_tokens"] == len(cut.outputs[0].token_ids)
+
+
+def test_n_logprobs_and_metrics_through_the_process(proc_server):
+    body = {"model": MODEL, "prompt": PROMPTS[1], "max_tokens": 8, "temperature": 0.8, "seed": 3, "n": 2,
+            "logprobs": 2}
+    js = httpx.post(proc_server.url + "/v1/completions", json=body, timeout=60).json()
+    assert [c["index"] for c in js["choices"]] == [0, 1]
+    for c in js["choices"]:
+        assert len(c["logprobs"]["tokens"]) == len(c["logprobs"]["token_logprobs"]) > 0
+    assert js["usage"]["completion_tokens"] == sum(len(c["logprobs"]["tokens"]) for c in js["choices"])
+    m = proc_server.metrics()
+    assert metric(m, "draftwise:spec_decode_num_drafts_total") > 0  # engine counters cross the pipe
+    assert metric(m, "draftwise:engine_step_seconds_count") > 0
+    card = httpx.get(proc_server.url + "/v1/models").json()["data"][0]
+    assert card["max_model_len"] == 1024
+    info = httpx.get(proc_server.url + "/draftwise/info").json()
+    assert info["speculative_config"]["method"] == "ngram" and info["max_num_seqs"] == 4
+
+
+def test_structured_output_grammar_lives_in_the_child():
+    item = {"type": "object", "properties": {"qty": {"type": "integer", "minimum": 1, "maximum": 9}},
+            "required": ["qty"], "additionalProperties": False}
+    engine = EngineProcess(functools.partial(json_llm, {"method": "grammar", "num_speculative_tokens": 6},
+                                             max_model_len=512))
+    with Server(create_app(engine, MODEL)) as s:
+        fmt = {"type": "json_schema", "json_schema": {"name": "item", "schema": item, "strict": True}}
+        for seed in range(2):
+            out = s.client().chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": "qty?"}], response_format=fmt, max_tokens=120,
+                temperature=1.0, seed=seed)
+            assert out.choices[0].finish_reason == "stop"
+            jsonschema.validate(json.loads(out.choices[0].message.content), item)
+    engine.join(10)
+
+
+def test_child_killed_mid_request_is_a_clear_error_and_the_server_stays_up():
+    engine = EngineProcess(functools.partial(tiny_llm, max_model_len=4096))
+    with Server(create_app(engine, MODEL)) as s:
+        body = {"model": MODEL, "prompt": "w1 w2", "max_tokens": 4000, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", s.url + "/v1/completions", json=body, timeout=60) as r:
+            lines = r.iter_lines()
+            next(line for line in lines if line.startswith("data: {"))
+            os.kill(engine.pid, signal.SIGKILL)
+            rest = [line for line in lines if line.startswith("data: ")]
+        assert rest[-1] == "data: [DONE]"
+        err = json.loads(rest[-2][6:])["error"]
+        assert err["code"] == "engine_unavailable" and "signal 9" in err["message"], err
+        health = httpx.get(s.url + "/health")
+        assert health.status_code == 503 and "signal 9" in health.text
+        again = httpx.post(s.url + "/v1/completions", json={"model": MODEL, "prompt": "w1", "max_tokens": 2})
+        assert again.status_code == 503 and again.json()["error"]["code"] == "engine_unavailable"
+
+
+def _fails_to_load():
+    raise RuntimeError("no such checkpoint: /nowhere")
+
+
+def test_a_load_failure_in_the_child_names_its_cause():
+    with pytest.raises(ConfigError, match="could not load the model: RuntimeError: no such checkpoint"):
+        EngineProcess(_fails_to_load).front  # the constructor returns at once; the front waits for the load
+
+
+PARENT = """
+import functools, sys, time
+sys.path.insert(0, {root!r})
+from draftwise.server.engine_host import EngineProcess
+from tests.harness import tiny_llm
+if __name__ == "__main__":
+    engine = EngineProcess(functools.partial(tiny_llm))
+    print(engine.pid, flush=True)
+    time.sleep(120)
+"""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/status").read_text()
+    except FileNotFoundError:
+        return False
+    return "\nState:\tZ" not in state and "\nState:\tX" not in state  # a zombie is dead, only not reaped
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_the_child_dies_with_its_parent(tmp_path):
+    script = tmp_path / "parent.py"
+    script.write_text(PARENT.format(root=str(ROOT)))
+    parent = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True,
+                              env=dict(os.environ, HF_HUB_OFFLINE="1"))
+    try:
+        child = int(parent.stdout.readline())
+        assert _alive(child)
+        parent.kill()  # SIGKILL: no atexit, no cleanup in the parent
+        parent.wait(10)
+        deadline = time.time() + 10
+        while _alive(child):
+            assert time.time() < deadline, f"engine process {child} outlived its parent"
+            time.sleep(0.05)
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+
+
+@pytest.mark.integration
+def test_packaged_model_through_the_process_equals_the_library():
+    """The packaged 0.5B with n-gram speculation: `draftwise serve`'s engine process gives the library's tokens."""
+    from draftwise.api import LLM
+
+    model, spec = "qwen2.5-coder-0.5b-instruct", {"method": "ngram", "num_speculative_tokens": 3}
+    kw = dict(speculative_config=spec, max_num_seqs=4, max_model_len=2048)
+    engine = EngineProcess(functools.partial(LLM, model, **kw))
+    prompts = ["def fib(n):\n", "# a stack class in Python\nclass Stack:\n"]
+    want = [o.outputs[0].text for o in LLM(model, **kw).generate(
+        prompts, SamplingParams(max_tokens=32, temperature=0, ignore_eos=True))]
+    with Server(create_app(engine, model)) as s:
+        for stream in (False, True):
+            got = []
+            for p in prompts:
+                body = {"model": model, "prompt": p, "max_tokens": 32, "temperature": 0,
+                        "extra_body": {"ignore_eos": True}}
+                if stream:
+                    chunks = s.client().completions.create(**body, stream=True)
+                    got.append("".join(c.choices[0].text for c in chunks if c.choices))
+                else:
+                    got.append(s.client().completions.create(**body).choices[0].text)
+            assert got == want
+    engine.join(10)
