@@ -60,6 +60,9 @@ extern "C" int64_t dw_amx_scratch_bytes(int64_t) { return 0; }
 extern "C" void dw_gemm_amx(const DwQ4*, const DwQ8Rows*, float*, int64_t, int64_t, uint8_t*) {}
 #endif
 
+// Whether this process may run AMX int8 tiles (the Q6_K wide kernel asks too: gemm_q6k.cpp).
+bool dw_amx_usable() { return amx(); }
+
 // draftwise_q4x8::linear with path 'auto' serves a call of M rows here when this is true.
 bool dw_wide_takes(int64_t M) { return M >= min_rows.load(std::memory_order_relaxed) && amx(); }
 
