@@ -1,8 +1,8 @@
 // q6k wide side, torch-facing: the operator draftwise_q6k::wide (the AMX GEMM for Q6_K weights), the smallest row
 // count from which path-'auto' callers hand a call to it (set from Python, which measures it:
 // kernels/q4x8.py wide_min_rows), and the C++ entry points (dw_q6k_wide_takes, dw_q6k_wide) a C++ caller (the
-// layer loop) uses the same way. Owns: argument checks, quantizing the activations row-major (gemm_q4x8.h's
-// DwQ8Rows, one row at a time with q4x8's dw_q8_rows_avx512: the GEMV's very values) and threading over 16-column
+// layer loop) uses the same way. Owns: argument checks, quantizing the activations tile-major (gemm_q6k.h's
+// DwQ8Tiles, one row at a time with q4x8's dw_q8_rows_avx512: the GEMV's very values) and threading over 16-column
 // blocks. Knows nothing of models; the arithmetic is q6k.h's, the tile loop gemm_q6k_amx.cpp's, whether AMX may
 // run here gemm_q4x8.cpp's (dw_amx_usable). Every row is bitwise the Q6_K GEMV's row (tests/test_kernels_gemm_q6k.py),
 // so which side serves a call changes speed only.
@@ -13,9 +13,11 @@
 #include <ATen/ops/zeros.h>
 #include <algorithm>
 #include <atomic>
+#include <cstring>
 #include <limits>
 #include <vector>
 #include "gemm_q6k.h"
+#include "q4x8.h"
 
 bool dw_amx_usable();
 
@@ -28,8 +30,8 @@ std::atomic<int64_t> min_rows{std::numeric_limits<int64_t>::max()};  // until Py
 }  // namespace
 
 #ifndef DW_HAVE_X86
-extern "C" int64_t dw_q6k_amx_scratch_bytes(int64_t) { return 0; }
-extern "C" void dw_q6k_gemm_amx(const DwQ6*, const DwQ8Rows*, float*, int64_t, int64_t, uint8_t*) {}
+extern "C" int64_t dw_q6k_amx_scratch_bytes(int64_t, int64_t) { return 0; }
+extern "C" void dw_q6k_gemm_amx(const DwQ6*, const DwQ8Tiles*, float*, int64_t, int64_t, uint8_t*) {}
 #endif
 
 // A path-'auto' Q6_K linear of M rows should call dw_q6k_wide when this is true.
@@ -57,16 +59,21 @@ at::Tensor dw_q6k_wide(const at::Tensor& x, const at::Tensor& ql, const at::Tens
     at::Tensor y = at::empty({M, N}, x.options());
     if (M == 0) return y;
     const int64_t Mp = (M + 31) / 32 * 32;
-    at::Tensor q = at::zeros({Mp, K}, x.options().dtype(at::kChar));
+    at::Tensor q = at::zeros({Mp / 16, K / 64, 16, 64}, x.options().dtype(at::kChar));  // tile-major (gemm_q6k.h)
     at::Tensor dx = at::zeros({Mp, S}, x.options());
-    at::Tensor qsum = at::empty({M, S, 8}, x.options().dtype(at::kShort));  // written by the quantizer, not read
     const float* xp = x.data_ptr<float>();
     int8_t* qp = q.data_ptr<int8_t>();
     float* dxp = dx.data_ptr<float>();
-    int16_t* qsp = qsum.data_ptr<int16_t>();
-    // one row at a time as a 1-row matrix ([G, 1, 32] is the row's K bytes in order): the GEMV's very values
+    // one row at a time as a 1-row matrix ([G, 1, 32] is the row's K bytes in order): the GEMV's very values, then
+    // its 64-byte pieces scattered to their tiles
     at::parallel_for(0, M, 16, [&](int64_t r0, int64_t r1) {
-        for (int64_t r = r0; r < r1; ++r) dw_q8_rows_avx512(xp + r * K, 1, K, qp + r * K, dxp + r * S, qsp + r * S * 8, 0, 1);
+        std::vector<int8_t> row(K);
+        std::vector<int16_t> qsum(S * 8);  // written by the quantizer, not needed here
+        for (int64_t r = r0; r < r1; ++r) {
+            dw_q8_rows_avx512(xp + r * K, 1, K, row.data(), dxp + r * S, qsum.data(), 0, 1);
+            int8_t* dst = qp + (r / 16) * K * 16 + (r % 16) * 64;
+            for (int64_t j = 0; j < K / 64; ++j) std::memcpy(dst + j * 1024, row.data() + j * 64, 64);
+        }
     });
     DwQ6 w{ql.data_ptr<uint8_t>(), qh.data_ptr<uint8_t>(), sc.data_ptr<int8_t>(), d.data_ptr<float>(), bias_p, N, K, G, S};
     float* yp = y.data_ptr<float>();
@@ -74,11 +81,12 @@ at::Tensor dw_q6k_wide(const at::Tensor& x, const at::Tensor& ql, const at::Tens
     // are rebuilt per chunk. A row's arithmetic is the same in every chunk: bits unchanged.
     const int64_t chunk = std::max<int64_t>(128, std::min<int64_t>(1024, CHUNK_BYTES / K / 32 * 32));
     for (int64_t m0 = 0; m0 < M; m0 += chunk) {
-        DwQ8Rows a{qp + m0 * K, dxp + m0 * S, nullptr, std::min(chunk, M - m0), K};
+        DwQ8Tiles a{qp + m0 * K, dxp + m0 * S, std::min(chunk, M - m0), K};
         at::parallel_for(0, NB, 1, [&](int64_t b0, int64_t b1) {
             thread_local std::vector<uint8_t> scratch;
-            scratch.resize(dw_q6k_amx_scratch_bytes(K));
-            dw_q6k_gemm_amx(&w, &a, yp + m0 * N, b0, b1, scratch.data());
+            scratch.resize(dw_q6k_amx_scratch_bytes(K, a.M) + 64);
+            uint8_t* aligned = scratch.data() + (64 - (uintptr_t)scratch.data() % 64) % 64;
+            dw_q6k_gemm_amx(&w, &a, yp + m0 * N, b0, b1, aligned);
         });
     }
     return y;

@@ -69,9 +69,12 @@ void prepare(const DwQ6* w, int64_t b, int64_t steps, uint8_t* scratch) {
 
 }  // namespace
 
-extern "C" int64_t dw_q6k_amx_scratch_bytes(int64_t K) { return K / 64 * 2048; }
+extern "C" int64_t dw_q6k_amx_scratch_bytes(int64_t K, int64_t M) { return K / 64 * 2048 + (M + 31) / 32 * 32 * 64; }
 
-extern "C" void dw_q6k_gemm_amx(const DwQ6* w, const DwQ8Rows* a, float* out, int64_t b0, int64_t b1, uint8_t* scratch) {
+// Loop order: per block, per super-block, every 32-row tile: the block's B tiles of that super-block (8 KiB) stay in
+// L1 while the row tiles stream past them; each row's accumulator waits in scratch between super-blocks (the same
+// fma sequence per row, in super-block order, as the GEMV's register accumulator).
+extern "C" void dw_q6k_gemm_amx(const DwQ6* w, const DwQ8Tiles* a, float* out, int64_t b0, int64_t b1, uint8_t* scratch) {
     TileConfig cfg = {};
     cfg.palette = 1;
     for (int i = 0; i < 8; ++i) {
@@ -79,9 +82,9 @@ extern "C" void dw_q6k_gemm_amx(const DwQ6* w, const DwQ8Rows* a, float* out, in
         cfg.rows[i] = 16;
     }
     _tile_loadconfig(&cfg);
-    const int64_t S = w->S, N = w->N, M = a->M, Kp = a->Kp, steps = Kp / 64;
+    const int64_t S = w->S, N = w->N, M = a->M, steps = a->K / 64;
+    float* accs = (float*)(scratch + steps * 2048);  // [M rounded up to 32, 16]
     alignas(64) int32_t C[4][16][16];  // lo rows 0-15, hi rows 0-15, lo rows 16-31, hi rows 16-31
-    __m512 acc[32];
     for (int64_t b = b0; b < b1; ++b) {
         prepare(w, b, steps, scratch);
         const float* D = w->d + b * S * 16;
@@ -89,20 +92,23 @@ extern "C" void dw_q6k_gemm_amx(const DwQ6* w, const DwQ8Rows* a, float* out, in
         const int64_t live = N - n0 < 16 ? N - n0 : 16;
         const __mmask16 keep = (__mmask16)((1u << live) - 1u);
         const __m512 bias = w->bias ? _mm512_maskz_loadu_ps(keep, w->bias + n0) : _mm512_setzero_ps();
-        for (int64_t m0 = 0; m0 < M; m0 += 32) {  // q and dx are padded to whole 32-row tiles
-            const int rows = M - m0 < 32 ? (int)(M - m0) : 32;
-            for (int m = 0; m < 32; ++m) acc[m] = _mm512_setzero_ps();
-            const int8_t* A = a->q + m0 * Kp;
-            for (int64_t s = 0; s < S; ++s) {
+        for (int64_t m = 0; m < M; ++m) _mm512_store_ps(accs + m * 16, _mm512_setzero_ps());
+        for (int64_t s = 0; s < S; ++s) {
+            const __m512 dv = _mm512_loadu_ps(D + s * 16);
+            const uint8_t* B = scratch + s * 4 * 2048;
+            for (int64_t m0 = 0; m0 < M; m0 += 32) {  // q and dx are padded to whole 32-row tiles
+                const int rows = M - m0 < 32 ? (int)(M - m0) : 32;
+                const int8_t* A0 = a->q + ((m0 / 16) * steps + s * 4) * 1024;  // rows m0 .. m0 + 15, step 4 s
+                const int8_t* A1 = A0 + steps * 1024;                           // rows m0 + 16 .. m0 + 31
                 _tile_zero(0);
                 _tile_zero(1);
                 _tile_zero(2);
                 _tile_zero(3);
-                for (int64_t j = s * 4; j < s * 4 + 4; ++j) {
-                    _tile_loadd(4, A + j * 64, Kp);
-                    _tile_loadd(5, A + 16 * Kp + j * 64, Kp);
-                    _tile_loadd(6, scratch + j * 2048, 64);
-                    _tile_loadd(7, scratch + j * 2048 + 1024, 64);
+                for (int j = 0; j < 4; ++j) {
+                    _tile_loadd(4, A0 + j * 1024, 64);
+                    _tile_loadd(5, A1 + j * 1024, 64);
+                    _tile_loadd(6, B + j * 2048, 64);
+                    _tile_loadd(7, B + j * 2048 + 1024, 64);
                     _tile_dpbsud(0, 4, 6);
                     _tile_dpbssd(1, 4, 7);
                     _tile_dpbsud(2, 5, 6);
@@ -112,18 +118,19 @@ extern "C" void dw_q6k_gemm_amx(const DwQ6* w, const DwQ8Rows* a, float* out, in
                 _tile_stored(1, C[1], 64);
                 _tile_stored(2, C[2], 64);
                 _tile_stored(3, C[3], 64);
-                const __m512 dv = _mm512_loadu_ps(D + s * 16);
+                const float* DX = a->dx + m0 * S + s;
+                float* acc = accs + m0 * 16;
                 for (int m = 0; m < rows; ++m) {
                     const int half = m >> 4, r = m & 15;
                     const __m512i lo = _mm512_load_si512((const void*)C[2 * half][r]);
                     const __m512i hi = _mm512_load_si512((const void*)C[2 * half + 1][r]);
                     const __m512i tot = _mm512_add_epi32(lo, _mm512_slli_epi32(hi, 8));
                     const __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(tot), dv);
-                    acc[m] = _mm512_fmadd_ps(t, _mm512_set1_ps(a->dx[(m0 + m) * S + s]), acc[m]);
+                    _mm512_store_ps(acc + m * 16, _mm512_fmadd_ps(t, _mm512_set1_ps(DX[m * S]), _mm512_load_ps(acc + m * 16)));
                 }
             }
-            for (int m = 0; m < rows; ++m) _mm512_mask_storeu_ps(out + (m0 + m) * N + n0, keep, _mm512_add_ps(acc[m], bias));
         }
+        for (int64_t m = 0; m < M; ++m) _mm512_mask_storeu_ps(out + m * N + n0, keep, _mm512_add_ps(_mm512_load_ps(accs + m * 16), bias));
     }
     _tile_release();
 }
