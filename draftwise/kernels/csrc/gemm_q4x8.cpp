@@ -74,9 +74,9 @@ at::Tensor dw_q4x8_wide(const at::Tensor& x, const at::Tensor& packed, const at:
     const int64_t Kp = (K + 63) / 64 * 64, Mp = (M + 31) / 32 * 32;
     at::Tensor y = at::empty({M, N}, x.options());
     if (M == 0) return y;
-    at::Tensor q = at::zeros({Mp / 16, Kp / 64, 16, 64}, x.options().dtype(at::kChar));  // tile-major (gemm_q4x8.h)
-    at::Tensor dx = at::zeros({Mp, S}, x.options());
-    at::Tensor qsum = at::zeros({Mp, S, 8}, x.options().dtype(at::kShort));
+    at::Tensor q = at::empty({Mp / 16, Kp / 64, 16, 64}, x.options().dtype(at::kChar));  // tile-major (gemm_q4x8.h)
+    at::Tensor dx = at::empty({Mp, S}, x.options());  // padding rows never read
+    at::Tensor qsum = at::empty({Mp, S, 8}, x.options().dtype(at::kShort));  // padding rows never read
     const float* xp = x.data_ptr<float>();
     int8_t* qp = q.data_ptr<int8_t>();
     float* dxp = dx.data_ptr<float>();
@@ -91,6 +91,10 @@ at::Tensor dw_q4x8_wide(const at::Tensor& x, const at::Tensor& packed, const at:
             for (int64_t j = 0; j < Kp / 64; ++j) std::memcpy(dst + j * 1024, row.data() + j * 64, 64);
         }
     });
+    for (int64_t r = M; r < Mp; ++r) {  // padding rows of the last tile: zero (their outputs are never stored)
+        int8_t* dst = qp + (r / 16) * Kp * 16 + (r % 16) * 64;
+        for (int64_t j = 0; j < Kp / 64; ++j) std::memset(dst + j * 1024, 0, 64);
+    }
     DwQ4 w{packed.data_ptr<uint8_t>(), sc.data_ptr<uint8_t>(), mn.data_ptr<uint8_t>(), d.data_ptr<float>(),
            dmin.data_ptr<float>(), bias, N, K, G, S};
     float* yp = y.data_ptr<float>();

@@ -9,7 +9,7 @@
 // Activations, quantized per row exactly as q4x8.h says (the same dw_q8_rows_* functions, called one row at a time,
 // so every q, dx and qsum is the GEMV's):
 //   q [Mp / 16, Kp / 64, 16, 64] int8 tile-major (row 16 i + r, K values 64 j .. 64 j + 63 at [i, j, r]: an AMX A
-//   tile is 1 KiB of consecutive bytes), Kp = K rounded up to 64, Mp = M rounded up to 32 (the padding is zero);
+//   tile is 1 KiB of consecutive bytes), Kp = K rounded up to 64, Mp = M rounded up to 32 (q's padding is zero);
 //   dx [Mp, S] float32; qsum [Mp, S, 8] int16.
 // Weights, per 16-column block and step of 64 K values (groups 2j and 2j + 1; a missing group 2j + 1 is zero), two
 // AMX B tiles of 16 rows x 64 bytes in the VNNI layout (row r = K values 4r..4r+3 of the step, byte 4n + t = column n):

@@ -59,8 +59,8 @@ at::Tensor dw_q6k_wide(const at::Tensor& x, const at::Tensor& ql, const at::Tens
     at::Tensor y = at::empty({M, N}, x.options());
     if (M == 0) return y;
     const int64_t Mp = (M + 31) / 32 * 32;
-    at::Tensor q = at::zeros({Mp / 16, K / 64, 16, 64}, x.options().dtype(at::kChar));  // tile-major (gemm_q6k.h)
-    at::Tensor dx = at::zeros({Mp, S}, x.options());
+    at::Tensor q = at::empty({Mp / 16, K / 64, 16, 64}, x.options().dtype(at::kChar));  // tile-major (gemm_q6k.h)
+    at::Tensor dx = at::empty({Mp, S}, x.options());  // padding rows never read
     const float* xp = x.data_ptr<float>();
     int8_t* qp = q.data_ptr<int8_t>();
     float* dxp = dx.data_ptr<float>();
@@ -75,6 +75,10 @@ at::Tensor dw_q6k_wide(const at::Tensor& x, const at::Tensor& ql, const at::Tens
             for (int64_t j = 0; j < K / 64; ++j) std::memcpy(dst + j * 1024, row.data() + j * 64, 64);
         }
     });
+    for (int64_t r = M; r < Mp; ++r) {  // padding rows of the last tile: zero (their outputs are never stored)
+        int8_t* dst = qp + (r / 16) * K * 16 + (r % 16) * 64;
+        for (int64_t j = 0; j < K / 64; ++j) std::memset(dst + j * 1024, 0, 64);
+    }
     DwQ6 w{ql.data_ptr<uint8_t>(), qh.data_ptr<uint8_t>(), sc.data_ptr<int8_t>(), d.data_ptr<float>(), bias_p, N, K, G, S};
     float* yp = y.data_ptr<float>();
     // Rows in chunks whose activations stay in a core's L2 while every block passes over them; each block's tiles
