@@ -14,8 +14,9 @@ Exactness: one query's result is a fixed sequence of float operations on that qu
 (csrc/attention.h documents it), never on B, T, the other queries, the thread split or which blocks hold the
 keys — so a token attended
 inside a k + 1 verification chunk or a padded batch is bitwise the token attended alone (T = 1, B = 1). The
-baseline (no -m flags), AVX2 and AVX-512 builds compile one source with fused multiply-adds off: they agree
-bitwise, and the library still loads on CPUs without AVX-512.
+baseline (no -m flags), AVX2 and AVX-512 builds perform the same operations, every product-accumulate one fused
+multiply-add (exactly rounded: libm's fmaf in the baseline unit), compiler contraction off: they agree bitwise, and
+the library still loads on CPUs without AVX-512.
 """
 from __future__ import annotations
 

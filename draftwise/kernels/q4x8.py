@@ -11,7 +11,7 @@ build.log next to the library: warnings are printed, only errors fail the build)
 to the Q4_K-style representation, mapping Q4_K sub-blocks onto it exactly, packing it into the kernel's layout
 (csrc/q4x8.h documents it) and the packed embedding table `Q4x8Embedding`. The linear module is
 kernels/linear.py's `Q4x8Linear`. Also the wide side's switch: `wide_min_rows` measures once per build and CPU from
-how many rows 'auto' calls take the AMX GEMM (csrc/gemm_q4x8*.cpp, bitwise the GEMV's rows) and `prefill_table`
+how many rows 'auto' calls take the AMX GEMM (csrc/gemm_q4x8*.cpp, gemm_q6k*.cpp for Q6_K: bitwise the GEMVs' rows) and `prefill_table`
 times both at prompt widths (`draftwise kernels`). Knows nothing of checkpoints or decoders.
 
 ISA paths: every op of the library picks its path by csrc/dispatch.h's one rule ('auto': the best this CPU runs for
@@ -95,7 +95,8 @@ def _units() -> list[tuple[str, list[str]]]:
     main_flags = ["-fopenmp"] + (["-DDW_HAVE_X86"] if _X86 else [])
     mains = [("q4x8.cpp", main_flags), ("attention.cpp", main_flags), ("glue.cpp", main_flags),
              ("stack.cpp", main_flags), ("q6k.cpp", main_flags), ("q8_0.cpp", main_flags),
-             ("gemm_q4x8.cpp", main_flags)]
+             ("gemm_q4x8.cpp", main_flags),
+             ("gemm_q6k.cpp", main_flags)]
     if not _X86:
         return mains
     return mains + [
@@ -106,6 +107,8 @@ def _units() -> list[tuple[str, list[str]]]:
                                   "-mprefer-vector-width=512"]),
         ("gemm_q4x8_amx.cpp", ["-mamx-tile", "-mamx-int8", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni",
                                "-mfma"]),
+        ("gemm_q6k_amx.cpp", ["-mamx-tile", "-mamx-int8", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni",
+                              "-mfma"]),
         ("glue_avx2.cpp", ["-mavx2"]),
         ("glue_avx512.cpp", ["-mavx512f", "-mavx512dq", "-mavx512vl", "-mprefer-vector-width=512"]),
         ("q6k_avx2.cpp", ["-mavx2", "-mfma"]),
@@ -197,6 +200,8 @@ def load() -> object:
                 ops = torch.ops.draftwise_q4x8
                 PATHS.update({name: int(ops.path_id(name)) for name in ("auto", *ops.path_names())})
                 ops.set_wide_min_rows(wide_min_rows(ops, path.parent))
+                q6k = torch.ops.draftwise_q6k
+                q6k.set_wide_min_rows(wide_min_rows(q6k, path.parent, "q6k"))
             except (KernelBuildError, OSError, RuntimeError) as e:
                 _failed = str(e)
                 raise KernelBuildError(_failed) from e
@@ -209,12 +214,13 @@ WIDE_PROBE_WIDTHS = (16, 32, 64, 128, 256)  # the row counts the probe times (th
 WIDE_PROBE_SHAPE = (2048, 2048)  # N, K of the probe's weight: a mid-sized projection, K 8 super-blocks
 
 
-def wide_min_rows(ops, where: Path) -> int:
-    """The smallest row count from which 'auto' calls take the wide (AMX) kernel instead of the GEMV: both give
-    bitwise the same rows, so this is a speed choice only, measured here once per library build and CPU and kept
-    in `where`/wide.txt ($DRAFTWISE_WIDE_MIN_ROWS overrides; 0 or no AMX: never). The probe times both kernels
-    on one thread on a WIDE_PROBE_SHAPE weight at each of WIDE_PROBE_WIDTHS (best of 5) and takes the smallest
-    width from which the wide kernel is faster at every larger width too."""
+def wide_min_rows(ops, where: Path, kind: str = "q4x8") -> int:
+    """The smallest row count from which 'auto' calls of the `kind` kernel ("q4x8" or "q6k": `ops` is its
+    torch.ops namespace) take its wide (AMX) kernel instead of the GEMV: both give bitwise the same rows, so this
+    is a speed choice only, measured here once per library build, kind and CPU and kept in `where`/wide.txt
+    (q4x8) or wide_q6k.txt ($DRAFTWISE_WIDE_MIN_ROWS overrides both; 0 or no AMX: never). The probe times both
+    kernels on one thread on a WIDE_PROBE_SHAPE weight at each of WIDE_PROBE_WIDTHS (best of 5) and takes the
+    smallest width from which the wide kernel is faster at every larger width too."""
     never = 2 ** 62
     env = os.environ.get(WIDE_ENV)
     if env is not None:
@@ -226,7 +232,7 @@ def wide_min_rows(ops, where: Path) -> int:
     if not ops.wide_available():
         return never
     from draftwise.kernels.probe import probe  # same layer; imported here: only an AMX machine's first load needs it
-    cache = where / "wide.txt"
+    cache = where / ("wide.txt" if kind == "q4x8" else f"wide_{kind}.txt")
     key = f"{probe(bandwidth=False)['cpu']}|{os.cpu_count()}"
     try:
         saved_key, saved = cache.read_text().rsplit("\n", 1)
@@ -234,9 +240,9 @@ def wide_min_rows(ops, where: Path) -> int:
             return int(saved)
     except (OSError, ValueError):
         pass
-    rows = _probe_wide(ops)
-    print(f"draftwise: q4x8 wide (AMX) kernel from {rows if rows < never else 'no'} rows on (measured once, kept in "
-          f"{cache})", file=sys.stderr, flush=True)
+    rows = _probe_wide(ops, kind)
+    print(f"draftwise: {kind} wide (AMX) kernel from {rows if rows < never else 'no'} rows on (measured once, kept "
+          f"in {cache})", file=sys.stderr, flush=True)
     try:
         cache.write_text(f"{key}\n{rows}")
     except OSError:
@@ -244,13 +250,24 @@ def wide_min_rows(ops, where: Path) -> int:
     return rows
 
 
-def _probe_wide(ops) -> int:
+def _probe_args(kind: str, N: int, K: int, gen: torch.Generator) -> tuple:
+    """The weight arguments (after x) of the `kind` kernel's linear and wide ops for a random [N, K] weight."""
+    w = torch.randn(N, K, generator=gen)
+    if kind == "q4x8":
+        t = pack(quantize_q4(w))
+        return t["packed"], t["sc"], t["mn"], t["d"], t["dmin"], None, N
+    from draftwise.kernels import ggml_blocks  # same layer; only the q6k probe needs it
+
+    t = ggml_blocks.pack_q6k(ggml_blocks.quantize_q6k(w))
+    return t["ql"], t["qh"], t["sc"], t["d"], None, N
+
+
+def _probe_wide(ops, kind: str = "q4x8") -> int:
     import time
 
     N, K = WIDE_PROBE_SHAPE
     gen = torch.Generator().manual_seed(0)
-    t = pack(quantize_q4(torch.randn(N, K, generator=gen)))
-    args = (t["packed"], t["sc"], t["mn"], t["d"], t["dmin"], None, N)
+    args = _probe_args(kind, N, K, gen)
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     try:

@@ -14,14 +14,16 @@
 // BS is a multiple of 16, or a sequence holds one page (nb == 1: the contiguous layout, one page per slot).
 // The float sequence of one item (fp32 throughout; bf16 inputs — q, or K/V, or both — are widened exactly, a bf16
 // output is rounded to nearest even once at the end), with L = end - start, j = 0..L-1 counted from start, 16 "lanes":
-//   s_j   = dot(q, k_j) * scale,  dot = lanes l = i mod 16 summed in i order (a tail after the last whole 16
-//           goes to lanes 0..), then lanes folded 8+8, 4+4, 2+2, 1+1 (a[l] += a[l + w]);
+//   s_j   = dot(q, k_j) * scale,  dot = lanes l = i mod 16 accumulated in i order, a[l] = fma(q_i, k_i, a[l]) (a
+//           tail after the last whole 16 goes to lanes 0..), then lanes folded 8+8, 4+4, 2+2, 1+1 (a[l] += a[l + w]);
 //   m     = max_j s_j;
 //   p_j   = dw_exp(s_j - m) (cephes_exp.h's Cephes expf of max(x, -80); 0 below -80);
 //   sum   = the p_j in lanes l = j mod 16 (j order), folded like dot;
-//   o[d]  = (sum over j in order of p_j * v_j[d], starting from 0) / sum.
-// No fused multiply-adds (-ffp-contract=off) and no reassociation: it depends only on the query, its keys and
-// its values, never on B, T, the other items or how items are split among threads.
+//   o[d]  = acc[d] / sum, acc[d] = fma(p_j, v_j[d], acc[d]) over j in order, starting from 0.
+// Every product-accumulate is one fused multiply-add (exactly rounded, so the same bits in every path: the
+// compilers' own contraction stays off, -ffp-contract=off) and nothing is reassociated: it depends only on the
+// query, its keys and its values, never on B, T, the other items or how items are split among threads. (The
+// fused steps halve the floating-point instructions of a long prompt's attention, at the compute roof.)
 // Tree rows (anc != null; token-tree verification): row t of sequence b attends the cache's keys before the
 // chunk, then the chunk rows i whose bit i is set in anc[b * T + t] (its ancestors and itself), in row order; the
 // "keys j" above are that list (a sliding window keeps its last `window`). Parents precede children, so a node's

@@ -1,5 +1,5 @@
 // Row-exact attention, AVX2 path (AVX2 + FMA-era CPUs such as AMD Zen 2/3 and Intel Haswell on), compiled with
-// -mavx2 -mfma (-ffp-contract=off: no fused multiply-adds) and called only after a run-time cpuid check, for
+// -mavx2 -mfma (-ffp-contract=off: fused multiply-adds only where written) and called only after a run-time cpuid check, for
 // head_dim a multiple of 16. It performs the float sequence of attention.h exactly (bitwise the portable path in
 // attention_kernel.h, its oracle): a dot product's 16 lanes are two ymm (lanes 0-7, 8-15) whose sum is the fold's
 // w = 8 step, and the 8 dots of a group of keys are folded together by a shuffle tree doing, per key, the very
@@ -57,7 +57,7 @@ inline void dots8(const float* qf, int64_t D, const E* kp, int64_t sc, int lo, i
 #pragma GCC unroll 8
             for (int kk = 0; kk < 8; ++kk)
                 if (FULL || (kk >= lo && kk < hi))
-                    acc[kk] = _mm256_add_ps(acc[kk], _mm256_mul_ps(qv, ld8(kp + kk * sc + i)));
+                    acc[kk] = _mm256_fmadd_ps(qv, ld8(kp + kk * sc + i), acc[kk]);
         }
 #pragma GCC unroll 8
         for (int kk = 0; kk < 8; ++kk) f[kk] = half ? _mm256_add_ps(f[kk], acc[kk]) : acc[kk];  // w = 8
@@ -158,7 +158,7 @@ static void values(const E* vb, int64_t sc, int64_t D, const float* p, int lo, i
             const __m256 pv = _mm256_set1_ps(p[kk]);
 #pragma GCC unroll 8
             for (int r = 0; r < 8; ++r)
-                if (r < nv) acc[r] = _mm256_add_ps(acc[r], _mm256_mul_ps(pv, ld8(vp + 8 * r)));
+                if (r < nv) acc[r] = _mm256_fmadd_ps(pv, ld8(vp + 8 * r), acc[r]);
         }
 #pragma GCC unroll 8
         for (int r = 0; r < 8; ++r)

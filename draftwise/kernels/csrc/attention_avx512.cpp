@@ -52,7 +52,7 @@ inline void dots16(const __m512* qv, const E* kp, int64_t sc, int lo, int hi, __
         __m512 a = _mm512_setzero_ps();
         if (FULL || (kk >= lo && kk < hi)) {
 #pragma GCC unroll 16
-            for (int c = 0; c < NC; ++c) a = _mm512_add_ps(a, _mm512_mul_ps(qv[c], ld16(kp + 16 * c)));
+            for (int c = 0; c < NC; ++c) a = _mm512_fmadd_ps(qv[c], ld16(kp + 16 * c), a);
         }
         acc[kk] = a;
     }
@@ -67,7 +67,7 @@ inline void dots16_any(const float* qf, int64_t D, const E* kp, int64_t sc, int 
         const __m512 qv = _mm512_loadu_ps(qf + i);
 #pragma GCC unroll 16
         for (int kk = 0; kk < 16; ++kk)
-            if (kk >= lo && kk < hi) acc[kk] = _mm512_add_ps(acc[kk], _mm512_mul_ps(qv, ld16(kp + kk * sc + i)));
+            if (kk >= lo && kk < hi) acc[kk] = _mm512_fmadd_ps(qv, ld16(kp + kk * sc + i), acc[kk]);
     }
 }
 
@@ -150,7 +150,7 @@ static void values(const E* vb, int64_t sc, int64_t D, const float* p, int lo, i
             const __m512 pv = _mm512_set1_ps(p[kk]);
 #pragma GCC unroll 8
             for (int r = 0; r < 8; ++r)
-                if (r < nv) acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(pv, ld16(vp + 16 * r)));
+                if (r < nv) acc[r] = _mm512_fmadd_ps(pv, ld16(vp + 16 * r), acc[r]);
         }
 #pragma GCC unroll 8
         for (int r = 0; r < 8; ++r)

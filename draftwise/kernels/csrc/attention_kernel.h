@@ -6,7 +6,9 @@
 // path runs.
 //
 // Written lane by lane (arrays of 16 floats, every lane an independent chain), so -O3 may vectorize it at any
-// width without reordering a single float operation (-ffp-contract=off: no fused multiply-adds either).
+// width without reordering a single float operation (-ffp-contract=off: no fused multiply-add the source does not
+// write; each product-accumulate is written as one, `fmadd`, exactly rounded wherever it runs: a VFMADD in the
+// AVX2 / AVX-512 units, libm's fmaf in the baseline unit).
 // Everything here has internal linkage and no C++ library header is included, so nothing compiled with
 // AVX-512 flags can be merged into code that runs on an AVX2-only CPU.
 #pragma once
@@ -62,6 +64,8 @@ inline float exp_nonpos(float x) {
     return x < -80.0f ? 0.0f : e;
 }
 
+inline float fmadd(float x, float y, float acc) { return __builtin_fmaf(x, y, acc); }  // x * y + acc, one rounding
+
 inline float fold(float* a) {  // a[16] -> one float: a[l] += a[l + w] for w = 8, 4, 2, 1
     for (int w = LANES / 2; w >= 1; w /= 2)
         for (int l = 0; l < w; ++l) a[l] = a[l] + a[l + w];
@@ -74,8 +78,8 @@ inline float dot(const float* q, const E* k, int64_t D) {
     for (int l = 0; l < LANES; ++l) acc[l] = 0.0f;
     int64_t i = 0;
     for (; i + LANES <= D; i += LANES)
-        for (int l = 0; l < LANES; ++l) acc[l] = acc[l] + q[i + l] * load(k, i + l);
-    for (int l = 0; i + l < D; ++l) acc[l] = acc[l] + q[i + l] * load(k, i + l);
+        for (int l = 0; l < LANES; ++l) acc[l] = fmadd(q[i + l], load(k, i + l), acc[l]);
+    for (int l = 0; i + l < D; ++l) acc[l] = fmadd(q[i + l], load(k, i + l), acc[l]);
     return fold(acc);
 }
 
@@ -329,19 +333,19 @@ void one(const DwAttnArgs* a, int64_t b, int64_t t, int64_t h, float* scratch) {
 
     for (int64_t d = 0; d < D; ++d) acc[d] = 0.0f;
     j = 0;
-    for (; j + 4 <= Lp; j += 4) {  // four keys per pass over acc: the same additions, in the same order
+    for (; j + 4 <= Lp; j += 4) {  // four keys per pass over acc: the same fused steps, in the same order
         const float p0 = s[j], p1 = s[j + 1], p2 = s[j + 2], p3 = s[j + 3];
         const E* v0 = at(q.Vh, q, st + j);
         const E* v1 = at(q.Vh, q, st + j + 1);
         const E* v2 = at(q.Vh, q, st + j + 2);
         const E* v3 = at(q.Vh, q, st + j + 3);
         for (int64_t d = 0; d < D; ++d)
-            acc[d] = (((acc[d] + p0 * load(v0, d)) + p1 * load(v1, d)) + p2 * load(v2, d)) + p3 * load(v3, d);
+            acc[d] = fmadd(p3, load(v3, d), fmadd(p2, load(v2, d), fmadd(p1, load(v1, d), fmadd(p0, load(v0, d), acc[d]))));
     }
     for (; j < L; ++j) {  // then a tree row's ancestors
         const float p = s[j];
         const E* v = at(q.Vh, q, j < Lp ? st + j : q.first + tree_row(q.anc, j - Lp));
-        for (int64_t d = 0; d < D; ++d) acc[d] = acc[d] + p * load(v, d);
+        for (int64_t d = 0; d < D; ++d) acc[d] = fmadd(p, load(v, d), acc[d]);
     }
     store_row(a, q.o, acc, total);
 }

@@ -3,7 +3,7 @@
 // Owns: whether this process may run AMX (cpuid AMX-TILE + AMX-INT8 + the AVX-512 the epilogue uses, no
 // $DRAFTWISE_MAX_ISA cap, and the kernel's permission for tile data: arch_prctl(ARCH_REQ_XCOMP_PERM,
 // XFEATURE_XTILEDATA), asked once per process), the smallest row count it takes (set from Python, which measures
-// it: kernels/q4x8.py wide_min_rows), quantizing the activations row-major (gemm_q4x8.h) and threading over
+// it: kernels/q4x8.py wide_min_rows), quantizing the activations tile-major (gemm_q4x8.h) and threading over
 // 16-column blocks. Knows nothing of models; the arithmetic is q4x8.h's, the tile loop gemm_q4x8_amx.cpp's.
 // Every row is bitwise the GEMV's row (tests/test_kernels_gemm.py), so which side serves a call changes speed only.
 #include <torch/library.h>
@@ -56,9 +56,12 @@ std::atomic<int64_t> min_rows{std::numeric_limits<int64_t>::max()};  // until Py
 }  // namespace
 
 #ifndef DW_HAVE_X86
-extern "C" int64_t dw_amx_scratch_bytes(int64_t) { return 0; }
+extern "C" int64_t dw_amx_scratch_bytes(int64_t, int64_t) { return 0; }
 extern "C" void dw_gemm_amx(const DwQ4*, const DwQ8Rows*, float*, int64_t, int64_t, uint8_t*) {}
 #endif
+
+// Whether this process may run AMX int8 tiles (the Q6_K wide kernel asks too: gemm_q6k.cpp).
+bool dw_amx_usable() { return amx(); }
 
 // draftwise_q4x8::linear with path 'auto' serves a call of M rows here when this is true.
 bool dw_wide_takes(int64_t M) { return M >= min_rows.load(std::memory_order_relaxed) && amx(); }
@@ -71,17 +74,27 @@ at::Tensor dw_q4x8_wide(const at::Tensor& x, const at::Tensor& packed, const at:
     const int64_t Kp = (K + 63) / 64 * 64, Mp = (M + 31) / 32 * 32;
     at::Tensor y = at::empty({M, N}, x.options());
     if (M == 0) return y;
-    at::Tensor q = at::zeros({Mp, Kp}, x.options().dtype(at::kChar));
-    at::Tensor dx = at::zeros({Mp, S}, x.options());
-    at::Tensor qsum = at::zeros({Mp, S, 8}, x.options().dtype(at::kShort));
+    at::Tensor q = at::empty({Mp / 16, Kp / 64, 16, 64}, x.options().dtype(at::kChar));  // tile-major (gemm_q4x8.h)
+    at::Tensor dx = at::empty({Mp, S}, x.options());  // padding rows never read
+    at::Tensor qsum = at::empty({Mp, S, 8}, x.options().dtype(at::kShort));  // padding rows never read
     const float* xp = x.data_ptr<float>();
     int8_t* qp = q.data_ptr<int8_t>();
     float* dxp = dx.data_ptr<float>();
     int16_t* qsp = qsum.data_ptr<int16_t>();
-    // one row at a time as a 1-row matrix ([G, 1, 32] is the row's K bytes in order): the GEMV's very values
+    // one row at a time as a 1-row matrix ([G, 1, 32] is the row's K bytes in order): the GEMV's very values, then
+    // its 64-byte pieces scattered to their tiles
     at::parallel_for(0, M, 16, [&](int64_t r0, int64_t r1) {
-        for (int64_t r = r0; r < r1; ++r) dw_q8_rows_avx512(xp + r * K, 1, K, qp + r * Kp, dxp + r * S, qsp + r * S * 8, 0, 1);
+        std::vector<int8_t> row(Kp, 0);
+        for (int64_t r = r0; r < r1; ++r) {
+            dw_q8_rows_avx512(xp + r * K, 1, K, row.data(), dxp + r * S, qsp + r * S * 8, 0, 1);
+            int8_t* dst = qp + (r / 16) * Kp * 16 + (r % 16) * 64;
+            for (int64_t j = 0; j < Kp / 64; ++j) std::memcpy(dst + j * 1024, row.data() + j * 64, 64);
+        }
     });
+    for (int64_t r = M; r < Mp; ++r) {  // padding rows of the last tile: zero (their outputs are never stored)
+        int8_t* dst = qp + (r / 16) * Kp * 16 + (r % 16) * 64;
+        for (int64_t j = 0; j < Kp / 64; ++j) std::memset(dst + j * 1024, 0, 64);
+    }
     DwQ4 w{packed.data_ptr<uint8_t>(), sc.data_ptr<uint8_t>(), mn.data_ptr<uint8_t>(), d.data_ptr<float>(),
            dmin.data_ptr<float>(), bias, N, K, G, S};
     float* yp = y.data_ptr<float>();
@@ -93,8 +106,9 @@ at::Tensor dw_q4x8_wide(const at::Tensor& x, const at::Tensor& packed, const at:
         DwQ8Rows a{qp + m0 * Kp, dxp + m0 * S, qsp + m0 * S * 8, std::min(chunk, M - m0), Kp};
         at::parallel_for(0, NB, 1, [&](int64_t b0, int64_t b1) {
             thread_local std::vector<uint8_t> scratch;
-            scratch.resize(dw_amx_scratch_bytes(Kp));
-            dw_gemm_amx(&w, &a, yp + m0 * N, b0, b1, scratch.data());
+            scratch.resize(dw_amx_scratch_bytes(Kp, a.M) + 64);
+            uint8_t* aligned = scratch.data() + (64 - (uintptr_t)scratch.data() % 64) % 64;
+            dw_gemm_amx(&w, &a, yp + m0 * N, b0, b1, aligned);
         });
     }
     return y;

@@ -8,7 +8,8 @@
 //
 // Activations, quantized per row exactly as q4x8.h says (the same dw_q8_rows_* functions, called one row at a time,
 // so every q, dx and qsum is the GEMV's):
-//   q [Mp, Kp] int8 row-major, Kp = K rounded up to 64, Mp = M rounded up to 32 (the padding is zero);
+//   q [Mp / 16, Kp / 64, 16, 64] int8 tile-major (row 16 i + r, K values 64 j .. 64 j + 63 at [i, j, r]: an AMX A
+//   tile is 1 KiB of consecutive bytes), Kp = K rounded up to 64, Mp = M rounded up to 32 (q's padding is zero);
 //   dx [Mp, S] float32; qsum [Mp, S, 8] int16.
 // Weights, per 16-column block and step of 64 K values (groups 2j and 2j + 1; a missing group 2j + 1 is zero), two
 // AMX B tiles of 16 rows x 64 bytes in the VNNI layout (row r = K values 4r..4r+3 of the step, byte 4n + t = column n):
@@ -23,16 +24,17 @@
 extern "C" {
 
 struct DwQ8Rows {
-    const int8_t* q;      // [Mp, Kp]
+    const int8_t* q;      // [Mp / 16, Kp / 64, 16, 64]
     const float* dx;      // [Mp, S]
     const int16_t* qsum;  // [Mp, S, 8]
     int64_t M, Kp;
 };
 
-// Bytes of B-tile scratch one thread needs for one 16-column block: (Kp / 64) steps x 2 tiles x 1 KiB.
-int64_t dw_amx_scratch_bytes(int64_t Kp);
+// Bytes of scratch one thread needs for one 16-column block of M rows: (Kp / 64) steps x 2 B tiles x 1 KiB, then 16
+// float32 accumulators per row.
+int64_t dw_amx_scratch_bytes(int64_t Kp, int64_t M);
 
-// out [M, N] float32 for the 16-column blocks [b0, b1), all M rows; scratch: dw_amx_scratch_bytes(Kp), this thread's.
+// out [M, N] float32 for the 16-column blocks [b0, b1), all M rows; scratch: dw_amx_scratch_bytes(Kp, a->M), this thread's, 64-byte aligned.
 // Configures the tiles of the calling thread and releases them before it returns.
 void dw_gemm_amx(const DwQ4* w, const DwQ8Rows* a, float* out, int64_t b0, int64_t b1, uint8_t* scratch);
 

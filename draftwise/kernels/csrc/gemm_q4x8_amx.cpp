@@ -76,8 +76,12 @@ inline __m512i mn_pair(const uint8_t* MN, int64_t g, int64_t G) {
 
 }  // namespace
 
-extern "C" int64_t dw_amx_scratch_bytes(int64_t Kp) { return Kp / 64 * 2048; }
+extern "C" int64_t dw_amx_scratch_bytes(int64_t Kp, int64_t M) { return Kp / 64 * 2048 + (M + 31) / 32 * 32 * 64; }
 
+// Loop order: per block, per super-block, every 32-row tile: the block's B tiles of that super-block (8 KiB) stay in
+// L1 while the row tiles (tile-major: each A tile 1 KiB of consecutive bytes) stream past them; each row's
+// accumulator waits in scratch between super-blocks (the same fma sequence per row, in super-block order, as the
+// GEMV's register accumulator).
 extern "C" void dw_gemm_amx(const DwQ4* w, const DwQ8Rows* a, float* out, int64_t b0, int64_t b1, uint8_t* scratch) {
     TileConfig cfg = {};
     cfg.palette = 1;
@@ -87,8 +91,8 @@ extern "C" void dw_gemm_amx(const DwQ4* w, const DwQ8Rows* a, float* out, int64_
     }
     _tile_loadconfig(&cfg);
     const int64_t G = w->G, S = w->S, N = w->N, M = a->M, Kp = a->Kp, steps = Kp / 64;
+    float* accs = (float*)(scratch + steps * 2048);  // [M rounded up to 32, 16]
     alignas(64) int32_t C[4][16][16];  // lo rows 0-15, hi rows 0-15, lo rows 16-31, hi rows 16-31
-    __m512 acc[32];
     for (int64_t b = b0; b < b1; ++b) {
         prepare(w, b, steps, scratch);
         const uint8_t* MN = w->mn + b * G * 16;
@@ -98,19 +102,23 @@ extern "C" void dw_gemm_amx(const DwQ4* w, const DwQ8Rows* a, float* out, int64_
         const int64_t live = N - n0 < 16 ? N - n0 : 16;
         const __mmask16 keep = (__mmask16)((1u << live) - 1u);
         const __m512 bias = w->bias ? _mm512_maskz_loadu_ps(keep, w->bias + n0) : _mm512_setzero_ps();
-        for (int64_t m0 = 0; m0 < M; m0 += 32) {  // q, dx, qsum are padded to whole 32-row tiles
-            const int rows = M - m0 < 32 ? (int)(M - m0) : 32;
-            for (int m = 0; m < 32; ++m) acc[m] = _mm512_setzero_ps();
-            const int8_t* A = a->q + m0 * Kp;
-            for (int64_t s = 0; s < S; ++s) {
-                const int64_t g0 = s * 8, g1 = g0 + 8 < G ? g0 + 8 : G;
+        for (int64_t m = 0; m < M; ++m) _mm512_store_ps(accs + m * 16, _mm512_setzero_ps());
+        for (int64_t s = 0; s < S; ++s) {
+            const int64_t g0 = s * 8, g1 = g0 + 8 < G ? g0 + 8 : G, j0 = g0 / 2, j1 = (g1 + 1) / 2;
+            __m512i mnp[4];
+            for (int p = 0; p < 4; ++p) mnp[p] = g0 + 2 * p < g1 ? mn_pair(MN, g0 + 2 * p, G) : _mm512_setzero_si512();
+            const __m512 dv = _mm512_loadu_ps(D + s * 16), dmv = _mm512_loadu_ps(DM + s * 16);
+            for (int64_t m0 = 0; m0 < M; m0 += 32) {  // q, dx, qsum are padded to whole 32-row tiles
+                const int rows = M - m0 < 32 ? (int)(M - m0) : 32;
+                const int8_t* A0 = a->q + (m0 / 16) * steps * 1024;  // rows m0 .. m0 + 15
+                const int8_t* A1 = A0 + steps * 1024;                // rows m0 + 16 .. m0 + 31
                 _tile_zero(0);
                 _tile_zero(1);
                 _tile_zero(2);
                 _tile_zero(3);
-                for (int64_t j = g0 / 2; j < (g1 + 1) / 2; ++j) {
-                    _tile_loadd(4, A + j * 64, Kp);
-                    _tile_loadd(5, A + 16 * Kp + j * 64, Kp);
+                for (int64_t j = j0; j < j1; ++j) {
+                    _tile_loadd(4, A0 + j * 1024, 64);
+                    _tile_loadd(5, A1 + j * 1024, 64);
                     _tile_loadd(6, scratch + j * 2048, 64);
                     _tile_loadd(7, scratch + j * 2048 + 1024, 64);
                     _tile_dpbsud(0, 4, 6);
@@ -122,9 +130,7 @@ extern "C" void dw_gemm_amx(const DwQ4* w, const DwQ8Rows* a, float* out, int64_
                 _tile_stored(1, C[1], 64);
                 _tile_stored(2, C[2], 64);
                 _tile_stored(3, C[3], 64);
-                __m512i mnp[4];
-                for (int p = 0; p < 4; ++p) mnp[p] = g0 + 2 * p < g1 ? mn_pair(MN, g0 + 2 * p, G) : _mm512_setzero_si512();
-                const __m512 dv = _mm512_loadu_ps(D + s * 16), dmv = _mm512_loadu_ps(DM + s * 16);
+                float* acc = accs + m0 * 16;
                 for (int m = 0; m < rows; ++m) {
                     const int half = m >> 4, r = m & 15;
                     const __m512i lo = _mm512_load_si512((const void*)C[2 * half][r]);
@@ -135,11 +141,12 @@ extern "C" void dw_gemm_amx(const DwQ4* w, const DwQ8Rows* a, float* out, int64_
                     for (int p = 0; p < 4; ++p) imn = _mm512_dpwssd_epi32(imn, mnp[p], _mm512_set1_epi32(qs[p]));
                     __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(isc), dv);
                     t = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(imn), dmv, t);
-                    acc[m] = _mm512_fmadd_ps(t, _mm512_set1_ps(a->dx[(m0 + m) * S + s]), acc[m]);
+                    _mm512_store_ps(acc + m * 16, _mm512_fmadd_ps(t, _mm512_set1_ps(a->dx[(m0 + m) * S + s]),
+                                                                  _mm512_load_ps(acc + m * 16)));
                 }
             }
-            for (int m = 0; m < rows; ++m) _mm512_mask_storeu_ps(out + (m0 + m) * N + n0, keep, _mm512_add_ps(acc[m], bias));
         }
+        for (int64_t m = 0; m < M; ++m) _mm512_mask_storeu_ps(out + m * N + n0, keep, _mm512_add_ps(_mm512_load_ps(accs + m * 16), bias));
     }
     _tile_release();
 }

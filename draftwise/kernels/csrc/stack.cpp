@@ -58,6 +58,9 @@ using LinearFn = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tens
                             const at::Tensor&, const at::Tensor&, const OptT&, int64_t, int64_t);
 using Q6KFn = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                          const at::Tensor&, const OptT&, int64_t, int64_t);
+using Q6KWideFn = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                             const at::Tensor&, const OptT&, int64_t);
+using TakesFn = bool(int64_t);
 using Q80Fn = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const OptT&, int64_t, int64_t);
 using NormFn = at::Tensor(const at::Tensor&, const at::Tensor&, double, double);
 using AddNormFn = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&, double,
@@ -79,6 +82,8 @@ c10::TypedOperatorHandle<Fn> op(const char* name) {
 struct Ops {  // the registered operators, resolved once (all live in this library)
     c10::TypedOperatorHandle<LinearFn> linear = op<LinearFn>("draftwise_q4x8::linear");
     c10::TypedOperatorHandle<Q6KFn> q6k = op<Q6KFn>("draftwise_q6k::linear");
+    c10::TypedOperatorHandle<Q6KWideFn> q6k_wide = op<Q6KWideFn>("draftwise_q6k::wide");  // gemm_q6k.cpp
+    c10::TypedOperatorHandle<TakesFn> q6k_wide_takes = op<TakesFn>("draftwise_q6k::wide_takes");
     c10::TypedOperatorHandle<Q80Fn> q8_0 = op<Q80Fn>("draftwise_q8_0::linear");
     c10::TypedOperatorHandle<NormFn> rms_norm = op<NormFn>("draftwise_glue::rms_norm");
     c10::TypedOperatorHandle<AddNormFn> add_rms_norm = op<AddNormFn>("draftwise_glue::add_rms_norm");
@@ -113,7 +118,11 @@ at::Tensor linear(const c10::List<OptT>& w, int64_t at_, int64_t kind, const at:
             y = o.linear.call(x2, w_at(w, at_), w_at(w, at_ + 1), w_at(w, at_ + 2), w_at(w, at_ + 3), w_at(w, at_ + 4),
                               opt(w, at_ + 5), N, -1);
             break;
-        case Q6K:
+        case Q6K:  // Q6KLinear's path 'auto': wide calls take the AMX GEMM (rows bitwise the GEMV's), as in linear.py
+            if (x2.size(0) > 1 && o.q6k_wide_takes.call(x2.size(0))) {
+                y = o.q6k_wide.call(x2, w_at(w, at_), w_at(w, at_ + 1), w_at(w, at_ + 2), w_at(w, at_ + 3), opt(w, at_ + 5), N);
+                break;
+            }
             y = o.q6k.call(x2, w_at(w, at_), w_at(w, at_ + 1), w_at(w, at_ + 2), w_at(w, at_ + 3), opt(w, at_ + 5), N, -1);
             break;
         case Q8_0:
