@@ -222,16 +222,17 @@ class Engine:
                     for r in self.running if r.slot is not None)
         return self.cache.num_available_blocks - ahead  # free, and those only the prefix cache holds
 
-    def _blocks_to_admit(self, req: Request) -> int:
-        """Blocks admitting `req` takes from the available ones: its context and a look-ahead, less the whole
-        blocks of its cached prefix that running sequences hold anyway (shared, and not counted as available)."""
+    def _admission_cost(self, req: Request) -> tuple[int, int]:
+        """(tokens its prefill computes, blocks it takes from the available ones) if `req` is admitted now: its
+        context less the cached prefix; blocks for its context and a look-ahead, less the whole blocks of its
+        cached prefix that running sequences hold anyway (shared, and not counted as available)."""
         n = len(req.context_ids)
         need = blocks_for(n + self.k_max + 1, self.cache.block_size)
-        if self.prefix_cache is not None:
-            entry, cached = self.prefix_cache.match(req.context_ids)
-            whole = self.prefix_cache.blocks(entry, cached)[: cached // self.cache.block_size]
-            need -= sum(self.cache.refs[b] > 1 for b in whole)
-        return need
+        if self.prefix_cache is None:
+            return n, need
+        entry, cached = self.prefix_cache.match(req.context_ids)
+        whole = self.prefix_cache.blocks(entry, cached)[: cached // self.cache.block_size]
+        return n - cached, need - sum(self.cache.refs[b] > 1 for b in whole)
 
     def _preempt(self, r: Request) -> None:
         """The pool ran out: r (the youngest running request) gives back its slot and blocks and waits at the head
@@ -257,10 +258,9 @@ class Engine:
         admit, budget = [], PREFILL_TOKENS_PER_STEP
         room = self._admittable_blocks() if self.waiting else 0
         while self.waiting and len(admit) < len(self.free_slots):
-            n = len(self.waiting[0].context_ids)
+            n, need = self._admission_cost(self.waiting[0])  # a cached prefix is neither computed nor held twice
             if admit and n > budget:
                 break
-            need = self._blocks_to_admit(self.waiting[0])
             if need > room and (admit or self.running):
                 break  # the K/V pool is short: wait until blocks come back (alone, a request always starts)
             room -= need
