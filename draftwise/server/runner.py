@@ -252,9 +252,17 @@ class EngineRunner:
         # "wake": a request was queued; _admit (after the drain) looks
 
     def _engine_has_room(self) -> bool:
-        """Whether the engine takes one more request now (a free KV slot). The one place admission asks the
-        engine; a paged KV cache would also ask for free blocks here."""
-        return len(self._sinks) < self.llm.max_num_seqs
+        """Whether the engine takes one more request now: a free KV slot, and K/V blocks (EngineStatus.kv_blocks_free:
+        free, or held only by the prefix cache) beyond what the prompts already waiting inside the engine need —
+        else requests stay in the admission queue (fair order; its length is what the 429 counts). The one place
+        admission asks the engine."""
+        if len(self._sinks) >= self.llm.max_num_seqs:
+            return False
+        st = self.llm.status()
+        if not st.kv_block_size:
+            return True
+        queued = sum(-(-len(r.context_ids) // st.kv_block_size) for r in self.llm.engine.waiting)
+        return st.kv_blocks_free > queued
 
     def _admit(self) -> None:
         """Move queued requests into the engine while it has room, in the admission's (round-robin) order."""
