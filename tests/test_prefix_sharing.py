@@ -161,3 +161,21 @@ def test_n_samples_of_one_prompt_map_the_same_prompt_blocks(models):
     assert first[0] == first[1] == first[2]  # the prompt's whole blocks, once
     assert [r.num_cached_tokens for r in reqs] == [0, 39, 39]
     audit(eng.cache, eng.prefix_cache)
+
+
+def test_the_server_moves_requests_into_the_engine_only_while_blocks_are_free():
+    """server/runner.py's admission hook: a free slot is not enough; the pool's available blocks (free, or held only
+    by the prefix cache) must exceed what the prompts already waiting inside the engine need."""
+    from draftwise.server.runner import EngineRunner
+    from tests.test_prefix_cache import q4x8_llm
+
+    llm = q4x8_llm(True)
+    runner = EngineRunner(llm, metrics=None)
+    eng = llm.engine
+    assert runner._engine_has_room()
+    free = eng.cache.num_available_blocks
+    big = Request("big", [5] * (16 * free), SamplingParams(max_tokens=1))  # placed directly: the hook only
+    eng.waiting.append(big)
+    assert not runner._engine_has_room()
+    big.prompt_ids = [5] * (16 * (free - 1))
+    assert runner._engine_has_room()
