@@ -141,10 +141,16 @@ class PrefixCache:
 
     def reclaim(self, num_blocks: int) -> None:
         """The pool is short: drop entries, least recently used first, until `num_blocks` more blocks are free or
-        no entry is left."""
+        none is left. Entries that free blocks go first; one whose blocks running sequences all hold costs nothing
+        and goes only after them (dropping it can still spare a copy: a block it shares with a writer)."""
         target = self._cache.num_free_blocks + num_blocks
-        while self._entries and self._cache.num_free_blocks < target:
-            self._drop(next(iter(self._entries)))
+        for frees in (True, False):
+            for key in list(self._entries):
+                if self._cache.num_free_blocks >= target:
+                    return
+                if not frees or any(self._holds[b] == 1 and self._cache.refs[b] == 1
+                                    for b in self._entries[key].blocks):
+                    self._drop(key)
 
     def _drop(self, key: int) -> None:
         gone = []

@@ -135,6 +135,18 @@ def test_the_pool_reclaims_cached_blocks_before_it_reports_full():
     assert len(pc) == 0 and cache.num_free_blocks == 0 and cache.num_copies == 0
 
 
+def test_reclaim_keeps_entries_that_free_nothing():
+    """An older entry whose blocks a running slot holds costs no memory: the pool under pressure drops a newer
+    entry that frees a block instead."""
+    cache, pc = filled_cache(slots=3), PrefixCache()
+    stored(pc, cache, list(range(1, 17)), slot=0)  # slot 0 keeps holding this block
+    stored(pc, cache, [2] * 16, slot=1)
+    cache.free(1), cache.free(2)  # 5 free; [2...]'s block only the cache holds
+    cache.reserve([2], [48])
+    cache.reserve([1], [48])  # 3 needed, 2 free: one entry must go
+    assert pc.match(list(range(1, 18)))[1] == 16 and pc.match([2] * 17)[1] == 0
+
+
 def test_forget_drops_the_prompt_and_its_extensions_only():
     cache, pc = filled_cache(), PrefixCache()
     stored(pc, cache, [1, 2, 8])
