@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import time
@@ -50,17 +49,21 @@ def child(args) -> dict:
     first, _ = run([system + [11, 12, 13, 14]], 1)
     out["ttft_first_s"] = first[0].first_token_time - first[0].arrival_time
     ttfts = []
-    for i in range(3):
+    for i in range(5):  # the least of 5: a busy neighbour only adds time
         r, _ = run([system + [21 + i, 22, 23, 24]], 1)
         ttfts.append(r[0].first_token_time - r[0].arrival_time)
-    out["ttft_shared_s"] = statistics.median(ttfts)
+    out["ttft_shared_s"] = min(ttfts)
     out["cached_tokens"] = r[0].num_cached_tokens
     _, peak = run([system + [31 + i, 32, 33] for i in range(4)], 8)
     out["blocks_in_use_4_sharing"] = peak
     out["block_size"] = eng.cache.block_size
-    for n in (1, 4):
-        reqs, _ = run([[100 + 7 * i + j for j in range(24)] for i in range(n)], args.tokens)
-        out[f"decode_tok_s_{n}"] = sum((len(r.output_ids) - 1) / (r.finish_time - r.first_token_time) for r in reqs)
+    for n in (1, 4):  # the better of 2 rounds
+        rates = []
+        for _ in range(2):
+            reqs, _ = run([[100 + 7 * i + j for j in range(24)] for i in range(n)], args.tokens)
+            rates.append(sum((len(r.output_ids) - 1) / (r.finish_time - r.first_token_time) for r in reqs))
+        out[f"decode_tok_s_{n}"] = max(rates)
+    out["load_average_1min"] = os.getloadavg()[0]
     return out
 
 
