@@ -135,6 +135,27 @@ def test_the_pool_reclaims_cached_blocks_before_it_reports_full():
     assert len(pc) == 0 and cache.num_free_blocks == 0 and cache.num_copies == 0
 
 
+def test_whole_blocks_are_found_by_chained_hash_and_a_collision_changes_no_match(monkeypatch):
+    """Entries are indexed by the chained hash of each whole block; a planted hash that collides for every block
+    (each chain position hashes alike) must still give the same matches: tokens decide, the hash only narrows."""
+    prompts = [list(range(1, 41)), list(range(1, 17)) + [99] * 10, [7] * 40, [7] * 16 + list(range(1, 17)) + [3]]
+    queries = [list(range(1, 45)), list(range(1, 17)) + [99] * 3, [7] * 33, [7] * 16 + list(range(1, 20)), [5] * 20]
+
+    def matches():
+        cache, pc = filled_cache(slots=4), PrefixCache()
+        for slot, p in enumerate(prompts):
+            stored(pc, cache, p, slot)
+        return [pc.match(q)[1] for q in queries], pc
+
+    honest, pc = matches()
+    assert honest == [40, 18, 32, 32, 0]
+    # chains of 2, 1, 2 and 2 whole blocks; the first two prompts share their first block, the last two theirs
+    assert sorted(map(len, pc._by_hash.values())) == [1, 1, 1, 2, 2]
+    monkeypatch.setattr(PrefixCache, "_chain", lambda self, ids: list(range(len(ids) // BLOCK)))
+    colliding, _ = matches()
+    assert colliding == honest
+
+
 def test_reclaim_keeps_entries_that_free_nothing():
     """An older entry whose blocks a running slot holds costs no memory: the pool under pressure drops a newer
     entry that frees a block instead."""
