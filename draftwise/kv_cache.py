@@ -200,6 +200,8 @@ class KVCache:
     def _shared_in(self, slot: int, end: int) -> list[int]:
         """Indices into held[slot] of the blocks a forward writing positions lengths[slot] .. end - 1 would write
         and someone else also holds (a forward never writes below the slot's length: the engine truncates first)."""
+        if end <= self.lengths[slot]:
+            return []
         first, stop = self.lengths[slot] // self.block_size, min(len(self.held[slot]), blocks_for(end, self.block_size))
         return [i for i in range(first, stop) if self.refs[self.held[slot][i]] > 1]
 
