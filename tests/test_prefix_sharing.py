@@ -179,3 +179,21 @@ def test_the_server_moves_requests_into_the_engine_only_while_blocks_are_free():
     assert not runner._engine_has_room()
     big.prompt_ids = [5] * (16 * (free - 1))
     assert runner._engine_has_room()
+
+
+def test_abort_returns_its_references(models):
+    target, _ = models
+    eng = Engine(target, NoProposer(), 0, 4, LEN, eos_token_ids=(0,), prefix_cache=PrefixCache())
+    params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    reqs = [Request(f"a{i}", p, params) for i, p in enumerate(PROMPTS[:2])]
+    eng.add_request(reqs[0])
+    eng.step()
+    eng.add_request(reqs[1])
+    eng.step()
+    eng.step()
+    assert reqs[1].num_cached_tokens == 37 and len(eng.running) == 2
+    for r in reqs:
+        eng.abort(r.request_id)
+        audit(eng.cache, eng.prefix_cache)
+    assert eng.cache.num_free_blocks == eng.cache.num_blocks - eng.prefix_cache.reclaimable()
+    assert eng.prefix_cache.reclaimable() == eng.prefix_cache.num_blocks  # only prompts stored at prefill remain
