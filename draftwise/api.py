@@ -315,7 +315,7 @@ class LLM:
         """What a monitor reads (the server's /metrics): queue lengths, free slots and the cumulative counters."""
         e = self.engine
         return EngineStatus(len(e.running), len(e.waiting), e.num_free_slots, e.stats, e.prefix_cache,
-                            e.cache.num_free_blocks, e.cache.num_blocks, e.cache.block_size)
+                            e.cache.num_available_blocks, e.cache.num_blocks, e.cache.block_size)
 
     # ---- speculation --------------------------------------------------------------------------
     @property

@@ -1,9 +1,11 @@
 """The engine: continuous batching of requests over one target decoder and one proposer.
 
 step(): admit waiting requests into free slots while the K/V pool (kv_cache.py, blocks) has room for each one's
-context and a look-ahead — when the pool later runs out, the youngest running request is preempted (blocks freed,
-re-prefilled from prompt + output when re-admitted: `_preempt`) — (prefill from the end of the prompt's longest prefix in the
-prefix cache; where prompt rows are bitwise decode rows, the prompt's first guesses ride along and are verified
+context and a look-ahead — when the pool later runs out, the prefix cache first lets go of blocks only it holds,
+then the youngest running request is preempted (blocks returned, re-prefilled from prompt + output when
+re-admitted: `_preempt`) — (prefill from the end of the prompt's longest prefix in the prefix cache, whose blocks
+the slot shares rather than copies: a shared system prompt, a chat's earlier turns and n samples of one prompt
+hold their K/V once; where prompt rows are bitwise decode rows, the prompt's first guesses ride along and are verified
 like a step's, else the first token) → ask the proposer for up to k guesses per running sequence → mask: under structured outputs, cut each draft at its first token the grammar forbids →
 one batched target forward over [pending token, guesses...] for every sequence → verify each row (pure
 function; under a grammar, row i's logits masked by the grammar state after guesses 1..i; penalties, bias
@@ -218,7 +220,19 @@ class Engine:
         vLLM's: when the pool later runs out, the youngest running request is preempted (`_preempt`)."""
         ahead = sum(self.cache.blocks_needed(r.slot, self.cache.lengths[r.slot] + self.k_max + 1)
                     for r in self.running if r.slot is not None)
-        return self.cache.num_free_blocks - ahead
+        return self.cache.num_available_blocks - ahead  # free, and those only the prefix cache holds
+
+    def _admission_cost(self, req: Request) -> tuple[int, int]:
+        """(tokens its prefill computes, blocks it takes from the available ones) if `req` is admitted now: its
+        context less the cached prefix; blocks for its context and a look-ahead, less the whole blocks of its
+        cached prefix that running sequences hold anyway (shared, and not counted as available)."""
+        n = len(req.context_ids)
+        need = blocks_for(n + self.k_max + 1, self.cache.block_size)
+        if self.prefix_cache is None:
+            return n, need
+        entry, cached = self.prefix_cache.match(req.context_ids)
+        whole = self.prefix_cache.blocks(entry, cached)[: cached // self.cache.block_size]
+        return n - cached, need - sum(self.cache.refs[b] > 1 for b in whole)
 
     def _preempt(self, r: Request) -> None:
         """The pool ran out: r (the youngest running request) gives back its slot and blocks and waits at the head
@@ -227,6 +241,8 @@ class Engine:
         self.running.remove(r)
         self._pending.pop(r.slot, None)
         self.proposer.end(r.slot)
+        if self.prefix_cache is not None:  # its blocks stay cached (evictable) for its re-admission
+            self.prefix_cache.store(r.context_ids[: self.cache.lengths[r.slot]], self.cache, r.slot)
         self.cache.free(r.slot)
         self.free_slots.append(r.slot)
         r.slot = None
@@ -242,10 +258,9 @@ class Engine:
         admit, budget = [], PREFILL_TOKENS_PER_STEP
         room = self._admittable_blocks() if self.waiting else 0
         while self.waiting and len(admit) < len(self.free_slots):
-            n = len(self.waiting[0].context_ids)
+            n, need = self._admission_cost(self.waiting[0])  # a cached prefix is neither computed nor held twice
             if admit and n > budget:
                 break
-            need = blocks_for(n + self.k_max + 1, self.cache.block_size)
             if need > room and (admit or self.running):
                 break  # the K/V pool is short: wait until blocks come back (alone, a request always starts)
             room -= need

@@ -2,24 +2,33 @@
 arithmetic that sizes them — vLLM's paged attention, on the CPU.
 
 Owns the pool (per layer [num_blocks, kv heads, block_size, head_dim], allocated uncommitted: a page of memory
-costs RSS only once a block on it is taken), each slot's block table and valid length, and the free list.
-Position p of a slot lives in block tables[slot, p // block_size], row p % block_size. A forward first
-`reserve`s the blocks its positions need (CacheFull when the pool has too few free blocks: the engine admits
-and preempts by `num_free_blocks`), writes K/V through the table (`write`, or the C++ glue given `table(slots)`),
-then `extend`s the lengths. `truncate(slot, new_len)` is the only rollback: the length moves back and the blocks
-wholly past it return to the pool; entries past the length are never visible (attention reads by position) and
-are overwritten by the next write. A block is zeroed when taken, and padding rows (a forward's positions past a
-row's real tokens) write into one null block past the pool, which no table maps; so whatever the torch path reads
-past a sequence's end (masked out) is finite, and padding costs no block. `block_size >= capacity` gives one block per slot: the
-contiguous layout of earlier versions (the tests compare the two bit for bit).
+costs RSS only once a block on it is taken), each slot's block table and valid length, the free list and each
+block's reference count. Position p of a slot lives in block tables[slot, p // block_size], row p % block_size. A
+forward first `reserve`s the blocks its positions need (CacheFull when the pool has too few free blocks: the engine
+admits and preempts by `num_available_blocks`), writes K/V through the table (`write`, or the C++ glue given
+`table(slots)`), then `extend`s the lengths. `truncate(slot, new_len)` is the only rollback: the length moves back
+and the slot lets go of the blocks wholly past it; entries past the length are never visible (attention reads by
+position) and are overwritten by the next write. A block is zeroed when taken, and padding rows (a forward's
+positions past a row's real tokens) write into one null block past the pool, which no table maps; so whatever the
+torch path reads past a sequence's end (masked out) is finite, and padding costs no block. `block_size >= capacity`
+gives one block per slot: the contiguous layout of earlier versions (the tests compare the two bit for bit).
+
+Blocks are shared, vLLM-style: `share` maps another holder's blocks into an empty slot (the prefix cache's, whose
+entries `retain` blocks of their own); a block returns to the free list only when its last holder lets go
+(`release`, truncate, free). A forward never writes into a block someone else also holds: `reserve` first copies
+each shared block in the range it writes (copy-on-write; in practice the last, partial block of a shared prefix).
+The `reclaimer` (the prefix cache) holds blocks no sequence needs: `reserve` asks it to let go of some (least
+recently used first) before it reports CacheFull, and `num_available_blocks` counts them as free.
 
 Also owns what a cache weighs: `target_cache_capacity` and `draft_cache_capacity` (the most tokens a slot may
 hold, from the context length and the look-ahead), `cache_bytes`, `bytes_per_token` and `blocks_for_budget`,
 which the engine, the draft-model proposer and the memory estimate (bench/memory.py) all call. Knows nothing
-about models or requests; of speculation, only how many positions beyond the context a verification or a
-draft's catch-up writes before its rollback.
+about models, requests or token ids; of speculation, only how many positions beyond the context a verification or
+a draft's catch-up writes before its rollback.
 """
 from __future__ import annotations
+
+from typing import Protocol
 
 import torch
 
@@ -27,6 +36,14 @@ from draftwise.config import ConfigError, auto_kv_cache_dtype
 
 MAX_BATCHED_CATCH_UP = 4  # a draft's rows with more unseen tokens than this (a new prompt) are prefilled alone
 BLOCK_SIZE = 16  # positions per block: a multiple of 16 (the attention op reads keys in aligned blocks of 16)
+
+
+class Reclaimer(Protocol):
+    """Who holds blocks that no sequence needs and lets go of them under pressure (prefix_cache.PrefixCache)."""
+
+    def reclaimable(self) -> int: ...  # blocks it alone holds (free once it lets go)
+
+    def reclaim(self, num_blocks: int) -> None: ...  # let go of (at least, if it can) this many such blocks
 
 
 class CacheFull(RuntimeError):
@@ -153,6 +170,9 @@ class KVCache:
         self.held: list[list[int]] = [[] for _ in range(num_slots)]  # each slot's blocks, in position order
         self.tables = torch.full((num_slots, self.blocks_per_slot), num_blocks, dtype=torch.int64)  # CPU
         self._free = list(range(num_blocks))[::-1]  # taken from the end: low ids first, recently freed first
+        self.refs = [0] * num_blocks  # holders of each block: slots mapping it, prefix-cache entries retaining it
+        self.reclaimer: Reclaimer | None = None  # the prefix cache, once it holds blocks of this pool
+        self.num_copies = 0  # blocks copied on write so far (a shared block a forward was about to write)
         self._head_index = torch.arange(num_kv_heads, device=device)[None, :, None]  # [1, H, 1]
         self._device = device
 
@@ -167,34 +187,111 @@ class KVCache:
 
     @property
     def num_free_blocks(self) -> int:
+        """Blocks nobody holds."""
         return len(self._free)
 
+    @property
+    def num_available_blocks(self) -> int:
+        """Blocks a reserve can take: the free ones and those only the reclaimer (prefix cache) holds."""
+        return len(self._free) + (self.reclaimer.reclaimable() if self.reclaimer is not None else 0)
+
     def blocks_needed(self, slot: int, num_tokens: int) -> int:
-        """Blocks `slot` must still take to hold positions 0 .. num_tokens - 1."""
+        """Blocks `slot` must still take to hold positions 0 .. num_tokens - 1 (copies of shared ones aside)."""
         return max(0, blocks_for(num_tokens, self.block_size) - len(self.held[slot]))
 
+    def _shared_in(self, slot: int, end: int) -> list[int]:
+        """Indices into held[slot] of the blocks a forward writing positions lengths[slot] .. end - 1 would write
+        and someone else also holds (a forward never writes below the slot's length: the engine truncates first)."""
+        if end <= self.lengths[slot]:
+            return []
+        first, stop = self.lengths[slot] // self.block_size, min(len(self.held[slot]), blocks_for(end, self.block_size))
+        return [i for i in range(first, stop) if self.refs[self.held[slot][i]] > 1]
+
+    def _take(self, k: int) -> list[int]:
+        ids = [self._free.pop() for _ in range(k)]
+        for b in ids:
+            self.refs[b] = 1
+        return ids
+
     def reserve(self, slots: list[int], ends: list[int]) -> None:
-        """Take the blocks each slot needs to hold positions up to ends[i] (exclusive), all or none: CacheFull
-        (nothing taken) when the pool has too few free blocks, ValueError beyond a slot's capacity."""
-        need = 0
+        """Take the blocks each slot needs to hold positions up to ends[i] (exclusive) and copy the shared blocks
+        its writes would land in, all or none: CacheFull (nothing taken) when the pool, after the reclaimer let go
+        of what it could, has too few free blocks; ValueError beyond a slot's capacity."""
         for s, n in zip(slots, ends):
             if n > self.capacity:
                 raise ValueError(f"slot {s}: length {n} exceeds cache capacity {self.capacity}")
-            need += self.blocks_needed(s, n)
+
+        def needed() -> int:
+            return sum(self.blocks_needed(s, n) + len(self._shared_in(s, n)) for s, n in zip(slots, ends))
+
+        need = needed()
+        if need > len(self._free) and self.reclaimer is not None:
+            self.reclaimer.reclaim(need - len(self._free))
+            need = needed()  # letting go may have left a block this forward writes with one holder: no copy
         if need > len(self._free):
             raise CacheFull(f"the KV cache needs {need} more blocks of {self.block_size} positions, "
                             f"{len(self._free)} of {self.num_blocks} are free (--kv-cache-memory sizes the pool)")
+        fresh = []
         for s, n in zip(slots, ends):
+            cow = self._shared_in(s, n)
+            if cow:  # copy-on-write: this slot gets its own copy, the other holders keep the original bits
+                src = [self.held[s][i] for i in cow]
+                dst = self._take(len(cow))
+                si, di = torch.tensor(src, device=self._device), torch.tensor(dst, device=self._device)
+                for t in self.keys + self.values:
+                    t[di] = t[si]
+                for i, b in zip(cow, dst):
+                    self.held[s][i] = b
+                    self.tables[s, i] = b
+                self.release(src)
+                self.num_copies += len(cow)
             k = self.blocks_needed(s, n)
             if k == 0:
                 continue
-            ids = [self._free.pop() for _ in range(k)]
-            index = torch.tensor(ids, device=self._device)
-            for t in self.keys + self.values:
-                t.index_fill_(0, index, 0)
+            ids = self._take(k)
+            fresh += ids
             first = len(self.held[s])
             self.held[s].extend(ids)
             self.tables[s, first : first + k] = torch.tensor(ids)
+        if fresh:
+            index = torch.tensor(fresh, device=self._device)
+            for t in self.keys + self.values:
+                t.index_fill_(0, index, 0)
+
+    def share(self, slot: int, blocks: list[int], num_tokens: int) -> None:
+        """Map `blocks` (another holder's, e.g. a prefix-cache entry's) as positions 0 .. num_tokens - 1 of the
+        empty `slot`: referenced, not copied (the slot's first write into one copies it: `reserve`)."""
+        if self.held[slot] or self.lengths[slot]:
+            raise ValueError(f"slot {slot}: share needs an empty slot")
+        if len(blocks) != blocks_for(num_tokens, self.block_size) or num_tokens > self.capacity:
+            raise ValueError(f"slot {slot}: {len(blocks)} blocks cannot hold exactly {num_tokens} positions")
+        self.retain(blocks)
+        self.held[slot] = list(blocks)
+        if blocks:
+            self.tables[slot, : len(blocks)] = torch.tensor(blocks)
+        self.lengths[slot] = num_tokens
+
+    def blocks(self, slot: int, num_tokens: int) -> list[int]:
+        """The blocks holding positions 0 .. num_tokens - 1 of `slot` (what a prefix-cache entry retains)."""
+        if num_tokens > self.lengths[slot]:
+            raise ValueError(f"slot {slot}: holds {self.lengths[slot]} positions, not {num_tokens}")
+        return self.held[slot][: blocks_for(num_tokens, self.block_size)]
+
+    def retain(self, blocks: list[int]) -> None:
+        """One more holder of each of `blocks` (all held by someone already)."""
+        if any(self.refs[b] < 1 for b in blocks):
+            raise ValueError("cannot retain a free block")
+        for b in blocks:
+            self.refs[b] += 1
+
+    def release(self, blocks: list[int]) -> None:
+        """One holder fewer of each of `blocks`; a block nobody holds any more returns to the free list."""
+        for b in blocks:
+            if self.refs[b] < 1:
+                raise ValueError(f"block {b} released more often than held")
+            self.refs[b] -= 1
+            if self.refs[b] == 0:
+                self._free.append(b)
 
     def table(self, slots: torch.Tensor, num_tokens: int | None = None) -> torch.Tensor:  # slots [B] -> [B, nb]
         """The block-table rows of `slots` (what the attention and glue ops and write/read take), as many columns as
@@ -247,18 +344,20 @@ class KVCache:
             self.lengths[s] = max(self.lengths[s], n)
 
     def truncate(self, slot: int, new_len: int) -> None:
-        """Roll slot back to its first `new_len` tokens (the only rollback there is); the blocks past them return."""
+        """Roll slot back to its first `new_len` tokens (the only rollback there is); the slot lets go of the blocks
+        past them (free unless another holder shares them)."""
         if not 0 <= new_len <= self.lengths[slot]:
             raise ValueError(f"slot {slot}: cannot truncate length {self.lengths[slot]} to {new_len}")
         self.lengths[slot] = new_len
-        self._release(slot, blocks_for(new_len, self.block_size))
+        self._let_go(slot, blocks_for(new_len, self.block_size))
 
-    def _release(self, slot: int, keep: int) -> None:
+    def _let_go(self, slot: int, keep: int) -> None:
+        """`slot` keeps its first `keep` blocks; the rest lose it as a holder (free once nobody holds them)."""
         gone = self.held[slot][keep:]
         if gone:
             del self.held[slot][keep:]
             self.tables[slot, keep : keep + len(gone)] = self.null_block
-            self._free.extend(reversed(gone))
+            self.release(gone[::-1])
 
     def compact(self, slot: int, start: int, rows: list[int]) -> None:
         """Token-tree verification kept one root-to-node path: move the K/V of chunk rows `rows` (ascending, rows[0]
@@ -267,6 +366,11 @@ class KVCache:
             raise ValueError(f"slot {slot}: rows {rows} are not ascending rows of the last chunk")
         if rows == list(range(len(rows))):
             return  # already consecutive (a chain, or the first branch all along)
+        shared = [i for i in range(start // self.block_size, blocks_for(start + len(rows), self.block_size))
+                  if self.refs[self.held[slot][i]] > 1]
+        if shared:  # never: a verification's own blocks were copied on write by its forward, and nothing shares
+            # them before its rollback (the prefix cache stores prompts, which the last chunk is past)
+            raise RuntimeError(f"slot {slot}: compact would write shared blocks {shared}")
         table = self.tables[slot : slot + 1]
         src = torch.tensor([[start + r for r in rows]])
         dst = torch.arange(start, start + len(rows))[None]
@@ -276,7 +380,7 @@ class KVCache:
             t[db, :, dr] = t[sb, :, sr]
 
     def gather(self, slot: int, n: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """Copies of the first n positions' K and V, per layer [H_kv, n, D] (what the prefix cache stores)."""
+        """Copies of the first n positions' K and V, per layer [H_kv, n, D] (what tests compare)."""
         table = self.tables[slot : slot + 1]
         keys, values = [], []
         for layer in range(len(self.keys)):
@@ -285,16 +389,6 @@ class KVCache:
             values.append(v[0].clone())
         return keys, values
 
-    def load(self, slot: int, keys: list[torch.Tensor], values: list[torch.Tensor], n: int) -> None:
-        """Write the first n positions of per-layer K/V copies ([H_kv, >= n, D]) into `slot` (empty), taking its
-        blocks (CacheFull when the pool is short)."""
-        self.reserve([slot], [n])
-        table = self.tables[slot : slot + 1]
-        pos = torch.arange(n, device=self.keys[0].device)[None]
-        for layer, (k, v) in enumerate(zip(keys, values)):
-            self.write(layer, table, pos, k[None, :, :n], v[None, :, :n])
-        self.extend([slot], [n])
-
     def free(self, slot: int) -> None:
         self.lengths[slot] = 0
-        self._release(slot, 0)
+        self._let_go(slot, 0)

@@ -1,7 +1,9 @@
 """Prefix cache (draftwise/prefix_cache.py and the engine's use of it).
 
-Invariants: the longest shared prefix is found at token granularity and never the whole prompt; a loaded prefix is
-bitwise the stored K/V; the byte budget holds (least recently used go first); a prompt prefilled after a cached
+Invariants: the longest shared prefix is found at token granularity and never the whole prompt; a loaded prefix maps
+the stored blocks (no copy) and reads bitwise the stored K/V, and a write into its partial block copies it, leaving
+the entry's bits unchanged; the byte budget holds (least recently used go first); the pool reclaims blocks only the
+cache holds before it runs out; a prompt prefilled after a cached
 prefix gives bitwise the logits and K/V of the prompt prefilled whole (row-exact q4x8 + attention op), so greedy
 outputs with the cache on equal outputs with it off — alone, batched with prompts cached to different depths,
 with speculation, and when the batch has to be split because padding after a long prefix would not fit.
@@ -24,17 +26,18 @@ from tests.tiny_models import tiny_decoder
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 LAYERS, HEADS, DIM = 2, 2, 4
-TOKEN_BYTES = LAYERS * 2 * HEADS * DIM * 4  # K and V, every layer, float32
+BLOCK = 16
+BLOCK_BYTES = LAYERS * 2 * HEADS * DIM * 4 * BLOCK  # K and V, every layer, float32, 16 positions
 
 
-def filled_cache(slots: int = 3, capacity: int = 32) -> KVCache:
-    """One block per slot (the contiguous layout: t[slot] is slot's K/V), every slot's block taken, random."""
-    cache = KVCache(LAYERS, slots, HEADS, capacity, DIM, torch.float32, block_size=capacity)
+def filled_cache(slots: int = 4, capacity: int = 48) -> KVCache:
+    """Blocks of 16 (3 per slot), every slot's blocks taken and filled with random K/V."""
+    cache = KVCache(LAYERS, slots, HEADS, capacity, DIM, torch.float32)
     cache.reserve(list(range(slots)), [capacity] * slots)
-    assert cache.tables[:, 0].tolist() == list(range(slots))
+    cache.extend(list(range(slots)), [capacity] * slots)
     g = torch.Generator().manual_seed(0)
     for t in cache.keys + cache.values:
-        t.copy_(torch.randn(t.shape, generator=g))
+        t[: cache.num_blocks].copy_(torch.randn(t[: cache.num_blocks].shape, generator=g))
     return cache
 
 
@@ -54,39 +57,115 @@ def test_match_is_the_longest_shared_prefix_but_never_the_whole_prompt():
     assert pc.match([1])[1] == 0 and pc.match([8, 1, 2])[1] == 0
 
 
-def test_load_copies_the_stored_kv_bitwise_into_another_slot():
+def test_load_shares_the_stored_blocks_and_a_write_copies_only_the_partial_one():
+    """The entry's blocks outlive their slot (retained, not copied); a loaded slot maps the same blocks, reads the
+    stored K/V bitwise, and its first write into the shared partial block copies it: the entry's bits stay."""
     cache, pc = filled_cache(), PrefixCache()
-    stored(pc, cache, [5, 6, 7, 8, 9], slot=0)
-    reference = [t[0, :, :5].clone() for t in cache.keys + cache.values]
+    prompt = list(range(1, 21))  # 20 tokens: a whole block and 4 positions of the next
+    stored(pc, cache, prompt, slot=0)
+    entry_blocks = cache.held[0][:2]
+    reference = cache.gather(0, 20)
+    cache.free(0)  # the slot goes to someone else, who writes everything it gets
+    cache.free(1)
+    cache.reserve([0], [48])
+    assert not set(cache.held[0]) & set(entry_blocks)  # retained blocks are never handed out
     for t in cache.keys + cache.values:
-        t[0].zero_()  # the slot is reused by someone else: the entry holds its own copy
-    entry, n = pc.match([5, 6, 7, 8, 1, 2])
-    pc.load(entry, n, cache, slot=2)
-    assert n == 4 and cache.lengths[2] == 4
-    for t, ref in zip(cache.keys + cache.values, reference):
-        assert torch.equal(t[2, :, :4], ref[:, :4])
+        t[cache.held[0]] = 7.0
+    entry, n = pc.match(prompt[:18] + [60, 61])
+    pc.load(entry, n, cache, slot=1)
+    assert n == 18 and cache.lengths[1] == 18 and cache.held[1] == entry_blocks  # mapped, not copied
+    assert [cache.refs[b] for b in entry_blocks] == [2, 2]
+    for x, y in zip(cache.gather(1, 18), [[t[:, :18] for t in ts] for ts in reference]):
+        assert all(torch.equal(a, b) for a, b in zip(x, y))
+    copies = cache.num_copies
+    cache.reserve([1], [19])  # position 18 lies in the shared partial block: copied first
+    assert cache.num_copies == copies + 1 and cache.held[1][0] == entry_blocks[0] and cache.held[1][1] != entry_blocks[1]
+    for t in cache.keys + cache.values:
+        t[cache.held[1][1]] = -1.0  # the slot's own copy, written over
+    cache.extend([1], [19])
+    cache.free(2)
+    pc.load(*pc.match(prompt + [1]), cache, slot=2)
+    for x, y in zip(cache.gather(2, 19), [[t[:, :19] for t in ts] for ts in reference]):
+        assert all(torch.equal(a, b) for a, b in zip(x, y))  # the entry's bits unchanged by the other's write
 
 
 def test_covered_prompts_are_not_stored_twice_and_extensions_replace_entries():
     cache, pc = filled_cache(), PrefixCache()
     stored(pc, cache, [1, 2, 3, 4])
     stored(pc, cache, [1, 2, 3])  # already covered
-    assert len(pc) == 1 and pc.nbytes == 4 * TOKEN_BYTES
-    stored(pc, cache, [1, 2, 3, 4, 5, 6])  # extends the entry: it replaces it
-    assert len(pc) == 1 and pc.nbytes == 6 * TOKEN_BYTES
-    assert pc.match([1, 2, 3, 4, 5, 6, 7])[1] == 6
+    assert len(pc) == 1 and pc.nbytes == BLOCK_BYTES and pc.num_blocks == 1
+    stored(pc, cache, list(range(1, 21)))  # extends the entry: it replaces it
+    assert len(pc) == 1 and pc.nbytes == 2 * BLOCK_BYTES
+    assert pc.match(list(range(1, 22)))[1] == 20
+    stored(pc, cache, list(range(1, 17)) + [9, 9], slot=1)  # another slot's blocks: two more retained
+    assert len(pc) == 2 and pc.num_blocks == 4
 
 
 def test_budget_evicts_least_recently_used_first():
-    cache, pc = filled_cache(), PrefixCache(max_bytes=10 * TOKEN_BYTES)
+    cache, pc = filled_cache(slots=5), PrefixCache(max_bytes=2 * BLOCK_BYTES)
     stored(pc, cache, [1, 1, 1, 1])
-    stored(pc, cache, [2, 2, 2, 2])
-    pc.load(*pc.match([1, 1, 1, 1, 1]), cache, slot=1)  # [1...] used again: [2...] is now the oldest
-    stored(pc, cache, [3, 3, 3, 3])
+    stored(pc, cache, [2, 2, 2, 2], slot=1)
+    cache.free(2)
+    pc.load(*pc.match([1, 1, 1, 1, 1]), cache, slot=2)  # [1...] used again: [2...] is now the oldest
+    stored(pc, cache, [3, 3, 3, 3], slot=3)
     assert pc.nbytes <= pc.max_bytes and len(pc) == 2
     assert pc.match([2, 2, 2, 2, 2])[1] == 0 and pc.match([1, 1, 1, 1, 1])[1] == 4
-    stored(pc, cache, list(range(11)))  # larger than the whole budget: not kept, nothing evicted for it
-    assert len(pc) == 2 and pc.match(list(range(11)) + [0])[1] == 0
+    stored(pc, cache, list(range(40)), slot=4)  # larger than the whole budget: not kept, nothing evicted for it
+    assert len(pc) == 2 and pc.match(list(range(40)) + [0])[1] == 0
+
+
+def test_the_pool_reclaims_cached_blocks_before_it_reports_full():
+    """Blocks only the cache holds count as available and are given back (least recently used entry first)
+    when a reserve needs them; blocks a slot also holds are never freed by that."""
+    cache, pc = filled_cache(slots=3), PrefixCache()
+    stored(pc, cache, list(range(1, 33)), slot=0)  # 2 blocks
+    stored(pc, cache, [5] * 16, slot=1)  # 1 block
+    cache.free(0), cache.free(1), cache.free(2)
+    pc.load(*pc.match([5] * 17), cache, slot=1)  # block of [5...] also held by slot 1 now
+    assert cache.num_free_blocks == 9 - 3 and pc.reclaimable() == 2 and cache.num_available_blocks == 8
+    cache.reserve([0], [48])  # 3 blocks: free ones, nothing reclaimed
+    cache.reserve([2], [48])  # the last 3 free ones
+    assert len(pc) == 2 and cache.num_free_blocks == 0
+    cache.reserve([1], [48])  # 2 more: the least recently used entry ([1..32], cache-only) lets go of its 2
+    assert pc.match(list(range(1, 34)))[1] == 0 and pc.match([5] * 17)[1] == 16 and cache.num_free_blocks == 0
+    cache.free(2)
+    cache.truncate(1, 8)  # slot 1 keeps the shared block (refs 2): 5 free
+    cache.reserve([2], [48])  # 2 free left; slot 1's next write needs a copy of its shared block and 2 more ...
+    cache.reserve([1], [48])  # ... so the entry goes first, and the block, now slot 1's alone, is not copied
+    assert len(pc) == 0 and cache.num_free_blocks == 0 and cache.num_copies == 0
+
+
+def test_whole_blocks_are_found_by_chained_hash_and_a_collision_changes_no_match(monkeypatch):
+    """Entries are indexed by the chained hash of each whole block; a planted hash that collides for every block
+    (each chain position hashes alike) must still give the same matches: tokens decide, the hash only narrows."""
+    prompts = [list(range(1, 41)), list(range(1, 17)) + [99] * 10, [7] * 40, [7] * 16 + list(range(1, 17)) + [3]]
+    queries = [list(range(1, 45)), list(range(1, 17)) + [99] * 3, [7] * 33, [7] * 16 + list(range(1, 20)), [5] * 20]
+
+    def matches():
+        cache, pc = filled_cache(slots=4), PrefixCache()
+        for slot, p in enumerate(prompts):
+            stored(pc, cache, p, slot)
+        return [pc.match(q)[1] for q in queries], pc
+
+    honest, pc = matches()
+    assert honest == [40, 18, 32, 32, 0]
+    # chains of 2, 1, 2 and 2 whole blocks; the first two prompts share their first block, the last two theirs
+    assert sorted(map(len, pc._by_hash.values())) == [1, 1, 1, 2, 2]
+    monkeypatch.setattr(PrefixCache, "_chain", lambda self, ids: list(range(len(ids) // BLOCK)))
+    colliding, _ = matches()
+    assert colliding == honest
+
+
+def test_reclaim_keeps_entries_that_free_nothing():
+    """An older entry whose blocks a running slot holds costs no memory: the pool under pressure drops a newer
+    entry that frees a block instead."""
+    cache, pc = filled_cache(slots=3), PrefixCache()
+    stored(pc, cache, list(range(1, 17)), slot=0)  # slot 0 keeps holding this block
+    stored(pc, cache, [2] * 16, slot=1)
+    cache.free(1), cache.free(2)  # 5 free; [2...]'s block only the cache holds
+    cache.reserve([2], [48])
+    cache.reserve([1], [48])  # 3 needed, 2 free: one entry must go
+    assert pc.match(list(range(1, 18)))[1] == 16 and pc.match([2] * 17)[1] == 0
 
 
 def test_forget_drops_the_prompt_and_its_extensions_only():

@@ -95,6 +95,7 @@ class EngineRunner:
         self._down_message = "the engine is not running"
         self.draining = False  # shutting down: nothing new is accepted, what is in flight finishes
         self._outbox: list = []  # (loop, queue, Event) posted, not yet handed over (_flush)
+        self._kv_blocks: tuple[int, int] | None = None  # (kv_blocks_free, kv_block_size) of the last step snapshot
 
     # ---- event-loop side --------------------------------------------------------------------------
     def start(self) -> None:
@@ -238,9 +239,20 @@ class EngineRunner:
 
     # ---- admission (any thread) -------------------------------------------------------------------
     def _engine_has_room(self) -> bool:
-        """Whether the engine takes one more request now (a free KV slot). The one place admission asks the
-        engine; a paged KV cache would also ask for free blocks here (the step snapshot carries them)."""
-        return len(self._sinks) < self.front.max_num_seqs
+        """Whether the engine takes one more request now: a free KV slot, and K/V blocks (the last step snapshot's
+        kv_blocks_free: free, or held only by the prefix cache) beyond what the prompts sent and not yet answered
+        may still take (counted whole: a conservative bound, since a prefilling one has reserved some already) —
+        else requests stay in the admission queue (fair order; its length is what the 429 counts). With nothing in
+        the engine it always has room (the engine preempts within its pool). The one place admission asks the
+        engine. Under _lock."""
+        if len(self._sinks) >= self.front.max_num_seqs:
+            return False
+        kv = self._kv_blocks
+        if kv is None or not kv[1] or not self._sinks:
+            return True
+        free, size = kv
+        pending = sum(-(-len(s.request.prompt_ids) // size) for s in self._sinks.values() if not s.request.output_ids)
+        return free > pending
 
     def _admit(self) -> None:
         """Send queued requests to the engine while it has room, in the admission's (round-robin) order."""
@@ -355,6 +367,8 @@ class EngineRunner:
             except Exception:  # e.g. detokenization: fail this request only
                 log.exception("delivering output failed (request id %s)", item.request_id)
                 self._fail(item.request_id, internal_error(item.request_id))
+        with self._lock:
+            self._kv_blocks = (snapshot.kv_blocks_free, snapshot.kv_block_size)
         self.metrics.sync(snapshot)
 
     def _deliver(self, sink: _Sink, item: StepItem) -> None:
