@@ -247,6 +247,7 @@ def main(argv=None) -> int:
             engine_pids = children(server.proc.pid)  # the engine process(es) the server spawned
             cpu0 = [cpu_s(server.proc.pid)] + [cpu_s(p) for p in engine_pids]
             llm.engine.step = counted_step
+            client_cpu = {False: 0.0, True: 0.0}  # CPU seconds the client (this process) spent on the server rows
             for c in concs:
                 prompts = PROMPTS[:c]
                 lib, srv = [], {False: [], True: []}
@@ -256,8 +257,10 @@ def main(argv=None) -> int:
                     wall, n, lib_texts = library_run(llm, prompts, args.max_tokens, scope + "-library")
                     lib.append(n / wall)
                     for stream in (False, True):
+                        c0 = time.process_time()  # this process is the HTTP client on the server rows
                         wall, n, texts = asyncio.run(server_run(server.url, prompts, args.max_tokens, stream,
                                                                 f"{scope}-{'streamed' if stream else 'whole'}"))
+                        client_cpu[stream] += time.process_time() - c0
                         srv[stream].append(n / wall)
                         if texts != lib_texts and same[stream]:
                             i = next(j for j, (a, b) in enumerate(zip(texts, lib_texts)) if a != b)
@@ -278,7 +281,9 @@ def main(argv=None) -> int:
             m1 = server.metrics()
             cpu1 = [cpu_s(server.proc.pid)] + [cpu_s(p) for p in engine_pids]
             print(f"  {method}: CPU s during the measured rows: server process {cpu1[0] - cpu0[0]:.1f}, engine "
-                  f"process {sum(cpu1[1:]) - sum(cpu0[1:]):.1f}", flush=True)
+                  f"process {sum(cpu1[1:]) - sum(cpu0[1:]):.1f}, the client (this process) {client_cpu[False]:.1f} "
+                  f"whole / {client_cpu[True]:.1f} streamed (on a 2-core box it competes with the engine too)",
+                  flush=True)
             step_s, steps = (a - b for a, b in zip(metric_sum(m1, "engine_step_seconds"),
                                                    metric_sum(m0, "engine_step_seconds")))
             over_s, overs = (a - b for a, b in zip(metric_sum(m1, "engine_overhead_seconds"),
