@@ -369,13 +369,13 @@ def runtime_baseline(target: str, spec: dict | None = None, concurrency: int = 1
 
 
 def resident_weight_bytes(name: str, weights: str = "auto", dtype: str = "auto", tokens: int = 0,
-                          cache_dir: str | None = None, tune=None) -> tuple[int, dict]:
+                          cache_dir: str | None = None, tune=None, role: str = "target") -> tuple[int, dict]:
     """Bytes of a model's weights a decoding process holds resident, and where the number comes from. A converted
     GGUF with its prepared file: that file's tensors (mapped, and every step reads them), less
     an embedding table of its own (a GGUFRowsEmbedding's raw rows, a Q4x8Embedding not shared with a head): a
     looked-up row is read alone, mapping about ROW_FAULT_BYTES around it in each of the table's arrays, so `tokens`
     distinct tokens at most; otherwise weight_bytes of the plan load_model resolves (built in memory). The plan is resolved as
-    load_model resolves it (the GGUF's stored types: `auto` is the faithful plan)."""
+    load_model resolves it (the GGUF's stored types: `auto` is the faithful plan; in `role` "draft" the fastest)."""
     from draftwise.kernels import plan as kplan
     from draftwise.models import quant
     from draftwise.models import safetensors as st
@@ -385,7 +385,7 @@ def resident_weight_bytes(name: str, weights: str = "auto", dtype: str = "auto",
     cfg = ckpt.config
     types = ckpt.tensor_types() if "converted_path" in ckpt.info else None
     stored = quant.type_census(types, cfg) if types else None
-    plan = kplan.resolve_plan(weights, dtype, cfg, "cpu", tune=tune, stored_types=stored)
+    plan = kplan.resolve_plan(weights, dtype, cfg, "cpu", tune=tune, stored_types=stored, role=role)
     info = {"plan": plan.label, "dtype": plan.dtype}
     if types:
         path = prepared_path(ckpt, plan, quant.embed_storage_dtype(cfg.vocab_size, cfg.hidden_size, plan))
@@ -425,7 +425,7 @@ def predict_peak_rss(target: str, draft: str | None = None, prompt_tokens: int =
     for role, name in (("target", target), ("draft", draft)):
         if name is None:
             continue
-        resident, info = resident_weight_bytes(name, tokens=tokens, cache_dir=cache_dir, tune=tune)
+        resident, info = resident_weight_bytes(name, tokens=tokens, cache_dir=cache_dir, tune=tune, role=role)
         cfg = model_shapes(name, cache_dir).config
         act = getattr(torch, info["dtype"])
         kv = kv_dtype(kv_cache_dtype, act, act == torch.float32 and glue.available())
