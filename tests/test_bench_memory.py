@@ -127,9 +127,41 @@ def test_weight_and_kv_estimates_equal_what_the_loaded_model_allocates(step, pre
                  and m.step.bias is not None)
     assert held_bytes(again) in (held_bytes(model), held_bytes(model) - copies)
     assert f"step {step}, prefill {prefill}" in memory.format_estimate(e)
-    assert ("prefix_cache" in e["bytes"]) == (step == prefill == "q4x8")  # where LLM turns it on by default
+    assert not any("prefix" in row for row in e["bytes"])  # its blocks live in the K/V pool: no row of its own
     llm = LLM.from_parts(model, tok, max_num_seqs=2, max_model_len=64, k_max=4,
                          speculative_config={"method": "draft_model", "model": "d", "num_speculative_tokens": 4},
                          load_draft=lambda name, d, w: (again, tok, {"name": name}))
     assert e["bytes"]["target_kv_cache"] == llm.engine.cache.nbytes
     assert e["bytes"]["draft_kv_cache"] == llm.proposer.cache.nbytes
+
+
+def test_the_faithful_plan_costs_each_tensor_in_its_stored_types_kernel(tmp_path):
+    """A GGUF of mixed types (Q4_K linears, a Q5_0 v_proj and embedding table, a Q8_0 head): `auto` is the faithful
+    plan for the target, and the estimate's weight bytes — each linear in its stored type's kernel (Q4_K q4x8, Q5_0 /
+    Q8_0 q8_0), the Q5_0 table as the file's rows — equal what the loaded model holds; the draft gets its own
+    auto (the draft role: the fastest plan, here the injected q4x8), as LLM loads it. Planted: costing the
+    faithful target as the all-q4x8 plan (the estimate before it knew the stored types) misses the bytes."""
+    from draftwise.api import load_model
+    from draftwise.kernels.linear import available
+    from draftwise.kernels.probe import probe
+    from tests.harness import fixed_tune
+    from tests.tiny_checkpoints import Q4K_DIMS, write_tiny_gguf
+
+    if not {"q4x8", "q8_0"} <= set(available(probe(bandwidth=False))):
+        pytest.skip("our C++ kernels do not build here")
+    path = tmp_path / "tiny-mixed.gguf"
+    write_tiny_gguf(path, "qwen2", dims=Q4K_DIMS, quantize=("lm_head.weight",), q5_0=("v_proj.weight", "embed_tokens.weight"),
+                    q4k=("q_proj.weight", "k_proj.weight", "o_proj.weight", "gate_proj.weight", "up_proj.weight",
+                         "down_proj.weight"))
+    cache, tune = str(tmp_path / "cache"), fixed_tune("q4x8", "q4x8")
+    e = memory.estimate(str(path), str(path), 64, 2, k=4, cache_dir=cache, tune=tune)
+    target, _, _ = load_model(str(path), cache_dir=cache, tune=tune)
+    draft, _, _ = load_model(str(path), cache_dir=cache, tune=tune, role="draft")
+    assert target.plan.faithful and e["plans"]["target"]["weights"] == "faithful"
+    assert e["plans"]["draft"]["weights"] == draft.plan.label == "q4x8"
+    assert e["bytes"]["target_weights"] == held_bytes(target)
+    assert e["bytes"]["draft_weights"] == held_bytes(draft)
+    assert not any("prefix" in row for row in e["bytes"])
+    shapes = memory.model_shapes(str(path), cache)
+    lossy = memory.weight_bytes(shapes, memory.resolve_plan(shapes, "auto", "q4x8", tune=tune))
+    assert lossy != held_bytes(target)  # the planted estimate: every tensor costed as q4x8

@@ -109,11 +109,12 @@ def _gguf_name(hf: str) -> str:
 
 def write_tiny_gguf(path: Path, arch: str = "qwen2", tie: bool = False, seed: int = 0,
                     quantize: tuple[str, ...] = (), q4k: tuple[str, ...] = (),
-                    dims: dict | None = None) -> dict[str, np.ndarray]:
+                    dims: dict | None = None, q5_0: tuple[str, ...] = ()) -> dict[str, np.ndarray]:
     """Write a tiny random GGUF as llama.cpp would (llama Q/K permuted); return the HF-layout weights.
 
-    Tensors whose HF name ends with a string in `quantize` are stored as Q8_0; with one in `q4k`, as random Q4_K
-    blocks (needs K % 256 == 0: dims=Q4K_DIMS), and the returned weight is what those blocks dequantize to."""
+    Tensors whose HF name ends with a string in `quantize` are stored as Q8_0, in `q5_0` as Q5_0; with one in
+    `q4k`, as random Q4_K blocks (needs K % 256 == 0: dims=Q4K_DIMS), and the returned weight is what those blocks
+    dequantize to."""
     import gguf
 
     tokens, merges = _train_tiny_bpe()
@@ -157,6 +158,9 @@ def write_tiny_gguf(path: Path, arch: str = "qwen2", tie: bool = False, seed: in
         if name.endswith(quantize) and value.ndim == 2:
             w.add_tensor(_gguf_name(name), gguf.quants.quantize(value, gguf.GGMLQuantizationType.Q8_0),
                          raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+        elif q5_0 and name.endswith(q5_0) and value.ndim == 2:
+            w.add_tensor(_gguf_name(name), gguf.quants.quantize(value, gguf.GGMLQuantizationType.Q5_0),
+                         raw_dtype=gguf.GGMLQuantizationType.Q5_0)
         else:
             w.add_tensor(_gguf_name(name), value)
     w.write_header_to_file()

@@ -2,18 +2,22 @@
 
 Owns the estimate. Shapes come from checkpoint metadata only — the converted cache's draftwise_config.json and
 safetensors header, or the GGUF's key-values and tensor table — never by loading weights. Terms:
-  weights  = under the KernelPlan load_model resolves (kernels/plan.py resolve_plan — auto's cached choice for
-             these shapes here, measured first if there is none), each linear's stored layout (kernels/linear.py
-             `nbytes`: q4x8 4.75 bits per weight, kernels/q4x8.py packed_bytes; torch int4 4.5; int8 8 + a
-             scale per row; dense 16 or 32; a SplitLinear both), the embedding table as load_model keeps it (q4x8
-             packed for 4-bit plans, shared with a tied head; else dense), norms in the activation dtype — the
-             bytes the loaded model holds (tests/test_bench_memory.py checks them against the module's tensors);
+  weights  = under the KernelPlan load_model resolves (kernels/plan.py resolve_plan, given a GGUF's stored types
+             as load_model gives them: the target's auto is then the faithful plan, a draft's auto the fastest;
+             elsewhere auto's cached choice for these shapes here, measured first if there is none), each linear's
+             stored layout (kernels/linear.py `nbytes`: q4x8 4.75 bits per weight, kernels/q4x8.py packed_bytes;
+             torch int4 4.5; int8 8 + a scale per row; dense 16 or 32; a SplitLinear both; a faithful plan: the
+             kernel of each tensor's stored type — Q4_K q4x8, Q6_K q6k 6.625, Q8_0 / Q5_0 q8_0 9 — or fp32 where it
+             cannot take the shape), the embedding table as load_model keeps it (q4x8 packed for 4-bit plans,
+             shared with a tied head; a faithful plan's non-Q4_K table as the file stores it; else dense), norms
+             in the activation dtype — the bytes the loaded model holds (tests/test_bench_memory.py checks them
+             against the module's tensors);
   KV cache = the paged pool as the engine sizes it (kv_cache.py: pool_blocks from --kv-cache-memory, at most
              `concurrency` slots at full context, in whole blocks of BLOCK_SIZE positions; a draft's pool from
              draft_pool_blocks — the same functions the engine and the draft's builder call), each position
              2 (K and V) × layers × kv_heads × head_dim × bytes of the K/V dtype --kv-cache-dtype resolves to
-             (kv_dtype_name): what `concurrency` full-context sequences commit at most (committed as used);
-  prefix cache = its byte budget (prefix_cache.py) per model, where it is on by default (a row-exact plan);
+             (kv_dtype_name): what `concurrency` full-context sequences commit at most (committed as used); a
+             prefix cache's entries are blocks of this pool (kv_cache.py `share`), so it adds no row of its own;
   overhead = the interpreter with torch and the tokenizer (measured, RUNTIME_BASE_BYTES) plus prefill
              activations for a full-context prompt (a few hidden-size and MLP-width buffers per token);
   loading  = a GGUF's modules are built one tensor at a time from its blocks (or read back packed), and a
@@ -42,7 +46,6 @@ from draftwise.config import DEFAULT_KV_CACHE_MEMORY
 from draftwise.kv_cache import (BLOCK_SIZE, bytes_per_token, draft_cache_capacity, draft_pool_blocks, pool_blocks,
                                 target_cache_capacity)
 from draftwise.models.safetensors import header_specs
-from draftwise.prefix_cache import DEFAULT_BYTES as PREFIX_CACHE_BYTES
 
 BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 RUNTIME_BASE_BYTES = 420 * 2**20  # python + torch + tokenizers + numpy, measured RSS after `import draftwise.api`
@@ -58,6 +61,7 @@ class Shapes:
     source: str
     specs: tuple[tuple[str, tuple[int, ...]], ...] = ()  # (name, shape) of every stored tensor
     gguf: bool = False  # a GGUF source: kernel plans load it through the prepared path (compact embedding)
+    types: tuple[tuple[str, str], ...] = ()  # (name, ggml type) of a GGUF's tensors: what a faithful plan keeps
 
 
 def model_shapes(name: str, cache_dir: str | None = None) -> Shapes:
@@ -69,9 +73,10 @@ def model_shapes(name: str, cache_dir: str | None = None) -> Shapes:
     if name in catalog.CATALOG:
         entry = catalog.get_entry(name)
         conv = cache / "converted" / entry.sha256[:16]
-        if (conv / "draftwise_config.json").is_file() and (conv / "model.safetensors").is_file():
+        types = _saved_types(conv / "tensor_types.json", entry.sha256)
+        if (conv / "draftwise_config.json").is_file() and (conv / "model.safetensors").is_file() and types:
             cfg = ModelConfig.from_dict(json.loads((conv / "draftwise_config.json").read_text())["config"])
-            return _from_specs(cfg, header_specs(conv / "model.safetensors"), str(conv), gguf=True)
+            return _from_specs(cfg, header_specs(conv / "model.safetensors"), str(conv), gguf=True, types=types)
         path = catalog.assembled_path(entry, cache)
         if not path.is_file():
             raise ConfigError(f"{name} is not assembled yet in {cache}; run `draftwise generate --model {name}` once")
@@ -87,14 +92,25 @@ def model_shapes(name: str, cache_dir: str | None = None) -> Shapes:
     raise ConfigError(f"{name!r} is not a packaged model, a .gguf file or a checkpoint directory")
 
 
+def _saved_types(path: Path, sha256: str) -> dict[str, str] | None:
+    """The {HF name: ggml type} table a converted GGUF keeps beside its copy (models/sources.py tensor_types), if
+    it is there and of this file."""
+    try:
+        saved = json.loads(path.read_text())
+        return saved["types"] if saved.get("sha256") == sha256 else None
+    except (OSError, ValueError, KeyError):
+        return None
+
+
 def _from_gguf(path: Path) -> Shapes:
     from draftwise.models.gguf import GGUFFile
 
     g = GGUFFile(path)
-    return _from_specs(g.config, g.tensor_specs(), str(path), gguf=True)
+    types = {name: item.type for name, item in g.items().items()}
+    return _from_specs(g.config, g.tensor_specs(), str(path), gguf=True, types=types)
 
 
-def _from_specs(cfg: ModelConfig, specs, source: str, gguf: bool = False) -> Shapes:
+def _from_specs(cfg: ModelConfig, specs, source: str, gguf: bool = False, types: dict | None = None) -> Shapes:
     total = linear = largest = 0
     for name, shape in specs:
         if cfg.tie_word_embeddings and name.endswith("lm_head.weight"):
@@ -106,31 +122,51 @@ def _from_specs(cfg: ModelConfig, specs, source: str, gguf: bool = False) -> Sha
         largest = max(largest, numel)
         if ".layers." in name and name.endswith("proj.weight"):
             linear += numel
-    return Shapes(cfg, total, linear, largest, source, tuple((name, tuple(shape)) for name, shape in specs), gguf)
+    return Shapes(cfg, total, linear, largest, source, tuple((name, tuple(shape)) for name, shape in specs), gguf,
+                  tuple(sorted((types or {}).items())))
 
 
-def resolve_plan(s: Shapes, dtype: str, weights: str, device: str = "cpu", tune=None):
-    """The KernelPlan load_model would build this model with (kernels/plan.py resolve_plan, the same call): a named
-    plan as given, "auto" the autotuner's cached choice for these shapes here (measured now if none is cached)."""
+def resolve_plan(s: Shapes, dtype: str, weights: str, device: str = "cpu", tune=None, role: str = "target"):
+    """The KernelPlan load_model would build this model with (kernels/plan.py resolve_plan, the same call, given
+    a GGUF's stored types on the CPU as load_model gives them): a named plan as given; "auto" the faithful plan for
+    a quantized GGUF target, else the autotuner's cached choice for these shapes here (measured now if none is
+    cached)."""
     from draftwise.kernels import plan
+    from draftwise.models import quant
 
-    return plan.resolve_plan(weights, dtype, s.config, device, tune=tune)
+    stored = quant.type_census(dict(s.types), s.config) if s.types and device == "cpu" else None
+    return plan.resolve_plan(weights, dtype, s.config, device, tune=tune, stored_types=stored, role=role)
+
+
+def _stored_bytes(gguf_type: str, shape) -> int:
+    """Bytes of a tensor as the GGUF stores it (ggml's block size and bytes per block)."""
+    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    block, size = GGML_QUANT_SIZES[GGMLQuantizationType[gguf_type]]
+    numel = 1
+    for dim in shape:
+        numel *= dim
+    return numel // block * size
 
 
 def weight_bytes(s: Shapes, plan) -> int:
     """Bytes of the weights a model loaded under `plan` (a KernelPlan) holds: each linear in its implementations'
-    layouts (kernels/linear.py nbytes; a tied head built from the embedding's shape), the embedding as load_model
-    keeps it (from a GGUF: q4x8 packed for 4-bit plans, nothing more when a tied head's q4x8 buffers serve it,
-    else bf16 when large; from a checkpoint folder: dense in the activation dtype), every other tensor in the
-    activation dtype."""
+    layouts (kernels/linear.py nbytes; a tied head built from the embedding's shape; a faithful plan: the kernel
+    of the tensor's stored type, models/quant.py kernel_linear), the embedding as load_model keeps it (from a
+    GGUF: q4x8 packed for 4-bit plans and a faithful plan's Q4_K table, nothing more when a tied head's q4x8
+    buffers serve it; a faithful plan's other tables as the file stores them; else bf16 when large; from a
+    checkpoint folder: dense in the activation dtype), every other tensor in the activation dtype."""
     import torch
 
     from draftwise.kernels.linear import LINEARS
+    from draftwise.kernels.plan import EXACT_DENSE, faithful_kernel
     from draftwise.kernels.q4x8 import packed_bytes
     from draftwise.models import quant
 
     cfg = s.config
-    specs = dict(s.specs)
+    specs, types = dict(s.specs), dict(s.types)
+    if plan.faithful and not types:
+        raise ConfigError(f"a faithful plan keeps a GGUF's stored types; {s.source} has none")
     embed = f"{quant.EMBED}.weight"
     linears = {path: name for name in specs if (path := quant.linear_path(name))}
     if cfg.tie_word_embeddings:
@@ -138,7 +174,11 @@ def weight_bytes(s: Shapes, plan) -> int:
     total, head = 0, []
     for path, name in linears.items():
         N, K = specs[name]
-        impls = quant.plan_impls(plan, N, K)
+        if plan.faithful:  # kernel_linear: the stored type's kernel where it takes the shape, else exact fp32
+            kernel = faithful_kernel(types[name])
+            impls = [kernel if LINEARS[kernel].supports(N, K) else EXACT_DENSE]
+        else:
+            impls = quant.plan_impls(plan, N, K)
         total += sum(LINEARS[i].nbytes(N, K, f"{path}.bias" in specs) for i in impls)
         head = impls if path == "lm_head" else head
     biases = {f"{path}.bias" for path in linears}
@@ -148,7 +188,9 @@ def weight_bytes(s: Shapes, plan) -> int:
         numel = 1
         for dim in shape:
             numel *= dim
-        if name == embed and s.gguf and quant.compact_embedding(plan, cfg.hidden_size):
+        if name == embed and plan.faithful and types[name] != "Q4_K":  # GGUFRowsEmbedding: the file's rows
+            total += _stored_bytes(types[name], shape)
+        elif name == embed and s.gguf and quant.compact_embedding(plan, cfg.hidden_size):
             total += 0 if cfg.tie_word_embeddings and "q4x8" in head else packed_bytes(*shape)
         elif name == embed and s.gguf:
             total += numel * torch.tensor([], dtype=quant.embed_storage_dtype(*shape, plan)).element_size()
@@ -202,11 +244,11 @@ def kv_dtype_name(plan, kv_cache_dtype: str = "auto", device: str = "cpu") -> st
 def estimate(target: str, draft: str | None, max_model_len: int, concurrency: int, dtype: str = "auto",
              weights: str = "auto", draft_dtype: str | None = None, k: int = 8, cache_dir: str | None = None,
              device: str = "cpu", tune=None, kv_cache_memory: int | float = DEFAULT_KV_CACHE_MEMORY,
-             kv_cache_dtype: str = "auto") -> dict:
+             kv_cache_dtype: str = "auto", draft_weights: str | None = None) -> dict:
     """Steady-state rows, and the peak over the three phases of LLM(...): load target, load draft, serve.
 
-    Each model in the formats load_model resolves for it (`resolve_plan`; the draft as LLM loads it: its own
-    the target's weights, in `draft_dtype` or the target's dtype); `tune`
+    Each model in the formats load_model resolves for it (`resolve_plan`; the draft as LLM loads it: in the draft
+    role, `draft_weights` or auto — the fastest plan —, in `draft_dtype` or the target's dtype); `tune`
     injects the autotuner's result (tests). While a model loads it costs loading_bytes."""
     t = model_shapes(target, cache_dir)
     tp = resolve_plan(t, dtype, weights, device, tune)
@@ -219,17 +261,13 @@ def estimate(target: str, draft: str | None, max_model_len: int, concurrency: in
     loading = {"target": RUNTIME_BASE_BYTES + loading_bytes(t, tp)}
     if draft:
         d = model_shapes(draft, cache_dir)
-        dp = resolve_plan(d, draft_dtype or dtype, weights, device, tune)
+        dp = resolve_plan(d, draft_dtype or dtype, draft_weights or "auto", device, tune, role="draft")
         plans["draft"] = _plan_dict(dp)
         rows["draft_weights"] = weight_bytes(d, dp)
         draft_capacity = draft_cache_capacity(max_model_len, k)
         rows["draft_kv_cache"] = kv_bytes(d.config, kv_dtype_name(dp, kv_cache_dtype, device), draft_capacity, concurrency,
                                           blocks=draft_pool_blocks(target_blocks, concurrency, draft_capacity))
-        if dp.row_exact:
-            rows["draft_prefix_cache"] = PREFIX_CACHE_BYTES
         loading["draft"] = RUNTIME_BASE_BYTES + rows["target_weights"] + loading_bytes(d, dp)
-    if tp.row_exact:  # on by default there: at most its budget
-        rows["prefix_cache"] = PREFIX_CACHE_BYTES
     rows["runtime_overhead"] = RUNTIME_BASE_BYTES + activation_bytes(t.config, max_model_len)
     serving = sum(rows.values())
     total = max(serving, *loading.values())
