@@ -134,6 +134,7 @@ class ModelConfig:
 
 
 SPEC_METHODS = ("none", "ngram", "draft_model", "grammar", "suffix")
+DRAFT_P_MIN = 0.5  # a draft model's default draft_p_min (docs/PERFORMANCE.md, "Chat speculation")
 THEN_METHODS = ("ngram", "draft_model")  # what may fill the rest of k after the grammar's forced tokens
 # "auto": the activation dtype the chosen kernels want (float32 for q4x8, bfloat16 for torch's int4 and dense bf16)
 DTYPE_CHOICES = ("auto", "float32", "bfloat16")
@@ -165,6 +166,9 @@ class SpecConfig:
     # method draft_model: the draft's output head covers only ids [0, draft_vocab_size) plus the EOS ids
     # (FR-Spec, spec_decode/draft_model.py); None = the draft's whole vocabulary
     draft_vocab_size: int | None = None
+    # method draft_model: a row stops guessing after a guess its draft gave less than this probability (llama.cpp's
+    # speculative p_min; spec_decode/draft_model.py); None = DRAFT_P_MIN, 0 = always guess k
+    draft_p_min: float | None = None
     # method grammar: the proposer that fills the rest of k after the forced tokens (its own keys, no k)
     then: SpecConfig | None = None
     # method suffix (spec_decode/suffix.py), vLLM's keys and defaults: the tries' depth (match + guesses), earlier
@@ -237,7 +241,7 @@ def parse_spec_config(value: str | dict | SpecConfig | None) -> SpecConfig:
     if method == "draft_model" and not d.get("model"):
         raise ConfigError("method draft_model needs \"model\" (a draft model name or path)")
     if method != "draft_model":
-        for key in ("model", "draft_dtype", "draft_weights", "draft_vocab_size"):
+        for key in ("model", "draft_dtype", "draft_weights", "draft_vocab_size", "draft_p_min"):
             if d.get(key) is not None:
                 raise ConfigError(f"speculative-config key {key!r} only applies to method draft_model")
     lo, hi = d.get("prompt_lookup_min", 1), d.get("prompt_lookup_max", 3)
@@ -254,6 +258,9 @@ def parse_spec_config(value: str | dict | SpecConfig | None) -> SpecConfig:
     if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
         # the upper bound (the draft's vocabulary) is checked when the draft is loaded (spec_decode/builders.py)
         raise ConfigError(f"draft_vocab_size must be an integer >= 1 (ids kept in the draft's head), got {n!r}")
+    pm = d.get("draft_p_min")
+    if pm is not None and (isinstance(pm, bool) or not isinstance(pm, (int, float)) or not 0 <= pm < 1):
+        raise ConfigError(f"draft_p_min must be a number in [0, 1) (0: always guess k), got {pm!r}")
     _check_suffix_keys(d, method)
     d["method"] = method
     d["num_speculative_tokens"] = 0 if method == "none" else k

@@ -50,7 +50,8 @@ TRANSLATION: dict[str, dict[str, str | None]] = {
                "suffix_decoding_min_token_prob": "suffix_decoding_min_token_prob",
                "suffix_cache_max_bytes": None, "suffix_tree": None},
     "draft_model": {"num_speculative_tokens": "num_speculative_tokens", "model": "model",
-                    "draft_dtype": None, "draft_weights": None, "draft_vocab_size": None},
+                    "draft_dtype": None, "draft_weights": None, "draft_vocab_size": None,
+                    "draft_p_min": None},
 }
 # keys written out with draftwise's defaults, so vLLM runs what draftwise runs (vLLM's ngram default is 5..5)
 WRITTEN_DEFAULTS = {"ngram": ("prompt_lookup_min", "prompt_lookup_max"),
@@ -61,7 +62,8 @@ SAME_AS_VLLM = {("suffix", "suffix_tree"): True}
 _WHY = {"suffix_tree": "vLLM's suffix method always proposes token trees",
         "suffix_cache_max_bytes": "vLLM bounds its suffix cache by requests (suffix_decoding_max_cached_requests)",
         "draft_dtype": "vLLM runs the draft in the target's dtype", "draft_weights": "vLLM loads the draft's own weights",
-        "draft_vocab_size": "vLLM has no trimmed draft head"}
+        "draft_vocab_size": "vLLM has no trimmed draft head",
+        "draft_p_min": "vLLM's draft model always guesses num_speculative_tokens"}
 
 
 def to_vllm(spec_config: dict | str | None, model_path=lambda name: name) -> dict | None:

@@ -264,7 +264,19 @@ def _time_proposer(proposer, k_max: int, device) -> tuple[list[float], float]:
     told each emitted token), through the protocol on scratch slot 0 (before any request uses it)."""
     from draftwise.sampling import SamplingParams
 
-    proposer.begin(0, list(range(1, 33)), SamplingParams(temperature=0.0), None)
+    # a proposer that stops on its own confidence (draft_model's min_guess_prob) guesses all k while it is timed
+    stop = getattr(proposer, "min_guess_prob", None)
+    if stop:
+        proposer.min_guess_prob = 0.0
+    try:
+        return _time_proposer_guessing_k(proposer, k_max, device, SamplingParams(temperature=0.0))
+    finally:
+        if stop:
+            proposer.min_guess_prob = stop
+
+
+def _time_proposer_guessing_k(proposer, k_max: int, device, params) -> tuple[list[float], float]:
+    proposer.begin(0, list(range(1, 33)), params, None)
     proposer.propose([0], [1])  # the prompt, not part of the steady state
     proposer.accept(0, 0, 1)
     steady = []

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from draftwise.config import ConfigError, SpecConfig
+from draftwise.config import DRAFT_P_MIN, ConfigError, SpecConfig
 from draftwise.kv_cache import draft_cache_capacity, draft_pool_blocks, kv_dtype
 from draftwise.prefix_cache import PrefixCache
 from draftwise.spec_decode.draft_model import DraftModelProposer, check_compatible
@@ -64,7 +64,8 @@ def _build_draft_model(spec_config: SpecConfig, ctx: ProposerContext) -> Propose
     return DraftModelProposer(model, ctx.max_num_seqs, capacity, ctx.target_vocab_size,
                               draft_vocab_size=spec_config.draft_vocab_size, eos_token_ids=eos,
                               prefix_cache=PrefixCache() if prefix else None, num_blocks=blocks,
-                              kv_cache_dtype=kv_dtype(ctx.kv_cache_dtype, model.dtype, getattr(model, "fused", False)))
+                              kv_cache_dtype=kv_dtype(ctx.kv_cache_dtype, model.dtype, getattr(model, "fused", False)),
+                              min_guess_prob=DRAFT_P_MIN if spec_config.draft_p_min is None else spec_config.draft_p_min)
 
 
 def _build_grammar(spec_config: SpecConfig, ctx: ProposerContext) -> Proposer:

@@ -24,6 +24,12 @@ can still propose the end. On a 151,936-id vocabulary with hidden 896 (qwen2.5-c
 the draft's weight reads per token. The head's first N rows are a view of the draft's own lm_head where its
 format allows one (q4x8: whole 16-column blocks, bitwise the full head's logits; dense: row slices); the EOS
 rows are a small copy; other formats (torch int4 / int8 kernels) compute the full head and pick the kept ids.
+Stopping early on the draft's own confidence (`min_guess_prob`, after llama.cpp's speculative `p_min` and the
+adaptive drafts of SpecDec++, Huang et al. 2024, arXiv 2405.19715, and DISCO, Mamou et al. 2024, arXiv
+2405.04304): a row stops guessing after a guess its draft gave less than this probability (greedy: the top
+probability of the draft's row; sampled: q of the drawn id). That guess is still proposed (it costs no draft
+forward, only one more verified row); the forwards for guesses after it, which the target would mostly reject,
+are saved. The stop depends only on the draft's own rows, so verification stays exact for any value.
 Knows nothing of the target model or the engine's scheduling.
 """
 from __future__ import annotations
@@ -47,9 +53,13 @@ class DraftModelProposer:
     def __init__(self, model, num_slots: int, capacity: int, target_vocab_size: int,
                  draft_vocab_size: int | None = None, eos_token_ids: tuple[int, ...] = (),
                  prefix_cache: PrefixCache | None = None, num_blocks: int | None = None,
-                 kv_cache_dtype: torch.dtype | None = None):
+                 kv_cache_dtype: torch.dtype | None = None, min_guess_prob: float = 0.0):
         c = model.config
         self.model = model
+        if not 0.0 <= min_guess_prob < 1.0:
+            raise ConfigError(f"draft_p_min must be in [0, 1), got {min_guess_prob!r}")
+        # stop a row's guesses after one its draft gave less than this probability (0: always guess k)
+        self.min_guess_prob = min_guess_prob
         # the draft's own head over the kept ids (None: the model's lm_head, the whole vocabulary)
         self.head = None
         if draft_vocab_size is not None and not 1 <= draft_vocab_size <= c.vocab_size:
@@ -132,13 +142,14 @@ class DraftModelProposer:
                 for row, (s, k) in enumerate(active):
                     if done[row]:
                         continue
-                    tok, p = self._draw(s, logits[row], before[s] + guesses[row])
+                    tok, p, conf = self._draw(s, logits[row], before[s] + guesses[row])
                     if tok is None:  # a trimmed head under a grammar that admits none of its ids
                         done[row] = True
                         continue
                     guesses[row].append(tok)
                     probs[row].append(p)
-                    done[row] = len(guesses[row]) >= k or (s in self.grammars and self.grammars[s].is_finished())
+                    done[row] = (len(guesses[row]) >= k or conf < self.min_guess_prob
+                                 or (s in self.grammars and self.grammars[s].is_finished()))
                 live = [row for row in range(len(active)) if not done[row]]
                 if not live:
                     break
@@ -167,30 +178,36 @@ class DraftModelProposer:
         self._rewind_grammar(slot)
 
     def _draw(self, slot: int, logits: torch.Tensor,  # logits [V_draft]
-              drafted: list[int]) -> tuple[int | None, torch.Tensor | None]:
-        """One guess and its q [V] (None under greedy) after the tokens `drafted` this step; (None, None) when no
-        kept id is allowed."""
+              drafted: list[int]) -> tuple[int | None, torch.Tensor | None, float]:
+        """One guess, its q [V] (None under greedy) and the draft's probability of it, after the tokens `drafted`
+        this step; (None, None, 0.0) when no kept id is allowed. The probability is only computed when
+        `min_guess_prob` asks for it (1.0 otherwise)."""
         params = self.params[slot]
         logits = _fit_vocab(logits, self.target_vocab_size)
         m = self.grammars.get(slot)
         if m is not None:
             logits = mask_logits(logits, m.allowed(logits.shape[-1]))  # [V]: q lives on the allowed ids
             if self.head is not None and not bool(torch.isfinite(logits).any()):
-                return None, None  # the grammar admits no id of the trimmed head: no guess here
+                return None, None, 0.0  # the grammar admits no id of the trimmed head: no guess here
         if params.adjusts_logits:
             context, n = self.tokens[slot], self.prompt_lens[slot]
             logits = adjust_logits(logits[None], params, context[:n], context[n:] + drafted, [],
                                    params.stop_ids(self.eos_token_ids))[0]
+        conf = 1.0
         if params.greedy:
             tok, q = int(logits.argmax()), None
+            if self.min_guess_prob > 0.0:  # the top probability: exp(max - logsumexp)
+                row = logits.float()
+                conf = float(torch.exp(row[tok] - torch.logsumexp(row, -1)))
         else:
             q = process_logits(logits[None], params.temperature, params.top_k, params.top_p, params.min_p)[0]  # [V]
             tok = int(sample(q[None], self.generators[slot])[0])
+            conf = float(q[tok])
         if m is not None:
             if not m.advance(tok):
                 raise GrammarError(f"the draft drew token {tok}, which its grammar mask forbids")
             self._advanced[slot] += 1
-        return tok, q
+        return tok, q, conf
 
     def _catch_up(self, slots: list[int], before: dict[int, list[int]]) -> torch.Tensor:  # -> [B, V_draft]
         """Feed each slot every context token its cache lacks, then its `before` tokens; return logits after
