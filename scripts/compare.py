@@ -169,7 +169,7 @@ def main() -> None:
     ap.add_argument("--lossy", default="q4x8", help="a lossy --weights plan run beside auto (faithful on a GGUF), "
                                                     "plain, n-gram k=auto and draft k=auto; '' for none")
     ap.add_argument("--lookup-k", type=int, default=4)
-    ap.add_argument("--skip", default="", help="comma list of: llamacpp,hf")
+    ap.add_argument("--skip", default="", help="comma list of: llamacpp,lookup (llama.cpp's prompt lookup only),hf")
     ap.add_argument("--json", default="", help="write the results here")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -215,7 +215,8 @@ def main() -> None:
     if "llamacpp" not in skip:
         try:
             runners.append(llamacpp(info["path"], args.max_tokens, args.threads, None))
-            runners.append(llamacpp(info["path"], args.max_tokens, args.threads, args.lookup_k))
+            if "lookup" not in skip:
+                runners.append(llamacpp(info["path"], args.max_tokens, args.threads, args.lookup_k))
         except ImportError as e:
             print(f"llama.cpp skipped: {e}")
     llms: dict = {}
