@@ -40,7 +40,8 @@ def test_safetensors_header_only(tiny_hf_dir):
 
 
 def test_estimate_phases(tiny_gguf_path, monkeypatch):
-    e = memory.estimate(str(tiny_gguf_path), str(tiny_gguf_path), 512, 4, "bfloat16", weights="bf16")
+    e = memory.estimate(str(tiny_gguf_path), str(tiny_gguf_path), 512, 4, "bfloat16", weights="bf16",
+                        draft_weights="bf16")
     rows = e["bytes"]
     assert set(rows) == {"target_weights", "target_kv_cache", "draft_weights", "draft_kv_cache", "runtime_overhead"}
     assert e["serving_bytes"] == sum(rows.values())

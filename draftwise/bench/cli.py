@@ -242,7 +242,7 @@ def cmd_memory(args) -> int:
         return 0
 
     e = estimate(args.model, args.draft, args.max_model_len, args.concurrency, args.dtype, args.weights,
-                 args.draft_dtype, args.num_speculative_tokens, device=args.device)
+                 args.draft_dtype, args.num_speculative_tokens, device=args.device, draft_weights=args.draft_weights)
     if args.device == "cuda":
         e["available_bytes"], e["available_kind"] = available_memory("cuda")
         e["fits"] = e["total_bytes"] <= HEADROOM * e["available_bytes"]
@@ -261,6 +261,8 @@ def register_memory(sub) -> None:
     p.add_argument("--dtype", default="auto", choices=list(DTYPE_CHOICES),
                    help="activation dtype, as generate's (auto: what the chosen kernels want)")
     p.add_argument("--draft-dtype", default=None, choices=list(DTYPE_CHOICES))
+    p.add_argument("--draft-weights", default=None, type=weights_arg,
+                   help="the draft's plan, as speculative-config's draft_weights (default: its own auto, the fastest)")
     p.add_argument("--weights", default="auto", type=weights_arg,
                    help="as generate's; auto: the kernels the autotuner picks here (its cached choice, else measured "
                         "now, a few seconds per model, and cached for the load)")
