@@ -2,22 +2,20 @@
 // draftwise_q4x8::linear with path 'auto' hands a call of many rows to it (q4x8.cpp calls dw_wide_takes).
 // Owns: whether this process may run AMX (cpuid AMX-TILE + AMX-INT8 + the AVX-512 the epilogue uses, no
 // $DRAFTWISE_MAX_ISA cap, and the kernel's permission for tile data: arch_prctl(ARCH_REQ_XCOMP_PERM,
-// XFEATURE_XTILEDATA), asked once per process), the smallest row count it takes (set from Python, which measures
-// it: kernels/q4x8.py wide_min_rows), quantizing the activations tile-major (gemm_q4x8.h) and threading over
-// 16-column blocks. Knows nothing of models; the arithmetic is q4x8.h's, the tile loop gemm_q4x8_amx.cpp's.
+// XFEATURE_XTILEDATA), asked once per process), the smallest row count it takes (gemm_wide.h's switch, set from
+// Python, which measures it: kernels/q4x8.py wide_min_rows), quantizing the activations tile-major (gemm_q4x8.h;
+// dw_quantize_tiles, which gemm_q6k.cpp calls too) and threading over 16-column blocks. Knows nothing of models; the arithmetic is q4x8.h's, the tile loop gemm_q4x8_amx.cpp's.
 // Every row is bitwise the GEMV's row (tests/test_kernels_gemm.py), so which side serves a call changes speed only.
 #include <torch/library.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
-#include <algorithm>
-#include <atomic>
 #include <cstdlib>
 #include <cstring>
-#include <limits>
 #include <vector>
 #include "gemm_q4x8.h"
+#include "gemm_wide.h"
 #if defined(DW_HAVE_X86) && defined(__linux__)
 #include <cpuid.h>
 #include <sys/syscall.h>
@@ -49,9 +47,7 @@ bool amx() {
     return ok;
 }
 
-constexpr int64_t CHUNK_BYTES = 1536 * 1024;  // int8 activations per row chunk: most of a 2 MB L2
-
-std::atomic<int64_t> min_rows{std::numeric_limits<int64_t>::max()};  // until Python sets it: never
+DwWideSwitch wide_switch;  // from how many rows path-'auto' calls come here (gemm_wide.h)
 
 }  // namespace
 
@@ -64,7 +60,26 @@ extern "C" void dw_gemm_amx(const DwQ4*, const DwQ8Rows*, float*, int64_t, int64
 bool dw_amx_usable() { return amx(); }
 
 // draftwise_q4x8::linear with path 'auto' serves a call of M rows here when this is true.
-bool dw_wide_takes(int64_t M) { return M >= min_rows.load(std::memory_order_relaxed) && amx(); }
+bool dw_wide_takes(int64_t M) { return wide_switch.takes(M) && amx(); }
+
+void dw_quantize_tiles(const float* x, int64_t M, int64_t K, int8_t* q, float* dx, int16_t* qsum) {
+    const int64_t Kp = (K + 63) / 64 * 64, S = (K / 32 + 7) / 8, Mp = (M + 31) / 32 * 32;
+    // one row at a time as a 1-row matrix ([G, 1, 32] is the row's K bytes in order): the GEMV's very values, then
+    // its 64-byte pieces scattered to their tiles
+    at::parallel_for(0, M, 16, [&](int64_t r0, int64_t r1) {
+        std::vector<int8_t> row(Kp, 0);
+        std::vector<int16_t> unused(qsum ? 0 : S * 8);
+        for (int64_t r = r0; r < r1; ++r) {
+            dw_q8_rows_avx512(x + r * K, 1, K, row.data(), dx + r * S, qsum ? qsum + r * S * 8 : unused.data(), 0, 1);
+            int8_t* dst = q + (r / 16) * Kp * 16 + (r % 16) * 64;
+            for (int64_t j = 0; j < Kp / 64; ++j) std::memcpy(dst + j * 1024, row.data() + j * 64, 64);
+        }
+    });
+    for (int64_t r = M; r < Mp; ++r) {  // padding rows of the last tile: zero (their outputs are never stored)
+        int8_t* dst = q + (r / 16) * Kp * 16 + (r % 16) * 64;
+        for (int64_t j = 0; j < Kp / 64; ++j) std::memset(dst + j * 1024, 0, 64);
+    }
+}
 
 // x [M, K] float32 contiguous -> y [M, N]; the weight buffers as q4x8.cpp's linear takes them (it checked them).
 at::Tensor dw_q4x8_wide(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& sc, const at::Tensor& mn,
@@ -77,38 +92,21 @@ at::Tensor dw_q4x8_wide(const at::Tensor& x, const at::Tensor& packed, const at:
     at::Tensor q = at::empty({Mp / 16, Kp / 64, 16, 64}, x.options().dtype(at::kChar));  // tile-major (gemm_q4x8.h)
     at::Tensor dx = at::empty({Mp, S}, x.options());  // padding rows never read
     at::Tensor qsum = at::empty({Mp, S, 8}, x.options().dtype(at::kShort));  // padding rows never read
-    const float* xp = x.data_ptr<float>();
     int8_t* qp = q.data_ptr<int8_t>();
     float* dxp = dx.data_ptr<float>();
     int16_t* qsp = qsum.data_ptr<int16_t>();
-    // one row at a time as a 1-row matrix ([G, 1, 32] is the row's K bytes in order): the GEMV's very values, then
-    // its 64-byte pieces scattered to their tiles
-    at::parallel_for(0, M, 16, [&](int64_t r0, int64_t r1) {
-        std::vector<int8_t> row(Kp, 0);
-        for (int64_t r = r0; r < r1; ++r) {
-            dw_q8_rows_avx512(xp + r * K, 1, K, row.data(), dxp + r * S, qsp + r * S * 8, 0, 1);
-            int8_t* dst = qp + (r / 16) * Kp * 16 + (r % 16) * 64;
-            for (int64_t j = 0; j < Kp / 64; ++j) std::memcpy(dst + j * 1024, row.data() + j * 64, 64);
-        }
-    });
-    for (int64_t r = M; r < Mp; ++r) {  // padding rows of the last tile: zero (their outputs are never stored)
-        int8_t* dst = qp + (r / 16) * Kp * 16 + (r % 16) * 64;
-        for (int64_t j = 0; j < Kp / 64; ++j) std::memset(dst + j * 1024, 0, 64);
-    }
+    dw_quantize_tiles(x.data_ptr<float>(), M, K, qp, dxp, qsp);
     DwQ4 w{packed.data_ptr<uint8_t>(), sc.data_ptr<uint8_t>(), mn.data_ptr<uint8_t>(), d.data_ptr<float>(),
            dmin.data_ptr<float>(), bias, N, K, G, S};
     float* yp = y.data_ptr<float>();
     // Rows in chunks whose activations stay in a core's L2 while every block of the chunk passes over them (a
     // prompt of 4k rows is 6-36 MB of int8 that each 16-column block would otherwise stream from memory again);
     // each block's tiles are rebuilt per chunk. A row's arithmetic is the same in every chunk: bits unchanged.
-    const int64_t chunk = std::max<int64_t>(128, std::min<int64_t>(1024, CHUNK_BYTES / Kp / 32 * 32));
+    const int64_t chunk = dw_wide_chunk_rows(Kp);
     for (int64_t m0 = 0; m0 < M; m0 += chunk) {
         DwQ8Rows a{qp + m0 * Kp, dxp + m0 * S, qsp + m0 * S * 8, std::min(chunk, M - m0), Kp};
         at::parallel_for(0, NB, 1, [&](int64_t b0, int64_t b1) {
-            thread_local std::vector<uint8_t> scratch;
-            scratch.resize(dw_amx_scratch_bytes(Kp, a.M) + 64);
-            uint8_t* aligned = scratch.data() + (64 - (uintptr_t)scratch.data() % 64) % 64;
-            dw_gemm_amx(&w, &a, yp + m0 * N, b0, b1, aligned);
+            dw_gemm_amx(&w, &a, yp + m0 * N, b0, b1, dw_thread_scratch(dw_amx_scratch_bytes(Kp, a.M)));
         });
     }
     return y;
@@ -128,12 +126,9 @@ at::Tensor wide(const at::Tensor& x, const at::Tensor& packed, const at::Tensor&
 
 bool wide_available() { return amx(); }
 
-void set_wide_min_rows(int64_t rows) {
-    TORCH_CHECK(rows >= 1, "wide_min_rows must be >= 1");
-    min_rows.store(rows, std::memory_order_relaxed);
-}
+void set_wide_min_rows(int64_t rows) { wide_switch.set(rows); }
 
-int64_t get_wide_min_rows() { return min_rows.load(std::memory_order_relaxed); }
+int64_t get_wide_min_rows() { return wide_switch.get(); }
 
 }  // namespace
 
