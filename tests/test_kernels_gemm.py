@@ -15,39 +15,10 @@ import pytest
 import torch
 
 from draftwise.kernels import q4x8
-from draftwise.kernels.linear import Q4x8Linear, available
-from draftwise.kernels.probe import probe
+from draftwise.kernels.linear import Q4x8Linear
+from tests.harness import KS, SHAPES, WIDTHS, first_inexact_width, ops, threads, wide_x  # noqa: F401 (fixtures)
 
-# (N, K) of every projection of the packaged models, merged as the plans merge them (q|k|v, gate|up) and alone;
-# the heads (vocabulary x hidden) cut to their first HEAD_ROWS rows
-HEAD_ROWS = 2048
-SHAPES = {
-    "qwen2.5-coder-1.5b": [(2048, 1536), (1536, 1536), (256, 1536), (17920, 1536), (8960, 1536), (1536, 8960),
-                           (HEAD_ROWS, 1536)],
-    "qwen2.5-coder-0.5b": [(1152, 896), (896, 896), (128, 896), (9728, 896), (4864, 896), (896, 4864),
-                           (HEAD_ROWS, 896)],
-    "gemma-3-270m": [(1536, 640), (1024, 640), (256, 640), (640, 1024), (4096, 640), (2048, 640), (640, 2048),
-                     (HEAD_ROWS, 640)],
-}
-KS = sorted({k for shapes in SHAPES.values() for _, k in shapes})  # 640 896 1024 1536 2048 4864 8960
-WIDTHS = range(1, 513)
-
-
-@pytest.fixture(scope="module")
-def ops():
-    if "q4x8" not in available(probe(bandwidth=False)):
-        pytest.skip("q4x8 cannot run here")
-    lib = q4x8.load()
-    if not lib.wide_available():
-        pytest.skip("no AMX int8 tiles on this CPU (or capped by $DRAFTWISE_MAX_ISA): 'auto' stays on the GEMV")
-    return lib
-
-
-@pytest.fixture
-def threads():
-    before = torch.get_num_threads()
-    yield torch.set_num_threads
-    torch.set_num_threads(before)
+WIDE_KIND = "q4x8"  # the `ops` fixture's kernel
 
 
 def _linear(N: int, K: int, seed: int, path: str = "avx512", bias: bool = True) -> Q4x8Linear:
@@ -62,28 +33,13 @@ def _wide(ops, lin: Q4x8Linear, x: torch.Tensor) -> torch.Tensor:  # x [M, K] ->
     return ops.wide(x.contiguous(), b["packed"], b["sc"], b["mn"], b["d"], b["dmin"], b["bias"], lin.out_features)
 
 
-def _x(M: int, K: int, seed: int) -> torch.Tensor:  # [M, K]: rows of different scales, some with zero super-blocks
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(M, K, generator=g) * torch.logspace(-2, 2, M)[:, None]
-    x[::7, :256] = 0.0
-    return x
-
-
-def first_inexact_width(fn, x: torch.Tensor, ref: torch.Tensor, widths) -> int | None:
-    """The first width W at which fn(x[:W]) is not bitwise ref[:W] (ref: the GEMV's rows), or None."""
-    for W in widths:
-        if not torch.equal(fn(x[:W]), ref[:W]):
-            return W
-    return None
-
-
 @pytest.mark.parametrize("K", KS)
 def test_wide_rows_are_the_gemv_rows_at_every_width_and_thread_count(ops, threads, K):
     """Every width 1..512 on a 40-column weight (two whole 16-column blocks and a partial one) of each K the
     packaged models have, on 1 and 2 threads, against the GEMV's rows (which are themselves each row alone:
     spot-checked here, tested at length in test_kernels.py)."""
     lin = _linear(40, K, seed=K)
-    x = _x(max(WIDTHS), K, seed=K + 1)
+    x = wide_x(max(WIDTHS), K, seed=K + 1)
     ref = lin(x)  # [512, 40], the AVX-512 GEMV
     for i in (0, 1, 31, 32, 255, 511):
         assert torch.equal(lin(x[i:i + 1]), ref[i:i + 1])
@@ -96,7 +52,7 @@ def test_wide_rows_are_the_gemv_rows_at_every_width_and_thread_count(ops, thread
 def test_wide_rows_are_the_gemv_rows_on_every_projection_shape(ops, threads, model):
     for i, (N, K) in enumerate(SHAPES[model]):
         lin = _linear(N, K, seed=100 + i, bias=i % 2 == 0)
-        x = _x(512, K, seed=200 + i)
+        x = wide_x(512, K, seed=200 + i)
         ref = lin(x)
         for n in (1, 2):
             threads(n)
@@ -107,7 +63,7 @@ def test_wide_rows_are_the_gemv_rows_on_every_projection_shape(ops, threads, mod
 def test_wide_rows_are_every_gemv_paths_rows(ops):
     """The GEMV's ISA paths agree bitwise (test_kernels.py); the wide kernel agrees with each of them."""
     K = 1536
-    x = _x(64, K, seed=7)
+    x = wide_x(64, K, seed=7)
     for path in q4x8.cpu_paths():
         lin = _linear(40, K, seed=8, path=path)
         ref = lin(x)
@@ -119,7 +75,7 @@ def test_auto_takes_the_wide_kernel_from_the_measured_width_and_stays_exact(ops)
     change across it. The threshold is measured (q4x8.wide_min_rows) and at least 1."""
     assert ops.wide_min_rows() >= 1
     auto, gemv = _linear(40, 1536, seed=9, path="auto"), _linear(40, 1536, seed=9, path="avx512")
-    x = _x(96, 1536, seed=10)
+    x = wide_x(96, 1536, seed=10)
     ref = gemv(x)
     before = ops.wide_min_rows()
     try:
@@ -157,7 +113,7 @@ def test_a_planted_width_dependent_reduction_fails_the_check(ops):
     rev = {"q": parts["q"].view(N, S, 256).flip(1).reshape(N, K), "sc": parts["sc"].view(N, S, 8).flip(1).reshape(N, -1),
            "mn": parts["mn"].view(N, S, 8).flip(1).reshape(N, -1), "d": parts["d"].flip(1), "dmin": parts["dmin"].flip(1)}
     lin, lin_rev = Q4x8Linear.from_parts(parts), Q4x8Linear.from_parts({k: v.contiguous() for k, v in rev.items()})
-    x = _x(64, K, seed=12)
+    x = wide_x(64, K, seed=12)
     ref = _linear_rows(lin, x)
 
     def planted(xs):

@@ -15,30 +15,13 @@ import sys
 import pytest
 import torch
 
-from draftwise.kernels import ggml_blocks, q4x8
-from draftwise.kernels.linear import Q6KLinear, available, block_paths
-from draftwise.kernels.probe import probe
-from tests.test_kernels_gemm import KS, SHAPES, WIDTHS, _x, first_inexact_width
+from draftwise.kernels import ggml_blocks
+from draftwise.kernels.linear import Q6KLinear, block_paths
+from tests.harness import KS, SHAPES, WIDTHS, first_inexact_width, ops, threads, wide_x  # noqa: F401 (fixtures)
+
+WIDE_KIND = "q6k"  # the `ops` fixture's kernel
 
 Q6K_KS = [k for k in KS if k % 256 == 0]  # Q6_K needs whole super-blocks: 1024 1536 2048 4864 8960 (640, 896: no)
-
-
-@pytest.fixture(scope="module")
-def ops():
-    if "q6k" not in available(probe(bandwidth=False)):
-        pytest.skip("q6k cannot run here")
-    q4x8.load()
-    lib = torch.ops.draftwise_q6k
-    if not lib.wide_available():
-        pytest.skip("no AMX int8 tiles on this CPU (or capped by $DRAFTWISE_MAX_ISA): 'auto' stays on the GEMV")
-    return lib
-
-
-@pytest.fixture
-def threads():
-    before = torch.get_num_threads()
-    yield torch.set_num_threads
-    torch.set_num_threads(before)
 
 
 def _linear(N: int, K: int, seed: int, path: str = "avx512", bias: bool = True) -> Q6KLinear:
@@ -71,7 +54,7 @@ def test_wide_rows_are_the_gemv_rows_at_every_width_and_thread_count(ops, thread
     """Every width 1..512 on a 40-column weight (two whole 16-column blocks and a partial one) of each K, on 1 and
     2 threads, against the GEMV's rows (themselves each row alone: spot-checked here)."""
     lin = _linear(40, K, seed=K)
-    x = _x(max(WIDTHS), K, seed=K + 1)
+    x = wide_x(max(WIDTHS), K, seed=K + 1)
     ref = lin(x)  # [512, 40], the AVX-512 GEMV
     for i in (0, 1, 31, 32, 255, 511):
         assert torch.equal(lin(x[i:i + 1]), ref[i:i + 1])
@@ -87,7 +70,7 @@ def test_wide_rows_are_the_gemv_rows_on_every_projection_shape(ops, threads, mod
         pytest.skip(f"{model}: no K a multiple of 256 (its GGUF holds no Q6_K linear)")
     for i, (N, K) in enumerate(shapes):
         lin = _linear(N, K, seed=100 + i, bias=i % 2 == 0)
-        x = _x(512, K, seed=200 + i)
+        x = wide_x(512, K, seed=200 + i)
         ref = lin(x)
         for n in (1, 2):
             threads(n)
@@ -98,7 +81,7 @@ def test_wide_rows_are_the_gemv_rows_on_every_projection_shape(ops, threads, mod
 def test_wide_rows_are_every_gemv_paths_rows(ops):
     """The GEMV's ISA paths agree bitwise (test_kernels_ggml.py); the wide kernel agrees with each of them."""
     K = 1536
-    x = _x(64, K, seed=7)
+    x = wide_x(64, K, seed=7)
     for path in block_paths("q6k"):
         lin = _linear(40, K, seed=8, path=path)
         ref = lin(x)
@@ -109,7 +92,7 @@ def test_auto_takes_the_wide_kernel_from_the_measured_width_and_stays_exact(ops)
     """Q6KLinear's default path 'auto' switches at the q6k wide_min_rows; the rows do not change across it."""
     assert ops.wide_min_rows() >= 1
     auto, gemv = _linear(40, 1536, seed=9, path="auto"), _linear(40, 1536, seed=9, path="avx512")
-    x = _x(96, 1536, seed=10)
+    x = wide_x(96, 1536, seed=10)
     ref = gemv(x)
     before = ops.wide_min_rows()
     try:
@@ -162,7 +145,7 @@ def test_a_planted_width_dependent_reduction_fails_the_check(ops):
            "sc": parts["sc"].view(N, S, 16).flip(1).reshape(N, -1), "d": parts["d"].flip(1)}
     assert set(rev) == set(parts)
     lin, lin_rev = Q6KLinear(parts=parts), Q6KLinear(parts={k: v.contiguous() for k, v in rev.items()})
-    x = _x(64, K, seed=12)
+    x = wide_x(64, K, seed=12)
     ref = torch.cat([lin(x[i:i + 1]) for i in range(64)])
 
     def planted(xs):
