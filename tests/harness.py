@@ -214,7 +214,8 @@ def fixed_tune(step: str, prefill: str):
 
 # The wide (GEMM) kernels' tests (tests/test_kernels_gemm*.py): the packaged models' projection shapes, the row
 # widths, activations and the exactness check they share, and the fixtures `ops` (the module's WIDE_KIND kernel
-# namespace, skipped where it cannot run) and `threads` (torch's thread count, restored after the test).
+# namespace, skipped where it cannot run), `side` (each wide side: the op name) and `threads` (torch's thread count,
+# restored after the test).
 
 # (N, K) of every projection of the packaged models, merged as the plans merge them (q|k|v, gate|up) and alone;
 # the heads (vocabulary x hidden) cut to their first HEAD_ROWS rows
@@ -247,6 +248,15 @@ def ops(request):
     if not lib.wide_available():
         pytest.skip("no wide kernel for this CPU (or capped by $DRAFTWISE_MAX_ISA): 'auto' stays on the GEMV")
     return lib
+
+
+@pytest.fixture(params=["wide", "wide_vnni"])
+def side(request, ops) -> str:
+    """The op under test: `wide` (this process's wide side: AMX where it runs) or `wide_vnni` (the AVX-512 VNNI side,
+    called explicitly: tested on AMX machines too)."""
+    if request.param == "wide" and ops.wide_kind() == "vnni":
+        pytest.skip("this process's wide side is the VNNI side (tested as wide_vnni)")
+    return request.param
 
 
 @pytest.fixture

@@ -1,21 +1,22 @@
-// q6k wide side, torch-facing: the operator draftwise_q6k::wide (the AMX GEMM for Q6_K weights), the smallest row
-// count from which path-'auto' callers hand a call to it (set from Python, which measures it:
-// kernels/q4x8.py wide_min_rows), and the C++ entry points (dw_q6k_wide_takes, dw_q6k_wide) a C++ caller (the
-// layer loop) uses the same way. Owns: threading over 16-column blocks of row chunks. The argument checks are the
-// GEMV's (q6k.cpp's dw_q6k_check), the activations gemm_q4x8.cpp's tile-major quantization (gemm_q6k.h's
-// DwQ8Tiles: the GEMV's very values), the switch and chunk size gemm_wide.h's. Knows nothing of models; the
-// arithmetic is q6k.h's, the tile loop gemm_q6k_amx.cpp's, whether AMX may run here gemm_q4x8.cpp's
-// (dw_amx_usable). Every row is bitwise the Q6_K GEMV's row (tests/test_kernels_gemm_q6k.py), so which side
-// serves a call changes speed only.
+// q6k wide side, torch-facing: the operator draftwise_q6k::wide (the AMX GEMM for Q6_K weights; on an AVX-512 VNNI
+// CPU without AMX the AVX-512 GEMV over row chunks, also callable alone as wide_vnni), the smallest row count from
+// which path-'auto' callers hand a call to it (set from Python, which measures it: kernels/q4x8.py wide_min_rows),
+// and the C++ entry points (dw_q6k_wide_takes, dw_q6k_wide) a C++ caller (the layer loop) uses the same way.
+// Owns: threading over 16-column blocks of row chunks. The argument checks are the GEMV's (q6k.cpp's dw_q6k_check),
+// the activations the GEMV's (gemm_q4x8.cpp's tile-major copy for AMX, gemm_q6k.h's DwQ8Tiles; q6k.cpp's
+// dw_q6k_quantize_rows per chunk for VNNI), the switch, chunk sizes and which side runs gemm_wide.h's. Knows nothing
+// of models; the arithmetic is q6k.h's, the tile loop gemm_q6k_amx.cpp's. Every row is bitwise the Q6_K GEMV's row
+// (tests/test_kernels_gemm_q6k.py), so which side serves a call changes speed only.
 #include <torch/library.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
+#include <string>
+#include "dispatch.h"
 #include "gemm_q6k.h"
 #include "gemm_wide.h"
-
-bool dw_amx_usable();
+#include "q6k.h"
 
 namespace {
 
@@ -29,14 +30,13 @@ extern "C" void dw_q6k_gemm_amx(const DwQ6*, const DwQ8Tiles*, float*, int64_t, 
 #endif
 
 // A path-'auto' Q6_K linear of M rows should call dw_q6k_wide when this is true.
-bool dw_q6k_wide_takes(int64_t M) { return wide_switch.takes(M) && dw_amx_usable(); }
+bool dw_q6k_wide_takes(int64_t M) { return wide_switch.takes(M) && dw_wide_side() != DwWideSide::NONE; }
 
-// x [M, K] float32 -> y [M, N] float32; the weights as draftwise_q6k::linear takes them (ql [NB, G, 4, 64] uint8,
-// qh [NB, G, 2, 64] uint8, sc [NB, G, 2, 16] int8, d [NB, S, 16] float32, bias [N] float32 or undefined).
-at::Tensor dw_q6k_wide(const at::Tensor& x, const at::Tensor& ql, const at::Tensor& qh, const at::Tensor& sc,
-                       const at::Tensor& d, const std::optional<at::Tensor>& bias, int64_t N) {
-    TORCH_CHECK(dw_amx_usable(), "q6k wide: this CPU or process cannot run AMX int8 tiles");
-    const float* bias_p = dw_q6k_check(x, ql, qh, sc, d, bias, N);  // q6k.cpp: the GEMV's checks
+namespace {
+
+// The AMX side (gemm_q6k_amx.cpp's tile loop); the arguments checked.
+at::Tensor wide_amx(const at::Tensor& x, const at::Tensor& ql, const at::Tensor& qh, const at::Tensor& sc,
+                    const at::Tensor& d, const float* bias_p, int64_t N) {
     const int64_t M = x.size(0), K = x.size(1), S = K / 256, NB = (N + 15) / 16;
     at::Tensor y = at::empty({M, N}, x.options());
     if (M == 0) return y;
@@ -60,9 +60,72 @@ at::Tensor dw_q6k_wide(const at::Tensor& x, const at::Tensor& ql, const at::Tens
     return y;
 }
 
+// The VNNI side (gemm_wide.h): rows in chunks of DW_VNNI_CHUNK_ROWS, each quantized into its own GEMV layout by the
+// GEMV's quantizer (q6k.cpp's dw_q6k_quantize_rows, AVX-512 path), then the AVX-512 GEMV's kernel over every block
+// of the chunk. Each row is the GEMV's row: the same values and the same kernel, whose rows never depend on M.
+at::Tensor wide_vnni(const at::Tensor& x, const at::Tensor& ql, const at::Tensor& qh, const at::Tensor& sc,
+                     const at::Tensor& d, const float* bias_p, int64_t N) {
+    const int64_t M = x.size(0), K = x.size(1), G = K / 32, S = K / 256, NB = (N + 15) / 16;
+    at::Tensor y = at::empty({M, N}, x.options());
+    if (M == 0) return y;
+    const int64_t chunk = DW_VNNI_CHUNK_ROWS, chunks = (M + chunk - 1) / chunk;
+    at::Tensor q = at::empty({chunks, G, chunk, 32}, x.options().dtype(at::kChar));        // chunk c: [G, Mc, 32]
+    at::Tensor dx = at::empty({chunks, S, chunk}, x.options());                              // [S, Mc]
+    at::Tensor qsum = at::empty({chunks, S, chunk, 8}, x.options().dtype(at::kShort));     // [S, Mc, 8]
+    at::Tensor qsum16 = at::empty({chunks, S, chunk, 16}, x.options().dtype(at::kShort));  // [S, Mc, 16]
+    at::Tensor qoff16 = at::empty({chunks, G, chunk, 2}, x.options().dtype(at::kInt));     // [G, Mc, 2]
+    const float* xp = x.data_ptr<float>();
+    int8_t* qp = q.data_ptr<int8_t>();
+    float* dxp = dx.data_ptr<float>();
+    int16_t* qsp = qsum.data_ptr<int16_t>();
+    int16_t* q16 = qsum16.data_ptr<int16_t>();
+    int32_t* qo = qoff16.data_ptr<int32_t>();
+    auto rows_of = [&](int64_t c) { return std::min(chunk, M - c * chunk); };
+    at::parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) {
+        for (int64_t c = c0; c < c1; ++c)
+            dw_q6k_quantize_rows(dwisa::AVX512, xp + c * chunk * K, rows_of(c), K, qp + c * G * chunk * 32,
+                                 dxp + c * S * chunk, qsp + c * S * chunk * 8, q16 + c * S * chunk * 16,
+                                 qo + c * G * chunk * 2, 0, rows_of(c));
+    });
+    DwQ6 w{ql.data_ptr<uint8_t>(), qh.data_ptr<uint8_t>(), sc.data_ptr<int8_t>(), d.data_ptr<float>(), bias_p, N, K, G, S};
+    float* yp = y.data_ptr<float>();
+    // each thread its blocks, chunk after chunk (one fork for the call)
+    at::parallel_for(0, NB, 1, [&](int64_t b0, int64_t b1) {
+        for (int64_t c = 0; c < chunks; ++c) {
+            DwQ8K16 a{qp + c * G * chunk * 32, dxp + c * S * chunk, q16 + c * S * chunk * 16, qo + c * G * chunk * 2, rows_of(c)};
+            dw_q6k_gemm_avx512(&w, &a, yp + c * chunk * N, b0, b1);
+        }
+    });
+    return y;
+}
+
+}  // namespace
+
+// x [M, K] float32 -> y [M, N] float32; the weights as draftwise_q6k::linear takes them (ql [NB, G, 4, 64] uint8,
+// qh [NB, G, 2, 64] uint8, sc [NB, G, 2, 16] int8, d [NB, S, 16] float32, bias [N] float32 or undefined).
+at::Tensor dw_q6k_wide(const at::Tensor& x, const at::Tensor& ql, const at::Tensor& qh, const at::Tensor& sc,
+                       const at::Tensor& d, const std::optional<at::Tensor>& bias, int64_t N) {
+    const DwWideSide side = dw_wide_side();
+    TORCH_CHECK(side != DwWideSide::NONE, "q6k wide: this CPU has neither AMX int8 tiles nor AVX-512 VNNI (or a "
+                "$DRAFTWISE_MAX_ISA cap is below them)");
+    const float* bias_p = dw_q6k_check(x, ql, qh, sc, d, bias, N);  // q6k.cpp: the GEMV's checks
+    return side == DwWideSide::AMX ? wide_amx(x, ql, qh, sc, d, bias_p, N) : wide_vnni(x, ql, qh, sc, d, bias_p, N);
+}
+
 namespace {
 
-bool wide_available() { return dw_amx_usable(); }
+// The VNNI side on its own, also where AMX runs (tests: both sides' rows are the GEMV's)
+at::Tensor wide_vnni_op(const at::Tensor& x, const at::Tensor& ql, const at::Tensor& qh, const at::Tensor& sc,
+                        const at::Tensor& d, const std::optional<at::Tensor>& bias, int64_t N) {
+    TORCH_CHECK(dw_wide_side() != DwWideSide::NONE, "q6k wide_vnni: this CPU has no AVX-512 VNNI (or a "
+                "$DRAFTWISE_MAX_ISA cap is below it)");
+    return wide_vnni(x, ql, qh, sc, d, dw_q6k_check(x, ql, qh, sc, d, bias, N), N);
+}
+
+bool wide_available() { return dw_wide_side() != DwWideSide::NONE; }
+
+std::string get_wide_kind() { return dw_wide_side_name(dw_wide_side()); }
+
 
 bool wide_takes(int64_t M) { return dw_q6k_wide_takes(M); }
 
@@ -75,9 +138,14 @@ int64_t get_wide_min_rows() { return wide_switch.get(); }
 TORCH_LIBRARY_FRAGMENT(draftwise_q6k, m) {
     m.def("wide(Tensor x, Tensor ql, Tensor qh, Tensor sc, Tensor d, Tensor? bias, int N) -> Tensor");
     m.def("wide_available() -> bool", &wide_available);
+    m.def("wide_kind() -> str", &get_wide_kind);
+    m.def("wide_vnni(Tensor x, Tensor ql, Tensor qh, Tensor sc, Tensor d, Tensor? bias, int N) -> Tensor");
     m.def("wide_takes(int rows) -> bool", &wide_takes);
     m.def("set_wide_min_rows(int rows) -> ()", &set_wide_min_rows);
     m.def("wide_min_rows() -> int", &get_wide_min_rows);
 }
 
-TORCH_LIBRARY_IMPL(draftwise_q6k, CPU, m) { m.impl("wide", &dw_q6k_wide); }
+TORCH_LIBRARY_IMPL(draftwise_q6k, CPU, m) {
+    m.impl("wide", &dw_q6k_wide);
+    m.impl("wide_vnni", &wide_vnni_op);
+}

@@ -74,6 +74,26 @@ const float* dw_q6k_check(const at::Tensor& x, const at::Tensor& ql, const at::T
     return bias->data_ptr<float>();
 }
 
+void dw_q6k_quantize_rows(int64_t path, const float* x, int64_t M, int64_t K, int8_t* q, float* dx, int16_t* qsum,
+                          int16_t* qsum16, int32_t* qoff16, int64_t r0, int64_t r1) {
+    const int64_t G = K / 32;
+    // q4x8's Q8_K rows (every path bitwise the same), then the per-16 sums from the int8 values
+    dwisa::pick(path, dw_q8_rows_scalar, dw_q8_rows_avx2, dw_q8_rows_avx512)(x, M, K, q, dx, qsum, r0, r1);
+    for (int64_t r = r0; r < r1; ++r)
+        for (int64_t g = 0; g < G; ++g) {
+            const int8_t* v = q + (g * M + r) * 32;
+            int32_t lo = 0, hi = 0;
+            for (int i = 0; i < 16; ++i) {
+                lo += v[i];
+                hi += v[16 + i];
+            }
+            qsum16[((g / 8) * M + r) * 16 + (g % 8) * 2] = (int16_t)lo;
+            qsum16[((g / 8) * M + r) * 16 + (g % 8) * 2 + 1] = (int16_t)hi;
+            qoff16[(g * M + r) * 2] = -32 * lo;
+            qoff16[(g * M + r) * 2 + 1] = -32 * hi;
+        }
+}
+
 namespace {
 
 // x [M, K] float32 -> y [M, N] float32
@@ -95,24 +115,7 @@ at::Tensor q6k_linear(const at::Tensor& x, const at::Tensor& ql, const at::Tenso
     int16_t* qsp = qsum.data_ptr<int16_t>();
     int16_t* q16 = qsum16.data_ptr<int16_t>();
     int32_t* qo = qoff16.data_ptr<int32_t>();
-    // q4x8's Q8_K rows (every path bitwise the same), then the per-16 sums from the int8 values
-    const auto quant = dwisa::pick(path, dw_q8_rows_scalar, dw_q8_rows_avx2, dw_q8_rows_avx512);
-    auto rows = [&](int64_t r0, int64_t r1) {
-        quant(xp, M, K, qp, dxp, qsp, r0, r1);
-        for (int64_t r = r0; r < r1; ++r)
-            for (int64_t g = 0; g < G; ++g) {
-                const int8_t* v = qp + (g * M + r) * 32;
-                int32_t lo = 0, hi = 0;
-                for (int i = 0; i < 16; ++i) {
-                    lo += v[i];
-                    hi += v[16 + i];
-                }
-                q16[((g / 8) * M + r) * 16 + (g % 8) * 2] = (int16_t)lo;
-                q16[((g / 8) * M + r) * 16 + (g % 8) * 2 + 1] = (int16_t)hi;
-                qo[(g * M + r) * 2] = -32 * lo;
-                qo[(g * M + r) * 2 + 1] = -32 * hi;
-            }
-    };
+    auto rows = [&](int64_t r0, int64_t r1) { dw_q6k_quantize_rows(path, xp, M, K, qp, dxp, qsp, q16, qo, r0, r1); };
     if (M * K >= (1 << 16)) {
         at::parallel_for(0, M, 1, rows);
     } else {
