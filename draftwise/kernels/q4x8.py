@@ -219,8 +219,8 @@ def wide_min_rows(ops, where: Path, kind: str = "q4x8") -> int:
     """The smallest row count from which 'auto' calls of the `kind` kernel ("q4x8" or "q6k": `ops` is its
     torch.ops namespace) take its wide kernel (AMX tiles, or the AVX-512 VNNI row-blocked side where AMX is absent or
     capped off: `ops.wide_kind()`) instead of the GEMV: both give bitwise the same rows, so this is a speed choice
-    only, measured here once per library build, kind, wide side and CPU and kept in `where`/wide.txt (q4x8) or
-    wide_q6k.txt ($DRAFTWISE_WIDE_MIN_ROWS overrides both; 0 or no wide side: never). The probe times both
+    only, measured here once per library build, kind, wide side and CPU and kept in `where`/wide_<side>.txt (q4x8)
+    or wide_q6k_<side>.txt ($DRAFTWISE_WIDE_MIN_ROWS overrides both; 0 or no wide side: never). The probe times both
     kernels on one thread on a WIDE_PROBE_SHAPE weight at each of WIDE_PROBE_WIDTHS (best of 5) and takes the
     smallest width from which the wide kernel is faster at every larger width too."""
     never = 2 ** 62
@@ -234,9 +234,9 @@ def wide_min_rows(ops, where: Path, kind: str = "q4x8") -> int:
     if not ops.wide_available():
         return never
     from draftwise.kernels.probe import probe  # same layer; imported here: only a first load with a wide side needs it
-    cache = where / ("wide.txt" if kind == "q4x8" else f"wide_{kind}.txt")
-    side = ops.wide_kind()  # "amx" or "vnni" (csrc/gemm_wide.h)
-    key = f"{probe(bandwidth=False)['cpu']}|{os.cpu_count()}|{side}"
+    side = ops.wide_kind()  # "amx" or "vnni" (csrc/gemm_wide.h): one file each, so a capped process keeps its own
+    cache = where / f"wide{'' if kind == 'q4x8' else '_' + kind}_{side}.txt"
+    key = f"{probe(bandwidth=False)['cpu']}|{os.cpu_count()}"
     try:
         saved_key, saved = cache.read_text().rsplit("\n", 1)
         if saved_key == key:
