@@ -1,6 +1,6 @@
 """What the tests share: a tiny LLM (random qwen2 decoder + word-level tokenizer, assembled through
-`LLM.from_parts`), a noisy draft, prompts, and a real uvicorn server on a free loopback port with an `openai`
-client and a /metrics reader. No downloads. Test files import from here, never from each other."""
+`LLM.from_parts`), a noisy draft, prompts, a real uvicorn server on a free loopback port with an `openai`
+client and a /metrics reader, and the wide (GEMM) kernels' shapes, fixtures and exactness check. No downloads. Test files import from here, never from each other."""
 from __future__ import annotations
 
 import contextlib
@@ -210,3 +210,73 @@ def fixed_tune(step: str, prefill: str):
     table = {"rows": [1, 9, 128], "prefill_rows": 128, "ms": ms, "row_exact": {n: {"step": True, "prefill": True} for n in ms}}
     return lambda shapes: {"key": "injected", "probe": probe(bandwidth=False), "table": table,
                            "choice": autotune.choose(table)}
+
+
+# The wide (GEMM) kernels' tests (tests/test_kernels_gemm*.py): the packaged models' projection shapes, the row
+# widths, activations and the exactness check they share, and the fixtures `ops` (the module's WIDE_KIND kernel
+# namespace, skipped where it cannot run), `side` (each wide side: the op name) and `threads` (torch's thread count,
+# restored after the test).
+
+# (N, K) of every projection of the packaged models, merged as the plans merge them (q|k|v, gate|up) and alone;
+# the heads (vocabulary x hidden) cut to their first HEAD_ROWS rows
+HEAD_ROWS = 2048
+SHAPES = {
+    "qwen2.5-coder-1.5b": [(2048, 1536), (1536, 1536), (256, 1536), (17920, 1536), (8960, 1536), (1536, 8960),
+                           (HEAD_ROWS, 1536)],
+    "qwen2.5-coder-0.5b": [(1152, 896), (896, 896), (128, 896), (9728, 896), (4864, 896), (896, 4864),
+                           (HEAD_ROWS, 896)],
+    "gemma-3-270m": [(1536, 640), (1024, 640), (256, 640), (640, 1024), (4096, 640), (2048, 640), (640, 2048),
+                     (HEAD_ROWS, 640)],
+}
+KS = sorted({k for shapes in SHAPES.values() for _, k in shapes})  # 640 896 1024 1536 2048 4864 8960
+WIDTHS = range(1, 513)
+
+
+@pytest.fixture(scope="module")
+def ops(request):
+    """torch.ops.draftwise_<WIDE_KIND> (WIDE_KIND: "q4x8" or "q6k", set by the test module) with its wide kernel;
+    the module is skipped where that kernel cannot run (no such CPU path, or a $DRAFTWISE_MAX_ISA cap below it)."""
+    from draftwise.kernels import q4x8
+    from draftwise.kernels.linear import available
+    from draftwise.kernels.probe import probe
+
+    kind = request.module.WIDE_KIND
+    if kind not in available(probe(bandwidth=False)):
+        pytest.skip(f"{kind} cannot run here")
+    q4x8.load()  # the one library holds both kinds
+    lib = getattr(torch.ops, f"draftwise_{kind}")
+    if not lib.wide_available():
+        pytest.skip("no wide kernel for this CPU (or capped by $DRAFTWISE_MAX_ISA): 'auto' stays on the GEMV")
+    return lib
+
+
+@pytest.fixture(params=["wide", "wide_vnni"])
+def side(request, ops) -> str:
+    """The op under test: `wide` (this process's wide side: AMX where it runs) or `wide_vnni` (the AVX-512 VNNI side,
+    called explicitly: tested on AMX machines too)."""
+    if request.param == "wide" and ops.wide_kind() == "vnni":
+        pytest.skip("this process's wide side is the VNNI side (tested as wide_vnni)")
+    return request.param
+
+
+@pytest.fixture
+def threads():
+    """torch.set_num_threads, with the thread count restored after the test."""
+    before = torch.get_num_threads()
+    yield torch.set_num_threads
+    torch.set_num_threads(before)
+
+
+def wide_x(M: int, K: int, seed: int) -> torch.Tensor:  # [M, K]: rows of different scales, some with zero super-blocks
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(M, K, generator=g) * torch.logspace(-2, 2, M)[:, None]
+    x[::7, :256] = 0.0
+    return x
+
+
+def first_inexact_width(fn, x: torch.Tensor, ref: torch.Tensor, widths) -> int | None:
+    """The first width W at which fn(x[:W]) is not bitwise ref[:W] (ref: the GEMV's rows), or None."""
+    for W in widths:
+        if not torch.equal(fn(x[:W]), ref[:W]):
+            return W
+    return None

@@ -1,9 +1,10 @@
-"""q4x8's wide side (csrc/gemm_q4x8*.cpp: the AMX int8 tile GEMM that 'auto' calls of many rows take): every row it
-computes is bitwise the row the GEMV computes, at every width 1..512, on 1 and 2 threads, on every projection shape of
-the packaged models (random weights of those shapes; the LM heads on their first rows), against each GEMV ISA path;
-'auto' hands wide calls to it only from the measured width on and never under a $DRAFTWISE_MAX_ISA cap; and the
-check used here catches a planted kernel whose reduction order depends on the width. No timing asserts.
-Skipped where the CPU (or the kernel's permission) has no AMX: there 'auto' never leaves the GEMV."""
+"""q4x8's wide sides (csrc/gemm_q4x8*.cpp, what 'auto' calls of many rows take: the AMX int8 tile GEMM, and on an
+AVX-512 VNNI CPU without AMX the GEMV's register tile blocked over rows, `wide_vnni`, tested here on AMX machines
+too): every row each computes is bitwise the row the GEMV computes, at every width 1..512, on 1 and 2 threads, on
+every projection shape of the packaged models (random weights of those shapes; the LM heads on their first rows),
+against each GEMV ISA path; 'auto' hands wide calls to it only from the measured width on, to the VNNI side under a
+$DRAFTWISE_MAX_ISA=avx512 cap and to none below it; and the check used here catches a planted kernel whose reduction
+order depends on the width. No timing asserts. Skipped where the CPU has neither: there 'auto' never leaves the GEMV."""
 from __future__ import annotations
 
 import json
@@ -15,39 +16,10 @@ import pytest
 import torch
 
 from draftwise.kernels import q4x8
-from draftwise.kernels.linear import Q4x8Linear, available
-from draftwise.kernels.probe import probe
+from draftwise.kernels.linear import Q4x8Linear
+from tests.harness import KS, SHAPES, WIDTHS, first_inexact_width, ops, side, threads, wide_x  # noqa: F401 (fixtures)
 
-# (N, K) of every projection of the packaged models, merged as the plans merge them (q|k|v, gate|up) and alone;
-# the heads (vocabulary x hidden) cut to their first HEAD_ROWS rows
-HEAD_ROWS = 2048
-SHAPES = {
-    "qwen2.5-coder-1.5b": [(2048, 1536), (1536, 1536), (256, 1536), (17920, 1536), (8960, 1536), (1536, 8960),
-                           (HEAD_ROWS, 1536)],
-    "qwen2.5-coder-0.5b": [(1152, 896), (896, 896), (128, 896), (9728, 896), (4864, 896), (896, 4864),
-                           (HEAD_ROWS, 896)],
-    "gemma-3-270m": [(1536, 640), (1024, 640), (256, 640), (640, 1024), (4096, 640), (2048, 640), (640, 2048),
-                     (HEAD_ROWS, 640)],
-}
-KS = sorted({k for shapes in SHAPES.values() for _, k in shapes})  # 640 896 1024 1536 2048 4864 8960
-WIDTHS = range(1, 513)
-
-
-@pytest.fixture(scope="module")
-def ops():
-    if "q4x8" not in available(probe(bandwidth=False)):
-        pytest.skip("q4x8 cannot run here")
-    lib = q4x8.load()
-    if not lib.wide_available():
-        pytest.skip("no AMX int8 tiles on this CPU (or capped by $DRAFTWISE_MAX_ISA): 'auto' stays on the GEMV")
-    return lib
-
-
-@pytest.fixture
-def threads():
-    before = torch.get_num_threads()
-    yield torch.set_num_threads
-    torch.set_num_threads(before)
+WIDE_KIND = "q4x8"  # the `ops` fixture's kernel
 
 
 def _linear(N: int, K: int, seed: int, path: str = "avx512", bias: bool = True) -> Q4x8Linear:
@@ -57,61 +29,46 @@ def _linear(N: int, K: int, seed: int, path: str = "avx512", bias: bool = True) 
     return Q4x8Linear(w, torch.randn(N, generator=g) if bias else None, path=path)
 
 
-def _wide(ops, lin: Q4x8Linear, x: torch.Tensor) -> torch.Tensor:  # x [M, K] -> [M, N] by the wide kernel
+def _wide(ops, lin: Q4x8Linear, x: torch.Tensor, side: str = "wide") -> torch.Tensor:  # x [M, K] -> [M, N]
     b = lin._buffers
-    return ops.wide(x.contiguous(), b["packed"], b["sc"], b["mn"], b["d"], b["dmin"], b["bias"], lin.out_features)
-
-
-def _x(M: int, K: int, seed: int) -> torch.Tensor:  # [M, K]: rows of different scales, some with zero super-blocks
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(M, K, generator=g) * torch.logspace(-2, 2, M)[:, None]
-    x[::7, :256] = 0.0
-    return x
-
-
-def first_inexact_width(fn, x: torch.Tensor, ref: torch.Tensor, widths) -> int | None:
-    """The first width W at which fn(x[:W]) is not bitwise ref[:W] (ref: the GEMV's rows), or None."""
-    for W in widths:
-        if not torch.equal(fn(x[:W]), ref[:W]):
-            return W
-    return None
+    return getattr(ops, side)(x.contiguous(), b["packed"], b["sc"], b["mn"], b["d"], b["dmin"], b["bias"], lin.out_features)
 
 
 @pytest.mark.parametrize("K", KS)
-def test_wide_rows_are_the_gemv_rows_at_every_width_and_thread_count(ops, threads, K):
+def test_wide_rows_are_the_gemv_rows_at_every_width_and_thread_count(ops, side, threads, K):
     """Every width 1..512 on a 40-column weight (two whole 16-column blocks and a partial one) of each K the
     packaged models have, on 1 and 2 threads, against the GEMV's rows (which are themselves each row alone:
     spot-checked here, tested at length in test_kernels.py)."""
     lin = _linear(40, K, seed=K)
-    x = _x(max(WIDTHS), K, seed=K + 1)
+    x = wide_x(max(WIDTHS), K, seed=K + 1)
     ref = lin(x)  # [512, 40], the AVX-512 GEMV
     for i in (0, 1, 31, 32, 255, 511):
         assert torch.equal(lin(x[i:i + 1]), ref[i:i + 1])
     for n in (1, 2):
         threads(n)
-        assert first_inexact_width(lambda xs: _wide(ops, lin, xs), x, ref, WIDTHS) is None, (K, n)
+        assert first_inexact_width(lambda xs: _wide(ops, lin, xs, side), x, ref, WIDTHS) is None, (K, n)
 
 
 @pytest.mark.parametrize("model", sorted(SHAPES))
-def test_wide_rows_are_the_gemv_rows_on_every_projection_shape(ops, threads, model):
+def test_wide_rows_are_the_gemv_rows_on_every_projection_shape(ops, side, threads, model):
     for i, (N, K) in enumerate(SHAPES[model]):
         lin = _linear(N, K, seed=100 + i, bias=i % 2 == 0)
-        x = _x(512, K, seed=200 + i)
+        x = wide_x(512, K, seed=200 + i)
         ref = lin(x)
         for n in (1, 2):
             threads(n)
-            assert first_inexact_width(lambda xs: _wide(ops, lin, xs), x, ref, (1, 16, 33, 64, 200, 512)) is None, \
+            assert first_inexact_width(lambda xs: _wide(ops, lin, xs, side), x, ref, (1, 16, 33, 64, 200, 512)) is None, \
                 (model, N, K, n)
 
 
-def test_wide_rows_are_every_gemv_paths_rows(ops):
+def test_wide_rows_are_every_gemv_paths_rows(ops, side):
     """The GEMV's ISA paths agree bitwise (test_kernels.py); the wide kernel agrees with each of them."""
     K = 1536
-    x = _x(64, K, seed=7)
+    x = wide_x(64, K, seed=7)
     for path in q4x8.cpu_paths():
         lin = _linear(40, K, seed=8, path=path)
         ref = lin(x)
-        assert first_inexact_width(lambda xs: _wide(ops, lin, xs), x, ref, range(1, 65)) is None, path
+        assert first_inexact_width(lambda xs: _wide(ops, lin, xs, side), x, ref, range(1, 65)) is None, path
 
 
 def test_auto_takes_the_wide_kernel_from_the_measured_width_and_stays_exact(ops):
@@ -119,7 +76,7 @@ def test_auto_takes_the_wide_kernel_from_the_measured_width_and_stays_exact(ops)
     change across it. The threshold is measured (q4x8.wide_min_rows) and at least 1."""
     assert ops.wide_min_rows() >= 1
     auto, gemv = _linear(40, 1536, seed=9, path="auto"), _linear(40, 1536, seed=9, path="avx512")
-    x = _x(96, 1536, seed=10)
+    x = wide_x(96, 1536, seed=10)
     ref = gemv(x)
     before = ops.wide_min_rows()
     try:
@@ -133,21 +90,23 @@ def test_auto_takes_the_wide_kernel_from_the_measured_width_and_stays_exact(ops)
 
 
 def test_an_isa_cap_or_the_override_keeps_auto_off_the_wide_kernel(ops):
-    """DRAFTWISE_MAX_ISA=avx512 is a CPU without AMX (a Zen 4): no wide kernel, in a fresh process (read once);
-    DRAFTWISE_WIDE_MIN_ROWS sets the width without measuring (0: never)."""
-    code = "import json; from draftwise.kernels import q4x8; o = q4x8.load(); print(json.dumps([o.wide_available(), o.wide_min_rows()]))"
+    """DRAFTWISE_MAX_ISA=avx512 is a CPU without AMX (a Zen 4): the VNNI side; avx2 (a Zen 3): no wide side at all
+    (in a fresh process: read once); DRAFTWISE_WIDE_MIN_ROWS sets the width without measuring (0: never)."""
+    code = ("import json; from draftwise.kernels import q4x8; o = q4x8.load(); "
+            "print(json.dumps([o.wide_available(), o.wide_min_rows(), o.wide_kind()]))")
 
     def run(**env):
         out = subprocess.run([sys.executable, "-c", code], env={**os.environ, **env}, capture_output=True, text=True,
                              timeout=600, check=True).stdout.strip().splitlines()[-1]
         return json.loads(out)
 
-    assert run(DRAFTWISE_MAX_ISA="avx512")[0] is False
-    assert run(DRAFTWISE_WIDE_MIN_ROWS="48") == [True, 48]
+    assert run(DRAFTWISE_MAX_ISA="avx512", DRAFTWISE_WIDE_MIN_ROWS="48") == [True, 48, "vnni"]
+    assert run(DRAFTWISE_MAX_ISA="avx2")[0] is False
+    assert run(DRAFTWISE_WIDE_MIN_ROWS="48")[:2] == [True, 48]
     assert run(DRAFTWISE_WIDE_MIN_ROWS="0")[1] > 2 ** 40
 
 
-def test_a_planted_width_dependent_reduction_fails_the_check(ops):
+def test_a_planted_width_dependent_reduction_fails_the_check(ops, side):
     """A kernel that sums the super-blocks in reverse order from 33 rows on (the same exact integer terms, another
     float order: what splitting K differently by width does) must be caught by first_inexact_width."""
     N, K = 40, 1536
@@ -157,15 +116,15 @@ def test_a_planted_width_dependent_reduction_fails_the_check(ops):
     rev = {"q": parts["q"].view(N, S, 256).flip(1).reshape(N, K), "sc": parts["sc"].view(N, S, 8).flip(1).reshape(N, -1),
            "mn": parts["mn"].view(N, S, 8).flip(1).reshape(N, -1), "d": parts["d"].flip(1), "dmin": parts["dmin"].flip(1)}
     lin, lin_rev = Q4x8Linear.from_parts(parts), Q4x8Linear.from_parts({k: v.contiguous() for k, v in rev.items()})
-    x = _x(64, K, seed=12)
+    x = wide_x(64, K, seed=12)
     ref = _linear_rows(lin, x)
 
     def planted(xs):
         if xs.shape[0] <= 32:
-            return _wide(ops, lin, xs)
-        return _wide(ops, lin_rev, xs.view(-1, S, 256).flip(1).reshape(-1, K))
+            return _wide(ops, lin, xs, side)
+        return _wide(ops, lin_rev, xs.view(-1, S, 256).flip(1).reshape(-1, K), side)
 
-    assert first_inexact_width(lambda xs: _wide(ops, lin, xs), x, ref, range(1, 65)) is None
+    assert first_inexact_width(lambda xs: _wide(ops, lin, xs, side), x, ref, range(1, 65)) is None
     assert first_inexact_width(planted, x, ref, range(1, 65)) == 33
     # the planted kernel is close (same integers): only exactness tells it apart
     assert torch.allclose(planted(x), ref, rtol=1e-4, atol=1e-4)

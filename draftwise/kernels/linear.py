@@ -618,7 +618,7 @@ class Q6KLinear(_BlockLinear):
     def _call(self, x2: torch.Tensor) -> torch.Tensor:  # x2 [M, K] float32 -> [M, N]
         b = self._buffers
         if self.path == "auto" and x2.shape[0] > 1 and _q6k_wide_takes(x2.shape[0]):
-            # the AMX GEMM (csrc/gemm_q6k*.cpp): bitwise the GEMV's rows, faster from the measured width on
+            # the wide GEMM (csrc/gemm_q6k*.cpp: AMX, or VNNI over row chunks): bitwise the GEMV's rows, faster from the measured width on
             return _q6k_wide()(x2, b["ql"], b["qh"], b["sc"], b["d"], b["bias"], self.out_features)
         return _block_op("q6k")(x2, b["ql"], b["qh"], b["sc"], b["d"], b["bias"], self.out_features,
                                 q4x8_format.PATHS[self.path])
@@ -677,7 +677,7 @@ def _block_op(name: str):
 
 
 def _q6k_wide_takes(rows: int) -> bool:
-    """Whether a path-'auto' Q6_K call of `rows` rows goes to the wide (AMX) kernel (q4x8.wide_min_rows)."""
+    """Whether a path-'auto' Q6_K call of `rows` rows goes to the wide kernel (AMX or VNNI: q4x8.wide_min_rows)."""
     return torch.ops.draftwise_q6k.wide_takes(rows)
 
 

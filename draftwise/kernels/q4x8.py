@@ -11,8 +11,9 @@ build.log next to the library: warnings are printed, only errors fail the build)
 to the Q4_K-style representation, mapping Q4_K sub-blocks onto it exactly, packing it into the kernel's layout
 (csrc/q4x8.h documents it) and the packed embedding table `Q4x8Embedding`. The linear module is
 kernels/linear.py's `Q4x8Linear`. Also the wide side's switch: `wide_min_rows` measures once per build and CPU from
-how many rows 'auto' calls take the AMX GEMM (csrc/gemm_q4x8*.cpp, gemm_q6k*.cpp for Q6_K: bitwise the GEMVs' rows) and `prefill_table`
-times both at prompt widths (`draftwise kernels`). Knows nothing of checkpoints or decoders.
+how many rows 'auto' calls take the wide kernel (csrc/gemm_q4x8*.cpp, gemm_q6k*.cpp for Q6_K: the AMX GEMM, or on an
+AVX-512 VNNI CPU without AMX the GEMV's register tile blocked over rows: bitwise the GEMVs' rows) and
+`prefill_table` times both at prompt widths (`draftwise kernels`). Knows nothing of checkpoints or decoders.
 
 ISA paths: every op of the library picks its path by csrc/dispatch.h's one rule ('auto': the best this CPU runs for
 that op, by cpuid; an explicit path only where the CPU runs it). The path names and their ids come from there too:
@@ -209,16 +210,17 @@ def load() -> object:
     return torch.ops.draftwise_q4x8
 
 
-WIDE_ENV = "DRAFTWISE_WIDE_MIN_ROWS"  # an integer: 'auto' calls of at least this many rows take the AMX GEMM; 0: never
+WIDE_ENV = "DRAFTWISE_WIDE_MIN_ROWS"  # an integer: 'auto' calls of at least this many rows take the wide kernel; 0: never
 WIDE_PROBE_WIDTHS = (16, 32, 64, 128, 256)  # the row counts the probe times (the AMX tile loop takes 32 rows a pass)
 WIDE_PROBE_SHAPE = (2048, 2048)  # N, K of the probe's weight: a mid-sized projection, K 8 super-blocks
 
 
 def wide_min_rows(ops, where: Path, kind: str = "q4x8") -> int:
     """The smallest row count from which 'auto' calls of the `kind` kernel ("q4x8" or "q6k": `ops` is its
-    torch.ops namespace) take its wide (AMX) kernel instead of the GEMV: both give bitwise the same rows, so this
-    is a speed choice only, measured here once per library build, kind and CPU and kept in `where`/wide.txt
-    (q4x8) or wide_q6k.txt ($DRAFTWISE_WIDE_MIN_ROWS overrides both; 0 or no AMX: never). The probe times both
+    torch.ops namespace) take its wide kernel (AMX tiles, or the AVX-512 VNNI row-blocked side where AMX is absent or
+    capped off: `ops.wide_kind()`) instead of the GEMV: both give bitwise the same rows, so this is a speed choice
+    only, measured here once per library build, kind, wide side and CPU and kept in `where`/wide_<side>.txt (q4x8)
+    or wide_q6k_<side>.txt ($DRAFTWISE_WIDE_MIN_ROWS overrides both; 0 or no wide side: never). The probe times both
     kernels on one thread on a WIDE_PROBE_SHAPE weight at each of WIDE_PROBE_WIDTHS (best of 5) and takes the
     smallest width from which the wide kernel is faster at every larger width too."""
     never = 2 ** 62
@@ -231,8 +233,9 @@ def wide_min_rows(ops, where: Path, kind: str = "q4x8") -> int:
         return rows if rows > 0 else never
     if not ops.wide_available():
         return never
-    from draftwise.kernels.probe import probe  # same layer; imported here: only an AMX machine's first load needs it
-    cache = where / ("wide.txt" if kind == "q4x8" else f"wide_{kind}.txt")
+    from draftwise.kernels.probe import probe  # same layer; imported here: only a first load with a wide side needs it
+    side = ops.wide_kind()  # "amx" or "vnni" (csrc/gemm_wide.h): one file each, so a capped process keeps its own
+    cache = where / f"wide{'' if kind == 'q4x8' else '_' + kind}_{side}.txt"
     key = f"{probe(bandwidth=False)['cpu']}|{os.cpu_count()}"
     try:
         saved_key, saved = cache.read_text().rsplit("\n", 1)
@@ -241,7 +244,7 @@ def wide_min_rows(ops, where: Path, kind: str = "q4x8") -> int:
     except (OSError, ValueError):
         pass
     rows = _probe_wide(ops, kind)
-    print(f"draftwise: {kind} wide (AMX) kernel from {rows if rows < never else 'no'} rows on (measured once, kept "
+    print(f"draftwise: {kind} wide ({side}) kernel from {rows if rows < never else 'no'} rows on (measured once, kept "
           f"in {cache})", file=sys.stderr, flush=True)
     try:
         cache.write_text(f"{key}\n{rows}")
@@ -301,7 +304,7 @@ PREFILL_WIDTHS = (64, 512)  # rows per call the prefill table times: a short pro
 
 def prefill_table(shapes, widths=PREFILL_WIDTHS, repeats: int = 3) -> list[dict]:
     """Per (name, N, K) of `shapes` (autotune.ProjShape-like, the LM head skipped: prefill computes it on one row)
-    and per width: ms per call of the best GEMV path and of the wide (AMX) kernel (None where it cannot run), best
+    and per width: ms per call of the best GEMV path and of the wide kernel (None where it cannot run), best
     of `repeats`, on random weights, and which one 'auto' takes there. Both give bitwise the same rows."""
     import time
 
@@ -336,7 +339,8 @@ def prefill_table(shapes, widths=PREFILL_WIDTHS, repeats: int = 3) -> list[dict]
 
 def format_prefill_table(rows: list[dict]) -> str:
     ops = load()
-    head = (f"q4x8 at prefill widths (ms per call; 'wide' = the AMX GEMM, bitwise the GEMV's rows; 'auto' takes it "
+    side = {"amx": "the AMX GEMM", "vnni": "the AVX-512 VNNI row-blocked GEMM"}.get(ops.wide_kind(), "none")
+    head = (f"q4x8 at prefill widths (ms per call; 'wide' = {side}, bitwise the GEMV's rows; 'auto' takes it "
             f"from {ops.wide_min_rows() if ops.wide_available() else 'no'} rows on)")
     lines = [head, f"  {'projection':28s} {'N x K':>12s} {'rows':>5s} {'gemv ms':>9s} {'wide ms':>9s} {'speed-up':>8s}  auto"]
     for r in rows:

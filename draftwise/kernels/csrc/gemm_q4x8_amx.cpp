@@ -3,28 +3,17 @@
 // imn per super-block followed by the same three float operations in the same super-block order, so each row is
 // bitwise the row the GEMV computes alone, whatever M is.
 // Owns: rebuilding one 16-column block's packed nibbles into B tiles (gemm_q4x8.h: sc split into two 4-bit
-// halves so that sc-weighted int4 weights fit unsigned bytes), the tile loop (32 rows x 16 columns x one
-// super-block per pass: 4 accumulator tiles, 2 activation tiles, 2 weight tiles = all 8 tiles) and the epilogue.
+// halves so that sc-weighted int4 weights fit unsigned bytes), the loop order (32 rows x 16 columns x one
+// super-block per pass: amx_tiles.h's tile pass, both weight tiles unsigned) and the epilogue.
 // Knows nothing of torch, threads or when it runs (gemm_q4x8.cpp decides); called only after a cpuid check for
 // AMX-TILE, AMX-INT8 and AVX-512 and with the process's permission for tile data. Compiled with -mamx-tile
 // -mamx-int8 -mavx512f -mavx512bw -mavx512vl -mavx512vnni; includes no C++ library header.
-#include "intrin.h"
+#include "amx_tiles.h"
 #include "gemm_q4x8.h"
 
 namespace {
 
 typedef int32_t __attribute__((may_alias)) i32_alias;  // a row's qsum pairs (int16 x 2) read as one int32
-
-struct alignas(64) TileConfig {  // the LDTILECFG operand, palette 1
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-};
-
-// 16 sc bytes (columns 0-15) -> 64 bytes, byte 4n + t = sc[n]: the VNNI layout of one B-tile row
-inline __m512i sc_lanes(const uint8_t* sc16) {
-    return _mm512_mullo_epi32(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)sc16)), _mm512_set1_epi32(0x01010101));
-}
 
 // bytewise a * b where every byte of both is <= 15 (so every product is <= 225 and fits its byte)
 inline __m512i mul_u4(__m512i a, __m512i b) {
@@ -51,7 +40,7 @@ void prepare(const DwQ4* w, int64_t b, int64_t steps, uint8_t* scratch) {
                 }
                 continue;
             }
-            const __m512i scv = sc_lanes(SC + g * 16);
+            const __m512i scv = dwamx::sc_lanes(SC + g * 16);
             const __m512i slo = _mm512_and_si512(scv, low4);
             const __m512i shi = _mm512_and_si512(_mm512_srli_epi16(scv, 4), low4);
             for (int c = 0; c < 4; ++c) {  // chunk c: low nibbles = K values 4c..4c+3 of the group, high = 16 + 4c..
@@ -76,33 +65,24 @@ inline __m512i mn_pair(const uint8_t* MN, int64_t g, int64_t G) {
 
 }  // namespace
 
-extern "C" int64_t dw_amx_scratch_bytes(int64_t Kp, int64_t M) { return Kp / 64 * 2048 + (M + 31) / 32 * 32 * 64; }
+extern "C" int64_t dw_amx_scratch_bytes(int64_t Kp, int64_t M) { return dwamx::scratch_bytes(Kp / 64, M); }
 
 // Loop order: per block, per super-block, every 32-row tile: the block's B tiles of that super-block (8 KiB) stay in
 // L1 while the row tiles (tile-major: each A tile 1 KiB of consecutive bytes) stream past them; each row's
 // accumulator waits in scratch between super-blocks (the same fma sequence per row, in super-block order, as the
 // GEMV's register accumulator).
 extern "C" void dw_gemm_amx(const DwQ4* w, const DwQ8Rows* a, float* out, int64_t b0, int64_t b1, uint8_t* scratch) {
-    TileConfig cfg = {};
-    cfg.palette = 1;
-    for (int i = 0; i < 8; ++i) {
-        cfg.colsb[i] = 64;
-        cfg.rows[i] = 16;
-    }
-    _tile_loadconfig(&cfg);
+    dwamx::configure();
     const int64_t G = w->G, S = w->S, N = w->N, M = a->M, Kp = a->Kp, steps = Kp / 64;
     float* accs = (float*)(scratch + steps * 2048);  // [M rounded up to 32, 16]
-    alignas(64) int32_t C[4][16][16];  // lo rows 0-15, hi rows 0-15, lo rows 16-31, hi rows 16-31
+    alignas(64) int32_t C[4][16][16];                // amx_tiles.h's tile pass
     for (int64_t b = b0; b < b1; ++b) {
         prepare(w, b, steps, scratch);
         const uint8_t* MN = w->mn + b * G * 16;
         const float* D = w->d + b * S * 16;
         const float* DM = w->dmin + b * S * 16;
-        const int64_t n0 = b * 16;
-        const int64_t live = N - n0 < 16 ? N - n0 : 16;
-        const __mmask16 keep = (__mmask16)((1u << live) - 1u);
-        const __m512 bias = w->bias ? _mm512_maskz_loadu_ps(keep, w->bias + n0) : _mm512_setzero_ps();
-        for (int64_t m = 0; m < M; ++m) _mm512_store_ps(accs + m * 16, _mm512_setzero_ps());
+        const dwamx::BlockCols cols(b, N, w->bias);
+        dwamx::zero_accs(accs, M);
         for (int64_t s = 0; s < S; ++s) {
             const int64_t g0 = s * 8, g1 = g0 + 8 < G ? g0 + 8 : G, j0 = g0 / 2, j1 = (g1 + 1) / 2;
             __m512i mnp[4];
@@ -111,31 +91,10 @@ extern "C" void dw_gemm_amx(const DwQ4* w, const DwQ8Rows* a, float* out, int64_
             for (int64_t m0 = 0; m0 < M; m0 += 32) {  // q, dx, qsum are padded to whole 32-row tiles
                 const int rows = M - m0 < 32 ? (int)(M - m0) : 32;
                 const int8_t* A0 = a->q + (m0 / 16) * steps * 1024;  // rows m0 .. m0 + 15
-                const int8_t* A1 = A0 + steps * 1024;                // rows m0 + 16 .. m0 + 31
-                _tile_zero(0);
-                _tile_zero(1);
-                _tile_zero(2);
-                _tile_zero(3);
-                for (int64_t j = j0; j < j1; ++j) {
-                    _tile_loadd(4, A0 + j * 1024, 64);
-                    _tile_loadd(5, A1 + j * 1024, 64);
-                    _tile_loadd(6, scratch + j * 2048, 64);
-                    _tile_loadd(7, scratch + j * 2048 + 1024, 64);
-                    _tile_dpbsud(0, 4, 6);
-                    _tile_dpbsud(1, 4, 7);
-                    _tile_dpbsud(2, 5, 6);
-                    _tile_dpbsud(3, 5, 7);
-                }
-                _tile_stored(0, C[0], 64);
-                _tile_stored(1, C[1], 64);
-                _tile_stored(2, C[2], 64);
-                _tile_stored(3, C[3], 64);
+                dwamx::tile_pass<false>(A0, A0 + steps * 1024, scratch, j0, j1, C);
                 float* acc = accs + m0 * 16;
                 for (int m = 0; m < rows; ++m) {
-                    const int half = m >> 4, r = m & 15;
-                    const __m512i lo = _mm512_load_si512((const void*)C[2 * half][r]);
-                    const __m512i hi = _mm512_load_si512((const void*)C[2 * half + 1][r]);
-                    const __m512i isc = _mm512_add_epi32(lo, _mm512_slli_epi32(hi, 4));
+                    const __m512i isc = dwamx::row_sum<4>(C, m);
                     const i32_alias* qs = (const i32_alias*)(a->qsum + ((m0 + m) * S + s) * 8);
                     __m512i imn = _mm512_setzero_si512();
                     for (int p = 0; p < 4; ++p) imn = _mm512_dpwssd_epi32(imn, mnp[p], _mm512_set1_epi32(qs[p]));
@@ -146,7 +105,7 @@ extern "C" void dw_gemm_amx(const DwQ4* w, const DwQ8Rows* a, float* out, int64_
                 }
             }
         }
-        for (int64_t m = 0; m < M; ++m) _mm512_mask_storeu_ps(out + m * N + n0, keep, _mm512_add_ps(_mm512_load_ps(accs + m * 16), bias));
+        cols.store(accs, M, out, N);
     }
     _tile_release();
 }

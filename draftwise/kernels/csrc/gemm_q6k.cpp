@@ -1,31 +1,26 @@
-// q6k wide side, torch-facing: the operator draftwise_q6k::wide (the AMX GEMM for Q6_K weights), the smallest row
-// count from which path-'auto' callers hand a call to it (set from Python, which measures it:
-// kernels/q4x8.py wide_min_rows), and the C++ entry points (dw_q6k_wide_takes, dw_q6k_wide) a C++ caller (the
-// layer loop) uses the same way. Owns: argument checks, quantizing the activations tile-major (gemm_q6k.h's
-// DwQ8Tiles, one row at a time with q4x8's dw_q8_rows_avx512: the GEMV's very values) and threading over 16-column
-// blocks. Knows nothing of models; the arithmetic is q6k.h's, the tile loop gemm_q6k_amx.cpp's, whether AMX may
-// run here gemm_q4x8.cpp's (dw_amx_usable). Every row is bitwise the Q6_K GEMV's row (tests/test_kernels_gemm_q6k.py),
-// so which side serves a call changes speed only.
+// q6k wide side, torch-facing: the operator draftwise_q6k::wide (the AMX GEMM for Q6_K weights; on an AVX-512 VNNI
+// CPU without AMX the AVX-512 GEMV over row chunks, also callable alone as wide_vnni), the smallest row count from
+// which path-'auto' callers hand a call to it (set from Python, which measures it: kernels/q4x8.py wide_min_rows),
+// and the C++ entry points (dw_q6k_wide_takes, dw_q6k_wide) a C++ caller (the layer loop) uses the same way.
+// Owns: threading over 16-column blocks of row chunks. The argument checks are the GEMV's (q6k.cpp's dw_q6k_check),
+// the activations the GEMV's (gemm_q4x8.cpp's tile-major copy for AMX, gemm_q6k.h's DwQ8Tiles; q6k.cpp's
+// dw_q6k_quantize_rows per chunk for VNNI), the switch, chunk sizes and which side runs gemm_wide.h's. Knows nothing
+// of models; the arithmetic is q6k.h's, the tile loop gemm_q6k_amx.cpp's. Every row is bitwise the Q6_K GEMV's row
+// (tests/test_kernels_gemm_q6k.py), so which side serves a call changes speed only.
 #include <torch/library.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
-#include <algorithm>
-#include <atomic>
-#include <cstring>
-#include <limits>
-#include <vector>
+#include <string>
+#include "dispatch.h"
 #include "gemm_q6k.h"
-#include "q4x8.h"
-
-bool dw_amx_usable();
+#include "gemm_wide.h"
+#include "q6k.h"
 
 namespace {
 
-constexpr int64_t CHUNK_BYTES = 1536 * 1024;  // int8 activations per row chunk: most of a 2 MB L2
-
-std::atomic<int64_t> min_rows{std::numeric_limits<int64_t>::max()};  // until Python sets it: never
+DwWideSwitch wide_switch;  // from how many rows path-'auto' calls come here (gemm_wide.h)
 
 }  // namespace
 
@@ -35,88 +30,122 @@ extern "C" void dw_q6k_gemm_amx(const DwQ6*, const DwQ8Tiles*, float*, int64_t, 
 #endif
 
 // A path-'auto' Q6_K linear of M rows should call dw_q6k_wide when this is true.
-bool dw_q6k_wide_takes(int64_t M) { return M >= min_rows.load(std::memory_order_relaxed) && dw_amx_usable(); }
+bool dw_q6k_wide_takes(int64_t M) { return wide_switch.takes(M) && dw_wide_side() != DwWideSide::NONE; }
 
-// x [M, K] float32 -> y [M, N] float32; the weights as draftwise_q6k::linear takes them (ql [NB, G, 4, 64] uint8,
-// qh [NB, G, 2, 64] uint8, sc [NB, G, 2, 16] int8, d [NB, S, 16] float32, bias [N] float32 or undefined).
-at::Tensor dw_q6k_wide(const at::Tensor& x, const at::Tensor& ql, const at::Tensor& qh, const at::Tensor& sc,
-                       const at::Tensor& d, const std::optional<at::Tensor>& bias, int64_t N) {
-    TORCH_CHECK(dw_amx_usable(), "q6k wide: this CPU or process cannot run AMX int8 tiles");
-    TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be [M, K] float32 contiguous");
-    const int64_t M = x.size(0), K = x.size(1);
-    TORCH_CHECK(K % 256 == 0, "Q6_K needs K a multiple of 256");
-    TORCH_CHECK(N >= 1, "N must be >= 1");
-    const int64_t G = K / 32, S = K / 256, NB = (N + 15) / 16;
-    TORCH_CHECK(ql.scalar_type() == at::kByte && ql.is_contiguous() && ql.numel() == NB * G * 256, "ql: bad shape");
-    TORCH_CHECK(qh.scalar_type() == at::kByte && qh.is_contiguous() && qh.numel() == NB * G * 128, "qh: bad shape");
-    TORCH_CHECK(sc.scalar_type() == at::kChar && sc.is_contiguous() && sc.numel() == NB * G * 32, "sc: bad shape");
-    TORCH_CHECK(d.scalar_type() == at::kFloat && d.is_contiguous() && d.numel() == NB * S * 16, "d: bad shape");
-    const float* bias_p = nullptr;
-    if (bias.has_value() && bias->defined()) {
-        TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N, "bias must be [N] float32");
-        bias_p = bias->data_ptr<float>();
-    }
+namespace {
+
+// The AMX side (gemm_q6k_amx.cpp's tile loop); the arguments checked.
+at::Tensor wide_amx(const at::Tensor& x, const at::Tensor& ql, const at::Tensor& qh, const at::Tensor& sc,
+                    const at::Tensor& d, const float* bias_p, int64_t N) {
+    const int64_t M = x.size(0), K = x.size(1), S = K / 256, NB = (N + 15) / 16;
     at::Tensor y = at::empty({M, N}, x.options());
     if (M == 0) return y;
     const int64_t Mp = (M + 31) / 32 * 32;
     at::Tensor q = at::empty({Mp / 16, K / 64, 16, 64}, x.options().dtype(at::kChar));  // tile-major (gemm_q6k.h)
     at::Tensor dx = at::empty({Mp, S}, x.options());  // padding rows never read
-    const float* xp = x.data_ptr<float>();
     int8_t* qp = q.data_ptr<int8_t>();
     float* dxp = dx.data_ptr<float>();
-    // one row at a time as a 1-row matrix ([G, 1, 32] is the row's K bytes in order): the GEMV's very values, then
-    // its 64-byte pieces scattered to their tiles
-    at::parallel_for(0, M, 16, [&](int64_t r0, int64_t r1) {
-        std::vector<int8_t> row(K);
-        std::vector<int16_t> qsum(S * 8);  // written by the quantizer, not needed here
-        for (int64_t r = r0; r < r1; ++r) {
-            dw_q8_rows_avx512(xp + r * K, 1, K, row.data(), dxp + r * S, qsum.data(), 0, 1);
-            int8_t* dst = qp + (r / 16) * K * 16 + (r % 16) * 64;
-            for (int64_t j = 0; j < K / 64; ++j) std::memcpy(dst + j * 1024, row.data() + j * 64, 64);
-        }
-    });
-    for (int64_t r = M; r < Mp; ++r) {  // padding rows of the last tile: zero (their outputs are never stored)
-        int8_t* dst = qp + (r / 16) * K * 16 + (r % 16) * 64;
-        for (int64_t j = 0; j < K / 64; ++j) std::memset(dst + j * 1024, 0, 64);
-    }
-    DwQ6 w{ql.data_ptr<uint8_t>(), qh.data_ptr<uint8_t>(), sc.data_ptr<int8_t>(), d.data_ptr<float>(), bias_p, N, K, G, S};
+    dw_quantize_tiles(x.data_ptr<float>(), M, K, qp, dxp, nullptr);
+    DwQ6 w{ql.data_ptr<uint8_t>(), qh.data_ptr<uint8_t>(), sc.data_ptr<int8_t>(), d.data_ptr<float>(), bias_p, N, K, K / 32, S};
     float* yp = y.data_ptr<float>();
     // Rows in chunks whose activations stay in a core's L2 while every block passes over them; each block's tiles
     // are rebuilt per chunk. A row's arithmetic is the same in every chunk: bits unchanged.
-    const int64_t chunk = std::max<int64_t>(128, std::min<int64_t>(1024, CHUNK_BYTES / K / 32 * 32));
+    const int64_t chunk = dw_wide_chunk_rows(K);
     for (int64_t m0 = 0; m0 < M; m0 += chunk) {
         DwQ8Tiles a{qp + m0 * K, dxp + m0 * S, std::min(chunk, M - m0), K};
         at::parallel_for(0, NB, 1, [&](int64_t b0, int64_t b1) {
-            thread_local std::vector<uint8_t> scratch;
-            scratch.resize(dw_q6k_amx_scratch_bytes(K, a.M) + 64);
-            uint8_t* aligned = scratch.data() + (64 - (uintptr_t)scratch.data() % 64) % 64;
-            dw_q6k_gemm_amx(&w, &a, yp + m0 * N, b0, b1, aligned);
+            dw_q6k_gemm_amx(&w, &a, yp + m0 * N, b0, b1, dw_thread_scratch(dw_q6k_amx_scratch_bytes(K, a.M)));
         });
     }
     return y;
 }
 
+// The VNNI side (gemm_wide.h): rows in chunks of DW_VNNI_CHUNK_ROWS, each quantized into its own GEMV layout by the
+// GEMV's quantizer (q6k.cpp's dw_q6k_quantize_rows, AVX-512 path), then the AVX-512 GEMV's kernel over every block
+// of the chunk. Each row is the GEMV's row: the same values and the same kernel, whose rows never depend on M.
+at::Tensor wide_vnni(const at::Tensor& x, const at::Tensor& ql, const at::Tensor& qh, const at::Tensor& sc,
+                     const at::Tensor& d, const float* bias_p, int64_t N) {
+    const int64_t M = x.size(0), K = x.size(1), G = K / 32, S = K / 256, NB = (N + 15) / 16;
+    at::Tensor y = at::empty({M, N}, x.options());
+    if (M == 0) return y;
+    const int64_t chunk = DW_VNNI_CHUNK_ROWS, chunks = (M + chunk - 1) / chunk;
+    at::Tensor q = at::empty({chunks, G, chunk, 32}, x.options().dtype(at::kChar));        // chunk c: [G, Mc, 32]
+    at::Tensor dx = at::empty({chunks, S, chunk}, x.options());                              // [S, Mc]
+    at::Tensor qsum = at::empty({chunks, S, chunk, 8}, x.options().dtype(at::kShort));     // [S, Mc, 8]
+    at::Tensor qsum16 = at::empty({chunks, S, chunk, 16}, x.options().dtype(at::kShort));  // [S, Mc, 16]
+    at::Tensor qoff16 = at::empty({chunks, G, chunk, 2}, x.options().dtype(at::kInt));     // [G, Mc, 2]
+    const float* xp = x.data_ptr<float>();
+    int8_t* qp = q.data_ptr<int8_t>();
+    float* dxp = dx.data_ptr<float>();
+    int16_t* qsp = qsum.data_ptr<int16_t>();
+    int16_t* q16 = qsum16.data_ptr<int16_t>();
+    int32_t* qo = qoff16.data_ptr<int32_t>();
+    auto rows_of = [&](int64_t c) { return std::min(chunk, M - c * chunk); };
+    at::parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) {
+        for (int64_t c = c0; c < c1; ++c)
+            dw_q6k_quantize_rows(dwisa::AVX512, xp + c * chunk * K, rows_of(c), K, qp + c * G * chunk * 32,
+                                 dxp + c * S * chunk, qsp + c * S * chunk * 8, q16 + c * S * chunk * 16,
+                                 qo + c * G * chunk * 2, 0, rows_of(c));
+    });
+    DwQ6 w{ql.data_ptr<uint8_t>(), qh.data_ptr<uint8_t>(), sc.data_ptr<int8_t>(), d.data_ptr<float>(), bias_p, N, K, G, S};
+    float* yp = y.data_ptr<float>();
+    // each thread its blocks, chunk after chunk (one fork for the call)
+    at::parallel_for(0, NB, 1, [&](int64_t b0, int64_t b1) {
+        for (int64_t c = 0; c < chunks; ++c) {
+            DwQ8K16 a{qp + c * G * chunk * 32, dxp + c * S * chunk, q16 + c * S * chunk * 16, qo + c * G * chunk * 2, rows_of(c)};
+            dw_q6k_gemm_avx512(&w, &a, yp + c * chunk * N, b0, b1);
+        }
+    });
+    return y;
+}
+
+}  // namespace
+
+// x [M, K] float32 -> y [M, N] float32; the weights as draftwise_q6k::linear takes them (ql [NB, G, 4, 64] uint8,
+// qh [NB, G, 2, 64] uint8, sc [NB, G, 2, 16] int8, d [NB, S, 16] float32, bias [N] float32 or undefined).
+at::Tensor dw_q6k_wide(const at::Tensor& x, const at::Tensor& ql, const at::Tensor& qh, const at::Tensor& sc,
+                       const at::Tensor& d, const std::optional<at::Tensor>& bias, int64_t N) {
+    const DwWideSide side = dw_wide_side();
+    TORCH_CHECK(side != DwWideSide::NONE, "q6k wide: this CPU has neither AMX int8 tiles nor AVX-512 VNNI (or a "
+                "$DRAFTWISE_MAX_ISA cap is below them)");
+    const float* bias_p = dw_q6k_check(x, ql, qh, sc, d, bias, N);  // q6k.cpp: the GEMV's checks
+    return side == DwWideSide::AMX ? wide_amx(x, ql, qh, sc, d, bias_p, N) : wide_vnni(x, ql, qh, sc, d, bias_p, N);
+}
+
 namespace {
 
-bool wide_available() { return dw_amx_usable(); }
+// The VNNI side on its own, also where AMX runs (tests: both sides' rows are the GEMV's)
+at::Tensor wide_vnni_op(const at::Tensor& x, const at::Tensor& ql, const at::Tensor& qh, const at::Tensor& sc,
+                        const at::Tensor& d, const std::optional<at::Tensor>& bias, int64_t N) {
+    TORCH_CHECK(dw_wide_side() != DwWideSide::NONE, "q6k wide_vnni: this CPU has no AVX-512 VNNI (or a "
+                "$DRAFTWISE_MAX_ISA cap is below it)");
+    return wide_vnni(x, ql, qh, sc, d, dw_q6k_check(x, ql, qh, sc, d, bias, N), N);
+}
+
+bool wide_available() { return dw_wide_side() != DwWideSide::NONE; }
+
+std::string get_wide_kind() { return dw_wide_side_name(dw_wide_side()); }
+
 
 bool wide_takes(int64_t M) { return dw_q6k_wide_takes(M); }
 
-void set_wide_min_rows(int64_t rows) {
-    TORCH_CHECK(rows >= 1, "wide_min_rows must be >= 1");
-    min_rows.store(rows, std::memory_order_relaxed);
-}
+void set_wide_min_rows(int64_t rows) { wide_switch.set(rows); }
 
-int64_t get_wide_min_rows() { return min_rows.load(std::memory_order_relaxed); }
+int64_t get_wide_min_rows() { return wide_switch.get(); }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(draftwise_q6k, m) {
     m.def("wide(Tensor x, Tensor ql, Tensor qh, Tensor sc, Tensor d, Tensor? bias, int N) -> Tensor");
     m.def("wide_available() -> bool", &wide_available);
+    m.def("wide_kind() -> str", &get_wide_kind);
+    m.def("wide_vnni(Tensor x, Tensor ql, Tensor qh, Tensor sc, Tensor d, Tensor? bias, int N) -> Tensor");
     m.def("wide_takes(int rows) -> bool", &wide_takes);
     m.def("set_wide_min_rows(int rows) -> ()", &set_wide_min_rows);
     m.def("wide_min_rows() -> int", &get_wide_min_rows);
 }
 
-TORCH_LIBRARY_IMPL(draftwise_q6k, CPU, m) { m.impl("wide", &dw_q6k_wide); }
+TORCH_LIBRARY_IMPL(draftwise_q6k, CPU, m) {
+    m.impl("wide", &dw_q6k_wide);
+    m.impl("wide_vnni", &wide_vnni_op);
+}

@@ -1,6 +1,6 @@
 // q6k wide side: the plain-C interface between the torch-facing unit (gemm_q6k.cpp) and the AMX unit
 // (gemm_q6k_amx.cpp, compiled with -mamx-tile -mamx-int8 and the AVX-512 flags, run only where gemm_q4x8.cpp's
-// dw_amx_usable says the CPU and the process may run AMX int8 tiles).
+// dw_wide_side says the CPU and the process may run AMX int8 tiles).
 //
 // Owns: the tile layout the wide kernel rebuilds Q6_K weights into. Knows nothing of torch or threads. The
 // arithmetic it must reproduce bit for bit is q6k.h's (the packed layout, the exact int32 tot per super-block and

@@ -3,26 +3,14 @@
 // per super-block followed by the same float operations in the same super-block order, so each row is bitwise the
 // row the GEMV computes alone, whatever M is.
 // Owns: rebuilding one 16-column block's 6-bit weights into B tiles (gemm_q6k.h: the scale and the -32 offset
-// folded into a 13-bit weight split into a low unsigned byte and a high signed one), the tile loop (32 rows x 16
-// columns x one super-block per pass: 4 accumulator tiles, 2 activation tiles, 2 weight tiles = all 8 tiles) and
-// the epilogue. Knows nothing of torch, threads or when it runs (gemm_q6k.cpp decides); called only after
+// folded into a 13-bit weight split into a low unsigned byte and a high signed one), the loop order (32 rows x 16
+// columns x one super-block per pass: amx_tiles.h's tile pass, the high-byte tile signed) and the epilogue. Knows nothing of torch, threads or when it runs (gemm_q6k.cpp decides); called only after
 // gemm_q4x8.cpp's AMX check. Compiled with -mamx-tile -mamx-int8 -mavx512f -mavx512bw -mavx512vl -mavx512vnni;
 // includes no C++ library header.
-#include "intrin.h"
+#include "amx_tiles.h"
 #include "gemm_q6k.h"
 
 namespace {
-
-struct alignas(64) TileConfig {  // the LDTILECFG operand, palette 1
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-};
-
-// 16 sc bytes (columns 0-15) -> 64 bytes, byte 4n + t = sc[n] (the raw byte, read back as int8 below)
-inline __m512i sc_lanes(const int8_t* sc16) {
-    return _mm512_mullo_epi32(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)sc16)), _mm512_set1_epi32(0x01010101));
-}
 
 // 64 weights q (0..63, bytes) with their 64 scales (int8 bytes): the low and high bytes of sc * (q - 32)
 inline void split(__m512i q, __m512i scl, uint8_t* lo, uint8_t* hi) {
@@ -49,7 +37,7 @@ void prepare(const DwQ6* w, int64_t b, int64_t steps, uint8_t* scratch) {
         uint8_t* hi = lo + 1024;
         for (int h = 0; h < 2; ++h) {
             const int64_t g = 2 * j + h;
-            const __m512i scl = sc_lanes(SC + g * 32), sch = sc_lanes(SC + g * 32 + 16);
+            const __m512i scl = dwamx::sc_lanes(SC + g * 32), sch = dwamx::sc_lanes(SC + g * 32 + 16);
             const __m512i h0 = _mm512_loadu_si512((const void*)(H + g * 128));
             const __m512i h1 = _mm512_loadu_si512((const void*)(H + g * 128 + 64));
             for (int c = 0; c < 4; ++c) {  // chunk c: low nibbles = K values 4c..4c+3 of the group, high = 16 + 4c..
@@ -69,68 +57,36 @@ void prepare(const DwQ6* w, int64_t b, int64_t steps, uint8_t* scratch) {
 
 }  // namespace
 
-extern "C" int64_t dw_q6k_amx_scratch_bytes(int64_t K, int64_t M) { return K / 64 * 2048 + (M + 31) / 32 * 32 * 64; }
+extern "C" int64_t dw_q6k_amx_scratch_bytes(int64_t K, int64_t M) { return dwamx::scratch_bytes(K / 64, M); }
 
 // Loop order: per block, per super-block, every 32-row tile: the block's B tiles of that super-block (8 KiB) stay in
 // L1 while the row tiles stream past them; each row's accumulator waits in scratch between super-blocks (the same
 // fma sequence per row, in super-block order, as the GEMV's register accumulator).
 extern "C" void dw_q6k_gemm_amx(const DwQ6* w, const DwQ8Tiles* a, float* out, int64_t b0, int64_t b1, uint8_t* scratch) {
-    TileConfig cfg = {};
-    cfg.palette = 1;
-    for (int i = 0; i < 8; ++i) {
-        cfg.colsb[i] = 64;
-        cfg.rows[i] = 16;
-    }
-    _tile_loadconfig(&cfg);
+    dwamx::configure();
     const int64_t S = w->S, N = w->N, M = a->M, steps = a->K / 64;
     float* accs = (float*)(scratch + steps * 2048);  // [M rounded up to 32, 16]
-    alignas(64) int32_t C[4][16][16];  // lo rows 0-15, hi rows 0-15, lo rows 16-31, hi rows 16-31
+    alignas(64) int32_t C[4][16][16];                // amx_tiles.h's tile pass
     for (int64_t b = b0; b < b1; ++b) {
         prepare(w, b, steps, scratch);
         const float* D = w->d + b * S * 16;
-        const int64_t n0 = b * 16;
-        const int64_t live = N - n0 < 16 ? N - n0 : 16;
-        const __mmask16 keep = (__mmask16)((1u << live) - 1u);
-        const __m512 bias = w->bias ? _mm512_maskz_loadu_ps(keep, w->bias + n0) : _mm512_setzero_ps();
-        for (int64_t m = 0; m < M; ++m) _mm512_store_ps(accs + m * 16, _mm512_setzero_ps());
+        const dwamx::BlockCols cols(b, N, w->bias);
+        dwamx::zero_accs(accs, M);
         for (int64_t s = 0; s < S; ++s) {
             const __m512 dv = _mm512_loadu_ps(D + s * 16);
-            const uint8_t* B = scratch + s * 4 * 2048;
             for (int64_t m0 = 0; m0 < M; m0 += 32) {  // q and dx are padded to whole 32-row tiles
                 const int rows = M - m0 < 32 ? (int)(M - m0) : 32;
-                const int8_t* A0 = a->q + ((m0 / 16) * steps + s * 4) * 1024;  // rows m0 .. m0 + 15, step 4 s
-                const int8_t* A1 = A0 + steps * 1024;                           // rows m0 + 16 .. m0 + 31
-                _tile_zero(0);
-                _tile_zero(1);
-                _tile_zero(2);
-                _tile_zero(3);
-                for (int j = 0; j < 4; ++j) {
-                    _tile_loadd(4, A0 + j * 1024, 64);
-                    _tile_loadd(5, A1 + j * 1024, 64);
-                    _tile_loadd(6, B + j * 2048, 64);
-                    _tile_loadd(7, B + j * 2048 + 1024, 64);
-                    _tile_dpbsud(0, 4, 6);
-                    _tile_dpbssd(1, 4, 7);
-                    _tile_dpbsud(2, 5, 6);
-                    _tile_dpbssd(3, 5, 7);
-                }
-                _tile_stored(0, C[0], 64);
-                _tile_stored(1, C[1], 64);
-                _tile_stored(2, C[2], 64);
-                _tile_stored(3, C[3], 64);
+                const int8_t* A0 = a->q + (m0 / 16) * steps * 1024;  // rows m0 .. m0 + 15
+                dwamx::tile_pass<true>(A0, A0 + steps * 1024, scratch, s * 4, s * 4 + 4, C);
                 const float* DX = a->dx + m0 * S + s;
                 float* acc = accs + m0 * 16;
                 for (int m = 0; m < rows; ++m) {
-                    const int half = m >> 4, r = m & 15;
-                    const __m512i lo = _mm512_load_si512((const void*)C[2 * half][r]);
-                    const __m512i hi = _mm512_load_si512((const void*)C[2 * half + 1][r]);
-                    const __m512i tot = _mm512_add_epi32(lo, _mm512_slli_epi32(hi, 8));
-                    const __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(tot), dv);
+                    const __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(dwamx::row_sum<8>(C, m)), dv);
                     _mm512_store_ps(acc + m * 16, _mm512_fmadd_ps(t, _mm512_set1_ps(DX[m * S]), _mm512_load_ps(acc + m * 16)));
                 }
             }
         }
-        for (int64_t m = 0; m < M; ++m) _mm512_mask_storeu_ps(out + m * N + n0, keep, _mm512_add_ps(_mm512_load_ps(accs + m * 16), bias));
+        cols.store(accs, M, out, N);
     }
     _tile_release();
 }

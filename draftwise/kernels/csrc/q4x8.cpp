@@ -1,8 +1,8 @@
 // q4x8: the torch operator (torch.ops.draftwise_q4x8.*) and the scalar path; also the library-wide ops that name
 // the ISA paths (path_names, path_id: dispatch.h's names, for kernels/q4x8.py).
-// Owns: argument checks, threading over output-column blocks (at::parallel_for, torch's thread count) and which
-// cpuid features each q4x8 ISA unit needs (ISA below; dispatch.h's rule picks the path: cpuid at run time, or the
-// caller's explicit choice for tests). Knows nothing of models or of how weights were quantized; the layout and the
+// Owns: argument checks (dw_q4x8_check: the wide side's too), threading over output-column blocks (at::parallel_for,
+// torch's thread count) and which cpuid features each q4x8 ISA unit needs (ISA below; dispatch.h's rule picks the
+// path: cpuid at run time, or the caller's explicit choice for tests). Knows nothing of models or of how weights were quantized; the layout and the
 // arithmetic are defined in q4x8.h.
 // The scalar path performs the exact float sequence of the SIMD paths (std::fma), so it is their oracle.
 #include <torch/library.h>
@@ -13,6 +13,7 @@
 #include <string>
 #include <vector>
 #include "dispatch.h"
+#include "gemm_wide.h"
 #include "q4x8.h"
 
 namespace {
@@ -86,12 +87,10 @@ bool dw_wide_takes(int64_t M);
 at::Tensor dw_q4x8_wide(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& sc, const at::Tensor& mn,
                         const at::Tensor& d, const at::Tensor& dmin, const float* bias, int64_t N);
 
-// x [M, K] float32 -> y [M, N] float32; `wide`: the wide kernel whatever M is (draftwise_q4x8::wide)
-at::Tensor dw_q4x8_linear_checked(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& sc,
-                                  const at::Tensor& mn, const at::Tensor& d, const at::Tensor& dmin,
-                                  const std::optional<at::Tensor>& bias, int64_t N, int64_t path, bool wide) {
+const float* dw_q4x8_check(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& sc, const at::Tensor& mn,
+                           const at::Tensor& d, const at::Tensor& dmin, const std::optional<at::Tensor>& bias, int64_t N) {
     TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be [M, K] float32 contiguous");
-    const int64_t M = x.size(0), K = x.size(1);
+    const int64_t K = x.size(1);
     TORCH_CHECK(K % 32 == 0, "K must be a multiple of 32");
     const int64_t G = K / 32, S = (G + 7) / 8, NB = (N + 15) / 16;
     TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous() && packed.numel() == NB * G * 256, "packed: bad shape");
@@ -99,11 +98,17 @@ at::Tensor dw_q4x8_linear_checked(const at::Tensor& x, const at::Tensor& packed,
     TORCH_CHECK(mn.scalar_type() == at::kByte && mn.is_contiguous() && mn.numel() == NB * G * 16, "mn: bad shape");
     TORCH_CHECK(d.scalar_type() == at::kFloat && d.is_contiguous() && d.numel() == NB * S * 16, "d: bad shape");
     TORCH_CHECK(dmin.scalar_type() == at::kFloat && dmin.is_contiguous() && dmin.numel() == NB * S * 16, "dmin: bad shape");
-    const float* bias_p = nullptr;
-    if (bias.has_value() && bias->defined()) {
-        TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N, "bias must be [N] float32");
-        bias_p = bias->data_ptr<float>();
-    }
+    if (!(bias.has_value() && bias->defined())) return nullptr;
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N, "bias must be [N] float32");
+    return bias->data_ptr<float>();
+}
+
+// x [M, K] float32 -> y [M, N] float32; `wide`: the wide kernel whatever M is (draftwise_q4x8::wide)
+at::Tensor dw_q4x8_linear_checked(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& sc,
+                                  const at::Tensor& mn, const at::Tensor& d, const at::Tensor& dmin,
+                                  const std::optional<at::Tensor>& bias, int64_t N, int64_t path, bool wide) {
+    const float* bias_p = dw_q4x8_check(x, packed, sc, mn, d, dmin, bias, N);
+    const int64_t M = x.size(0), K = x.size(1), G = K / 32, S = (G + 7) / 8, NB = (N + 15) / 16;
     if (wide || (path == dwisa::AUTO && dw_wide_takes(x.size(0))))
         return dw_q4x8_wide(x, packed, sc, mn, d, dmin, bias_p, N);
     path = dwisa::select(ISA, path);

@@ -1,7 +1,7 @@
 // q6k: the torch operator (torch.ops.draftwise_q6k.linear) and the scalar path of GGUF Q6_K x Q8_K.
-// Owns: argument checks, the activation quantization (q4x8's Q8_K rows, plus the per-16 sums Q6_K's offset needs),
-// threading over output-column blocks (at::parallel_for) and which cpuid features each ISA unit needs (dispatch.h's
-// rule picks the path). Knows nothing of models or files; the layout and the arithmetic are defined in q6k.h.
+// Owns: argument checks (dw_q6k_check, which the wide side gemm_q6k.cpp calls too), the activation quantization
+// (q4x8's Q8_K rows, plus the per-16 sums Q6_K's offset needs), threading over output-column blocks
+// (at::parallel_for) and which cpuid features each ISA unit needs (dispatch.h's rule picks the path). Knows nothing of models or files; the layout and the arithmetic are defined in q6k.h.
 // The scalar path performs the exact float sequence of the SIMD paths (std::fma), so it is their oracle.
 #include <torch/library.h>
 #include <ATen/Parallel.h>
@@ -9,6 +9,7 @@
 #include <ATen/ops/empty.h>
 #include <cmath>
 #include "dispatch.h"
+#include "gemm_wide.h"
 #include "q4x8.h"
 #include "q6k.h"
 
@@ -57,24 +58,49 @@ extern "C" void dw_q6k_gemm_scalar(const DwQ6* w, const DwQ8K16* a, float* out, 
     }
 }
 
-namespace {
-
-// x [M, K] float32 -> y [M, N] float32
-at::Tensor q6k_linear(const at::Tensor& x, const at::Tensor& ql, const at::Tensor& qh, const at::Tensor& sc,
-                      const at::Tensor& d, const std::optional<at::Tensor>& bias, int64_t N, int64_t path) {
+const float* dw_q6k_check(const at::Tensor& x, const at::Tensor& ql, const at::Tensor& qh, const at::Tensor& sc,
+                          const at::Tensor& d, const std::optional<at::Tensor>& bias, int64_t N) {
     TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be [M, K] float32 contiguous");
-    const int64_t M = x.size(0), K = x.size(1);
+    const int64_t K = x.size(1);
     TORCH_CHECK(K % 256 == 0, "Q6_K needs K a multiple of 256");
+    TORCH_CHECK(N >= 1, "N must be >= 1");
     const int64_t G = K / 32, S = K / 256, NB = (N + 15) / 16;
     TORCH_CHECK(ql.scalar_type() == at::kByte && ql.is_contiguous() && ql.numel() == NB * G * 256, "ql: bad shape");
     TORCH_CHECK(qh.scalar_type() == at::kByte && qh.is_contiguous() && qh.numel() == NB * G * 128, "qh: bad shape");
     TORCH_CHECK(sc.scalar_type() == at::kChar && sc.is_contiguous() && sc.numel() == NB * G * 32, "sc: bad shape");
     TORCH_CHECK(d.scalar_type() == at::kFloat && d.is_contiguous() && d.numel() == NB * S * 16, "d: bad shape");
-    const float* bias_p = nullptr;
-    if (bias.has_value() && bias->defined()) {
-        TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N, "bias must be [N] float32");
-        bias_p = bias->data_ptr<float>();
-    }
+    if (!(bias.has_value() && bias->defined())) return nullptr;
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N, "bias must be [N] float32");
+    return bias->data_ptr<float>();
+}
+
+void dw_q6k_quantize_rows(int64_t path, const float* x, int64_t M, int64_t K, int8_t* q, float* dx, int16_t* qsum,
+                          int16_t* qsum16, int32_t* qoff16, int64_t r0, int64_t r1) {
+    const int64_t G = K / 32;
+    // q4x8's Q8_K rows (every path bitwise the same), then the per-16 sums from the int8 values
+    dwisa::pick(path, dw_q8_rows_scalar, dw_q8_rows_avx2, dw_q8_rows_avx512)(x, M, K, q, dx, qsum, r0, r1);
+    for (int64_t r = r0; r < r1; ++r)
+        for (int64_t g = 0; g < G; ++g) {
+            const int8_t* v = q + (g * M + r) * 32;
+            int32_t lo = 0, hi = 0;
+            for (int i = 0; i < 16; ++i) {
+                lo += v[i];
+                hi += v[16 + i];
+            }
+            qsum16[((g / 8) * M + r) * 16 + (g % 8) * 2] = (int16_t)lo;
+            qsum16[((g / 8) * M + r) * 16 + (g % 8) * 2 + 1] = (int16_t)hi;
+            qoff16[(g * M + r) * 2] = -32 * lo;
+            qoff16[(g * M + r) * 2 + 1] = -32 * hi;
+        }
+}
+
+namespace {
+
+// x [M, K] float32 -> y [M, N] float32
+at::Tensor q6k_linear(const at::Tensor& x, const at::Tensor& ql, const at::Tensor& qh, const at::Tensor& sc,
+                      const at::Tensor& d, const std::optional<at::Tensor>& bias, int64_t N, int64_t path) {
+    const float* bias_p = dw_q6k_check(x, ql, qh, sc, d, bias, N);
+    const int64_t M = x.size(0), K = x.size(1), G = K / 32, S = K / 256, NB = (N + 15) / 16;
     path = dwisa::select(ISA, path);
     at::Tensor y = at::empty({M, N}, x.options());
     if (M == 0) return y;
@@ -89,24 +115,7 @@ at::Tensor q6k_linear(const at::Tensor& x, const at::Tensor& ql, const at::Tenso
     int16_t* qsp = qsum.data_ptr<int16_t>();
     int16_t* q16 = qsum16.data_ptr<int16_t>();
     int32_t* qo = qoff16.data_ptr<int32_t>();
-    // q4x8's Q8_K rows (every path bitwise the same), then the per-16 sums from the int8 values
-    const auto quant = dwisa::pick(path, dw_q8_rows_scalar, dw_q8_rows_avx2, dw_q8_rows_avx512);
-    auto rows = [&](int64_t r0, int64_t r1) {
-        quant(xp, M, K, qp, dxp, qsp, r0, r1);
-        for (int64_t r = r0; r < r1; ++r)
-            for (int64_t g = 0; g < G; ++g) {
-                const int8_t* v = qp + (g * M + r) * 32;
-                int32_t lo = 0, hi = 0;
-                for (int i = 0; i < 16; ++i) {
-                    lo += v[i];
-                    hi += v[16 + i];
-                }
-                q16[((g / 8) * M + r) * 16 + (g % 8) * 2] = (int16_t)lo;
-                q16[((g / 8) * M + r) * 16 + (g % 8) * 2 + 1] = (int16_t)hi;
-                qo[(g * M + r) * 2] = -32 * lo;
-                qo[(g * M + r) * 2 + 1] = -32 * hi;
-            }
-    };
+    auto rows = [&](int64_t r0, int64_t r1) { dw_q6k_quantize_rows(path, xp, M, K, qp, dxp, qsp, q16, qo, r0, r1); };
     if (M * K >= (1 << 16)) {
         at::parallel_for(0, M, 1, rows);
     } else {

@@ -1,0 +1,98 @@
+// The AMX int8 scaffolding both wide kernels share (gemm_q4x8_amx.cpp, gemm_q6k_amx.cpp): the tile configuration,
+// one 32-row x 16-column pass over a run of 64-K steps, and the per-block bias / column mask / accumulator store.
+//
+// Owns: the tile register assignment (tmm0-3 accumulators: lo rows 0-15, hi rows 0-15, lo rows 16-31, hi rows
+// 16-31; tmm4-5 the two 16-row activation tiles; tmm6-7 the lo and hi weight tiles), the tile-major activation and
+// B-tile strides (gemm_q4x8.h / gemm_q6k.h: an A tile is 1 KiB of consecutive bytes, step j's two B tiles lie at
+// 2048 j) and the one choice between the kernels: the instruction for the high-byte tile (TDPBSUD where it is
+// unsigned, TDPBSSD where it is signed). Knows nothing of what the weight bytes mean or of the float epilogue
+// (each kernel's own); the integer sums it returns are exact (int32, bounds in the kernels' headers).
+// Included only by units compiled with -mamx-tile -mamx-int8 and the AVX-512 flags; includes no C++ library header.
+#pragma once
+#include <stdint.h>
+#include "intrin.h"
+
+namespace dwamx {
+
+struct alignas(64) TileConfig {  // the LDTILECFG operand, palette 1
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+};
+
+// Configures the calling thread's 8 tiles as 16 rows x 64 bytes (release with _tile_release()).
+inline void configure() {
+    TileConfig cfg = {};
+    cfg.palette = 1;
+    for (int i = 0; i < 8; ++i) {
+        cfg.colsb[i] = 64;
+        cfg.rows[i] = 16;
+    }
+    _tile_loadconfig(&cfg);
+}
+
+// Bytes of scratch one thread needs for one 16-column block: `steps` x 2 B tiles x 1 KiB, then 16 float32
+// accumulators per row for M rows rounded up to 32 (64-byte aligned if scratch is).
+inline int64_t scratch_bytes(int64_t steps, int64_t M) { return steps * 2048 + (M + 31) / 32 * 32 * 64; }
+
+// 16 sc bytes (columns 0-15) -> 64 bytes, byte 4n + t = sc[n]: the VNNI layout of one B-tile row
+inline __m512i sc_lanes(const void* sc16) {
+    return _mm512_mullo_epi32(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)sc16)), _mm512_set1_epi32(0x01010101));
+}
+
+// C = the integer sums of one 32-row tile over steps [j0, j1): A0 / A1 the first step's activation tiles of rows
+// 0-15 / 16-31 (1 KiB a step), B the first step's lo tile (its hi tile 1 KiB on, 2 KiB a step).
+// C[0] / C[2]: lo sums of rows 0-15 / 16-31 (TDPBSUD); C[1] / C[3]: hi sums (TDPBSSD if HiSigned, else TDPBSUD).
+template <bool HiSigned>
+inline void tile_pass(const int8_t* A0, const int8_t* A1, const uint8_t* B, int64_t j0, int64_t j1, int32_t (*C)[16][16]) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t j = j0; j < j1; ++j) {
+        _tile_loadd(4, A0 + j * 1024, 64);
+        _tile_loadd(5, A1 + j * 1024, 64);
+        _tile_loadd(6, B + j * 2048, 64);
+        _tile_loadd(7, B + j * 2048 + 1024, 64);
+        _tile_dpbsud(0, 4, 6);
+        if constexpr (HiSigned) _tile_dpbssd(1, 4, 7); else _tile_dpbsud(1, 4, 7);
+        _tile_dpbsud(2, 5, 6);
+        if constexpr (HiSigned) _tile_dpbssd(3, 5, 7); else _tile_dpbsud(3, 5, 7);
+    }
+    _tile_stored(0, C[0], 64);
+    _tile_stored(1, C[1], 64);
+    _tile_stored(2, C[2], 64);
+    _tile_stored(3, C[3], 64);
+}
+
+// Row m (0-31) of a pass's sums as lo + (hi << Shift): the exact int32 per column (Shift 4: q4x8's sc halves,
+// 8: q6k's base-256 bytes)
+template <int Shift>
+inline __m512i row_sum(int32_t (*C)[16][16], int m) {
+    const int half = m >> 4, r = m & 15;
+    const __m512i lo = _mm512_load_si512((const void*)C[2 * half][r]);
+    const __m512i hi = _mm512_load_si512((const void*)C[2 * half + 1][r]);
+    return _mm512_add_epi32(lo, _mm512_slli_epi32(hi, Shift));
+}
+
+// The live columns of 16-column block b of N, and that block's bias (0 without one)
+struct BlockCols {
+    int64_t n0;
+    __mmask16 keep;
+    __m512 bias;
+    BlockCols(int64_t b, int64_t N, const float* bias_or_null) : n0(b * 16) {
+        const int64_t live = N - n0 < 16 ? N - n0 : 16;
+        keep = (__mmask16)((1u << live) - 1u);
+        bias = bias_or_null ? _mm512_maskz_loadu_ps(keep, bias_or_null + n0) : _mm512_setzero_ps();
+    }
+    // y[m, n0 ..] = acc + bias for rows 0..M-1 (accs: [M, 16] float32, 64-byte aligned; out: row stride N)
+    void store(const float* accs, int64_t M, float* out, int64_t N) const {
+        for (int64_t m = 0; m < M; ++m) _mm512_mask_storeu_ps(out + m * N + n0, keep, _mm512_add_ps(_mm512_load_ps(accs + m * 16), bias));
+    }
+};
+
+inline void zero_accs(float* accs, int64_t M) {
+    for (int64_t m = 0; m < M; ++m) _mm512_store_ps(accs + m * 16, _mm512_setzero_ps());
+}
+
+}  // namespace dwamx

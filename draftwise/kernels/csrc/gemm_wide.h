@@ -1,0 +1,75 @@
+// The torch-facing pieces both wide sides share (gemm_q4x8.cpp, gemm_q6k.cpp): the measured switch width, the
+// tile-major activation quantization, the row chunking and the per-thread scratch.
+//
+// Owns: the switch's storage (`DwWideSwitch`: the smallest row count path-'auto' calls hand to the wide kernel,
+// set from Python, which measures it: kernels/q4x8.py wide_min_rows; until then never), the AMX sides' row chunk
+// size (a chunk's int8 activations stay in a core's L2 while every 16-column block passes over them) and the
+// GEMVs' argument checks (q4x8.cpp and q6k.cpp define them; each kind's GEMV and wide operators call them), and the
+// names of the wide sides. Knows nothing of the tile loops or of how the side is chosen (gemm_q4x8.cpp's
+// dw_wide_side); the quantized values are the GEMVs' own (q4x8.h's dw_q8_rows_*), so a row's arithmetic never
+// depends on the call's width or chunking.
+#pragma once
+#include <ATen/core/Tensor.h>
+#include <c10/util/Exception.h>
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <limits>
+#include <optional>
+#include <vector>
+
+// The smallest row count from which path-'auto' calls take a wide kernel (never until set).
+class DwWideSwitch {
+   public:
+    bool takes(int64_t M) const { return M >= rows_.load(std::memory_order_relaxed); }
+    int64_t get() const { return rows_.load(std::memory_order_relaxed); }
+    void set(int64_t rows) {
+        TORCH_CHECK(rows >= 1, "wide_min_rows must be >= 1");
+        rows_.store(rows, std::memory_order_relaxed);
+    }
+
+   private:
+    std::atomic<int64_t> rows_{std::numeric_limits<int64_t>::max()};
+};
+
+// x [M, K] float32 -> q [Mp / 16, Kp / 64, 16, 64] int8 tile-major (Kp = K rounded up to 64, Mp = M rounded up to 32;
+// K values past K and the padding rows zero), dx [Mp, S] and, unless null, qsum [Mp, S, 8] (padding rows of dx and
+// qsum not written: never read). Threads over rows (at::parallel_for). Defined in gemm_q4x8.cpp.
+void dw_quantize_tiles(const float* x, int64_t M, int64_t K, int8_t* q, float* dx, int16_t* qsum);
+
+// Rows per chunk for activations of Kp bytes a row (a multiple of 32, 128..1024)
+inline int64_t dw_wide_chunk_rows(int64_t Kp) {
+    constexpr int64_t CHUNK_BYTES = 1536 * 1024;  // int8 activations per row chunk: most of a 2 MB L2
+    return std::max<int64_t>(128, std::min<int64_t>(1024, CHUNK_BYTES / Kp / 32 * 32));
+}
+
+// This thread's scratch of at least `bytes`, 64-byte aligned (kept across calls)
+inline uint8_t* dw_thread_scratch(int64_t bytes) {
+    thread_local std::vector<uint8_t> scratch;
+    scratch.resize(bytes + 64);
+    return scratch.data() + (64 - (uintptr_t)scratch.data() % 64) % 64;
+}
+
+// draftwise_q6k::linear's argument checks (x [M, K] float32 contiguous, K a multiple of 256, the weight buffers'
+// dtypes and sizes for N columns); returns the bias pointer (null without one). Defined in q6k.cpp.
+const float* dw_q6k_check(const at::Tensor& x, const at::Tensor& ql, const at::Tensor& qh, const at::Tensor& sc,
+                          const at::Tensor& d, const std::optional<at::Tensor>& bias, int64_t N);
+
+// draftwise_q4x8::linear's argument checks (x [M, K] float32 contiguous, K a multiple of 32, the packed buffers'
+// dtypes and sizes for N columns); returns the bias pointer (null without one). Defined in q4x8.cpp.
+const float* dw_q4x8_check(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& sc, const at::Tensor& mn,
+                           const at::Tensor& d, const at::Tensor& dmin, const std::optional<at::Tensor>& bias, int64_t N);
+
+// Q6_K's activations for rows [r0, r1) of x [M, K] on ISA path `path` (dispatch.h ids): q [G, M, 32], dx [S, M],
+// qsum [S, M, 8] (q4x8's Q8_K rows), qsum16 [S, M, 16] and qoff16 [G, M, 2] (q6k.h's DwQ8K16). Defined in q6k.cpp.
+void dw_q6k_quantize_rows(int64_t path, const float* x, int64_t M, int64_t K, int8_t* q, float* dx, int16_t* qsum,
+                          int16_t* qsum16, int32_t* qoff16, int64_t r0, int64_t r1);
+
+// The wide side this process runs (gemm_q4x8.cpp decides, for both kinds): AMX int8 tiles; else, on an AVX-512 VNNI
+// CPU (or with AMX capped off by $DRAFTWISE_MAX_ISA=avx512), the AVX-512 GEMV's register tile over chunks of
+// DW_VNNI_CHUNK_ROWS rows (each chunk's activations stay in L1/L2 while every 16-column block passes over them);
+// else none.
+enum class DwWideSide { NONE, VNNI, AMX };
+DwWideSide dw_wide_side();
+const char* dw_wide_side_name(DwWideSide side);  // "none", "vnni", "amx"
+constexpr int64_t DW_VNNI_CHUNK_ROWS = 48;  // 4 of the GEMV's 12-row tiles (measured: 24-48 best at K 1536-8960)
