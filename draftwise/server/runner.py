@@ -251,7 +251,7 @@ class EngineRunner:
                 return
             try:
                 self._conn.send(msg)
-            except (OSError, ValueError):  # the engine is gone (the pump sees its end of file)
+            except (OSError, ValueError):  # the engine is gone (the loop sees its end of file)
                 pass
 
     # ---- admission (any thread) -------------------------------------------------------------------
