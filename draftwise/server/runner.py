@@ -289,13 +289,14 @@ class EngineRunner:
 
     # ---- the engine's messages (on the event loop) ---------------------------------------------------
     def _on_readable(self) -> None:
-        """The engine's pipe has data: handle every message already there, then hand their Events over."""
+        """The engine's pipe has data: handle one message, then hand its Events over (another message already
+        there calls this again at once: the loop's readiness is level-triggered; no Connection.poll(), which
+        builds a selector per call)."""
         try:
-            while self._reading and self._conn.poll():
-                if not self._dispatch(self._conn.recv()):
-                    self._stop_reading()
-                    self._close()
-                    return
+            if not self._dispatch(self._conn.recv()):
+                self._stop_reading()
+                self._close()
+                return
         except (EOFError, OSError):
             self._stop_reading()
             if not self._stopping:
