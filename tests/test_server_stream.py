@@ -32,3 +32,32 @@ def test_an_empty_text_keeps_its_own_shape():
     """A chat delta with no text is {} (no "content" key): the template is not used for it."""
     fmt = protocol.ResponseFormat(True, "bench")
     assert json.loads(fmt.text_line("", False)[len("data: "):])["choices"][0]["delta"] == {}
+
+
+def test_the_step_message_round_trips_and_sends_spec_stats_only_when_they_move():
+    """engine_host's wire form: StepItem and EngineSnapshot as plain tuples; spec_stats left out (None) while the
+    counters /metrics reads stand still, and the receiver's last ones filled in."""
+    import pickle
+
+    from draftwise.server.engine_host import EngineSnapshot, PrefixCounters, StepItem, _Snapshots
+    from draftwise.spec_decode.stats import SpecStats
+
+    item = StepItem("r1", [5, 6], [(2, 3, 1)], None, 1.5, True, "length", None, 2.5, SpecStats(), 7)
+    packed = pickle.loads(pickle.dumps(item.pack()))
+    assert type(packed) is tuple and StepItem(*packed) == item
+
+    class FakeLLM:
+        stats = SpecStats()
+
+        def status(self):
+            return EngineSnapshot(1, 0, 3, self.stats, PrefixCounters(10, 4), 90, 100, 16)
+
+    llm = FakeLLM()
+    snaps = _Snapshots(llm)
+    first, same = snaps.next(), snaps.next()
+    assert first[3] is llm.stats and same[3] is None  # sent once, then left out while nothing moved
+    llm.stats.record(3, 2)
+    moved = snaps.next()
+    assert moved[3] is llm.stats
+    got = EngineSnapshot.unpack(pickle.loads(pickle.dumps(same)), last_spec_stats=first[3])
+    assert got == EngineSnapshot(1, 0, 3, first[3], PrefixCounters(10, 4), 90, 100, 16)

@@ -6,8 +6,9 @@ step comes back. The event loop watches that pipe (loop.add_reader: one wake-up 
 no thread in between), applies each step's token ids to the requests' shadows (their output ids, and their text
 through output.TextStream: detokenization and stop strings happen here, off the engine's path) and puts each
 request's text delta on its asyncio.Queue (a request on another event loop gets its Events through that loop's
-call_soon_threadsafe, all of one step in one call). A request's outputs of one step become one Event; a request that asked for
-token provenance (server/provenance.py) gets its step's per-token pieces and draft figures on that Event.
+call_soon_threadsafe, all of one step in one call). A request's outputs of one step become one Event; a request
+that asked for token provenance (server/provenance.py) gets its step's per-token pieces and draft figures on that
+Event.
 
 Admission control lives here too: requests wait in per-API-key queues (admission.py: round-robin, bounded, 429
 with a Retry-After from the key's queue) and go to the engine only when it has a free slot (`_engine_has_room`),
@@ -32,7 +33,7 @@ from dataclasses import dataclass
 
 from draftwise.config import ConfigError
 from draftwise.server.admission import FairAdmission
-from draftwise.server.engine_host import AddCommand, StepItem
+from draftwise.server.engine_host import AddCommand, EngineSnapshot, StepItem
 from draftwise.server.errors import APIError
 from draftwise.server.provenance import TokenProvenance
 
@@ -98,6 +99,7 @@ class EngineRunner:
         self.draining = False  # shutting down: nothing new is accepted, what is in flight finishes
         self._outbox: list = []  # (loop, queue, Event) posted, not yet handed over (_flush)
         self._kv_blocks: tuple[int, int] | None = None  # (kv_blocks_free, kv_block_size) of the last step snapshot
+        self._spec_stats = None  # SpecStats of the last snapshot that carried them (engine_host: sent when moved)
 
     # ---- event-loop side --------------------------------------------------------------------------
     def start(self) -> None:
@@ -332,7 +334,7 @@ class EngineRunner:
         elif kind == "add_failed":
             self._on_add_failed(*msg[1:])
         elif kind == "status":
-            self.metrics.sync(msg[1])
+            self.metrics.sync(self._snapshot(msg[1]))
         elif kind == "failed":
             self._on_failed(*msg[1:])
         elif kind == "stopped":
@@ -393,11 +395,18 @@ class EngineRunner:
         for rid in rids:
             self._fail(rid, internal_error(rid))
 
-    def _on_step(self, step_s: float, gap_s: float | None, items: list[StepItem], snapshot) -> None:
+    def _snapshot(self, packed: tuple) -> EngineSnapshot:
+        snapshot = EngineSnapshot.unpack(packed, self._spec_stats)
+        self._spec_stats = snapshot.spec_stats
+        return snapshot
+
+    def _on_step(self, step_s: float, gap_s: float | None, packed_items: list[tuple], packed_snapshot: tuple) -> None:
         self.metrics.step_s.observe(step_s)
         if gap_s is not None:  # between two steps: commands, the step message, metrics
             self.metrics.overhead_s.observe(gap_s)
-        for item in items:
+        snapshot = self._snapshot(packed_snapshot)
+        for packed in packed_items:
+            item = StepItem(*packed)
             with self._lock:
                 sink = self._sinks.get(item.request_id)
             if sink is None:  # aborted: its tokens are nobody's
