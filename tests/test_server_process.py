@@ -196,3 +196,43 @@ def test_packaged_model_through_the_process_equals_the_library():
                     got.append(s.client().completions.create(**body).choices[0].text)
             assert got == want
     engine.join(10)
+
+
+NICE = """
+import functools, os, sys, threading
+sys.path.insert(0, {root!r})
+from draftwise.server.cli import lower_priority
+from draftwise.server.engine_host import EngineProcess
+from tests.harness import tiny_llm
+if __name__ == "__main__":
+    base = os.getpriority(os.PRIO_PROCESS, 0)
+    engine = EngineProcess(functools.partial(tiny_llm))  # what cmd_serve does: the child first, then lower_priority
+    lower_priority(4)
+    seen = {{}}
+    t = threading.Thread(target=lambda: seen.update(thread=os.getpriority(os.PRIO_PROCESS, threading.get_native_id())))
+    t.start(); t.join()
+    engine.front  # loaded: the child's own threads exist now too
+    child = max(os.getpriority(os.PRIO_PROCESS, int(tid)) for tid in os.listdir(f"/proc/{{engine.pid}}/task"))
+    print(base, os.getpriority(os.PRIO_PROCESS, 0), seen["thread"], child, flush=True)
+    engine.kill()
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread nice values, /proc")
+def test_server_nice_lowers_the_server_not_the_engine(tmp_path):
+    """--server-nice: the HTTP process and every thread it starts later yield to the engine process, whose
+    threads keep the priority the server had."""
+    script = tmp_path / "nice.py"
+    script.write_text(NICE.format(root=str(ROOT)))
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
+                         env=dict(os.environ, HF_HUB_OFFLINE="1"))
+    assert out.returncode == 0, out.stderr
+    base, main, thread, child = map(int, out.stdout.split())
+    assert (main, thread, child) == (min(base + 4, 19), min(base + 4, 19), base)
+
+
+def test_server_nice_never_raises_a_priority():
+    from draftwise.server.cli import lower_priority
+
+    with pytest.raises(ConfigError, match="--server-nice must be >= 0"):
+        lower_priority(-1)

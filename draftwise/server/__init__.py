@@ -1,4 +1,4 @@
-"""OpenAI-compatible HTTP server over the engine: app.py (routes), runner.py (admission and the pump),
+"""OpenAI-compatible HTTP server over the engine: app.py (routes), runner.py (admission and the engine's pipe),
 engine_host.py (the engine process), protocol.py (request/response shapes), metrics.py (Prometheus), errors.py
 (OpenAI error bodies), cli.py.
 

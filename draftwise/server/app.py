@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import hmac
 from concurrent.futures import ThreadPoolExecutor
-import json
 import logging
 import time
 from contextlib import asynccontextmanager
@@ -308,37 +307,43 @@ class _Ctx:
         done = False
         try:
             for chunk in fmt.first_chunks(include_usage, len(choices)):
-                yield _sse_line(chunk)
+                yield protocol.sse_line(chunk)
             while True:
                 try:
                     ev = await asyncio.wait_for(q.get(), self._timeout(deadline))
                 except asyncio.TimeoutError:  # past the deadline: free the slot, end with an error and [DONE]
                     self._abort(rids)
                     done, err = True, self._timed_out()
-                    yield _sse_line(error_body(err.status, err.message, err.param, err.code))
+                    yield protocol.sse_line(error_body(err.status, err.message, err.param, err.code))
                     break
                 if ev.error:  # headers are sent: report in-band, the way OpenAI streams report errors
                     done = True
                     self._abort(rids)
-                    yield _sse_line(error_body(ev.error.status, ev.error.message, ev.error.param, ev.error.code))
+                    err = ev.error
+                    yield protocol.sse_line(error_body(err.status, err.message, err.param, err.code))
                     break
                 c = choices[ev.index]
-                for i, piece in enumerate(c.pieces(ev.text, provenance and ev.num_new_tokens or ev.logprobs)):
+                if c.calls is None and ev.text and ev.provenance is None and ev.logprobs is None:
+                    yield fmt.text_line(ev.text, include_usage, c.index)  # the usual step: text only
+                    pieces = ()
+                else:
+                    pieces = c.pieces(ev.text, provenance and ev.num_new_tokens or ev.logprobs)
+                for i, piece in enumerate(pieces):
                     first = i == 0  # this step's provenance and logprobs go on its first chunk
-                    yield _sse_line(fmt.chunk(piece.get("content", ""), None, include_usage,
-                                              ev.provenance if first else None, c.index,
-                                              ev.logprobs if first else None, piece.get("tool_calls")))
+                    yield protocol.sse_line(fmt.chunk(piece.get("content", ""), None, include_usage,
+                                                      ev.provenance if first else None, c.index,
+                                                      ev.logprobs if first else None, piece.get("tool_calls")))
                 if ev.finished:
                     c.output = ev.output
                     for piece in c.tail():
-                        yield _sse_line(fmt.chunk(piece.get("content", ""), None, include_usage, None, c.index,
-                                                  None, piece.get("tool_calls")))
-                    yield _sse_line(fmt.chunk("", c.finish(ev.finish_reason), include_usage,
-                                              _extra(ev.output) if provenance else None, c.index))
+                        yield protocol.sse_line(fmt.chunk(piece.get("content", ""), None, include_usage, None,
+                                                          c.index, None, piece.get("tool_calls")))
+                    yield protocol.sse_line(fmt.chunk("", c.finish(ev.finish_reason), include_usage,
+                                                      _extra(ev.output) if provenance else None, c.index))
                     if all(c.output is not None for c in choices):
                         done = True
                         if include_usage:
-                            yield _sse_line(fmt.usage_chunk(protocol.usage(self._merged(choices))))
+                            yield protocol.sse_line(fmt.usage_chunk(protocol.usage(self._merged(choices))))
                         break
             yield "data: [DONE]\n\n"
         finally:  # client gone (the generator is cancelled or closed): free the KV slots now
@@ -384,10 +389,6 @@ class _Choice:
 def _finish_reason(reason: str | None, made_calls: bool) -> str | None:
     """"tool_calls" when the output ended by itself after calls; "length" stays (a call may be cut short)."""
     return "tool_calls" if made_calls and reason == "stop" else reason
-
-
-def _sse_line(obj: dict) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
 def _extra(out) -> dict:

@@ -13,6 +13,7 @@ from draftwise.config import ConfigError
 from draftwise.server import limits as L
 
 API_KEY_ENV = "DRAFTWISE_API_KEY"
+SERVER_NICE = 0  # --server-nice default (docs/PERFORMANCE.md: the server beside a 2-thread engine on 2 cores)
 
 
 def register(sub) -> None:
@@ -27,6 +28,11 @@ def register(sub) -> None:
                         "'global': every request's (opt in where all clients are one tenant)")
     p.add_argument("--served-model-name", default=None, help="the model name clients send (default: --model)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    p.add_argument("--server-nice", type=int, default=SERVER_NICE,
+                   help="nice increment of the HTTP process once the engine process has started (which keeps its "
+                        "priority): with as many cores as engine threads, the server's per-step work (text, SSE) "
+                        "then yields to the engine's threads instead of stretching their steps; 0 = same priority "
+                        "(default: %(default)s)")
     p.add_argument("--engine", default="draftwise", choices=["draftwise", "vllm"],
                    help="vllm: run a vLLM server instead (our flags translated; `make vllm` installs it)")
     p.add_argument("--vllm", default=None, metavar="PYTHON",
@@ -87,6 +93,7 @@ def cmd_serve(args) -> int:
     # the engine in its own process: it loads the model there and steps it without sharing a GIL with HTTP;
     # started first, so its imports and loading overlap this process's
     engine = EngineProcess(functools.partial(llm_from_args, args))
+    lower_priority(args.server_nice)  # after the child started: it keeps the priority it was born with
     from draftwise.server.app import create_app
     from draftwise.server.guard import LOOPBACK_HOSTS
     from draftwise.server.shutdown import serve
@@ -110,6 +117,18 @@ def cmd_serve(args) -> int:
     print("\n".join(llm.plan_lines), flush=True)
     serve(app, args.host, args.port, args.shutdown_timeout, log_level=args.log_level)
     return 0
+
+
+def lower_priority(increment: int) -> None:
+    """Lower this process's priority by `increment` (nice; never raised: that needs privileges). Linux gives each
+    thread its own nice value: call it from the main thread before any other starts (they inherit it)."""
+    if increment < 0:
+        raise ConfigError(f"--server-nice must be >= 0 (raising a priority needs privileges), got {increment}")
+    if increment:
+        try:
+            os.nice(increment)
+        except OSError as e:  # not fatal: the server runs at its priority
+            print(f"draftwise: could not lower the server's priority ({e})", flush=True)
 
 
 def _split(value: str | None) -> tuple[str, ...]:

@@ -15,9 +15,11 @@ tells it to stop), and a child that dies is seen as an end of file by the parent
 flight with a 500 naming the exit code; the server stays up and answers 503 until restarted).
 
 Messages, engine -> server: ("ready", EngineFront fields) once (process host only), ("added", rid) or ("add_failed",
-rid, status, message, param, code) per request, ("step", step_s, gap_s, [StepItem], EngineSnapshot) per step,
-("failed", [rid], message) when a step failed twice, ("status", EngineSnapshot) after aborts, ("stopped",). Server -> engine: ("add", AddCommand),
-("abort", rid), ("stop",).
+rid, status, message, param, code) per request, ("step", step_s, gap_s, [StepItem.pack()], EngineSnapshot.pack())
+per step, ("failed", [rid], message) when a step failed twice, ("status", EngineSnapshot.pack()) after aborts,
+("stopped",). Server -> engine: ("add", AddCommand), ("abort", rid), ("stop",). The per-step parts travel as plain
+tuples (a dataclass pickles at several times the cost: tens of microseconds per step on each side), and the
+snapshot's spec_stats only when its counters moved (None: as last sent; plain decoding never moves them).
 """
 from __future__ import annotations
 
@@ -67,6 +69,10 @@ class StepItem:
     spec_stats: object | None = None  # SpecStats, once finished
     num_cached_tokens: int = 0
 
+    def pack(self) -> tuple:
+        """The fields in order (the wire form; StepItem(*packed) rebuilds it)."""
+        return tuple(self.__dict__.values())  # a dataclass's __init__ sets its fields in declaration order
+
 
 @dataclass
 class PrefixCounters:
@@ -86,6 +92,19 @@ class EngineSnapshot:
     kv_blocks_free: int = 0
     kv_blocks: int = 0
     kv_block_size: int = 0
+
+    def pack(self, with_spec_stats: bool = True) -> tuple:
+        """The wire form (unpack() rebuilds it); spec_stats None unless `with_spec_stats`."""
+        pc = self.prefix_cache
+        return (self.running, self.waiting, self.free_slots, self.spec_stats if with_spec_stats else None,
+                None if pc is None else (pc.queries, pc.hits), self.kv_blocks_free, self.kv_blocks, self.kv_block_size)
+
+    @classmethod
+    def unpack(cls, packed: tuple, last_spec_stats) -> "EngineSnapshot":
+        """From pack()'s tuple; a spec_stats left out is `last_spec_stats` (the last one received)."""
+        running, waiting, free, stats, pc, free_blocks, blocks, block_size = packed
+        return cls(running, waiting, free, last_spec_stats if stats is None else stats,
+                   None if pc is None else PrefixCounters(*pc), free_blocks, blocks, block_size)
 
 
 @dataclass
@@ -140,6 +159,7 @@ class EngineFront:
 def serve_engine(llm, conn) -> None:
     """Step `llm` for the server at the other end of `conn` until told to stop or the pipe closes."""
     live: dict[str, object] = {}  # request id -> engine.Request
+    snap = _Snapshots(llm)
     failures = 0  # consecutive step exceptions
     last_end = None  # perf_counter() when the last step ended (None: idle since)
     while True:
@@ -159,7 +179,7 @@ def serve_engine(llm, conn) -> None:
                         break
                     cmd = conn.recv()
                 if aborted:  # slots freed with no step to follow: /metrics should see it now
-                    _send(conn, ("status", _snapshot(llm)))
+                    _send(conn, ("status", snap.next()))
         except (EOFError, OSError):  # the server is gone: nothing to serve
             return
         if not llm.has_unfinished():
@@ -182,7 +202,7 @@ def serve_engine(llm, conn) -> None:
             continue
         failures = 0
         last_end = time.perf_counter()
-        _send(conn, ("step", last_end - t0, gap, _items(outputs, live), _snapshot(llm)))
+        _send(conn, ("step", last_end - t0, gap, [it.pack() for it in _items(outputs, live)], snap.next()))
 
 
 def _send(conn, msg) -> None:
@@ -256,6 +276,22 @@ def _snapshot(llm) -> EngineSnapshot:
     pc = None if s.prefix_cache is None else PrefixCounters(int(s.prefix_cache.queries), int(s.prefix_cache.hits))
     return EngineSnapshot(s.running, s.waiting, s.free_slots, s.spec_stats, pc, s.kv_blocks_free, s.kv_blocks,
                           s.kv_block_size)
+
+
+class _Snapshots:
+    """The engine's snapshots in wire form, spec_stats included only when the counters /metrics reads moved."""
+
+    def __init__(self, llm):
+        self.llm = llm
+        self._sent = None  # the spec counters last sent
+
+    def next(self) -> tuple:
+        snapshot = _snapshot(self.llm)
+        st = snapshot.spec_stats
+        mark = (st.num_drafts, st.num_draft_tokens, st.num_accepted_tokens, st.num_forced_tokens,
+                st.num_accepted_forced_tokens)
+        moved, self._sent = mark != self._sent, mark
+        return snapshot.pack(with_spec_stats=moved)
 
 
 # ---- the hosts ---------------------------------------------------------------------------------------------------

@@ -6,7 +6,7 @@ gauges, free KV slots, the engine's time per step in and between llm.step() call
 process), the server process's RSS (ProcessCollector), and the spec-decode counters in the shared stats
 vocabulary (num_drafts, num_draft_tokens, num_accepted_tokens, num_forced_tokens, num_accepted_forced_tokens,
 accepted per position), the prefix cache's tokens queried / reused, and per API key (hashed) the admission's
-queue depth, admitted and rejected counts. Fed by the pump thread (runner.py); knows nothing of
+queue depth, admitted and rejected counts. Fed from the engine's messages (runner.py); knows nothing of
 HTTP.
 """
 from __future__ import annotations
@@ -80,7 +80,7 @@ class ServerMetrics:
         self._seen_prefix = {f: 0 for f in self.prefix_counters}
         self._seen_pos: list[int] = []
 
-    # ---- fed by the pump thread -----------------------------------------------------------------
+    # ---- fed by the engine's messages -----------------------------------------------------------
     def on_admitted(self, num_prompt_tokens: int) -> None:
         self.prompt_tokens.inc(num_prompt_tokens)
 

@@ -9,6 +9,7 @@ nothing of the engine or its thread; sizes and token texts come in as arguments.
 """
 from __future__ import annotations
 
+import json
 import time
 import uuid
 
@@ -229,6 +230,14 @@ def _logprobs(req: _Common) -> int | None:
 
 
 # ---- responses ------------------------------------------------------------------------------------
+_TEXT_MARK = "\u0001draftwise-text\u0001"  # ResponseFormat.text_line's stand-in for a chunk's text
+
+
+def sse_line(obj: dict) -> str:
+    """One server-sent event of a JSON chunk."""
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
 def usage(out) -> dict:  # out: api.RequestOutput
     """OpenAI's usage object; prompt_tokens_details.cached_tokens: prompt tokens taken from the prefix cache."""
     num_prompt, num_output = len(out.prompt_token_ids), out.num_output_tokens
@@ -244,6 +253,7 @@ class ResponseFormat:
         self.chat, self.model, self.token_text = chat, model, token_text
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         self.created = int(time.time())
+        self._text_lines: dict[tuple[int, bool], tuple[str, str] | None] = {}  # text_line's (head, tail) per key
 
     def body(self, choices: list[dict], use: dict, extra: dict) -> dict:
         """The whole (non-streaming) response from `choice`s; `extra` goes under a `draftwise` key clients may
@@ -302,6 +312,21 @@ class ResponseFormat:
         if extension is not None:
             out["draftwise"] = extension
         return out
+
+    def text_line(self, text: str, include_usage: bool, index: int = 0) -> str:
+        """The SSE line of a chunk that carries only `text` (no finish, logprobs, provenance or tool calls) — the
+        same characters as sse_line(self.chunk(text, None, include_usage, index=index)), with the JSON around the
+        text built once per (index, include_usage) and only the text encoded per call (one per stream per step)."""
+        key = (index, include_usage)
+        parts = self._text_lines.get(key, False)
+        if parts is False:  # split the full chunk of a marker text around the marker's encoding
+            line = sse_line(self.chunk(_TEXT_MARK, None, include_usage, index=index))
+            pieces = line.split(json.dumps(_TEXT_MARK, ensure_ascii=False))
+            parts = (pieces[0], pieces[1]) if len(pieces) == 2 else None  # None: the marker is in a name too
+            self._text_lines[key] = parts
+        if parts is None or not text:  # (an empty chat delta is {}, not {"content": ""})
+            return sse_line(self.chunk(text, None, include_usage, index=index))
+        return parts[0] + json.dumps(text, ensure_ascii=False) + parts[1]
 
     def usage_chunk(self, use: dict) -> dict:
         """The last chunk when stream_options.include_usage is set: no choices, just usage."""

@@ -2,11 +2,13 @@
 
 The engine runs elsewhere (engine_host.py: in a child process under `draftwise serve`, or on a thread of this
 process around an LLM already built) and talks over one pipe: requests and aborts go down, one message per engine
-step comes back. A pump thread here blocks on that pipe (without the GIL), applies each step's token ids to the
-requests' shadows (their output ids, and their text through output.TextStream: detokenization and stop strings
-happen here, off the engine's path) and hands each request's text delta to its asyncio.Queue: all Events of one
-step in one loop.call_soon_threadsafe. A request's outputs of one step become one Event; a request that asked for
-token provenance (server/provenance.py) gets its step's per-token pieces and draft figures on that Event.
+step comes back. The event loop watches that pipe (loop.add_reader: one wake-up of this process per engine step,
+no thread in between), applies each step's token ids to the requests' shadows (their output ids, and their text
+through output.TextStream: detokenization and stop strings happen here, off the engine's path) and puts each
+request's text delta on its asyncio.Queue (a request on another event loop gets its Events through that loop's
+call_soon_threadsafe, all of one step in one call). A request's outputs of one step become one Event; a request
+that asked for token provenance (server/provenance.py) gets its step's per-token pieces and draft figures on that
+Event.
 
 Admission control lives here too: requests wait in per-API-key queues (admission.py: round-robin, bounded, 429
 with a Retry-After from the key's queue) and go to the engine only when it has a free slot (`_engine_has_room`),
@@ -31,7 +33,7 @@ from dataclasses import dataclass
 
 from draftwise.config import ConfigError
 from draftwise.server.admission import FairAdmission
-from draftwise.server.engine_host import AddCommand, StepItem
+from draftwise.server.engine_host import AddCommand, EngineSnapshot, StepItem
 from draftwise.server.errors import APIError
 from draftwise.server.provenance import TokenProvenance
 
@@ -79,11 +81,12 @@ class EngineRunner:
         self.front = host.front
         self._conn = host.conn
         self._sinks: dict[str, _Sink] = {}  # requests the engine has (or was sent), under _lock
-        self._pump = threading.Thread(target=self._run, name="draftwise-pump", daemon=True)
+        self._loop: asyncio.AbstractEventLoop | None = None  # the loop reading the engine's pipe (start())
+        self._reading = False  # the loop watches the pipe: from start() until the engine's end (or stop())
         self.last_error: str | None = None
         self._lock = threading.RLock()  # guards admission, _sinks, _in_flight, _outbox and _closed
-        # commands go down the pipe from their own thread: neither the event loop nor the pump ever blocks on a
-        # full pipe (the pump blocking while the engine blocks sending it a step would deadlock both)
+        # commands go down the pipe from their own thread: the event loop never blocks on a full pipe (the loop
+        # blocking while the engine blocks sending it a step would deadlock both)
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._sender = threading.Thread(target=self._send_loop, name="draftwise-commands", daemon=True)
         # requests wait here (per API key, round-robin) until the engine has a free slot: the engine's own queue
@@ -96,27 +99,43 @@ class EngineRunner:
         self.draining = False  # shutting down: nothing new is accepted, what is in flight finishes
         self._outbox: list = []  # (loop, queue, Event) posted, not yet handed over (_flush)
         self._kv_blocks: tuple[int, int] | None = None  # (kv_blocks_free, kv_block_size) of the last step snapshot
+        self._spec_stats = None  # SpecStats of the last snapshot that carried them (engine_host: sent when moved)
 
     # ---- event-loop side --------------------------------------------------------------------------
     def start(self) -> None:
+        """Start the engine and watch its pipe from the running event loop (call it on that loop)."""
         if self.host.in_process:
             sys.setswitchinterval(ENGINE_SWITCH_INTERVAL_S)
+        self._loop = asyncio.get_running_loop()
         self.host.start()
         self._sender.start()
-        self._pump.start()
+        self._reading = True
+        self._loop.add_reader(self._conn.fileno(), self._on_readable)
 
     def stop(self, timeout: float = 10.0) -> None:
-        """Tell the engine to stop, and wait for it and the pump (a child process is killed after `timeout`)."""
+        """Tell the engine to stop and wait for its last messages and its end (a child process is killed after
+        `timeout`); what is still in flight then ends with a 503."""
         self._stopping = True
+        was_reading = self._stop_reading()
         self._send(("stop",))
         self._commands.put(None)
-        if self._pump.is_alive():
-            self._pump.join(timeout)
-        self.host.join(timeout)
+        deadline = time.monotonic() + timeout
+        try:
+            while was_reading:  # what the engine sends until it has stopped, read here (the loop no longer does)
+                if not self._conn.poll(max(deadline - time.monotonic(), 0)):
+                    break
+                if not self._dispatch(self._conn.recv()):
+                    break
+                self._admit()
+                self._flush()
+        except (EOFError, OSError):
+            pass
+        self.host.join(max(deadline - time.monotonic(), 0.1))
+        self._close()
 
     @property
     def alive(self) -> bool:
-        return self._pump.is_alive() and not self._closed
+        return self._reading and not self._closed
 
     @property
     def down_message(self) -> str:
@@ -186,7 +205,7 @@ class EngineRunner:
             return self.admission.early_retry_hold_s(key)
 
     def _down(self) -> APIError | None:
-        if self._closed or not self._pump.is_alive():
+        if self._closed or not self._reading:
             return APIError(503, self._down_message, code="engine_unavailable")
         if self.draining:
             return APIError(503, "the server is shutting down", code="shutting_down")
@@ -234,7 +253,7 @@ class EngineRunner:
                 return
             try:
                 self._conn.send(msg)
-            except (OSError, ValueError):  # the engine is gone (the pump sees its end of file)
+            except (OSError, ValueError):  # the engine is gone (the loop sees its end of file)
                 pass
 
     # ---- admission (any thread) -------------------------------------------------------------------
@@ -270,40 +289,63 @@ class EngineRunner:
                                  req.arrival_time)
             self._send(("add", cmd))
 
-    # ---- the pump thread ----------------------------------------------------------------------------
-    def _run(self) -> None:
+    # ---- the engine's messages (on the event loop) ---------------------------------------------------
+    def _on_readable(self) -> None:
+        """The engine's pipe has data: handle one message, then hand its Events over (another message already
+        there calls this again at once: the loop's readiness is level-triggered; no Connection.poll(), which
+        builds a selector per call)."""
         try:
-            while True:
-                try:
-                    msg = self._conn.recv()
-                except (EOFError, OSError):
-                    if not self._stopping:
-                        self._down_message = self.host.exit_description()
-                        log.error("%s", self._down_message)
-                    return
-                kind = msg[0]
-                if kind == "step":
-                    self._on_step(*msg[1:])
-                elif kind == "added":
-                    self._on_added(msg[1])
-                elif kind == "add_failed":
-                    self._on_add_failed(*msg[1:])
-                elif kind == "status":
-                    self.metrics.sync(msg[1])
-                elif kind == "failed":
-                    self._on_failed(*msg[1:])
-                elif kind == "stopped":
-                    return
-                self._admit()
-                self._flush()
-        except BaseException:  # the pump ends either way; _close tells every request (503 from now on)
-            log.exception("the engine pump died")
-        finally:
+            if not self._dispatch(self._conn.recv()):
+                self._stop_reading()
+                self._close()
+                return
+        except (EOFError, OSError):
+            self._stop_reading()
+            if not self._stopping:
+                self._down_message = self.host.exit_description()
+                log.error("%s", self._down_message)
             self._close()
+            return
+        except BaseException:  # reading ends either way; _close tells every request (503 from now on)
+            log.exception("handling the engine's messages failed")
+            self._stop_reading()
+            self._close()
+            return
+        self._admit()
+        self._flush()
+
+    def _stop_reading(self) -> bool:
+        """Stop watching the pipe; whether it was watched."""
+        was, self._reading = self._reading, False
+        if was and self._loop is not None and not self._loop.is_closed():
+            try:
+                self._loop.remove_reader(self._conn.fileno())
+            except (OSError, ValueError, RuntimeError):  # the pipe or the loop is already closed
+                pass
+        return was
+
+    def _dispatch(self, msg) -> bool:
+        """Handle one engine message; False when it says the engine has stopped."""
+        kind = msg[0]
+        if kind == "step":
+            self._on_step(*msg[1:])
+        elif kind == "added":
+            self._on_added(msg[1])
+        elif kind == "add_failed":
+            self._on_add_failed(*msg[1:])
+        elif kind == "status":
+            self.metrics.sync(self._snapshot(msg[1]))
+        elif kind == "failed":
+            self._on_failed(*msg[1:])
+        elif kind == "stopped":
+            return False
+        return True
 
     def _close(self) -> None:
         """The engine is gone: refuse new work, and give every request still here its terminal Event."""
         with self._lock:
+            if self._closed:
+                return
             self._closed = True
         self._fail_everything(APIError(503, "the engine stopped" if self._stopping else self._down_message,
                                        code="engine_unavailable"))
@@ -353,11 +395,18 @@ class EngineRunner:
         for rid in rids:
             self._fail(rid, internal_error(rid))
 
-    def _on_step(self, step_s: float, gap_s: float | None, items: list[StepItem], snapshot) -> None:
+    def _snapshot(self, packed: tuple) -> EngineSnapshot:
+        snapshot = EngineSnapshot.unpack(packed, self._spec_stats)
+        self._spec_stats = snapshot.spec_stats
+        return snapshot
+
+    def _on_step(self, step_s: float, gap_s: float | None, packed_items: list[tuple], packed_snapshot: tuple) -> None:
         self.metrics.step_s.observe(step_s)
         if gap_s is not None:  # between two steps: commands, the step message, metrics
             self.metrics.overhead_s.observe(gap_s)
-        for item in items:
+        snapshot = self._snapshot(packed_snapshot)
+        for packed in packed_items:
+            item = StepItem(*packed)
             with self._lock:
                 sink = self._sinks.get(item.request_id)
             if sink is None:  # aborted: its tokens are nobody's
@@ -432,16 +481,23 @@ class EngineRunner:
         self._outbox.append((sink.loop, sink.queue, event))
 
     def _flush(self) -> None:
-        """Hand the Events posted since the last flush to their event loops: one call_soon_threadsafe per loop,
-        whatever the number of requests."""
+        """Hand the Events posted since the last flush to their queues: directly on the running loop, through one
+        call_soon_threadsafe per other loop, whatever the number of requests."""
         with self._lock:
             if not self._outbox:
                 return
             outbox, self._outbox = self._outbox, []
+        try:
+            here = asyncio.get_running_loop()
+        except RuntimeError:  # not on an event loop (stop() from a thread)
+            here = None
         by_loop: dict[asyncio.AbstractEventLoop, list] = {}
         for loop, q, event in outbox:
             by_loop.setdefault(loop, []).append((q, event))
         for loop, items in by_loop.items():
+            if loop is here:
+                _put_all(items)  # this loop's own requests: no wake-up needed
+                continue
             try:
                 loop.call_soon_threadsafe(_put_all, items)
             except RuntimeError:  # the event loop is closed (server shutting down)
