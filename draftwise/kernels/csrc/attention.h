@@ -52,6 +52,7 @@ struct DwAttnArgs {
     int64_t dtype;            // DwAttnDtype of q and out
     int64_t kv_dtype;         // DwAttnDtype of k and v (bf16 K/V under float32 queries: widened exactly)
     const uint64_t* anc;      // [B, T] ancestor masks of tree rows (T <= 64), or null: every row a chain row
+    int64_t max_len;          // the most keys any query attends (what the scratch was sized for)
 };
 
 // Items [i0, i1) in the order (b, g, t, h within g): consecutive items share keys. scratch: at least
@@ -59,6 +60,8 @@ struct DwAttnArgs {
 void dw_attn_rows_scalar(const DwAttnArgs* a, int64_t i0, int64_t i1, float* scratch);
 void dw_attn_rows_avx2(const DwAttnArgs* a, int64_t i0, int64_t i1, float* scratch);
 void dw_attn_rows_avx512(const DwAttnArgs* a, int64_t i0, int64_t i1, float* scratch);
+// The AMX path (attention_amx.cpp): bf16 K/V, D % 32 == 0, D <= 256; scratch: dw_attn_amx_scratch_floats floats.
+void dw_attn_rows_amx(const DwAttnArgs* a, int64_t i0, int64_t i1, float* scratch);
 
 }
 
@@ -69,4 +72,12 @@ void dw_attn_rows_avx512(const DwAttnArgs* a, int64_t i0, int64_t i1, float* scr
 static inline int64_t dw_attn_scratch_floats(int64_t max_len, int64_t D) {
     const int64_t dp = (D + 15) / 16 * 16;  // per query: q row, accumulator, scores with 16 floats either side
     return DW_ATTN_QBLOCK * (2 * dp + (max_len + 15) / 16 * 16 + 32);
+}
+
+// The AMX path's scratch: dw_attn_scratch_floats' part, then (64-byte aligned) a score tile, the queries' and one
+// key block's bf16 tiles, two value chunks and P's hi / lo tiles for every key block a query block spans (its
+// queries' ranges differ by at most QB positions).
+static inline int64_t dw_attn_amx_scratch_floats(int64_t max_len, int64_t D) {
+    return dw_attn_scratch_floats(max_len, D) + 16 + 256 + D / 32 * 512 + 8 * D + 256 +
+           256 * ((max_len + 15) / 16 + 3);
 }
