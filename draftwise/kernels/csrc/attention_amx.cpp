@@ -145,7 +145,11 @@ inline void span(const Block<uint16_t>& blk, int u, int64_t ab, int& lo, int& hi
 void scores(const DwAttnArgs* a, Block<uint16_t>& blk, const Keys& ks, int64_t a_lo, int64_t nblk, Work& w, float* mx) {
     const int64_t D = a->D, sc = blk.q[0].sc;
     configure_scores();
-    for (int u = 0; u < blk.n; ++u) mx[u] = -__builtin_inff();
+    const __m512 vscale = _mm512_set1_ps(a->scale);
+    const __m512i column = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                              _mm512_set1_epi32(16));
+    __m512 vmax[QB];
+    for (int u = 0; u < blk.n; ++u) vmax[u] = _mm512_set1_ps(-__builtin_inff());
     const uint16_t* rows[16];
     for (int64_t kb = 0; kb < nblk; ++kb) {
         const int64_t ab = a_lo + 16 * kb;
@@ -169,19 +173,18 @@ void scores(const DwAttnArgs* a, Block<uint16_t>& blk, const Keys& ks, int64_t a
             _tile_dpbf16ps(0, 1, 3);
         }
         _tile_stored(0, w.c, 64);
-        for (int u = 0; u < blk.n; ++u) {
+        for (int u = 0; u < blk.n; ++u) {  // column u of the tile: query u's scores for the block's keys
             int lo, hi;
             span(blk, u, ab, lo, hi);
-            float* s = blk.s[u] + (ab - blk.start[u]);
-            float m = mx[u];
-            for (int kk = lo; kk < hi; ++kk) {
-                const float x = w.c[kk * 16 + u] * a->scale;
-                s[kk] = x;
-                m = x > m ? x : m;
-            }
-            mx[u] = m;
+            if (lo >= hi) continue;
+            const __mmask16 keep = (__mmask16)(((1u << hi) - 1u) & ~((1u << lo) - 1u));
+            const __m512 x = _mm512_mul_ps(_mm512_i32gather_ps(_mm512_add_epi32(column, _mm512_set1_epi32(u)), w.c, 4),
+                                           vscale);
+            _mm512_mask_storeu_ps(blk.s[u] + (ab - blk.start[u]), keep, x);  // s[u] has 16 floats of room before it
+            vmax[u] = _mm512_mask_max_ps(vmax[u], keep, vmax[u], x);
         }
     }
+    for (int u = 0; u < blk.n; ++u) mx[u] = _mm512_reduce_max_ps(vmax[u]);
 }
 
 // P (softmax weights, in blk.s) as hi / lo A tiles per key block; zero where a query does not attend the key.
