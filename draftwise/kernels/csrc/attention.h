@@ -75,9 +75,9 @@ static inline int64_t dw_attn_scratch_floats(int64_t max_len, int64_t D) {
 }
 
 // The AMX path's scratch: dw_attn_scratch_floats' part, then (64-byte aligned) a score tile, the queries' and one
-// key block's bf16 tiles, two value chunks and P's hi / lo tiles for every key block a query block spans (its
-// queries' ranges differ by at most QB positions).
+// key block's bf16 tiles, four value chunks, and for every key block a query block spans (its queries' ranges
+// differ by at most QB positions) P's hi / lo tiles and the packed values (attention_amx.cpp Work).
 static inline int64_t dw_attn_amx_scratch_floats(int64_t max_len, int64_t D) {
-    return dw_attn_scratch_floats(max_len, D) + 16 + 256 + D / 32 * 512 + 8 * D + 256 +
-           256 * ((max_len + 15) / 16 + 3);
+    return dw_attn_scratch_floats(max_len, D) + 16 + 256 + D / 32 * 512 + 8 * D + 512 +
+           (256 + 8 * D) * ((max_len + 15) / 16 + 3);
 }

@@ -85,8 +85,13 @@ struct Work {
     uint16_t* q;   // [D / 32][2 (hi, lo)][16 pairs][16 queries][2]: the block's queries as B tiles
     uint16_t* p;   // [key blocks][2 (hi, lo)][16 queries][16 keys]: P as A tiles
     uint16_t* k;   // [16][D]: a key block copied where it cannot be read in place (zero rows where no query looks)
-    uint32_t* v;   // [2][8 pairs][16 dims]: one 16-dim chunk of a value block, VNNI layout (two, alternating)
+    uint32_t* v;   // [4][8 pairs][16 dims]: a tree block's value chunks of one pass, VNNI layout
     float* c;      // [16][16]: a score tile
+    // Chain calls: one (b, kv head)'s value blocks from position lo on, in VNNI layout, packed once for all its
+    // query blocks ([block][D / 16 chunks][8 pairs][16 dims]; rows before lo_exact or past the sequence's last
+    // position zero); bg = b * Hkv + g whose blocks these are (-1: none yet), cap = blocks of room.
+    uint32_t* vr;
+    int64_t bg, lo, lo_exact, hi, cap;
 };
 
 // The queries of one block, as this path sees them: query u attends the keys at positions [start[u], start[u] +
@@ -219,15 +224,34 @@ inline void pack_values(const uint16_t* const* rows, int64_t dc, uint32_t* out) 
     }
 }
 
-// One chunk step: C[c] += Phi V_c, then += Plo V_c (GCC's tile intrinsics paste their tile ids into the assembly
-// text, so they must be literal numbers: hence a macro)
-#define DW_AMX_VALUE_STEP(C, V, rows, dc, vbuf) \
-    do {                                        \
-        pack_values(rows, dc, vbuf);            \
-        _tile_loadd(V, vbuf, 64);               \
-        _tile_dpbf16ps(C, 4, V);                \
-        _tile_dpbf16ps(C, 5, V);                \
+// One chunk step: C[c] += Phi V_c, then += Plo V_c, V_c the packed chunk at src (GCC's tile intrinsics paste their
+// tile ids into the assembly text, so they must be literal numbers: hence a macro)
+#define DW_AMX_VALUE_STEP(C, V, src) \
+    do {                             \
+        _tile_loadd(V, src, 64);     \
+        _tile_dpbf16ps(C, 4, V);     \
+        _tile_dpbf16ps(C, 5, V);     \
     } while (0)
+
+// Chain calls: w.vr holds the value blocks [ks.lo rounded down to 16, ks.hi) of (b, kv head) bg, packed; blocks past
+// w.hi are packed now, and a new (b, kv head), a range starting before w.lo_exact or one past w.cap starts over.
+// Which rows hold zeros changes no result: a query's p is 0 on every key it does not attend.
+void pack_chain_values(const Block<uint16_t>& blk, const Keys& ks, int64_t bg, int64_t end, int64_t D, Work& w) {
+    if (w.bg != bg || ks.lo < w.lo_exact || (ks.hi - w.lo + 15) / 16 > w.cap) {
+        w.bg = bg;
+        w.lo_exact = ks.lo;
+        w.lo = w.hi = ks.lo - ks.lo % 16;
+    }
+    const uint16_t* rows[16];
+    for (; w.hi < ks.hi; w.hi += 16) {
+        for (int r = 0; r < 16; ++r) {
+            const int64_t p = w.hi + r;
+            rows[r] = p >= w.lo_exact && p < end ? dwattn::at(blk.q[0].Vh, blk.q[0], p) : nullptr;
+        }
+        uint32_t* out = w.vr + (w.hi - w.lo) / 16 * 8 * D;
+        for (int64_t dc = 0; dc < D / 16; ++dc) pack_values(rows, dc, out + dc * 128);
+    }
+}
 
 // acc[u] (rows of stride dp floats from acc0) = sum over key blocks of P V, four 16-dim chunks a pass.
 void values(const Block<uint16_t>& blk, const Keys& ks, int64_t D, int64_t a_lo, int64_t nblk, Work& w, float* acc0,
@@ -242,13 +266,22 @@ void values(const Block<uint16_t>& blk, const Keys& ks, int64_t D, int64_t a_lo,
         _tile_zero(2);
         _tile_zero(3);
         for (int64_t kb = 0; kb < nblk; ++kb) {
-            block_rows(blk, ks, blk.q[0].Vh, a_lo + 16 * kb, rows);
             _tile_loadd(4, w.p + kb * 512, 32);
             _tile_loadd(5, w.p + kb * 512 + 256, 32);
-            DW_AMX_VALUE_STEP(0, 6, rows, c0, w.v);
-            if (nc > 1) DW_AMX_VALUE_STEP(1, 7, rows, c0 + 1, w.v + 128);
-            if (nc > 2) DW_AMX_VALUE_STEP(2, 6, rows, c0 + 2, w.v);
-            if (nc > 3) DW_AMX_VALUE_STEP(3, 7, rows, c0 + 3, w.v + 128);
+            if (!ks.mask) {  // chain rows: the blocks packed once (pack_chain_values)
+                const uint32_t* vb = w.vr + (a_lo + 16 * kb - w.lo) / 16 * 8 * D + c0 * 128;
+                DW_AMX_VALUE_STEP(0, 6, vb);
+                if (nc > 1) DW_AMX_VALUE_STEP(1, 7, vb + 128);
+                if (nc > 2) DW_AMX_VALUE_STEP(2, 6, vb + 256);
+                if (nc > 3) DW_AMX_VALUE_STEP(3, 7, vb + 384);
+                continue;
+            }
+            block_rows(blk, ks, blk.q[0].Vh, a_lo + 16 * kb, rows);  // a tree row's blocks: its own, packed here
+            for (int64_t c = 0; c < nc; ++c) pack_values(rows, c0 + c, w.v + c * 128);
+            DW_AMX_VALUE_STEP(0, 6, w.v);
+            if (nc > 1) DW_AMX_VALUE_STEP(1, 7, w.v + 128);
+            if (nc > 2) DW_AMX_VALUE_STEP(2, 6, w.v + 256);
+            if (nc > 3) DW_AMX_VALUE_STEP(3, 7, w.v + 384);
         }
         const int64_t stride = dp * 4;
         _tile_stored(0, acc0 + 16 * c0, stride);
@@ -278,6 +311,10 @@ void attend_block(const DwAttnArgs* a, int64_t i0, int n, float* scratch, Work& 
     scores(a, blk, ks, a_lo, nblk, w, mx);
     for (int u = 0; u < blk.n; ++u) total[u] = Steps::softmax_weights(blk.s[u], blk.q[u].L, mx[u]);
     pack_weights(blk, a_lo, nblk, w.p);
+    if (!ks.mask) {
+        const int64_t bg = i0 / (a->T * (a->H / a->Hkv)), b = bg / a->Hkv;
+        pack_chain_values(blk, ks, bg, a->first[b] + a->ntok[b], D, w);
+    }
     float* acc0 = scratch + QB * dp;  // gather's accumulators: blk.acc[u] = acc0 + u * dp (QB rows of room)
     values(blk, ks, D, a_lo, nblk, w, acc0, dp);
     for (int u = 0; u < blk.n; ++u) dwattn::store_row(a, blk.q[u].o, blk.acc[u], total[u]);
@@ -298,7 +335,11 @@ extern "C" void dw_attn_rows_amx(const DwAttnArgs* a, int64_t i0, int64_t i1, fl
     w.q = (uint16_t*)(base + 256);
     w.k = w.q + D / 32 * 1024;
     w.v = (uint32_t*)(w.k + 16 * D);
-    w.p = (uint16_t*)(w.v + 256);
+    w.cap = (a->max_len + 15) / 16 + 3;
+    w.p = (uint16_t*)(w.v + 512);
+    w.vr = (uint32_t*)(w.p + 512 * w.cap);
+    w.bg = -1;
+    w.lo = w.lo_exact = w.hi = 0;
     const int64_t G = a->H / a->Hkv;
     if (a->anc) {
         for (int64_t i = i0; i < i1;) {
