@@ -16,7 +16,10 @@ keys — so a token attended
 inside a k + 1 verification chunk or a padded batch is bitwise the token attended alone (T = 1, B = 1). The
 baseline (no -m flags), AVX2 and AVX-512 builds perform the same operations, every product-accumulate one fused
 multiply-add (exactly rounded: libm's fmaf in the baseline unit), compiler contraction off: they agree bitwise, and
-the library still loads on CPUs without AVX-512.
+the library still loads on CPUs without AVX-512. Where the CPU has AMX-BF16 tiles and the K/V are bfloat16, 'auto'
+takes the AMX path ('amx', csrc/attention_amx.cpp) for every width instead: the same exactness per row, its own bits
+(TDPBF16PS does not round like a chain of fp32 FMAs, so it cannot agree with the other paths; `amx()` says whether
+it runs here).
 """
 from __future__ import annotations
 

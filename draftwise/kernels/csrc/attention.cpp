@@ -3,7 +3,9 @@
 // Owns: argument checks, the output layout, threading over (b, kv head, t, head) items (at::parallel_for, torch's
 // thread count) and which cpuid features each attention ISA unit needs (ISA below; dispatch.h's rule picks the
 // path). The float sequence of one query is fixed in attention.h / attention_kernel.h; how items are split among
-// threads cannot change any result. Knows nothing of models or of speculation.
+// threads cannot change any result. Also which calls take the AMX unit (attention_amx.cpp: 'auto' with bf16 K/V,
+// head_dim a multiple of 32 up to 256, where this process may use AMX-BF16 tiles; 'amx' by name). Knows nothing of
+// models or of speculation.
 #include <torch/library.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>

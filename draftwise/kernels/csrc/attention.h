@@ -2,8 +2,10 @@
 //
 // Owns: the argument block and the float sequence of one query, described here once (attention_kernel.h is its
 // portable implementation and the oracle; the AVX2 and AVX-512 units perform the very same operations with
-// intrinsics, so all paths agree bitwise). Knows nothing of torch (the ISA units include only this header,
-// attention_kernel.h and intrin.h), of models or of speculation.
+// intrinsics, so those paths agree bitwise). The AMX unit (attention_amx.cpp, bf16 K/V on AMX-BF16 CPUs, taken by
+// 'auto' at every width) computes the dot products and P V on bf16 tiles instead: its own fixed sequence, row-exact
+// in the same sense, not bitwise the others (its header says why). Knows nothing of torch (the ISA units include
+// only this header, attention_kernel.h and intrin.h), of models or of speculation.
 //
 // Work item (b, t, h): query t of sequence b, head h; kv head g = h / (H / Hkv) (GQA). It attends over exactly
 // the keys at positions [start, end) of sequence b: end = first[b] + t + 1, start = max(0, end - window) when
