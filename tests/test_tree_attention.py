@@ -1,7 +1,7 @@
 """Token-tree attention (kernels/attention.py attend_tree, the decoder's tree forward): every node's result is
 bitwise the result of the chain forward of its root-to-node path (brute force: the path's K/V copied to consecutive
 cache positions of another slot and attended as a chain), on every ISA path, float32 and bfloat16, GQA, sliding
-windows shorter and longer than the tree; and the decoder's tree forward gives each node the logits a chain forward
+windows shorter and longer than the tree (and on the AMX path where it runs, against its own chain rows); and the decoder's tree forward gives each node the logits a chain forward
 of its path gives, on the C++ op and on the torch reference path, and so does the engine's verification forward of
 a batch of tree drafts. Tiny tensors; no timing asserts."""
 from __future__ import annotations
@@ -50,7 +50,8 @@ def test_each_tree_node_equals_the_chain_of_its_path(paths, dtype, window, D):
     for b, t in enumerate(trees):
         check_parents(t)
         anc[b, : ntok[b]] = torch.tensor(ancestor_masks(t))
-    for path in paths:
+    amx = ["amx"] if dtype == torch.bfloat16 and D % 32 == 0 and attention.amx() else []  # its own tiles' bits
+    for path in paths + amx:
         out = attention.attend_tree(q, keys, values, slots, positions, ntok, anc, 0.3, window, path)
         for b, parents in enumerate(trees):
             s, first = int(slots[b, 0]), firsts[b]

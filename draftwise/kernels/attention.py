@@ -16,7 +16,10 @@ keys — so a token attended
 inside a k + 1 verification chunk or a padded batch is bitwise the token attended alone (T = 1, B = 1). The
 baseline (no -m flags), AVX2 and AVX-512 builds perform the same operations, every product-accumulate one fused
 multiply-add (exactly rounded: libm's fmaf in the baseline unit), compiler contraction off: they agree bitwise, and
-the library still loads on CPUs without AVX-512.
+the library still loads on CPUs without AVX-512. Where the CPU has AMX-BF16 tiles and the K/V are bfloat16, 'auto'
+takes the AMX path ('amx', csrc/attention_amx.cpp) for every width instead: the same exactness per row, its own bits
+(TDPBF16PS does not round like a chain of fp32 FMAs, so it cannot agree with the other paths; `amx()` says whether
+it runs here).
 """
 from __future__ import annotations
 
@@ -25,6 +28,8 @@ import torch
 from draftwise.kernels import q4x8
 
 PATHS = q4x8.PATHS  # ISA path name -> id, from the library (csrc/dispatch.h)
+AMX_PATH = "amx"  # attention's own path (attention.cpp AMX_PATH): bf16 tiles, not bitwise the ISA paths
+_AMX_ID = 3
 ATTENTION_DTYPES = (torch.float32, torch.bfloat16)
 
 
@@ -51,9 +56,22 @@ def usable(q: torch.Tensor, keys: torch.Tensor) -> bool:
 
 
 def cpu_paths() -> list[str]:
-    """The ISA paths the op can run on this CPU, slowest first (the last is what 'auto' picks)."""
+    """The ISA paths the op can run on this CPU that agree bitwise, slowest first (the last is what 'auto' picks,
+    except where `amx()` holds and the K/V are bfloat16)."""
     q4x8.load()
     return q4x8.path_names(torch.ops.draftwise_attn.paths())
+
+
+def amx() -> bool:
+    """This process runs the AMX path (CPU with AMX-BF16 tiles, no $DRAFTWISE_MAX_ISA cap, tile data permitted):
+    'auto' then takes it for bfloat16 K/V with head_dim a multiple of 32 up to 256, at every width. Its rows are
+    row-exact among themselves but not bitwise the other paths' (TDPBF16PS rounds its sums its own way)."""
+    q4x8.load()
+    return bool(torch.ops.draftwise_attn.amx())
+
+
+def _path_id(path: str) -> int:
+    return _AMX_ID if path == AMX_PATH else q4x8.path_id(path)
 
 
 def attend_rows(
@@ -70,7 +88,7 @@ def attend_rows(
     """Query t of sequence b attends over keys [max(0, end - window), end) of sequence b (blocks tables[b]), end = positions[b, 0]
     + t + 1 (the K/V of the chunk itself must already be in the cache)."""
     return torch.ops.draftwise_attn.decode(q, keys, values, tables, positions, num_tokens, float(scale),
-                                           int(window or 0), q4x8.path_id(path))
+                                           int(window or 0), _path_id(path))
 
 
 def attend_tree(
@@ -89,4 +107,4 @@ def attend_tree(
     the chunk rows its ancestor mask names, in row order (a sliding window keeps the list's last `window`). Parents
     precede children, so each row is bitwise attend_rows' row for the chain of its path."""
     return torch.ops.draftwise_attn.tree(q, keys, values, tables, positions, num_tokens, ancestors.contiguous(),
-                                         float(scale), int(window or 0), q4x8.path_id(path))
+                                         float(scale), int(window or 0), _path_id(path))

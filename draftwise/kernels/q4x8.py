@@ -110,6 +110,8 @@ def _units() -> list[tuple[str, list[str]]]:
                                "-mfma"]),
         ("gemm_q6k_amx.cpp", ["-mamx-tile", "-mamx-int8", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni",
                               "-mfma"]),
+        ("attention_amx.cpp", ["-mamx-tile", "-mamx-bf16", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq",
+                               "-mfma", "-mprefer-vector-width=512"]),
         ("glue_avx2.cpp", ["-mavx2"]),
         ("glue_avx512.cpp", ["-mavx512f", "-mavx512dq", "-mavx512vl", "-mprefer-vector-width=512"]),
         ("q6k_avx2.cpp", ["-mavx2", "-mfma"]),

@@ -3,7 +3,9 @@
 // Owns: argument checks, the output layout, threading over (b, kv head, t, head) items (at::parallel_for, torch's
 // thread count) and which cpuid features each attention ISA unit needs (ISA below; dispatch.h's rule picks the
 // path). The float sequence of one query is fixed in attention.h / attention_kernel.h; how items are split among
-// threads cannot change any result. Knows nothing of models or of speculation.
+// threads cannot change any result. Also which calls take the AMX unit (attention_amx.cpp: 'auto' with bf16 K/V,
+// head_dim a multiple of 32 up to 256, where this process may use AMX-BF16 tiles; 'amx' by name). Knows nothing of
+// models or of speculation.
 #include <torch/library.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -12,6 +14,11 @@
 #include <vector>
 #include "attention_kernel.h"
 #include "dispatch.h"
+#if defined(DW_HAVE_X86) && defined(__linux__)
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 extern "C" void dw_attn_rows_scalar(const DwAttnArgs* a, int64_t i0, int64_t i1, float* scratch) {
     dwattn::run(a, i0, i1, scratch);
@@ -20,9 +27,38 @@ extern "C" void dw_attn_rows_scalar(const DwAttnArgs* a, int64_t i0, int64_t i1,
 #ifndef DW_HAVE_X86
 extern "C" void dw_attn_rows_avx2(const DwAttnArgs*, int64_t, int64_t, float*) {}
 extern "C" void dw_attn_rows_avx512(const DwAttnArgs*, int64_t, int64_t, float*) {}
+extern "C" void dw_attn_rows_amx(const DwAttnArgs*, int64_t, int64_t, float*) {}
 #endif
 
 namespace {
+
+// The AMX path's id (attention only: csrc/dispatch.h's ids are shared by every op; kernels/attention.py names it).
+constexpr int64_t AMX_PATH = 3;
+
+// Whether this process may run attention_amx.cpp: cpuid AMX-TILE + AMX-BF16 and the AVX-512 its softmax uses, no
+// $DRAFTWISE_MAX_ISA cap (any cap is a CPU without AMX), and the kernel's permission for tile data.
+bool detect_amx_bf16() {
+#if defined(DW_HAVE_X86) && defined(__linux__)
+    const char* cap = std::getenv("DRAFTWISE_MAX_ISA");
+    if (cap != nullptr && *cap != '\0') return false;
+    unsigned a = 0, b = 0, c = 0, d = 0;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
+    const bool bf16 = (d >> 22) & 1u, tile = (d >> 24) & 1u;
+    __builtin_cpu_init();
+    if (!(bf16 && tile && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+          __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq")))
+        return false;
+    constexpr long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
+    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+#else
+    return false;
+#endif
+}
+
+bool amx_bf16() {
+    static const bool ok = detect_amx_bf16();
+    return ok;
+}
 
 // What attention_avx2.cpp and attention_avx512.cpp are compiled for (kernels/q4x8.py `_units`).
 constexpr dwisa::Isa ISA{"attention", {0, dwisa::F_AVX2 | dwisa::F_FMA,
@@ -79,7 +115,18 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& keys, const at::Tensor&
                         " (of position ", i * BS, ") outside the cache's ", P, " pages");
         max_len = std::max(max_len, window > 0 ? std::min(len, window) : len);
     }
-    path = dwisa::select(ISA, path);
+    // 'auto' takes the AMX path wherever it can run (for every width: its rows agree with one another, not with the
+    // other paths'); an explicit 'amx' must be able to
+    const bool amx_fits = kvt == at::kBFloat16 && D % 32 == 0 && D <= 256;
+    if (path == AMX_PATH) {
+        TORCH_CHECK(amx_bf16(), "attention path amx cannot run on this CPU or process (no AMX-BF16 tiles, or capped)");
+        TORCH_CHECK(amx_fits, "attention path amx: bfloat16 K/V and a head_dim that is a multiple of 32 up to 256 "
+                    "only, got ", kvt, " and ", D);
+    } else if (path == dwisa::AUTO && amx_fits && amx_bf16()) {
+        path = AMX_PATH;
+    } else {
+        path = dwisa::select(ISA, path);
+    }
     const uint64_t* masks = nullptr;
     if (anc != nullptr) {
         TORCH_CHECK(anc->dim() == 2 && anc->size(0) == B && anc->size(1) == T && anc->scalar_type() == at::kLong &&
@@ -101,10 +148,11 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& keys, const at::Tensor&
                      keys.data_ptr(), values.data_ptr(), keys.stride(0), keys.stride(1), keys.stride(2),
                      out.data_ptr(), tp, nb, BS, first.data(), ntok.data(),
                      B, T, H, Hkv, D, (float)scale, window, dt == at::kBFloat16 ? DW_ATTN_BF16 : DW_ATTN_F32,
-                     kvt == at::kBFloat16 ? DW_ATTN_BF16 : DW_ATTN_F32, masks};
+                     kvt == at::kBFloat16 ? DW_ATTN_BF16 : DW_ATTN_F32, masks, max_len};
         auto fn = dwisa::pick(path, dw_attn_rows_scalar, dw_attn_rows_avx2, dw_attn_rows_avx512);
         if (D % 16 != 0) fn = dw_attn_rows_scalar;  // the SIMD paths take whole 16-lane chunks of head_dim
-        const int64_t nscratch = dw_attn_scratch_floats(max_len, D);
+        if (path == AMX_PATH) fn = dw_attn_rows_amx;
+        const int64_t nscratch = path == AMX_PATH ? dw_attn_amx_scratch_floats(max_len, D) : dw_attn_scratch_floats(max_len, D);
         const int64_t grain = std::max<int64_t>(1, 32768 / (max_len * D));  // ~64k flops per chunk at least
         at::parallel_for(0, items, grain, [&](int64_t i0, int64_t i1) {
             std::vector<float> scratch(nscratch);
@@ -130,6 +178,9 @@ at::Tensor attn_tree(const at::Tensor& q, const at::Tensor& keys, const at::Tens
 
 std::vector<int64_t> paths() { return dwisa::available_paths(ISA); }
 
+// Whether 'auto' takes the AMX path here for bfloat16 K/V (head_dim a multiple of 32 up to 256).
+bool amx_path() { return amx_bf16(); }
+
 }  // namespace
 
 TORCH_LIBRARY(draftwise_attn, m) {
@@ -138,6 +189,7 @@ TORCH_LIBRARY(draftwise_attn, m) {
     m.def("tree(Tensor q, Tensor keys, Tensor values, Tensor tables, Tensor positions, int[] num_tokens, "
           "Tensor ancestors, float scale, int window, int path) -> Tensor");
     m.def("paths() -> int[]", &paths);
+    m.def("amx() -> bool", &amx_path);
 }
 
 TORCH_LIBRARY_IMPL(draftwise_attn, CPU, m) {

@@ -2,8 +2,10 @@
 //
 // Owns: the argument block and the float sequence of one query, described here once (attention_kernel.h is its
 // portable implementation and the oracle; the AVX2 and AVX-512 units perform the very same operations with
-// intrinsics, so all paths agree bitwise). Knows nothing of torch (the ISA units include only this header,
-// attention_kernel.h and intrin.h), of models or of speculation.
+// intrinsics, so those paths agree bitwise). The AMX unit (attention_amx.cpp, bf16 K/V on AMX-BF16 CPUs, taken by
+// 'auto' at every width) computes the dot products and P V on bf16 tiles instead: its own fixed sequence, row-exact
+// in the same sense, not bitwise the others (its header says why). Knows nothing of torch (the ISA units include
+// only this header, attention_kernel.h and intrin.h), of models or of speculation.
 //
 // Work item (b, t, h): query t of sequence b, head h; kv head g = h / (H / Hkv) (GQA). It attends over exactly
 // the keys at positions [start, end) of sequence b: end = first[b] + t + 1, start = max(0, end - window) when
@@ -52,6 +54,7 @@ struct DwAttnArgs {
     int64_t dtype;            // DwAttnDtype of q and out
     int64_t kv_dtype;         // DwAttnDtype of k and v (bf16 K/V under float32 queries: widened exactly)
     const uint64_t* anc;      // [B, T] ancestor masks of tree rows (T <= 64), or null: every row a chain row
+    int64_t max_len;          // the most keys any query attends (what the scratch was sized for)
 };
 
 // Items [i0, i1) in the order (b, g, t, h within g): consecutive items share keys. scratch: at least
@@ -59,6 +62,8 @@ struct DwAttnArgs {
 void dw_attn_rows_scalar(const DwAttnArgs* a, int64_t i0, int64_t i1, float* scratch);
 void dw_attn_rows_avx2(const DwAttnArgs* a, int64_t i0, int64_t i1, float* scratch);
 void dw_attn_rows_avx512(const DwAttnArgs* a, int64_t i0, int64_t i1, float* scratch);
+// The AMX path (attention_amx.cpp): bf16 K/V, D % 32 == 0, D <= 256; scratch: dw_attn_amx_scratch_floats floats.
+void dw_attn_rows_amx(const DwAttnArgs* a, int64_t i0, int64_t i1, float* scratch);
 
 }
 
@@ -69,4 +74,12 @@ void dw_attn_rows_avx512(const DwAttnArgs* a, int64_t i0, int64_t i1, float* scr
 static inline int64_t dw_attn_scratch_floats(int64_t max_len, int64_t D) {
     const int64_t dp = (D + 15) / 16 * 16;  // per query: q row, accumulator, scores with 16 floats either side
     return DW_ATTN_QBLOCK * (2 * dp + (max_len + 15) / 16 * 16 + 32);
+}
+
+// The AMX path's scratch: dw_attn_scratch_floats' part, then (64-byte aligned) a score tile, the queries' and one
+// key block's bf16 tiles, four value chunks, and for every key block a query block spans (its queries' ranges
+// differ by at most QB positions) P's hi / lo tiles and the packed values (attention_amx.cpp Work).
+static inline int64_t dw_attn_amx_scratch_floats(int64_t max_len, int64_t D) {
+    return dw_attn_scratch_floats(max_len, D) + 16 + 256 + D / 32 * 512 + 8 * D + 512 +
+           (256 + 8 * D) * ((max_len + 15) / 16 + 3);
 }

@@ -1,0 +1,355 @@
+// Row-exact attention, AMX path: q K^T and P V on bfloat16 tiles (TDPBF16PS) for bfloat16 K/V, head_dim a multiple
+// of 32 (at most 256). Compiled with -mamx-tile -mamx-bf16 and the AVX-512 flags of attention_avx512.cpp, and
+// called only after attention.cpp's checks (cpuid AMX-TILE + AMX-BF16 + AVX-512, no $DRAFTWISE_MAX_ISA cap, and the
+// process's permission for tile data).
+//
+// Not bitwise the other paths: TDPBF16PS does not round like a chain of fp32 fused multiply-adds (measured on
+// Sapphire Rapids: ~23% of random 32-term dot products differ from a sequential fp32 emulation with DAZ/FTZ, and
+// from a pairwise one, in the last bits), so no SIMD path can reproduce it. It is row-exact on its own terms instead
+// ('auto' takes it for every width on a machine that has it, decode width 1 included): every float a query's row
+// depends on is computed from that query's row alone, in a sequence fixed by its own key positions —
+//   s_j  = S[j] * scale, where per absolute 16-position key block the tile C = sum over 32-dim chunks t of
+//          K_t Qhi_t^T, then K_t Qlo_t^T (q = qhi + qlo, both bfloat16 rounded to nearest even; C[key][query]
+//          depends only on that key's row and that query's column);
+//   m, p_j = exp(s_j - m) and their sum: attention_avx512.h's Steps::softmax_weights, unchanged;
+//   o    = acc / sum, acc = per 16-position key block in position order, the tile C += Phi V, then C += Plo V
+//          (p = phi + plo, bfloat16 each): each row of C depends only on that query's row of P; keys the query
+//          does not attend (other queries' keys in a shared block, or past the cache's end: zero rows) have p = 0.
+// Splitting q and p in two keeps each product near fp32 precision (a bf16 x bf16 product is exact in fp32).
+// A token-tree row sees its ancestors at the positions its chain would give them (first + n for the n-th), copied
+// into the block it would occupy, so it is bitwise its chain row (attention.h).
+// Owns the tile loops, the bfloat16 splits and the tile layouts; knows nothing of torch, threads or when it runs.
+// Includes no C++ library header.
+#include "attention_avx512.h"
+
+namespace {
+namespace dwamx {
+
+using dwattn::Block;
+using dwattn::QB;
+
+struct alignas(64) TileConfig {  // the LDTILECFG operand, palette 1
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+};
+
+// Scores: tile 0 = C [16 keys][16 queries] fp32, 1 = a key block's 32-dim chunk [16 keys][32 bf16],
+// 2 / 3 = that chunk of the queries' hi / lo parts in VNNI layout [16 dim pairs][16 queries][2].
+inline void configure_scores() {
+    TileConfig cfg = {};
+    cfg.palette = 1;
+    for (int i = 0; i < 4; ++i) {
+        cfg.colsb[i] = 64;
+        cfg.rows[i] = 16;
+    }
+    _tile_loadconfig(&cfg);
+}
+
+// Values: tiles 0-3 = C [16 queries][16 dims] fp32 (4 dim chunks a pass), 4 / 5 = P's hi / lo parts [16 queries]
+// [16 keys] bf16, 6 / 7 = a value block's 16-dim chunk in VNNI layout [8 key pairs][16 dims][2].
+inline void configure_values() {
+    TileConfig cfg = {};
+    cfg.palette = 1;
+    for (int i = 0; i < 4; ++i) {
+        cfg.colsb[i] = 64;
+        cfg.rows[i] = 16;
+    }
+    for (int i = 4; i < 6; ++i) {
+        cfg.colsb[i] = 32;
+        cfg.rows[i] = 16;
+    }
+    for (int i = 6; i < 8; ++i) {
+        cfg.colsb[i] = 64;
+        cfg.rows[i] = 8;
+    }
+    _tile_loadconfig(&cfg);
+}
+
+// fp32 bits -> bf16 bits, round to nearest even (finite inputs; lanes of 32 bits, result in the low half)
+inline __m512i to_bf16(__m512i u) {
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    return _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), odd)), 16);
+}
+
+// x = hi + lo (+ what bfloat16 lo cannot hold): hi = bf16(x), lo = bf16(x - hi); x - hi is exact in fp32
+inline void split16(__m512 x, __m256i& hi, __m256i& lo) {
+    const __m512i h = to_bf16(_mm512_castps_si512(x));
+    const __m512 rest = _mm512_sub_ps(x, _mm512_castsi512_ps(_mm512_slli_epi32(h, 16)));
+    hi = _mm512_cvtepi32_epi16(h);
+    lo = _mm512_cvtepi32_epi16(to_bf16(_mm512_castps_si512(rest)));
+}
+
+// Per-thread buffers, carved from the caller's scratch past dwattn::gather's part (dw_attn_amx_scratch_floats).
+struct Work {
+    uint16_t* q;   // [D / 32][2 (hi, lo)][16 pairs][16 queries][2]: the block's queries as B tiles
+    uint16_t* p;   // [key blocks][2 (hi, lo)][16 queries][16 keys]: P as A tiles
+    uint16_t* k;   // [16][D]: a key block copied where it cannot be read in place (zero rows where no query looks)
+    uint32_t* v;   // [4][8 pairs][16 dims]: a tree block's value chunks of one pass, VNNI layout
+    float* c;      // [16][16]: a score tile
+    // Chain calls: one (b, kv head)'s value blocks from position lo on, in VNNI layout, packed once for all its
+    // query blocks ([block][D / 16 chunks][8 pairs][16 dims]; rows before lo_exact or past the sequence's last
+    // position zero); bg = b * Hkv + g whose blocks these are (-1: none yet), cap = blocks of room.
+    uint32_t* vr;
+    int64_t bg, lo, lo_exact, hi, cap;
+};
+
+// The queries of one block, as this path sees them: query u attends the keys at positions [start[u], start[u] +
+// L[u]) of its sequence (a tree row: its chain's positions, `mask` mapping them to cache rows).
+struct Keys {
+    int64_t lo, hi;   // union of the queries' ranges
+    int64_t first;    // the chunk's first position
+    uint64_t mask;    // a tree block's ancestor mask (all its queries share one row t), or 0: chain rows
+};
+
+// The cache row (K: h = Kh, V: h = Vh) a query of the block sees at position p.
+inline const uint16_t* row_at(const Block<uint16_t>& blk, const Keys& ks, const uint16_t* h, int64_t p) {
+    if (ks.mask && p >= ks.first) p = ks.first + dwattn::tree_row(ks.mask, p - ks.first);
+    return dwattn::at(h, blk.q[0], p);
+}
+
+// The rows of the key block at ab: rows[r] for position ab + r, null where no query of the block attends it.
+// True when all 16 are the cache's consecutive rows (the block can be read in place, at the cache's row stride).
+inline bool block_rows(const Block<uint16_t>& blk, const Keys& ks, const uint16_t* h, int64_t ab, const uint16_t** rows) {
+    bool direct = !(ks.mask && ab + 16 > ks.first);
+    for (int r = 0; r < 16; ++r) {
+        const int64_t p = ab + r;
+        rows[r] = p >= ks.lo && p < ks.hi ? row_at(blk, ks, h, p) : nullptr;
+        direct = direct && rows[r] != nullptr;
+    }
+    return direct;
+}
+
+// The queries' rows as B tiles (hi and lo parts of each 32-dim chunk); columns of absent queries are zero.
+inline void pack_queries(const Block<uint16_t>& blk, int64_t D, uint16_t* qt) {
+    for (int64_t i = 0; i < D / 32 * 1024; i += 32) _mm512_storeu_si512((void*)(qt + i), _mm512_setzero_si512());
+    for (int u = 0; u < blk.n; ++u)
+        for (int64_t d0 = 0; d0 < D; d0 += 16) {
+            __m256i hi, lo;
+            split16(_mm512_loadu_ps(blk.qf[u] + d0), hi, lo);
+            alignas(32) uint16_t h[16], l[16];
+            _mm256_store_si256((__m256i*)h, hi);
+            _mm256_store_si256((__m256i*)l, lo);
+            for (int i = 0; i < 16; ++i) {
+                const int64_t d = d0 + i, t = d / 32, k = (d % 32) / 2;
+                uint16_t* tile = qt + t * 1024;
+                tile[k * 32 + u * 2 + d % 2] = h[i];
+                tile[512 + k * 32 + u * 2 + d % 2] = l[i];
+            }
+        }
+}
+
+// Query u's keys in the block at ab, as block offsets [lo, hi) (none when lo >= hi).
+inline void span(const Block<uint16_t>& blk, int u, int64_t ab, int& lo, int& hi) {
+    const int64_t st = blk.start[u], en = st + blk.q[u].L;
+    lo = st > ab ? (int)(st - ab) : 0;
+    hi = en - ab < 16 ? (int)(en - ab) : 16;
+}
+
+// Every query's s_j (into blk.s[u], scaled) and its max, one key block at a time.
+void scores(const DwAttnArgs* a, Block<uint16_t>& blk, const Keys& ks, int64_t a_lo, int64_t nblk, Work& w, float* mx) {
+    const int64_t D = a->D, sc = blk.q[0].sc;
+    configure_scores();
+    const __m512 vscale = _mm512_set1_ps(a->scale);
+    const __m512i column = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                              _mm512_set1_epi32(16));
+    __m512 vmax[QB];
+    for (int u = 0; u < blk.n; ++u) vmax[u] = _mm512_set1_ps(-__builtin_inff());
+    const uint16_t* rows[16];
+    for (int64_t kb = 0; kb < nblk; ++kb) {
+        const int64_t ab = a_lo + 16 * kb;
+        const uint16_t* kp = w.k;
+        int64_t stride = D * 2;
+        if (block_rows(blk, ks, blk.q[0].Kh, ab, rows)) {
+            kp = rows[0];
+            stride = sc * 2;
+        } else {
+            for (int r = 0; r < 16; ++r)
+                for (int64_t d = 0; d < D; d += 32)
+                    _mm512_storeu_si512((void*)(w.k + r * D + d),
+                                        rows[r] ? _mm512_loadu_si512((const void*)(rows[r] + d)) : _mm512_setzero_si512());
+        }
+        _tile_zero(0);
+        for (int64_t t = 0; t < D / 32; ++t) {
+            _tile_loadd(1, kp + t * 32, stride);
+            _tile_loadd(2, w.q + t * 1024, 64);
+            _tile_loadd(3, w.q + t * 1024 + 512, 64);
+            _tile_dpbf16ps(0, 1, 2);
+            _tile_dpbf16ps(0, 1, 3);
+        }
+        _tile_stored(0, w.c, 64);
+        for (int u = 0; u < blk.n; ++u) {  // column u of the tile: query u's scores for the block's keys
+            int lo, hi;
+            span(blk, u, ab, lo, hi);
+            if (lo >= hi) continue;
+            const __mmask16 keep = (__mmask16)(((1u << hi) - 1u) & ~((1u << lo) - 1u));
+            const __m512 x = _mm512_mul_ps(_mm512_i32gather_ps(_mm512_add_epi32(column, _mm512_set1_epi32(u)), w.c, 4),
+                                           vscale);
+            _mm512_mask_storeu_ps(blk.s[u] + (ab - blk.start[u]), keep, x);  // s[u] has 16 floats of room before it
+            vmax[u] = _mm512_mask_max_ps(vmax[u], keep, vmax[u], x);
+        }
+    }
+    for (int u = 0; u < blk.n; ++u) mx[u] = _mm512_reduce_max_ps(vmax[u]);
+}
+
+// P (softmax weights, in blk.s) as hi / lo A tiles per key block; zero where a query does not attend the key.
+void pack_weights(const Block<uint16_t>& blk, int64_t a_lo, int64_t nblk, uint16_t* pt) {
+    for (int64_t kb = 0; kb < nblk; ++kb) {
+        const int64_t ab = a_lo + 16 * kb;
+        uint16_t* tile = pt + kb * 512;
+        for (int u = 0; u < 16; ++u) {
+            __m256i hi = _mm256_setzero_si256(), lo = _mm256_setzero_si256();
+            if (u < blk.n) {
+                int l0, l1;
+                span(blk, u, ab, l0, l1);
+                if (l0 < l1) {
+                    const __mmask16 keep = (__mmask16)(((1u << l1) - 1u) & ~((1u << l0) - 1u));
+                    split16(_mm512_maskz_loadu_ps(keep, blk.s[u] + (ab - blk.start[u])), hi, lo);
+                }
+            }
+            _mm256_storeu_si256((__m256i*)(tile + u * 16), hi);
+            _mm256_storeu_si256((__m256i*)(tile + 256 + u * 16), lo);
+        }
+    }
+}
+
+// 16-dim chunk dc of a value block in VNNI layout: pair k, dim i = (v[2k][i], v[2k + 1][i]); null rows are zero.
+inline void pack_values(const uint16_t* const* rows, int64_t dc, uint32_t* out) {
+    for (int k = 0; k < 8; ++k) {
+        const uint16_t* r0 = rows[2 * k];
+        const uint16_t* r1 = rows[2 * k + 1];
+        const __m512i x = r0 ? _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(r0 + 16 * dc))) : _mm512_setzero_si512();
+        const __m512i y = r1 ? _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(r1 + 16 * dc))) : _mm512_setzero_si512();
+        _mm512_storeu_si512((void*)(out + k * 16), _mm512_or_si512(x, _mm512_slli_epi32(y, 16)));
+    }
+}
+
+// One chunk step: C[c] += Phi V_c, then += Plo V_c, V_c the packed chunk at src (GCC's tile intrinsics paste their
+// tile ids into the assembly text, so they must be literal numbers: hence a macro)
+#define DW_AMX_VALUE_STEP(C, V, src) \
+    do {                             \
+        _tile_loadd(V, src, 64);     \
+        _tile_dpbf16ps(C, 4, V);     \
+        _tile_dpbf16ps(C, 5, V);     \
+    } while (0)
+
+// Chain calls: w.vr holds the value blocks [ks.lo rounded down to 16, ks.hi) of (b, kv head) bg, packed; blocks past
+// w.hi are packed now, and a new (b, kv head), a range starting before w.lo_exact or one past w.cap starts over.
+// Which rows hold zeros changes no result: a query's p is 0 on every key it does not attend.
+void pack_chain_values(const Block<uint16_t>& blk, const Keys& ks, int64_t bg, int64_t end, int64_t D, Work& w) {
+    if (w.bg != bg || ks.lo < w.lo_exact || (ks.hi - w.lo + 15) / 16 > w.cap) {
+        w.bg = bg;
+        w.lo_exact = ks.lo;
+        w.lo = w.hi = ks.lo - ks.lo % 16;
+    }
+    const uint16_t* rows[16];
+    for (; w.hi < ks.hi; w.hi += 16) {
+        for (int r = 0; r < 16; ++r) {
+            const int64_t p = w.hi + r;
+            rows[r] = p >= w.lo_exact && p < end ? dwattn::at(blk.q[0].Vh, blk.q[0], p) : nullptr;
+        }
+        uint32_t* out = w.vr + (w.hi - w.lo) / 16 * 8 * D;
+        for (int64_t dc = 0; dc < D / 16; ++dc) pack_values(rows, dc, out + dc * 128);
+    }
+}
+
+// acc[u] (rows of stride dp floats from acc0) = sum over key blocks of P V, four 16-dim chunks a pass.
+void values(const Block<uint16_t>& blk, const Keys& ks, int64_t D, int64_t a_lo, int64_t nblk, Work& w, float* acc0,
+            int64_t dp) {
+    configure_values();
+    const int64_t ndc = D / 16;
+    const uint16_t* rows[16];
+    for (int64_t c0 = 0; c0 < ndc; c0 += 4) {
+        const int64_t nc = ndc - c0 < 4 ? ndc - c0 : 4;
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        for (int64_t kb = 0; kb < nblk; ++kb) {
+            _tile_loadd(4, w.p + kb * 512, 32);
+            _tile_loadd(5, w.p + kb * 512 + 256, 32);
+            if (!ks.mask) {  // chain rows: the blocks packed once (pack_chain_values)
+                const uint32_t* vb = w.vr + (a_lo + 16 * kb - w.lo) / 16 * 8 * D + c0 * 128;
+                DW_AMX_VALUE_STEP(0, 6, vb);
+                if (nc > 1) DW_AMX_VALUE_STEP(1, 7, vb + 128);
+                if (nc > 2) DW_AMX_VALUE_STEP(2, 6, vb + 256);
+                if (nc > 3) DW_AMX_VALUE_STEP(3, 7, vb + 384);
+                continue;
+            }
+            block_rows(blk, ks, blk.q[0].Vh, a_lo + 16 * kb, rows);  // a tree row's blocks: its own, packed here
+            for (int64_t c = 0; c < nc; ++c) pack_values(rows, c0 + c, w.v + c * 128);
+            DW_AMX_VALUE_STEP(0, 6, w.v);
+            if (nc > 1) DW_AMX_VALUE_STEP(1, 7, w.v + 128);
+            if (nc > 2) DW_AMX_VALUE_STEP(2, 6, w.v + 256);
+            if (nc > 3) DW_AMX_VALUE_STEP(3, 7, w.v + 384);
+        }
+        const int64_t stride = dp * 4;
+        _tile_stored(0, acc0 + 16 * c0, stride);
+        if (nc > 1) _tile_stored(1, acc0 + 16 * (c0 + 1), stride);
+        if (nc > 2) _tile_stored(2, acc0 + 16 * (c0 + 2), stride);
+        if (nc > 3) _tile_stored(3, acc0 + 16 * (c0 + 3), stride);
+    }
+}
+
+// One block of items [i0, i0 + n) of one (b, kv head) (a tree block: also one row t), start to end.
+void attend_block(const DwAttnArgs* a, int64_t i0, int n, float* scratch, Work& w) {
+    Block<uint16_t> blk;
+    if (!dwattn::gather(a, i0, n, scratch, blk)) return;
+    const int64_t D = a->D, dp = (D + 15) / 16 * 16;
+    Keys ks{blk.start[0], blk.start[0] + blk.q[0].L, blk.q[0].first, 0};
+    for (int u = 1; u < blk.n; ++u) {
+        ks.lo = blk.start[u] < ks.lo ? blk.start[u] : ks.lo;
+        ks.hi = blk.start[u] + blk.q[u].L > ks.hi ? blk.start[u] + blk.q[u].L : ks.hi;
+    }
+    if (a->anc) {  // the row's own mask, before query() dropped the ancestors a sliding window skips
+        const int64_t G = a->H / a->Hkv, t = (i0 / G) % a->T, b = i0 / (G * a->T * a->Hkv);
+        ks.mask = a->anc[b * a->T + t];
+    }
+    const int64_t a_lo = ks.lo - ks.lo % 16, nblk = (ks.hi - a_lo + 15) / 16;
+    float mx[QB], total[QB];
+    pack_queries(blk, D, w.q);
+    scores(a, blk, ks, a_lo, nblk, w, mx);
+    for (int u = 0; u < blk.n; ++u) total[u] = Steps::softmax_weights(blk.s[u], blk.q[u].L, mx[u]);
+    pack_weights(blk, a_lo, nblk, w.p);
+    if (!ks.mask) {
+        const int64_t bg = i0 / (a->T * (a->H / a->Hkv)), b = bg / a->Hkv;
+        pack_chain_values(blk, ks, bg, a->first[b] + a->ntok[b], D, w);
+    }
+    float* acc0 = scratch + QB * dp;  // gather's accumulators: blk.acc[u] = acc0 + u * dp (QB rows of room)
+    values(blk, ks, D, a_lo, nblk, w, acc0, dp);
+    for (int u = 0; u < blk.n; ++u) dwattn::store_row(a, blk.q[u].o, blk.acc[u], total[u]);
+}
+
+}  // namespace dwamx
+}  // namespace
+
+// Items [i0, i1) as query blocks: chain rows as the SIMD paths group them (dwattn::for_each_block), tree rows one
+// row t at a time (the G heads of a kv head share its ancestor list). Bfloat16 K/V, D % 32 == 0, D <= 256 only.
+extern "C" void dw_attn_rows_amx(const DwAttnArgs* a, int64_t i0, int64_t i1, float* scratch) {
+    const int64_t D = a->D;
+    float* base = scratch + dw_attn_scratch_floats(a->max_len, D);  // past gather's part (dw_attn_amx_scratch_floats)
+    const uintptr_t mis = (uintptr_t)base & 63u;
+    base += mis ? (64 - mis) / 4 : 0;
+    dwamx::Work w;
+    w.c = base;
+    w.q = (uint16_t*)(base + 256);
+    w.k = w.q + D / 32 * 1024;
+    w.v = (uint32_t*)(w.k + 16 * D);
+    w.cap = (a->max_len + 15) / 16 + 3;
+    w.p = (uint16_t*)(w.v + 512);
+    w.vr = (uint32_t*)(w.p + 512 * w.cap);
+    w.bg = -1;
+    w.lo = w.lo_exact = w.hi = 0;
+    const int64_t G = a->H / a->Hkv;
+    if (a->anc) {
+        for (int64_t i = i0; i < i1;) {
+            const int64_t e0 = (i / G + 1) * G < i1 ? (i / G + 1) * G : i1;
+            const int64_t e = e0 - i > QB ? i + QB : e0;
+            dwamx::attend_block(a, i, (int)(e - i), scratch, w);
+            i = e;
+        }
+    } else {
+        dwattn::for_each_block(a, i0, i1, [&](int64_t j0, int n) { dwamx::attend_block(a, j0, n, scratch, w); });
+    }
+    _tile_release();
+}
