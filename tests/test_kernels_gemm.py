@@ -89,6 +89,23 @@ def test_auto_takes_the_wide_kernel_from_the_measured_width_and_stays_exact(ops)
         ops.set_wide_min_rows(0)
 
 
+def test_the_switch_file_is_kept_per_cpu_and_clock_and_remeasured_otherwise(ops, tmp_path, monkeypatch):
+    """wide_min_rows reads back a width kept under this CPU's key and the probe's clock, and measures again (and
+    rewrites the file) where the key differs, as a file written by the old wall-clock probe does: a width a busy
+    machine once measured wrong is not kept for good."""
+    from draftwise.kernels.probe import probe
+
+    monkeypatch.delenv(q4x8.WIDE_ENV, raising=False)
+    kept = tmp_path / f"wide_{ops.wide_kind()}.txt"
+    key = f"{probe(bandwidth=False)['cpu']}|{os.cpu_count()}"
+    kept.write_text(f"{key}|{q4x8.WIDE_PROBE_CLOCK}\n77")
+    assert q4x8.wide_min_rows(ops, tmp_path) == 77
+    kept.write_text(f"{key}\n77")  # no clock in the key: measured by the old probe
+    rows = q4x8.wide_min_rows(ops, tmp_path)
+    assert rows in q4x8.WIDE_PROBE_WIDTHS or rows == 2 ** 62
+    assert kept.read_text() == f"{key}|{q4x8.WIDE_PROBE_CLOCK}\n{rows}"
+
+
 def test_an_isa_cap_or_the_override_keeps_auto_off_the_wide_kernel(ops):
     """DRAFTWISE_MAX_ISA=avx512 is a CPU without AMX (a Zen 4): the VNNI side; avx2 (a Zen 3): no wide side at all
     (in a fresh process: read once); DRAFTWISE_WIDE_MIN_ROWS sets the width without measuring (0: never)."""

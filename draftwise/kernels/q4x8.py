@@ -215,6 +215,8 @@ def load() -> object:
 WIDE_ENV = "DRAFTWISE_WIDE_MIN_ROWS"  # an integer: 'auto' calls of at least this many rows take the wide kernel; 0: never
 WIDE_PROBE_WIDTHS = (16, 32, 64, 128, 256)  # the row counts the probe times (the AMX tile loop takes 32 rows a pass)
 WIDE_PROBE_SHAPE = (2048, 2048)  # N, K of the probe's weight: a mid-sized projection, K 8 super-blocks
+WIDE_PROBE_REPEATS = 7  # interleaved timings per kernel and width; the best of each is compared
+WIDE_PROBE_CLOCK = "thread-cpu"  # part of the kept file's key: a file measured by another clock is measured again
 
 
 def wide_min_rows(ops, where: Path, kind: str = "q4x8") -> int:
@@ -223,8 +225,9 @@ def wide_min_rows(ops, where: Path, kind: str = "q4x8") -> int:
     capped off: `ops.wide_kind()`) instead of the GEMV: both give bitwise the same rows, so this is a speed choice
     only, measured here once per library build, kind, wide side and CPU and kept in `where`/wide_<side>.txt (q4x8)
     or wide_q6k_<side>.txt ($DRAFTWISE_WIDE_MIN_ROWS overrides both; 0 or no wide side: never). The probe times both
-    kernels on one thread on a WIDE_PROBE_SHAPE weight at each of WIDE_PROBE_WIDTHS (best of 5) and takes the
-    smallest width from which the wide kernel is faster at every larger width too."""
+    kernels on one thread on a WIDE_PROBE_SHAPE weight at each of WIDE_PROBE_WIDTHS (best of WIDE_PROBE_REPEATS
+    interleaved calls, in thread CPU time, so a loaded machine cannot fix a wrong switch in the cache for good) and
+    takes the smallest width from which the wide kernel is faster at every larger width too."""
     never = 2 ** 62
     env = os.environ.get(WIDE_ENV)
     if env is not None:
@@ -238,7 +241,7 @@ def wide_min_rows(ops, where: Path, kind: str = "q4x8") -> int:
     from draftwise.kernels.probe import probe  # same layer; imported here: only a first load with a wide side needs it
     side = ops.wide_kind()  # "amx" or "vnni" (csrc/gemm_wide.h): one file each, so a capped process keeps its own
     cache = where / f"wide{'' if kind == 'q4x8' else '_' + kind}_{side}.txt"
-    key = f"{probe(bandwidth=False)['cpu']}|{os.cpu_count()}"
+    key = f"{probe(bandwidth=False)['cpu']}|{os.cpu_count()}|{WIDE_PROBE_CLOCK}"
     try:
         saved_key, saved = cache.read_text().rsplit("\n", 1)
         if saved_key == key:
@@ -279,17 +282,18 @@ def _probe_wide(ops, kind: str = "q4x8") -> int:
         faster = []
         for M in WIDE_PROBE_WIDTHS:
             x = torch.randn(M, K, generator=gen)
-            best = {}
-            gemv = lambda: ops.linear(x, *args, int(ops.paths()[-1]))  # the best GEMV path here, explicitly
-            wide = lambda: ops.wide(x, *args)
-            for name, run in (("gemv", gemv), ("wide", wide)):
+            runs = {"gemv": lambda: ops.linear(x, *args, int(ops.paths()[-1])),  # the best GEMV path, explicitly
+                    "wide": lambda: ops.wide(x, *args)}
+            best = {name: float("inf") for name in runs}
+            for name, run in runs.items():
                 run()
-                ts = []
-                for _ in range(5):
-                    t0 = time.perf_counter()
+            # interleaved, and timed in the calling thread's CPU time (torch is at 1 thread, so the kernel runs on
+            # it): a busy machine slows both sides alike and time spent descheduled counts for neither
+            for _ in range(WIDE_PROBE_REPEATS):
+                for name, run in runs.items():
+                    t0 = time.thread_time()
                     run()
-                    ts.append(time.perf_counter() - t0)
-                best[name] = min(ts)
+                    best[name] = min(best[name], time.thread_time() - t0)
             faster.append(best["wide"] < best["gemv"])
     finally:
         torch.set_num_threads(before)
