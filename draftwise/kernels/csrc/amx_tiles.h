@@ -10,15 +10,12 @@
 // Included only by units compiled with -mamx-tile -mamx-int8 and the AVX-512 flags; includes no C++ library header.
 #pragma once
 #include <stdint.h>
+#include "amx_config.h"
 #include "intrin.h"
 
 namespace dwamx {
 
-struct alignas(64) TileConfig {  // the LDTILECFG operand, palette 1
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-};
+using TileConfig = DwTileConfig;  // the LDTILECFG operand, palette 1 (amx_config.h)
 
 // Configures the calling thread's 8 tiles as 16 rows x 64 bytes (release with _tile_release()).
 inline void configure() {

@@ -14,11 +14,6 @@
 #include <vector>
 #include "attention_kernel.h"
 #include "dispatch.h"
-#if defined(DW_HAVE_X86) && defined(__linux__)
-#include <cpuid.h>
-#include <sys/syscall.h>
-#include <unistd.h>
-#endif
 
 extern "C" void dw_attn_rows_scalar(const DwAttnArgs* a, int64_t i0, int64_t i1, float* scratch) {
     dwattn::run(a, i0, i1, scratch);
@@ -38,21 +33,8 @@ constexpr int64_t AMX_PATH = 3;
 // Whether this process may run attention_amx.cpp: cpuid AMX-TILE + AMX-BF16 and the AVX-512 its softmax uses, no
 // $DRAFTWISE_MAX_ISA cap (any cap is a CPU without AMX), and the kernel's permission for tile data.
 bool detect_amx_bf16() {
-#if defined(DW_HAVE_X86) && defined(__linux__)
-    const char* cap = std::getenv("DRAFTWISE_MAX_ISA");
-    if (cap != nullptr && *cap != '\0') return false;
-    unsigned a = 0, b = 0, c = 0, d = 0;
-    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
-    const bool bf16 = (d >> 22) & 1u, tile = (d >> 24) & 1u;
-    __builtin_cpu_init();
-    if (!(bf16 && tile && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-          __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq")))
-        return false;
-    constexpr long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
-    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
-#else
-    return false;
-#endif
+    using namespace dwisa;
+    return amx_usable(AMX_BF16, F_AVX512F | F_AVX512BW | F_AVX512VL | F_AVX512DQ);
 }
 
 bool amx_bf16() {

@@ -20,6 +20,7 @@
 // into the block it would occupy, so it is bitwise its chain row (attention.h).
 // Owns the tile loops, the bfloat16 splits and the tile layouts; knows nothing of torch, threads or when it runs.
 // Includes no C++ library header.
+#include "amx_config.h"
 #include "attention_avx512.h"
 
 namespace {
@@ -28,11 +29,7 @@ namespace dwamx {
 using dwattn::Block;
 using dwattn::QB;
 
-struct alignas(64) TileConfig {  // the LDTILECFG operand, palette 1
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-};
+using TileConfig = DwTileConfig;  // the LDTILECFG operand, palette 1 (amx_config.h)
 
 // Scores: tile 0 = C [16 keys][16 queries] fp32, 1 = a key block's 32-dim chunk [16 keys][32 bf16],
 // 2 / 3 = that chunk of the queries' hi / lo parts in VNNI layout [16 dim pairs][16 queries][2].

@@ -19,6 +19,11 @@
 #include <string_view>
 #include <vector>
 #include <c10/util/Exception.h>
+#if defined(DW_HAVE_X86) && defined(__linux__)
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 namespace {
 namespace dwisa {
@@ -65,6 +70,26 @@ inline uint32_t detect_features() {
 inline uint32_t cpu_features() {
     static const uint32_t f = detect_features();
     return f;
+}
+
+// AMX tiles (cpuid leaf 7 EDX: AMX-TILE bit 24, plus `amx_bit`: AMX_BF16 or AMX_INT8), the AVX-512 features
+// `avx512_needs` the AMX unit also uses, no $DRAFTWISE_MAX_ISA cap (any cap is a CPU without AMX), and the kernel's
+// permission for tile data (it may refuse). Detected by each caller once (a static) before its first tile.
+enum AmxBit : unsigned { AMX_BF16 = 22, AMX_INT8 = 25 };
+inline bool amx_usable(AmxBit amx_bit, uint32_t avx512_needs) {
+#if defined(DW_HAVE_X86) && defined(__linux__)
+    const char* cap = std::getenv("DRAFTWISE_MAX_ISA");
+    if (cap != nullptr && *cap != '\0') return false;
+    unsigned a = 0, b = 0, c = 0, d = 0;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
+    if (!(((d >> 24) & 1u) && ((d >> amx_bit) & 1u)) || (avx512_needs & ~cpu_features()) != 0) return false;
+    constexpr long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
+    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+#else
+    (void)amx_bit;
+    (void)avx512_needs;
+    return false;
+#endif
 }
 
 inline bool runs(const Isa& isa, int64_t path) {

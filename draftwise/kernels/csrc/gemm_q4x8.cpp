@@ -18,30 +18,13 @@
 #include "dispatch.h"
 #include "gemm_q4x8.h"
 #include "gemm_wide.h"
-#if defined(DW_HAVE_X86) && defined(__linux__)
-#include <cpuid.h>
-#include <sys/syscall.h>
-#include <unistd.h>
-#endif
 
 namespace {
 
+// AMX-INT8 tiles and the AVX-512 VNNI the wide side's quantizer and epilogue use (dispatch.h)
 bool detect_amx() {
-#if defined(DW_HAVE_X86) && defined(__linux__)
-    const char* cap = std::getenv("DRAFTWISE_MAX_ISA");  // any cap (avx512, avx2, scalar) is a CPU without AMX
-    if (cap != nullptr && *cap != '\0') return false;
-    unsigned a = 0, b = 0, c = 0, d = 0;
-    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
-    const bool tile = (d >> 24) & 1u, int8 = (d >> 25) & 1u;
-    __builtin_cpu_init();
-    if (!(tile && int8 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-          __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni")))
-        return false;
-    constexpr long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
-    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;  // the kernel may refuse: no AMX
-#else
-    return false;
-#endif
+    using namespace dwisa;
+    return amx_usable(AMX_INT8, F_AVX512F | F_AVX512BW | F_AVX512VL | F_AVX512VNNI);
 }
 
 bool amx() {
