@@ -1,5 +1,6 @@
 // ISA dispatch for the library's ops: which paths (portable, AVX2, AVX-512) this CPU can run, what a requested
 // path means, and which one runs. q4x8.cpp, attention.cpp and glue.cpp all select through here, one rule for all.
+// Also whether AMX tiles are usable here (amx_usable: the wide GEMMs' int8 tiles, attention's bf16 tiles).
 //
 // Owns: the path ids and names (the Python side reads the names from here, through the path_names / path_id ops
 // that q4x8.cpp registers: kernels/q4x8.py PATHS), cpuid detection (once per process) and the selection rule:
