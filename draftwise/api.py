@@ -17,7 +17,7 @@ import torch
 
 from draftwise.config import ConfigError, EngineConfig, SpecConfig, parse_kv_cache_memory, parse_spec_config
 from draftwise.engine import PREFILL_CHUNK_TOKENS, Engine, Request, StepOutput  # noqa: F401 (the chunk: bench/memory.py)
-from draftwise.kernels import hugepages
+from draftwise.kernels import heap, hugepages
 from draftwise.kernels.plan import KernelPlan, resolve_plan
 from draftwise.kernels.threads import ThreadGuard
 from draftwise.models.static_step import StaticStep
@@ -193,6 +193,8 @@ class LLM:
         self._assemble(config, target, tokenizer, info, load_draft, k_max)
         self.load_time_s = time.perf_counter() - t0
         hugepages.collapse_pending()  # loading is over: the kernel may now back the weights with huge pages
+        if config.device == "cpu":  # loading is over: a forward's temporaries are reused from the heap from now on
+            heap.keep_temporaries_on_heap()
 
     @classmethod
     def from_parts(cls, model: Decoder, tokenizer, *, name: str = "model", dtype: str = "float32",

@@ -35,8 +35,8 @@ seconds per model; the result is cached like any other (the key includes the can
 
 One plan per machine, model, threads and torch at a time, and only a quiet one kept (`autotune`): tuning and the
 cache write run under a file lock beside the cache entry (a second process waits for the first one's plan,
-saying so, and uses it). Contention is measured before (QUIET_WINDOW_S) and during the timing from /proc: where
-other processes kept >= PROVISIONAL_BUSY_CORES cores busy, the result is `provisional`: used, cached, shown, and
+saying so, and uses it). Contention is measured before (threads.QUIET_WINDOW_S) and during the timing from /proc:
+where other processes kept >= threads.PROVISIONAL_BUSY_CORES cores busy, the result is `provisional`: used, cached, shown, and
 re-tuned by the next start that finds the machine quiet.
 """
 from __future__ import annotations
@@ -59,6 +59,7 @@ import torch
 from draftwise.kernels.linear import LINEARS, STEP_MAX_TOKENS, available, dense_for, probe_device
 from draftwise.kernels.probe import cuda_probe, cuda_seconds, flag_summary, format_probe
 from draftwise.kernels.probe import probe as cpu_probe
+from draftwise.kernels.threads import PROVISIONAL_BUSY_CORES, QUIET_WINDOW_S, busy_meter, busy_now, is_busy  # noqa: F401
 from draftwise.paths import default_cache_dir
 
 STEP_ROWS = (1, 2, 4, 8, 16)
@@ -76,8 +77,6 @@ EXACT_MAX_N = FAST_MAX_N  # wider projections (the LM head) are checked on their
 EXACT_VECTORS = 7  # distinct activation rows, cycled through every checked width (prime: never block-aligned)
 TIE_BAND = 0.05  # candidates within 5% of the fastest are tied (or within the rounds' spread, if larger)
 PREFERENCE = ("q4x8", "int4", "bf16", "int8", "fp32", "int8_dynamic")  # ties: row-exact by construction, then bytes
-PROVISIONAL_BUSY_CORES = 0.5  # other processes' busy cores, before or during timing, that make a plan provisional
-QUIET_WINDOW_S = 0.5  # how long contention is measured before timing
 LOCK_REPORT_S = 5.0  # while waiting for another process's tuning, say so this often
 VERSION = 2  # of the table's contents (2: rows_exact over widths and threads, rounds, provisional)
 
@@ -371,34 +370,6 @@ def fast_measure_kw(p: dict) -> dict:
             "prefill_samples": 1}
 
 
-def busy_meter():
-    """Start measuring how many cores OTHER processes keep busy; the returned function gives the mean since the
-    start (None where /proc cannot say). A timing taken while they did is slower than this machine is."""
-    from draftwise.kernels.threads import clock_ticks, others_busy, our_cpus, read_proc
-
-    cpus = our_cpus()
-    t0, first = time.monotonic(), read_proc(cpus)
-
-    def others() -> float | None:
-        last, dt = read_proc(cpus), time.monotonic() - t0
-        if first is None or last is None or dt <= 0:
-            return None
-        return round(others_busy(first, last, dt, clock_ticks()), 2)
-
-    return others
-
-
-def busy_now(window_s: float = QUIET_WINDOW_S) -> float | None:
-    """Cores other processes keep busy over the next `window_s` seconds (this process sleeps meanwhile)."""
-    others = busy_meter()
-    time.sleep(window_s)
-    return others()
-
-
-def _busy(cores: float | None) -> bool:
-    return cores is not None and cores >= PROVISIONAL_BUSY_CORES
-
-
 @contextlib.contextmanager
 def tuning_lock(path: Path, progress: bool = True):
     """Hold `path`.lock (one tuner per cache entry, across processes); while another process holds it, wait,
@@ -461,13 +432,13 @@ def autotune(shapes: list[ProjShape], refresh: bool = False, progress: bool = Tr
             return cached
         cpu = device == "cpu"  # a GPU's timings are the device's own (CUDA events): the host's load is not theirs
         before = busy_now() if cpu else None
-        if cached is not None and _busy(before):
+        if cached is not None and is_busy(before):
             return cached  # still busy: keep using the provisional plan; a quiet start re-tunes it
         others = busy_meter()
         table = measure(shapes, progress=progress, device=device, **measure_kw)
         during = others() if cpu else None
         result = {"key": path.stem, "probe": p, "table": table, "choice": choose(table), "busy_before": before,
-                  "busy_cores": during, "provisional": _busy(before) or _busy(during),
+                  "busy_cores": during, "provisional": is_busy(before) or is_busy(during),
                   "measured_at": datetime.now(timezone.utc).isoformat(timespec="seconds")}
         tmp = path.with_suffix(f".tmp{os.getpid()}")
         with open(tmp, "w") as f:

@@ -2,7 +2,8 @@
 
 Owns: reading instruction-set flags (/proc/cpuinfo on Linux, sysctl on macOS), the CPU model name,
 torch's own view (ATen CPU capability, threads, version), the kernel's transparent-huge-page policy
-(kernels/hugepages.py places weights there on request) and a short measured memory bandwidth.
+(kernels/hugepages.py places weights there on request), the C heap's policy for a forward's temporaries
+(kernels/heap.py) and a short measured memory bandwidth.
 `cuda_probe()` is the same for a CUDA device (name, compute capability, multiprocessors, memory, L2,
 torch's CUDA version, measured device-memory bandwidth), marked "device": "cuda" (a CPU probe has no
 "device" key: it means "cpu"). Knows nothing of models or of which kernel is chosen; both return a
@@ -17,6 +18,7 @@ import time
 
 import torch
 
+from draftwise.kernels import heap
 from draftwise.kernels.hugepages import thp_mode
 
 # flag names as /proc/cpuinfo spells them (x86) -> the key we report
@@ -95,7 +97,7 @@ def probe(bandwidth: bool = True, refresh: bool = False) -> dict:
     """Everything the kernels need to know about this machine (cached per process)."""
     global _CACHE
     if _CACHE is not None and not refresh and (not bandwidth or "bandwidth_gbs" in _CACHE):
-        return dict(_CACHE)
+        return dict(_CACHE, heap=heap.describe(heap.heap_policy()))  # the heap's state changes at load
     name, raw = _cpuinfo()
     machine = platform.machine().lower()
     x86 = machine in ("x86_64", "amd64", "i386", "i686")
@@ -120,6 +122,7 @@ def probe(bandwidth: bool = True, refresh: bool = False) -> dict:
         "torch_version": torch.__version__,
         "fbgemm": "fbgemm" in torch.backends.quantized.supported_engines,
         "thp": thp_mode(),
+        "heap": heap.describe(heap.heap_policy()),
     }
     if cap is not None:
         out["isa_cap"] = cap
@@ -202,6 +205,8 @@ def format_probe(p: dict) -> str:
     ]
     if "thp" in p:  # probes recorded before it was added lack it
         lines.append(f"huge pages        transparent, policy {p['thp']!r} (DRAFTWISE_HUGE_PAGES=1 moves weights there)")
+    if "heap" in p:
+        lines.append(f"heap              {p['heap']}")
     if "bandwidth_gbs" in p:
         lines.append(f"memory read       {p['bandwidth_gbs']:.1f} GB/s (measured, {p['torch_threads']} threads)")
     return "\n".join(lines)

@@ -217,6 +217,7 @@ WIDE_PROBE_WIDTHS = (16, 32, 64, 128, 256)  # the row counts the probe times (th
 WIDE_PROBE_SHAPE = (2048, 2048)  # N, K of the probe's weight: a mid-sized projection, K 8 super-blocks
 WIDE_PROBE_REPEATS = 7  # interleaved timings per kernel and width; the best of each is compared
 WIDE_PROBE_CLOCK = "thread-cpu"  # part of the kept file's key: a file measured by another clock is measured again
+WIDE_PROVISIONAL = "|provisional"  # appended to the key of a width measured while other processes were busy
 
 
 def wide_min_rows(ops, where: Path, kind: str = "q4x8") -> int:
@@ -226,8 +227,11 @@ def wide_min_rows(ops, where: Path, kind: str = "q4x8") -> int:
     only, measured here once per library build, kind, wide side and CPU and kept in `where`/wide_<side>.txt (q4x8)
     or wide_q6k_<side>.txt ($DRAFTWISE_WIDE_MIN_ROWS overrides both; 0 or no wide side: never). The probe times both
     kernels on one thread on a WIDE_PROBE_SHAPE weight at each of WIDE_PROBE_WIDTHS (best of WIDE_PROBE_REPEATS
-    interleaved calls, in thread CPU time, so a loaded machine cannot fix a wrong switch in the cache for good) and
-    takes the smallest width from which the wide kernel is faster at every larger width too."""
+    interleaved calls, in thread CPU time) and takes the smallest width from which the wide kernel is faster at every
+    larger width too. Thread CPU time does not shield the probe from other processes' use of the caches and memory
+    (a full test suite beside it made the VNNI side 'never'), so a width measured while other processes kept
+    threads.PROVISIONAL_BUSY_CORES busy is kept as provisional, as the autotuner's plans are: used, and measured
+    again by the first load that finds the machine quiet."""
     never = 2 ** 62
     env = os.environ.get(WIDE_ENV)
     if env is not None:
@@ -241,18 +245,24 @@ def wide_min_rows(ops, where: Path, kind: str = "q4x8") -> int:
     from draftwise.kernels.probe import probe  # same layer; imported here: only a first load with a wide side needs it
     side = ops.wide_kind()  # "amx" or "vnni" (csrc/gemm_wide.h): one file each, so a capped process keeps its own
     cache = where / f"wide{'' if kind == 'q4x8' else '_' + kind}_{side}.txt"
+    from draftwise.kernels.threads import busy_meter, busy_now, is_busy
+
     key = f"{probe(bandwidth=False)['cpu']}|{os.cpu_count()}|{WIDE_PROBE_CLOCK}"
     try:
         saved_key, saved = cache.read_text().rsplit("\n", 1)
-        if saved_key == key:
-            return int(saved)
+        if saved_key == key or (saved_key == key + WIDE_PROVISIONAL and is_busy(busy_now())):
+            return int(saved)  # measured quiet; or measured busy and still busy: a quiet load measures again
     except (OSError, ValueError):
         pass
+    others = busy_meter()
     rows = _probe_wide(ops, kind)
+    busy = others()
+    provisional = is_busy(busy)
     print(f"draftwise: {kind} wide ({side}) kernel from {rows if rows < never else 'no'} rows on (measured once, kept "
-          f"in {cache})", file=sys.stderr, flush=True)
+          f"in {cache}" + (f"; provisional: other processes kept {busy} cores busy, a quiet load measures again"
+                           if provisional else "") + ")", file=sys.stderr, flush=True)
     try:
-        cache.write_text(f"{key}\n{rows}")
+        cache.write_text(f"{key}{WIDE_PROVISIONAL if provisional else ''}\n{rows}")
     except OSError:
         pass
     return rows

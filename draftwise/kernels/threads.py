@@ -12,6 +12,8 @@ windows in a row agree.
 With the machine to itself it returns to the requested count. The engine calls `tick` once per step; it costs
 two small file reads per window. Used only where a thread count cannot change a result (api.py: kernels that
 split work by output, never a reduction, i.e. q4x8 and our attention), so greedy output stays identical.
+The same /proc reading times one measurement's contention (`busy_meter`, `busy_now`, `is_busy`): a timing taken
+while other processes kept PROVISIONAL_BUSY_CORES busy is provisional (autotune's plans, q4x8's wide switch).
 Knows nothing of models or of the engine; Linux only (no /proc/stat: never changes anything).
 """
 from __future__ import annotations
@@ -24,6 +26,8 @@ from collections.abc import Callable
 import torch
 
 WINDOW_S = 1.0  # seconds of engine time per measurement window
+PROVISIONAL_BUSY_CORES = 0.5  # other processes' busy cores, before or during a timing, that make it provisional
+QUIET_WINDOW_S = 0.5  # how long contention is measured before a timing (busy_now)
 
 
 def our_cpus() -> set[int] | None:
@@ -125,3 +129,32 @@ class ThreadGuard:
         self.changes += 1
         self.set_threads(want)
         return want
+
+
+# ---- one timing's contention: autotune's plans and q4x8's wide switch are provisional where it was high ----
+
+def busy_meter():
+    """Start measuring how many cores OTHER processes keep busy; the returned function gives the mean since the
+    start (None where /proc cannot say). A timing taken while they did is slower than this machine is."""
+    cpus = our_cpus()
+    t0, first = time.monotonic(), read_proc(cpus)
+
+    def others() -> float | None:
+        last, dt = read_proc(cpus), time.monotonic() - t0
+        if first is None or last is None or dt <= 0:
+            return None
+        return round(others_busy(first, last, dt, clock_ticks()), 2)
+
+    return others
+
+
+def busy_now(window_s: float = QUIET_WINDOW_S) -> float | None:
+    """Cores other processes keep busy over the next `window_s` seconds (this process sleeps meanwhile)."""
+    others = busy_meter()
+    time.sleep(window_s)
+    return others()
+
+
+def is_busy(cores: float | None) -> bool:
+    """Other processes kept enough cores busy (PROVISIONAL_BUSY_CORES) that a timing taken then is provisional."""
+    return cores is not None and cores >= PROVISIONAL_BUSY_CORES
