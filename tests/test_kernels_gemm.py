@@ -93,11 +93,10 @@ def test_the_switch_file_is_kept_per_cpu_and_clock_and_remeasured_otherwise(ops,
     """wide_min_rows reads back a width kept under this CPU's key and the probe's clock, and measures again (and
     rewrites the file) where the key differs, as a file written by the old wall-clock probe does: a width a busy
     machine once measured wrong is not kept for good."""
-    from draftwise.kernels import threads
     from draftwise.kernels.probe import probe
 
     monkeypatch.delenv(q4x8.WIDE_ENV, raising=False)
-    monkeypatch.setattr(threads, "busy_meter", lambda: lambda: 0.0)  # quiet (a busy probe: the test below)
+    monkeypatch.setattr(q4x8, "busy_meter", lambda: lambda: 0.0)  # quiet (a busy probe: the test below)
     kept = tmp_path / f"wide_{ops.wide_kind()}.txt"
     key = f"{probe(bandwidth=False)['cpu']}|{os.cpu_count()}"
     kept.write_text(f"{key}|{q4x8.WIDE_PROBE_CLOCK}\n77")
@@ -112,7 +111,6 @@ def test_a_width_measured_on_a_busy_machine_is_provisional_and_measured_again_wh
     """The probe measured while other processes kept cores busy (a test suite beside it once made the VNNI side
     'never'): the width is used and kept marked provisional; a later load keeps it while the machine is still busy
     and measures again, unmarked, once it is quiet. The probe and the busy meter are planted."""
-    from draftwise.kernels import threads
     from draftwise.kernels.probe import probe
 
     monkeypatch.delenv(q4x8.WIDE_ENV, raising=False)
@@ -121,8 +119,8 @@ def test_a_width_measured_on_a_busy_machine_is_provisional_and_measured_again_wh
     widths = iter([2 ** 62, 64])  # busy: 'never'; quiet: 64
     monkeypatch.setattr(q4x8, "_probe_wide", lambda ops, kind="q4x8": next(widths))
     load = {"cores": 1.5}
-    monkeypatch.setattr(threads, "busy_meter", lambda: lambda: load["cores"])
-    monkeypatch.setattr(threads, "busy_now", lambda window_s=0.5: load["cores"])
+    monkeypatch.setattr(q4x8, "busy_meter", lambda: lambda: load["cores"])
+    monkeypatch.setattr(q4x8, "busy_now", lambda window_s=0.5: load["cores"])
     assert q4x8.wide_min_rows(ops, tmp_path) == 2 ** 62
     assert kept.read_text() == f"{key}{q4x8.WIDE_PROVISIONAL}\n{2 ** 62}"
     assert q4x8.wide_min_rows(ops, tmp_path) == 2 ** 62  # still busy: the provisional width, not measured again

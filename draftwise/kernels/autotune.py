@@ -59,7 +59,7 @@ import torch
 from draftwise.kernels.linear import LINEARS, STEP_MAX_TOKENS, available, dense_for, probe_device
 from draftwise.kernels.probe import cuda_probe, cuda_seconds, flag_summary, format_probe
 from draftwise.kernels.probe import probe as cpu_probe
-from draftwise.kernels.threads import PROVISIONAL_BUSY_CORES, QUIET_WINDOW_S, busy_meter, busy_now, is_busy  # noqa: F401
+from draftwise.kernels.threads import busy_meter, busy_now, is_busy
 from draftwise.paths import default_cache_dir
 
 STEP_ROWS = (1, 2, 4, 8, 16)

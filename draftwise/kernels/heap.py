@@ -8,8 +8,8 @@ Knows nothing of models or kernels: torch's CPU allocator is malloc, so every te
 
 Why: glibc maps any block above its mmap threshold (dynamic, at most 32 MiB on 64-bit) afresh and unmaps it on
 free, so every projection output of a prompt chunk (the 1.5B's gate|up at 2,048 rows: 147 MB) is faulted in page
-by page and zeroed by the kernel, call after call: ~3.2 million minor faults and 6.6 s of system time in one
-4,096-token prefill (docs/PERFORMANCE.md, "Prompts: temporaries on the heap"). llama.cpp sizes one compute buffer
+by page and zeroed by the kernel, call after call: ~5 million minor faults and 12 s of system time for a 512-, a
+2k- and a 4k-token prompt on the packaged 1.5B (docs/PERFORMANCE.md, "Prompts: temporaries on the heap"). llama.cpp sizes one compute buffer
 once for the same reason. Applied after the weights are loaded (api.LLM), so loading's own temporaries are
 returned to the system as before; DRAFTWISE_MALLOC=system leaves glibc's defaults.
 """

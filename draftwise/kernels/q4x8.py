@@ -43,6 +43,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from draftwise.kernels.threads import busy_meter, busy_now, is_busy
 from draftwise.paths import default_cache_dir
 
 GROUP = 32  # K values per scale/min group (a Q4_K sub-block)
@@ -245,8 +246,6 @@ def wide_min_rows(ops, where: Path, kind: str = "q4x8") -> int:
     from draftwise.kernels.probe import probe  # same layer; imported here: only a first load with a wide side needs it
     side = ops.wide_kind()  # "amx" or "vnni" (csrc/gemm_wide.h): one file each, so a capped process keeps its own
     cache = where / f"wide{'' if kind == 'q4x8' else '_' + kind}_{side}.txt"
-    from draftwise.kernels.threads import busy_meter, busy_now, is_busy
-
     key = f"{probe(bandwidth=False)['cpu']}|{os.cpu_count()}|{WIDE_PROBE_CLOCK}"
     try:
         saved_key, saved = cache.read_text().rsplit("\n", 1)
