@@ -36,8 +36,8 @@ seconds per model; the result is cached like any other (the key includes the can
 One plan per machine, model, threads and torch at a time, and only a quiet one kept (`autotune`): tuning and the
 cache write run under a file lock beside the cache entry (a second process waits for the first one's plan,
 saying so, and uses it). Contention is measured before (threads.QUIET_WINDOW_S) and during the timing from /proc:
-where other processes kept >= threads.PROVISIONAL_BUSY_CORES cores busy, the result is `provisional`: used, cached, shown, and
-re-tuned by the next start that finds the machine quiet.
+where other processes kept >= threads.PROVISIONAL_BUSY_CORES cores busy, the result is `provisional`: used,
+cached, shown, and re-tuned by the next start that finds the machine quiet.
 """
 from __future__ import annotations
 

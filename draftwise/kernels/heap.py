@@ -9,13 +9,14 @@ Knows nothing of models or kernels: torch's CPU allocator is malloc, so every te
 Why: glibc maps any block above its mmap threshold (dynamic, at most 32 MiB on 64-bit) afresh and unmaps it on
 free, so every projection output of a prompt chunk (the 1.5B's gate|up at 2,048 rows: 147 MB) is faulted in page
 by page and zeroed by the kernel, call after call: ~5 million minor faults and 12 s of system time for a 512-, a
-2k- and a 4k-token prompt on the packaged 1.5B (docs/PERFORMANCE.md, "Prompts: temporaries on the heap"). llama.cpp sizes one compute buffer
-once for the same reason. Applied after the weights are loaded (api.LLM), so loading's own temporaries are
-returned to the system as before; DRAFTWISE_MALLOC=system leaves glibc's defaults.
+2k- and a 4k-token prompt on the packaged 1.5B (docs/PERFORMANCE.md, "Prompts: temporaries on the heap").
+llama.cpp sizes one compute buffer once for the same reason. Applied after the weights are loaded (api.LLM), so
+loading's own temporaries are returned to the system as before; DRAFTWISE_MALLOC=system leaves glibc's defaults.
 """
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import resource
 
@@ -29,6 +30,7 @@ _OTHER_ALLOCATORS = ("jemalloc", "tcmalloc", "mimalloc")
 _applied: dict | None = None
 
 
+@functools.cache
 def _libc():
     try:
         libc = ctypes.CDLL(None)
@@ -71,6 +73,9 @@ def keep_temporaries_on_heap() -> dict:
         ok = all(libc.mallopt(param, value) == 1 for param, value in (
             (_M_MMAP_THRESHOLD, MMAP_THRESHOLD), (_M_TRIM_THRESHOLD, TRIM_THRESHOLD), (_M_TOP_PAD, TOP_PAD)))
         policy.update(applied=ok, reason="set" if ok else "mallopt refused")
+        if not ok:  # glibc's defaults stand: the sizes would describe a policy that is not in force
+            for size in ("mmap_threshold", "trim_threshold", "top_pad"):
+                del policy[size]
     _applied = policy
     return dict(policy)
 

@@ -97,7 +97,7 @@ def probe(bandwidth: bool = True, refresh: bool = False) -> dict:
     """Everything the kernels need to know about this machine (cached per process)."""
     global _CACHE
     if _CACHE is not None and not refresh and (not bandwidth or "bandwidth_gbs" in _CACHE):
-        return dict(_CACHE, heap=heap.describe(heap.heap_policy()))  # the heap's state changes at load
+        return _with_heap(_CACHE)
     name, raw = _cpuinfo()
     machine = platform.machine().lower()
     x86 = machine in ("x86_64", "amd64", "i386", "i686")
@@ -122,14 +122,18 @@ def probe(bandwidth: bool = True, refresh: bool = False) -> dict:
         "torch_version": torch.__version__,
         "fbgemm": "fbgemm" in torch.backends.quantized.supported_engines,
         "thp": thp_mode(),
-        "heap": heap.describe(heap.heap_policy()),
     }
     if cap is not None:
         out["isa_cap"] = cap
     if bandwidth:
         out["bandwidth_gbs"] = round(measure_bandwidth(), 1)
     _CACHE = out
-    return dict(out)
+    return _with_heap(out)
+
+
+def _with_heap(p: dict) -> dict:
+    """A copy of a cached CPU probe with the heap's policy as it is now (kernels/heap.py sets it at load)."""
+    return dict(p, heap=heap.describe(heap.heap_policy()))
 
 
 _CUDA_CACHE: dict | None = None
