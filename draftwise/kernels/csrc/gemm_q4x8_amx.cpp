@@ -63,6 +63,38 @@ inline __m512i mn_pair(const uint8_t* MN, int64_t g, int64_t G) {
     return _mm512_cvtepu8_epi16(_mm256_set_m128i(_mm_unpackhi_epi8(a, b), _mm_unpacklo_epi8(a, b)));
 }
 
+// One pass's float epilogue (rows m0 .. m0 + rows - 1, super-block s): per row, isc and imn, then the GEMV's three
+// float steps into the row's accumulator.
+struct Epilogue {
+    __m512i mnp[4];  // mn_pair of the super-block's group pairs
+    __m512 dv, dmv;  // d and dmin of the super-block, columns 0-15
+    const DwQ8Rows* a;
+    float* acc;  // rows m0 .. of the block's accumulators [.., 16]
+    int64_t m0, s, S;
+    int rows;
+    void operator()(int32_t (*C)[16][16], int r0, int r1) const {
+        // locals: the accumulator stores (vector types may alias anything) would otherwise reload every member
+        const __m512i mn0 = mnp[0], mn1 = mnp[1], mn2 = mnp[2], mn3 = mnp[3];
+        const __m512 d = dv, dm = dmv;
+        const int16_t* QS = a->qsum + (m0 * S + s) * 8;
+        const float* DX = a->dx + m0 * S + s;
+        float* y = acc;
+        const int64_t stride = S;
+        const int end = r1 < rows ? r1 : rows;
+        for (int m = r0; m < end; ++m) {
+            const __m512i isc = dwamx::row_sum<4>(C, m);
+            const i32_alias* qs = (const i32_alias*)(QS + m * stride * 8);
+            __m512i imn = _mm512_dpwssd_epi32(_mm512_setzero_si512(), mn0, _mm512_set1_epi32(qs[0]));
+            imn = _mm512_dpwssd_epi32(imn, mn1, _mm512_set1_epi32(qs[1]));
+            imn = _mm512_dpwssd_epi32(imn, mn2, _mm512_set1_epi32(qs[2]));
+            imn = _mm512_dpwssd_epi32(imn, mn3, _mm512_set1_epi32(qs[3]));
+            __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(isc), d);
+            t = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(imn), dm, t);
+            _mm512_store_ps(y + m * 16, _mm512_fmadd_ps(t, _mm512_set1_ps(DX[m * stride]), _mm512_load_ps(y + m * 16)));
+        }
+    }
+};
+
 }  // namespace
 
 extern "C" int64_t dw_amx_scratch_bytes(int64_t Kp, int64_t M) { return dwamx::scratch_bytes(Kp / 64, M); }
@@ -70,12 +102,12 @@ extern "C" int64_t dw_amx_scratch_bytes(int64_t Kp, int64_t M) { return dwamx::s
 // Loop order: per block, per super-block, every 32-row tile: the block's B tiles of that super-block (8 KiB) stay in
 // L1 while the row tiles (tile-major: each A tile 1 KiB of consecutive bytes) stream past them; each row's
 // accumulator waits in scratch between super-blocks (the same fma sequence per row, in super-block order, as the
-// GEMV's register accumulator).
+// GEMV's register accumulator). Each pass's epilogue runs inside the next pass (amx_tiles.h's Pipeline).
 extern "C" void dw_gemm_amx(const DwQ4* w, const DwQ8Rows* a, float* out, int64_t b0, int64_t b1, uint8_t* scratch) {
     dwamx::configure();
     const int64_t G = w->G, S = w->S, N = w->N, M = a->M, Kp = a->Kp, steps = Kp / 64;
     float* accs = (float*)(scratch + steps * 2048);  // [M rounded up to 32, 16]
-    alignas(64) int32_t C[4][16][16];                // amx_tiles.h's tile pass
+    dwamx::Pipeline<false, Epilogue> pipe;
     for (int64_t b = b0; b < b1; ++b) {
         prepare(w, b, steps, scratch);
         const uint8_t* MN = w->mn + b * G * 16;
@@ -83,29 +115,25 @@ extern "C" void dw_gemm_amx(const DwQ4* w, const DwQ8Rows* a, float* out, int64_
         const float* DM = w->dmin + b * S * 16;
         const dwamx::BlockCols cols(b, N, w->bias);
         dwamx::zero_accs(accs, M);
+        Epilogue epi;
+        epi.a = a;
+        epi.S = S;
         for (int64_t s = 0; s < S; ++s) {
             const int64_t g0 = s * 8, g1 = g0 + 8 < G ? g0 + 8 : G, j0 = g0 / 2, j1 = (g1 + 1) / 2;
-            __m512i mnp[4];
-            for (int p = 0; p < 4; ++p) mnp[p] = g0 + 2 * p < g1 ? mn_pair(MN, g0 + 2 * p, G) : _mm512_setzero_si512();
-            const __m512 dv = _mm512_loadu_ps(D + s * 16), dmv = _mm512_loadu_ps(DM + s * 16);
+            for (int p = 0; p < 4; ++p) epi.mnp[p] = g0 + 2 * p < g1 ? mn_pair(MN, g0 + 2 * p, G) : _mm512_setzero_si512();
+            epi.dv = _mm512_loadu_ps(D + s * 16);
+            epi.dmv = _mm512_loadu_ps(DM + s * 16);
+            epi.s = s;
             for (int64_t m0 = 0; m0 < M; m0 += 32) {  // q, dx, qsum are padded to whole 32-row tiles
-                const int rows = M - m0 < 32 ? (int)(M - m0) : 32;
                 const int8_t* A0 = a->q + (m0 / 16) * steps * 1024;  // rows m0 .. m0 + 15
-                dwamx::tile_pass<false>(A0, A0 + steps * 1024, scratch, j0, j1, C);
-                float* acc = accs + m0 * 16;
-                for (int m = 0; m < rows; ++m) {
-                    const __m512i isc = dwamx::row_sum<4>(C, m);
-                    const i32_alias* qs = (const i32_alias*)(a->qsum + ((m0 + m) * S + s) * 8);
-                    __m512i imn = _mm512_setzero_si512();
-                    for (int p = 0; p < 4; ++p) imn = _mm512_dpwssd_epi32(imn, mnp[p], _mm512_set1_epi32(qs[p]));
-                    __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(isc), dv);
-                    t = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(imn), dmv, t);
-                    _mm512_store_ps(acc + m * 16, _mm512_fmadd_ps(t, _mm512_set1_ps(a->dx[(m0 + m) * S + s]),
-                                                                  _mm512_load_ps(acc + m * 16)));
-                }
+                epi.m0 = m0;
+                epi.rows = M - m0 < 32 ? (int)(M - m0) : 32;
+                epi.acc = accs + m0 * 16;
+                pipe.pass(A0, A0 + steps * 1024, scratch, j0, j1, epi);
             }
         }
+        pipe.flush();
         cols.store(accs, M, out, N);
     }
-    _tile_release();
+    dwamx::finish();
 }

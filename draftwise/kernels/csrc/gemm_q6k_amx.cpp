@@ -55,38 +55,59 @@ void prepare(const DwQ6* w, int64_t b, int64_t steps, uint8_t* scratch) {
     }
 }
 
+// One pass's float epilogue (rows m0 .. m0 + rows - 1, super-block s): the GEMV's two float steps per row.
+struct Epilogue {
+    __m512 dv;        // d of the super-block, columns 0-15
+    const float* DX;  // dx of row m0, super-block s (row stride S)
+    float* acc;       // rows m0 .. of the block's accumulators [.., 16]
+    int64_t S;
+    int rows;
+    void operator()(int32_t (*C)[16][16], int r0, int r1) const {
+        // locals: the accumulator stores (vector types may alias anything) would otherwise reload every member
+        const __m512 d = dv;
+        const float* dx = DX;
+        float* y = acc;
+        const int64_t stride = S;
+        const int end = r1 < rows ? r1 : rows;
+        for (int m = r0; m < end; ++m) {
+            const __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(dwamx::row_sum<8>(C, m)), d);
+            _mm512_store_ps(y + m * 16, _mm512_fmadd_ps(t, _mm512_set1_ps(dx[m * stride]), _mm512_load_ps(y + m * 16)));
+        }
+    }
+};
+
 }  // namespace
 
 extern "C" int64_t dw_q6k_amx_scratch_bytes(int64_t K, int64_t M) { return dwamx::scratch_bytes(K / 64, M); }
 
 // Loop order: per block, per super-block, every 32-row tile: the block's B tiles of that super-block (8 KiB) stay in
 // L1 while the row tiles stream past them; each row's accumulator waits in scratch between super-blocks (the same
-// fma sequence per row, in super-block order, as the GEMV's register accumulator).
+// fma sequence per row, in super-block order, as the GEMV's register accumulator). Each pass's epilogue runs inside
+// the next pass (amx_tiles.h's Pipeline).
 extern "C" void dw_q6k_gemm_amx(const DwQ6* w, const DwQ8Tiles* a, float* out, int64_t b0, int64_t b1, uint8_t* scratch) {
     dwamx::configure();
     const int64_t S = w->S, N = w->N, M = a->M, steps = a->K / 64;
     float* accs = (float*)(scratch + steps * 2048);  // [M rounded up to 32, 16]
-    alignas(64) int32_t C[4][16][16];                // amx_tiles.h's tile pass
+    dwamx::Pipeline<true, Epilogue> pipe;
     for (int64_t b = b0; b < b1; ++b) {
         prepare(w, b, steps, scratch);
         const float* D = w->d + b * S * 16;
         const dwamx::BlockCols cols(b, N, w->bias);
         dwamx::zero_accs(accs, M);
+        Epilogue epi;
+        epi.S = S;
         for (int64_t s = 0; s < S; ++s) {
-            const __m512 dv = _mm512_loadu_ps(D + s * 16);
+            epi.dv = _mm512_loadu_ps(D + s * 16);
             for (int64_t m0 = 0; m0 < M; m0 += 32) {  // q and dx are padded to whole 32-row tiles
-                const int rows = M - m0 < 32 ? (int)(M - m0) : 32;
                 const int8_t* A0 = a->q + (m0 / 16) * steps * 1024;  // rows m0 .. m0 + 15
-                dwamx::tile_pass<true>(A0, A0 + steps * 1024, scratch, s * 4, s * 4 + 4, C);
-                const float* DX = a->dx + m0 * S + s;
-                float* acc = accs + m0 * 16;
-                for (int m = 0; m < rows; ++m) {
-                    const __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(dwamx::row_sum<8>(C, m)), dv);
-                    _mm512_store_ps(acc + m * 16, _mm512_fmadd_ps(t, _mm512_set1_ps(DX[m * S]), _mm512_load_ps(acc + m * 16)));
-                }
+                epi.DX = a->dx + m0 * S + s;
+                epi.acc = accs + m0 * 16;
+                epi.rows = M - m0 < 32 ? (int)(M - m0) : 32;
+                pipe.pass(A0, A0 + steps * 1024, scratch, s * 4, s * 4 + 4, epi);
             }
         }
+        pipe.flush();
         cols.store(accs, M, out, N);
     }
-    _tile_release();
+    dwamx::finish();
 }

@@ -37,10 +37,14 @@ class DwWideSwitch {
 // qsum not written: never read). Threads over rows (at::parallel_for). Defined in gemm_q4x8.cpp.
 void dw_quantize_tiles(const float* x, int64_t M, int64_t K, int8_t* q, float* dx, int16_t* qsum);
 
-// Rows per chunk for activations of Kp bytes a row (a multiple of 32, 128..1024)
+// Rows per chunk for activations of Kp bytes a row (a multiple of 32, 128..384): a chunk's int8 activations stay in
+// most of a 2 MB L2, and a block's float accumulators for the chunk (64 bytes a row: 24 KiB at 384 rows) in half of a
+// 48 KiB L1 beside the block's B tiles and the streaming A tiles (measured: 1,024-row chunks at K 1536 took
+// 1.14-1.16x as long as 384-row ones on Sapphire Rapids, docs/PERFORMANCE.md).
 inline int64_t dw_wide_chunk_rows(int64_t Kp) {
-    constexpr int64_t CHUNK_BYTES = 1536 * 1024;  // int8 activations per row chunk: most of a 2 MB L2
-    return std::max<int64_t>(128, std::min<int64_t>(1024, CHUNK_BYTES / Kp / 32 * 32));
+    constexpr int64_t CHUNK_BYTES = 1536 * 1024;  // int8 activations per row chunk
+    constexpr int64_t ACC_ROWS = 384;             // float accumulator rows per block
+    return std::max<int64_t>(128, std::min<int64_t>(ACC_ROWS, CHUNK_BYTES / Kp / 32 * 32));
 }
 
 // This thread's scratch of at least `bytes`, 64-byte aligned (kept across calls)
