@@ -26,7 +26,7 @@ inline void configure() {
         cfg.colsb[i] = 64;
         cfg.rows[i] = 16;
     }
-    _tile_loadconfig(&cfg);
+    dw_load_tile_config(&cfg);
 }
 
 // Bytes of scratch one thread needs for one 16-column block: `steps` x 2 B tiles x 1 KiB, then 16 float32
