@@ -62,7 +62,8 @@ def test_matches_sdpa_reference(amx, H, Hkv, D, window, qdtype):
 def width_exact(attend, N: int = 200, H: int = 12, Hkv: int = 2, D: int = 128, window: int | None = None) -> list:
     """Every chunk width w = 1..N, each at a start offset s that moves with w, against the whole prefill's rows
     [s, s + w): the (w, s) whose rows differ in any bit. attend(q [1, H, T, D], keys, values, tables, positions,
-    ntoks, scale, window) -> [1, H, T, D]."""
+    ntoks, scale, window) -> [1, H, T, D]. At H 12, Hkv 2, widths 1-2 read the keys in place and wider calls pack
+    them once (attention_amx.cpp), so this also checks that both ways give the same bits."""
     g = torch.Generator().manual_seed(N + D)
     keys = torch.randn(1, Hkv, N + 16, D, generator=g).bfloat16()
     values = torch.randn(1, Hkv, N + 16, D, generator=g).bfloat16()

@@ -77,10 +77,10 @@ static inline int64_t dw_attn_scratch_floats(int64_t max_len, int64_t D) {
 }
 
 // The AMX path's scratch: dw_attn_scratch_floats' part, then (64-byte aligned) a pass's three score tiles, the
-// queries' bf16 tiles, a tree row's three key blocks and four value chunks of a pair of key blocks, and for every key
+// queries' bf16 tiles, a key block copied and four value chunks of a pair of key blocks, and for every key
 // block a query block spans (its queries' ranges differ by at most QB positions) P's hi / lo tiles and the packed
 // values and keys (attention_amx.cpp Work).
 static inline int64_t dw_attn_amx_scratch_floats(int64_t max_len, int64_t D) {
-    return dw_attn_scratch_floats(max_len, D) + 16 + 768 + D / 32 * 512 + 24 * D + 1024 +
+    return dw_attn_scratch_floats(max_len, D) + 16 + 768 + D / 32 * 512 + 8 * D + 1024 +
            (256 + 16 * D) * ((max_len + 15) / 16 + 5);
 }

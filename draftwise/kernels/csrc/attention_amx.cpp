@@ -10,7 +10,12 @@
 // depends on is computed from that query's row alone, in a sequence fixed by its own key positions —
 //   s_j  = S[j] * scale, where per absolute 16-position key block the tile C = sum over 32-dim chunks t of
 //          Qhi_t K_t^T, then Qlo_t K_t^T (q = qhi + qlo, both bfloat16 rounded to nearest even; C[query][key]
-//          depends only on that query's row and that key's column);
+//          depends only on that query's row and that key's column). Calls with many query blocks per (b, kv head)
+//          (prompts, wide verification) pack K into B tiles once and compute C[query][key]; others (decode, token
+//          trees) read K in place as A tiles and compute C[key][query] = K_t Qhi_t^T, then K_t Qlo_t^T: the same
+//          products in the same order per element, and TDPBF16PS gives bitwise the same scores either way (measured on
+//          Sapphire Rapids: 0 of 5.1 M random scores differ; test_kernels_attention_amx.py checks rows across widths,
+//          which take both);
 //   m, p_j = exp(s_j - m) and their sum: attention_avx512.h's Steps::softmax_weights, unchanged;
 //   o    = acc / sum, acc = per absolute 32-position pair of key blocks in position order, the tile C += Phi V,
 //          then C += Plo V, each one TDPBF16PS over the pair's 32 keys (p = phi + plo, bfloat16 each): each row of
@@ -32,9 +37,11 @@ using dwattn::QB;
 
 using TileConfig = DwTileConfig;  // the LDTILECFG operand, palette 1 (amx_config.h)
 
-// Scores, three key blocks a pass: tiles 0-2 = C [16 queries][16 keys] fp32, 3 / 4 = a 32-dim chunk of the
-// queries' hi / lo parts [16 queries][32 bf16], 5-7 = that chunk of each key block in VNNI layout [16 dim pairs]
-// [16 keys][2].
+// Scores from packed keys, three key blocks a pass: tiles 0-2 = C [16 queries][16 keys] fp32, 3 / 4 = a 32-dim
+// chunk of the queries' hi / lo parts [16 queries][32 bf16], 5-7 = that chunk of each key block in VNNI layout
+// [16 dim pairs][16 keys][2]. Scores from keys in place: tile 0 = C [16 keys][16 queries], 1 = a key block's
+// 32-dim chunk [16 keys][32 bf16], 2 / 3 = that chunk of the queries' hi / lo parts in VNNI layout [16 dim pairs]
+// [16 queries][2].
 // Values: tiles 0-3 = C [16 queries][16 dims] fp32 (4 dim chunks a pass), 4 / 5 = P's hi / lo parts of a pair of
 // key blocks [16 queries][32 keys] bf16, 6 / 7 = that pair's values, one 16-dim chunk in VNNI layout [16 key
 // pairs][16 dims][2]. Every tile 16 rows x 64 bytes.
@@ -64,9 +71,11 @@ inline void split16(__m512 x, __m256i& hi, __m256i& lo) {
 
 // Per-thread buffers, carved from the caller's scratch past dwattn::gather's part (dw_attn_amx_scratch_floats).
 struct Work {
-    uint16_t* q;   // [D / 32][2 (hi, lo)][16 queries][32 dims]: the block's queries as A tiles
+    uint16_t* q;   // [D / 32][2 (hi, lo)]: the block's queries as A tiles [16 queries][32 dims] (packed keys) or
+                   // as B tiles [16 dim pairs][16 queries][2] (keys in place)
+    bool packed;   // keys packed once per (b, kv head) (chain calls with more than one query block per (b, g))
     uint16_t* p;   // [key block pairs][2 (hi, lo)][16 queries][32 keys]: P as A tiles
-    uint32_t* kt;  // [D / 32][3][16 dim pairs][16 keys]: a tree row's three key blocks of one pass, VNNI layout
+    uint16_t* k;   // [16][D]: a key block copied where it cannot be read in place (zero rows where no query looks)
     uint32_t* v;   // [4][16 key pairs][16 dims]: a tree block pair's value chunks of one pass, VNNI layout
     float* c;      // [3][16][16]: a pass's score tiles
     // Chain calls: one (b, kv head)'s key and value blocks from position lo (a multiple of 32) on, in VNNI layout,
@@ -98,14 +107,39 @@ inline const uint16_t* row_at(const Block<uint16_t>& blk, const Keys& ks, const 
 }
 
 // The rows of the key block at ab: rows[r] for position ab + r, null where no query of the block attends it.
-inline void block_rows(const Block<uint16_t>& blk, const Keys& ks, const uint16_t* h, int64_t ab, const uint16_t** rows) {
+// True when all 16 are the cache's consecutive rows (the block can be read in place, at the cache's row stride).
+inline bool block_rows(const Block<uint16_t>& blk, const Keys& ks, const uint16_t* h, int64_t ab, const uint16_t** rows) {
+    bool direct = !(ks.mask && ab + 16 > ks.first);
     for (int r = 0; r < 16; ++r) {
         const int64_t p = ab + r;
         rows[r] = p >= ks.lo && p < ks.hi ? row_at(blk, ks, h, p) : nullptr;
+        direct = direct && rows[r] != nullptr;
     }
+    return direct;
 }
 
-// The queries' rows as A tiles (hi and lo parts of each 32-dim chunk); rows of absent queries are zero.
+// The queries' rows as B tiles (hi and lo parts of each 32-dim chunk) for keys read in place; columns of absent
+// queries are zero.
+inline void pack_queries_b(const Block<uint16_t>& blk, int64_t D, uint16_t* qt) {
+    for (int64_t i = 0; i < D / 32 * 1024; i += 32) _mm512_storeu_si512((void*)(qt + i), _mm512_setzero_si512());
+    for (int u = 0; u < blk.n; ++u)
+        for (int64_t d0 = 0; d0 < D; d0 += 16) {
+            __m256i hi, lo;
+            split16(_mm512_loadu_ps(blk.qf[u] + d0), hi, lo);
+            alignas(32) uint16_t h[16], l[16];
+            _mm256_store_si256((__m256i*)h, hi);
+            _mm256_store_si256((__m256i*)l, lo);
+            for (int i = 0; i < 16; ++i) {
+                const int64_t d = d0 + i, t = d / 32, k = (d % 32) / 2;
+                uint16_t* tile = qt + t * 1024;
+                tile[k * 32 + u * 2 + d % 2] = h[i];
+                tile[512 + k * 32 + u * 2 + d % 2] = l[i];
+            }
+        }
+}
+
+// The queries' rows as A tiles (hi and lo parts of each 32-dim chunk) for packed keys; rows of absent queries are
+// zero.
 inline void pack_queries(const Block<uint16_t>& blk, int64_t D, uint16_t* qt) {
     for (int64_t i = 0; i < D / 32 * 1024; i += 32) _mm512_storeu_si512((void*)(qt + i), _mm512_setzero_si512());
     for (int u = 0; u < blk.n; ++u)
@@ -140,27 +174,33 @@ inline void span(const Block<uint16_t>& blk, int u, int64_t ab, int& lo, int& hi
     hi = en - ab < 16 ? (int)(en - ab) : 16;
 }
 
-// Every query's s_j (into blk.s[u], scaled) and its max, three key blocks a pass (each chunk's query tiles loaded
-// once for the three). Chain rows read the keys packed once (w.kr); a tree row's blocks are packed here.
-void scores(const DwAttnArgs* a, Block<uint16_t>& blk, const Keys& ks, int64_t a_lo, int64_t nblk, Work& w, float* mx) {
+// One score tile row: query u's s_j for the key block at ab (x: the block's 16 raw scores), into blk.s[u] and vmax[u]
+inline void take_scores(Block<uint16_t>& blk, const Keys& ks, int u, int64_t ab, __m512 x, __m512 vscale, __m512* vmax) {
+    x = _mm512_mul_ps(x, vscale);
+    if (ks.whole(ab)) {  // the common case: no query's range starts or ends in the block
+        _mm512_storeu_ps(blk.s[u] + (ab - blk.start[u]), x);
+        vmax[u] = _mm512_max_ps(vmax[u], x);
+        return;
+    }
+    int lo, hi;
+    span(blk, u, ab, lo, hi);
+    if (lo >= hi) return;
+    const __mmask16 keep = (__mmask16)(((1u << hi) - 1u) & ~((1u << lo) - 1u));
+    _mm512_mask_storeu_ps(blk.s[u] + (ab - blk.start[u]), keep, x);  // s[u] has 16 floats of room before it
+    vmax[u] = _mm512_mask_max_ps(vmax[u], keep, vmax[u], x);
+}
+
+// Every query's s_j (into blk.s[u], scaled) and its max from the keys packed once (w.kr, chain rows), three key
+// blocks a pass (each chunk's query tiles loaded once for the three).
+void scores_packed(const DwAttnArgs* a, Block<uint16_t>& blk, const Keys& ks, int64_t a_lo, int64_t nblk, Work& w, float* mx) {
     const int64_t D = a->D;
     const __m512 vscale = _mm512_set1_ps(a->scale);
     __m512 vmax[QB];
     for (int u = 0; u < blk.n; ++u) vmax[u] = _mm512_set1_ps(-__builtin_inff());
-    const uint16_t* rows[16];
+    const int64_t cs = w.cap * 256;  // block i's chunk t at kt + t * cs + 256 i
     for (int64_t kb = 0; kb < nblk; kb += 3) {
         const int nb = nblk - kb < 3 ? (int)(nblk - kb) : 3;
-        const uint32_t* kt = w.kt;  // block i's chunk t at kt + t * cs + 256 i
-        int64_t cs = 3 * 256;
-        if (!ks.mask) {
-            cs = w.cap * 256;
-            kt = w.kr + (a_lo + 16 * kb - w.lo) / 16 * 256;
-        } else {
-            for (int i = 0; i < nb; ++i) {
-                block_rows(blk, ks, blk.q[0].Kh, a_lo + 16 * (kb + i), rows);
-                pack_keys(rows, D, w.kt + 256 * i, cs);
-            }
-        }
+        const uint32_t* kt = w.kr + (a_lo + 16 * kb - w.lo) / 16 * 256;
         _tile_zero(0);
         if (nb > 1) _tile_zero(1);
         if (nb > 2) _tile_zero(2);
@@ -184,26 +224,49 @@ void scores(const DwAttnArgs* a, Block<uint16_t>& blk, const Keys& ks, int64_t a
         _tile_stored(0, w.c, 64);
         if (nb > 1) _tile_stored(1, w.c + 256, 64);
         if (nb > 2) _tile_stored(2, w.c + 512, 64);
-        for (int i = 0; i < nb; ++i) {
-            const int64_t ab = a_lo + 16 * (kb + i);
-            if (ks.whole(ab)) {  // the common case: no query's range starts or ends in the block
-                for (int u = 0; u < blk.n; ++u) {
-                    const __m512 x = _mm512_mul_ps(_mm512_load_ps(w.c + 256 * i + 16 * u), vscale);
-                    _mm512_storeu_ps(blk.s[u] + (ab - blk.start[u]), x);
-                    vmax[u] = _mm512_max_ps(vmax[u], x);
-                }
-                continue;
-            }
-            for (int u = 0; u < blk.n; ++u) {  // row u of tile i: query u's scores for the block's keys
-                int lo, hi;
-                span(blk, u, ab, lo, hi);
-                if (lo >= hi) continue;
-                const __mmask16 keep = (__mmask16)(((1u << hi) - 1u) & ~((1u << lo) - 1u));
-                const __m512 x = _mm512_mul_ps(_mm512_load_ps(w.c + 256 * i + 16 * u), vscale);
-                _mm512_mask_storeu_ps(blk.s[u] + (ab - blk.start[u]), keep, x);  // s[u] has 16 floats of room before it
-                vmax[u] = _mm512_mask_max_ps(vmax[u], keep, vmax[u], x);
-            }
+        for (int i = 0; i < nb; ++i)  // row u of tile i: query u's scores for block kb + i
+            for (int u = 0; u < blk.n; ++u)
+                take_scores(blk, ks, u, a_lo + 16 * (kb + i), _mm512_load_ps(w.c + 256 * i + 16 * u), vscale, vmax);
+    }
+    for (int u = 0; u < blk.n; ++u) mx[u] = _mm512_reduce_max_ps(vmax[u]);
+}
+
+// The same scores with the keys read in place (copied where a block's rows are not the cache's consecutive rows),
+// one key block a pass: C[key][query], column u gathered for query u.
+void scores_in_place(const DwAttnArgs* a, Block<uint16_t>& blk, const Keys& ks, int64_t a_lo, int64_t nblk, Work& w,
+                     float* mx) {
+    const int64_t D = a->D, sc = blk.q[0].sc;
+    const __m512 vscale = _mm512_set1_ps(a->scale);
+    const __m512i column = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                              _mm512_set1_epi32(16));
+    __m512 vmax[QB];
+    for (int u = 0; u < blk.n; ++u) vmax[u] = _mm512_set1_ps(-__builtin_inff());
+    const uint16_t* rows[16];
+    for (int64_t kb = 0; kb < nblk; ++kb) {
+        const int64_t ab = a_lo + 16 * kb;
+        const uint16_t* kp = w.k;
+        int64_t stride = D * 2;
+        if (block_rows(blk, ks, blk.q[0].Kh, ab, rows)) {
+            kp = rows[0];
+            stride = sc * 2;
+        } else {
+            for (int r = 0; r < 16; ++r)
+                for (int64_t d = 0; d < D; d += 32)
+                    _mm512_storeu_si512((void*)(w.k + r * D + d),
+                                        rows[r] ? _mm512_loadu_si512((const void*)(rows[r] + d)) : _mm512_setzero_si512());
         }
+        _tile_zero(0);
+        for (int64_t t = 0; t < D / 32; ++t) {
+            _tile_loadd(1, kp + t * 32, stride);
+            _tile_loadd(2, w.q + t * 1024, 64);
+            _tile_loadd(3, w.q + t * 1024 + 512, 64);
+            _tile_dpbf16ps(0, 1, 2);
+            _tile_dpbf16ps(0, 1, 3);
+        }
+        _tile_stored(0, w.c, 64);
+        for (int u = 0; u < blk.n; ++u)  // column u of the tile: query u's scores for the block's keys
+            take_scores(blk, ks, u, ab, _mm512_i32gather_ps(_mm512_add_epi32(column, _mm512_set1_epi32(u)), w.c, 4),
+                        vscale, vmax);
     }
     for (int u = 0; u < blk.n; ++u) mx[u] = _mm512_reduce_max_ps(vmax[u]);
 }
@@ -262,10 +325,10 @@ inline void pack_values(const uint16_t* const* rows, int64_t dc, uint32_t* out) 
         _tile_dpbf16ps(C, 5, V);     \
     } while (0)
 
-// Chain calls: w.kr and w.vr hold the key and value blocks [ks.lo rounded down to 32, ks.hi) of (b, kv head) bg,
-// packed; block pairs past w.hi are packed now, and a new (b, kv head), a range starting before w.lo_exact or one
-// past w.cap starts over. Which rows hold zeros changes no result: a key a query does not attend is masked out of
-// its scores, and its p is 0.
+// Chain calls: w.vr (and w.kr where w.packed) hold the value (key) blocks [ks.lo rounded down to 32, ks.hi) of
+// (b, kv head) bg, packed; block pairs past w.hi are packed now, and a new (b, kv head), a range starting before
+// w.lo_exact or one past w.cap starts over. Which rows hold zeros changes no result: a key a query does not attend
+// is masked out of its scores, and its p is 0.
 void pack_chain(const Block<uint16_t>& blk, const Keys& ks, int64_t bg, int64_t end, int64_t D, Work& w) {
     if (w.bg != bg || ks.lo < w.lo_exact || (ks.hi - w.lo + 31) / 32 * 2 > w.cap) {
         w.bg = bg;
@@ -275,12 +338,14 @@ void pack_chain(const Block<uint16_t>& blk, const Keys& ks, int64_t bg, int64_t 
     const uint16_t* rows[32];
     for (; w.hi < ks.hi; w.hi += 32) {
         const int64_t b0 = (w.hi - w.lo) / 16;  // the pair's first block
-        for (int r = 0; r < 32; ++r) {
-            const int64_t p = w.hi + r;
-            rows[r] = p >= w.lo_exact && p < end ? dwattn::at(blk.q[0].Kh, blk.q[0], p) : nullptr;
+        if (w.packed) {
+            for (int r = 0; r < 32; ++r) {
+                const int64_t p = w.hi + r;
+                rows[r] = p >= w.lo_exact && p < end ? dwattn::at(blk.q[0].Kh, blk.q[0], p) : nullptr;
+            }
+            pack_keys(rows, D, w.kr + b0 * 256, w.cap * 256);
+            pack_keys(rows + 16, D, w.kr + (b0 + 1) * 256, w.cap * 256);
         }
-        pack_keys(rows, D, w.kr + b0 * 256, w.cap * 256);
-        pack_keys(rows + 16, D, w.kr + (b0 + 1) * 256, w.cap * 256);
         for (int r = 0; r < 32; ++r) {
             const int64_t p = w.hi + r;
             rows[r] = p >= w.lo_exact && p < end ? dwattn::at(blk.q[0].Vh, blk.q[0], p) : nullptr;
@@ -349,12 +414,17 @@ void attend_block(const DwAttnArgs* a, int64_t i0, int n, float* scratch, Work& 
     const int64_t a_lo = ks.lo - ks.lo % 16, nblk = (ks.hi - a_lo + 15) / 16;
     const int64_t a_lo2 = ks.lo - ks.lo % 32, npair = (ks.hi - a_lo2 + 31) / 32;  // P V by absolute pairs of blocks
     float mx[QB], total[QB];
-    pack_queries(blk, D, w.q);
     if (!ks.mask) {
         const int64_t bg = i0 / (a->T * (a->H / a->Hkv)), b = bg / a->Hkv;
         pack_chain(blk, ks, bg, a->first[b] + a->ntok[b], D, w);
     }
-    scores(a, blk, ks, a_lo, nblk, w, mx);
+    if (w.packed && !ks.mask) {
+        pack_queries(blk, D, w.q);
+        scores_packed(a, blk, ks, a_lo, nblk, w, mx);
+    } else {
+        pack_queries_b(blk, D, w.q);
+        scores_in_place(a, blk, ks, a_lo, nblk, w, mx);
+    }
     for (int u = 0; u < blk.n; ++u) total[u] = Steps::softmax_weights(blk.s[u], blk.q[u].L, mx[u]);
     pack_weights(blk, ks, a_lo2, npair, w.p);
     float* acc0 = scratch + QB * dp;  // gather's accumulators: blk.acc[u] = acc0 + u * dp (QB rows of room)
@@ -376,13 +446,15 @@ extern "C" void dw_attn_rows_amx(const DwAttnArgs* a, int64_t i0, int64_t i1, fl
     dwamx::Work w;
     w.c = base;
     w.q = (uint16_t*)(base + 768);
-    w.kt = (uint32_t*)(w.q + D / 32 * 1024);
-    w.v = w.kt + D / 32 * 768;
+    w.k = w.q + D / 32 * 1024;
+    w.v = (uint32_t*)(w.k + 16 * D);
     w.cap = (a->max_len + 15) / 16 + 4;
     w.cap += w.cap & 1;  // whole pairs of blocks
     w.p = (uint16_t*)(w.v + 1024);
     w.vr = (uint32_t*)(w.p + 512 * w.cap);
     w.kr = w.vr + 8 * D * w.cap;
+    // keys packed where a (b, kv head) has more than one query block in the call: its packing then serves them all
+    w.packed = !a->anc && a->T * (a->H / a->Hkv) > QB;
     w.bg = -1;
     w.lo = w.lo_exact = w.hi = 0;
     const int64_t G = a->H / a->Hkv;
