@@ -100,7 +100,7 @@ at::Tensor wide_amx(const at::Tensor& x, const at::Tensor& packed, const at::Ten
     const int64_t chunk = dw_wide_chunk_rows(Kp);
     for (int64_t m0 = 0; m0 < M; m0 += chunk) {
         DwQ8Rows a{qp + m0 * Kp, dxp + m0 * S, qsp + m0 * S * 8, std::min(chunk, M - m0), Kp};
-        at::parallel_for(0, NB, 1, [&](int64_t b0, int64_t b1) {
+        dw_for_blocks(NB, [&](int64_t b0, int64_t b1) {
             dw_gemm_amx(&w, &a, yp + m0 * N, b0, b1, dw_thread_scratch(dw_amx_scratch_bytes(Kp, a.M)));
         });
     }

@@ -53,7 +53,7 @@ at::Tensor wide_amx(const at::Tensor& x, const at::Tensor& ql, const at::Tensor&
     const int64_t chunk = dw_wide_chunk_rows(K);
     for (int64_t m0 = 0; m0 < M; m0 += chunk) {
         DwQ8Tiles a{qp + m0 * K, dxp + m0 * S, std::min(chunk, M - m0), K};
-        at::parallel_for(0, NB, 1, [&](int64_t b0, int64_t b1) {
+        dw_for_blocks(NB, [&](int64_t b0, int64_t b1) {
             dw_q6k_gemm_amx(&w, &a, yp + m0 * N, b0, b1, dw_thread_scratch(dw_q6k_amx_scratch_bytes(K, a.M)));
         });
     }

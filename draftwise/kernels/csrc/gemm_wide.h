@@ -9,6 +9,7 @@
 // dw_wide_side); the quantized values are the GEMVs' own (q4x8.h's dw_q8_rows_*), so a row's arithmetic never
 // depends on the call's width or chunking.
 #pragma once
+#include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <c10/util/Exception.h>
 #include <algorithm>
@@ -45,6 +46,22 @@ inline int64_t dw_wide_chunk_rows(int64_t Kp) {
     constexpr int64_t CHUNK_BYTES = 1536 * 1024;  // int8 activations per row chunk
     constexpr int64_t ACC_ROWS = 384;             // float accumulator rows per block
     return std::max<int64_t>(128, std::min<int64_t>(ACC_ROWS, CHUNK_BYTES / Kp / 32 * 32));
+}
+
+// fn(b0, b1) over the 16-column blocks [0, NB), in groups of DW_BLOCK_GROUP taken from a shared counter by each of
+// torch's threads: a thread slowed by a neighbour on a shared host takes fewer groups instead of holding the others
+// at the join (a static split waits for the slowest half). Columns are independent, so which thread computes a
+// block changes no bit.
+constexpr int64_t DW_BLOCK_GROUP = 4;
+template <class F>
+inline void dw_for_blocks(int64_t NB, const F& fn) {
+    const int64_t groups = (NB + DW_BLOCK_GROUP - 1) / DW_BLOCK_GROUP;
+    const int64_t threads = std::min<int64_t>(at::get_num_threads(), groups);
+    std::atomic<int64_t> next{0};
+    at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+        for (int64_t g = next.fetch_add(1); g < groups; g = next.fetch_add(1))
+            fn(g * DW_BLOCK_GROUP, std::min(NB, (g + 1) * DW_BLOCK_GROUP));
+    });
 }
 
 // This thread's scratch of at least `bytes`, 64-byte aligned (kept across calls)
