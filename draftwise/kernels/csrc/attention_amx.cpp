@@ -118,37 +118,30 @@ inline bool block_rows(const Block<uint16_t>& blk, const Keys& ks, const uint16_
     return direct;
 }
 
-// The queries' rows as B tiles (hi and lo parts of each 32-dim chunk) for keys read in place; columns of absent
-// queries are zero.
-inline void pack_queries_b(const Block<uint16_t>& blk, int64_t D, uint16_t* qt) {
-    for (int64_t i = 0; i < D / 32 * 1024; i += 32) _mm512_storeu_si512((void*)(qt + i), _mm512_setzero_si512());
-    for (int u = 0; u < blk.n; ++u)
-        for (int64_t d0 = 0; d0 < D; d0 += 16) {
-            __m256i hi, lo;
-            split16(_mm512_loadu_ps(blk.qf[u] + d0), hi, lo);
-            alignas(32) uint16_t h[16], l[16];
-            _mm256_store_si256((__m256i*)h, hi);
-            _mm256_store_si256((__m256i*)l, lo);
-            for (int i = 0; i < 16; ++i) {
-                const int64_t d = d0 + i, t = d / 32, k = (d % 32) / 2;
-                uint16_t* tile = qt + t * 1024;
-                tile[k * 32 + u * 2 + d % 2] = h[i];
-                tile[512 + k * 32 + u * 2 + d % 2] = l[i];
-            }
-        }
-}
-
-// The queries' rows as A tiles (hi and lo parts of each 32-dim chunk) for packed keys; rows of absent queries are
-// zero.
+// The queries' rows, the hi and lo parts of each 32-dim chunk, as A tiles [16 queries][32 dims] (for packed keys)
+// or, AsB, as B tiles in VNNI layout [16 dim pairs][16 queries][2] (for keys read in place); absent queries zero.
+template <bool AsB>
 inline void pack_queries(const Block<uint16_t>& blk, int64_t D, uint16_t* qt) {
     for (int64_t i = 0; i < D / 32 * 1024; i += 32) _mm512_storeu_si512((void*)(qt + i), _mm512_setzero_si512());
     for (int u = 0; u < blk.n; ++u)
         for (int64_t d0 = 0; d0 < D; d0 += 16) {
             __m256i hi, lo;
             split16(_mm512_loadu_ps(blk.qf[u] + d0), hi, lo);
-            uint16_t* row = qt + d0 / 32 * 1024 + u * 32 + d0 % 32;
-            _mm256_storeu_si256((__m256i*)row, hi);
-            _mm256_storeu_si256((__m256i*)(row + 512), lo);
+            if constexpr (!AsB) {
+                uint16_t* row = qt + d0 / 32 * 1024 + u * 32 + d0 % 32;
+                _mm256_storeu_si256((__m256i*)row, hi);
+                _mm256_storeu_si256((__m256i*)(row + 512), lo);
+            } else {
+                alignas(32) uint16_t h[16], l[16];
+                _mm256_store_si256((__m256i*)h, hi);
+                _mm256_store_si256((__m256i*)l, lo);
+                for (int i = 0; i < 16; ++i) {
+                    const int64_t d = d0 + i, t = d / 32, k = (d % 32) / 2;
+                    uint16_t* tile = qt + t * 1024;
+                    tile[k * 32 + u * 2 + d % 2] = h[i];
+                    tile[512 + k * 32 + u * 2 + d % 2] = l[i];
+                }
+            }
         }
 }
 
@@ -419,10 +412,10 @@ void attend_block(const DwAttnArgs* a, int64_t i0, int n, float* scratch, Work& 
         pack_chain(blk, ks, bg, a->first[b] + a->ntok[b], D, w);
     }
     if (w.packed && !ks.mask) {
-        pack_queries(blk, D, w.q);
+        pack_queries<false>(blk, D, w.q);
         scores_packed(a, blk, ks, a_lo, nblk, w, mx);
     } else {
-        pack_queries_b(blk, D, w.q);
+        pack_queries<true>(blk, D, w.q);
         scores_in_place(a, blk, ks, a_lo, nblk, w, mx);
     }
     for (int u = 0; u < blk.n; ++u) total[u] = Steps::softmax_weights(blk.s[u], blk.q[u].L, mx[u]);
