@@ -40,8 +40,9 @@ void dw_quantize_tiles(const float* x, int64_t M, int64_t K, int8_t* q, float* d
 
 // Rows per chunk for activations of Kp bytes a row (a multiple of 32, 128..384): a chunk's int8 activations stay in
 // most of a 2 MB L2, and a block's float accumulators for the chunk (64 bytes a row: 24 KiB at 384 rows) in half of a
-// 48 KiB L1 beside the block's B tiles and the streaming A tiles (measured: 1,024-row chunks at K 1536 took
-// 1.14-1.16x as long as 384-row ones on Sapphire Rapids, docs/PERFORMANCE.md).
+// 48 KiB L1 beside the block's B tiles and the streaming A tiles (measured on Sapphire Rapids, one core, calls
+// alternated in one process as scripts/ab_amx_gemm.sh does: 256- to 512-row chunks took ~0.85x the time of
+// 1,024-row ones at N 17920, K 1536).
 inline int64_t dw_wide_chunk_rows(int64_t Kp) {
     constexpr int64_t CHUNK_BYTES = 1536 * 1024;  // int8 activations per row chunk
     constexpr int64_t ACC_ROWS = 384;             // float accumulator rows per block
