@@ -160,25 +160,20 @@ inline void pack_keys(const uint16_t* const* rows, int64_t D, uint32_t* out, int
     }
 }
 
-// Query u's keys in the block at ab, as block offsets [lo, hi) (none when lo >= hi).
-inline void span(const Block<uint16_t>& blk, int u, int64_t ab, int& lo, int& hi) {
+// Query u's keys in the block at ab, as a lane mask (0: none). The common case, a block no query's range starts or
+// ends in, is all 16 without looking at u.
+inline __mmask16 keys_of(const Block<uint16_t>& blk, const Keys& ks, int u, int64_t ab) {
+    if (ks.whole(ab)) return (__mmask16)0xFFFF;
     const int64_t st = blk.start[u], en = st + blk.q[u].L;
-    lo = st > ab ? (int)(st - ab) : 0;
-    hi = en - ab < 16 ? (int)(en - ab) : 16;
+    const int lo = st > ab ? (int)(st - ab) : 0, hi = en - ab < 16 ? (int)(en - ab) : 16;
+    return lo < hi ? (__mmask16)(((1u << hi) - 1u) & ~((1u << lo) - 1u)) : (__mmask16)0;
 }
 
 // One score tile row: query u's s_j for the key block at ab (x: the block's 16 raw scores), into blk.s[u] and vmax[u]
 inline void take_scores(Block<uint16_t>& blk, const Keys& ks, int u, int64_t ab, __m512 x, __m512 vscale, __m512* vmax) {
+    const __mmask16 keep = keys_of(blk, ks, u, ab);
+    if (!keep) return;
     x = _mm512_mul_ps(x, vscale);
-    if (ks.whole(ab)) {  // the common case: no query's range starts or ends in the block
-        _mm512_storeu_ps(blk.s[u] + (ab - blk.start[u]), x);
-        vmax[u] = _mm512_max_ps(vmax[u], x);
-        return;
-    }
-    int lo, hi;
-    span(blk, u, ab, lo, hi);
-    if (lo >= hi) return;
-    const __mmask16 keep = (__mmask16)(((1u << hi) - 1u) & ~((1u << lo) - 1u));
     _mm512_mask_storeu_ps(blk.s[u] + (ab - blk.start[u]), keep, x);  // s[u] has 16 floats of room before it
     vmax[u] = _mm512_mask_max_ps(vmax[u], keep, vmax[u], x);
 }
@@ -271,25 +266,10 @@ void pack_weights(const Block<uint16_t>& blk, const Keys& ks, int64_t a_lo2, int
         uint16_t* tile = pt + kp * 1024;
         for (int h = 0; h < 2; ++h) {
             const int64_t ab = a_lo2 + 32 * kp + 16 * h;
-            if (ks.whole(ab)) {  // every query attends every key of the block
-                for (int u = 0; u < 16; ++u) {
-                    __m256i hi = _mm256_setzero_si256(), lo = _mm256_setzero_si256();
-                    if (u < blk.n) split16(_mm512_loadu_ps(blk.s[u] + (ab - blk.start[u])), hi, lo);
-                    _mm256_storeu_si256((__m256i*)(tile + u * 32 + 16 * h), hi);
-                    _mm256_storeu_si256((__m256i*)(tile + 512 + u * 32 + 16 * h), lo);
-                }
-                continue;
-            }
             for (int u = 0; u < 16; ++u) {
                 __m256i hi = _mm256_setzero_si256(), lo = _mm256_setzero_si256();
-                if (u < blk.n) {
-                    int l0, l1;
-                    span(blk, u, ab, l0, l1);
-                    if (l0 < l1) {
-                        const __mmask16 keep = (__mmask16)(((1u << l1) - 1u) & ~((1u << l0) - 1u));
-                        split16(_mm512_maskz_loadu_ps(keep, blk.s[u] + (ab - blk.start[u])), hi, lo);
-                    }
-                }
+                const __mmask16 keep = u < blk.n ? keys_of(blk, ks, u, ab) : (__mmask16)0;
+                if (keep) split16(_mm512_maskz_loadu_ps(keep, blk.s[u] + (ab - blk.start[u])), hi, lo);
                 _mm256_storeu_si256((__m256i*)(tile + u * 32 + 16 * h), hi);
                 _mm256_storeu_si256((__m256i*)(tile + 512 + u * 32 + 16 * h), lo);
             }
@@ -329,20 +309,20 @@ void pack_chain(const Block<uint16_t>& blk, const Keys& ks, int64_t bg, int64_t 
         w.lo = w.hi = ks.lo - ks.lo % 32;
     }
     const uint16_t* rows[32];
+    auto pair_rows = [&](const uint16_t* h) {  // the pair's 32 cache rows of K (h = Kh) or V (h = Vh)
+        for (int r = 0; r < 32; ++r) {
+            const int64_t p = w.hi + r;
+            rows[r] = p >= w.lo_exact && p < end ? dwattn::at(h, blk.q[0], p) : nullptr;
+        }
+    };
     for (; w.hi < ks.hi; w.hi += 32) {
         const int64_t b0 = (w.hi - w.lo) / 16;  // the pair's first block
         if (w.packed) {
-            for (int r = 0; r < 32; ++r) {
-                const int64_t p = w.hi + r;
-                rows[r] = p >= w.lo_exact && p < end ? dwattn::at(blk.q[0].Kh, blk.q[0], p) : nullptr;
-            }
+            pair_rows(blk.q[0].Kh);
             pack_keys(rows, D, w.kr + b0 * 256, w.cap * 256);
             pack_keys(rows + 16, D, w.kr + (b0 + 1) * 256, w.cap * 256);
         }
-        for (int r = 0; r < 32; ++r) {
-            const int64_t p = w.hi + r;
-            rows[r] = p >= w.lo_exact && p < end ? dwattn::at(blk.q[0].Vh, blk.q[0], p) : nullptr;
-        }
+        pair_rows(blk.q[0].Vh);
         for (int64_t dc = 0; dc < D / 16; ++dc) pack_values(rows, dc, w.vr + (dc * w.cap + b0) * 128);
     }
 }
@@ -411,7 +391,7 @@ void attend_block(const DwAttnArgs* a, int64_t i0, int n, float* scratch, Work& 
         const int64_t bg = i0 / (a->T * (a->H / a->Hkv)), b = bg / a->Hkv;
         pack_chain(blk, ks, bg, a->first[b] + a->ntok[b], D, w);
     }
-    if (w.packed && !ks.mask) {
+    if (w.packed) {  // never a tree call (dw_attn_rows_amx)
         pack_queries<false>(blk, D, w.q);
         scores_packed(a, blk, ks, a_lo, nblk, w, mx);
     } else {
