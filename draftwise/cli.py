@@ -163,6 +163,8 @@ def _faithful_note(ckpt, cfg, candidates: list[str]) -> str:
     lines = [f"this GGUF stores {faithful.types_text().replace('->', ' -> ')}: --weights auto runs the faithful plan "
              "(each tensor by the kernel of its stored type), not the table's choice"
              + (f"; {measured('faithful')}" if measured("faithful") else "")]
+    if faithful.fallback_types:  # kernels/blocktypes.py: stored types no kernel holds, with what the fallback costs
+        lines.append(f"SLOW PATH: no kernel of its own for {faithful.fallback_text()}")
     for name in candidates:
         lossy = KernelPlan(name, name, "float32", stored_types=census).lossy_types
         if lossy:

@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from draftwise.kernels import autotune, q4x8
+from draftwise.kernels import autotune, library, q4x8
 from draftwise.kernels.linear import LINEARS, Q4x8Linear, available, make_linear
 from draftwise.kernels.probe import cuda_probe, format_probe, measure_bandwidth, probe
 
@@ -242,23 +242,23 @@ def test_an_isa_cap_runs_this_cpu_as_a_lower_class(paths):
     assert bad.returncode != 0 and "one of avx512, avx2, scalar" in bad.stderr
 
 
-def test_q4x8_library_lives_under_the_cache_dir(monkeypatch, tmp_path):
+def test_the_library_lives_under_the_cache_dir(monkeypatch, tmp_path):
     monkeypatch.setenv("DRAFTWISE_CACHE_DIR", str(tmp_path))
-    path = q4x8.library_path()
+    path = library.library_path()
     assert path.parent.parent == tmp_path / "kernels" and path.name.endswith(".so")
 
 
-def test_q4x8_library_key_covers_every_flag_and_source(monkeypatch):
+def test_the_library_key_covers_every_flag_and_source(monkeypatch):
     """Any change to the warning, compile, include or per-unit flags, or a new file in csrc, is a new library."""
-    before = q4x8.library_path()
-    monkeypatch.setattr(q4x8, "WARNINGS", q4x8.WARNINGS + ["-Wconversion"])
-    assert q4x8.library_path() != before
+    before = library.library_path()
+    monkeypatch.setattr(library, "WARNINGS", library.WARNINGS + ["-Wconversion"])
+    assert library.library_path() != before
     monkeypatch.undo()
-    flags = q4x8._flags()
-    monkeypatch.setattr(q4x8, "_flags", lambda: (flags[0], flags[1] + ["-I/elsewhere"], flags[2]))
-    assert q4x8.library_path() != before
+    flags = library._flags()
+    monkeypatch.setattr(library, "_flags", lambda: (flags[0], flags[1] + ["-I/elsewhere"], flags[2]))
+    assert library.library_path() != before
     monkeypatch.undo()
-    assert "dispatch.h" in q4x8.SOURCES and q4x8.library_path() == before
+    assert "dispatch.h" in library.SOURCES and library.library_path() == before
 
 
 def test_isa_path_names_come_from_the_library(paths):

@@ -15,7 +15,7 @@ import sys
 import pytest
 import torch
 
-from draftwise.kernels import q4x8
+from draftwise.kernels import library, q4x8
 from draftwise.kernels.linear import Q4x8Linear
 from tests.harness import KS, SHAPES, WIDTHS, first_inexact_width, ops, side, threads, wide_x  # noqa: F401 (fixtures)
 
@@ -95,16 +95,16 @@ def test_the_switch_file_is_kept_per_cpu_and_clock_and_remeasured_otherwise(ops,
     machine once measured wrong is not kept for good."""
     from draftwise.kernels.probe import probe
 
-    monkeypatch.delenv(q4x8.WIDE_ENV, raising=False)
-    monkeypatch.setattr(q4x8, "busy_meter", lambda: lambda: 0.0)  # quiet (a busy probe: the test below)
+    monkeypatch.delenv(library.WIDE_ENV, raising=False)
+    monkeypatch.setattr(library, "busy_meter", lambda: lambda: 0.0)  # quiet (a busy probe: the test below)
     kept = tmp_path / f"wide_{ops.wide_kind()}.txt"
     key = f"{probe(bandwidth=False)['cpu']}|{os.cpu_count()}"
-    kept.write_text(f"{key}|{q4x8.WIDE_PROBE_CLOCK}\n77")
-    assert q4x8.wide_min_rows(ops, tmp_path) == 77
+    kept.write_text(f"{key}|{library.WIDE_PROBE_CLOCK}\n77")
+    assert library.wide_min_rows(ops, tmp_path) == 77
     kept.write_text(f"{key}\n77")  # no clock in the key: measured by the old probe
-    rows = q4x8.wide_min_rows(ops, tmp_path)
-    assert rows in q4x8.WIDE_PROBE_WIDTHS or rows == 2 ** 62
-    assert kept.read_text() == f"{key}|{q4x8.WIDE_PROBE_CLOCK}\n{rows}"
+    rows = library.wide_min_rows(ops, tmp_path)
+    assert rows in library.WIDE_PROBE_WIDTHS or rows == 2 ** 62
+    assert kept.read_text() == f"{key}|{library.WIDE_PROBE_CLOCK}\n{rows}"
 
 
 def test_a_width_measured_on_a_busy_machine_is_provisional_and_measured_again_when_quiet(ops, tmp_path, monkeypatch):
@@ -113,21 +113,21 @@ def test_a_width_measured_on_a_busy_machine_is_provisional_and_measured_again_wh
     and measures again, unmarked, once it is quiet. The probe and the busy meter are planted."""
     from draftwise.kernels.probe import probe
 
-    monkeypatch.delenv(q4x8.WIDE_ENV, raising=False)
+    monkeypatch.delenv(library.WIDE_ENV, raising=False)
     kept = tmp_path / f"wide_{ops.wide_kind()}.txt"
-    key = f"{probe(bandwidth=False)['cpu']}|{os.cpu_count()}|{q4x8.WIDE_PROBE_CLOCK}"
+    key = f"{probe(bandwidth=False)['cpu']}|{os.cpu_count()}|{library.WIDE_PROBE_CLOCK}"
     widths = iter([2 ** 62, 64])  # busy: 'never'; quiet: 64
-    monkeypatch.setattr(q4x8, "_probe_wide", lambda ops, kind="q4x8": next(widths))
+    monkeypatch.setattr(library, "_probe_wide", lambda ops, kind="q4x8": next(widths))
     load = {"cores": 1.5}
-    monkeypatch.setattr(q4x8, "busy_meter", lambda: lambda: load["cores"])
-    monkeypatch.setattr(q4x8, "busy_now", lambda window_s=0.5: load["cores"])
-    assert q4x8.wide_min_rows(ops, tmp_path) == 2 ** 62
-    assert kept.read_text() == f"{key}{q4x8.WIDE_PROVISIONAL}\n{2 ** 62}"
-    assert q4x8.wide_min_rows(ops, tmp_path) == 2 ** 62  # still busy: the provisional width, not measured again
+    monkeypatch.setattr(library, "busy_meter", lambda: lambda: load["cores"])
+    monkeypatch.setattr(library, "busy_now", lambda window_s=0.5: load["cores"])
+    assert library.wide_min_rows(ops, tmp_path) == 2 ** 62
+    assert kept.read_text() == f"{key}{library.WIDE_PROVISIONAL}\n{2 ** 62}"
+    assert library.wide_min_rows(ops, tmp_path) == 2 ** 62  # still busy: the provisional width, not measured again
     load["cores"] = 0.1
-    assert q4x8.wide_min_rows(ops, tmp_path) == 64
+    assert library.wide_min_rows(ops, tmp_path) == 64
     assert kept.read_text() == f"{key}\n64"
-    assert q4x8.wide_min_rows(ops, tmp_path) == 64  # quiet and kept: the probe is not run again (none left)
+    assert library.wide_min_rows(ops, tmp_path) == 64  # quiet and kept: the probe is not run again (none left)
 
 
 def test_an_isa_cap_or_the_override_keeps_auto_off_the_wide_kernel(ops):

@@ -139,14 +139,13 @@ def resolve_plan(s: Shapes, dtype: str, weights: str, device: str = "cpu", tune=
 
 
 def _stored_bytes(gguf_type: str, shape) -> int:
-    """Bytes of a tensor as the GGUF stores it (ggml's block size and bytes per block)."""
-    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+    """Bytes of a tensor as the GGUF stores it (its row of kernels/blocktypes.py: values and bytes per block)."""
+    from draftwise.kernels.blocktypes import row
 
-    block, size = GGML_QUANT_SIZES[GGMLQuantizationType[gguf_type]]
     numel = 1
     for dim in shape:
         numel *= dim
-    return numel // block * size
+    return row(gguf_type).stored_bytes(numel)
 
 
 def weight_bytes(s: Shapes, plan) -> int:

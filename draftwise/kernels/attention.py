@@ -4,7 +4,7 @@ real query (b, t) of a chunk, softmax(scale * q K^T) V over exactly keys [start,
 included, float32 or bfloat16 queries over float32 or bfloat16 K/V (fp32 accumulation), in parallel over
 (b, t, head) items.
 
-Owns: whether the op can run here (it is built into the q4x8 library: `q4x8.load`, KernelBuildError without a
+Owns: whether the op can run here (it is built into the one library, kernels/library.py: `library.load`, KernelBuildError without a
 compiler) and its Python signature; its ISA path is chosen by csrc/dispatch.h's rule, like every op of the library
 ('auto': the best this CPU runs; `cpu_paths` lists them). Knows nothing of models beyond the KV cache's layout
 (kv_cache.py: per layer a pool [blocks, kv heads, block_size, head_dim] passed as it is, no copy; position p of
@@ -25,9 +25,9 @@ from __future__ import annotations
 
 import torch
 
-from draftwise.kernels import q4x8
+from draftwise.kernels import library
 
-PATHS = q4x8.PATHS  # ISA path name -> id, from the library (csrc/dispatch.h)
+PATHS = library.PATHS  # ISA path name -> id, from the library (csrc/dispatch.h)
 AMX_PATH = "amx"  # attention's own path (attention.cpp AMX_PATH): bf16 tiles, not bitwise the ISA paths
 _AMX_ID = 3
 ATTENTION_DTYPES = (torch.float32, torch.bfloat16)
@@ -41,9 +41,9 @@ def available() -> bool:
     global _available
     if _available is None:
         try:
-            q4x8.load()
+            library.load()
             _available = True
-        except q4x8.KernelBuildError:
+        except library.KernelBuildError:
             _available = False
     return _available
 
@@ -58,20 +58,20 @@ def usable(q: torch.Tensor, keys: torch.Tensor) -> bool:
 def cpu_paths() -> list[str]:
     """The ISA paths the op can run on this CPU that agree bitwise, slowest first (the last is what 'auto' picks,
     except where `amx()` holds and the K/V are bfloat16)."""
-    q4x8.load()
-    return q4x8.path_names(torch.ops.draftwise_attn.paths())
+    library.load()
+    return library.path_names(torch.ops.draftwise_attn.paths())
 
 
 def amx() -> bool:
     """This process runs the AMX path (CPU with AMX-BF16 tiles, no $DRAFTWISE_MAX_ISA cap, tile data permitted):
     'auto' then takes it for bfloat16 K/V with head_dim a multiple of 32 up to 256, at every width. Its rows are
     row-exact among themselves but not bitwise the other paths' (TDPBF16PS rounds its sums its own way)."""
-    q4x8.load()
+    library.load()
     return bool(torch.ops.draftwise_attn.amx())
 
 
 def _path_id(path: str) -> int:
-    return _AMX_ID if path == AMX_PATH else q4x8.path_id(path)
+    return _AMX_ID if path == AMX_PATH else library.path_id(path)
 
 
 def attend_rows(

@@ -11,13 +11,16 @@ from __future__ import annotations
 
 import torch
 
+from draftwise.kernels import blocktypes
+
 COLS = 16  # output columns per packed block (as q4x8)
 QK_K = 256  # K values per K-quant super-block
-Q6K_BLOCK_BYTES = 210  # ql[128], qh[64], scales[16] int8, d fp16
-Q8_0_BLOCK_BYTES = 34  # d fp16, qs[32] int8
-Q5_0_BLOCK_BYTES = 22  # d fp16, qh[4] (bit j: value j's fifth bit), qs[16] (nibbles: values j and j + 16)
-BLOCK_BYTES = {"Q6_K": Q6K_BLOCK_BYTES, "Q8_0": Q8_0_BLOCK_BYTES, "Q5_0": Q5_0_BLOCK_BYTES}
-BLOCK_VALUES = {"Q6_K": QK_K, "Q8_0": 32, "Q5_0": 32}
+# values and bytes per block, per ggml type: kernels/blocktypes.py's table
+BLOCK_BYTES = {name: t.block_bytes for name, t in blocktypes.TYPES.items()}
+BLOCK_VALUES = {name: t.values for name, t in blocktypes.TYPES.items()}
+Q6K_BLOCK_BYTES = BLOCK_BYTES["Q6_K"]  # ql[128], qh[64], scales[16] int8, d fp16
+Q8_0_BLOCK_BYTES = BLOCK_BYTES["Q8_0"]  # d fp16, qs[32] int8
+Q5_0_BLOCK_BYTES = BLOCK_BYTES["Q5_0"]  # d fp16, qh[4] (bit j: value j's fifth bit), qs[16] (nibbles: values j and j + 16)
 
 
 def _raw(blocks, N: int, K: int, kind: str) -> torch.Tensor:

@@ -1,10 +1,10 @@
-"""The decoder's per-layer glue as single C++ calls (csrc/glue.cpp, built into the q4x8 library): RMSNorm, the
+"""The decoder's per-layer glue as single C++ calls (csrc/glue.cpp, built into the one library, kernels/library.py): RMSNorm, the
 residual add fused with the norm after it, RoPE on q and k (after the optional per-head q/k norm; `rope_qk_cache`
 also stores k and v into the layer's KV cache), and the gated activation act(gate) * up. The torch reference
 takes ~77 top-level calls per layer (180 aten events), which with the Python around them cost ~15 of the ~38 ms
 of a one-token step of the 1.5B; with these ops (and merged projections) a layer makes ~23.
 
-Owns: whether the ops can run here (`available`: the library builds and loads; `q4x8.load`) and their Python
+Owns: whether the ops can run here (`available`: the library builds and loads; `library.load`) and their Python
 signatures. float32 CPU tensors only: the decoder (models/transformer.py) keeps its torch reference for other
 dtypes and devices and where the library cannot be built. Knows nothing of models beyond these shapes and the KV
 cache's layout (kv_cache.py: per layer a pool [blocks, kv heads, block_size, head_dim] and block-table rows,
@@ -22,34 +22,34 @@ from __future__ import annotations
 
 import torch
 
-from draftwise.kernels import q4x8
+from draftwise.kernels import library
 
 NORM_TOLERANCE = 1e-6  # max |fused - reference| / max |reference| of rms_norm (float32)
 GLU_TOLERANCE = 1e-6  # max |fused - reference| / |reference| per element of the silu glu (both <= 1.4 ulp of exact)
 ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}
-PATHS = q4x8.PATHS  # ISA path name -> id, from the library (csrc/dispatch.h)
+PATHS = library.PATHS  # ISA path name -> id, from the library (csrc/dispatch.h)
 
 
 def available() -> bool:
     """The ops are built and loaded (built on first use; False, once and for all, where they cannot be)."""
     try:
-        q4x8.load()
-    except q4x8.KernelBuildError:
+        library.load()
+    except library.KernelBuildError:
         return False
     return True
 
 
 def cpu_paths() -> list[str]:
     """The ISA paths of the row loops this CPU can run, slowest first (the last is what 'auto' picks)."""
-    q4x8.load()
-    return q4x8.path_names(torch.ops.draftwise_glue.paths())
+    library.load()
+    return library.path_names(torch.ops.draftwise_glue.paths())
 
 
 def use_path(path: str) -> str:
     """Run the ops' row loops on `path` from now on (process-wide; 'auto': the best here); returns the path in use
     before. For tests and benchmarks: every path gives bitwise the same results."""
-    before = torch.ops.draftwise_glue.use_path(q4x8.path_id(path))
-    return q4x8.path_names([before])[0]
+    before = torch.ops.draftwise_glue.use_path(library.path_id(path))
+    return library.path_names([before])[0]
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0) -> torch.Tensor:

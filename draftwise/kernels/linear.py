@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from draftwise.kernels import ggml_blocks
+from draftwise.kernels import blocktypes, ggml_blocks, library
 from draftwise.kernels import q4x8 as q4x8_format
 
 _X86 = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
@@ -310,7 +310,7 @@ _OP: list = []
 def _q4x8_op():
     """torch.ops.draftwise_q4x8.linear.default, resolved once (the attribute chain costs microseconds per call)."""
     if not _OP:
-        _OP.append(q4x8_format.load().linear.default)
+        _OP.append(library.load().linear.default)
     return _OP[0]
 
 
@@ -340,8 +340,8 @@ class Q4x8Linear(LinearImpl):
         if not (flags.get("avx2") and flags.get("fma")) and not flags.get("avx512_vnni"):
             return False  # only the scalar path would run: correct, but never a candidate for speed
         try:
-            q4x8_format.load()
-        except q4x8_format.KernelBuildError:
+            library.load()
+        except library.KernelBuildError:
             return False
         return True
 
@@ -362,8 +362,8 @@ class Q4x8Linear(LinearImpl):
         super().__init__()
         if parts is None:
             parts = q4x8_format.quantize_q4(weight)
-        q4x8_format.load()
-        q4x8_format.check_path(path)
+        library.load()
+        library.check_path(path)
         self._shape(*parts["q"].shape)
         self.path = path
         for name, t in q4x8_format.pack(parts).items():
@@ -378,7 +378,7 @@ class Q4x8Linear(LinearImpl):
     def from_state(cls, tensors: dict[str, torch.Tensor], N: int, K: int | None = None) -> Q4x8Linear:
         """A module around tensors `pack` returned (or a module's buffers read back from a cache): no quantizing,
         no packing. packed [NB, G, 4, 64] uint8 gives K = G * 32; N <= NB * 16."""
-        q4x8_format.load()
+        library.load()
         packed = tensors["packed"]
         if packed.dim() != 4 or packed.dtype != torch.uint8 or not 0 < N <= packed.shape[0] * q4x8_format.COLS:
             raise ValueError(f"not a packed q4x8 weight for N={N}: {tuple(packed.shape)} {packed.dtype}")
@@ -398,7 +398,7 @@ class Q4x8Linear(LinearImpl):
             x2 = x2.float().contiguous()
         b = self._buffers  # read directly: five nn.Module.__getattr__ lookups cost more than a small call's kernel
         y = _q4x8_op()(x2, b["packed"], b["sc"], b["mn"], b["d"], b["dmin"], b["bias"], self.out_features,
-                       q4x8_format.PATHS[self.path])
+                       library.PATHS[self.path])
         y = y.view(*x.shape[:-1], self.out_features)
         return y if y.dtype == x.dtype else y.to(x.dtype)
 
@@ -472,8 +472,8 @@ class _BlockLinear(LinearImpl):
         if not super().available(probe):
             return False
         try:
-            q4x8_format.load()
-        except q4x8_format.KernelBuildError:
+            library.load()
+        except library.KernelBuildError:
             return False
         return True
 
@@ -487,8 +487,8 @@ class _BlockLinear(LinearImpl):
         if parts is None:
             self._weight_shape(weight)
             parts = self._quantize(weight)
-        q4x8_format.load()
-        q4x8_format.check_path(path)
+        library.load()
+        library.check_path(path)
         first = next(iter(parts.values()))
         self._shape(first.shape[0], self._k_of(parts))
         self.path = path
@@ -505,7 +505,7 @@ class _BlockLinear(LinearImpl):
 
     @classmethod
     def from_state(cls, tensors: dict[str, torch.Tensor], N: int, K: int | None = None) -> _BlockLinear:
-        q4x8_format.load()
+        library.load()
         first = tensors[cls.PACKED[0]]
         if first.dim() != 4 or not 0 < N <= first.shape[0] * ggml_blocks.COLS:
             raise ValueError(f"not a packed {cls.name} weight for N={N}: {tuple(first.shape)}")
@@ -589,7 +589,7 @@ class Q6KLinear(_BlockLinear):
     description = "ours: GGUF Q6_K weights (exact) x int8 activations per 256, AVX-512 VNNI / AVX2"
     tolerance = 0.03  # 6-bit weights (~0.02 for Gaussian weights) plus int8 activations per 256 (~0.007)
     PACKED = ("ql", "qh", "sc", "d")
-    GGUF_TYPES = ("Q6_K",)
+    GGUF_TYPES = blocktypes.types_of("q6k")
 
     @classmethod
     def supports(cls, N: int, K: int) -> bool:
@@ -621,7 +621,7 @@ class Q6KLinear(_BlockLinear):
             # the wide GEMM (csrc/gemm_q6k*.cpp: AMX, or VNNI over row chunks): bitwise the GEMV's rows, faster from the measured width on
             return _q6k_wide()(x2, b["ql"], b["qh"], b["sc"], b["d"], b["bias"], self.out_features)
         return _block_op("q6k")(x2, b["ql"], b["qh"], b["sc"], b["d"], b["bias"], self.out_features,
-                                q4x8_format.PATHS[self.path])
+                                library.PATHS[self.path])
 
 
 class Q80Linear(_BlockLinear):
@@ -634,7 +634,7 @@ class Q80Linear(_BlockLinear):
     description = "ours: GGUF Q8_0 / Q5_0 weights (exact) x int8 activations per 32, AVX-512 VNNI / AVX2"
     tolerance = 0.02  # 8-bit weights (~0.005) plus int8 activations per 32 (~0.006)
     PACKED = ("qw", "d")
-    GGUF_TYPES = ("Q8_0", "Q5_0")
+    GGUF_TYPES = blocktypes.types_of("q8_0")
 
     @classmethod
     def supports(cls, N: int, K: int) -> bool:
@@ -662,7 +662,7 @@ class Q80Linear(_BlockLinear):
 
     def _call(self, x2: torch.Tensor) -> torch.Tensor:  # x2 [M, K] float32 -> [M, N]
         b = self._buffers
-        return _block_op("q8_0")(x2, b["qw"], b["d"], b["bias"], self.out_features, q4x8_format.PATHS[self.path])
+        return _block_op("q8_0")(x2, b["qw"], b["d"], b["bias"], self.out_features, library.PATHS[self.path])
 
 
 _BLOCK_OPS: dict[str, object] = {}
@@ -671,7 +671,7 @@ _BLOCK_OPS: dict[str, object] = {}
 def _block_op(name: str):
     """torch.ops.draftwise_<name>.linear.default, resolved once."""
     if name not in _BLOCK_OPS:
-        q4x8_format.load()
+        library.load()
         _BLOCK_OPS[name] = getattr(torch.ops, f"draftwise_{name}").linear.default
     return _BLOCK_OPS[name]
 
@@ -683,15 +683,15 @@ def _q6k_wide_takes(rows: int) -> bool:
 
 def _q6k_wide():
     if "q6k_wide" not in _BLOCK_OPS:
-        q4x8_format.load()
+        library.load()
         _BLOCK_OPS["q6k_wide"] = torch.ops.draftwise_q6k.wide.default
     return _BLOCK_OPS["q6k_wide"]
 
 
 def block_paths(name: str) -> list[str]:
     """The ISA paths the `name` ("q6k", "q8_0") operator can run on this CPU, slowest first."""
-    q4x8_format.load()
-    return q4x8_format.path_names(getattr(torch.ops, f"draftwise_{name}").paths())
+    library.load()
+    return library.path_names(getattr(torch.ops, f"draftwise_{name}").paths())
 
 
 _CUDA_SMOKE: dict[str, bool] = {}

@@ -15,8 +15,8 @@ from; and, for `auto`, the autotuner's evidence.
   NAME          one implementation for every call (q4x8, int4, int8, bf16, fp32, int8_dynamic)
   STEP+PREFILL  two, e.g. q4x8+bf16; `+dense` is the dense implementation of the activation dtype
   faithful      every tensor at the precision its GGUF stores: each linear (and the embedding table) by the kernel
-                of its stored block type (FAITHFUL_KERNELS: Q4_K -> q4x8, Q6_K -> q6k, Q8_0 / Q5_0 -> q8_0; float
-                and other types -> fp32 over the exactly dequantized weights). What `auto` is for a GGUF source: a
+                of its stored block type (FAITHFUL_KERNELS, from kernels/blocktypes.py's table: Q4_K -> q4x8, Q6_K ->
+                q6k, Q8_0 / Q5_0 -> q8_0, ...; float and other types -> fp32 over the exactly dequantized weights). What `auto` is for a GGUF source: a
                 file's quantization is the user's trade of size against quality, and no plan should spend more of
                 it. A plan that requantizes a stored tensor to another format (e.g. q4x8 over Q6_K) is labelled
                 LOSSY in its summary (`lossy_types`).
@@ -36,15 +36,17 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from draftwise.kernels import blocktypes
 from draftwise.kernels.linear import LINEARS, dense_for
 
 ACTIVATION_DTYPES = ("float32", "bfloat16")
 SOURCES = ("pinned", "tuned", "cached", "default", "file")
 ROLES = ("target", "draft")  # what a plan's model is for: a draft's precision never reaches the output
-# GGUF block type -> the kernel that holds it exactly (kernels/linear.py); other types -> fp32, dequantized exactly
-FAITHFUL_KERNELS = {"Q4_K": "q4x8", "Q6_K": "q6k", "Q8_0": "q8_0", "Q5_0": "q8_0"}
-EXACT_DENSE = "fp32"
-FLOAT_TYPES = ("F32", "F16", "BF16", "F64")  # a GGUF holding only these has no quantization to honour
+# GGUF block type -> the kernel that holds it exactly (kernels/blocktypes.py's table); other types -> fp32,
+# dequantized exactly
+FAITHFUL_KERNELS = blocktypes.faithful_kernels()
+EXACT_DENSE = blocktypes.FALLBACK
+FLOAT_TYPES = blocktypes.FLOAT_TYPES  # a GGUF holding only these has no quantization to honour
 
 
 def quantized(stored_types: dict | None) -> bool:
@@ -112,6 +114,29 @@ class KernelPlan:
         return list(dict.fromkeys((self.step, self.prefill)))
 
     @property
+    def fallback_types(self) -> dict[str, int]:
+        """The stored quantized types a faithful plan gives no kernel of their own (kernels/blocktypes.py: no row's
+        kernel holds them): type -> tensor count, each computed by the fp32 fallback over its dequantized weight
+        ({} for other plans: they name their kernels)."""
+        return blocktypes.fallbacks(self.stored_types) if self.faithful else {}
+
+    def fallback_text(self) -> str:
+        """What the fallback costs, predicted from the table: per type, fp32 holds FALLBACK_BITS per weight against
+        the file's bits (memory x that ratio for those tensors), and decode, bound by the bytes it streams, slows by
+        about the same ratio on them. '' when every stored type has its kernel."""
+        parts = []
+        for t, n in self.fallback_types.items():
+            row = blocktypes.TYPES.get(t)
+            if row is None:
+                parts.append(f"{t} x{n} on the {EXACT_DENSE} fallback")
+                continue
+            ratio = blocktypes.FALLBACK_BITS / row.bits
+            parts.append(f"{t} x{n} on the {EXACT_DENSE} fallback: {blocktypes.FALLBACK_BITS:.0f} bits per weight "
+                         f"instead of {row.bits:.2f}, {ratio:.1f}x their memory and about {ratio:.1f}x slower decode "
+                         "on them")
+        return "; ".join(parts)
+
+    @property
     def lossy_types(self) -> list[str]:
         """The stored GGUF types this plan computes with other weights than the file holds (requantized, or
         rounded to bf16): [] for a faithful plan, for fp32 and for a dense source (nothing stored to honour)."""
@@ -138,6 +163,8 @@ class KernelPlan:
             busy = [v for v in (t.get("busy_before"), t.get("busy_cores")) if v is not None]
             text += f", timed {t['measured_at']}" + (f" with {max(busy):.1f} other cores busy" if busy else "")
         text += ")" + ("; row-exact" if self.row_exact else "; not row-exact")
+        if self.fallback_types:
+            text += f"; SLOW PATH: no kernel of its own for {self.fallback_text()}"
         if self.lossy_types and self.role == "draft":
             text += (f"; lossy (requantizes the file's {', '.join(self.lossy_types)} tensors); output unaffected: "
                      "verification is exact (draft_weights faithful keeps them as stored)")
@@ -151,7 +178,7 @@ class KernelPlan:
     def to_dict(self) -> dict:
         """The plan as JSON (load logs, /v1/models, generate --json, bench manifests)."""
         return {"weights": self.label, **asdict(self), "row_exact": self.row_exact, "lossy": bool(self.lossy_types),
-                "lossy_types": self.lossy_types, "summary": self.describe()}
+                "lossy_types": self.lossy_types, "fallback_types": self.fallback_types, "summary": self.describe()}
 
 
 def attention_for(dtype: str, device: str) -> str:
@@ -236,12 +263,12 @@ def resolve_plan(weights: str, dtype: str, cfg, device: str = "cpu", tune=None, 
 
 
 def _kernels_build() -> bool:
-    """Whether our C++ kernels (q4x8, q6k, q8_0) build and load here: what a faithful plan runs."""
-    from draftwise.kernels import q4x8
+    """Whether our C++ kernels (kernels/blocktypes.py's KERNELS) build and load here: what a faithful plan runs."""
+    from draftwise.kernels import library
 
     try:
-        q4x8.load()
-    except q4x8.KernelBuildError:
+        library.load()
+    except library.KernelBuildError:
         return False
     return True
 

@@ -1,23 +1,14 @@
-"""Our CPU kernel "q4x8": int4 weights (groups of 32 along K, asymmetric like GGUF Q4_K) x int8 activations
-(quantized per row with one scale per 256 K values, symmetric like GGUF's Q8_K, plus per-32 integer sums for the
-weights' min term), a C++ torch operator with an AVX-512 VNNI path and an AVX2 path chosen at run time from cpuid
-(one binary serves both kinds of CPU).
+"""Our CPU kernel "q4x8"'s weight format: int4 weights (groups of 32 along K, asymmetric like GGUF Q4_K) x int8
+activations (quantized per row with one scale per 256 K values, symmetric like GGUF's Q8_K, plus per-32 integer
+sums for the weights' min term), a C++ torch operator with an AVX-512 VNNI path and an AVX2 path chosen at run time
+from cpuid (one binary serves both kinds of CPU).
 
-Owns: building the extension (JIT on first use, cached under ${DRAFTWISE_CACHE_DIR:-~/.cache/draftwise}/kernels/
-<hash of every csrc file + all compiler flags + torch version + compiler>; `build()` is what `make setup` calls; the
-same library carries the attention, glue and layer-loop ops of kernels/attention.py, glue.py and stack.py; each unit
-is compiled with WARNINGS (-Wall -Wextra ...), torch's headers as system headers, and the compiler's output kept in
-build.log next to the library: warnings are printed, only errors fail the build), quantizing an fp32 weight
-to the Q4_K-style representation, mapping Q4_K sub-blocks onto it exactly, packing it into the kernel's layout
-(csrc/q4x8.h documents it) and the packed embedding table `Q4x8Embedding`. The linear module is
-kernels/linear.py's `Q4x8Linear`. Also the wide side's switch: `wide_min_rows` measures once per build and CPU from
-how many rows 'auto' calls take the wide kernel (csrc/gemm_q4x8*.cpp, gemm_q6k*.cpp for Q6_K: the AMX GEMM, or on an
-AVX-512 VNNI CPU without AMX the GEMV's register tile blocked over rows: bitwise the GEMVs' rows) and
-`prefill_table` times both at prompt widths (`draftwise kernels`). Knows nothing of checkpoints or decoders.
-
-ISA paths: every op of the library picks its path by csrc/dispatch.h's one rule ('auto': the best this CPU runs for
-that op, by cpuid; an explicit path only where the CPU runs it). The path names and their ids come from there too:
-`PATHS` (shared by kernels/attention.py and glue.py) is filled from the library when it is loaded.
+Owns: quantizing an fp32 weight to the Q4_K-style representation, mapping Q4_K sub-blocks onto it exactly, packing
+it into the kernel's layout (csrc/q4x8.h documents it), the packed embedding table `Q4x8Embedding`, and
+`prefill_table`, which times the GEMV against the wide kernel at prompt widths (`draftwise kernels`). The linear
+module is kernels/linear.py's `Q4x8Linear`; building and loading the one C++ library that holds this and every
+other op (and the wide switch `wide_min_rows`) is kernels/library.py's; `load`, `build`, `KernelBuildError` and the
+path helpers are re-exported here for callers outside kernels/. Knows nothing of checkpoints or decoders.
 
 Exactness: every output row is bitwise the same whatever M is and whatever other rows share the call, on a
 given path; the AVX-512, AVX2 and scalar paths perform the same float sequence, so they agree bitwise too.
@@ -30,288 +21,17 @@ arithmetic bounds it, and what each row adds per group beyond the dot products i
 """
 from __future__ import annotations
 
-import hashlib
-import os
-import platform
-import shutil
-import subprocess
-import sys
-import tempfile
-import threading
-from pathlib import Path
-
 import torch
 from torch import nn
 
-from draftwise.kernels.threads import busy_meter, busy_now, is_busy
-from draftwise.paths import default_cache_dir
+from draftwise.kernels.library import (PATHS, KernelBuildError, build, check_path, cpu_paths, load,  # noqa: F401
+                                       path_id, path_names)
 
 GROUP = 32  # K values per scale/min group (a Q4_K sub-block)
 SUPER = 8  # groups per super-block (Q4_K: 8 x 32 = 256), which share the fp32 d and dmin
 COLS = 16  # output columns per packed block
 QUANT_CHUNK_ROWS = 8192
-PATHS: dict[str, int] = {}  # ISA path name -> the library's id ("auto", "scalar", "avx2", "avx512"): filled by load()
 PACKED = ("packed", "sc", "mn", "d", "dmin")  # the buffers `pack` returns, as a module's state holds them
-CSRC = Path(__file__).parent / "csrc"
-SOURCES = tuple(sorted(p.name for p in CSRC.iterdir() if p.suffix in (".h", ".cpp")))  # all hashed into the cache key
-WARNINGS = ["-Wall", "-Wextra", "-Wshadow", "-Wpedantic"]  # every unit; a warning is printed (build.log), never fatal
-_X86 = platform.machine().lower() in ("x86_64", "amd64")
-
-
-class KernelBuildError(RuntimeError):
-    """The C++ extension could not be compiled or loaded here (no compiler, unsupported platform)."""
-
-
-_lock = threading.Lock()
-_loaded: str | None = None
-_failed: str | None = None
-
-
-def cache_dir() -> Path:
-    return Path(default_cache_dir()) / "kernels"
-
-
-def _compiler() -> str:
-    cxx = os.environ.get("CXX") or "g++"
-    if shutil.which(cxx) is None:
-        raise KernelBuildError(f"no C++ compiler ({cxx!r}) on PATH; install g++ or set CXX")
-    return cxx
-
-
-def _flags() -> tuple[list[str], list[str], list[str]]:
-    """(common compile flags, include flags, link flags) for this torch."""
-    from torch.utils import cpp_extension
-
-    abi = int(getattr(torch._C, "_GLIBCXX_USE_CXX11_ABI", 1))
-    common = ["-O3", "-std=c++20", "-fPIC", "-ffp-contract=off", "-fno-math-errno", f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
-              *WARNINGS]
-    # torch's headers as system headers: their own warnings (unused parameters) are not ours to fix
-    includes = [a for p in cpp_extension.include_paths() for a in ("-isystem", p)] + [f"-I{CSRC}"]
-    libdir = cpp_extension.library_paths()[0]
-    link = [f"-L{libdir}", "-lc10", "-ltorch_cpu", "-ltorch", f"-Wl,-rpath,{libdir}", "-fopenmp"]
-    return common, includes, link
-
-
-def _units() -> list[tuple[str, list[str]]]:
-    """(source, extra flags) per translation unit; the ISA units get their own -m flags and no torch headers."""
-    main_flags = ["-fopenmp"] + (["-DDW_HAVE_X86"] if _X86 else [])
-    mains = [("q4x8.cpp", main_flags), ("attention.cpp", main_flags), ("glue.cpp", main_flags),
-             ("stack.cpp", main_flags), ("q6k.cpp", main_flags), ("q8_0.cpp", main_flags),
-             ("gemm_q4x8.cpp", main_flags),
-             ("gemm_q6k.cpp", main_flags)]
-    if not _X86:
-        return mains
-    return mains + [
-        ("q4x8_avx2.cpp", ["-mavx2", "-mfma"]),
-        ("q4x8_avx512.cpp", ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mfma"]),
-        ("attention_avx2.cpp", ["-mavx2", "-mfma"]),
-        ("attention_avx512.cpp", ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma",
-                                  "-mprefer-vector-width=512"]),
-        ("gemm_q4x8_amx.cpp", ["-mamx-tile", "-mamx-int8", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni",
-                               "-mfma"]),
-        ("gemm_q6k_amx.cpp", ["-mamx-tile", "-mamx-int8", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni",
-                              "-mfma"]),
-        ("attention_amx.cpp", ["-mamx-tile", "-mamx-bf16", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq",
-                               "-mfma", "-mprefer-vector-width=512"]),
-        ("glue_avx2.cpp", ["-mavx2"]),
-        ("glue_avx512.cpp", ["-mavx512f", "-mavx512dq", "-mavx512vl", "-mprefer-vector-width=512"]),
-        ("q6k_avx2.cpp", ["-mavx2", "-mfma"]),
-        ("q6k_avx512.cpp", ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mfma"]),
-        ("q8_0_avx2.cpp", ["-mavx2", "-mfma"]),
-        ("q8_0_avx512.cpp", ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mfma"]),
-    ]
-
-
-def _flags_key() -> str:
-    """_flags() as the cache key sees them: every flag, but not where this checkout or torch lie (torch's version
-    is keyed on its own), so checkouts of the same sources share one build."""
-    text = repr(_flags())
-    for root, name in ((str(CSRC), "<csrc>"), (os.path.dirname(torch.__file__), "<torch>")):
-        text = text.replace(root, name)
-    return text
-
-
-def library_path() -> Path:
-    """Where the built library lives for these sources, these flags, this torch and this compiler."""
-    h = hashlib.sha256()
-    for name in SOURCES:
-        h.update(name.encode())
-        h.update((CSRC / name).read_bytes())
-    h.update(torch.__version__.encode())
-    h.update(platform.machine().encode())
-    h.update(_flags_key().encode())  # compile, include and link flags: any change to them rebuilds
-    h.update(repr(_units()).encode())
-    try:
-        h.update(subprocess.run([_compiler(), "--version"], capture_output=True, text=True, timeout=30, check=False).stdout.encode())
-    except (OSError, subprocess.SubprocessError):
-        pass
-    return cache_dir() / h.hexdigest()[:16] / "draftwise_q4x8.so"
-
-
-def build(verbose: bool = False) -> Path:
-    """Compile the extension into the cache if it is not there yet; returns the library's path."""
-    target = library_path()
-    if target.exists():
-        return target
-    cxx = _compiler()
-    common, includes, link = _flags()
-    target.parent.mkdir(parents=True, exist_ok=True)
-    print(f"draftwise: building the CPU kernels (q4x8, q6k, q8_0, attention, glue, layer loop) once (~20-40 s) into {target.parent}", file=sys.stderr,
-          flush=True)
-    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        procs = []
-        for src, extra in _units():
-            obj = os.path.join(tmp, src.replace(".cpp", ".o"))
-            cmd = [cxx, *common, *extra, *includes, "-c", str(CSRC / src), "-o", obj]
-            if verbose:
-                print(" ".join(cmd), file=sys.stderr)
-            procs.append((obj, cmd, subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)))
-        log, outputs = [], []  # every command with its output; the outputs alone (warnings: the build goes on)
-        for obj, cmd, p in procs:
-            out = p.communicate()[0]
-            if p.returncode != 0:
-                raise KernelBuildError(f"compiling {' '.join(cmd)} failed:\n{out[-4000:]}")
-            log.append(f"$ {' '.join(cmd)}\n{out}")
-            outputs.append(out.strip())
-        so = os.path.join(tmp, "draftwise_q4x8.so")
-        cmd = [cxx, "-shared", "-o", so, *[o for o, _, _ in procs], *link]
-        r = subprocess.run(cmd, capture_output=True, text=True, check=False)
-        if r.returncode != 0:
-            raise KernelBuildError(f"linking failed:\n{(r.stdout + r.stderr)[-4000:]}")
-        log.append(f"$ {' '.join(cmd)}\n{r.stdout}{r.stderr}")
-        outputs.append((r.stdout + r.stderr).strip())
-        Path(tmp, "build.log").write_text("\n".join(log))
-        os.replace(Path(tmp, "build.log"), target.parent / "build.log")
-        said = "\n".join(t for t in outputs if t)
-        if said:  # warnings: shown, never fatal (only errors fail the build)
-            print(f"draftwise: the kernel build printed warnings (the whole log: {target.parent / 'build.log'}):\n"
-                  f"{said[-4000:]}", file=sys.stderr, flush=True)
-        os.replace(so, target)  # atomic: a concurrent builder either sees nothing or a whole library
-    return target
-
-
-def load() -> object:
-    """Build if needed, load once per process; returns the `torch.ops.draftwise_q4x8` namespace (the same library
-    also registers `torch.ops.draftwise_attn`, see kernels/attention.py)."""
-    global _loaded, _failed
-    with _lock:
-        if _loaded is None:
-            if _failed is not None:
-                raise KernelBuildError(_failed)
-            try:
-                path = build()
-                torch.ops.load_library(str(path))
-                ops = torch.ops.draftwise_q4x8
-                PATHS.update({name: int(ops.path_id(name)) for name in ("auto", *ops.path_names())})
-                ops.set_wide_min_rows(wide_min_rows(ops, path.parent))
-                q6k = torch.ops.draftwise_q6k
-                q6k.set_wide_min_rows(wide_min_rows(q6k, path.parent, "q6k"))
-            except (KernelBuildError, OSError, RuntimeError) as e:
-                _failed = str(e)
-                raise KernelBuildError(_failed) from e
-            _loaded = str(path)
-    return torch.ops.draftwise_q4x8
-
-
-WIDE_ENV = "DRAFTWISE_WIDE_MIN_ROWS"  # an integer: 'auto' calls of at least this many rows take the wide kernel; 0: never
-WIDE_PROBE_WIDTHS = (16, 32, 64, 128, 256)  # the row counts the probe times (the AMX tile loop takes 32 rows a pass)
-WIDE_PROBE_SHAPE = (2048, 2048)  # N, K of the probe's weight: a mid-sized projection, K 8 super-blocks
-WIDE_PROBE_REPEATS = 7  # interleaved timings per kernel and width; the best of each is compared
-WIDE_PROBE_CLOCK = "thread-cpu"  # part of the kept file's key: a file measured by another clock is measured again
-WIDE_PROVISIONAL = "|provisional"  # appended to the key of a width measured while other processes were busy
-
-
-def wide_min_rows(ops, where: Path, kind: str = "q4x8") -> int:
-    """The smallest row count from which 'auto' calls of the `kind` kernel ("q4x8" or "q6k": `ops` is its
-    torch.ops namespace) take its wide kernel (AMX tiles, or the AVX-512 VNNI row-blocked side where AMX is absent or
-    capped off: `ops.wide_kind()`) instead of the GEMV: both give bitwise the same rows, so this is a speed choice
-    only, measured here once per library build, kind, wide side and CPU and kept in `where`/wide_<side>.txt (q4x8)
-    or wide_q6k_<side>.txt ($DRAFTWISE_WIDE_MIN_ROWS overrides both; 0 or no wide side: never). The probe times both
-    kernels on one thread on a WIDE_PROBE_SHAPE weight at each of WIDE_PROBE_WIDTHS (best of WIDE_PROBE_REPEATS
-    interleaved calls, in thread CPU time) and takes the smallest width from which the wide kernel is faster at every
-    larger width too. Thread CPU time does not shield the probe from other processes' use of the caches and memory
-    (a full test suite beside it made the VNNI side 'never'), so a width measured while other processes kept
-    threads.PROVISIONAL_BUSY_CORES busy is kept as provisional, as the autotuner's plans are: used, and measured
-    again by the first load that finds the machine quiet."""
-    never = 2 ** 62
-    env = os.environ.get(WIDE_ENV)
-    if env is not None:
-        try:
-            rows = int(env)
-        except ValueError:
-            raise KernelBuildError(f"{WIDE_ENV}={env!r}: an integer (0: never the wide kernel)") from None
-        return rows if rows > 0 else never
-    if not ops.wide_available():
-        return never
-    from draftwise.kernels.probe import probe  # same layer; imported here: only a first load with a wide side needs it
-    side = ops.wide_kind()  # "amx" or "vnni" (csrc/gemm_wide.h): one file each, so a capped process keeps its own
-    cache = where / f"wide{'' if kind == 'q4x8' else '_' + kind}_{side}.txt"
-    key = f"{probe(bandwidth=False)['cpu']}|{os.cpu_count()}|{WIDE_PROBE_CLOCK}"
-    try:
-        saved_key, saved = cache.read_text().rsplit("\n", 1)
-        if saved_key == key or (saved_key == key + WIDE_PROVISIONAL and is_busy(busy_now())):
-            return int(saved)  # measured quiet; or measured busy and still busy: a quiet load measures again
-    except (OSError, ValueError):
-        pass
-    others = busy_meter()
-    rows = _probe_wide(ops, kind)
-    busy = others()
-    provisional = is_busy(busy)
-    print(f"draftwise: {kind} wide ({side}) kernel from {rows if rows < never else 'no'} rows on (measured once, kept "
-          f"in {cache}" + (f"; provisional: other processes kept {busy} cores busy, a quiet load measures again"
-                           if provisional else "") + ")", file=sys.stderr, flush=True)
-    try:
-        cache.write_text(f"{key}{WIDE_PROVISIONAL if provisional else ''}\n{rows}")
-    except OSError:
-        pass
-    return rows
-
-
-def _probe_args(kind: str, N: int, K: int, gen: torch.Generator) -> tuple:
-    """The weight arguments (after x) of the `kind` kernel's linear and wide ops for a random [N, K] weight."""
-    w = torch.randn(N, K, generator=gen)
-    if kind == "q4x8":
-        t = pack(quantize_q4(w))
-        return t["packed"], t["sc"], t["mn"], t["d"], t["dmin"], None, N
-    from draftwise.kernels import ggml_blocks  # same layer; only the q6k probe needs it
-
-    t = ggml_blocks.pack_q6k(ggml_blocks.quantize_q6k(w))
-    return t["ql"], t["qh"], t["sc"], t["d"], None, N
-
-
-def _probe_wide(ops, kind: str = "q4x8") -> int:
-    import time
-
-    N, K = WIDE_PROBE_SHAPE
-    gen = torch.Generator().manual_seed(0)
-    args = _probe_args(kind, N, K, gen)
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        faster = []
-        for M in WIDE_PROBE_WIDTHS:
-            x = torch.randn(M, K, generator=gen)
-            runs = {"gemv": lambda: ops.linear(x, *args, int(ops.paths()[-1])),  # the best GEMV path, explicitly
-                    "wide": lambda: ops.wide(x, *args)}
-            best = {name: float("inf") for name in runs}
-            for name, run in runs.items():
-                run()
-            # interleaved, and timed in the calling thread's CPU time (torch is at 1 thread, so the kernel runs on
-            # it): a busy machine slows both sides alike and time spent descheduled counts for neither
-            for _ in range(WIDE_PROBE_REPEATS):
-                for name, run in runs.items():
-                    t0 = time.thread_time()
-                    run()
-                    best[name] = min(best[name], time.thread_time() - t0)
-            faster.append(best["wide"] < best["gemv"])
-    finally:
-        torch.set_num_threads(before)
-    rows = 2 ** 62
-    for M, ok in reversed(list(zip(WIDE_PROBE_WIDTHS, faster))):
-        if not ok:
-            break
-        rows = M
-    return rows
 
 
 PREFILL_WIDTHS = (64, 512)  # rows per call the prefill table times: a short prompt chunk and a long one
@@ -364,34 +84,6 @@ def format_prefill_table(rows: list[dict]) -> str:
         lines.append(f"  {r['name'][:28]:28s} {r['N']:>5d} x {r['K']:<5d} {r['rows']:5d} {r['gemv_ms']:9.2f} {wide} {up}  "
                      f"{r['auto']}")
     return "\n".join(lines)
-
-
-def path_id(name: str) -> int:
-    """The library's id of an ISA path name (PATHS; loads the library first). KeyError for a name it lacks."""
-    if not PATHS:
-        load()
-    return PATHS[name]
-
-
-def path_names(ids) -> list[str]:
-    """Path ids (an op's `paths()`, or one id in a list) -> their names (loads the library first)."""
-    if not PATHS:
-        load()
-    by_id = {i: name for name, i in PATHS.items()}
-    return [by_id[int(i)] for i in ids]
-
-
-def cpu_paths() -> list[str]:
-    """The ISA paths the loaded kernel can run on this CPU, slowest first (the last is what 'auto' picks)."""
-    return path_names(load().paths())
-
-
-def check_path(path: str) -> None:
-    """A ValueError for an unknown path name, KernelBuildError for one this CPU cannot run."""
-    if path not in PATHS:
-        raise ValueError(f"path must be one of {sorted(PATHS)}")
-    if path != "auto" and path not in cpu_paths():
-        raise KernelBuildError(f"q4x8 path {path!r} cannot run on this CPU (it can run {cpu_paths()})")
 
 
 # ---- weights -------------------------------------------------------------------------------------------------

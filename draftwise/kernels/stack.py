@@ -1,4 +1,4 @@
-"""The decoder's layer loop as one C++ call (csrc/stack.cpp, built into the q4x8 library).
+"""The decoder's layer loop as one C++ call (csrc/stack.cpp, built into the one library, kernels/library.py).
 
 A forward makes ~11 op calls per layer (norm, q/k/v projection, RoPE + K/V write, attention, o projection,
 add + norm, gate/up projection, activation, down projection, residual add), and the Python between them (module
@@ -22,7 +22,7 @@ import functools
 
 import torch
 
-from draftwise.kernels import q4x8
+from draftwise.kernels import library
 from draftwise.kernels.linear import LinearImpl, Q4x8Linear, Q6KLinear, Q80Linear
 from draftwise.kernels.glue import available  # noqa: F401 (one library: built and loaded, or not)
 
@@ -35,7 +35,7 @@ ABSENT = -1  # csrc/stack.cpp's Kind for k_proj / v_proj where q/k/v are merged
 def slots_per_layer() -> int:
     """Weights per layer in the flat list: csrc/stack.cpp's WEIGHTS_PER_LAYER, from the loaded library (built on
     first use; KernelBuildError where it cannot be). Also readable as `SLOTS`."""
-    q4x8.load()
+    library.load()
     return int(torch.ops.draftwise_stack.weights_per_layer())
 
 
@@ -48,7 +48,7 @@ def __getattr__(name: str) -> int:  # `stack.SLOTS`: the library's count, read o
 @functools.cache
 def kind_ids() -> dict[str, int]:
     """Registry name -> csrc/stack.cpp's Kind id, from the loaded library (linear_kinds)."""
-    q4x8.load()
+    library.load()
     return {name: i for i, name in enumerate(torch.ops.draftwise_stack.linear_kinds())}
 
 

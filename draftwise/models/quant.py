@@ -21,7 +21,7 @@ from typing import Iterator
 import torch
 from torch import nn
 
-from draftwise.kernels import linear
+from draftwise.kernels import blocktypes, linear
 from draftwise.kernels.linear import SplitLinear, derived_split, impl_for, make_linear
 from draftwise.kernels.plan import EXACT_DENSE, KernelPlan, faithful_kernel
 
@@ -46,7 +46,7 @@ def kernel_linear(plan: KernelPlan, N: int, K: int, weight=None, bias=None, part
         name = faithful_kernel(stored_type)
         if name == "q4x8" and parts is not None:
             return linear.Q4x8Linear.from_parts(parts, bias)
-        if name in ("q6k", "q8_0") and blocks is not None and linear.LINEARS[name].supports(N, K):
+        if name in blocktypes.block_kernels() and blocks is not None and linear.LINEARS[name].supports(N, K):
             try:
                 return linear.LINEARS[name].from_blocks(stored_type, blocks, N, K, bias)
             except ValueError:  # a value the kernel cannot take (a Q8_0 -128): the exact dense weight instead
@@ -137,7 +137,7 @@ def prepared_tensors(items: dict, cfg, plan: KernelPlan,
             from draftwise.kernels.q4x8 import q4k_from_blocks
 
             parts = q4k_from_blocks(blocks, N, K)
-        faithful_blocks = item.blocks() if plan.faithful and faithful_kernel(item.type) in ("q6k", "q8_0") else None
+        faithful_blocks = item.blocks() if plan.faithful and faithful_kernel(item.type) in blocktypes.block_kernels() else None
         yield path, kernel_linear(plan, N, K, item.dense, bias, parts, item.type, faithful_blocks)
 
 

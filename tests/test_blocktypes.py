@@ -1,0 +1,74 @@
+"""The block-type table (kernels/blocktypes.py): its rows agree with the gguf package's type ids and block sizes,
+every kernel a row names is a registered linear that declares those types and brings C++ units that exist, and
+the readers of the table (the faithful plan, the loader's block kernels, `draftwise memory`'s stored bytes, the
+plan's named slow path) answer from it. Needs no compiler and no download."""
+from __future__ import annotations
+
+import pytest
+
+from draftwise.kernels import blocktypes, ggml_blocks
+from draftwise.kernels.library import CSRC, ISA_FLAGS
+from draftwise.kernels.linear import LINEARS
+from draftwise.kernels.plan import FAITHFUL_KERNELS, KernelPlan, faithful_kernel
+
+
+def test_rows_are_ggmls_ids_and_block_sizes():
+    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    for name, t in blocktypes.TYPES.items():
+        gt = GGMLQuantizationType[name]
+        assert int(gt) == t.type_id, name
+        assert GGML_QUANT_SIZES[gt] == (t.values, t.block_bytes), name
+
+
+def test_every_kernel_row_is_a_registered_linear_holding_its_types():
+    for k in blocktypes.KERNELS.values():
+        assert k.name in LINEARS, k.name
+        assert k.activation in ("Q8_K", "Q8_0", "Q8_1"), k.name
+        for src, isa in k.units:
+            assert (CSRC / src).exists(), src
+            assert isa == blocktypes.MAIN or isa in ISA_FLAGS, (src, isa)
+        if k.name in blocktypes.block_kernels():
+            assert set(LINEARS[k.name].GGUF_TYPES) == set(blocktypes.types_of(k.name)), k.name
+    for t in blocktypes.TYPES.values():
+        assert t.kernel is None or t.kernel in blocktypes.KERNELS, t.name
+        assert t.quantized or t.kernel is None, t.name
+
+
+def test_the_plan_and_the_loader_read_the_table():
+    assert FAITHFUL_KERNELS == {t.name: t.kernel for t in blocktypes.TYPES.values() if t.kernel}
+    for name in blocktypes.TYPES:
+        assert faithful_kernel(name) == blocktypes.kernel_of(name)
+    assert faithful_kernel("NOT_A_TYPE") == blocktypes.FALLBACK
+    assert ggml_blocks.BLOCK_BYTES["Q6_K"] == 210 and ggml_blocks.BLOCK_VALUES["Q8_0"] == 32
+
+
+def test_memory_costs_a_stored_tensor_by_its_row():
+    from draftwise.bench.memory import _stored_bytes
+
+    assert _stored_bytes("Q5_K", (1536, 8960)) == 1536 * 8960 // 256 * 176
+    assert _stored_bytes("BF16", (10, 32)) == 640
+    with pytest.raises(KeyError, match="no GGUF type"):
+        _stored_bytes("Q9_X", (1, 32))
+
+
+def test_a_type_without_a_kernel_is_named_with_what_its_fallback_costs():
+    without = next(t for t in blocktypes.TYPES.values() if t.quantized and t.kernel is None)
+    plan = KernelPlan("q4x8", "q4x8", "float32", faithful=True,
+                      stored_types={"Q4_K": 100, without.name: 7, "F32": 2})
+    assert plan.fallback_types == {without.name: 7}  # a float type is dense, not a slow path
+    ratio = blocktypes.FALLBACK_BITS / without.bits
+    assert f"SLOW PATH: no kernel of its own for {without.name} x7" in plan.describe()
+    assert f"{ratio:.1f}x their memory" in plan.describe()
+    assert plan.to_dict()["fallback_types"] == {without.name: 7}
+    held = KernelPlan("q4x8", "q4x8", "float32", faithful=True, stored_types={"Q4_K": 100, "F32": 2})
+    assert held.fallback_types == {} and "SLOW PATH" not in held.describe()
+    named = KernelPlan("q4x8", "q4x8", "float32", stored_types={without.name: 7})
+    assert named.fallback_types == {}  # a named plan computes every tensor with its own kernels (lossy, said)
+
+
+def test_describe_says_what_a_type_is_held_in():
+    assert blocktypes.describe("Q6_K").startswith("Q6_K: 6.56 bits stored -> q6k (Q8_K activations")
+    assert "fp32 fallback" in blocktypes.describe(next(
+        t.name for t in blocktypes.TYPES.values() if t.quantized and t.kernel is None))
+    assert blocktypes.describe("F16").endswith("dense")
