@@ -16,15 +16,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
-import re
-import signal
-import socket
-import subprocess
 import sys
 import time
+from pathlib import Path
 
 import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _server import DraftwiseServer  # noqa: E402  (start, /health, /metrics, stop)
 
 # Edit-style prompts: the answer repeats much of the prompt, which is where prompt lookup (ngram) can help.
 PROMPTS = [
@@ -35,46 +34,16 @@ PROMPTS = [
 ]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_server(args, spec_config: str, port: int) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "draftwise.cli", "serve", "--model", args.model, "--port", str(port),
-           "--max-num-seqs", str(max(args.concurrency)), "--max-model-len", str(args.max_model_len),
-           "--dtype", args.dtype, "--log-level", "warning"]
+def serve_args(args, spec_config: str) -> list[str]:
+    flags = ["--model", args.model, "--max-num-seqs", str(max(args.concurrency)), "--max-model-len",
+             str(args.max_model_len), "--dtype", args.dtype, "--log-level", "warning"]
     if args.threads:
-        cmd += ["--threads", str(args.threads)]
+        flags += ["--threads", str(args.threads)]
     if args.weights:
-        cmd += ["--weights", args.weights]
+        flags += ["--weights", args.weights]
     if spec_config != "none":
-        cmd += ["--speculative-config", spec_config]
-    return subprocess.Popen(cmd, env=dict(os.environ, HF_HUB_OFFLINE="1"))
-
-
-def wait_healthy(url: str, proc: subprocess.Popen, timeout: float) -> None:
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"server exited with {proc.returncode} before it was healthy")
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise SystemExit(f"server not healthy after {timeout:.0f}s")
-
-
-def spec_counters(url: str) -> dict:
-    text = httpx.get(url + "/metrics", timeout=30).text
-    out = {}
-    for key in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"):
-        m = re.search(rf"^draftwise:spec_decode_{key}_total\{{[^}}]*\}}\s+([0-9.e+]+)", text, re.M)
-        out[key] = float(m.group(1)) if m else 0.0
-    return out
+        flags += ["--speculative-config", spec_config]
+    return flags
 
 
 async def run_level(url: str, model: str, prompts: list[str], concurrency: int, max_tokens: int) -> dict:
@@ -99,19 +68,15 @@ async def run_level(url: str, model: str, prompts: list[str], concurrency: int, 
 
 
 def bench_spec(args, spec_config: str) -> list[dict]:
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    proc = start_server(args, spec_config, port)
-    try:
-        wait_healthy(url, proc, args.startup_timeout)
-        model = httpx.get(url + "/v1/models").json()["data"][0]["id"]
+    with DraftwiseServer(serve_args(args, spec_config), load_timeout_s=args.startup_timeout) as server:
+        url, model = server.url, server.model()
         asyncio.run(run_level(url, model, PROMPTS[:1], 1, 8))  # warm-up
         rows = []
         for c in args.concurrency:
-            before = spec_counters(url)
+            before = server.spec_counters()
             row = asyncio.run(run_level(url, model, PROMPTS[: args.num_prompts], c, args.max_tokens))
-            after = spec_counters(url)
-            d = {k: after[k] - before[k] for k in after}
+            after = server.spec_counters()
+            d = {k: after[k] - before[k] for k in ("num_drafts", "num_draft_tokens", "num_accepted_tokens")}
             row["acceptance_rate"] = d["num_accepted_tokens"] / d["num_draft_tokens"] if d["num_draft_tokens"] else None
             row["mean_acceptance_length"] = 1 + d["num_accepted_tokens"] / d["num_drafts"] if d["num_drafts"] else None
             row["spec"] = spec_config
@@ -119,12 +84,6 @@ def bench_spec(args, spec_config: str) -> list[dict]:
             print(f"  [{spec_config}] c={c}: {row['aggregate_tok_s']:.2f} tok/s ({row['output_tokens']} tokens in "
                   f"{row['wall_s']:.1f}s)", flush=True)
         return rows
-    finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
 
 
 def report(rows: list[dict], base_spec: str) -> None:

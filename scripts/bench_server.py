@@ -27,10 +27,7 @@ import asyncio
 import json
 import os
 import re
-import signal
-import socket
 import statistics
-import subprocess
 import sys
 import threading
 import time
@@ -40,6 +37,9 @@ import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+from _server import DraftwiseServer  # noqa: E402  (start, /health, /metrics, stop)
 
 PROMPTS = [
     "def quicksort(xs):\n    \"\"\"Sort a list of integers with quicksort and return a new list.\"\"\"\n",
@@ -54,12 +54,6 @@ METHODS = {
 }
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def model_flags(args) -> list[str]:
     flags = ["--model", args.model, "--max-num-seqs", str(args.max_num_seqs), "--max-model-len",
              str(args.max_model_len)]
@@ -70,43 +64,12 @@ def model_flags(args) -> list[str]:
     return flags
 
 
-class Server:
-    """A `draftwise serve` subprocess on a loopback port."""
-
-    def __init__(self, args, spec: dict | None):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "draftwise.cli", "serve", *model_flags(args), "--port", str(self.port),
-               "--log-level", "warning", "--served-model-name", "bench"]
-        if spec is not None:
-            cmd += ["--speculative-config", json.dumps(spec)]
-        cmd += args.serve_args
-        env = dict(os.environ, HF_HUB_OFFLINE="1")
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env)
-        deadline = time.monotonic() + args.load_timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise SystemExit(f"the server exited with {self.proc.returncode} while loading")
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        self.stop()
-        raise SystemExit(f"the server did not answer /health within {args.load_timeout:g} s")
-
-    def metrics(self) -> str:
-        return httpx.get(self.url + "/metrics", timeout=30).text
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+def Server(args, spec: dict | None) -> DraftwiseServer:
+    """The `draftwise serve` of these rows (scripts/_server.py): the model flags, served as "bench", healthy."""
+    serve_args = [*model_flags(args), "--log-level", "warning", "--served-model-name", "bench"]
+    if spec is not None:
+        serve_args += ["--speculative-config", json.dumps(spec)]
+    return DraftwiseServer(serve_args + list(args.serve_args), load_timeout_s=args.load_timeout)
 
 
 def cpu_s(pid: int) -> float:

@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from bench_server import Server  # noqa: E402  (the same `draftwise serve` subprocess)
+from bench_server import Server  # noqa: E402  (bench_server's flags over scripts/_server.py's driver)
 from draftwise.server.admission import fair_shares  # noqa: E402
 
 PROMPT = "Write a short Python function that returns the sum of a list of numbers."
