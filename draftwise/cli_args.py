@@ -60,8 +60,9 @@ def add_model_args(p: argparse.ArgumentParser, speculative: bool = True) -> None
                         "paged, so memory is used only as tokens are held (default 4GiB; a draft model's pool holds "
                         "the same tokens)")
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                   help="K/V storage; auto: the activation dtype (float32 for q4x8); bfloat16 halves the K/V memory "
-                        "(our attention widens it exactly, fp32 accumulation)")
+                   help="K/V storage; auto: bfloat16 where our fused CPU kernels run (float32 activations: our "
+                        "attention widens it exactly, fp32 accumulation; half the K/V memory), else the activation "
+                        "dtype (config.auto_kv_cache_dtype)")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=8)
     p.add_argument("--seed", type=int, default=0, help="engine seed (requests without their own seed derive from it)")

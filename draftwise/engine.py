@@ -462,7 +462,8 @@ class Engine:
             d = _chain_prefix(d)  # a history is a chain (tree proposers give such requests chains anyway)
             rows = adjust_logits(rows[: d.num_tokens + 1], r.params, r.prompt_ids, r.output_ids,
                                  d.token_ids.tolist(), r.params.stop_ids(self.eos_token_ids))
-        res = verify(d.token_ids.to(logits.device), d.probs, rows, r.params, r.generator, d.parents)
+        res = verify(d.token_ids.to(logits.device), d.probs, rows, r.params, r.generator, d.parents,
+                     position=len(r.output_ids))  # position-addressed draws: a resumed request draws the same
         if res.path is not None:  # a tree: the accepted path's K/V to consecutive positions, then the rollback
             self.cache.compact(r.slot, base_length, [0, *res.path])
         self.cache.truncate(r.slot, base_length + 1 + res.num_accepted)

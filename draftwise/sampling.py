@@ -6,7 +6,14 @@ place where temperature, min-p, top-k and top-p turn logits into a distribution 
 target's per-token log-probabilities (`token_logprobs`). The engine and the draft proposer call the same
 `adjust_logits` on every row with that row's own history (the guesses before it included), and verification
 (spec_decode/verify.py) the same `process_logits` on draft and target, so both are transformed identically.
-Knows nothing of models, caches or text.
+
+Randomness: a request's generator (`make_generator`) is a `PositionalGenerator`, a torch.Generator (sequential
+draws: the draft model's own guesses) that also answers `uniforms(position, purpose, n)`, a pure function of
+(seed, output position, purpose, index) — a counter-based stream (splitmix64 over the four), so what the target
+draws for output position i does not depend on how many numbers were drawn before it: a request resumed from
+its prompt plus the tokens it already emitted (the server's replay after an engine restart) draws the same
+numbers at the same positions. `inverse_cdf` turns a row and a uniform into a token, the one way every sample is
+drawn. Knows nothing of models, caches or text.
 """
 from __future__ import annotations
 
@@ -258,22 +265,61 @@ def process_logits(
     return logits.softmax(-1)
 
 
+def inverse_cdf(
+    probs: torch.Tensor,  # [num_rows, vocab_size] (unnormalised is fine)
+    u: torch.Tensor,  # [num_rows] float64 uniforms in [0, 1)
+) -> torch.Tensor:  # [num_rows] int64
+    """The token each row's uniform picks: the first index whose normalised CDF exceeds u."""
+    cdf = probs.double().cumsum(-1)
+    cdf = cdf / cdf[:, -1:]
+    # right=True: the first index whose cdf exceeds u, so a zero-probability token is never drawn (with the
+    # default left side, u == 0.0 picked token 0 even when top-k/top-p had masked it out)
+    ids = torch.searchsorted(cdf, u.to(cdf.device, torch.float64)[:, None], right=True).squeeze(-1)
+    return ids.clamp_(max=probs.shape[-1] - 1)
+
+
 def sample(
     probs: torch.Tensor,  # [num_rows, vocab_size]
     generator: torch.Generator | None,
 ) -> torch.Tensor:  # [num_rows] int64
     """Draw one token per row. Uses inverse-CDF on a uniform from `generator` so a seed fully determines it."""
-    u = torch.rand(probs.shape[0], 1, generator=generator, device=probs.device, dtype=torch.float64)
-    cdf = probs.double().cumsum(-1)
-    cdf = cdf / cdf[:, -1:]
-    # right=True: the first index whose cdf exceeds u, so a zero-probability token is never drawn (with the
-    # default left side, u == 0.0 picked token 0 even when top-k/top-p had masked it out)
-    ids = torch.searchsorted(cdf, u, right=True).squeeze(-1)
-    return ids.clamp_(max=probs.shape[-1] - 1)
+    u = torch.rand(probs.shape[0], generator=generator, device=probs.device, dtype=torch.float64)
+    return inverse_cdf(probs, u)
 
 
-def make_generator(seed: int | None, fallback_seed: int, device: str = "cpu") -> torch.Generator:
+# what a position's numbers are for (verify.py): the target's own draw at a position (a plain step's token, a
+# point-mass draft's verification, the bonus), a draft token's acceptance test, the correction after a rejection
+PURPOSE_TARGET, PURPOSE_ACCEPT, PURPOSE_RESIDUAL = 1, 2, 3
+_M64 = (1 << 64) - 1
+
+
+def _mix64(z: int) -> int:
+    """splitmix64's finaliser: a bijection of 64-bit integers whose outputs look independent."""
+    z = (z + 0x9E3779B97F4A7C15) & _M64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _M64
+    return z ^ (z >> 31)
+
+
+class PositionalGenerator(torch.Generator):
+    """A request's randomness. As a torch.Generator (seeded with `seed`): sequential draws for whoever draws in
+    sequence (the draft model's guesses; get_state / set_state roll it back). `uniforms(position, purpose, n)`:
+    n numbers in [0, 1) that depend only on (seed, position, purpose, index) — what verification draws at
+    output position `position`, the same in a resumed request as in the run it resumes."""
+
+    def __new__(cls, seed: int, device: str = "cpu"):
+        return super().__new__(cls, device=device)  # torch's C type takes its device in __new__
+
+    def __init__(self, seed: int, device: str = "cpu"):
+        self.manual_seed(seed)
+        self.key = _mix64(seed & _M64)
+
+    def uniforms(self, position: int, purpose: int, n: int = 1) -> torch.Tensor:  # -> [n] float64
+        base = _mix64(self.key ^ _mix64(position & _M64))
+        return torch.tensor([(_mix64(base ^ ((purpose << 32) | i)) >> 11) * 2.0**-53 for i in range(n)],
+                            dtype=torch.float64)
+
+
+def make_generator(seed: int | None, fallback_seed: int, device: str = "cpu") -> PositionalGenerator:
     """A per-request generator: the request's seed when given, else one derived from the engine's seed."""
-    g = torch.Generator(device=device)
-    g.manual_seed(seed if seed is not None else fallback_seed)
-    return g
+    return PositionalGenerator(seed if seed is not None else fallback_seed, device)

@@ -1,7 +1,7 @@
 """The engine in its own process (server/engine_host.EngineProcess, what `draftwise serve` runs): the same tokens
 as the library through it (greedy, whole and streamed, n > 1, logprobs, stop strings, structured outputs), engine
 counters forwarded to /metrics, a clean stop, the child dying with its parent (SIGKILL), and a child that dies
-or cannot load reported clearly. Tiny models built in the child from tests/harness.py (no downloads); each
+or cannot load reported clearly (with restarts off). Tiny models built in the child from tests/harness.py (no downloads); each
 EngineProcess costs a fresh interpreter (~3-5 s)."""
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ from draftwise.config import ConfigError
 from draftwise.sampling import SamplingParams
 from draftwise.server.app import create_app
 from draftwise.server.engine_host import EngineProcess
+from draftwise.server.runner import RestartPolicy
 from tests.harness import MODEL, PROMPTS, Server, json_llm, metric, tiny_llm
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -106,8 +107,9 @@ def test_structured_output_grammar_lives_in_the_child():
 
 
 def test_child_killed_mid_request_is_a_clear_error_and_the_server_stays_up():
+    """With supervision off (--max-restarts 0; tests/test_server_heal.py has the restart)."""
     engine = EngineProcess(functools.partial(tiny_llm, max_model_len=4096))
-    with Server(create_app(engine, MODEL)) as s:
+    with Server(create_app(engine, MODEL, restart_policy=RestartPolicy(max_restarts=0))) as s:
         body = {"model": MODEL, "prompt": "w1 w2", "max_tokens": 4000, "ignore_eos": True, "stream": True}
         with httpx.stream("POST", s.url + "/v1/completions", json=body, timeout=60) as r:
             lines = r.iter_lines()

@@ -37,7 +37,7 @@ from draftwise.server.errors import APIError, error_body, error_response, from_a
 from draftwise.server.guard import LOOPBACK_HOSTS, Guard, cache_scope
 from draftwise.server.metrics import ServerMetrics
 from draftwise.server.engine_host import EngineProcess, EngineThread
-from draftwise.server.runner import EngineRunner
+from draftwise.server.runner import EngineRunner, RestartPolicy
 from draftwise.server.limits import (DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_WAITING, DEFAULT_REQUEST_TIMEOUT_S,
                                      RequestLimits)
 
@@ -52,12 +52,13 @@ def create_app(engine, served_model_name: str, api_key: str | None = None,
                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, limits: RequestLimits | None = None,
                max_waiting: int = DEFAULT_MAX_WAITING, request_timeout: float | None = DEFAULT_REQUEST_TIMEOUT_S,
                allowed_hosts=LOOPBACK_HOSTS, allowed_origins=(), suffix_cache_scope: str = "key",
-               max_queued_per_key: int | None = None, max_running_per_key: int | None = None) -> FastAPI:
+               max_queued_per_key: int | None = None, max_running_per_key: int | None = None,
+               restart_policy: RestartPolicy | None = None) -> FastAPI:
     host = engine if isinstance(engine, EngineProcess) else EngineThread(engine)
     llm = host.front  # what this process knows of the engine (never the model itself)
     metrics = ServerMetrics(served_model_name, llm.max_num_seqs, llm.spec_config.k_max)
     runner = EngineRunner(host, metrics, max_waiting=max_waiting, max_queued_per_key=max_queued_per_key,
-                          max_running_per_key=max_running_per_key)
+                          max_running_per_key=max_running_per_key, restart_policy=restart_policy)
     metrics.watch_keys(runner.key_counts)
     pool = ThreadPoolExecutor(PREP_WORKERS, thread_name_prefix="draftwise-prep")
 
@@ -98,11 +99,20 @@ def create_app(engine, served_model_name: str, api_key: str | None = None,
 
     @app.get("/health")
     async def health():
-        if not runner.alive:
-            return error_response(503, runner.down_message)
+        """200 {"status": "ok", "state": "ready"} while the engine serves; 503 otherwise, its `state` in the body:
+        "starting" / "restarting" (with Retry-After), "failed" (for good: the message names the cause),
+        "stopped", or draining (shutting down)."""
+        state = runner.state
         if runner.draining:
-            return error_response(503, "the server is shutting down")
-        return {"status": "ok"}
+            return _health_503("the server is shutting down", "draining")
+        if state == "restarting":
+            return _health_503(f"the engine is restarting ({runner.down_message})", state,
+                               {"Retry-After": str(runner.retry_after_s())})
+        if state == "starting":
+            return _health_503("the engine is starting", state, {"Retry-After": str(runner.retry_after_s())})
+        if not runner.alive:
+            return _health_503(runner.down_message, state if state != "ready" else "failed")
+        return {"status": "ok", "state": "ready", "restarts": runner.restarts}
 
     @app.get("/v1/models", dependencies=auth)
     async def models():
@@ -384,6 +394,13 @@ class _Choice:
         content, calls = (text, []) if self.choice is None else tools.parse_calls(text, self.choice)
         return fmt.choice(self.index, content, _finish_reason(self.finish_reason, bool(calls)), out.logprobs,
                           calls or None)
+
+
+def _health_503(message: str, state: str, headers: dict | None = None) -> JSONResponse:
+    """/health's 503: the OpenAI-shaped error, plus the engine's state."""
+    body = error_body(503, message, code="engine_unavailable")
+    body["state"] = state
+    return JSONResponse(body, status_code=503, headers=headers)
 
 
 def _finish_reason(reason: str | None, made_calls: bool) -> str | None:

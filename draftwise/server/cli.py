@@ -73,6 +73,13 @@ def register(sub) -> None:
                         "--host)")
     g.add_argument("--allowed-origins", default=None,
                    help="comma-separated browser origins allowed cross-origin (CORS; '*' = any; default: none)")
+    r = p.add_argument_group("supervision (the engine process restarted under the server)")
+    r.add_argument("--max-restarts", type=int, default=10,
+                   help="engine process deaths within --restart-window that are answered with a restart (what "
+                        "was in flight is replayed); one more and the server answers 503 naming the cause; 0 = "
+                        "never restart (default: %(default)s)")
+    r.add_argument("--restart-window", type=float, default=300.0,
+                   help="seconds over which --max-restarts counts deaths (default: %(default)s)")
     p.set_defaults(func=cmd_serve)
 
 
@@ -96,6 +103,7 @@ def cmd_serve(args) -> int:
     lower_priority(args.server_nice)  # after the child started: it keeps the priority it was born with
     from draftwise.server.app import create_app
     from draftwise.server.guard import LOOPBACK_HOSTS
+    from draftwise.server.runner import RestartPolicy
     from draftwise.server.shutdown import serve
 
     api_key = resolve_api_key(args.api_key, os.environ)
@@ -108,7 +116,8 @@ def cmd_serve(args) -> int:
                      request_timeout=args.request_timeout or None,
                      allowed_hosts=allowed_hosts(args.allowed_hosts, args.host, LOOPBACK_HOSTS),
                      allowed_origins=_split(args.allowed_origins), suffix_cache_scope=args.suffix_cache_scope,
-                     max_queued_per_key=args.max_queued_per_key, max_running_per_key=args.max_running_per_key)
+                     max_queued_per_key=args.max_queued_per_key, max_running_per_key=args.max_running_per_key,
+                     restart_policy=RestartPolicy(max_restarts=args.max_restarts, window_s=args.restart_window))
     spec_config = llm.spec_config
     print(f"draftwise: serving {args.model!r} on http://{args.host}:{args.port}/v1 "
           f"(speculation: {spec_config.method}, max_num_seqs {args.max_num_seqs}, context {llm.max_model_len}, "

@@ -11,8 +11,17 @@ Two hosts run that loop: `EngineProcess(factory)` in a child process that builds
 serve` uses: the engine never shares a GIL with the event loop), and `EngineThread(llm)` on a thread of this
 process around an LLM already built (tests, embedding), over the same pipe protocol. The child dies with its
 parent (PR_SET_PDEATHSIG, and an end of file on the pipe), ignores SIGINT / SIGTERM (the parent drains, then
-tells it to stop), and a child that dies is seen as an end of file by the parent (runner.py fails what is in
-flight with a 500 naming the exit code; the server stays up and answers 503 until restarted).
+tells it to stop), and a child that dies is seen as an end of file by the parent: runner.py restarts it
+(`EngineProcess.respawn()`: a new child from the same factory) and replays what was in flight, or, past its
+restart limit, answers 503 naming the exit. `exit_description()` / `exit_cause()` name how a child ended: exit
+code or signal name, and "oom" when the kernel's OOM-kill counter (the cgroup's memory.events, else
+/proc/vmstat) moved while the child ran and it died by SIGKILL.
+
+A replayed request arrives as an AddCommand with `output_ids`: the tokens the client already has. The engine
+takes them as the request's output so far (engine.Request.context_ids: prefilled with the prompt, counted as
+output by max_tokens, min_tokens, penalties and the position-addressed sampler), and this side advances a fresh
+grammar state and stop-string detector through them; nothing of the dead child (caches, grammar states) is
+trusted.
 
 Messages, engine -> server: ("ready", EngineFront fields) once (process host only), ("added", rid) or ("add_failed",
 rid, status, message, param, code) per request, ("step", step_s, gap_s, [StepItem.pack()], EngineSnapshot.pack())
@@ -50,6 +59,7 @@ class AddCommand:
     speculate: bool = True
     cache_scope: str = ""
     arrival_time: float = 0.0  # perf_counter() when the server built it (CLOCK_MONOTONIC: one clock for both sides)
+    output_ids: list[int] = field(default_factory=list)  # a replay: the tokens already emitted (counted as output)
 
 
 @dataclass
@@ -227,6 +237,8 @@ def _add(llm, conn, live: dict, add: AddCommand) -> None:
         req.speculate, req.cache_scope = add.speculate, add.cache_scope
         if not add.params.stop:  # text is the server's; only a stop string needs it here (to end the request)
             req.on_token = None
+        if add.output_ids:
+            _resume(req, add.output_ids)
         llm.add_request(req)
     except ConfigError as e:
         too_long = isinstance(e, ContextLengthError)
@@ -239,6 +251,24 @@ def _add(llm, conn, live: dict, add: AddCommand) -> None:
         return
     live[add.request_id] = req
     _send(conn, ("added", add.request_id))
+
+
+def _resume(req, output_ids: list[int]) -> None:
+    """A replayed request: its output so far is `output_ids`; a fresh grammar state and stop-string detector are
+    advanced through them (built here, never carried over from the child that died)."""
+    if len(output_ids) >= req.params.max_tokens:
+        raise ConfigError(f"a replay of {len(output_ids)} tokens leaves nothing of max_tokens "
+                          f"({req.params.max_tokens}) to generate")
+    req.output_ids = list(output_ids)
+    if req.grammar is not None:
+        req.matcher = req.grammar.matcher()
+        for tok in output_ids:
+            if not req.matcher.advance(tok):
+                raise ConfigError(f"replay: token {tok} is not allowed by the request's grammar")
+    if req.on_token is not None:
+        for tok in output_ids:
+            if req.on_token(tok):
+                raise ConfigError("replay: the output so far already ends at a stop string")
 
 
 def _abort(llm, live: dict, rid: str) -> None:
@@ -324,6 +354,11 @@ class EngineThread:
     def exit_description(self) -> str:
         return "the engine thread stopped"
 
+    def exit_cause(self) -> str:
+        return "thread"
+
+    restartable = False  # its LLM lives in this process: nothing to restart it from
+
 
 class EngineProcess:
     """serve_engine in a child process that builds its LLM with `factory()` (picklable: a module-level function or
@@ -332,8 +367,12 @@ class EngineProcess:
 
     in_process = False
 
+    restartable = True
+
     def __init__(self, factory, start_timeout_s: float | None = None):
         ctx = mp.get_context("spawn")  # a fresh interpreter: no inherited threads, locks or OpenMP pools
+        self.factory = factory
+        self._oom_kills_at_start = oom_kill_count()
         self.conn, their_end = ctx.Pipe()
         self.process = ctx.Process(target=_child_main, args=(their_end, factory, os.getpid()),
                                    name="draftwise-engine", daemon=True)
@@ -370,6 +409,11 @@ class EngineProcess:
     def pid(self) -> int:
         return self.process.pid
 
+    def respawn(self, start_timeout_s: float | None = None) -> "EngineProcess":
+        """A new child from the same factory (the caller waits for its `front`: the model loaded, within
+        `start_timeout_s`, else this one's)."""
+        return EngineProcess(self.factory, start_timeout_s if start_timeout_s is not None else self.start_timeout_s)
+
     def start(self) -> None:
         """Already running (the constructor waited for the model)."""
 
@@ -384,11 +428,64 @@ class EngineProcess:
             self.process.kill()
             self.process.join(5)
 
+    def exit_cause(self) -> str:
+        """How the child ended, as a short label (/metrics): "oom", a signal's name ("SIGKILL", "SIGSEGV"),
+        "exit_<code>", or "running"."""
+        self.process.join(1)
+        code = self.process.exitcode
+        if code is None:
+            return "running"
+        if code < 0:
+            if -code == signal.SIGKILL and self._oom_killed():
+                return "oom"
+            return signal_name(-code)
+        return f"exit_{code}"
+
+    def _oom_killed(self) -> bool:
+        before, now = self._oom_kills_at_start, oom_kill_count()
+        return before is not None and now is not None and now > before
+
     def exit_description(self) -> str:
         self.process.join(1)
         code = self.process.exitcode
-        how = f"signal {-code}" if code is not None and code < 0 else f"exit code {code}"
-        return f"the engine process stopped unexpectedly ({how})"
+        if code is not None and code < 0:
+            how = f"signal {-code}, {signal_name(-code)}"
+            if -code == signal.SIGKILL and self._oom_killed():
+                how += "; killed by the kernel's OOM killer (its oom_kill counter rose)"
+        else:
+            how = f"exit code {code}"
+        return f"the engine process (pid {self.process.pid}) stopped unexpectedly ({how})"
+
+
+def signal_name(num: int) -> str:
+    try:
+        return signal.Signals(num).name
+    except ValueError:
+        return f"signal_{num}"
+
+
+def oom_kill_count() -> int | None:
+    """Processes the kernel's OOM killer has killed: this cgroup's count (v2 memory.events, v1
+    memory.oom_control), else the machine's (/proc/vmstat); None when none can be read."""
+    try:
+        with open("/proc/self/cgroup") as f:
+            lines = [line.strip().split(":", 2) for line in f]
+    except OSError:
+        lines = []
+    files = [f"/sys/fs/cgroup{p.rstrip('/')}/memory.events" for h, c, p in lines if h == "0" and c == ""]
+    files += [f"/sys/fs/cgroup/memory{p.rstrip('/')}/memory.oom_control" for h, c, p in lines if "memory" in c.split(",")]
+    # in a container the cgroup's own files are often mounted at the root
+    files += ["/sys/fs/cgroup/memory.events", "/sys/fs/cgroup/memory/memory.oom_control", "/proc/vmstat"]
+    for path in files:
+        try:
+            with open(path) as f:
+                for line in f:
+                    name, _, value = line.partition(" ")
+                    if name == "oom_kill":
+                        return int(value)
+        except (OSError, ValueError):
+            continue
+    return None
 
 
 def _child_main(conn, factory, parent_pid: int) -> None:

@@ -6,8 +6,9 @@ gauges, free KV slots, the engine's time per step in and between llm.step() call
 process), the server process's RSS (ProcessCollector), and the spec-decode counters in the shared stats
 vocabulary (num_drafts, num_draft_tokens, num_accepted_tokens, num_forced_tokens, num_accepted_forced_tokens,
 accepted per position), the prefix cache's tokens queried / reused, and per API key (hashed) the admission's
-queue depth, admitted and rejected counts. Fed from the engine's messages (runner.py); knows nothing of
-HTTP.
+queue depth, admitted and rejected counts; the engine's supervision (runner.py): its state, deaths and
+restarts by cause, restart times, requests replayed into a new engine and those dropped because their client
+left meanwhile. Fed from the engine's messages (runner.py); knows nothing of HTTP.
 """
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 
                 5.0, 10.0)  # one engine step (ours: vLLM has no such histogram)
 TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
                 40.0, 80.0)
+ENGINE_STATES = ("starting", "ready", "restarting", "failed", "stopped")
 # + the grammar's forced tokens (structured outputs), a subset of the draft tokens, and how many were accepted
 _SPEC_FIELDS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens", "num_forced_tokens",
                 "num_accepted_forced_tokens")
@@ -76,6 +78,20 @@ class ServerMetrics:
             "queries": counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache."),
             "hits": counter("prefix_cache_hits", "Prompt tokens whose K/V the prefix cache held (not recomputed)."),
         }
+        # supervision: the engine process's deaths (by cause: "oom", a signal's name, "exit_<code>",
+        # "start_failed") and what restarting cost
+        self.engine_deaths = Counter(PREFIX + "engine_deaths", "Engine process deaths by cause.",
+                                     ["model_name", "cause"], registry=r)
+        self.engine_restarts = Counter(PREFIX + "engine_restarts", "Engine restarts begun, by the cause of the "
+                                       "death they answer.", ["model_name", "cause"], registry=r)
+        self.engine_restart_s = hist("engine_restart_seconds", "From an engine death to a new engine ready with "
+                                     "its requests replayed.", E2E_BUCKETS)
+        self.replayed = counter("requests_replayed", "Requests replayed into a restarted engine.")
+        self.replay_dropped = counter("requests_replay_dropped", "Requests dropped while the engine restarted "
+                                      "(their client left).")
+        self._state = Gauge(PREFIX + "engine_state", "1 for the engine's current state.", ["model_name", "state"],
+                            registry=r)
+        self.set_engine_state("starting")
         self._seen = {f: 0 for f in _SPEC_FIELDS}
         self._seen_prefix = {f: 0 for f in self.prefix_counters}
         self._seen_pos: list[int] = []
@@ -97,6 +113,22 @@ class ServerMetrics:
         self.e2e.observe(e2e_s)
         if ttft_s is not None and num_output > 1:
             self.tpot.observe((e2e_s - ttft_s) / (num_output - 1))
+
+    def set_engine_state(self, state: str) -> None:
+        for st in ENGINE_STATES:
+            self._state.labels(self._model, st).set(1 if st == state else 0)
+
+    def on_engine_death(self, cause: str, restarted: bool) -> None:
+        self.engine_deaths.labels(self._model, cause).inc()
+        if restarted:
+            self.engine_restarts.labels(self._model, cause).inc()
+
+    def on_engine_restarted(self, seconds: float, num_replayed: int) -> None:
+        self.engine_restart_s.observe(seconds)
+        self.replayed.inc(num_replayed)
+
+    def on_replay_dropped(self) -> None:
+        self.replay_dropped.inc()
 
     def sync(self, status) -> None:
         """Gauges from the engine's queues (`status`: api.LLM.status()); spec and prefix-cache counters advanced

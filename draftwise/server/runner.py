@@ -15,10 +15,20 @@ with a Retry-After from the key's queue) and go to the engine only when it has a
 so the engine's own FIFO never reorders them; 503 at once when the engine is down or the server is draining;
 every request submitted gets exactly one terminal Event (finished or error), whatever happens to the engine. A
 step that raises is retried once by the engine, then what is in flight fails; a request the engine itself
-finishes with finish_reason "error" fails alone; an engine process that dies fails what is in flight with a 503
-naming how it ended (exit code or signal), and the server stays up answering 503 (/health too) until it is
-restarted (it does not restart the engine itself). Other 500s carry
-a request id, never exception text (the traceback goes to the log). Knows no HTTP: routes turn Events into
+finishes with finish_reason "error" fails alone. Other 500s carry a request id, never exception text (the
+traceback goes to the log).
+
+Supervision: an engine process that dies (end of file on its pipe) is restarted at once from the same factory
+(engine_host.EngineProcess.respawn, on a thread: the event loop keeps serving) — after a backoff when children
+keep dying young, and not past `RestartPolicy.max_restarts` deaths within its window: then the server answers
+503 naming the cause for good. Meanwhile `state` is "restarting" (/health 503 with Retry-After), new requests
+queue, and every request the engine had is kept: once the new child is ready, each is replayed as its prompt
+plus the tokens its client already has (AddCommand.output_ids: counted as output, so greedy and seeded output
+continue exactly where they were; sampling.py, engine_host._resume), its shadow and text stream untouched, so
+the client sees one continuous stream. A request that was in the engine for more than `max_replays` deaths is
+failed (503) rather than replayed again (it may be what kills it); one whose client leaves while the engine
+restarts is dropped and counted. An in-process engine (EngineThread) is not restarted: its end fails what is in
+flight with a 503 naming it, and the server answers 503 from then on. Knows no HTTP: routes turn Events into
 responses.
 """
 from __future__ import annotations
@@ -29,6 +39,7 @@ import queue
 import sys
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass
 
 from draftwise.config import ConfigError
@@ -66,6 +77,27 @@ class _Sink:
     index: int = 0  # the sample's index among the request's n (events carry it)
     key: str = ""  # the admission key (guard.cache_scope of the request's Authorization header)
     started: float | None = None  # perf_counter() when it got an engine slot (None: still queued)
+    replays: int = 0  # engine deaths it was in the engine for (each one replayed it into the next)
+
+
+@dataclass
+class RestartPolicy:
+    """When a dead engine process is restarted: at once, or after a backoff doubling from `backoff_s` (to at most
+    `max_backoff_s`) while children keep dying within `stable_s` of becoming ready; never again once more than
+    `max_restarts` deaths fell within `window_s` (0: never restart). A request is replayed after at most
+    `max_replays` deaths, then failed. A new child must load within `start_timeout_s`."""
+
+    max_restarts: int = 10
+    window_s: float = 300.0
+    backoff_s: float = 1.0
+    max_backoff_s: float = 30.0
+    stable_s: float = 30.0
+    max_replays: int = 3
+    start_timeout_s: float = 600.0
+
+    def backoff(self, fast_deaths: int) -> float:
+        """Seconds to wait before a restart after `fast_deaths` deaths in a row of children that died young."""
+        return 0.0 if fast_deaths <= 1 else min(self.backoff_s * 2 ** (fast_deaths - 2), self.max_backoff_s)
 
 
 # With the engine on a thread of this process (EngineThread), it drops the GIL in every kernel call and must take
@@ -76,8 +108,17 @@ ENGINE_SWITCH_INTERVAL_S = 0.0005
 
 class EngineRunner:
     def __init__(self, host, metrics, max_waiting: int | None = None, max_queued_per_key: int | None = None,
-                 max_running_per_key: int | None = None):
+                 max_running_per_key: int | None = None, restart_policy: RestartPolicy | None = None):
         self.host, self.metrics = host, metrics  # engine_host.EngineProcess / EngineThread
+        self.restart_policy = restart_policy or RestartPolicy()
+        self.state = "starting"  # starting -> ready -> (restarting -> ready)* ; failed: for good; stopped
+        self._ready = False  # a live engine takes commands (admission sends requests only then)
+        self._deaths: deque = deque()  # monotonic() of recent engine deaths (the restart limit's window)
+        self._fast_deaths = 0  # deaths in a row of children that died within stable_s of becoming ready
+        self._ready_at: float | None = None  # monotonic() when the current child became ready
+        self._died_at: float | None = None  # monotonic() of the death the current restart answers (the first)
+        self.restarts = 0  # children started after a death
+        self.last_restart_s: float | None = None  # death to the new child ready and replayed, the last time
         self.front = host.front
         self._conn = host.conn
         self._sinks: dict[str, _Sink] = {}  # requests the engine has (or was sent), under _lock
@@ -111,11 +152,14 @@ class EngineRunner:
         self._sender.start()
         self._reading = True
         self._loop.add_reader(self._conn.fileno(), self._on_readable)
+        self.state, self._ready, self._ready_at = "ready", True, time.monotonic()
+        self.metrics.set_engine_state(self.state)
 
     def stop(self, timeout: float = 10.0) -> None:
         """Tell the engine to stop and wait for its last messages and its end (a child process is killed after
         `timeout`); what is still in flight then ends with a 503."""
         self._stopping = True
+        self.state = "stopped"
         was_reading = self._stop_reading()
         self._send(("stop",))
         self._commands.put(None)
@@ -135,7 +179,13 @@ class EngineRunner:
 
     @property
     def alive(self) -> bool:
-        return self._reading and not self._closed
+        return self.state == "ready" and self._reading and not self._closed
+
+    def retry_after_s(self) -> int:
+        """Seconds a client should wait while the engine is not ready: what the last restart took (else 5)."""
+        last = self.last_restart_s if self.last_restart_s is not None else 5.0
+        since = time.monotonic() - self._died_at if self._died_at is not None else 0.0
+        return max(1, int(last - since + 0.999))
 
     @property
     def down_message(self) -> str:
@@ -205,7 +255,7 @@ class EngineRunner:
             return self.admission.early_retry_hold_s(key)
 
     def _down(self) -> APIError | None:
-        if self._closed or not self._reading:
+        if self._closed or (not self._reading and self.state != "restarting"):  # restarting: requests queue
             return APIError(503, self._down_message, code="engine_unavailable")
         if self.draining:
             return APIError(503, "the server is shutting down", code="shutting_down")
@@ -226,6 +276,8 @@ class EngineRunner:
                     self._in_flight -= 1
                 return
             self._release(sink)
+            if self.state == "restarting":  # its client left while it waited for the new engine: not replayed
+                self.metrics.on_replay_dropped()
         self._send(("abort", request_id))
         self.metrics.on_finished("abort", None, None, len(sink.request.output_ids))
         self._admit()
@@ -243,16 +295,18 @@ class EngineRunner:
         self.admission.finished(sink.key, slot_s)
 
     def _send(self, msg) -> None:
-        """Queue a command for the engine (any thread; never blocks)."""
-        self._commands.put(msg)
+        """Queue a command for the engine (any thread; never blocks). It goes to the engine of now: one that dies
+        meanwhile never passes it to its successor (a replay resends what the new one needs)."""
+        self._commands.put((self._conn, msg))
 
     def _send_loop(self) -> None:
         while True:
-            msg = self._commands.get()
-            if msg is None:
+            item = self._commands.get()
+            if item is None:
                 return
+            conn, msg = item
             try:
-                self._conn.send(msg)
+                conn.send(msg)
             except (OSError, ValueError):  # the engine is gone (the loop sees its end of file)
                 pass
 
@@ -277,7 +331,7 @@ class EngineRunner:
         """Send queued requests to the engine while it has room, in the admission's (round-robin) order."""
         while True:
             with self._lock:
-                if self._closed or not self._engine_has_room():
+                if self._closed or not self._ready or not self._engine_has_room():
                     return
                 nxt = self.admission.pop()
                 if nxt is None:
@@ -285,8 +339,7 @@ class EngineRunner:
                 sink = nxt[1]
                 req = sink.request
                 self._sinks[req.request_id] = sink
-                cmd = AddCommand(req.request_id, req.prompt_ids, req.params, req.speculate, req.cache_scope,
-                                 req.arrival_time)
+                cmd = _add_command(req)
             self._send(("add", cmd))
 
     # ---- the engine's messages (on the event loop) ---------------------------------------------------
@@ -295,22 +348,136 @@ class EngineRunner:
         there calls this again at once: the loop's readiness is level-triggered; no Connection.poll(), which
         builds a selector per call)."""
         try:
-            if not self._dispatch(self._conn.recv()):
+            msg = self._conn.recv()
+        except (EOFError, OSError):
+            self._engine_ended()
+            return
+        except Exception:  # a message cut short by the child's death
+            log.exception("reading the engine's pipe failed")
+            self._engine_ended()
+            return
+        try:
+            if not self._dispatch(msg):
                 self._stop_reading()
                 self._close()
                 return
-        except (EOFError, OSError):
-            self._stop_reading()
-            if not self._stopping:
-                self._down_message = self.host.exit_description()
-                log.error("%s", self._down_message)
-            self._close()
-            return
         except BaseException:  # reading ends either way; _close tells every request (503 from now on)
             log.exception("handling the engine's messages failed")
             self._stop_reading()
             self._close()
             return
+        self._admit()
+        self._flush()
+
+    # ---- supervision (on the event loop, but the new child's loading, on a thread) --------------------
+    def _engine_ended(self) -> None:
+        """The engine's pipe reached its end: a stop we asked for, or a death (restarted when it can be)."""
+        self._stop_reading()
+        self._ready = False
+        if self._stopping:
+            self._close()
+            return
+        self._down_message = self.host.exit_description()
+        log.error("%s", self._down_message)
+        if not getattr(self.host, "restartable", False) or self.restart_policy.max_restarts <= 0:
+            self.state = "failed"
+            self.metrics.on_engine_death(self.host.exit_cause(), restarted=False)
+            self.metrics.set_engine_state(self.state)
+            self._close()
+            return
+        self._on_death(self.host.exit_cause(), self._down_message)
+
+    def _on_death(self, cause: str, description: str) -> None:
+        """Count the death; restart (after the backoff) unless over the limit; fail requests replayed too often."""
+        policy, now = self.restart_policy, time.monotonic()
+        lived = now - self._ready_at if self._ready_at is not None else 0.0
+        self._ready_at = None
+        self._fast_deaths = self._fast_deaths + 1 if lived < policy.stable_s else 1
+        self._deaths.append(now)
+        while self._deaths and self._deaths[0] < now - policy.window_s:
+            self._deaths.popleft()
+        if len(self._deaths) > policy.max_restarts:
+            self.state = "failed"
+            self._down_message = (f"{description}; the engine died {len(self._deaths)} times within "
+                                  f"{policy.window_s:g} s (the limit is {policy.max_restarts}): not restarting it")
+            log.error("%s", self._down_message)
+            self.metrics.on_engine_death(cause, restarted=False)
+            self.metrics.set_engine_state(self.state)
+            self._close()
+            return
+        self.metrics.on_engine_death(cause, restarted=True)
+        if self.state != "restarting":
+            self._died_at = now
+        self.state = "restarting"
+        self.metrics.set_engine_state(self.state)
+        with self._lock:
+            self._kv_blocks = None  # the new engine's pool says what is free
+            doomed = []
+            for rid, sink in self._sinks.items():
+                sink.replays += 1
+                if sink.replays > policy.max_replays:
+                    doomed.append(rid)
+            live = len(self._sinks) - len(doomed)
+        for rid in doomed:  # it may be what kills the engine: not again
+            self._fail(rid, APIError(503, f"the engine died {policy.max_replays + 1} times while running this "
+                                          f"request ({description}); not replaying it again",
+                                     code="engine_unavailable"), in_engine=False)
+        self._flush()
+        delay = policy.backoff(self._fast_deaths)
+        log.warning("restarting the engine%s (death %d within %g s; %d requests to replay)",
+                    f" in {delay:.1f} s" if delay else "", len(self._deaths), policy.window_s, live)
+        threading.Thread(target=self._respawn, args=(delay,), name="draftwise-respawn", daemon=True).start()
+
+    def _respawn(self, delay: float) -> None:
+        """A thread: wait out the backoff, start a new child from the old one's factory, wait for its model."""
+        if delay:
+            time.sleep(delay)
+        if self._stopping:
+            return
+        host = None
+        try:
+            host = self.host.respawn(self.restart_policy.start_timeout_s)
+            host.front  # noqa: B018 — waits until the model is loaded (ConfigError when it cannot be)
+            if self._stopping:
+                raise RuntimeError("the server is stopping")
+            self._loop.call_soon_threadsafe(self._on_respawned, host)
+        except Exception as e:  # noqa: BLE001 — a failed start is one more death
+            if host is not None:
+                host.kill()
+            if self._stopping:
+                return
+            desc = f"the engine could not be restarted: {e}"
+            try:
+                self._loop.call_soon_threadsafe(self._on_death, "start_failed", desc)
+            except RuntimeError:  # the event loop is closed (shutting down)
+                pass
+
+    def _on_respawned(self, host) -> None:
+        """The new child is ready: read its pipe, then replay every request the old one had, in their order."""
+        if self._stopping or self._closed:
+            host.kill()
+            return
+        old, self.host, self._conn = self.host, host, host.conn
+        try:
+            old.conn.close()
+        except OSError:
+            pass
+        self._reading = True
+        self._loop.add_reader(self._conn.fileno(), self._on_readable)
+        with self._lock:
+            replay = list(self._sinks.values())
+            self.state, self._ready = "ready", True
+            commands = [_add_command(s.request) for s in replay]
+        for cmd in commands:
+            self._send(("add", cmd))
+        now = time.monotonic()
+        self.last_restart_s = now - self._died_at
+        self._died_at, self._ready_at = None, now
+        self.restarts += 1
+        self.metrics.on_engine_restarted(self.last_restart_s, len(replay))
+        self.metrics.set_engine_state(self.state)
+        log.warning("the engine is back (pid %s) %.1f s after it died; replaying %d requests", getattr(host, "pid", "-"),
+                    self.last_restart_s, len(replay))
         self._admit()
         self._flush()
 
@@ -371,6 +538,8 @@ class EngineRunner:
             sink = self._sinks.get(rid)
             if sink is None:  # aborted before the engine took it (the engine has dropped it too)
                 return
+            if sink.started is not None:  # a replay: its client was told long ago
+                return
             sink.started = time.perf_counter()
             self._post(sink, Event(admitted=True))
         self.metrics.on_admitted(len(sink.request.prompt_ids))
@@ -429,7 +598,8 @@ class EngineRunner:
                 req.on_token(tok)
         if item.logprobs:
             req.logprobs.extend(item.logprobs)
-        req.first_token_time = item.first_token_time
+        if req.first_token_time is None:  # a replay's engine reports its own first token: the first one stands
+            req.first_token_time = item.first_token_time
         self.metrics.on_tokens(n)
         if n and len(req.output_ids) == n and req.first_token_time is not None:
             self.metrics.on_first_token(req.first_token_time - req.arrival_time)
@@ -508,6 +678,12 @@ def _put_all(items: list) -> None:
     """On the event loop: each (asyncio.Queue, Event) of one engine step."""
     for q, event in items:
         q.put_nowait(event)
+
+
+def _add_command(req) -> AddCommand:
+    """What the engine gets for a request: a replay carries the output its client already has."""
+    return AddCommand(req.request_id, req.prompt_ids, req.params, req.speculate, req.cache_scope, req.arrival_time,
+                      list(req.output_ids))
 
 
 def _busy(refusal) -> APIError:

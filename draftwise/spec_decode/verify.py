@@ -13,6 +13,18 @@ emits exactly plain greedy decoding's tokens. Trees are verified greedily only: 
 (its proposer's most likely branch) and the rejection sampling above — chain-only sampling, never a lossy
 multi-branch shortcut.
 
+Randomness is position-addressed when the caller passes the output `position` of the first verified row and a
+sampling.PositionalGenerator: the numbers for output position i are the generator's `uniforms(i, purpose)`, the
+same whatever happened before (a request resumed after an engine restart draws what the undisturbed run drew).
+A point-mass draft (n-gram, suffix: probs None) is verified by drawing the target's own token at each position,
+x*_i = inverse-CDF(p_i, u_i), accepting guess i iff it equals x*_i and emitting x*_i at the first mismatch (or as
+the bonus): guess x is accepted with probability p(x), and on a mismatch x* is distributed as p without x,
+renormalised — exactly the point-mass rejection rule — while every emitted token is the one plain sampling draws
+at its position, so a seeded request's output does not depend on k or on where its steps began. A draft model's
+q keeps min(1, p/q) with the uniforms of its positions (its output depends on where drafts begin: a resumed
+request matches the run it resumes only where step boundaries agree). With a plain torch.Generator (or None), or
+no position, the same rules draw in sequence from the generator.
+
 This module does not know models, KV caches, proposers or the scheduler: the caller runs the target on
 `[last_token, *draft_ids]`, passes the k+1 logit rows here, and rolls back whatever was not accepted.
 """
@@ -22,7 +34,8 @@ from dataclasses import dataclass
 
 import torch
 
-from draftwise.sampling import SamplingParams, process_logits, sample
+from draftwise.sampling import (PURPOSE_ACCEPT, PURPOSE_RESIDUAL, PURPOSE_TARGET, PositionalGenerator, SamplingParams,
+                                inverse_cdf, process_logits)
 
 
 @dataclass(frozen=True)
@@ -91,40 +104,65 @@ def rejection_verify(
     top_p: float,
     generator: torch.Generator | None,
     min_p: float = 0.0,
+    position: int | None = None,  # output position of the first verified row (position-addressed randomness)
 ) -> VerifyResult:
     """Speculative sampling: accept x_i with prob min(1, p(x_i)/q(x_i)), correct from norm(max(0, p - q)).
 
     p is the target's distribution after `process_logits` with the request's parameters; `draft_probs` must
     already be processed with the same parameters by the proposer. With `draft_probs=None` the draft is a
-    point mass on its token (q(x) = 1), so x is accepted with prob p(x) and the correction is p with x removed.
-    Randomness: one uniform per draft position, then one `sample()` draw, all from `generator`.
+    point mass on its token (q(x) = 1): the target's own draw x*_i at each position decides (accepted iff it
+    equals the guess, so with prob p(x); the mismatching x* is the correction, p without x renormalised).
+    Randomness: `_Draws` (position-addressed with a PositionalGenerator and a `position`, else in sequence).
     """
     _check_shapes(draft_ids, draft_probs, target_logits)
     k = draft_ids.shape[0]
     target_probs = process_logits(target_logits, temperature, top_k, top_p, min_p)  # [k + 1, vocab_size]
     draft_ids = draft_ids.to(target_probs.device)
     draft_list = draft_ids.tolist()
+    draws = _Draws(generator, position)
+
+    if draft_probs is None:  # point mass: the target's draw at each row, until one differs from the guess
+        for i in range(k + 1):
+            x = int(inverse_cdf(target_probs[i : i + 1], draws(i, PURPOSE_TARGET))[0])
+            if i == k or x != draft_list[i]:
+                return VerifyResult(i, draft_list[:i] + [x])
 
     num_accepted = k
     if k > 0:
         positions = torch.arange(k, device=target_probs.device)
-        p_draft = target_probs[positions, draft_ids]  # [k]
-        u = torch.rand(k, generator=generator, device=target_probs.device)  # [k]
-        if draft_probs is None:
-            accepted = u < p_draft  # q(x) = 1
-        else:
-            # u < p/q without the division: a token the draft gave q(x) = 0 is accepted iff p(x) > 0
-            accepted = u * draft_probs.to(target_probs.device)[positions, draft_ids] < p_draft
+        p_draft = target_probs[positions, draft_ids].double()  # [k]
+        u = draws(0, PURPOSE_ACCEPT, k).to(target_probs.device)  # [k]
+        # u < p/q without the division: a token the draft gave q(x) = 0 is accepted iff p(x) > 0
+        accepted = u * draft_probs.to(target_probs.device)[positions, draft_ids].double() < p_draft
         # one host sync for the whole draft; the first False is the rejected position
         num_accepted = next((i for i, ok in enumerate(accepted.tolist()) if not ok), k)
 
     n = num_accepted
-    if n == k:
-        next_probs = target_probs[k:]  # [1, vocab_size] bonus: every draft token passed
+    if n == k:  # bonus: every draft token passed; the target's own draw at its position
+        next_id = int(inverse_cdf(target_probs[k:], draws(k, PURPOSE_TARGET))[0])
     else:
-        next_probs = _residual(target_probs[n : n + 1], draft_list[n], draft_probs, n)  # [1, vocab_size]
-    next_id = int(sample(next_probs, generator).item())
+        residual = _residual(target_probs[n : n + 1], draft_list[n], draft_probs, n)  # [1, vocab_size]
+        next_id = int(inverse_cdf(residual, draws(n, PURPOSE_RESIDUAL))[0])
     return VerifyResult(n, draft_list[:n] + [next_id])
+
+
+class _Draws:
+    """Where verification's uniforms come from: `(row, purpose, n)` -> [n] float64. Position-addressed (row r is
+    output position `position + r`; n numbers of one purpose at consecutive positions) with a
+    PositionalGenerator and a position; otherwise the generator's next n numbers."""
+
+    def __init__(self, generator: torch.Generator | None, position: int | None):
+        self.generator = generator
+        self.positional = isinstance(generator, PositionalGenerator) and position is not None
+        self.position = position
+
+    def __call__(self, row: int, purpose: int, n: int = 1) -> torch.Tensor:  # -> [n] float64
+        if self.positional:
+            if n == 1:
+                return self.generator.uniforms(self.position + row, purpose)
+            return torch.cat([self.generator.uniforms(self.position + row + i, purpose) for i in range(n)])
+        return torch.rand(n, generator=self.generator, dtype=torch.float64,
+                          device=self.generator.device if self.generator is not None else "cpu")
 
 
 def _residual(
@@ -132,7 +170,7 @@ def _residual(
     draft_id: int,  # the rejected draft token
     draft_probs: torch.Tensor | None,  # [k, vocab_size] or None
     position: int,
-) -> torch.Tensor:  # [1, vocab_size] unnormalised; sample() normalises
+) -> torch.Tensor:  # [1, vocab_size] unnormalised; inverse_cdf normalises
     """max(0, p - q) at the rejected position, falling back to p when it has no mass.
 
     In exact arithmetic a rejection implies the residual has mass (p(x) < q(x) somewhere forces p > q
@@ -156,6 +194,7 @@ def verify(
     params: SamplingParams,
     generator: torch.Generator | None,
     parents: tuple[int, ...] | None = None,  # [k] a token tree's parent rows; None: a chain
+    position: int | None = None,  # output position of row 0 (the tokens already emitted): position-addressed draws
 ) -> VerifyResult:
     """Greedy verification at temperature 0, speculative sampling otherwise; a tree greedily only."""
     if parents is not None:
@@ -166,7 +205,7 @@ def verify(
         return greedy_verify(draft_ids, target_logits)
     return rejection_verify(
         draft_ids, draft_probs, target_logits, params.temperature, params.top_k, params.top_p, generator,
-        params.min_p)
+        params.min_p, position)
 
 
 def _check_shapes(
