@@ -17,7 +17,7 @@ import torch
 
 from draftwise.config import ConfigError, EngineConfig, SpecConfig, parse_kv_cache_memory, parse_spec_config
 from draftwise.engine import PREFILL_CHUNK_TOKENS, Engine, Request, StepOutput  # noqa: F401 (the chunk: bench/memory.py)
-from draftwise.kernels import heap, hugepages
+from draftwise.kernels import heap, hugepages, step_cost
 from draftwise.kernels.plan import KernelPlan, resolve_plan
 from draftwise.kernels.threads import ThreadGuard
 from draftwise.models.static_step import StaticStep
@@ -181,6 +181,7 @@ class LLM:
                               kv_cache_memory=parse_kv_cache_memory(kv_cache_memory), kv_cache_dtype=kv_cache_dtype)
         if threads:
             torch.set_num_threads(threads)
+        self._cache_step_costs = True  # a loaded checkpoint's grids are cached per machine (from_parts: measured)
         t0 = time.perf_counter()
         target, tokenizer, info = load_model(model, config.dtype, config.device, config.weights, cache_dir)
 
@@ -228,6 +229,7 @@ class LLM:
         self._load_draft = load_draft
         self._proposers: dict[SpecConfig, Proposer] = {}  # by the config without k
         self._k_policies: dict[SpecConfig, KPolicy] = {}
+        self._step_costs: dict[tuple[int, str], step_cost.StepCost] = {}  # (id(model), logits) -> its live grid
         k_max = max(k_max or 0, config.spec_config.k_max)
         # the target's K/V pool from the budget (a draft model's pool follows it: spec_decode/builders.py)
         self.kv_cache_blocks = pool_blocks(
@@ -347,13 +349,26 @@ class LLM:
         proposer = self._proposer(spec_config, k_max)
         if spec_config not in self._k_policies:
             if spec_config.adaptive:
-                self._k_policies[spec_config] = AdaptiveK.calibrate(self.model, spec_config.k_max,
-                                                                    proposer)
-                if hasattr(proposer, "verify_cost"):  # a tree proposer sizes its trees by the same cost curve
-                    proposer.verify_cost = self._k_policies[spec_config].verify_cost
+                draft = getattr(proposer, "model", None)  # a draft model's forwards cost by its own grid
+                policy = AdaptiveK(spec_config.k_max, self.step_cost(self.model),
+                                   self.step_cost(draft, "last") if draft is not None else None)
+                self._k_policies[spec_config] = policy
+                if hasattr(proposer, "step_cost"):  # a tree proposer sizes its trees by the same live grid
+                    proposer.step_cost = policy.target
             else:
                 self._k_policies[spec_config] = FixedK(spec_config.k_max)
         return proposer, self._k_policies[spec_config]
+
+    def step_cost(self, model: Decoder, logits: str = "all") -> step_cost.StepCost:
+        """`model`'s step-cost grid (kernels/step_cost.py: seconds per step of B rows x width tokens; logits "last":
+        a draft's forwards), measured once per LLM (a loaded checkpoint's from the per-machine cache) and shared by
+        every k policy, whose engine steps correct it online."""
+        key = (id(model), logits)
+        if key not in self._step_costs:
+            self._step_costs[key] = step_cost.load_or_measure(
+                model, self.config.max_num_seqs, step_cost.GRID_WIDTHS, logits,
+                cache=getattr(self, "_cache_step_costs", False))
+        return self._step_costs[key]
 
     def _proposer(self, spec_config: SpecConfig, k_max: int) -> Proposer:
         # arms that differ only in k share a proposer, except suffix's: its cache of earlier outputs must hold its

@@ -37,7 +37,7 @@ from draftwise.kv_cache import CacheFull, KVCache, blocks_for, target_cache_capa
 from draftwise.models.transformer import Decoder
 from draftwise.prefix_cache import PrefixCache
 from draftwise.sampling import SamplingParams, TokenLogprob, adjust_logits, make_generator, token_logprobs
-from draftwise.spec_decode.adaptive import FixedK, KPolicy
+from draftwise.spec_decode.adaptive import FixedK, KPolicy, choose_batch, observe_step
 from draftwise.spec_decode.proposer import EMPTY_DRAFT_IDS, Draft, Proposer
 from draftwise.spec_decode import tree
 from draftwise.spec_decode.stats import SpecStats
@@ -385,7 +385,8 @@ class Engine:
 
     def _decode_step(self, reqs: list[Request]) -> list[StepOutput]:
         slots = [r.slot for r in reqs]
-        k_per_seq = [self._k_for(r) for r in reqs]
+        # one decision for the whole batch: each row's k (0 = plain) within its room (adaptive.choose_batch)
+        k_per_seq = choose_batch(self.k_policy, reqs, [self._room(r) for r in reqs])
         base_lengths = [self.cache.lengths[s] for s in slots]
         rng_states = [r.generator.get_state() for r in reqs]  # a retried step draws the same numbers
         for attempt in (1, 2):
@@ -419,6 +420,9 @@ class Engine:
                 r.spec_stats.add_times((t1 - t0) * share, (t2 - t1) * share)
         if any(d.num_tokens for d in drafts):
             self.stats.add_times(t1 - t0, t2 - t1)
+        self.stats.record_decision(sum(k > 0 for k in k_per_seq), len(reqs))
+        if attempt == 1:  # the step's own cost (B rows x the padded width) corrects the policy's grid: no extra forward
+            observe_step(self.k_policy, len(reqs), 1 + max(d.num_tokens for d in drafts), t2 - t1, t1 - t0, k_per_seq)
         return outputs
 
     def _verify_forward(self, reqs: list[Request], drafts: list[Draft]) -> torch.Tensor:  # -> [B, 1 + max k, V]
@@ -525,13 +529,17 @@ class Engine:
     def _k_for(self, req: Request, context: int | None = None) -> int:
         """Guesses for req's next step; `context`: tokens in its cache before the pending token (default: the
         slot's length; a prefill passes its prompt's length - 1, the last prompt token being the pending one)."""
-        if not req.speculate:  # a per-request opt-out: plain steps through the same path
+        room = self._room(req, context)
+        return max(0, min(self.k_policy.choose(req), room)) if room > 0 else 0
+
+    def _room(self, req: Request, context: int | None = None) -> int:
+        """The most guesses req's next step may hold: 0 for a request that opted out (plain steps through the same
+        path), else within k_max, max_tokens and the context (the pending token takes one position)."""
+        if not req.speculate:
             return 0
-        k = min(self.k_policy.choose(req), self.k_max)
-        # never guess past max_tokens or the context (the pending token takes one position)
         room_out = req.params.max_tokens - len(req.output_ids) - 1
         room_ctx = self.max_model_len - (self.cache.lengths[req.slot] if context is None else context) - 1
-        return max(0, min(k, room_out, room_ctx))
+        return max(0, min(self.k_max, room_out, room_ctx))
 
     def _emit(self, req: Request, token_ids: list[int]) -> list[int]:
         """Append tokens one by one until a stop condition; returns the tokens actually emitted."""

@@ -139,8 +139,8 @@ def test_adaptive_k_stays_exact():
     target = _lively()
     torch.manual_seed(1)
     proposer = draft_proposer(_lively(noise=0.3))
-    policy = AdaptiveK.calibrate(target, 6, proposer, rounds=2)
-    assert policy.draft_cost[6] >= policy.draft_cost[1] > 0 and policy.catch_up_cost >= 0
+    policy = AdaptiveK.calibrate(target, 6, proposer, max_batch=4)
+    assert policy.draft_time([6]) >= policy.draft_time([1]) > 0 and policy.catch_up_cost >= 0
     outs, _, _ = run_engine(target, proposer, 6, k_policy=policy)
     assert outs == plain(target)
     assert sum(policy.k_histogram.values()) > 0
@@ -161,6 +161,51 @@ class _RandomK:
 
     def end(self, req):
         pass
+
+
+class _MixedBatchK:
+    """One decision per step for the whole batch (choose_batch): a different k per row, 0 included, drawn afresh
+    each step; records every step's ks."""
+
+    def __init__(self, k_max: int, seed: int):
+        self.k_max, self.rng, self.steps = k_max, np.random.default_rng(seed), []
+
+    def choose(self, req) -> int:  # the prefill's first guesses (a batch of one)
+        return int(self.rng.integers(0, self.k_max + 1))
+
+    def choose_batch(self, reqs, caps):
+        ks = [int(self.rng.choice([0, *range(1, self.k_max + 1)])) for _ in reqs]
+        self.steps.append(ks)
+        return ks
+
+    def observe(self, req, k, num_accepted):
+        pass
+
+    def end(self, req):
+        pass
+
+
+LONG_PROMPTS = PROMPTS + [[3, 1, 4, 1, 5, 9, 2, 6], [2, 7, 1, 8, 2, 8], [11, 12, 11, 12, 11], [40, 41, 42]]
+
+
+@pytest.mark.parametrize("method", ["ngram", "noisy"])
+def test_greedy_with_mixed_k_per_row_equals_plain_at_every_batch_size(method):
+    """Batch sizes 1..8, each step's rows guessing different k (0 included, the batch padded to the widest):
+    greedy output is plain decoding's, token for token (row-exact: a row's bits never depend on its batch)."""
+    target = _lively()
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    ref = run_engine(target, NoProposer(), 0, prompts=LONG_PROMPTS, params=params, max_num_seqs=8)[0]
+    for batch in range(1, 9):
+        torch.manual_seed(1)
+        proposer = (NgramProposer(1, 3) if method == "ngram"
+                    else DraftModelProposer(_lively(0.3), num_slots=batch, capacity=MAX_LEN + 16, target_vocab_size=64))
+        policy = _MixedBatchK(6, seed=batch)
+        outs, eng, _ = run_engine(target, proposer, 6, prompts=LONG_PROMPTS[:batch], params=params,
+                                  max_num_seqs=batch, k_policy=policy)
+        assert outs == ref[:batch], f"batch {batch}"
+        mixed = [ks for ks in policy.steps if len(ks) > 1 and 0 in ks and any(ks)]
+        assert batch == 1 or mixed, f"batch {batch}: no step mixed plain and guessing rows"
+        assert sum(eng.stats.decisions.values()) == len(policy.steps)
 
 
 @pytest.mark.parametrize("method", ["ngram", "noisy", "exact"])

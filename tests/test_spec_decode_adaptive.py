@@ -1,11 +1,16 @@
 """AdaptiveK's policy logic with injected costs and acceptances (no timing asserts): the cost model's choices,
-calibration that survives a burst of load, acceptance learned per request rather than from other workloads,
-the proposer's catch-up cost, and the probe cadence while plain decoding wins."""
+the batch decision against planted step-cost grids (never speculating where the grid says it loses, padded widths,
+stopping and starting again as the online correction follows the load), the grid's own correction, acceptance
+learned per request rather than from other workloads, the proposer's catch-up cost, and the probe cadence while
+plain decoding wins."""
+import itertools
+import random
 from dataclasses import dataclass, field
 
+from draftwise.kernels.step_cost import RESID_RANGE, StepCost
 from draftwise.sampling import SamplingParams
 from draftwise.spec_decode import adaptive
-from draftwise.spec_decode.adaptive import CATCH_UP, EXPLORE_EVERY, AdaptiveK
+from draftwise.spec_decode.adaptive import EXPLORE_EVERY, AdaptiveK
 
 # measured shape on the default pair (Zen 4, 2 threads): 9 verified rows ~1.8x one row, a guess ~0.38 of a step
 VERIFY = {w: 0.045 + 0.0045 * (w - 1) for w in range(1, 10)}
@@ -53,67 +58,6 @@ def test_cost_model_choices():
         bad.observe(req, 6, 0)
     assert bad.choose(req) == 0
     assert bad.acceptance(req) < 0.05
-
-
-def test_calibration_keeps_each_cost_s_fastest_round():
-    """Bursts of load (20x) over widths 1-4 of the first round and all of the last, and over the proposer in the
-    last, change nothing: each cost is its fastest round, so the verification widths keep their true ratios."""
-    calls = {"verify": 0, "proposer": 0}
-
-    def time_verify(width):
-        calls["verify"] += 1
-        burst = 20.0 if calls["verify"] <= 4 or calls["verify"] > 18 else 1.0
-        return VERIFY[width] * burst
-
-    def proposer():
-        calls["proposer"] += 1
-        burst = 20.0 if calls["proposer"] == 3 else 1.0
-        return [DRAFT[k] * burst for k in range(1, 9)], (DRAFT[1] + 15 * 0.002) * burst
-
-    p = AdaptiveK.from_timers(8, time_verify, proposer, rounds=3)
-    assert calls == {"verify": 27, "proposer": 3}
-    assert all(abs(p.verify_cost[w] - VERIFY[w]) < 1e-12 for w in VERIFY)
-    assert all(abs(p.draft_cost[k] - DRAFT[k]) < 1e-12 for k in DRAFT)
-    assert abs(p.catch_up_cost - 15 * 0.002 / (CATCH_UP - 1)) < 1e-12
-
-
-class _Windows:
-    """BusyWindows with a script: the others' busy cores each window reports (None: no window has passed)."""
-
-    def __init__(self, readings):
-        self.readings = list(readings)
-
-    def sample(self, force=False):
-        return self.readings.pop(0) if self.readings else None
-
-
-def test_a_calibration_under_load_is_retimed_when_the_load_changes():
-    """Calibrated while another process held a core (wide forwards 4x dearer, so guessing never pays), the policy
-    first keeps speculation off; two quiet windows in a row re-time the target and speculation comes on. A single
-    quiet window (a blip) changes nothing, and a load that comes back re-times again."""
-    state = {"busy": True}
-
-    def time_verify(width):
-        return VERIFY[width] * (1 + 3.0 * (width > 1)) if state["busy"] else VERIFY[width]
-
-    windows = _Windows([1.0, None, 0.0, 1.0, 0.0, 0.0, 1.0, 1.0])  # first: the calibration's own reading
-    p = AdaptiveK.from_timers(8, time_verify, lambda: ([DRAFT[k] for k in range(1, 9)], DRAFT[1]), rounds=2,
-                              windows=windows)
-    assert p.calibrated_load == 1.0
-    p.engine_alpha = 0.8  # a workload that guesses well, once guessing is cheap
-    req = _Req(output_ids=[1] * 8)
-    assert p.choose(req) == 0  # no window yet
-    state["busy"] = False
-    assert p.choose(req) == 0 and p.recalibrations == 0  # one quiet window: a blip
-    assert p.choose(req) == 0 and p.recalibrations == 0  # busy again: the drift starts over
-    p.choose(req)  # quiet once ...
-    assert p.recalibrations == 0
-    assert p.choose(req) > 0 and p.recalibrations == 1 and p.calibrated_load == 0.0  # ... twice: re-timed, on
-    assert abs(p.verify_cost[9] - VERIFY[9]) < 1e-12
-    state["busy"] = True
-    p.choose(req)
-    p.choose(req)
-    assert p.recalibrations == 2 and p.calibrated_load == 1.0 and p.verify_cost[9] > 3 * VERIFY[9]
 
 
 def test_a_request_s_own_evidence_outweighs_other_requests():
@@ -215,8 +159,9 @@ def _gain(p, alpha):
 
 
 def test_auto_through_the_api_calibrates_once_and_stays_exact():
-    """`num_speculative_tokens: "auto"` assembled by LLM.set_speculation: calibrated once per config (cached),
-    greedy output equal to plain decoding's, every step in the k histogram."""
+    """`num_speculative_tokens: "auto"` assembled by LLM.set_speculation: one policy per config (cached) over the
+    LLM's one target grid, greedy output equal to plain decoding's, every step in the k histogram, and the engine's
+    steps correcting the grid (no extra forwards)."""
     from tests.harness import PROMPTS, tiny_llm
 
     llm = tiny_llm(max_num_seqs=2, k_max=8)
@@ -226,10 +171,147 @@ def test_auto_through_the_api_calibrates_once_and_stays_exact():
                  {"method": "draft_model", "model": "d", "num_speculative_tokens": "auto"}):
         llm.set_speculation(spec_config)
         policy = llm.engine.k_policy
-        assert isinstance(policy, AdaptiveK) and policy.verify_cost[9] >= policy.verify_cost[1] > 0
+        assert isinstance(policy, AdaptiveK) and policy.verify_cost(1, 9) >= policy.verify_cost(1, 1) > 0
         outs = llm.generate(PROMPTS, params)
         assert [o.outputs[0].token_ids for o in outs] == ref
         assert all(sum(o.spec["k_histogram"].values()) > 0 for o in outs)
+        assert policy.target is llm.step_cost(llm.model) and policy.target.observations > 0
         llm.set_speculation(None)
         llm.set_speculation(spec_config)
         assert llm.engine.k_policy is policy
+
+
+# ---- the batch decision against planted grids ------------------------------------------------------------------
+
+def _grid(fn, batches=range(1, 9), widths=range(1, 17)) -> StepCost:
+    """A planted grid: fn(B, width) -> seconds at every cell (all of them "measured")."""
+    return StepCost({(b, w): fn(b, w) for b in batches for w in widths})
+
+
+# memory-bound at one row (width nearly free), compute-bound from ~4 rows (every token of every row costs)
+ROW_BOUND = _grid(lambda b, w: 0.050 + 0.0004 * b * w + (0.006 * b * w if b >= 4 else 0.0))
+
+
+def _brute(policy, alphas, caps):
+    """The best k per row by exhaustive search (small batches)."""
+    return max((list(ks) for ks in itertools.product(*(range(c + 1) for c in caps))),
+               key=lambda ks: policy.batch_rate(ks, alphas))
+
+
+def test_the_policy_never_speculates_where_the_planted_grid_says_it_loses():
+    """At every batch size 1..8 and many acceptances: the chosen ks predict at least plain's rate on the planted
+    grid, and wherever no speculation beats plain (here: 4+ rows with acceptances this low), every row is plain."""
+    rng = random.Random(0)
+    for trial in range(200):
+        B = rng.randint(1, 8)
+        alphas = [rng.uniform(0.0, 0.95) for _ in range(B)]
+        p = AdaptiveK(8, ROW_BOUND)
+        ks, rate, plain = p.best_ks(alphas, [8] * B)
+        assert rate >= plain
+        assert p.batch_rate(ks, alphas) == rate
+        best_any = max(p.batch_rate([k if i in rows else 0 for i in range(B)], alphas)
+                       for k in range(1, 9) for n in range(1, B + 1) for rows in itertools.combinations(range(B), n))
+        if best_any <= plain:
+            assert ks == [0] * B, (trial, B, alphas, ks)
+    lows = [0.3] * 6
+    p = AdaptiveK(8, ROW_BOUND)
+    assert p.batch_rate([2] * 6, lows) < p.batch_rate([0] * 6, lows)  # the planted grid: guessing loses at 6 rows
+    assert p.choose_batch([_Req(f"r{i}") for i in range(6)], [8] * 6) == [0] * 6
+    assert p.best_ks([0.3], [8])[0][0] > 0  # ... and pays for one row alone
+
+
+def test_the_batch_decision_is_near_the_exhaustive_optimum():
+    """Small batches: the search (top-m rows by acceptance at a shared K, then each row's own k) reaches the best
+    rate an exhaustive search over every k per row finds, within 1%, with a draft model's per-depth cost."""
+    rng = random.Random(1)
+    draft = _grid(lambda b, w: 0.010 + 0.001 * b * w)
+    for _ in range(40):
+        B = rng.randint(1, 3)
+        alphas = [rng.uniform(0.0, 0.95) for _ in range(B)]
+        caps = [rng.randint(0, 5) for _ in range(B)]
+        p = AdaptiveK(5, ROW_BOUND, draft, catch_up_cost=0.0)
+        ks, rate, _ = p.best_ks(alphas, caps)
+        assert all(k <= c for k, c in zip(ks, caps))
+        assert rate >= 0.99 * p.batch_rate(_brute(p, alphas, caps), alphas)
+
+
+def test_a_padded_step_lets_rows_ride_along_with_the_widest():
+    """The engine pads every row to the widest: with one row guessing 6 anyway, the others' guesses cost no
+    verification, so a free proposer (n-gram) has every row guess (cost by padded width, not by total tokens)."""
+    flat = _grid(lambda b, w: 0.050 + 0.004 * w + 0.001 * b)  # width costs, rows nearly free
+    p = AdaptiveK(6, flat)
+    ks, _, _ = p.best_ks([0.95, 0.2, 0.2, 0.2], [6] * 4)
+    assert ks[0] == 6 and all(k == 6 for k in ks[1:])
+    # a planted cost that charged each row only its own tokens would leave the unlikely rows plain: the padded
+    # grid's rate must differ from such a ragged one
+    ragged = sum(adaptive._expected(a, k) for a, k in zip([0.95, 0.2, 0.2, 0.2], [6, 0, 0, 0]))
+    assert p.batch_rate([6, 6, 6, 6], [0.95, 0.2, 0.2, 0.2]) > ragged / flat.cost(4, 7)
+
+
+def test_speculation_stops_when_the_load_makes_it_lose_and_starts_again_when_it_pays():
+    """The engine's own step times move the grid (no re-timing forwards): when wide steps get dear (a neighbour
+    takes the cores a wide step needs), the batch goes plain; when they are cheap again, it guesses again. A
+    probe every EXPLORE_EVERY plain steps keeps the acceptance estimate moving meanwhile."""
+    cheap = _grid(lambda b, w: 0.050 + 0.002 * b * w)
+    p = AdaptiveK(4, cheap)
+    p.engine_alpha = 0.8
+    reqs = [_Req(f"r{i}", params=SamplingParams(max_tokens=10_000)) for i in range(4)]
+    assert any(p.choose_batch(reqs, [4] * 4))
+    for _ in range(40):  # the engine reports wide steps 4x dearer than the grid said
+        p.observe_step(4, 5, 4 * (0.050 + 4 * 0.040), 0.0, [4] * 4)
+        p.observe_step(4, 1, 0.054, 0.0, [0] * 4)
+    assert p.choose_batch(reqs, [4] * 4) == [0] * 4
+    probes = []
+    for _ in range(EXPLORE_EVERY):
+        ks = p.choose_batch(reqs, [4] * 4)
+        probes.append(ks)
+        for r, k in zip(reqs, ks):
+            if k:
+                p.observe(r, k, k)
+    assert any(any(ks) for ks in probes)  # the rows' probes
+    for _ in range(60):  # cheap again
+        p.observe_step(4, 5, 0.050 + 0.002 * 20, 0.0, [4] * 4)
+        p.observe_step(4, 1, 0.058, 0.0, [0] * 4)
+    assert any(p.choose_batch(reqs, [4] * 4))
+
+
+def test_the_grid_follows_the_load_online():
+    """observe(): one cell's steps move the load factor of every cell (a cell never visited follows the load);
+    cells whose load changed unlike the others' get residuals (within RESID_RANGE), shared with their neighbours."""
+    g = _grid(lambda b, w: 0.01 * b + 0.001 * w, batches=(1, 2, 4, 8), widths=(1, 2, 4, 8, 16))
+    before = g.cost(8, 16)
+    for _ in range(60):
+        g.observe(1, 1, 2 * g.predicted_base(1, 1))
+    assert abs(g.scale - 2.0) < 0.05 and abs(g.cost(8, 16) / before - 2.0) < 0.1
+    for _ in range(100):  # narrow steps as measured, wide ones 3x dearer (fewer threads): residuals tell them apart
+        g.observe(4, 1, g.predicted_base(4, 1))
+        g.observe(4, 16, 3 * g.predicted_base(4, 16))
+    assert abs(g.cost(4, 1) / g.predicted_base(4, 1) - 1) < 0.15
+    assert abs(g.cost(4, 16) / g.predicted_base(4, 16) - 3) < 0.45
+    assert g.cost(4, 12) / g.predicted_base(4, 12) > 1.5  # a width between, never run, got dearer too
+    assert all(RESID_RANGE[0] <= r <= RESID_RANGE[1] for r in g.resid.values())
+
+
+def test_a_burst_during_measurement_does_not_make_a_cell_dearer_than_a_larger_one():
+    """Load only adds time: a cell timed slower than a larger cell is repaired down to it (the envelope)."""
+    base = {(b, w): 0.01 * b + 0.001 * w for b in (1, 2, 4, 8) for w in (1, 2, 4, 8, 16)}
+    base[(2, 4)] = 5.0  # a neighbour's time slice stalled this forward
+    g = StepCost(base)
+    assert g.base[(2, 4)] == min(base[(b, w)] for b in (2, 4, 8) for w in (4, 8, 16))
+    assert all(g.base[(b, w)] <= g.base[(b2, w2)] for (b, w) in g.base for (b2, w2) in g.base if b <= b2 and w <= w2)
+
+
+def test_the_suffix_proposer_reads_the_live_grid_not_a_copy():
+    """A correction of the grid (the engine's steps) reaches the suffix proposer's tree sizing at once: it holds
+    the policy's own grid object, read at each propose at the batch's size."""
+    from draftwise.spec_decode.suffix import SuffixProposer
+
+    g = _grid(lambda b, w: 0.050 + 0.001 * w)
+    s = SuffixProposer()
+    s.step_cost = AdaptiveK(8, g).target
+    probs = [0.9, 0.8, 0.7, 0.6]
+    assert s.tree_size(probs, batch=4) == 4
+    for _ in range(80):  # wide steps get 20x dearer (clamped residuals + the scale at width 1 stays)
+        g.observe(4, 5, 20 * g.predicted_base(4, 5))
+        g.observe(4, 1, g.predicted_base(4, 1))
+    assert s.tree_size(probs, batch=4) < 4

@@ -1,52 +1,44 @@
-"""How many tokens to guess: a fixed k, or a cost model that picks k per step to maximise tokens per second.
+"""How many tokens to guess: a fixed k, or a cost model that picks every row's k for the whole batch once per step,
+to maximise the batch's tokens per second (0 = a plain row).
 
-Cost model (Leviathan et al. 2023, arXiv 2211.17192, §3.4, with measured costs): with α the chance that a
-guess is accepted (their i.i.d. assumption; the 0.5B draft's measured acceptance is flat across positions),
+Cost model (Leviathan et al. 2023, arXiv 2211.17192, §3.4, per row, with measured batch costs): with α_i the chance
+that row i's guess is accepted (their i.i.d. assumption; the 0.5B draft's measured acceptance is flat across
+positions), a step in which row i guesses k_i tokens yields and costs
 
-    E(k)    = (1 − α^(k+1)) / (1 − α)                                 tokens one step yields (their eq. 1)
-    time(k) = verify(k + 1) + draft(k) + catch_up · (behind − 1) · E(k) / remaining          (k ≥ 1)
+    E_i(k)  = (1 − α_i^(k+1)) / (1 − α_i)                       tokens row i emits (their eq. 1; E_i(0) = 1)
+    time(k) = verify(B, 1 + max_i k_i) + draft(k) + Σ_i catch_up · (behind_i − 1) · E_i(k_i) / remaining_i
+    rate(k) = Σ_i E_i(k_i) / time(k)
 
-and k = argmax E(k)/time(k) over 0..k_max (k = 0: a plain step, time(0) = verify(1)). Guessing starts when the
-best k predicts MARGIN more tokens/s than plain and stops when it predicts less than plain (KEEP_MARGIN):
-stopping is free, restarting is not. `behind`: context tokens the proposer has not read (1 in the steady
-state; a request's prompt before its first guess; + 1 per plain step, for a draft model that reads only on
-`propose`). Catching up is paid once, so it is spread over the steps left if each yields E(k) (remaining =
-output tokens left).
+verify(B, w): the target's step-cost grid (kernels/step_cost.py: B rows x w tokens, measured at load, corrected
+online from the engine's own steps), at the engine's padded width (every row padded to the widest). draft(k):
+guess j is one draft forward over the B_j rows guessing >= j tokens, Σ_j draft_grid(B_j, 1), scaled online by the
+measured proposing time (a proposer without a model: what its lookups measure). Catch-up (k_i >= 1 only): context
+the proposer has not read (`behind`: the prompt before a request's first guess, + 1 per plain step, for a draft
+model that reads only on `propose`), paid once, so spread over the steps left if each yields E (remaining = output
+tokens left); catch_up per token from the draft grid's widths.
 
-Costs: the choice compares E/time across k at one moment, so only the costs' ratios matter, and only timings
-taken together give ratios on a shared machine. `calibrate` times, in interleaved rounds, a target forward at
-every width 1..k_max+1 after CONTEXT tokens, and through the Proposer protocol the proposer guessing k in the
-steady state and after CATCH_UP unseen tokens; each cost keeps its fastest round (load only adds time, and a
-burst spoils a round, not a width). Nothing is refined from step timings (per-width medians compared widths
-timed minutes apart on a machine drifting ±30%, and a width never chosen kept its stale time); instead the
-costs follow the load they were measured under: the policy reads other processes' busy cores every
-LOAD_WINDOW_S (kernels/threads.BusyWindows), and when two windows in a row differ from the calibration's by
-LOAD_CHANGE_CORES or more it times the target's widths again (RECHECK_ROUNDS rounds on calibrate's scratch cache;
-the proposer's costs scaled by the 1-row forward's change), so a calibration taken under a burst leaves
-speculation off (or on) only until the burst ends, and one taken quietly is re-checked when a neighbour arrives.
+The decision (`choose_batch`, once per step): for each K in 1..k_max and m in 1..B, the m rows likeliest to be
+accepted guess min(K, their cap) and the others none; the best of these, then each guessing row (least likely
+first) tried at every smaller k. Guessing starts when the best predicts MARGIN more tokens/s than a plain step of
+the batch and stops when it predicts less than plain (KEEP_MARGIN): stopping is free, restarting is not. A padded
+step makes width nearly free beside a row that guesses anyway; a wide batch makes every width dear: the grid
+decides, the same rule at every load. The engine asks `choose_batch(reqs, caps)`; `choose(req)` is the same rule
+for a batch of one (the prefill's first guesses, per-request callers).
 
 α is learned per request, older guesses decayed (DECAY per guess: a chat answer turns into code and back),
 behind PRIOR_GUESSES pseudo-guesses at the engine's α, which each finished request moves ENGINE_MIX of the way
 to its own: the last few requests set a new request's start, and no workload's long history outvotes a
-request's own evidence. While plain decoding wins, a k = PROBE_K probe after EXPLORE_EVERY plain steps keeps
-the estimate alive, the gap doubling after each probe (every probe pays the proposer's catch-up).
+request's own evidence. While plain decoding wins for a row, a k = PROBE_K probe after EXPLORE_EVERY plain steps
+keeps its estimate from freezing, the gap doubling after each probe (every probe pays the proposer's catch-up).
 Knows nothing of models' internals or the proposer's type.
 """
 from __future__ import annotations
 
-import sys
-import time
-from collections.abc import Callable
+import math
 from typing import Protocol
 
-import torch
+from draftwise.kernels.step_cost import StepCost
 
-from draftwise.kernels.threads import BusyWindows
-from draftwise.kv_cache import KVCache, target_cache_capacity
-
-ROUNDS = 5  # interleaved calibration rounds; every cost keeps its fastest
-CONTEXT = 128  # context tokens before the timed target forwards (a typical request's; attention grows with it)
-CATCH_UP = 16  # unseen tokens before the timed catch-up guess (a probe after EXPLORE_EVERY - 1 plain steps)
 PRIOR_GUESSES = 4.0  # weight of the engine's α in a request's estimate, in guesses of the request's own
 DECAY = 0.9  # per guess: how much of a request's older evidence is kept
 ENGINE_MIX = 0.5  # a finished request's share in the engine's α (the last few requests count)
@@ -54,9 +46,8 @@ MARGIN = 1.1  # start guessing only when the model predicts >= 10% more tokens/s
 KEEP_MARGIN = 1.0  # ... and stop when it predicts less than plain (stopping is free, restarting costs a catch-up)
 EXPLORE_EVERY = 16  # plain steps before a probe (then 32, 64, ...: the gap doubles after each probe)
 PROBE_K = 2  # guesses of a probe
-LOAD_WINDOW_S = 2.0  # how often the policy reads other processes' busy cores
-LOAD_CHANGE_CORES = 0.5  # a load this far from the calibration's, two windows in a row, re-times the costs
-RECHECK_ROUNDS = 2  # rounds of the re-timing (a short stall of the engine, once per load change)
+DRAFT_EWMA = 0.1  # per guessing step: the draft's scale (or a model-free proposer's seconds) toward the measured
+CATCH_UP_WIDTH = 16  # the draft grid's width used for the per-token catch-up cost
 
 
 class KPolicy(Protocol):
@@ -73,6 +64,28 @@ class KPolicy(Protocol):
     def end(self, req) -> None:
         """The request finished; forget it."""
 
+    # optional (choose_batch / observe_step below fall back without them):
+    # choose_batch(reqs, caps) -> [k per row], one decision for the whole step;
+    # observe_step(batch, width, step_s, propose_s, k_per_seq): one decode step's own timing
+
+
+def choose_batch(policy, reqs: list, caps: list[int]) -> list[int]:
+    """Every row's k for this step: the policy's batch decision, else its per-request view; each within its cap
+    (0: the row may not guess: opted out, or no room left)."""
+    batch = getattr(policy, "choose_batch", None)
+    if batch is not None:
+        ks = batch(reqs, caps)
+    else:
+        ks = [policy.choose(r) if c > 0 else 0 for r, c in zip(reqs, caps)]
+    return [max(0, min(k, c)) for k, c in zip(ks, caps)]
+
+
+def observe_step(policy, batch: int, width: int, step_s: float, propose_s: float, k_per_seq: list[int]) -> None:
+    """Hand a decode step's timing to a policy that learns from it (AdaptiveK's grids); others ignore it."""
+    fn = getattr(policy, "observe_step", None)
+    if fn is not None:
+        fn(batch, width, step_s, propose_s, k_per_seq)
+
 
 class FixedK:
     def __init__(self, k: int):
@@ -80,6 +93,9 @@ class FixedK:
 
     def choose(self, req) -> int:
         return self.k_max
+
+    def choose_batch(self, reqs, caps) -> list[int]:
+        return [min(self.k_max, c) for c in caps]
 
     def observe(self, req, k: int, num_accepted: int) -> None:
         pass
@@ -89,137 +105,158 @@ class FixedK:
 
 
 class AdaptiveK:
-    def __init__(self, k_max: int, verify_cost: dict[int, float], draft_cost: dict[int, float] | None = None,
-                 catch_up_cost: float = 0.0, retime: Callable[[], dict[int, float]] | None = None,
-                 windows: BusyWindows | None = None, calibrated_load: float | None = None):
+    def __init__(self, k_max: int, verify_cost: StepCost | dict[int, float],
+                 draft_cost: StepCost | dict[int, float] | None = None, catch_up_cost: float | None = None):
+        """verify_cost: the target's grid (a width -> seconds dict: a batch-independent one); draft_cost: the
+        draft model's grid (one forward of B rows), or k -> seconds to guess k (batch-independent), or None (a
+        proposer without a model: its seconds are measured online); catch_up_cost: seconds per context token
+        the proposer has not read (None: from the draft grid, 0 without one)."""
         self.k_max = k_max
-        self.retime = retime  # () -> width -> seconds: the target's forwards timed again (None: never re-checked)
-        self.windows = windows  # other processes' busy cores per window (None: the load is not watched)
-        self.calibrated_load = calibrated_load  # busy cores of the others while the costs were measured
-        self.recalibrations = 0
-        self._drift = 0  # windows in a row whose load differs from the calibration's
-        self.verify_cost = _monotone(verify_cost)  # width -> seconds of one target forward
-        self.draft_cost = _monotone(draft_cost or {k: 0.0 for k in range(k_max + 1)})  # k -> seconds to guess k
-        self.catch_up_cost = catch_up_cost  # seconds per context token the proposer has not seen yet
+        self.target = verify_cost if isinstance(verify_cost, StepCost) else StepCost.from_widths(verify_cost)
+        self.draft_grid = draft_cost if isinstance(draft_cost, StepCost) else None
+        self.draft_steps = None if draft_cost is None or self.draft_grid is not None else dict(draft_cost)
+        if catch_up_cost is None:
+            g = self.draft_grid
+            catch_up_cost = (max(0.0, g.cost(1, CATCH_UP_WIDTH) - g.cost(1, 1)) / (CATCH_UP_WIDTH - 1)
+                             if g is not None else 0.0)
+        self._catch_up = catch_up_cost  # seconds per unseen context token, at the draft scale of the load time
+        self.draft_scale = 1.0  # measured / predicted proposing time of guessing steps (EWMA)
+        self.propose_s = 0.0  # a model-free proposer's seconds per guessing step (EWMA)
         self.engine_alpha: float | None = None  # α of the last few finished requests; None before the first
         self.req_counts: dict[str, tuple[float, float]] = {}
         self.k_histogram: dict[int, int] = {}
+        self.last_decision: tuple[int, int] = (0, 0)  # (rows that guessed, rows) of the last batch decision
+        self._guessing = False  # the last batch decision guessed: stopping is free, restarting is not
         self._behind: dict[str, int] = {}  # request -> context tokens its proposer has not seen
         self._plain_run: dict[str, int] = {}  # request -> plain steps since its last guess
         self._probe_gap: dict[str, int] = {}
 
     @classmethod
-    def calibrate(cls, target, k_max: int, proposer=None, rounds: int = ROUNDS) -> AdaptiveK:
-        """Time a target forward at each verification width 1..k_max+1 after CONTEXT tokens (on a scratch cache,
-        as the engine verifies: `num_tokens`), and the proposer (on its scratch slot 0, before any request)."""
-        c, dev = target.config, target.device
-        context = min(CONTEXT, c.max_position_embeddings - k_max - 1)
-        capacity = target_cache_capacity(context, k_max)  # the engine's slot, at this context
-        scratch = KVCache(c.num_layers, 1, c.num_kv_heads, capacity, c.head_dim, target.dtype, dev)
-        slot = torch.tensor([0], device=dev)
-        target(torch.zeros(1, context, dtype=torch.int64, device=dev), torch.arange(context, device=dev)[None],
-               scratch, slot)
+    def calibrate(cls, target, k_max: int, proposer=None, max_batch: int = 8, cache: bool = False) -> AdaptiveK:
+        """A policy over `target`'s measured grid and, for a proposer with a draft model (`proposer.model`), the
+        draft's (kernels/step_cost.load_or_measure; `cache`: the per-machine cache of loaded checkpoints)."""
+        from draftwise.kernels.step_cost import GRID_WIDTHS, load_or_measure
 
-        def time_verify(width: int) -> float:
-            scratch.truncate(0, context)
-            ids = torch.zeros(1, width, dtype=torch.int64, device=dev)
-            pos = context + torch.arange(width, device=dev)[None]
-            return _timed(dev, target, ids, pos, scratch, slot, num_tokens=[width])
+        draft = getattr(proposer, "model", None)
+        return cls(k_max, load_or_measure(target, max_batch, GRID_WIDTHS, "all", cache=cache),
+                   load_or_measure(draft, max_batch, GRID_WIDTHS, "last", cache=cache) if draft is not None else None)
 
-        timer = (lambda: _time_proposer(proposer, k_max, dev)) if proposer is not None else None
-        windows = BusyWindows(window_s=LOAD_WINDOW_S) if dev.type == "cpu" else None
-        return cls.from_timers(k_max, time_verify, timer, rounds, windows)
+    @property
+    def catch_up_cost(self) -> float:
+        return self._catch_up * self.draft_scale
 
-    @classmethod
-    def from_timers(cls, k_max: int, time_verify: Callable[[int], float],
-                    proposer: Callable[[], tuple[list[float], float]] | None, rounds: int = ROUNDS,
-                    windows: BusyWindows | None = None) -> AdaptiveK:
-        """`rounds` interleaved rounds of time_verify(width) for every width and proposer() -> (seconds to guess
-        k = 1..k_max in the steady state, seconds to guess 1 after CATCH_UP unseen tokens); the fastest of each.
-        `windows` (started before this call) gives the load they were measured under and then watches it."""
-        widths = range(1, k_max + 2)
+    def verify_cost(self, batch: int, width: int) -> float:
+        """Seconds of a target step of `batch` rows x `width` tokens now (the live grid)."""
+        return self.target.cost(batch, width)
 
-        def verify_costs(n: int, start: dict[int, float]) -> dict[int, float]:
-            costs = dict(start)
-            for _ in range(n):
-                costs = {w: min(costs[w], time_verify(w)) for w in widths}
-            return costs
+    # ---- costs ---------------------------------------------------------------------------------------------
+    def draft_time(self, k_per_seq: list[int]) -> float:
+        """Seconds to propose k_per_seq: guess j is one draft forward over the rows guessing >= j tokens."""
+        K = max(k_per_seq, default=0)
+        if K == 0:
+            return 0.0
+        if self.draft_grid is not None:
+            t = sum(self.draft_grid.cost(sum(k >= j for k in k_per_seq), 1) for j in range(1, K + 1))
+        elif self.draft_steps is not None:
+            t = self.draft_steps.get(K, self.draft_steps[max(self.draft_steps)])
+        else:
+            return self.propose_s
+        return t * self.draft_scale
 
-        verify_cost = {w: float("inf") for w in widths}
-        draft_cost, behind = {k: float("inf") for k in range(k_max + 1)}, float("inf")
-        for _ in range(rounds):
-            verify_cost = verify_costs(1, verify_cost)
-            steady, late = proposer() if proposer is not None else ([0.0] * k_max, 0.0)
-            for k, t in enumerate([0.0, *steady]):
-                draft_cost[k] = min(draft_cost[k], t)
-            behind = min(behind, late)
-        catch_up = max(0.0, behind - draft_cost[1]) / (CATCH_UP - 1) if k_max else 0.0
-        load = windows.sample(force=True) if windows is not None else None
-        return cls(k_max, verify_cost, draft_cost, catch_up,
-                   retime=lambda: verify_costs(RECHECK_ROUNDS, {w: float("inf") for w in widths}),
-                   windows=windows, calibrated_load=load)
+    def batch_rate(self, k_per_seq: list[int], alphas: list[float], behind: list[int] | None = None,
+                   remaining: list[int] | None = None) -> float:
+        """rate(k): the batch's expected tokens per second when row i guesses k_per_seq[i] (module docstring)."""
+        n = len(k_per_seq)
+        tokens, catch_up = 0.0, 0.0
+        for i, k in enumerate(k_per_seq):
+            e = _expected(alphas[i], k)
+            tokens += e
+            if k and behind is not None:
+                catch_up += self.catch_up_cost * (behind[i] - 1) * e / max(remaining[i], 1)
+        time = self.target.cost(n, 1 + max(k_per_seq, default=0)) + self.draft_time(k_per_seq) + catch_up
+        return tokens / time
 
-    def watch_load(self) -> bool:
-        """Read the load once a window has passed; re-time the costs when it has moved LOAD_CHANGE_CORES from the
-        calibration's for two windows in a row (one window is a blip). True when it re-timed."""
-        if self.windows is None or self.retime is None:
-            return False
-        others = self.windows.sample()
-        if others is None:
-            return False
-        if self.calibrated_load is None:
-            self.calibrated_load = others
-        if abs(others - self.calibrated_load) < LOAD_CHANGE_CORES:
-            self._drift = 0
-            return False
-        self._drift += 1
-        if self._drift < 2:
-            return False
-        fresh = _monotone(self.retime())
-        scale = fresh[1] / self.verify_cost[1] if self.verify_cost[1] > 0 else 1.0
-        print(f"draftwise: other processes keep ~{others:.1f} cores busy (calibrated at "
-              f"~{self.calibrated_load:.1f}): speculation costs re-timed, a 1-token forward now "
-              f"{fresh[1] * 1e3:.1f} ms (was {self.verify_cost[1] * 1e3:.1f})", file=sys.stderr, flush=True)
-        self.verify_cost = fresh
-        self.draft_cost = {k: v * scale for k, v in self.draft_cost.items()}  # a proposer slows down alike
-        self.catch_up_cost *= scale
-        self.calibrated_load, self._drift = others, 0
-        self.recalibrations += 1
-        return True
+    def expected_rate(self, k: int, alpha: float, behind: int = 1, remaining: int = 1 << 30) -> float:
+        """E(k)/time(k) of one request alone (a batch of one)."""
+        return self.batch_rate([k], [alpha], [behind], [remaining])
 
-    # ---- policy -------------------------------------------------------------------------------
+    # ---- the decision --------------------------------------------------------------------------------------
+    def best_ks(self, alphas: list[float], caps: list[int], behind: list[int] | None = None,
+                remaining: list[int] | None = None) -> tuple[list[int], float, float]:
+        """(k per row, its rate, plain's rate): the search of the module docstring, without hysteresis or probes."""
+        n = len(alphas)
+        rate = lambda ks: self.batch_rate(ks, alphas, behind, remaining)  # noqa: E731
+        plain = rate([0] * n)
+        best, best_rate = [0] * n, plain
+        order = sorted((i for i in range(n) if caps[i] > 0), key=lambda i: -alphas[i])
+        for K in range(1, min(self.k_max, max(caps, default=0)) + 1):
+            ks = [0] * n
+            for i in order:
+                ks[i] = min(K, caps[i])
+                r = rate(ks)
+                if r > best_rate:
+                    best, best_rate = list(ks), r
+        for i in reversed(order):  # least likely first: a row's own k, the others held
+            for k in range(best[i] - 1, -1, -1) if best[i] else ():
+                trial = list(best)
+                trial[i] = k
+                r = rate(trial)
+                if r > best_rate:
+                    best, best_rate = trial, r
+        return best, best_rate, plain
+
+    def choose_batch(self, reqs: list, caps: list[int] | None = None, guessing: bool | None = None) -> list[int]:
+        """Each row's k for this step (caps: each row's most, default k_max); `guessing`: whether the last step
+        guessed, for the hysteresis (default: the last batch decision's)."""
+        guessing = self._guessing if guessing is None else guessing
+        caps = [self.k_max] * len(reqs) if caps is None else [min(c, self.k_max) for c in caps]
+        rids = [r.request_id for r in reqs]
+        behind = [self._behind.get(rid, len(r.prompt_ids) + 1) for rid, r in zip(rids, reqs)]
+        remaining = [r.params.max_tokens - len(r.output_ids) for r in reqs]
+        alphas = [self.acceptance(r) for r in reqs]
+        ks, rate, plain = self.best_ks(alphas, caps, behind, remaining)
+        if any(ks) and rate < (KEEP_MARGIN if guessing else MARGIN) * plain:
+            ks = [0] * len(reqs)
+        for i, rid in enumerate(rids):
+            plain_run = self._plain_run.get(rid, 0) + 1 if ks[i] == 0 else 0
+            gap = self._probe_gap.get(rid, EXPLORE_EVERY)
+            if plain_run >= gap and caps[i] > 0:  # a cheap probe keeps the estimate alive, less often each time
+                ks[i], plain_run, self._probe_gap[rid] = min(PROBE_K, caps[i]), 0, 2 * gap
+            self._plain_run[rid] = plain_run
+            self._behind[rid] = behind[i] + 1 if ks[i] == 0 else behind[i]  # observe() resets it after a guess
+            self.k_histogram[ks[i]] = self.k_histogram.get(ks[i], 0) + 1
+        self._guessing = any(ks)
+        self.last_decision = (sum(k > 0 for k in ks), len(ks))
+        return ks
+
+    def choose(self, req) -> int:
+        """The batch rule for one request alone (a prefill's first guesses): the batch decision's state is kept."""
+        held = self._guessing, self.last_decision
+        k = self.choose_batch([req], guessing=self._plain_run.get(req.request_id) == 0)[0]
+        self._guessing, self.last_decision = held
+        return k
+
+    # ---- learning ------------------------------------------------------------------------------------------
+    def observe_step(self, batch: int, width: int, step_s: float, propose_s: float, k_per_seq: list[int]) -> None:
+        """A decode step of `batch` rows verified at `width` in step_s seconds after proposing k_per_seq in
+        propose_s: the target's grid follows it; a guessing step moves the draft's scale (or seconds)."""
+        self.target.observe(batch, width, step_s)
+        if not any(k_per_seq) or not propose_s > 0:
+            return
+        if self.draft_grid is None and self.draft_steps is None:
+            self.propose_s = (1 - DRAFT_EWMA) * self.propose_s + DRAFT_EWMA * propose_s
+            return
+        predicted = self.draft_time(k_per_seq) / self.draft_scale
+        if predicted > 0:
+            ratio = propose_s / predicted
+            self.draft_scale = math.exp((1 - DRAFT_EWMA) * math.log(self.draft_scale) + DRAFT_EWMA * math.log(ratio))
+
     def acceptance(self, req) -> float:
         """α for this request: its own decayed counts behind PRIOR_GUESSES pseudo-guesses at the engine's α
         (one at 0.5 before any request has finished)."""
         reached, accepted = self.req_counts.get(req.request_id, (0.0, 0.0))
         prior, weight = (0.5, 1.0) if self.engine_alpha is None else (self.engine_alpha, PRIOR_GUESSES)
         return (accepted + weight * prior) / (reached + weight)
-
-    def expected_rate(self, k: int, alpha: float, behind: int = 1, remaining: int = 1 << 30) -> float:
-        """E(k)/time(k): expected tokens per second of a step that guesses k tokens (module docstring)."""
-        tokens = sum(alpha ** i for i in range(k + 1))  # E(k) = (1 - α^(k+1)) / (1 - α)
-        catch_up = self.catch_up_cost * (behind - 1) * tokens / max(remaining, 1) if k else 0.0
-        return tokens / (self.verify_cost[k + 1] + self.draft_cost[k] + catch_up)
-
-    def choose(self, req) -> int:
-        self.watch_load()
-        rid = req.request_id
-        behind = self._behind.get(rid, len(req.prompt_ids) + 1)
-        remaining = req.params.max_tokens - len(req.output_ids)
-        alpha = self.acceptance(req)
-        rates = [self.expected_rate(k, alpha, behind, remaining) for k in range(self.k_max + 1)]
-        best = max(range(self.k_max + 1), key=rates.__getitem__)
-        guessing = self._plain_run.get(rid) == 0  # its last step guessed: stopping is free, restarting is not
-        if rates[best] < (KEEP_MARGIN if guessing else MARGIN) * rates[0]:
-            best = 0
-        plain_run = self._plain_run.get(rid, 0) + 1 if best == 0 else 0
-        gap = self._probe_gap.get(rid, EXPLORE_EVERY)
-        if plain_run >= gap:  # a cheap probe keeps the acceptance estimate alive, less often each time
-            best, plain_run, self._probe_gap[rid] = min(PROBE_K, self.k_max), 0, 2 * gap
-        self._plain_run[rid] = plain_run
-        self._behind[rid] = behind + 1 if best == 0 else behind  # observe() resets it once the proposer guessed
-        self.k_histogram[best] = self.k_histogram.get(best, 0) + 1
-        return best
 
     def observe(self, req, k: int, num_accepted: int) -> None:
         """Guesses reached: every accepted one and the first rejected; older evidence decays per guess."""
@@ -239,53 +276,6 @@ class AdaptiveK:
             d.pop(req.request_id, None)
 
 
-def _monotone(costs: dict[int, float]) -> dict[int, float]:
-    """Guessing more never costs less: a timing that says so is noise."""
-    out, running = {}, 0.0
-    for w in sorted(costs):
-        running = max(running, costs[w])
-        out[w] = running
-    return out
-
-
-def _timed(device, fn, *args, **kwargs) -> float:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    t0 = time.perf_counter()
-    fn(*args, **kwargs)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter() - t0
-
-
-def _time_proposer(proposer, k_max: int, device) -> tuple[list[float], float]:
-    """Seconds for the proposer to guess k = 1..k_max tokens in the steady state (every guess rejected, so each
-    call has one unseen token), and to guess one after CATCH_UP unseen tokens (plain steps: asked for nothing,
-    told each emitted token), through the protocol on scratch slot 0 (before any request uses it)."""
-    from draftwise.sampling import SamplingParams
-
-    # a proposer that stops on its own confidence (draft_model's min_guess_prob) guesses all k while it is timed
-    stop = getattr(proposer, "min_guess_prob", None)
-    if stop:
-        proposer.min_guess_prob = 0.0
-    try:
-        return _time_proposer_guessing_k(proposer, k_max, device, SamplingParams(temperature=0.0))
-    finally:
-        if stop:
-            proposer.min_guess_prob = stop
-
-
-def _time_proposer_guessing_k(proposer, k_max: int, device, params) -> tuple[list[float], float]:
-    proposer.begin(0, list(range(1, 33)), params, None)
-    proposer.propose([0], [1])  # the prompt, not part of the steady state
-    proposer.accept(0, 0, 1)
-    steady = []
-    for k in range(1, k_max + 1):
-        steady.append(_timed(device, proposer.propose, [0], [k]))
-        proposer.accept(0, 0, 1)
-    for _ in range(CATCH_UP - 1):
-        proposer.propose([0], [0])
-        proposer.accept(0, 0, 1)
-    late = _timed(device, proposer.propose, [0], [1])
-    proposer.end(0)
-    return steady, late
+def _expected(alpha: float, k: int) -> float:
+    """E(k) = (1 - α^(k+1)) / (1 - α): tokens a row emits when it guesses k (1 + the expected accepted)."""
+    return k + 1.0 if alpha >= 1.0 else (1.0 - alpha ** (k + 1)) / (1.0 - alpha)

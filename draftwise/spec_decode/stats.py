@@ -28,6 +28,8 @@ class SpecStats:
     num_forced_tokens: int = 0  # draft tokens the grammar forced (a subset of num_draft_tokens)
     num_accepted_forced_tokens: int = 0  # of those, accepted (a subset of num_accepted_tokens)
     mask_time_s: float = 0.0  # grammar masks for the target (structured outputs), plain steps included
+    # engine-wide, per decode step: (rows that guessed, rows in the batch) -> steps (the batch's one decision)
+    decisions: dict[tuple[int, int], int] = field(default_factory=dict)
 
     def record(self, k: int, num_accepted: int, *, draft_time_s: float = 0.0, verify_time_s: float = 0.0,
                forced: tuple[int, ...] = ()) -> None:
@@ -54,6 +56,10 @@ class SpecStats:
         for i in range(num_accepted):
             self.accepted_per_position[i] += 1
 
+    def record_decision(self, speculating: int, batch: int) -> None:
+        """Count one decode step of `batch` rows of which `speculating` guessed."""
+        self.decisions[(speculating, batch)] = self.decisions.get((speculating, batch), 0) + 1
+
     def add_times(self, draft_time_s: float, verify_time_s: float) -> None:
         """Charge seconds of proposing and of verification to these counters (a share of a batched step)."""
         self.draft_time_s += draft_time_s
@@ -78,6 +84,8 @@ class SpecStats:
         self.mask_time_s += other.mask_time_s
         for k, count in other.k_histogram.items():
             self.k_histogram[k] = self.k_histogram.get(k, 0) + count
+        for d, count in other.decisions.items():
+            self.decisions[d] = self.decisions.get(d, 0) + count
         return self
 
     @property

@@ -9,9 +9,10 @@ continued, in the request's own trie and in its scope's trie of earlier outputs,
 best-first by estimated probability (a path's product of child count / sum of sibling counts), keeping nodes whose
 probability is at least `min_token_prob`, no deeper than `max_spec_factor` x the match length, at most k nodes
 (the engine's k); of the two trees the one with more expected accepted tokens (the sum of its nodes' probabilities)
-is proposed. Given the verification cost curve (`verify_cost`, seconds of a target forward per width, from
-spec_decode/adaptive.py's calibration), the tree is cut to the size n that maximises (1 + expected accepted) /
-verify_cost[n + 1]: a node is verified only where it pays for its row.
+is proposed. Given the target's step cost (`step_cost`: the live grid the k policy reads and the engine's steps
+correct, kernels/step_cost.py, read at each propose at the batch's size, never a copy that goes stale; or a fixed
+`verify_cost` curve, width -> seconds), the tree is cut to the size n that maximises (1 + expected accepted) /
+cost(B, n + 1): a node is verified only where it pays for its row.
 
 Greedy requests get the tree (verified by spec_decode/verify.py tree_greedy_verify); sampled requests, requests
 under a grammar and requests with history-dependent controls (penalties, bias, min_tokens: their history is a
@@ -212,8 +213,10 @@ class SuffixProposer:
         self.min_token_prob = min_token_prob
         self.tree = tree  # False: every request gets chains (the most likely branch)
         self.cache = SuffixCache(max_tree_depth, max_cached_requests, max_cached_bytes)
-        # width -> seconds of one target forward (AdaptiveK's calibration; api.py hands it over): cuts each tree to
-        # the size its expected tokens pay for; None: as many nodes as k allows
+        # the target's live step-cost grid (kernels/step_cost.StepCost: (B, width) -> seconds; api.py hands over the
+        # k policy's own object, so a correction reaches the trees at once) or a fixed curve (width -> seconds):
+        # cuts each tree to the size its expected tokens pay for; both None: as many nodes as k allows
+        self.step_cost = None
         self.verify_cost: dict[int, float] | None = None
         self.seqs: dict[int, _Sequence] = {}
 
@@ -227,7 +230,8 @@ class SuffixProposer:
             seq = self.seqs[slot]
             before = list(after[i]) if after else []
             context = seq.tokens[-self.max_depth :] + before  # a match is at most max_depth - 1 tokens long
-            tokens, parents = self.guess(seq, context, k, chain=seq.chain or bool(after)) if k > 0 else ([], [])
+            tokens, parents = (self.guess(seq, context, k, chain=seq.chain or bool(after), batch=len(slots))
+                               if k > 0 else ([], []))
             seq.last = before + tokens
             if not tokens:
                 drafts.append(Draft(EMPTY_DRAFT_IDS))
@@ -236,7 +240,8 @@ class SuffixProposer:
             drafts.append(Draft(torch.tensor(tokens, dtype=torch.int64), parents=tree))
         return drafts
 
-    def guess(self, seq: _Sequence, context: list[int], k: int, chain: bool) -> tuple[list[int], list[int]]:
+    def guess(self, seq: _Sequence, context: list[int], k: int, chain: bool,
+              batch: int = 1) -> tuple[list[int], list[int]]:
         """(tokens, parents) of the better tree of the request's own trie and its scope's, cut to what pays."""
         best, best_score = ([], [], []), 0.0
         # a trie holds substrings of up to max_depth tokens, so a match of m leaves max_depth - m for the guesses and
@@ -255,22 +260,24 @@ class SuffixProposer:
                 if sum(grown[2]) > best_score:
                     best, best_score = grown, sum(grown[2])
         tokens, parents, probs = best
-        n = self.tree_size(probs)
+        n = self.tree_size(probs, batch)
         return tokens[:n], parents[:n]
 
-    def tree_size(self, probs: list[float]) -> int:
-        """Nodes worth verifying: the n <= len(probs) maximising (1 + expected accepted) / verify_cost[n + 1], nodes
+    def tree_size(self, probs: list[float], batch: int = 1) -> int:
+        """Nodes worth verifying: the n <= len(probs) maximising (1 + expected accepted) / cost(batch, n + 1), nodes
         taken in best-first order (the expected accepted tokens of the first n is the sum of their probabilities)."""
-        cost = self.verify_cost
-        if not cost:
+        grid, curve = self.step_cost, self.verify_cost
+        if grid is None and not curve:
             return len(probs)
-        best_n, best_rate, expected = 0, 1.0 / cost[1], 1.0
+        cost = (lambda w: grid.cost(batch, w)) if grid is not None else curve.get
+        best_n, best_rate, expected = 0, 1.0 / cost(1), 1.0
         for n, p in enumerate(probs, start=1):
-            if n + 1 not in cost:
+            c = cost(n + 1)
+            if c is None:
                 break
             expected += p
-            if expected / cost[n + 1] > best_rate:
-                best_n, best_rate = n, expected / cost[n + 1]
+            if expected / c > best_rate:
+                best_n, best_rate = n, expected / c
         return best_n
 
     def accept(self, slot, num_accepted, token_id, path=None):

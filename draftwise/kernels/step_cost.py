@@ -1,0 +1,277 @@
+"""The cost of one step as the engine runs it: seconds of a decoder forward over B rows of `width` tokens each
+(the engine's padded verification: B sequences x [pending token, guesses...]), for B in 1..8 and width in 1..16.
+
+Owns `StepCost` (the grid: measured cells, interpolation between them, the online correction), `measure_grid` (the
+load-time timing on a scratch cache), the JSON cache of measured grids per machine, model and plan
+(${DRAFTWISE_CACHE_DIR}/kernels/step_cost/<key>.json, as the autotuner's) and `format_grid` (`draftwise kernels`).
+
+Load time: MEASURED_BATCHES x MEASURED_WIDTHS cells (20 forwards a round, ROUNDS rounds or more while they fit
+BUDGET_S, interleaved; each cell keeps its fastest round, then the least of itself and every larger cell: load only
+adds time) after CONTEXT tokens per row (slot 0 prefilled once, the other rows map its
+blocks). Other cells are piecewise-linear between measured ones (in width, then in B; extrapolated past the last).
+A grid timed while other processes kept cores busy is `provisional`: used and cached, measured again at the next
+start that finds the machine quiet.
+
+Online: the engine reports every decode step's seconds for its (B, width) cell (`observe`); no extra forwards.
+    cost(B, w) = base(B, w) * scale * resid(B, w)
+`scale` (a load factor shared by every cell) moves SCALE_EWMA of the way to each step's ratio measured / predicted,
+so cells the engine never visits follow the load too; `resid` (per measured cell, clamped to RESID_RANGE) takes
+CELL_EWMA of what the scale leaves unexplained, shared among the measured cells around the observed one by their
+interpolation weights, so a width that got dearer (fewer threads under load make wide steps dearer than narrow
+ones) makes its neighbours dearer too, before the engine ever runs them.
+Knows nothing of speculation, proposers or the engine: callers pass a decoder-like callable.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import time
+from dataclasses import asdict, is_dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+
+from draftwise.paths import default_cache_dir
+
+GRID_BATCHES = 8  # the grid's rows: B = 1..8 (larger batches extrapolate)
+GRID_WIDTHS = 16  # the grid's columns: tokens per row 1..16
+MEASURED_BATCHES = (1, 2, 4, 8)
+MEASURED_WIDTHS = (1, 2, 4, 8, 16)
+CONTEXT = 128  # tokens in each row's cache before the timed forwards (a typical request's; attention grows with it)
+ROUNDS = 2  # interleaved rounds at load at least; each cell keeps its fastest ...
+BUDGET_S = 2.0  # ... and more rounds (up to MAX_ROUNDS) while they fit this budget: a 1 ms cell a neighbour's
+MAX_ROUNDS = 12  # time slice stalled (100+ ms on 2 busy cores) needs a few tries, a 100 ms one rarely does
+SCALE_EWMA = 0.1  # per observed step: the load factor's move toward measured / predicted (~10 steps to follow)
+CELL_EWMA = 0.2  # per observation of a cell: its residual's move
+RESID_RANGE = (0.25, 4.0)  # a residual explains at most this much of a cell (the rest is load, the scale's)
+VERSION = 1
+
+
+class StepCost:
+    """Seconds of one forward of B rows x width tokens: a measured base, corrected online by the engine's steps."""
+
+    def __init__(self, base: dict[tuple[int, int], float], provisional: bool = False, info: dict | None = None):
+        if not base:
+            raise ValueError("a step-cost grid needs at least one measured cell")
+        self.base = _monotone(base)  # (B, width) -> seconds, measured together (their ratios are what counts)
+        self.batches = sorted({b for b, _ in self.base})
+        self.widths = {b: sorted(w for bb, w in self.base if bb == b) for b in self.batches}
+        self.provisional = provisional
+        self.info = info or {}
+        self.scale = 1.0  # the load factor, EWMA of measured / predicted over every observed step
+        self.resid: dict[tuple[int, int], float] = {}  # per measured cell, EWMA of what the scale leaves over
+        self.observations = 0
+
+    @classmethod
+    def from_widths(cls, cost: dict[int, float]) -> StepCost:
+        """A batch-1 curve (width -> seconds) as a grid whose rows cost what one row costs (tests, old callers)."""
+        return cls({(1, w): s for w, s in cost.items()})
+
+    # ---- reading ------------------------------------------------------------------------------------------
+    def predicted_base(self, batch: int, width: int, corrected: bool = False) -> float:
+        """The measured base at (batch, width): piecewise-linear in width at each measured B, then in B
+        (`corrected`: each measured cell times its residual)."""
+        return _interp(self.batches, [self._row(b, width, corrected) for b in self.batches], batch)
+
+    def cost(self, batch: int, width: int) -> float:
+        """Seconds of one step of `batch` rows x `width` tokens now (the corrected base x the load factor)."""
+        return self.predicted_base(batch, width, corrected=True) * self.scale
+
+    def __call__(self, batch: int, width: int) -> float:
+        return self.cost(batch, width)
+
+    def grid(self, batches: int = GRID_BATCHES, widths: int = GRID_WIDTHS) -> dict[tuple[int, int], float]:
+        """Every cell (B 1..batches, width 1..widths) as it costs now."""
+        return {(b, w): self.cost(b, w) for b in range(1, batches + 1) for w in range(1, widths + 1)}
+
+    def _row(self, b: int, width: int, corrected: bool = False) -> float:
+        ws = self.widths[b]
+        return _interp(ws, [self.base[(b, w)] * (self.resid.get((b, w), 1.0) if corrected else 1.0) for w in ws],
+                       width)
+
+    def _around(self, batch: int, width: int) -> list[tuple[tuple[int, int], float]]:
+        """The measured cells around (batch, width) with their interpolation weights (the nearest beyond the edge)."""
+        return [((b, w), wb * ww) for b, wb in _weights(self.batches, batch) for w, ww in _weights(self.widths[b], width)]
+
+    # ---- the online correction ------------------------------------------------------------------------------
+    def observe(self, batch: int, width: int, seconds: float) -> None:
+        """One engine step of `batch` rows x `width` tokens took `seconds`: the load factor and the cell's residual
+        move toward it (module docstring)."""
+        base = self.predicted_base(batch, width)
+        if not (seconds > 0 and base > 0 and math.isfinite(seconds)):
+            return
+        self.scale *= (seconds / (base * self.scale)) ** SCALE_EWMA  # a uniform load change: all of it here
+        left = math.log(seconds / (base * self.scale))  # what the load factor does not explain at this cell
+        for cell, weight in self._around(batch, width):
+            a = CELL_EWMA * weight
+            r = math.exp((1 - a) * math.log(self.resid.get(cell, 1.0)) + a * left)
+            self.resid[cell] = min(max(r, RESID_RANGE[0]), RESID_RANGE[1])
+        self.observations += 1
+
+    def to_dict(self) -> dict:
+        return {"base": {f"{b},{w}": s for (b, w), s in sorted(self.base.items())},
+                "provisional": self.provisional, **self.info}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> StepCost:
+        base = {tuple(int(x) for x in k.split(",")): float(v) for k, v in d["base"].items()}
+        info = {k: v for k, v in d.items() if k not in ("base", "provisional")}
+        return cls(base, bool(d.get("provisional")), info)
+
+
+def _interp(xs: list[int], ys: list[float], x: float) -> float:
+    """Piecewise-linear through (xs, ys) (sorted xs), extrapolated from the nearest segment, never below 0."""
+    if len(xs) == 1:
+        return ys[0]
+    i = 1
+    while i < len(xs) - 1 and xs[i] < x:
+        i += 1
+    x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
+    return max(0.0, y0 + (y1 - y0) * (x - x0) / (x1 - x0))
+
+
+def _weights(xs: list[int], x: float) -> list[tuple[int, float]]:
+    """The points of sorted xs around x with their linear-interpolation weights; the nearest alone beyond the ends."""
+    if x <= xs[0]:
+        return [(xs[0], 1.0)]
+    if x >= xs[-1]:
+        return [(xs[-1], 1.0)]
+    i = next(i for i in range(1, len(xs)) if xs[i] >= x)
+    t = (x - xs[i - 1]) / (xs[i] - xs[i - 1])
+    return [(xs[i - 1], 1.0 - t), (xs[i], t)] if t < 1.0 else [(xs[i], 1.0)]
+
+
+def _monotone(base: dict[tuple[int, int], float]) -> dict[tuple[int, int], float]:
+    """More rows or more tokens per row never cost less: a cell dearer than a larger one was slowed by load (load
+    only adds time), so each cell is the least of itself and every cell at least as large."""
+    return {(b, w): min(s for (bb, ww), s in base.items() if bb >= b and ww >= w) for (b, w) in base}
+
+
+# ---- load-time measurement ---------------------------------------------------------------------------------
+
+def measure_grid(model, max_batch: int = GRID_BATCHES, max_width: int = GRID_WIDTHS, logits: str = "all",
+                 rounds: int = ROUNDS, context: int = CONTEXT) -> dict[tuple[int, int], float]:
+    """Time `model` (a Decoder: forward(ids [B, T], positions [B, T], cache, slots [B], ...)) at the measured
+    cells up to (max_batch, max_width), as the engine calls it (`num_tokens`; logits "all": every row's, a
+    verification; "last": each row's last, a draft's forward), on a scratch cache; each cell its fastest round."""
+    from draftwise.kv_cache import KVCache
+
+    c, dev = model.config, model.device
+    batches = sorted({b for b in MEASURED_BATCHES if b < max_batch} | {min(max_batch, MEASURED_BATCHES[-1])})
+    widths = sorted({w for w in MEASURED_WIDTHS if w < max_width} | {min(max_width, MEASURED_WIDTHS[-1])})
+    context = max(1, min(context, c.max_position_embeddings - widths[-1] - 1))
+    cache = KVCache(c.num_layers, batches[-1], c.num_kv_heads, context + widths[-1] + 1, c.head_dim, model.dtype, dev)
+    model(torch.zeros(1, context, dtype=torch.int64, device=dev), torch.arange(context, device=dev)[None], cache,
+          torch.tensor([0], device=dev), last_only=True, num_tokens=[context])
+    whole = context - context % cache.block_size
+    for s in range(1, batches[-1]):  # the other rows read slot 0's keys (shared blocks, written past them only)
+        cache.share(s, cache.blocks(0, whole), whole)
+        if whole < context:
+            model(torch.zeros(1, context - whole, dtype=torch.int64, device=dev),
+                  torch.arange(whole, context, device=dev)[None], cache, torch.tensor([s], device=dev),
+                  last_only=True, num_tokens=[context - whole])
+
+    def timed(b: int, w: int) -> float:
+        for s in range(b):
+            cache.truncate(s, context)
+        ids = torch.zeros(b, w, dtype=torch.int64, device=dev)
+        pos = context + torch.arange(w, device=dev)[None].expand(b, w)
+        kw = {"logit_index": torch.full((b,), w - 1, device=dev)} if logits == "last" else {}
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        t0 = time.perf_counter()
+        model(ids, pos, cache, torch.arange(b, device=dev), num_tokens=[w] * b, **kw)
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        return time.perf_counter() - t0
+
+    timed(1, 1)  # warm-up: first-call allocations
+    cells = [(b, w) for b in batches for w in widths]
+    best = {cell: float("inf") for cell in cells}
+    t0, done = time.perf_counter(), 0
+    while done < rounds or (done < MAX_ROUNDS and time.perf_counter() - t0 < BUDGET_S * done / (done + 1)):
+        for cell in cells:
+            best[cell] = min(best[cell], timed(*cell))
+        done += 1
+    return best
+
+
+def _model_key(model, logits: str, context: int) -> str:
+    from draftwise.kernels.probe import probe
+
+    p = probe(bandwidth=False)
+    cfg = asdict(model.config) if is_dataclass(model.config) else dict(vars(model.config))
+    plan = getattr(model, "plan", None)
+    what = {"flags": sorted(k for k, v in p.get("flags", {}).items() if v), "cpu": p.get("cpu"),
+            "torch": torch.__version__, "threads": torch.get_num_threads(), "device": str(model.device),
+            "config": cfg, "dtype": str(model.dtype), "plan": plan.to_dict() if hasattr(plan, "to_dict") else None,
+            "logits": logits, "context": context, "cells": [MEASURED_BATCHES, MEASURED_WIDTHS, ROUNDS]}
+    return hashlib.sha256((json.dumps(what, sort_keys=True, default=str) + f"v{VERSION}").encode()).hexdigest()[:20]
+
+
+def cache_path(key: str) -> Path:
+    return Path(default_cache_dir()) / "kernels" / "step_cost" / f"{key}.json"
+
+
+def load_or_measure(model, max_batch: int = GRID_BATCHES, max_width: int = GRID_WIDTHS, logits: str = "all",
+                    refresh: bool = False, cache: bool = True) -> StepCost:
+    """The model's grid from the cache (this machine, model, plan, threads), else measured now and cached; a
+    provisional entry is measured again when the machine is quiet. Cells up to (max_batch, max_width) at least
+    (a cached grid measured wider serves a narrower ask)."""
+    from draftwise.kernels.threads import busy_meter, busy_now, is_busy
+
+    key = _model_key(model, logits, CONTEXT)
+    path = cache_path(key)
+    cached = None
+    if cache and not refresh:
+        try:
+            cached = StepCost.from_dict(json.loads(path.read_text()))
+        except (OSError, ValueError, KeyError, TypeError):
+            cached = None
+        if cached is not None and not _covers(cached, max_batch, max_width):
+            cached = None
+    cpu = model.device.type == "cpu"
+    if cached is not None and (not cached.provisional or not cpu or is_busy(busy_now())):
+        return cached
+    others = busy_meter() if cpu else (lambda: None)
+    base = measure_grid(model, max(max_batch, 1), max(max_width, 1), logits)
+    busy = others()
+    grid = StepCost(base, provisional=is_busy(busy),
+                    info={"key": key, "busy_cores": busy,
+                          "measured_at": datetime.now(timezone.utc).isoformat(timespec="seconds")})
+    if cache:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(json.dumps(grid.to_dict(), indent=1))
+        os.replace(tmp, path)
+    return grid
+
+
+def _covers(grid: StepCost, max_batch: int, max_width: int) -> bool:
+    want_b = min(max_batch, MEASURED_BATCHES[-1])
+    want_w = min(max_width, MEASURED_WIDTHS[-1])
+    return grid.batches[-1] >= want_b and all(grid.widths[b][-1] >= want_w for b in grid.batches)
+
+
+def format_grid(grid: StepCost, title: str, batches: int = GRID_BATCHES, widths: int = GRID_WIDTHS) -> str:
+    """ms per step, rows B = 1..batches, columns width = 1..widths; measured cells plain, interpolated in (),
+    and per B the cost of a row's token relative to a plain step of that batch (width 1)."""
+    head = f"{title}: ms per step (B rows x width tokens per row; (..) interpolated between measured cells)"
+    lines = [head, "  B\\w " + "".join(f"{w:>8d}" for w in range(1, widths + 1)) + "   w16/w1"]
+    for b in range(1, batches + 1):
+        cells = []
+        for w in range(1, widths + 1):
+            ms = grid.cost(b, w) * 1e3
+            cells.append(f"{ms:8.1f}" if (b, w) in grid.base else f"{'(' + format(ms, '.1f') + ')':>8s}")
+        ratio = grid.cost(b, widths) / grid.cost(b, 1)
+        lines.append(f"  {b:3d} " + "".join(cells) + f"   {ratio:6.2f}x")
+    tail = [f"  a plain step of 8 rows costs {grid.cost(8, 1) / grid.cost(1, 1):.2f}x one row's; "
+            f"8 rows x 9 tokens (k = 8 each) {grid.cost(8, 9) / grid.cost(8, 1):.2f}x a plain step of 8"]
+    if grid.info.get("measured_at"):
+        busy = grid.info.get("busy_cores")
+        tail.append(f"  timed {grid.info['measured_at']}" + (f" with {busy:.1f} other cores busy" if busy else "")
+                    + ("; PROVISIONAL (timed under load; re-timed at the next quiet start)" if grid.provisional else ""))
+    return "\n".join(lines + tail)
