@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import os
 from concurrent.futures import ThreadPoolExecutor
 import logging
 import time
@@ -53,13 +54,18 @@ def create_app(engine, served_model_name: str, api_key: str | None = None,
                max_waiting: int = DEFAULT_MAX_WAITING, request_timeout: float | None = DEFAULT_REQUEST_TIMEOUT_S,
                allowed_hosts=LOOPBACK_HOSTS, allowed_origins=(), suffix_cache_scope: str = "key",
                max_queued_per_key: int | None = None, max_running_per_key: int | None = None,
-               restart_policy: RestartPolicy | None = None) -> FastAPI:
+               restart_policy: RestartPolicy | None = None, memory_guard=None) -> FastAPI:
     host = engine if isinstance(engine, EngineProcess) else EngineThread(engine)
     llm = host.front  # what this process knows of the engine (never the model itself)
     metrics = ServerMetrics(served_model_name, llm.max_num_seqs, llm.spec_config.k_max)
     runner = EngineRunner(host, metrics, max_waiting=max_waiting, max_queued_per_key=max_queued_per_key,
-                          max_running_per_key=max_running_per_key, restart_policy=restart_policy)
+                          max_running_per_key=max_running_per_key, restart_policy=restart_policy,
+                          memory_guard=memory_guard)
     metrics.watch_keys(runner.key_counts)
+    if memory_guard is not None:  # the ceiling counts this process and the engine's (whichever child is current)
+        if memory_guard.pids is None:
+            memory_guard.pids = lambda: [os.getpid()] + ([] if runner.host.in_process else [runner.host.pid])
+        metrics.watch_memory(memory_guard)
     pool = ThreadPoolExecutor(PREP_WORKERS, thread_name_prefix="draftwise-prep")
 
     @asynccontextmanager

@@ -73,6 +73,12 @@ def register(sub) -> None:
                         "--host)")
     g.add_argument("--allowed-origins", default=None,
                    help="comma-separated browser origins allowed cross-origin (CORS; '*' = any; default: none)")
+    g.add_argument("--memory-limit", default="auto",
+                   help="memory ceiling for the server and its engine: a size (8G, 6000MiB), 'auto' (the cgroup's "
+                        "limit, else the RAM available at start) or 'none'. The K/V pool (--kv-cache-memory) is "
+                        "capped so `draftwise memory --rss`'s predicted peak stays under it, and admission holds new "
+                        "requests while the measured RSS is near it (they queue; 429 with Retry-After once the "
+                        "queue is full) (default: %(default)s)")
     r = p.add_argument_group("supervision (the engine process restarted under the server)")
     r.add_argument("--max-restarts", type=int, default=10,
                    help="engine process deaths within --restart-window that are answered with a restart (what "
@@ -97,6 +103,7 @@ def cmd_serve(args) -> int:
         raise ConfigError(f"arguments after `--` ({' '.join(args.vllm_args)}) are for --engine vllm")
     from draftwise.server.engine_host import EngineProcess
 
+    guard = memory_ceiling(args)  # before the engine starts: it may cap args.kv_cache_memory
     # the engine in its own process: it loads the model there and steps it without sharing a GIL with HTTP;
     # started first, so its imports and loading overlap this process's
     engine = EngineProcess(functools.partial(llm_from_args, args))
@@ -117,7 +124,8 @@ def cmd_serve(args) -> int:
                      allowed_hosts=allowed_hosts(args.allowed_hosts, args.host, LOOPBACK_HOSTS),
                      allowed_origins=_split(args.allowed_origins), suffix_cache_scope=args.suffix_cache_scope,
                      max_queued_per_key=args.max_queued_per_key, max_running_per_key=args.max_running_per_key,
-                     restart_policy=RestartPolicy(max_restarts=args.max_restarts, window_s=args.restart_window))
+                     restart_policy=RestartPolicy(max_restarts=args.max_restarts, window_s=args.restart_window),
+                     memory_guard=guard)
     spec_config = llm.spec_config
     print(f"draftwise: serving {args.model!r} on http://{args.host}:{args.port}/v1 "
           f"(speculation: {spec_config.method}, max_num_seqs {args.max_num_seqs}, context {llm.max_model_len}, "
@@ -126,6 +134,39 @@ def cmd_serve(args) -> int:
     print("\n".join(llm.plan_lines), flush=True)
     serve(app, args.host, args.port, args.shutdown_timeout, log_level=args.log_level)
     return 0
+
+
+def memory_ceiling(args):
+    """--memory-limit: the MemoryGuard admission asks (None: no ceiling), after capping args.kv_cache_memory so
+    the predicted peak RSS (bench/memory.predict_peak_rss: one full prefill chunk, K/V of target and draft) fits
+    under it. A prediction that cannot be made (an uncached model, a path the catalog does not know) leaves the
+    pool as asked and keeps the measured-RSS check."""
+    from draftwise.config import parse_kv_cache_memory, parse_spec_config
+    from draftwise.server import memory_limit as M
+
+    limit, source = M.resolve_limit(args.memory_limit)
+    if limit is None:
+        print(f"draftwise: no memory ceiling ({source})", flush=True)
+        return None
+    spec = parse_spec_config(getattr(args, "speculative_config", None))
+    try:
+        from draftwise.api import PREFILL_CHUNK_TOKENS
+        from draftwise.bench.memory import available_memory, predict_peak_rss
+
+        prediction = predict_peak_rss(args.model, spec.model if spec.method == "draft_model" else None,
+                                      prompt_tokens=PREFILL_CHUNK_TOKENS, max_tokens=1, concurrency=1,
+                                      k=max(1, spec.k_max), kv_cache_dtype=args.kv_cache_dtype)
+        asked = parse_kv_cache_memory(args.kv_cache_memory)
+        if isinstance(asked, float):  # a fraction of the RAM available
+            asked = int(asked * (available_memory()[0] or 0)) or None
+    except Exception as e:  # noqa: BLE001 — the ceiling still holds through the measured RSS
+        print(f"draftwise: memory limit {limit / 2**30:.2f} GiB ({source}); no prediction ({e}): the K/V pool is "
+              f"as asked, admission watches the measured RSS", flush=True)
+        return M.MemoryGuard(limit)
+    plan = M.plan_kv_memory(limit, prediction, asked)  # ConfigError when the model alone does not fit
+    args.kv_cache_memory = plan.kv_cache_memory
+    print(f"draftwise: {plan.describe()} ({source})", flush=True)
+    return M.MemoryGuard(limit)
 
 
 def lower_priority(increment: int) -> None:

@@ -152,6 +152,10 @@ class ServerMetrics:
         (runner.key_counts). Keys are shown hashed (key_label), never as sent."""
         self.registry.register(_KeyCollector(counts))
 
+    def watch_memory(self, guard) -> None:
+        """The memory ceiling at each scrape (memory_limit.MemoryGuard): limit, measured RSS, admissions held."""
+        self.registry.register(_MemoryCollector(guard))
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
@@ -184,6 +188,27 @@ class _KeyCollector:
             admitted.add_metric(label, n_admitted)
             rejected.add_metric(label, n_rejected)
         yield from (depth, admitted, rejected)
+
+
+class _MemoryCollector:
+    """draftwise:memory_limit_bytes, memory_rss_bytes (server + engine, last measured), memory_rss_peak_bytes,
+    memory_admission_holds (times admission waited because the RSS was near the ceiling)."""
+
+    def __init__(self, guard):
+        self.guard = guard
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        g = self.guard
+        yield GaugeMetricFamily(PREFIX + "memory_limit_bytes", "The server's memory ceiling (--memory-limit).",
+                                value=g.limit)
+        yield GaugeMetricFamily(PREFIX + "memory_rss_bytes", "RSS of the server and engine processes, last "
+                                "measured.", value=g.rss())
+        yield GaugeMetricFamily(PREFIX + "memory_rss_peak_bytes", "Highest RSS measured.", value=g.peak_rss)
+        yield CounterMetricFamily(PREFIX + "memory_admission_holds", "Admission checks that held a request back "
+                                  "because the RSS was near the ceiling.", value=g.holds_count)
 
 
 def _advance(counters: dict, seen: dict, source) -> None:

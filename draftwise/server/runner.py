@@ -108,8 +108,10 @@ ENGINE_SWITCH_INTERVAL_S = 0.0005
 
 class EngineRunner:
     def __init__(self, host, metrics, max_waiting: int | None = None, max_queued_per_key: int | None = None,
-                 max_running_per_key: int | None = None, restart_policy: RestartPolicy | None = None):
+                 max_running_per_key: int | None = None, restart_policy: RestartPolicy | None = None,
+                 memory_guard=None):
         self.host, self.metrics = host, metrics  # engine_host.EngineProcess / EngineThread
+        self.memory_guard = memory_guard  # memory_limit.MemoryGuard: holds admission near the memory ceiling
         self.restart_policy = restart_policy or RestartPolicy()
         self.state = "starting"  # starting -> ready -> (restarting -> ready)* ; failed: for good; stopped
         self._ready = False  # a live engine takes commands (admission sends requests only then)
@@ -316,10 +318,13 @@ class EngineRunner:
         kv_blocks_free: free, or held only by the prefix cache) beyond what the prompts sent and not yet answered
         may still take (counted whole: a conservative bound, since a prefilling one has reserved some already) —
         else requests stay in the admission queue (fair order; its length is what the 429 counts). With nothing in
-        the engine it always has room (the engine preempts within its pool). The one place admission asks the
+        the engine it always has room (the engine preempts within its pool); none while the measured RSS is near
+        the memory ceiling (memory_limit.MemoryGuard) and something runs. The one place admission asks the
         engine. Under _lock."""
         if len(self._sinks) >= self.front.max_num_seqs:
             return False
+        if self._sinks and self.memory_guard is not None and self.memory_guard.holds():
+            return False  # near the memory ceiling: what runs finishes first (alone, a request always starts)
         kv = self._kv_blocks
         if kv is None or not kv[1] or not self._sinks:
             return True
@@ -426,24 +431,30 @@ class EngineRunner:
         delay = policy.backoff(self._fast_deaths)
         log.warning("restarting the engine%s (death %d within %g s; %d requests to replay)",
                     f" in {delay:.1f} s" if delay else "", len(self._deaths), policy.window_s, live)
-        threading.Thread(target=self._respawn, args=(delay,), name="draftwise-respawn", daemon=True).start()
+        self._loop.call_later(delay, self._respawn)
 
-    def _respawn(self, delay: float) -> None:
-        """A thread: wait out the backoff, start a new child from the old one's factory, wait for its model."""
-        if delay:
-            time.sleep(delay)
-        if self._stopping:
+    def _respawn(self) -> None:
+        """After the backoff (on the event loop): start a new child from the old one's factory — from this
+        long-lived thread, since the child's PR_SET_PDEATHSIG fires when the thread that spawned it ends — then
+        wait for its model on a thread of its own."""
+        if self._stopping or self._closed:
             return
-        host = None
         try:
             host = self.host.respawn(self.restart_policy.start_timeout_s)
+        except Exception as e:  # noqa: BLE001 — a failed start is one more death
+            self._on_death("start_failed", f"the engine could not be restarted: {e}")
+            return
+        threading.Thread(target=self._await_respawned, args=(host,), name="draftwise-respawn", daemon=True).start()
+
+    def _await_respawned(self, host) -> None:
+        """A thread: wait until the new child has loaded its model, then hand it to the event loop."""
+        try:
             host.front  # noqa: B018 — waits until the model is loaded (ConfigError when it cannot be)
             if self._stopping:
                 raise RuntimeError("the server is stopping")
             self._loop.call_soon_threadsafe(self._on_respawned, host)
         except Exception as e:  # noqa: BLE001 — a failed start is one more death
-            if host is not None:
-                host.kill()
+            host.kill()
             if self._stopping:
                 return
             desc = f"the engine could not be restarted: {e}"

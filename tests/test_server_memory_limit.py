@@ -1,0 +1,97 @@
+"""The memory ceiling (server/memory_limit.py, `draftwise serve --memory-limit`): the K/V budget the predicted peak
+leaves under it, the limit's sources, and a flood driven past the ceiling — admission holds new requests while the
+measured RSS is near it, so the excess waits and then gets 429 with Retry-After, and every request admitted
+completes. The RSS is a stand-in function here (the real one is /proc's VmRSS of the server and engine: what the
+done-means run in /work/notes measures on the packaged model). Tiny model in process, no downloads."""
+from __future__ import annotations
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+from draftwise.config import ConfigError
+from draftwise.kv_cache import BLOCK_SIZE
+from draftwise.server import memory_limit as M
+from draftwise.server.app import create_app
+from tests.harness import MODEL, Server, metric, tiny_llm
+
+GIB = 2**30
+
+
+def _prediction(fixed: int, target_per_token: int, draft_per_token: int | None = None) -> dict:
+    """predict_peak_rss's shape: fixed rows, and K/V rows of 10 blocks per model."""
+    rows = {"runtime (measured)": fixed // 2, "target weights": fixed - fixed // 2,
+            "target K/V": 10 * BLOCK_SIZE * target_per_token}
+    models = {"target": {"kv_blocks": 10}}
+    if draft_per_token:
+        rows["draft K/V"] = 10 * BLOCK_SIZE * draft_per_token
+        models["draft"] = {"kv_blocks": 10}
+    return {"bytes": rows, "models": models}
+
+
+def test_the_kv_budget_keeps_the_predicted_peak_under_the_limit():
+    limit, fixed = 6 * GIB, int(1.8 * GIB)
+    plan = M.plan_kv_memory(limit, _prediction(fixed, 28672, 12288))
+    assert plan.kv_bytes_per_token == 28672 + 12288
+    peak = plan.fixed_bytes + M.SERVER_RESERVE_BYTES + plan.tokens * plan.kv_bytes_per_token
+    assert peak <= limit * (1 - M.HEADROOM) and plan.tokens * plan.kv_bytes_per_token > 0.5 * (limit - peak)
+    assert plan.kv_cache_memory == plan.tokens * 28672  # the flag is the target's pool; the draft's follows it
+    smaller = M.plan_kv_memory(limit, _prediction(fixed, 28672, 12288), requested=GIB)
+    assert smaller.kv_cache_memory == GIB  # a smaller --kv-cache-memory stands
+    with pytest.raises(ConfigError, match="below what serving"):
+        M.plan_kv_memory(2 * GIB, _prediction(fixed, 28672))
+
+
+def test_the_limit_comes_from_the_flag_the_cgroup_or_the_ram(monkeypatch):
+    assert M.resolve_limit("none") == (None, "off")
+    assert M.resolve_limit("6G")[0] == 6 * GIB and M.resolve_limit("6000MiB")[0] == 6000 * 2**20
+    assert M.resolve_limit("1.5GB")[0] == 1_500_000_000
+    for bad in ("lots", "-1G", "3 parsecs"):
+        with pytest.raises(ConfigError):
+            M.resolve_limit(bad)
+    monkeypatch.setattr(M, "cgroup_limit", lambda: 5 * GIB)
+    assert M.resolve_limit("auto") == (5 * GIB, "the cgroup's memory limit")
+    monkeypatch.setattr(M, "cgroup_limit", lambda: None)
+    monkeypatch.setattr(M, "available_ram", lambda: 7 * GIB)
+    assert M.resolve_limit(None)[0] == 7 * GIB
+
+
+def test_a_flood_past_the_ceiling_is_held_then_refused_and_what_is_admitted_completes():
+    rss = {"bytes": 100}  # below the ceiling until the first request runs, then above it
+    guard = M.MemoryGuard(1000, measure=lambda: rss["bytes"], interval_s=0.0)
+    llm = tiny_llm(max_model_len=1024, max_num_seqs=4)
+    running = {"max": 0}
+    real_step = llm.engine.step
+
+    def step():  # the engine's concurrency while the ceiling holds admission
+        running["max"] = max(running["max"], len(llm.engine.running))
+        rss["bytes"] = 990  # what the running request "uses": above 95% of the ceiling
+        return real_step()
+
+    llm.engine.step = step
+    body = {"model": MODEL, "prompt": "w1 w2 w3 " * 50, "max_tokens": 24, "ignore_eos": True}
+    with Server(create_app(llm, MODEL, max_waiting=3, memory_guard=guard)) as s:
+        barrier = threading.Barrier(12)
+
+        def one(_):
+            barrier.wait(60)
+            return httpx.post(s.url + "/v1/completions", json=body, timeout=300)
+
+        with ThreadPoolExecutor(12) as pool:
+            got = list(pool.map(one, range(12)))
+        m = s.metrics()
+    ok = [r for r in got if r.status_code == 200]
+    refused = [r for r in got if r.status_code == 429]
+    assert len(ok) + len(refused) == 12 and ok and refused
+    assert all(r.json()["usage"]["completion_tokens"] == 24 for r in ok)  # admitted: complete
+    assert all(int(r.headers["retry-after"]) >= 1 for r in refused)
+    assert running["max"] == 1  # held at the ceiling: one at a time, never the four slots
+    assert guard.holds_count > 0 and metric(m, "draftwise:memory_admission_holds_total") > 0
+    assert metric(m, "draftwise:memory_limit_bytes") == 1000 and metric(m, "draftwise:memory_rss_peak_bytes") == 990
+
+
+def test_the_real_rss_measure_reads_this_process():
+    guard = M.MemoryGuard(64 * GIB)
+    assert 10 * 2**20 < guard.rss() < 64 * GIB and not guard.holds()
