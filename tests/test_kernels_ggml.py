@@ -1,5 +1,5 @@
-"""Our GGUF block kernels (kernels/ggml_blocks.py, csrc/q6k.h, csrc/q8_0.h): Q6_K, Q8_0 and Q5_0 blocks read
-exactly as ggml dequantizes them; every ISA path bitwise the scalar oracle; every row bitwise that row alone at
+"""Our GGUF block kernels (kernels/ggml_blocks.py, csrc/q6k.h, csrc/q8_0.h; q8_1: q8_0.h's min term): Q6_K, Q8_0
+and Q5_0 blocks read exactly as ggml dequantizes them (the other types: tests/test_blocktypes_kernels.py); every ISA path bitwise the scalar oracle; every row bitwise that row alone at
 every width 1..96 and thread count 1..2, per ISA path, on the packaged models' shapes; a planted split-K
 reduction for wide calls fails that check. No timing asserts. About 2 minutes on 2 busy cores (the packaged shapes
 dominate: every width 1..96 at 2 thread counts on 2 paths)."""
@@ -10,17 +10,18 @@ import pytest
 import torch
 
 from draftwise.kernels import autotune, ggml_blocks
-from draftwise.kernels.linear import LINEARS, Q6KLinear, Q80Linear, available, block_paths, merge
+from draftwise.kernels.linear import LINEARS, Q6KLinear, Q80Linear, Q81Linear, available, block_paths, merge
 from draftwise.kernels.probe import probe
 
 WIDTHS = range(1, 97)  # 8 sequences x 12 tokens: every step width the engine runs
 THREADS = [1, 2]
-KERNELS = {"q6k": Q6KLinear, "q8_0": Q80Linear}
+KERNELS = {"q6k": Q6KLinear, "q8_0": Q80Linear, "q8_1": Q81Linear}
 # (N, K) of the packaged models' tensors stored in these types (models/gguf.py types of the two Qwen GGUFs), the
 # LM heads cut to their first 1024 rows (the same K and layout; rows only repeat the work)
 PACKAGED = {
     "q6k": [(256, 1536), (1536, 8960), (896, 4864), (1024, 1536)],  # 1.5B attn_v, ffn_down, 0.5B ffn_down, head
     "q8_0": [(896, 896), (128, 896), (4864, 896), (896, 4864), (1024, 896)],  # 0.5B q/o, k/v, gate/up, down, head
+    "q8_1": [(256, 1536), (1536, 8960)],  # the 1.5B's shapes a Q5_K_M file stores in Q5_K: attn_k, ffn_down
 }
 
 

@@ -1,6 +1,6 @@
 """draftwise.kernels.stack: the decoder's layer loop in one C++ call is bitwise the Python loop it replaces (the
 logits and every layer's K/V), for each family whose layers qualify, and for layers mixing the kernels a faithful
-plan mixes (q4x8, q6k, q8_0 per projection, q/k/v merged or as three calls), at prompt, decode and verification
+plan mixes (q4x8, q6k, q8_0, q8_1 per projection, q/k/v merged or as three calls), at prompt, decode and verification
 widths in ragged padded batches; it runs where it should and nowhere else (sandwich norms, separate gate/up, torch's
 kernels, a prefill half it cannot call, `Decoder.stack = False`); the comparison catches a wrong layer and a
 projection run by another kind's kernel; a bad weight list is a clear error. Tiny random models; no timing
@@ -159,6 +159,8 @@ MIXED = [
      "down_proj": "q4x8"},
     {"q_proj": "q6k", "k_proj": "q8_0", "v_proj": "q4x8", "o_proj": "q6k", "gate_proj": "q6k", "up_proj": "q6k",
      "down_proj": "q8_0"},
+    {"q_proj": "q8_1", "k_proj": "q8_1", "v_proj": "q8_1", "o_proj": "q8_1", "gate_proj": "q8_1", "up_proj": "q8_1",
+     "down_proj": "q6k"},  # a Q5_K_M file's layer: Q5_K held as q8_1, Q6_K down_proj
 ]
 
 
@@ -185,8 +187,8 @@ def mixed_model(family: str, layout: list[dict] = MIXED):
 @pytest.mark.parametrize("family", ["qwen2", "llama", "qwen3"])
 def test_layers_mixing_q4x8_q6k_and_q8_0_are_bitwise_the_python_loop(family, calls):
     """Layer 0 as the 1.5B's faithful layers (q/k/v three calls: v in q6k), layer 1 as the 0.5B's (merged q8_0),
-    layer 2 every kind in one layer: all in the one call, bitwise the Python loop (qwen2: q/k/v bias; qwen3: q/k
-    norms)."""
+    layer 2 every kind in one layer, layer 3 a Q5_K_M file's (merged q8_1, q6k down): all in the one call, bitwise
+    the Python loop (qwen2: q/k/v bias; qwen3: q/k norms)."""
     model = mixed_model(family)
     attn = [layer.self_attn for layer in model.model.layers]
     assert attn[0].qkv_proj is None and attn[1].qkv_proj is not None and attn[2].qkv_proj is None
@@ -194,6 +196,7 @@ def test_layers_mixing_q4x8_q6k_and_q8_0_are_bitwise_the_python_loop(family, cal
     ids = stack_op.kind_ids()
     assert kinds[:6] == [ids["q4x8"], ids["q4x8"], ids["q6k"], ids["q4x8"], ids["q4x8"], ids["q6k"]]
     assert kinds[6:9] == [ids["q8_0"], stack_op.ABSENT, stack_op.ABSENT]
+    assert kinds[18:24] == [ids["q8_1"], stack_op.ABSENT, stack_op.ABSENT, ids["q8_1"], ids["q8_1"], ids["q6k"]]
     one_call = run(model, True)
     assert len(calls) == 3
     for a, b in zip(one_call, run(model, False)):

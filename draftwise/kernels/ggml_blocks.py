@@ -1,6 +1,8 @@
-"""GGUF block types other than Q4_K, read exactly and packed for our kernels: Q6_K for csrc/q6k.h, Q8_0 and Q5_0
-for csrc/q8_0.h (a Q5_0 value, 0..31 - 16, is exact in Q8_0's int8), plus simple quantizers that build the same
-layouts from float weights (tests, `make_linear`, a dense checkpoint pinned to these kernels).
+"""GGUF block types other than Q4_K, read exactly and packed for our kernels: Q6_K for csrc/q6k.h; Q8_0, Q5_0, Q4_0,
+IQ4_NL and IQ4_XS for csrc/q8_0.h (values exact in int8, group scales exact in float32), Q4_1, Q5_1 and Q5_K for
+its min-term form (the q8_1 kernel: w = d * v + m per 32), plus simple quantizers that build the same layouts from
+float weights (tests, `make_linear`, a dense checkpoint pinned to these kernels). Which type goes to which kernel
+is kernels/blocktypes.py's table; here are the block layouts.
 
 Owns: the ggml block layouts of these types (parsing raw bytes into integer values and scales, as ggml's
 dequantize_row_* reads them), the packing into the kernels' 16-column layouts, and `dequantize_*` (the float weight
@@ -201,4 +203,141 @@ def unpack_q8_0(packed: dict[str, torch.Tensor], b0: int, b1: int) -> dict[str, 
     return {"v": v.permute(0, 3, 1, 2, 4).reshape(nb * COLS, G * 32), "d": d.permute(0, 2, 1).reshape(nb * COLS, G)}
 
 
-FROM_BLOCKS = {"Q6_K": q6k_from_blocks, "Q8_0": q8_0_from_blocks, "Q5_0": q5_0_from_blocks}
+# ---- the other 32-value types on q8_0, and the types with a min on q8_1 ------------------------------------------
+
+IQ4_NL_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)  # ggml's kvalues_iq4nl
+
+
+def _fp16(raw: torch.Tensor, at: int) -> torch.Tensor:  # raw [blocks, bytes] -> [blocks] float32, the fp16 at `at`
+    return raw[:, at:at + 2].contiguous().view(torch.float16).float().reshape(-1)
+
+
+def _nibbles(qs: torch.Tensor) -> torch.Tensor:
+    """[blocks, ..., 16] bytes -> [blocks, ..., 32]: ggml's 32-value nibble order, value j < 16 the low nibble of
+    byte j, value j + 16 its high nibble."""
+    return torch.cat([qs & 15, qs >> 4], dim=-1)
+
+
+def _fifth_bits(qh: torch.Tensor) -> torch.Tensor:
+    """[blocks, 4] bytes, a little-endian uint32 whose bit j is value j's fifth bit -> [blocks, 32] uint8 (0 / 16)."""
+    q = qh.to(torch.int64)
+    bits = q[:, 0] | (q[:, 1] << 8) | (q[:, 2] << 16) | (q[:, 3] << 24)
+    return (((bits[:, None] >> torch.arange(32)) & 1) << 4).to(torch.uint8)
+
+
+def q4_0_from_blocks(blocks, N: int, K: int) -> dict[str, torch.Tensor]:
+    """A GGUF Q4_0 tensor's raw bytes (d fp16, 16 bytes of nibbles) -> q8_0 parts, v = nibble - 8, exactly ggml's
+    dequantize_row_q4_0."""
+    raw = _raw(blocks, N, K, "Q4_0")
+    v = (_nibbles(raw[:, 2:18]).to(torch.int16) - 8).to(torch.int8)
+    return {"v": v.reshape(N, K), "d": _fp16(raw, 0).reshape(N, K // 32)}
+
+
+def iq4_nl_from_blocks(blocks, N: int, K: int) -> dict[str, torch.Tensor]:
+    """A GGUF IQ4_NL tensor's raw bytes (d fp16, 16 bytes of nibbles indexing IQ4_NL_VALUES) -> q8_0 parts, v the
+    looked-up int8 (-127..113), exactly ggml's dequantize_row_iq4_nl."""
+    raw = _raw(blocks, N, K, "IQ4_NL")
+    v = torch.tensor(IQ4_NL_VALUES, dtype=torch.int8)[_nibbles(raw[:, 2:18]).long()]
+    return {"v": v.reshape(N, K), "d": _fp16(raw, 0).reshape(N, K // 32)}
+
+
+def iq4_xs_from_blocks(blocks, N: int, K: int) -> dict[str, torch.Tensor]:
+    """A GGUF IQ4_XS tensor's raw bytes -> q8_0 parts, exactly ggml's dequantize_row_iq4_xs: per 256 values d fp16,
+    a uint16 of the 8 sub-blocks' top 2 scale bits (sub-block i at bits 2i), 4 bytes of their low 4 bits (sub-block
+    i in nibble i % 2 of byte i / 2) and 8 x 16 bytes of nibbles indexing IQ4_NL_VALUES; the group scale
+    d * (scale - 32) is exact in float32 (an fp16 times a 6-bit integer)."""
+    raw = _raw(blocks, N, K, "IQ4_XS")
+    nb = raw.shape[0]
+    hi = raw[:, 2].to(torch.int32) | (raw[:, 3].to(torch.int32) << 8)  # [blocks]
+    lo = torch.stack([raw[:, 4:8] & 15, raw[:, 4:8] >> 4], dim=-1).reshape(nb, 8).to(torch.int32)
+    ls = lo | (((hi[:, None] >> (2 * torch.arange(8))) & 3) << 4)  # [blocks, 8] in 0..63
+    d = _fp16(raw, 0)[:, None] * (ls - 32).float()  # [blocks, 8]
+    v = torch.tensor(IQ4_NL_VALUES, dtype=torch.int8)[_nibbles(raw[:, 8:].reshape(nb, 8, 16)).long()]
+    return {"v": v.reshape(N, K), "d": d.reshape(N, K // 32)}
+
+
+def q4_1_from_blocks(blocks, N: int, K: int) -> dict[str, torch.Tensor]:
+    """A GGUF Q4_1 tensor's raw bytes (d, m fp16, 16 bytes of nibbles) -> q8_1 parts v (0..15), d, m with
+    w = d * v + m, exactly ggml's dequantize_row_q4_1."""
+    raw = _raw(blocks, N, K, "Q4_1")
+    return {"v": _nibbles(raw[:, 4:20]).to(torch.int8).reshape(N, K), "d": _fp16(raw, 0).reshape(N, K // 32),
+            "m": _fp16(raw, 2).reshape(N, K // 32)}
+
+
+def q5_1_from_blocks(blocks, N: int, K: int) -> dict[str, torch.Tensor]:
+    """A GGUF Q5_1 tensor's raw bytes (d, m fp16, qh[4], 16 bytes of nibbles) -> q8_1 parts v (0..31), d, m,
+    exactly ggml's dequantize_row_q5_1 (fifth bits as Q5_0's)."""
+    raw = _raw(blocks, N, K, "Q5_1")
+    v = (_nibbles(raw[:, 8:24]) | _fifth_bits(raw[:, 4:8])).to(torch.int8)
+    return {"v": v.reshape(N, K), "d": _fp16(raw, 0).reshape(N, K // 32), "m": _fp16(raw, 2).reshape(N, K // 32)}
+
+
+def _k_scales(sb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The 12 bytes of a Q4_K / Q5_K block's 6-bit scales and mins -> sc, mn [blocks, 8] int32 (ggml's
+    get_scale_min_k4: sub-blocks 0-3 in the low 6 bits of bytes 0-3 and 4-7, 4-7 in the nibbles of bytes 8-11 plus
+    the top 2 bits of bytes 0-7)."""
+    sb = sb.to(torch.int32)
+    sc = torch.cat([sb[:, 0:4] & 63, (sb[:, 8:12] & 15) | ((sb[:, 0:4] >> 6) << 4)], 1)
+    mn = torch.cat([sb[:, 4:8] & 63, (sb[:, 8:12] >> 4) | ((sb[:, 4:8] >> 6) << 4)], 1)
+    return sc, mn
+
+
+def q5k_from_blocks(blocks, N: int, K: int) -> dict[str, torch.Tensor]:
+    """A GGUF Q5_K tensor's raw bytes -> q8_1 parts v (0..31), d = d * sc and m = -(dmin * mn) per sub-block of 32,
+    exactly ggml's dequantize_row_q5_K (both products of an fp16 and a 6-bit integer: exact in float32). Block: d,
+    dmin fp16, 12 bytes of scales and mins (as Q4_K), qh[32] (bit i of byte l: sub-block i's value l, fifth bit),
+    qs[128] (chunk j of 32 bytes: sub-block 2j in the low nibbles, 2j + 1 in the high)."""
+    raw = _raw(blocks, N, K, "Q5_K")
+    nb = raw.shape[0]
+    sc, mn = _k_scales(raw[:, 4:16])
+    qs = raw[:, 48:176].reshape(nb, 4, 32)
+    low = torch.stack([qs & 15, qs >> 4], dim=2).reshape(nb, 8, 32)
+    top = ((raw[:, 16:48].reshape(nb, 1, 32) >> torch.arange(8, dtype=torch.uint8).view(1, 8, 1)) & 1) << 4
+    v = (low | top).to(torch.int8)
+    d = _fp16(raw, 0)[:, None] * sc.float()
+    m = -(_fp16(raw, 2)[:, None] * mn.float())
+    return {"v": v.reshape(N, K), "d": d.reshape(N, K // 32), "m": m.reshape(N, K // 32)}
+
+
+def quantize_q8_1(weight: torch.Tensor) -> dict[str, torch.Tensor]:
+    """fp32 weight [N, K] (K % 32 == 0) -> q8_1 parts as ggml quantizes Q5_1: per 32, m = min, d = (max - min) / 31,
+    v = round((w - m) / d) in 0..31."""
+    N, K = weight.shape
+    if K % 32:
+        raise ValueError(f"q8_1 needs K divisible by 32, got K={K}")
+    w = weight.detach().float().view(N, K // 32, 32)
+    lo, hi = w.amin(-1), w.amax(-1)
+    d = (hi - lo) / 31.0
+    v = torch.where(d[..., None] > 0, ((w - lo[..., None]) / d[..., None].clamp(min=1e-30)).round(), torch.zeros_like(w))
+    return {"v": v.clamp(0, 31).to(torch.int8).view(N, K), "d": d.contiguous(), "m": lo.contiguous()}
+
+
+def dequantize_q8_1(parts: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The weight [N, K] float32 the parts represent: d * v + m per group of 32."""
+    v = parts["v"]
+    N, K = v.shape
+    return (parts["d"][..., None] * v.reshape(N, K // 32, 32).float() + parts["m"][..., None]).reshape(N, K)
+
+
+def pack_q8_1(parts: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """q8_1 parts -> csrc/q8_0.h's layout with the min term: qw, d as pack_q8_0, m [NB, G, 16] float32."""
+    out = pack_q8_0(parts)
+    N, G = parts["m"].shape
+    out["m"] = _pad(parts["m"].float(), N).view(-1, COLS, G).transpose(1, 2).contiguous()
+    return out
+
+
+def unpack_q8_1(packed: dict[str, torch.Tensor], b0: int, b1: int) -> dict[str, torch.Tensor]:
+    """pack_q8_1's buffers -> the parts of the 16-column blocks [b0, b1)."""
+    parts = unpack_q8_0(packed, b0, b1)
+    return {**parts, "m": packed["m"][b0:b1].permute(0, 2, 1).reshape(parts["d"].shape)}
+
+
+def q8_1_bytes(N: int, K: int) -> int:
+    """Bytes of pack_q8_1's output: q8_0's plus a float32 min per 32 (10 bits per weight)."""
+    return q8_0_bytes(N, K) + -(-N // COLS) * (K // 32) * COLS * 4
+
+
+FROM_BLOCKS = {"Q6_K": q6k_from_blocks, "Q8_0": q8_0_from_blocks, "Q5_0": q5_0_from_blocks, "Q4_0": q4_0_from_blocks,
+               "IQ4_NL": iq4_nl_from_blocks, "IQ4_XS": iq4_xs_from_blocks, "Q4_1": q4_1_from_blocks,
+               "Q5_1": q5_1_from_blocks, "Q5_K": q5k_from_blocks}

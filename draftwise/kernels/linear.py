@@ -8,7 +8,8 @@ Owns, per implementation (one class each, registered under the name a user types
   int8_dynamic  fbgemm's dynamically quantized int8 (x86): a row depends on the other rows, never chosen
   q4x8          ours: int4 weights x int8 activations (kernels/q4x8.py builds the C++ operator and the format)
   q6k           ours: GGUF Q6_K weights held exactly x int8 activations per 256 (GGUF's Q8_K)
-  q8_0          ours: GGUF Q8_0 / Q5_0 weights held exactly x int8 activations per 32 (GGUF's Q8_0)
+  q8_0          ours: GGUF Q8_0 / Q5_0 / Q4_0 / IQ4_NL / IQ4_XS weights held exactly x int8 activations per 32
+  q8_1          ours: GGUF Q4_1 / Q5_1 / Q5_K weights held exactly (a min per 32) x int8 activations per 32
 and what each declares as class attributes: `devices` it runs on, `dtype` its activations are computed in (the
 model dtype "auto" resolves to when it is the step kernel), `row_exact` (by construction: every output row is a
 fixed computation of that row alone, whatever other rows share the call and however many threads run it —
@@ -625,13 +626,13 @@ class Q6KLinear(_BlockLinear):
 
 
 class Q80Linear(_BlockLinear):
-    """Ours: GGUF Q8_0 or Q5_0 weights held exactly as int8 per 32 with a scale (kernels/ggml_blocks.py,
+    """Ours: GGUF Q8_0, Q5_0, Q4_0, IQ4_NL or IQ4_XS weights held exactly as int8 per 32 with a scale (kernels/ggml_blocks.py,
     csrc/q8_0.h) x int8 activations per row and 32 K values (GGUF's Q8_0, as llama.cpp's CPU dot products of
     these types); AVX-512 VNNI / AVX2 / scalar, bitwise the same. Q80Linear(weight [N, K], bias) quantizes a float
-    weight as ggml's Q8_0; `from_blocks` takes Q8_0 or Q5_0 blocks as they are."""
+    weight as ggml's Q8_0; `from_blocks` takes its types' blocks (kernels/blocktypes.py) as they are."""
 
     name = "q8_0"
-    description = "ours: GGUF Q8_0 / Q5_0 weights (exact) x int8 activations per 32, AVX-512 VNNI / AVX2"
+    description = "ours: GGUF Q8_0 / Q5_0 / Q4_0 / IQ4 weights (exact) x int8 activations per 32, AVX-512 VNNI / AVX2"
     tolerance = 0.02  # 8-bit weights (~0.005) plus int8 activations per 32 (~0.006)
     PACKED = ("qw", "d")
     GGUF_TYPES = blocktypes.types_of("q8_0")
@@ -663,6 +664,49 @@ class Q80Linear(_BlockLinear):
     def _call(self, x2: torch.Tensor) -> torch.Tensor:  # x2 [M, K] float32 -> [M, N]
         b = self._buffers
         return _block_op("q8_0")(x2, b["qw"], b["d"], b["bias"], self.out_features, library.PATHS[self.path])
+
+
+class Q81Linear(_BlockLinear):
+    """Ours: GGUF Q4_1, Q5_1 and Q5_K weights held exactly as int8 per 32 with a scale and a min, w = d * v + m
+    (kernels/ggml_blocks.py, csrc/q8_0.h's min term) x int8 activations per row and 32 K values with their sums
+    (GGUF's Q8_1, as llama.cpp pairs Q4_1 / Q5_1; finer than the Q8_K it pairs with Q5_K); AVX-512 VNNI / AVX2 /
+    scalar, bitwise the same. Q81Linear(weight [N, K], bias) quantizes a float weight as ggml's Q5_1;
+    `from_blocks` takes the types' blocks as they are."""
+
+    name = "q8_1"
+    description = "ours: GGUF Q4_1 / Q5_1 / Q5_K weights (exact) x int8 activations per 32, AVX-512 VNNI / AVX2"
+    tolerance = 0.04  # 5-bit weights (~0.03 for Gaussian weights) plus int8 activations per 32 (~0.006)
+    PACKED = ("qw", "d", "m")
+    GGUF_TYPES = blocktypes.types_of("q8_1")
+
+    @classmethod
+    def supports(cls, N: int, K: int) -> bool:
+        return K % 32 == 0
+
+    @classmethod
+    def nbytes(cls, N: int, K: int, bias: bool = False) -> int:
+        return ggml_blocks.q8_1_bytes(N, K) + (4 * N if bias else 0)
+
+    @staticmethod
+    def _quantize(weight: torch.Tensor) -> dict:
+        return ggml_blocks.quantize_q8_1(weight)
+
+    @staticmethod
+    def _k_of(parts: dict) -> int:
+        return parts["v"].shape[1]
+
+    @staticmethod
+    def _pack(parts: dict) -> dict:
+        return ggml_blocks.pack_q8_1(parts)
+
+    @staticmethod
+    def _dense(buffers: dict, b0: int, b1: int) -> torch.Tensor:
+        return ggml_blocks.dequantize_q8_1(ggml_blocks.unpack_q8_1(buffers, b0, b1))
+
+    def _call(self, x2: torch.Tensor) -> torch.Tensor:  # x2 [M, K] float32 -> [M, N]
+        b = self._buffers
+        return _block_op("q8_1")(x2, b["qw"], b["d"], b["m"], b["bias"], self.out_features,
+                                 library.PATHS[self.path])
 
 
 _BLOCK_OPS: dict[str, object] = {}
@@ -713,7 +757,7 @@ def _runs_on_cuda(cls: type[LinearImpl]) -> bool:
 
 LINEARS: dict[str, type[LinearImpl]] = {
     c.name: c for c in (DenseF32, DenseBF16, TorchInt4, TorchInt8, FbgemmDynamicInt8, Q4x8Linear, Q6KLinear,
-                        Q80Linear)
+                        Q80Linear, Q81Linear)
 }
 
 

@@ -9,8 +9,8 @@ STEP_MAX_TOKENS tokens per sequence, the prefill kernel above); a kernel that ca
 falls back to the dense implementation of its activation dtype (linear.impl_for, the autotuner's rule too).
 q4x8 takes a GGUF Q4_K tensor's blocks exactly (kernels/q4x8.py, q4k_from_blocks); under a named plan other GGUF
 types are dequantized and quantized to the plan's format. A faithful plan (kernels/plan.py) gives each tensor the
-kernel of its stored type instead, built from its blocks (Q6_K -> q6k, Q8_0 / Q5_0 -> q8_0, others -> fp32 over
-the exactly dequantized weight), and keeps the embedding table as stored (`GGUFRowsEmbedding` for types other
+kernel of its stored type instead, built from its blocks (kernels/blocktypes.py's table: Q6_K -> q6k, Q8_0 / Q5_0
+/ Q4_0 / IQ4 -> q8_0, Q4_1 / Q5_1 / Q5_K -> q8_1, others -> fp32 over the exactly dequantized weight), and keeps the embedding table as stored (`GGUFRowsEmbedding` for types other
 than Q4_K). `type_census` counts a file's types for the plan. Knows nothing of the engine; of checkpoints it knows
 only the GGUFTensor handle (shape, type, dense(), blocks(), q4k_blocks()).
 """
@@ -25,13 +25,14 @@ from draftwise.kernels import blocktypes, linear
 from draftwise.kernels.linear import SplitLinear, derived_split, impl_for, make_linear
 from draftwise.kernels.plan import EXACT_DENSE, KernelPlan, faithful_kernel
 
-PREPARED_FORMAT_VERSION = 6  # bump when a prepared module's stored tensors change; cached copies are then rebuilt
+PREPARED_FORMAT_VERSION = 7  # bump when a prepared module's stored tensors change; cached copies are then rebuilt
 # (2: the embedding table in q4x8's packed form, shared with a tied head; torch int4 linears prepared too;
 # 3: a q4x8 step + dense prefill split stores only the q4x8 half, the dense one is derived at load;
 # 4: one registry: implementations stored under their --weights names, with K; 5: faithful plans, q6k / q8_0
 # linears and the GGUF-rows embedding; 6: merge groups' buffers stored back to back, `storage_order`, so a merged
-# q/k/v or gate/up is a view of the mapped file). Bump sources.CONVERSION_VERSION with it: the converted folder is
-# rebuilt, so the old prepared files leave the disk.
+# q/k/v or gate/up is a view of the mapped file; 7: the block-type table's kernels for Q4_0, Q4_1, Q5_1, Q5_K,
+# IQ4_NL and IQ4_XS, which a faithful plan's file of version 6 held in fp32). Bump sources.CONVERSION_VERSION with it:
+# the converted folder is rebuilt, so the old prepared files leave the disk.
 
 
 def kernel_linear(plan: KernelPlan, N: int, K: int, weight=None, bias=None, parts: dict | None = None,

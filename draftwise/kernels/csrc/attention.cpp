@@ -42,7 +42,7 @@ bool amx_bf16() {
     return ok;
 }
 
-// What attention_avx2.cpp and attention_avx512.cpp are compiled for (kernels/q4x8.py `_units`).
+// What attention_avx2.cpp and attention_avx512.cpp are compiled for (kernels/library.py `_units`).
 constexpr dwisa::Isa ISA{"attention", {0, dwisa::F_AVX2 | dwisa::F_FMA,
                                        dwisa::F_AVX512F | dwisa::F_AVX512BW | dwisa::F_AVX512VL | dwisa::F_AVX512DQ}};
 

@@ -3,11 +3,11 @@
 // Also whether AMX tiles are usable here (amx_usable: the wide GEMMs' int8 tiles, attention's bf16 tiles).
 //
 // Owns: the path ids and names (the Python side reads the names from here, through the path_names / path_id ops
-// that q4x8.cpp registers: kernels/q4x8.py PATHS), cpuid detection (once per process) and the selection rule:
+// that q4x8.cpp registers: kernels/library.py PATHS), cpuid detection (once per process) and the selection rule:
 // AUTO runs the best path this CPU has for the op (the last of available_paths), an explicit path runs only where
 // the CPU has every feature the op declares for it, and anything else is a clear error.
 // Knows nothing of any op's arithmetic or of which flags its ISA units were compiled with: each op declares an Isa
-// (per path, the cpuid features its unit for that path needs, matching the -m flags in kernels/q4x8.py `_units`) and
+// (per path, the cpuid features its unit for that path needs, matching the -m flags in kernels/library.py `_units`) and
 // takes its functions with pick(). Every path of an op computes bitwise the same results, so the choice changes
 // speed only.
 // Included only by the torch-facing units (it uses <vector> and TORCH_CHECK): the ISA units never see a C++ library

@@ -3,7 +3,7 @@
 // Owns: whether this process may run AMX (cpuid AMX-TILE + AMX-INT8 + the AVX-512 the epilogue uses, no
 // $DRAFTWISE_MAX_ISA cap, and the kernel's permission for tile data: arch_prctl(ARCH_REQ_XCOMP_PERM,
 // XFEATURE_XTILEDATA), asked once per process), the smallest row count it takes (gemm_wide.h's switch, set from
-// Python, which measures it: kernels/q4x8.py wide_min_rows), quantizing the activations tile-major (gemm_q4x8.h;
+// Python, which measures it: kernels/library.py wide_min_rows), quantizing the activations tile-major (gemm_q4x8.h;
 // dw_quantize_tiles, which gemm_q6k.cpp calls too) and threading over 16-column blocks. Knows nothing of models; the arithmetic is q4x8.h's, the tile loop gemm_q4x8_amx.cpp's.
 // Every row is bitwise the GEMV's row (tests/test_kernels_gemm.py), so which side serves a call changes speed only.
 #include <torch/library.h>

@@ -1,6 +1,6 @@
 // q6k wide side, torch-facing: the operator draftwise_q6k::wide (the AMX GEMM for Q6_K weights; on an AVX-512 VNNI
 // CPU without AMX the AVX-512 GEMV over row chunks, also callable alone as wide_vnni), the smallest row count from
-// which path-'auto' callers hand a call to it (set from Python, which measures it: kernels/q4x8.py wide_min_rows),
+// which path-'auto' callers hand a call to it (set from Python, which measures it: kernels/library.py wide_min_rows),
 // and the C++ entry points (dw_q6k_wide_takes, dw_q6k_wide) a C++ caller (the layer loop) uses the same way.
 // Owns: threading over 16-column blocks of row chunks. The argument checks are the GEMV's (q6k.cpp's dw_q6k_check),
 // the activations the GEMV's (gemm_q4x8.cpp's tile-major copy for AMX, gemm_q6k.h's DwQ8Tiles; q6k.cpp's

@@ -2,7 +2,7 @@
 // tile-major activation quantization, the row chunking and the per-thread scratch.
 //
 // Owns: the switch's storage (`DwWideSwitch`: the smallest row count path-'auto' calls hand to the wide kernel,
-// set from Python, which measures it: kernels/q4x8.py wide_min_rows; until then never), the AMX sides' row chunk
+// set from Python, which measures it: kernels/library.py wide_min_rows; until then never), the AMX sides' row chunk
 // size (a chunk's int8 activations stay in a core's L2 while every 16-column block passes over them) and the
 // GEMVs' argument checks (q4x8.cpp and q6k.cpp define them; each kind's GEMV and wide operators call them), and the
 // names of the wide sides. Knows nothing of the tile loops or of how the side is chosen (gemm_q4x8.cpp's

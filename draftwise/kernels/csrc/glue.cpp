@@ -45,7 +45,7 @@ extern "C" void dw_glue_avx512(DwGlue* ops) { dw_glue_scalar(ops); }
 
 namespace {
 
-// What glue_avx2.cpp and glue_avx512.cpp are compiled for (kernels/q4x8.py `_units`).
+// What glue_avx2.cpp and glue_avx512.cpp are compiled for (kernels/library.py `_units`).
 constexpr dwisa::Isa ISA{"glue", {0, dwisa::F_AVX2, dwisa::F_AVX512F | dwisa::F_AVX512DQ | dwisa::F_AVX512VL}};
 
 // The path every op runs, as requested (AUTO unless a test chose another with use_path), resolved by dispatch.h's

@@ -1,7 +1,7 @@
 // q4x8: the torch operator (torch.ops.draftwise_q4x8.*) and the scalar path; also the library-wide ops that name
-// the ISA paths (path_names, path_id: dispatch.h's names, for kernels/q4x8.py).
-// Owns: argument checks (dw_q4x8_check: the wide side's too), threading over output-column blocks (at::parallel_for,
-// torch's thread count) and which cpuid features each q4x8 ISA unit needs (ISA below; dispatch.h's rule picks the
+// the ISA paths (path_names, path_id: dispatch.h's names, for kernels/library.py).
+// Owns: argument checks (dw_q4x8_check: the wide side's too; the thread splits over rows and output-column blocks are
+// block_op.h's, torch's thread count) and which cpuid features each q4x8 ISA unit needs (ISA below; dispatch.h's rule picks the
 // path: cpuid at run time, or the caller's explicit choice for tests). Knows nothing of models or of how weights were quantized; the layout and the
 // arithmetic are defined in q4x8.h.
 // The scalar path performs the exact float sequence of the SIMD paths (std::fma), so it is their oracle.
@@ -12,13 +12,14 @@
 #include <cmath>
 #include <string>
 #include <vector>
+#include "block_op.h"
 #include "dispatch.h"
 #include "gemm_wide.h"
 #include "q4x8.h"
 
 namespace {
 
-// What q4x8_avx2.cpp and q4x8_avx512.cpp are compiled for (kernels/q4x8.py `_units`).
+// What q4x8_avx2.cpp and q4x8_avx512.cpp are compiled for (kernels/library.py `_units`).
 constexpr dwisa::Isa ISA{"q4x8", {0, dwisa::F_AVX2 | dwisa::F_FMA,
                                   dwisa::F_AVX512F | dwisa::F_AVX512BW | dwisa::F_AVX512VL | dwisa::F_AVX512VNNI}};
 
@@ -93,14 +94,12 @@ const float* dw_q4x8_check(const at::Tensor& x, const at::Tensor& packed, const 
     const int64_t K = x.size(1);
     TORCH_CHECK(K % 32 == 0, "K must be a multiple of 32");
     const int64_t G = K / 32, S = (G + 7) / 8, NB = (N + 15) / 16;
-    TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous() && packed.numel() == NB * G * 256, "packed: bad shape");
-    TORCH_CHECK(sc.scalar_type() == at::kByte && sc.is_contiguous() && sc.numel() == NB * G * 16, "sc: bad shape");
-    TORCH_CHECK(mn.scalar_type() == at::kByte && mn.is_contiguous() && mn.numel() == NB * G * 16, "mn: bad shape");
-    TORCH_CHECK(d.scalar_type() == at::kFloat && d.is_contiguous() && d.numel() == NB * S * 16, "d: bad shape");
-    TORCH_CHECK(dmin.scalar_type() == at::kFloat && dmin.is_contiguous() && dmin.numel() == NB * S * 16, "dmin: bad shape");
-    if (!(bias.has_value() && bias->defined())) return nullptr;
-    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N, "bias must be [N] float32");
-    return bias->data_ptr<float>();
+    dwop::check_weight(packed, at::kByte, NB * G * 256, "packed");
+    dwop::check_weight(sc, at::kByte, NB * G * 16, "sc");
+    dwop::check_weight(mn, at::kByte, NB * G * 16, "mn");
+    dwop::check_weight(d, at::kFloat, NB * S * 16, "d");
+    dwop::check_weight(dmin, at::kFloat, NB * S * 16, "dmin");
+    return dwop::bias_of(bias, N);
 }
 
 // x [M, K] float32 -> y [M, N] float32; `wide`: the wide kernel whatever M is (draftwise_q4x8::wide)
@@ -124,16 +123,12 @@ at::Tensor dw_q4x8_linear_checked(const at::Tensor& x, const at::Tensor& packed,
     int16_t* qsp = qsum.data_ptr<int16_t>();
     const auto quant = dwisa::pick(path, dw_q8_rows_scalar, dw_q8_rows_avx2, dw_q8_rows_avx512);
     const auto gemm = dwisa::pick(path, dw_gemm_scalar, dw_gemm_avx2, dw_gemm_avx512);
-    if (M * K >= (1 << 16)) {
-        at::parallel_for(0, M, 1, [&](int64_t r0, int64_t r1) { quant(xp, M, K, qp, dxp, qsp, r0, r1); });
-    } else {
-        quant(xp, M, K, qp, dxp, qsp, 0, M);
-    }
+    dwop::over_rows(M, K, [&](int64_t r0, int64_t r1) { quant(xp, M, K, qp, dxp, qsp, r0, r1); });
     DwQ4 w{packed.data_ptr<uint8_t>(), sc.data_ptr<uint8_t>(), mn.data_ptr<uint8_t>(), d.data_ptr<float>(),
            dmin.data_ptr<float>(), bias_p, N, K, G, S};
     DwQ8 a{qp, dxp, qsp, M};
     float* yp = y.data_ptr<float>();
-    at::parallel_for(0, NB, 1, [&](int64_t b0, int64_t b1) { gemm(&w, &a, yp, b0, b1); });
+    dwop::over_blocks(NB, [&](int64_t b0, int64_t b1) { gemm(&w, &a, yp, b0, b1); });
     return y;
 }
 
@@ -147,7 +142,7 @@ at::Tensor q4x8_linear(const at::Tensor& x, const at::Tensor& packed, const at::
 
 std::vector<int64_t> paths() { return dwisa::available_paths(ISA); }
 
-// The ISA path names by id (dispatch.h), and a name's id: kernels/q4x8.py builds its PATHS from these.
+// The ISA path names by id (dispatch.h), and a name's id: kernels/library.py builds its PATHS from these.
 std::vector<std::string> path_names() { return {dwisa::NAMES, dwisa::NAMES + dwisa::NUM_PATHS}; }
 
 int64_t path_id(const std::string& name) { return dwisa::parse_path(name); }

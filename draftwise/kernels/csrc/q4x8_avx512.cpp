@@ -5,8 +5,8 @@
 // q4x8_prefetch.h); knows nothing of torch, threads or when it runs (q4x8.cpp and dispatch.h decide). Compiled with
 // -mavx512f -mavx512bw -mavx512vl -mavx512vnni and called only after a run-time cpuid check.
 // Includes no C++ library header: nothing inline from here can leak into code run on other CPUs.
-#include "intrin.h"
 #include "q4x8.h"
+#include "rows_avx512.h"
 #include "q4x8_prefetch.h"
 
 namespace {
@@ -18,10 +18,7 @@ namespace {
 // Same instructions on the same values as the intrinsics: the integer results are unchanged.
 typedef int32_t __attribute__((may_alias)) i32_alias;
 
-inline __m512i dpbusd_b(__m512i acc, __m512i w, const int8_t* p) {
-    __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*(const i32_alias*)p));
-    return acc;
-}
+using dwrows::dpbusd_b;
 
 inline __m512i dpwssd_b(__m512i acc, __m512i w, const int16_t* p) {
     __asm__("vpdpwssd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*(const i32_alias*)p));
@@ -100,48 +97,19 @@ void block_rows(const DwQ4* w, const DwQ8* a, float* out, int64_t b, int64_t m0,
             acc[m] = _mm512_fmadd_ps(t, _mm512_set1_ps(DX[m]), acc[m]);
         }
     }
-    const int64_t n0 = b * 16;
-    const int64_t live = N - n0 < 16 ? N - n0 : 16;
-    const __mmask16 keep = (__mmask16)((1u << live) - 1u);
-    const __m512 bias = w->bias ? _mm512_maskz_loadu_ps(keep, w->bias + n0) : _mm512_setzero_ps();
-#pragma GCC unroll 12
-    for (int m = 0; m < MT; ++m)
-        _mm512_mask_storeu_ps(out + (m0 + m) * N + n0, keep, _mm512_add_ps(acc[m], bias));
+    dwrows::store16(acc, w->bias, out, N, b, m0);
 }
 
 // 12 isum + 12 isc accumulators + weights and constants fill the 32 zmm registers; the 12 float acc, touched once
 // per super-block, may live on the stack (measured on a Zen 4: 12 no slower than 8-10 at 9-128 rows)
 constexpr int MAX_TILE = 12;
 
-void block(const DwQ4* w, const DwQ8* a, float* out, int64_t b, bool prefetch) {
-    const int64_t M = a->M;
-    const int64_t tiles = (M + MAX_TILE - 1) / MAX_TILE;
-    int64_t m0 = 0;
-    for (int64_t t = 0; t < tiles; ++t) {
-        const int64_t rows = (M - m0) / (tiles - t);  // balanced tiles: 16 rows -> 8 + 8
-        const bool pf = prefetch && t == 0;
-        switch (rows) {
-            case 1: block_rows<1>(w, a, out, b, m0, pf); break;
-            case 2: block_rows<2>(w, a, out, b, m0, pf); break;
-            case 3: block_rows<3>(w, a, out, b, m0, pf); break;
-            case 4: block_rows<4>(w, a, out, b, m0, pf); break;
-            case 5: block_rows<5>(w, a, out, b, m0, pf); break;
-            case 6: block_rows<6>(w, a, out, b, m0, pf); break;
-            case 7: block_rows<7>(w, a, out, b, m0, pf); break;
-            case 8: block_rows<8>(w, a, out, b, m0, pf); break;
-            case 9: block_rows<9>(w, a, out, b, m0, pf); break;
-            case 10: block_rows<10>(w, a, out, b, m0, pf); break;
-            case 11: block_rows<11>(w, a, out, b, m0, pf); break;
-            default: block_rows<12>(w, a, out, b, m0, pf); break;
-        }
-        m0 += rows;
-    }
-}
-
 }  // namespace
 
 extern "C" void dw_gemm_avx512(const DwQ4* w, const DwQ8* a, float* out, int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b) block(w, a, out, b, b + 1 < b1);
+    dwrows::gemv16<MAX_TILE>(a->M, b0, b1, [&]<int MT>(int64_t b, int64_t m0, bool pf) {
+        block_rows<MT>(w, a, out, b, m0, pf);
+    });
 }
 
 extern "C" void dw_q8_rows_avx512(const float* x, int64_t M, int64_t K, int8_t* q, float* dx, int16_t* qsum,

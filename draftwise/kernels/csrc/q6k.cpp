@@ -1,13 +1,13 @@
 // q6k: the torch operator (torch.ops.draftwise_q6k.linear) and the scalar path of GGUF Q6_K x Q8_K.
 // Owns: argument checks (dw_q6k_check, which the wide side gemm_q6k.cpp calls too), the activation quantization
-// (q4x8's Q8_K rows, plus the per-16 sums Q6_K's offset needs), threading over output-column blocks
-// (at::parallel_for) and which cpuid features each ISA unit needs (dispatch.h's rule picks the path). Knows nothing of models or files; the layout and the arithmetic are defined in q6k.h.
+// (q4x8's Q8_K rows, plus the per-16 sums Q6_K's offset needs; the thread splits are block_op.h's) and which cpuid features each ISA unit needs (dispatch.h's rule picks the path). Knows nothing of models or files; the layout and the arithmetic are defined in q6k.h.
 // The scalar path performs the exact float sequence of the SIMD paths (std::fma), so it is their oracle.
 #include <torch/library.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <cmath>
+#include "block_op.h"
 #include "dispatch.h"
 #include "gemm_wide.h"
 #include "q4x8.h"
@@ -15,7 +15,7 @@
 
 namespace {
 
-// What q6k_avx2.cpp and q6k_avx512.cpp are compiled for (kernels/q4x8.py `_units`).
+// What q6k_avx2.cpp and q6k_avx512.cpp are compiled for (kernels/blocktypes.py's units for q6k).
 constexpr dwisa::Isa ISA{"q6k", {0, dwisa::F_AVX2 | dwisa::F_FMA,
                                  dwisa::F_AVX512F | dwisa::F_AVX512BW | dwisa::F_AVX512VL | dwisa::F_AVX512VNNI}};
 
@@ -65,13 +65,11 @@ const float* dw_q6k_check(const at::Tensor& x, const at::Tensor& ql, const at::T
     TORCH_CHECK(K % 256 == 0, "Q6_K needs K a multiple of 256");
     TORCH_CHECK(N >= 1, "N must be >= 1");
     const int64_t G = K / 32, S = K / 256, NB = (N + 15) / 16;
-    TORCH_CHECK(ql.scalar_type() == at::kByte && ql.is_contiguous() && ql.numel() == NB * G * 256, "ql: bad shape");
-    TORCH_CHECK(qh.scalar_type() == at::kByte && qh.is_contiguous() && qh.numel() == NB * G * 128, "qh: bad shape");
-    TORCH_CHECK(sc.scalar_type() == at::kChar && sc.is_contiguous() && sc.numel() == NB * G * 32, "sc: bad shape");
-    TORCH_CHECK(d.scalar_type() == at::kFloat && d.is_contiguous() && d.numel() == NB * S * 16, "d: bad shape");
-    if (!(bias.has_value() && bias->defined())) return nullptr;
-    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N, "bias must be [N] float32");
-    return bias->data_ptr<float>();
+    dwop::check_weight(ql, at::kByte, NB * G * 256, "ql");
+    dwop::check_weight(qh, at::kByte, NB * G * 128, "qh");
+    dwop::check_weight(sc, at::kChar, NB * G * 32, "sc");
+    dwop::check_weight(d, at::kFloat, NB * S * 16, "d");
+    return dwop::bias_of(bias, N);
 }
 
 void dw_q6k_quantize_rows(int64_t path, const float* x, int64_t M, int64_t K, int8_t* q, float* dx, int16_t* qsum,
@@ -115,17 +113,14 @@ at::Tensor q6k_linear(const at::Tensor& x, const at::Tensor& ql, const at::Tenso
     int16_t* qsp = qsum.data_ptr<int16_t>();
     int16_t* q16 = qsum16.data_ptr<int16_t>();
     int32_t* qo = qoff16.data_ptr<int32_t>();
-    auto rows = [&](int64_t r0, int64_t r1) { dw_q6k_quantize_rows(path, xp, M, K, qp, dxp, qsp, q16, qo, r0, r1); };
-    if (M * K >= (1 << 16)) {
-        at::parallel_for(0, M, 1, rows);
-    } else {
-        rows(0, M);
-    }
+    dwop::over_rows(M, K, [&](int64_t r0, int64_t r1) {
+        dw_q6k_quantize_rows(path, xp, M, K, qp, dxp, qsp, q16, qo, r0, r1);
+    });
     const auto gemm = dwisa::pick(path, dw_q6k_gemm_scalar, dw_q6k_gemm_avx2, dw_q6k_gemm_avx512);
     DwQ6 w{ql.data_ptr<uint8_t>(), qh.data_ptr<uint8_t>(), sc.data_ptr<int8_t>(), d.data_ptr<float>(), bias_p, N, K, G, S};
     DwQ8K16 a{qp, dxp, q16, qo, M};
     float* yp = y.data_ptr<float>();
-    at::parallel_for(0, NB, 1, [&](int64_t b0, int64_t b1) { gemm(&w, &a, yp, b0, b1); });
+    dwop::over_blocks(NB, [&](int64_t b0, int64_t b1) { gemm(&w, &a, yp, b0, b1); });
     return y;
 }
 

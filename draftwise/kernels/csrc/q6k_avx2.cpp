@@ -4,16 +4,12 @@
 // (sc_lo, sc_hi) pairs by the row's (qsum16_lo, qsum16_hi) per group. The exact totals meet d and dx in q6k.h's
 // float steps. Owns only this path's arithmetic; knows nothing of torch, threads or when it runs. Compiled with
 // -mavx2 -mfma and called only after a run-time cpuid check. Includes no C++ library header.
-#include "intrin.h"
 #include "q6k.h"
+#include "rows_avx2.h"
 
 namespace {
 
-inline int32_t load_i32(const void* p) {
-    int32_t v;
-    __builtin_memcpy(&v, p, 4);
-    return v;
-}
+using dwrows::load_i32;
 
 // (sc, sc) per column as int16 pairs from 8 int8 scales
 inline __m256i sc_twice(const int8_t* p) {
@@ -91,45 +87,15 @@ void half_rows(const DwQ6* w, const DwQ8K16* a, float* out, int64_t b, int h, in
             acc[m] = _mm256_fmadd_ps(t, _mm256_set1_ps(DX[m]), acc[m]);
         }
     }
-    const int64_t n0 = b * 16 + h * 8;
-    const int64_t live = N - n0 < 8 ? N - n0 : 8;
-    for (int m = 0; m < MT; ++m) {
-        float* o = out + (m0 + m) * N + n0;
-        if (live == 8) {
-            const __m256 bias = w->bias ? _mm256_loadu_ps(w->bias + n0) : _mm256_setzero_ps();
-            _mm256_storeu_ps(o, _mm256_add_ps(acc[m], bias));
-        } else {
-            alignas(32) float tmp[8];
-            _mm256_store_ps(tmp, acc[m]);
-            for (int64_t j = 0; j < live; ++j) o[j] = tmp[j] + (w->bias ? w->bias[n0 + j] : 0.0f);
-        }
-    }
+    dwrows::store8(acc, w->bias, out, N, b, h, m0);
 }
 
 constexpr int MAX_TILE = 4;
 
-void half(const DwQ6* w, const DwQ8K16* a, float* out, int64_t b, int h, bool prefetch) {
-    const int64_t M = a->M;
-    const int64_t tiles = (M + MAX_TILE - 1) / MAX_TILE;
-    int64_t m0 = 0;
-    for (int64_t t = 0; t < tiles; ++t) {
-        const int64_t rows = (M - m0) / (tiles - t);
-        const bool pf = prefetch && t == 0 && h == 0;
-        switch (rows) {
-            case 1: half_rows<1>(w, a, out, b, h, m0, pf); break;
-            case 2: half_rows<2>(w, a, out, b, h, m0, pf); break;
-            case 3: half_rows<3>(w, a, out, b, h, m0, pf); break;
-            default: half_rows<4>(w, a, out, b, h, m0, pf); break;
-        }
-        m0 += rows;
-    }
-}
-
 }  // namespace
 
 extern "C" void dw_q6k_gemm_avx2(const DwQ6* w, const DwQ8K16* a, float* out, int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b) {
-        half(w, a, out, b, 0, b + 1 < b1);
-        if (b * 16 + 8 < w->N) half(w, a, out, b, 1, false);
-    }
+    dwrows::gemv8x2<MAX_TILE>(a->M, w->N, b0, b1, [&]<int MT>(int64_t b, int h, int64_t m0, bool pf) {
+        half_rows<MT>(w, a, out, b, h, m0, pf);
+    });
 }

@@ -4,17 +4,12 @@
 // one VPMULLD. Owns only this path's arithmetic (layout and float sequence: q6k.h); knows nothing of torch,
 // threads or when it runs (q6k.cpp and dispatch.h decide). Compiled with -mavx512f -mavx512bw -mavx512vl
 // -mavx512vnni and called only after a run-time cpuid check. Includes no C++ library header.
-#include "intrin.h"
 #include "q6k.h"
+#include "rows_avx512.h"
 
 namespace {
 
-typedef int32_t __attribute__((may_alias)) i32_alias;
-
-inline __m512i dpbusd_b(__m512i acc, __m512i w, const int8_t* p) {
-    __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*(const i32_alias*)p));
-    return acc;
-}
+using dwrows::dpbusd_b;
 
 // Rows [m0, m0 + MT) of one 16-column block b: per group, 8 VPDPBUSD per row into two sub-block sums, two VPMULLD
 // by the sub-blocks' scales into the super-block's int32; per super-block the float steps of q6k.h.
@@ -87,40 +82,16 @@ void block_rows(const DwQ6* w, const DwQ8K16* a, float* out, int64_t b, int64_t 
             acc[m] = _mm512_fmadd_ps(t, _mm512_set1_ps(DX[m]), acc[m]);
         }
     }
-    const int64_t n0 = b * 16;
-    const int64_t live = N - n0 < 16 ? N - n0 : 16;
-    const __mmask16 keep = (__mmask16)((1u << live) - 1u);
-    const __m512 bias = w->bias ? _mm512_maskz_loadu_ps(keep, w->bias + n0) : _mm512_setzero_ps();
-#pragma GCC unroll 8
-    for (int m = 0; m < MT; ++m) _mm512_mask_storeu_ps(out + (m0 + m) * N + n0, keep, _mm512_add_ps(acc[m], bias));
+    dwrows::store16(acc, w->bias, out, N, b, m0);
 }
 
 // 8 rows x (2 sub-block sums + 1 super-block sum) = 24 zmm, plus weights and constants
 constexpr int MAX_TILE = 8;
 
-void block(const DwQ6* w, const DwQ8K16* a, float* out, int64_t b, bool prefetch) {
-    const int64_t M = a->M;
-    const int64_t tiles = (M + MAX_TILE - 1) / MAX_TILE;
-    int64_t m0 = 0;
-    for (int64_t t = 0; t < tiles; ++t) {
-        const int64_t rows = (M - m0) / (tiles - t);
-        const bool pf = prefetch && t == 0;
-        switch (rows) {
-            case 1: block_rows<1>(w, a, out, b, m0, pf); break;
-            case 2: block_rows<2>(w, a, out, b, m0, pf); break;
-            case 3: block_rows<3>(w, a, out, b, m0, pf); break;
-            case 4: block_rows<4>(w, a, out, b, m0, pf); break;
-            case 5: block_rows<5>(w, a, out, b, m0, pf); break;
-            case 6: block_rows<6>(w, a, out, b, m0, pf); break;
-            case 7: block_rows<7>(w, a, out, b, m0, pf); break;
-            default: block_rows<8>(w, a, out, b, m0, pf); break;
-        }
-        m0 += rows;
-    }
-}
-
 }  // namespace
 
 extern "C" void dw_q6k_gemm_avx512(const DwQ6* w, const DwQ8K16* a, float* out, int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b) block(w, a, out, b, b + 1 < b1);
+    dwrows::gemv16<MAX_TILE>(a->M, b0, b1, [&]<int MT>(int64_t b, int64_t m0, bool pf) {
+        block_rows<MT>(w, a, out, b, m0, pf);
+    });
 }

@@ -1,24 +1,25 @@
-// q8_0: the torch operator (torch.ops.draftwise_q8_0.linear) and the scalar path of GGUF Q8_0 / Q5_0 x Q8_0.
+// q8_0: the torch operators (torch.ops.draftwise_q8_0.linear, and draftwise_q8_1.linear: the same kernel with a
+// min term) and the scalar path of the int8-per-32 block types x Q8_0 activations.
 // Owns: argument checks, the activation quantization per group of 32 (one scalar implementation serves every path,
-// so its bits cannot differ between them), threading over output-column blocks (at::parallel_for) and which cpuid
-// features each ISA unit needs (dispatch.h's rule picks the path). Knows nothing of models or files; the layout and
-// the arithmetic are defined in q8_0.h. The scalar path performs the exact float sequence of the SIMD paths.
+// so its bits cannot differ between them), which cpuid features each ISA unit needs (dispatch.h's rule picks the
+// path); the thread split is block_op.h's. Knows nothing of models or files; the layout and the arithmetic are
+// defined in q8_0.h. The scalar path performs the exact float sequence of the SIMD paths.
 #include <torch/library.h>
-#include <ATen/Parallel.h>
-#include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <cmath>
+#include "block_op.h"
 #include "dispatch.h"
 #include "q8_0.h"
 
 namespace {
 
-// What q8_0_avx2.cpp and q8_0_avx512.cpp are compiled for (kernels/q4x8.py `_units`).
+// What q8_0_avx2.cpp and q8_0_avx512.cpp are compiled for (kernels/blocktypes.py's units for q8_0).
 constexpr dwisa::Isa ISA{"q8_0", {0, dwisa::F_AVX2 | dwisa::F_FMA,
                                   dwisa::F_AVX512F | dwisa::F_AVX512BW | dwisa::F_AVX512VL | dwisa::F_AVX512VNNI}};
 
-// x [M, K] -> q [G, M, 32], dx [G, M], qoff [G, M] for rows [r0, r1) (q8_0.h)
-void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* q, float* dx, int32_t* qoff, int64_t r0, int64_t r1) {
+// x [M, K] -> q [G, M, 32], dx [G, M], qoff [G, M], qsum [G, M] for rows [r0, r1) (q8_0.h)
+void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* q, float* dx, int32_t* qoff, int32_t* qsum,
+                   int64_t r0, int64_t r1) {
     const int64_t G = K / 32;
     for (int64_t r = r0; r < r1; ++r)
         for (int64_t g = 0; g < G; ++g) {
@@ -35,6 +36,7 @@ void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* q, float* dx, i
             }
             dx[g * M + r] = amax / 127.0f;
             qoff[g * M + r] = -128 * sum;
+            qsum[g * M + r] = sum;
         }
 }
 
@@ -56,6 +58,10 @@ extern "C" void dw_q80_gemm_scalar(const DwQ80* w, const DwQ80Act* a, float* out
                         for (int t = 0; t < 4; ++t) isum += ((int32_t)P[c * 64 + j * 4 + t] - 128) * xq[c * 4 + t];
                     const float t = (float)isum * w->d[(b * G + g) * 16 + j];
                     acc = std::fma(t, a->dx[g * M + m], acc);
+                    if (w->m) {
+                        const float u = (float)a->qsum[g * M + m] * w->m[(b * G + g) * 16 + j];
+                        acc = std::fma(u, a->dx[g * M + m], acc);
+                    }
                 }
                 out[m * N + n] = acc + (w->bias ? w->bias[n] : 0.0f);
             }
@@ -65,41 +71,46 @@ extern "C" void dw_q80_gemm_scalar(const DwQ80* w, const DwQ80Act* a, float* out
 
 namespace {
 
-// x [M, K] float32 -> y [M, N] float32
-at::Tensor q80_linear(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& d,
-                      const std::optional<at::Tensor>& bias, int64_t N, int64_t path) {
+// x [M, K] float32 -> y [M, N] float32; qw [NB, G, 8, 64] uint8, d and m (or none) [NB, G, 16] float32
+at::Tensor linear(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& d, const std::optional<at::Tensor>& m,
+                  const std::optional<at::Tensor>& bias, int64_t N, int64_t path) {
     TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be [M, K] float32 contiguous");
     const int64_t M = x.size(0), K = x.size(1);
     TORCH_CHECK(K % 32 == 0, "K must be a multiple of 32");
     const int64_t G = K / 32, NB = (N + 15) / 16;
-    TORCH_CHECK(qw.scalar_type() == at::kByte && qw.is_contiguous() && qw.numel() == NB * G * 512, "qw: bad shape");
-    TORCH_CHECK(d.scalar_type() == at::kFloat && d.is_contiguous() && d.numel() == NB * G * 16, "d: bad shape");
-    const float* bias_p = nullptr;
-    if (bias.has_value() && bias->defined()) {
-        TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N, "bias must be [N] float32");
-        bias_p = bias->data_ptr<float>();
+    dwop::check_weight(qw, at::kByte, NB * G * 512, "qw");
+    dwop::check_weight(d, at::kFloat, NB * G * 16, "d");
+    const float* m_p = nullptr;
+    if (m.has_value() && m->defined()) {
+        dwop::check_weight(*m, at::kFloat, NB * G * 16, "m");
+        m_p = m->data_ptr<float>();
     }
+    const float* bias_p = dwop::bias_of(bias, N);
     path = dwisa::select(ISA, path);
     at::Tensor y = at::empty({M, N}, x.options());
     if (M == 0) return y;
     at::Tensor q = at::empty({G, M, 32}, x.options().dtype(at::kChar));
     at::Tensor dx = at::empty({G, M}, x.options());
     at::Tensor qoff = at::empty({G, M}, x.options().dtype(at::kInt));
+    at::Tensor qsum = at::empty({G, M}, x.options().dtype(at::kInt));
     const float* xp = x.data_ptr<float>();
     int8_t* qp = q.data_ptr<int8_t>();
     float* dxp = dx.data_ptr<float>();
     int32_t* qop = qoff.data_ptr<int32_t>();
-    if (M * K >= (1 << 16)) {
-        at::parallel_for(0, M, 1, [&](int64_t r0, int64_t r1) { quantize_rows(xp, M, K, qp, dxp, qop, r0, r1); });
-    } else {
-        quantize_rows(xp, M, K, qp, dxp, qop, 0, M);
-    }
+    int32_t* qsp = qsum.data_ptr<int32_t>();
+    dwop::over_rows(M, K, [&](int64_t r0, int64_t r1) { quantize_rows(xp, M, K, qp, dxp, qop, qsp, r0, r1); });
     const auto gemm = dwisa::pick(path, dw_q80_gemm_scalar, dw_q80_gemm_avx2, dw_q80_gemm_avx512);
-    DwQ80 w{qw.data_ptr<uint8_t>(), d.data_ptr<float>(), bias_p, N, K, G};
-    DwQ80Act a{qp, dxp, qop, M};
+    DwQ80 w{qw.data_ptr<uint8_t>(), d.data_ptr<float>(), m_p, bias_p, N, K, G};
+    DwQ80Act a{qp, dxp, qop, qsp, M};
     float* yp = y.data_ptr<float>();
-    at::parallel_for(0, NB, 1, [&](int64_t b0, int64_t b1) { gemm(&w, &a, yp, b0, b1); });
+    dwop::over_blocks(NB, [&](int64_t b0, int64_t b1) { gemm(&w, &a, yp, b0, b1); });
     return y;
+}
+
+// q8_0: no min term
+at::Tensor q80_linear(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& d,
+                      const std::optional<at::Tensor>& bias, int64_t N, int64_t path) {
+    return linear(x, qw, d, std::nullopt, bias, N, path);
 }
 
 std::vector<int64_t> paths() { return dwisa::available_paths(ISA); }
@@ -117,3 +128,15 @@ TORCH_LIBRARY(draftwise_q8_0, m) {
 }
 
 TORCH_LIBRARY_IMPL(draftwise_q8_0, CPU, m) { m.impl("linear", &q80_linear); }
+
+TORCH_LIBRARY(draftwise_q8_1, m) {
+    m.def("linear(Tensor x, Tensor qw, Tensor d, Tensor m, Tensor? bias, int N, int path) -> Tensor");
+    m.def("paths() -> int[]", &paths);
+}
+
+TORCH_LIBRARY_IMPL(draftwise_q8_1, CPU, m) {
+    m.impl("linear", [](const at::Tensor& x, const at::Tensor& qw, const at::Tensor& d, const at::Tensor& m_,
+                        const std::optional<at::Tensor>& bias, int64_t N, int64_t path) {
+        return linear(x, qw, d, m_, bias, N, path);
+    });
+}

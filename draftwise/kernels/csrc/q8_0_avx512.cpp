@@ -1,27 +1,24 @@
 // q8_0, AVX-512 path (F + BW + VNNI): VPDPBUSD on 16 columns x 4 K values per instruction (the weights offset to
 // unsigned, each row's group sum started at its qoff), the activation operand an embedded broadcast from memory.
-// Owns only this path's arithmetic (layout and float sequence: q8_0.h); knows nothing of torch, threads or when it
-// runs (q8_0.cpp and dispatch.h decide). Compiled with -mavx512f -mavx512bw -mavx512vl -mavx512vnni and called only
-// after a run-time cpuid check. Includes no C++ library header.
-#include "intrin.h"
+// Owns only this path's inner loop over one tile (layout and float sequence: q8_0.h; the walk over blocks, the
+// tiles and the stores: rows_avx512.h); knows nothing of torch, threads or when it runs (q8_0.cpp and dispatch.h
+// decide). Compiled with -mavx512f -mavx512bw -mavx512vl -mavx512vnni and called only after a run-time cpuid
+// check. Includes no C++ library header.
 #include "q8_0.h"
+#include "rows_avx512.h"
 
 namespace {
 
-typedef int32_t __attribute__((may_alias)) i32_alias;
-
-inline __m512i dpbusd_b(__m512i acc, __m512i w, const int8_t* p) {
-    __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*(const i32_alias*)p));
-    return acc;
-}
+using dwrows::dpbusd_b;
 
 // Rows [m0, m0 + MT) of one 16-column block b: per group, 8 VPDPBUSD per row on the group's weights (read once for
-// all MT rows), then the float steps of q8_0.h.
-template <int MT>
+// all MT rows), then the float steps of q8_0.h (with MIN, the min term's step too).
+template <int MT, bool MIN>
 void block_rows(const DwQ80* w, const DwQ80Act* a, float* out, int64_t b, int64_t m0, bool prefetch) {
-    const int64_t G = w->G, N = w->N, M = a->M;
+    const int64_t G = w->G, M = a->M;
     const uint8_t* P = w->qw + b * G * 512;
     const float* D = w->d + b * G * 16;
+    const float* MN = MIN ? w->m + b * G * 16 : nullptr;
     __m512 acc[MT];
 #pragma GCC unroll 12
     for (int m = 0; m < MT; ++m) acc[m] = _mm512_setzero_ps();
@@ -51,44 +48,29 @@ void block_rows(const DwQ80* w, const DwQ80Act* a, float* out, int64_t b, int64_
             const __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(isum[m]), dv);
             acc[m] = _mm512_fmadd_ps(t, _mm512_set1_ps(DX[m]), acc[m]);
         }
-    }
-    const int64_t n0 = b * 16;
-    const int64_t live = N - n0 < 16 ? N - n0 : 16;
-    const __mmask16 keep = (__mmask16)((1u << live) - 1u);
-    const __m512 bias = w->bias ? _mm512_maskz_loadu_ps(keep, w->bias + n0) : _mm512_setzero_ps();
+        if constexpr (MIN) {
+            const __m512 mv = _mm512_loadu_ps(MN + g * 16);
+            const int32_t* QS = a->qsum + g * M + m0;
 #pragma GCC unroll 12
-    for (int m = 0; m < MT; ++m) _mm512_mask_storeu_ps(out + (m0 + m) * N + n0, keep, _mm512_add_ps(acc[m], bias));
+            for (int m = 0; m < MT; ++m) {
+                const __m512 u = _mm512_mul_ps(_mm512_set1_ps((float)QS[m]), mv);
+                acc[m] = _mm512_fmadd_ps(u, _mm512_set1_ps(DX[m]), acc[m]);
+            }
+        }
+    }
+    dwrows::store16(acc, w->bias, out, w->N, b, m0);
 }
 
-constexpr int MAX_TILE = 12;
-
-void block(const DwQ80* w, const DwQ80Act* a, float* out, int64_t b, bool prefetch) {
-    const int64_t M = a->M;
-    const int64_t tiles = (M + MAX_TILE - 1) / MAX_TILE;
-    int64_t m0 = 0;
-    for (int64_t t = 0; t < tiles; ++t) {
-        const int64_t rows = (M - m0) / (tiles - t);
-        const bool pf = prefetch && t == 0;
-        switch (rows) {
-            case 1: block_rows<1>(w, a, out, b, m0, pf); break;
-            case 2: block_rows<2>(w, a, out, b, m0, pf); break;
-            case 3: block_rows<3>(w, a, out, b, m0, pf); break;
-            case 4: block_rows<4>(w, a, out, b, m0, pf); break;
-            case 5: block_rows<5>(w, a, out, b, m0, pf); break;
-            case 6: block_rows<6>(w, a, out, b, m0, pf); break;
-            case 7: block_rows<7>(w, a, out, b, m0, pf); break;
-            case 8: block_rows<8>(w, a, out, b, m0, pf); break;
-            case 9: block_rows<9>(w, a, out, b, m0, pf); break;
-            case 10: block_rows<10>(w, a, out, b, m0, pf); break;
-            case 11: block_rows<11>(w, a, out, b, m0, pf); break;
-            default: block_rows<12>(w, a, out, b, m0, pf); break;
-        }
-        m0 += rows;
-    }
+template <bool MIN>
+void gemv(const DwQ80* w, const DwQ80Act* a, float* out, int64_t b0, int64_t b1) {
+    dwrows::gemv16<12>(a->M, b0, b1, [&]<int MT>(int64_t b, int64_t m0, bool pf) {
+        block_rows<MT, MIN>(w, a, out, b, m0, pf);
+    });
 }
 
 }  // namespace
 
 extern "C" void dw_q80_gemm_avx512(const DwQ80* w, const DwQ80Act* a, float* out, int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b) block(w, a, out, b, b + 1 < b1);
+    if (w->m) gemv<true>(w, a, out, b0, b1);
+    else gemv<false>(w, a, out, b0, b1);
 }

@@ -1,5 +1,5 @@
 // The decoder's layer loop as one torch operator (torch.ops.draftwise_stack.layers): every layer of a
-// pre-norm decoder whose projections are our row-exact kernels (q4x8, q6k, q8_0: each projection its own, as a
+// pre-norm decoder whose projections are our row-exact kernels (q4x8, q6k, q8_0, q8_1: each projection its own, as a
 // faithful plan mixes them) and whose glue and attention are our ops, in one call from Python.
 //
 // Owns: the order of the per-layer calls, which is transformer.py's fused path (DecoderLayer / Attention / MLP
@@ -32,10 +32,11 @@ namespace {
 // there) and builds each layer's entries in this order; every offset follows from the one before it.
 // A projection's entries, by its kind (its module's buffers; unused entries None, the bias always last):
 //   q4x8: packed, sc, mn, d, dmin, bias    q6k: ql, qh, sc, d, -, bias    q8_0: qw, d, -, -, -, bias
+//   q8_1: qw, d, m, -, -, bias
 constexpr int64_t LINEAR = 6;
 
-enum Kind : int64_t { ABSENT = -1, Q4X8 = 0, Q6K = 1, Q8_0 = 2, NUM_KINDS = 3 };
-const char* const KIND_NAMES[NUM_KINDS] = {"q4x8", "q6k", "q8_0"};  // kernels/linear.py's registry names
+enum Kind : int64_t { ABSENT = -1, Q4X8 = 0, Q6K = 1, Q8_0 = 2, Q8_1 = 3, NUM_KINDS = 4 };
+const char* const KIND_NAMES[NUM_KINDS] = {"q4x8", "q6k", "q8_0", "q8_1"};  // kernels/linear.py's registry names
 
 enum Proj : int64_t { P_QKV = 0, P_K, P_V, P_O, P_GATE_UP, P_DOWN, KINDS_PER_LAYER };
 
@@ -62,6 +63,8 @@ using Q6KWideFn = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Ten
                              const at::Tensor&, const OptT&, int64_t);
 using TakesFn = bool(int64_t);
 using Q80Fn = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const OptT&, int64_t, int64_t);
+using Q81Fn = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const OptT&, int64_t,
+                         int64_t);
 using NormFn = at::Tensor(const at::Tensor&, const at::Tensor&, double, double);
 using AddNormFn = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&, double,
                                                      double);
@@ -85,6 +88,7 @@ struct Ops {  // the registered operators, resolved once (all live in this libra
     c10::TypedOperatorHandle<Q6KWideFn> q6k_wide = op<Q6KWideFn>("draftwise_q6k::wide");  // gemm_q6k.cpp
     c10::TypedOperatorHandle<TakesFn> q6k_wide_takes = op<TakesFn>("draftwise_q6k::wide_takes");
     c10::TypedOperatorHandle<Q80Fn> q8_0 = op<Q80Fn>("draftwise_q8_0::linear");
+    c10::TypedOperatorHandle<Q81Fn> q8_1 = op<Q81Fn>("draftwise_q8_1::linear");
     c10::TypedOperatorHandle<NormFn> rms_norm = op<NormFn>("draftwise_glue::rms_norm");
     c10::TypedOperatorHandle<AddNormFn> add_rms_norm = op<AddNormFn>("draftwise_glue::add_rms_norm");
     c10::TypedOperatorHandle<RopeCacheFn> rope_qk_cache = op<RopeCacheFn>("draftwise_glue::rope_qk_cache");
@@ -106,7 +110,7 @@ at::Tensor w_at(const c10::List<OptT>& w, int64_t i) {
 
 OptT opt(const c10::List<OptT>& w, int64_t i) { return w.get(i); }
 
-// Q4x8Linear.forward / Q6KLinear / Q80Linear (_BlockLinear.forward), path auto: x [B, T, K] -> [B, T, N]
+// Q4x8Linear.forward / Q6KLinear / Q80Linear / Q81Linear (_BlockLinear.forward), path auto: x [B, T, K] -> [B, T, N]
 // (x.reshape(-1, K) is contiguous float32 at every call site here)
 at::Tensor linear(const c10::List<OptT>& w, int64_t at_, int64_t kind, const at::Tensor& x, int64_t N) {
     const at::Tensor x2 = x.reshape({-1, x.size(-1)});
@@ -127,6 +131,9 @@ at::Tensor linear(const c10::List<OptT>& w, int64_t at_, int64_t kind, const at:
             break;
         case Q8_0:
             y = o.q8_0.call(x2, w_at(w, at_), w_at(w, at_ + 1), opt(w, at_ + 5), N, -1);
+            break;
+        case Q8_1:
+            y = o.q8_1.call(x2, w_at(w, at_), w_at(w, at_ + 1), w_at(w, at_ + 2), opt(w, at_ + 5), N, -1);
             break;
         default:
             TORCH_CHECK(false, "stack: projection kind ", kind, " at weight ", at_, " is not one of 0..", NUM_KINDS - 1);

@@ -1,0 +1,139 @@
+"""Every GGUF type the block-type table (kernels/blocktypes.py) gives a kernel, on that kernel, with no download:
+random block bytes (any bytes are a valid block once the fp16 scale fields are finite) are read bitwise as the
+`gguf` package's dequantizer reads them; the kernel computes that weight times the int8 activations it quantizes
+(against a float64 reference of the gguf-dequantized weight times the same quantized activations: only the float
+steps' rounding remains), every ISA path bitwise the scalar one; every row bitwise that row alone at widths 1..96
+and thread counts 1 and 2 on every path, and a planted width-dependent reduction fails that check. The types and
+kernels come from the table, so a new row is tested here by adding it to TYPES' parameter list. No timing
+asserted. A few minutes on 2 busy cores."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from draftwise.kernels import autotune, blocktypes, ggml_blocks, library
+from draftwise.kernels.linear import LINEARS, available, block_paths
+from draftwise.kernels.probe import probe
+
+# the types held by the 32-value int8 kernels, each with the byte offsets of its fp16 scale fields (d, and m / dmin)
+TYPES = {"Q8_0": (0,), "Q5_0": (0,), "Q4_0": (0,), "IQ4_NL": (0,), "IQ4_XS": (0,), "Q4_1": (0, 2), "Q5_1": (0, 2),
+         "Q5_K": (0, 2)}
+WIDTHS = range(1, 97)
+THREADS = [1, 2]
+
+
+@pytest.fixture(scope="module")
+def machine() -> dict:
+    return probe(bandwidth=False)
+
+
+def _kernel(kind: str, machine: dict):
+    name = blocktypes.kernel_of(kind)
+    if name not in available(machine):
+        pytest.skip(f"{name} cannot run here (no C++ compiler)")
+    return LINEARS[name]
+
+
+def _on(mod, path: str):
+    """`mod` run on ISA path `path` (checked: one this CPU runs)."""
+    library.check_path(path)
+    mod.path = path
+    return mod
+
+
+def _random_blocks(kind: str, N: int, K: int, seed: int = 0) -> np.ndarray:
+    """Random raw blocks of a type with finite, moderate fp16 scale fields."""
+    rng = np.random.default_rng(seed)
+    t = blocktypes.row(kind)
+    raw = rng.integers(0, 256, size=(N * K // t.values, t.block_bytes), dtype=np.uint8)
+    for at in TYPES[kind]:
+        raw[:, at:at + 2] = rng.uniform(0.001, 0.01, size=raw.shape[0]).astype(np.float16).view(np.uint8).reshape(-1, 2)
+    if kind == "Q8_0":
+        raw[:, 2:] = np.where(raw[:, 2:] == 128, 129, raw[:, 2:])  # -128: never written by ggml, refused
+    return raw.reshape(N, -1)
+
+
+def _gguf_dense(kind: str, raw: np.ndarray, N: int, K: int) -> torch.Tensor:
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    return torch.from_numpy(dequantize(raw, GGMLQuantizationType[kind]).reshape(N, K).astype(np.float32))
+
+
+def _quantized_activations(x: torch.Tensor) -> torch.Tensor:
+    """x [M, K] -> the values the kernel computes with, float64: per row and 32, dx * round_half_even(x * 127 / amax)
+    (csrc/q8_0.h)."""
+    M, K = x.shape
+    g = x.view(M, K // 32, 32)
+    amax = g.abs().amax(-1, keepdim=True)
+    q = torch.where(amax > 0, torch.round(g * (127.0 / amax)), torch.zeros_like(g))
+    return (q.double() * (amax / 127.0).double()).view(M, K)
+
+
+@pytest.mark.parametrize("kind", sorted(TYPES))
+def test_the_table_names_a_kernel_for_the_type(kind):
+    assert blocktypes.kernel_of(kind) in blocktypes.block_kernels()
+    assert kind in LINEARS[blocktypes.kernel_of(kind)].GGUF_TYPES
+
+
+@pytest.mark.parametrize("kind", sorted(TYPES))
+def test_blocks_are_read_as_the_gguf_package_dequantizes_them(kind):
+    N, K = 20, 512
+    raw = _random_blocks(kind, N, K)
+    cls = LINEARS[blocktypes.kernel_of(kind)]
+    parts = ggml_blocks.FROM_BLOCKS[kind](raw, N, K)
+    assert torch.equal(cls._dense(cls._pack(parts), 0, -(-N // 16))[:N], _gguf_dense(kind, raw, N, K))
+
+
+@pytest.mark.parametrize("kind", sorted(TYPES))
+def test_every_path_is_the_dequantized_weight_times_the_quantized_activations(kind, machine):
+    cls = _kernel(kind, machine)
+    N, K = 40, 512
+    raw = _random_blocks(kind, N, K, seed=1)
+    bias = torch.randn(N)
+    x = torch.randn(13, K)
+    ref = _quantized_activations(x) @ _gguf_dense(kind, raw, N, K).double().T + bias.double()
+    ys = {p: _on(cls.from_blocks(kind, raw, N, K, bias), p)(x) for p in block_paths(cls.name)}
+    for p, y in ys.items():
+        assert torch.equal(y, ys["scalar"]), p
+    err = float((ys["scalar"].double() - ref).abs().max() / ref.abs().max())
+    assert err < 1e-5, err  # float32 steps over exact integer sums: only their rounding remains
+
+
+@pytest.mark.parametrize("kind", sorted(TYPES))
+def test_rows_are_exact_at_every_width_and_thread_count_on_every_path(kind, machine):
+    cls = _kernel(kind, machine)
+    N, K = 40, 512
+    for path in block_paths(cls.name):
+        mod = _on(cls.from_blocks(kind, _random_blocks(kind, N, K, seed=2), N, K, torch.randn(N)), path)
+        assert autotune.rows_exact(mod, K, WIDTHS, THREADS) is None, path
+
+
+class _WidthDependent(torch.nn.Module):
+    """Planted: for calls wider than 32 rows, the K reduction is split in two halves whose outputs are added (the
+    same weights and activations, another float order): what a blocked wide path that reduces across K does."""
+
+    def __init__(self, whole, lo, hi, K: int):
+        super().__init__()
+        self.whole, self.lo, self.hi, self.K = whole, lo, hi, K
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [M, K] -> [M, N]
+        if x.shape[0] <= 32:
+            return self.whole(x)
+        return self.lo(x[:, : self.K // 2].contiguous()) + self.hi(x[:, self.K // 2:].contiguous())
+
+
+@pytest.mark.parametrize("kind", ["Q4_1", "Q5_K"])
+def test_a_planted_width_dependent_reduction_fails_the_check(kind, machine):
+    cls = _kernel(kind, machine)
+    N, K = 48, 512
+    parts = ggml_blocks.FROM_BLOCKS[kind](_random_blocks(kind, N, K, seed=3), N, K)
+    half = {k: (v[:, : v.shape[1] // 2], v[:, v.shape[1] // 2:]) for k, v in parts.items()}
+    path = block_paths(cls.name)[-1]
+    whole = cls(parts=parts, path=path)
+    lo = cls(parts={k: v[0].contiguous() for k, v in half.items()}, path=path)
+    hi = cls(parts={k: v[1].contiguous() for k, v in half.items()}, path=path)
+    assert autotune.rows_exact(whole, K, WIDTHS, THREADS) is None
+    got = autotune.rows_exact(_WidthDependent(whole, lo, hi, K), K, WIDTHS, THREADS)
+    assert got is not None and got.startswith("row ") and " of 33 " in got, got
