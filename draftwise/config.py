@@ -25,7 +25,9 @@ class ContextLengthError(ConfigError):
     """The prompt plus the requested output does not fit the context length (raised when a request is added)."""
 
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma3")
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma3", "qwen2_moe", "qwen3_moe", "mixtral")
+# mixture-of-experts families: a layer's MLP is a router over num_experts MLPs (models/transformer.py SparseMoE)
+MOE_ARCHITECTURES = ("qwen2_moe", "qwen3_moe", "mixtral")
 
 # --kv-cache-dtype: how K/V is stored (auto: auto_kv_cache_dtype). bfloat16 halves the pool per token; the attention
 # op widens it exactly (fp32 accumulation); float16 runs only where the decoder takes its torch path (not our ops).
@@ -110,6 +112,18 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    # mixture of experts (MOE_ARCHITECTURES; 0 experts: every layer's MLP is dense, of intermediate_size). A sparse
+    # layer routes each token to its num_experts_per_tok likeliest experts (softmax over the router's logits, top-k,
+    # renormalised to sum 1 where norm_topk_prob), each an MLP of moe_intermediate_size; qwen2_moe adds a shared
+    # expert (shared_expert_intermediate_size) scaled by sigmoid(shared_expert_gate . x). Which layers are sparse
+    # is transformers' rule: not in mlp_only_layers and (layer + 1) % decoder_sparse_step == 0 (is_moe_layer).
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
 
     def __post_init__(self):
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -121,6 +135,21 @@ class ModelConfig:
             object.__setattr__(self, "layer_types", (kind,) * self.num_layers)
         if len(self.layer_types) != self.num_layers:
             raise ConfigError(f"layer_types has {len(self.layer_types)} entries for {self.num_layers} layers")
+        object.__setattr__(self, "mlp_only_layers", tuple(int(i) for i in self.mlp_only_layers))
+        if self.num_experts:
+            if not 1 <= self.num_experts_per_tok <= self.num_experts or self.moe_intermediate_size < 1:
+                raise ConfigError(f"a mixture of experts needs 1 <= num_experts_per_tok ({self.num_experts_per_tok}) "
+                                  f"<= num_experts ({self.num_experts}) and moe_intermediate_size >= 1 "
+                                  f"({self.moe_intermediate_size})")
+            if self.decoder_sparse_step < 1:
+                raise ConfigError(f"decoder_sparse_step must be >= 1, got {self.decoder_sparse_step}")
+        elif self.architecture in MOE_ARCHITECTURES:
+            raise ConfigError(f"architecture {self.architecture!r} needs num_experts >= 1")
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether layer `layer`'s MLP is a mixture of experts (transformers' rule for qwen2_moe / qwen3_moe; every
+        layer of a mixtral)."""
+        return bool(self.num_experts) and layer not in self.mlp_only_layers and (layer + 1) % self.decoder_sparse_step == 0
 
     def to_dict(self) -> dict:
         return {f.name: getattr(self, f.name) for f in fields(self)}
@@ -130,6 +159,7 @@ class ModelConfig:
         d = dict(d)
         d["layer_types"] = tuple(d.get("layer_types") or ())
         d["eos_token_ids"] = tuple(d.get("eos_token_ids") or ())
+        d["mlp_only_layers"] = tuple(d.get("mlp_only_layers") or ())
         return cls(**d)
 
 

@@ -4,6 +4,7 @@ trained on the spot. Test-only; no downloads."""
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import numpy as np
@@ -215,3 +216,190 @@ def write_tiny_hf_dir(directory: Path, model_type: str = "llama", seed: int = 0,
     (directory / "tokenizer_config.json").write_text(json.dumps(tok_config))
     return hf
 
+
+
+# ---- mixtures of experts: tiny random Qwen3-MoE, Qwen2-MoE and Mixtral made with transformers ------------------
+
+MOE_FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral")
+MOE_DIMS = dict(hidden=32, heads=4, kv_heads=2, head_dim=8, intermediate=64, layers=3, experts=8, top_k=4,
+                moe_intermediate=16, shared_intermediate=24)
+MOE_Q4K_DIMS = dict(hidden=256, heads=4, kv_heads=2, head_dim=64, intermediate=256, layers=2, experts=8, top_k=2,
+                    moe_intermediate=256, shared_intermediate=256)  # K % 256 == 0 for every linear
+
+
+def hf_moe_model(family: str, vocab_size: int, seed: int = 0, dims: dict | None = None):
+    """A transformers causal LM of `family` (MOE_FAMILIES) with random weights, fp32, eval mode. Norms are
+    randomised and the router's weights drawn wide (std 0.5), so routing is decisive rather than a near-uniform tie;
+    qwen3_moe gets norm_topk_prob and one dense layer (mlp_only_layers=[1]) so both layer kinds run."""
+    import torch
+    import transformers as tf
+
+    d = dims or MOE_DIMS
+    kw = dict(vocab_size=vocab_size, hidden_size=d["hidden"], num_hidden_layers=d["layers"],
+              num_attention_heads=d["heads"], num_key_value_heads=d["kv_heads"], num_experts_per_tok=d["top_k"],
+              rms_norm_eps=1e-6, max_position_embeddings=256, tie_word_embeddings=False, bos_token_id=0,
+              eos_token_id=2)
+    if family == "qwen3_moe":
+        cfg = tf.Qwen3MoeConfig(**kw, intermediate_size=d["intermediate"], moe_intermediate_size=d["moe_intermediate"],
+                                num_experts=d["experts"], head_dim=d["head_dim"], norm_topk_prob=True,
+                                mlp_only_layers=[1] if d["layers"] > 2 else [], rope_theta=1000000.0)
+        cls = tf.Qwen3MoeForCausalLM
+    elif family == "qwen2_moe":
+        cfg = tf.Qwen2MoeConfig(**kw, intermediate_size=d["intermediate"], moe_intermediate_size=d["moe_intermediate"],
+                                shared_expert_intermediate_size=d["shared_intermediate"], num_experts=d["experts"],
+                                rope_theta=1000000.0)
+        cls = tf.Qwen2MoeForCausalLM
+    elif family == "mixtral":
+        cfg = tf.MixtralConfig(**kw, intermediate_size=d["moe_intermediate"], num_local_experts=d["experts"],
+                               head_dim=d["head_dim"], rope_theta=1000000.0)
+        cls = tf.MixtralForCausalLM
+    else:
+        raise ValueError(family)
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    model = cls(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(0.1 * torch.randn_like(p))
+            elif name.endswith(("mlp.gate.weight", "shared_expert_gate.weight")):
+                p.normal_(0.0, 0.5)
+    return model
+
+
+def write_tiny_moe_hf_dir(directory: Path, family: str, seed: int = 0, dims: dict | None = None):
+    """A tiny random MoE checkpoint directory as transformers saves it (fp32 safetensors under the checkpoint's own
+    per-expert names, config.json) with the tiny byte-level BPE tokenizer; returns the transformers model."""
+    directory.mkdir(parents=True, exist_ok=True)
+    backend = tiny_byte_level_backend()
+    model = hf_moe_model(family, backend.get_vocab_size(), seed, dims)
+    model.save_pretrained(str(directory))
+    backend.save(str(directory / "tokenizer.json"))
+    tok_config = {"bos_token": {"content": "<|endoftext|>"}, "eos_token": "<|im_end|>", "chat_template": TINY_CHAT_TEMPLATE}
+    (directory / "tokenizer_config.json").write_text(json.dumps(tok_config))
+    return model
+
+
+_MOE_TO_GGUF = {**_TO_GGUF, "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm", "mlp.gate": "ffn_gate_inp", "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
+                "mlp.shared_expert.gate_proj": "ffn_gate_shexp", "mlp.shared_expert.up_proj": "ffn_up_shexp",
+                "mlp.shared_expert.down_proj": "ffn_down_shexp"}
+_GGUF_MOE_ARCH = {"qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe", "mixtral": "llama"}
+
+
+def write_tiny_moe_gguf(path: Path, family: str, seed: int = 0, dims: dict | None = None,
+                        types: dict[str, str] | None = None):
+    """The transformers model of hf_moe_model written as llama.cpp's convert_hf_to_gguf writes it: experts stacked
+    per layer (ffn_{gate,up,down}_exps [experts, out, in]), the router ffn_gate_inp, qwen2moe's shared expert
+    (ffn_*_shexp, ffn_gate_inp_shexp [hidden]), llama's (mixtral's) Q/K permuted. `types` maps a GGUF tensor stem
+    (e.g. "ffn_gate_exps", "attn_q") to "Q8_0" (quantized by the gguf package) or "Q4_K" / "Q6_K" (random valid
+    blocks: needs K % 256 == 0, MOE_Q4K_DIMS); the rest is F32. Returns (the transformers model, HF-layout weights
+    as the file holds them: what --weights fp32 loads)."""
+    import gguf
+    import torch
+
+    tokens, merges = _train_tiny_bpe()
+    d = dims or MOE_DIMS
+    hf = hf_moe_model(family, len(tokens), seed, d)
+    from draftwise.models.safetensors import hf_name, split_fused_experts
+
+    weights = {hf_name(k): v.detach().float().numpy() for k, v in split_fused_experts(hf.state_dict().items())}
+    types = types or {}
+    rng = np.random.default_rng(seed + 1000)
+    arch = _GGUF_MOE_ARCH[family]
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_name(f"tiny random {family}")
+    w.add_block_count(d["layers"])
+    w.add_context_length(256)
+    w.add_embedding_length(d["hidden"])
+    w.add_feed_forward_length(d["moe_intermediate"] if family == "mixtral" else d["intermediate"])
+    w.add_head_count(d["heads"])
+    w.add_head_count_kv(d["kv_heads"])
+    w.add_key_length(d["head_dim"])
+    w.add_value_length(d["head_dim"])
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_rope_freq_base(1000000.0)
+    w.add_expert_count(d["experts"])
+    w.add_expert_used_count(d["top_k"])
+    if family != "mixtral":
+        w.add_expert_feed_forward_length(d["moe_intermediate"])
+    if family == "qwen2_moe":
+        w.add_expert_shared_feed_forward_length(d["shared_intermediate"])
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("qwen2")
+    w.add_token_list(tokens)
+    w.add_token_types([3 if t in TINY_SPECIAL_TOKENS else 1 for t in tokens])
+    w.add_token_merges(merges)
+    w.add_bos_token_id(tokens.index("<|endoftext|>"))
+    w.add_eos_token_id(tokens.index("<|im_end|>"))
+    w.add_add_bos_token(False)
+    w.add_chat_template(TINY_CHAT_TEMPLATE)
+
+    def store(stem: str, gname: str, value: np.ndarray, hf_names: list[str], heads: int | None = None) -> None:
+        """value [..., out, in] in HF row order; writes it in `stem`'s type and puts back into `weights` what the
+        file holds (the dequantized blocks) under hf_names (one per expert, or one)."""
+        kind = types.get(stem, "F32")
+        if kind in ("Q4_K", "Q6_K"):
+            qtype = getattr(gguf.GGMLQuantizationType, kind)
+            *lead, N, K = value.shape
+            blocks = np.stack([_random_blocks(kind, N, K, rng) for _ in range(math.prod(lead))]).reshape(
+                *lead, N, -1)
+            value = gguf.quants.dequantize(blocks, qtype).reshape(value.shape)
+            data = llama_cpp_permute(blocks, heads) if heads else blocks
+        elif kind == "Q8_0":
+            qtype = gguf.GGMLQuantizationType.Q8_0
+            data = gguf.quants.quantize(llama_cpp_permute(value, heads) if heads else value, qtype)
+            value = gguf.quants.dequantize(gguf.quants.quantize(value, qtype), qtype).reshape(value.shape)
+        else:
+            qtype, data = None, llama_cpp_permute(value, heads) if heads else value
+        for i, name in enumerate(hf_names):
+            weights[name] = value[i] if len(hf_names) > 1 else value
+            written.add(name)
+        if qtype is None:
+            w.add_tensor(gname, np.ascontiguousarray(data))
+        else:
+            w.add_tensor(gname, np.ascontiguousarray(data), raw_dtype=qtype)
+
+    written: set[str] = set()
+    glob = {"model.embed_tokens.weight": "token_embd", "model.norm.weight": "output_norm", "lm_head.weight": "output"}
+    for name, stem in glob.items():
+        store(stem, f"{stem}.weight", weights[name], [name])
+    for i in range(d["layers"]):
+        p = f"model.layers.{i}."
+        for hf_stem, stem in _MOE_TO_GGUF.items():
+            for suffix in ("weight", "bias"):
+                name = f"{p}{hf_stem}.{suffix}"
+                if name not in weights:
+                    continue
+                heads = None
+                if arch == "llama" and hf_stem == "self_attn.q_proj":
+                    heads = d["heads"]
+                elif arch == "llama" and hf_stem == "self_attn.k_proj":
+                    heads = d["kv_heads"]
+                value = weights[name]
+                if stem == "ffn_gate_inp_shexp":
+                    value = value.reshape(-1)  # llama.cpp's [hidden]
+                store(stem, f"blk.{i}.{stem}.{suffix}", value, [name], heads)
+        if f"{p}mlp.experts.0.gate_proj.weight" in weights:
+            for linear, stem in (("gate_proj", "ffn_gate_exps"), ("up_proj", "ffn_up_exps"),
+                                 ("down_proj", "ffn_down_exps")):
+                names = [f"{p}mlp.experts.{e}.{linear}.weight" for e in range(d["experts"])]
+                store(stem, f"blk.{i}.{stem}.weight", np.stack([weights[n] for n in names]), names)
+    if written != set(weights):
+        raise ValueError(f"no GGUF name for {sorted(set(weights) - written)}")
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    weights = {k: v.reshape(1, -1) if k.endswith("shared_expert_gate.weight") else v for k, v in weights.items()}
+    return hf, weights
+
+
+def _random_blocks(kind: str, N: int, K: int, rng) -> np.ndarray:
+    """Random valid Q4_K or Q6_K blocks [N, K / 256 * bytes per block] uint8 (small fp16 scales)."""
+    if kind == "Q4_K":
+        return random_q4k_blocks(N, K, rng)
+    nb = N * K // 256  # Q6_K: ql[128] qh[64] scales[16] (int8) d (fp16): 210 bytes
+    blocks = rng.integers(0, 256, size=(nb, 210), dtype=np.uint8)
+    blocks[:, 192:208] = rng.integers(-32, 32, size=(nb, 16), dtype=np.int8).view(np.uint8)
+    blocks[:, 208:210] = rng.uniform(1e-4, 3e-4, nb).astype(np.float16).view(np.uint8).reshape(nb, 2)
+    return blocks.reshape(N, K // 256 * 210)

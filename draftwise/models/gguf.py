@@ -5,6 +5,9 @@ undoing llama.cpp's conversion quirks so tensors follow HF transformers' convent
   * llama/mistral: llama.cpp permutes Q/K rows for interleaved (GPT-J style) RoPE; we un-permute them back
     to HF's rotate-half layout.
   * gemma3: llama.cpp stores RMSNorm weights as (1 + w); we subtract 1 (ModelConfig.norm_weight_offset=1).
+  * mixtures of experts (qwen2moe, qwen3moe, llama with experts = mixtral): llama.cpp stacks each layer's experts in
+    one 3-D tensor (ffn_{gate,up,down}_exps [experts, out, in]); each expert is handed out as its own 2-D tensor
+    under transformers' name (mlp.experts.{e}.gate_proj.weight), a view of the file read or dequantized alone.
 Configuration comes only from the file's key-values and tensor table, never from its path.
 
 `GGUFFile.items()` hands out lazy per-tensor handles (GGUFTensor) so a loader can take a Q4_K tensor's raw
@@ -36,7 +39,16 @@ _LAYER_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
     "ffn_norm": "post_attention_layernorm",
+    "ffn_gate_inp": "mlp.gate",  # a mixture's router [experts, hidden]
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",  # qwen2moe: the shared expert's gate [1, hidden]
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
 }
+# Stacked experts [experts, out, in]: one HF tensor per expert, model.layers.{i}.mlp.experts.{e}.<linear>.weight
+_EXPERT_NAMES = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
+# GGUF architecture -> ours, where they differ (a "llama" GGUF with experts is a mixtral: GGUFFile.family)
+_GGUF_FAMILIES = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe"}
 # gemma3's sandwich norms: its ffn_norm is the *pre*-feed-forward norm (llama.cpp's gemma3 mapping).
 _GEMMA3_LAYER_NAMES = {
     **_LAYER_NAMES,
@@ -52,7 +64,8 @@ GEMMA3_ROPE_LOCAL_THETA = 10000.0  # HF Gemma3TextConfig rope_local_base_freq
 
 
 def hf_tensor_name(gguf_name: str, architecture: str) -> str | None:
-    """HF transformers' name for a GGUF tensor name, or None for tensors we deliberately skip."""
+    """HF transformers' name for a GGUF tensor name, or None for tensors we deliberately skip; a stacked experts
+    tensor's name has a "{}" where the expert's index goes."""
     if gguf_name in _SKIPPED:
         return None
     stem, _, suffix = gguf_name.rpartition(".")  # suffix: weight | bias
@@ -62,6 +75,8 @@ def hf_tensor_name(gguf_name: str, architecture: str) -> str | None:
     table = _GEMMA3_LAYER_NAMES if architecture == "gemma3" else _LAYER_NAMES
     if len(parts) == 3 and parts[0] == "blk" and parts[2] in table:
         return f"model.layers.{int(parts[1])}.{table[parts[2]]}.{suffix}"
+    if len(parts) == 3 and parts[0] == "blk" and parts[2] in _EXPERT_NAMES:
+        return f"model.layers.{int(parts[1])}.mlp.experts.{{}}.{_EXPERT_NAMES[parts[2]]}.{suffix}"  # per expert
     raise ConfigError(f"GGUF tensor {gguf_name!r} has no known HF name for architecture {architecture!r}")
 
 
@@ -92,8 +107,11 @@ class GGUFFile:
             self.reader = GGUFReader(self.path)
         except (ValueError, OSError) as e:
             raise ConfigError(f"{self.path} is not a readable GGUF file: {e}") from None
-        self.architecture = self.field("general.architecture")
-        if self.architecture not in SUPPORTED_ARCHITECTURES:
+        self.architecture = self.field("general.architecture")  # the GGUF's name (its key-values' prefix)
+        self.family = _GGUF_FAMILIES.get(self.architecture, self.architecture)  # ours (ModelConfig.architecture)
+        if self.family == "llama" and self.arch_field("expert_count", 0):
+            self.family = "mixtral"
+        if self.family not in SUPPORTED_ARCHITECTURES:
             raise ConfigError(
                 f"GGUF architecture {self.architecture!r} is not supported; supported: "
                 f"{', '.join(SUPPORTED_ARCHITECTURES)}"
@@ -124,7 +142,7 @@ class GGUFFile:
         if tokens is not None and len(tokens.data) != vocab_size:
             raise ConfigError(f"{self.path}: {len(tokens.data)} tokens but embedding has {vocab_size} rows")
         cfg = dict(
-            architecture=self.architecture,
+            architecture=self.family,
             vocab_size=vocab_size,
             hidden_size=hidden,
             intermediate_size=self.arch_field("feed_forward_length"),
@@ -144,7 +162,28 @@ class GGUFFile:
         )
         if self.architecture == "gemma3":
             cfg.update(self._gemma3_fields(cfg))
+        if self.family in ("qwen2_moe", "qwen3_moe", "mixtral"):
+            cfg.update(self._moe_fields())
         return ModelConfig(**cfg)
+
+    def _moe_fields(self) -> dict:
+        """Expert counts and widths from llama.cpp's keys. Renormalised top-k weights: `expert_weights_norm` where
+        the file says, else llama.cpp's choice for the family (qwen3moe and mixtral yes, qwen2moe no). A layer
+        without a router (ffn_gate_inp) is dense (mlp_only_layers)."""
+        experts = self.arch_field("expert_count")
+        width = self.arch_field("expert_feed_forward_length")
+        if width is None:  # mixtral: the experts' width is the feed-forward length, or the stacked tensor's
+            width = int(self._tensors["blk.0.ffn_gate_exps.weight"].shape[1])
+        return dict(
+            num_experts=experts,
+            num_experts_per_tok=self.arch_field("expert_used_count"),
+            moe_intermediate_size=width,
+            shared_expert_intermediate_size=self.arch_field("expert_shared_feed_forward_length", 0)
+            if "blk.0.ffn_gate_shexp.weight" in self._tensors else 0,
+            norm_topk_prob=bool(self.arch_field("expert_weights_norm", self.family != "qwen2_moe")),
+            mlp_only_layers=tuple(i for i in range(self.arch_field("block_count"))
+                                  if f"blk.{i}.ffn_gate_inp.weight" not in self._tensors),
+        )
 
     def _gemma3_fields(self, cfg: dict) -> dict:
         # Attention scale: llama.cpp uses head_dim for every size but 27B, whose scalar is hidden/heads;
@@ -217,12 +256,7 @@ class GGUFFile:
 
     def tensor_specs(self) -> list[tuple[str, tuple[int, ...]]]:
         """(HF name, shape) of every tensor `tensors()` yields, in the same order, without reading data."""
-        specs = []
-        for t in self.reader.tensors:
-            name = hf_tensor_name(t.name, self.architecture)
-            if name is not None:
-                specs.append((name, tuple(int(d) for d in reversed(t.shape))))
-        return specs
+        return [(name, item.shape) for name, item in self.items().items()]
 
     def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield (HF name, float32 tensor) one at a time, dequantized and in HF conventions."""
@@ -234,7 +268,12 @@ class GGUFFile:
         out = {}
         for t in self.reader.tensors:
             name = hf_tensor_name(t.name, self.architecture)
-            if name is not None:
+            if name is None:
+                continue
+            if "{}" in name:  # stacked experts: one handle per expert, a view of the stacked tensor
+                for e in range(int(t.shape[-1])):
+                    out[name.format(e)] = GGUFTensor(self, name.format(e), t, e)
+            else:
                 out[name] = GGUFTensor(self, name, t)
         return out
 
@@ -254,14 +293,24 @@ class GGUFTensor:
     row order as dense() (llama's Q/K rows un-permuted; a row permutation moves whole blocks, so it is exact),
     or None when the tensor is not Q4_K."""
 
-    def __init__(self, file: GGUFFile, name: str, t):
-        self.file, self.name, self._t = file, name, t
-        self.shape = tuple(int(d) for d in reversed(t.shape))
+    def __init__(self, file: GGUFFile, name: str, t, expert: int | None = None):
+        self.file, self.name, self._t, self.expert = file, name, t, expert  # expert: its index in a stacked tensor
+        shape = tuple(int(d) for d in reversed(t.shape))
+        self.shape = shape if expert is None else shape[1:]
+        if name.endswith("shared_expert_gate.weight"):  # llama.cpp's [hidden] (or [hidden, 1]) -> HF's [1, hidden]
+            self.shape = (1, math.prod(shape))
         self.type = t.tensor_type.name
 
+    def _data(self) -> np.ndarray:
+        """The stored bytes or values (a view of the mapped file): the whole tensor, or one expert's slice."""
+        return self._t.data if self.expert is None else self._t.data[self.expert]
+
     def dense(self) -> torch.Tensor:
+        from gguf.quants import dequantize
+
         cfg = self.file.config
-        weight = torch.from_numpy(np.array(self.file._dequantize(self._t), dtype=np.float32))  # a writable copy
+        values = dequantize(self._data(), self._t.tensor_type).reshape(self.shape)  # this tensor (expert) alone
+        weight = torch.from_numpy(np.array(values, dtype=np.float32))  # a writable copy
         heads = self.file._rope_heads(self.name)
         if heads:
             weight = unpermute_rope(weight, heads)
@@ -285,7 +334,7 @@ class GGUFTensor:
         """The tensor's bytes as stored, one row [row bytes] per output row ([N, row bytes] uint8, a copy), rows in
         dense()'s order."""
         N = self.shape[0]
-        raw = torch.from_numpy(np.array(self._t.data).view(np.uint8).reshape(N, -1))  # a copy  # [N, row bytes]
+        raw = torch.from_numpy(np.array(self._data()).view(np.uint8).reshape(N, -1))  # a copy  # [N, row bytes]
         heads = self.file._rope_heads(self.name)
         return unpermute_rope(raw, heads).contiguous() if heads else raw
 

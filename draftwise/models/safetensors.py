@@ -1,6 +1,8 @@
 """HF checkpoint directories (config.json + *.safetensors) → the checkpoint contract; safetensors writing.
 
-This module owns mapping a transformers config.json onto ModelConfig (model_type → architecture), reading
+This module owns mapping a transformers config.json onto ModelConfig (model_type → architecture; mixture-of-experts
+fields, mixtral's expert names onto the qwen MoE names the decoder uses, transformers 5's fused in-memory expert
+tensors split per expert), reading
 possibly-sharded safetensors weights under HF names (`iter_tensors`: read into fresh memory; `map_tensors`: views
 of a private file mapping, for files whose bytes are used as they are), and writing a safetensors file tensor by
 tensor (the converted-GGUF cache is written this way, so a 6 GB float32 conversion never sits in memory at once).
@@ -29,6 +31,9 @@ _MODEL_TYPES = {
     "qwen3": "qwen3",
     "gemma3": "gemma3",
     "gemma3_text": "gemma3",
+    "qwen2_moe": "qwen2_moe",
+    "qwen3_moe": "qwen3_moe",
+    "mixtral": "mixtral",
 }
 # Prefixes of multimodal gemma3 checkpoints: text weights are renamed, the rest is skipped.
 _RENAMES = (("model.language_model.", "model."), ("language_model.model.", "model."), ("language_model.lm_head.", "lm_head."))
@@ -84,20 +89,38 @@ def config_from_hf(cfg: dict, generation: dict | None = None) -> ModelConfig:
         rope_theta=float(theta or 10000.0),
         rope_scaling=scaling,
         max_position_embeddings=cfg.get("max_position_embeddings", 4096),
-        # Qwen2's attention always has q/k/v bias; its config.json has no key for it.
-        attention_bias=True if arch == "qwen2" else bool(cfg.get("attention_bias", False)),
-        qk_norm=arch in ("qwen3", "gemma3"),
+        # Qwen2's attention always has q/k/v bias; its config.json has no key for it (Qwen2-MoE's: qkv_bias).
+        attention_bias=True if arch == "qwen2" else bool(cfg.get("qkv_bias", True)) if arch == "qwen2_moe"
+        else bool(cfg.get("attention_bias", False)),
+        qk_norm=arch in ("qwen3", "gemma3", "qwen3_moe"),
         hidden_act=cfg.get("hidden_act") or cfg.get("hidden_activation") or "silu",
         tie_word_embeddings=bool(top.get("tie_word_embeddings", cfg.get("tie_word_embeddings", arch == "gemma3"))),
         bos_token_id=cfg.get("bos_token_id", top.get("bos_token_id")),
         eos_token_ids=_eos_ids({**top, **cfg}, generation or {}),
     )
-    use_window = cfg.get("use_sliding_window", arch in ("mistral", "gemma3"))
+    use_window = cfg.get("use_sliding_window", arch in ("mistral", "gemma3", "mixtral"))
     if use_window and cfg.get("sliding_window"):
         out["sliding_window"] = cfg["sliding_window"]
     if arch == "gemma3":
         out.update(_gemma3_fields(cfg, hidden, out["num_layers"]))
+    if arch in ("qwen2_moe", "qwen3_moe", "mixtral"):
+        out.update(_moe_fields(cfg, arch))
     return ModelConfig(**out)
+
+
+def _moe_fields(cfg: dict, arch: str) -> dict:
+    """ModelConfig's expert fields from a qwen2_moe / qwen3_moe / mixtral config.json (transformers' keys; mixtral
+    names its experts' width intermediate_size and always renormalises the top-k weights)."""
+    mixtral = arch == "mixtral"
+    return dict(
+        num_experts=cfg.get("num_experts") or cfg.get("num_local_experts"),
+        num_experts_per_tok=cfg["num_experts_per_tok"],
+        moe_intermediate_size=cfg["intermediate_size"] if mixtral else cfg["moe_intermediate_size"],
+        shared_expert_intermediate_size=cfg.get("shared_expert_intermediate_size") or 0 if arch == "qwen2_moe" else 0,
+        norm_topk_prob=True if mixtral else bool(cfg.get("norm_topk_prob", False)),
+        decoder_sparse_step=1 if mixtral else cfg.get("decoder_sparse_step") or 1,
+        mlp_only_layers=() if mixtral else tuple(cfg.get("mlp_only_layers") or ()),
+    )
 
 
 def _gemma3_fields(cfg: dict, hidden: int, num_layers: int) -> dict:
@@ -167,7 +190,34 @@ def hf_name(name: str) -> str | None:
     for old, new in _RENAMES:
         if name.startswith(old):
             return new + name[len(old):]
+    if ".block_sparse_moe." in name:  # mixtral's checkpoint names -> the qwen MoE names the decoder uses
+        name = name.replace(".block_sparse_moe.", ".mlp.")
+        for old, new in _MIXTRAL_EXPERT_LINEARS:
+            if name.endswith(old):
+                return name[: -len(old)] + new
     return name
+
+
+_MIXTRAL_EXPERT_LINEARS = ((".w1.weight", ".gate_proj.weight"), (".w3.weight", ".up_proj.weight"),
+                           (".w2.weight", ".down_proj.weight"))
+
+
+def split_fused_experts(tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """transformers 5's in-memory expert layout (a model's state_dict: `mlp.experts.gate_up_proj` [E, 2 I, H],
+    `mlp.experts.down_proj` [E, H, I]) -> the checkpoint names, one [out, in] weight per expert and linear
+    (`mlp.experts.{e}.gate_proj.weight`, views); every other tensor passes through."""
+    for name, t in tensors:
+        prefix, _, leaf = name.rpartition(".")
+        if prefix.endswith(".experts") and leaf in ("gate_up_proj", "down_proj") and t.dim() == 3:
+            for e in range(t.shape[0]):
+                if leaf == "down_proj":
+                    yield f"{prefix}.{e}.down_proj.weight", t[e]
+                else:
+                    gate, up = t[e].chunk(2, dim=0)
+                    yield f"{prefix}.{e}.gate_proj.weight", gate
+                    yield f"{prefix}.{e}.up_proj.weight", up
+        else:
+            yield name, t
 
 
 def iter_tensors(files: Iterable[Path]) -> Iterator[tuple[str, torch.Tensor]]:

@@ -1,8 +1,12 @@
-"""One decoder-only transformer for the llama, mistral, qwen2, qwen3 and gemma3 families.
+"""One decoder-only transformer for the llama, mistral, qwen2, qwen3 and gemma3 families and the mixture-of-experts
+qwen2_moe, qwen3_moe and mixtral.
 
 Families differ only by ModelConfig fields (qkv bias, q/k norm, sandwich norms and norm weight offset,
 embedding scale, activation, attention scale, sliding-window layers with their own RoPE base, tied
-embeddings); there is no per-family copy of the forward pass. Parameter names equal HF transformers' names
+embeddings, experts: a sparse layer's MLP is a SparseMoE, a router over expert MLPs and qwen2_moe's gated shared
+expert); there is no per-family copy of the forward pass. Experts are ordinary MLPs under transformers'
+checkpoint names (`mlp.experts.{e}.gate_proj`), so each expert's linears are built, merged and mapped like any other
+linear. Parameter names equal HF transformers' names
 so a checkpoint's tensors load as they are. After loading, `merge_projections` puts each layer's q/k/v and
 gate/up into one module each where that is bitwise the separate calls (kernels/linear.py, merge: q4x8),
 and `use_fused_glue` routes the glue between the matmuls (RMSNorm, residual add + norm, q/k norm + RoPE + the
@@ -231,13 +235,14 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     fused = False  # Decoder.use_fused_glue: act(gate) * up in one C++ call (glue.GLU_TOLERANCE for silu)
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, intermediate: int | None = None):  # default: cfg.intermediate_size
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        intermediate = intermediate or cfg.intermediate_size
+        self.gate_proj = nn.Linear(cfg.hidden_size, intermediate, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, cfg.hidden_size, bias=False)
         self.gate_up_proj = None  # gate | up in one module once merge_projections found an exact merge
-        self.intermediate = cfg.intermediate_size
+        self.intermediate = intermediate
         if cfg.hidden_act == "silu":
             self.act, self.act_name = F.silu, "silu"
         elif cfg.hidden_act in ("gelu_pytorch_tanh", "gelu_tanh"):
@@ -253,27 +258,120 @@ class MLP(nn.Module):
         self.gate_up_proj = merged
         return True
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, tokens: int | None = None) -> torch.Tensor:  # x [..., hidden] -> [..., hidden]
+        """`tokens`: the call's tokens per sequence, where x's shape does not say it (an expert's rows [n, hidden]:
+        a split linear picks its step or prefill kernel by it, never by how many rows the expert got)."""
+        run = (lambda m, t: m(t)) if tokens is None else (lambda m, t: _for_tokens(m, tokens)(t))  # noqa: E731
         if self.gate_up_proj is not None:
-            gu = self.gate_up_proj(x)  # [..., 2 I]: gate | up
+            gu = run(self.gate_up_proj, x)  # [..., 2 I]: gate | up
             if self.fused:
-                return self.down_proj(glue.glu(gu, None, self.act_name))
+                return run(self.down_proj, glue.glu(gu, None, self.act_name))
             g, u = gu.split(self.intermediate, dim=-1)
         else:
-            g, u = self.gate_proj(x), self.up_proj(x)
+            g, u = run(self.gate_proj, x), run(self.up_proj, x)
             if self.fused:
-                return self.down_proj(glue.glu(g, u, self.act_name))
-        return self.down_proj(self.act(g) * u)
+                return run(self.down_proj, glue.glu(g, u, self.act_name))
+        return run(self.down_proj, self.act(g) * u)
+
+
+class Router(nn.Module):
+    """A mixture's router (weight [experts, hidden]: llama.cpp's ffn_gate_inp) or a shared expert's gate
+    ([1, hidden]). Not an nn.Linear, so no plan swaps it for a quantized kernel (llama.cpp keeps ffn_gate_inp in
+    F32 too). forward(x [M, hidden]) -> logits [M, out] float64: the float32 values multiplied in float64 (every
+    product exact) and summed there; rounded to float32 (the router) or through the sigmoid first (the shared
+    gate), a value is the float32 nearest the exact result unless that lies within ~1e-16 of a rounding boundary,
+    so a row's routing does not depend on the rows beside it (a float32 GEMM's blocking may change with the row
+    count, an elementwise sigmoid rounds its vectorised body and its scalar tail differently, and the last bit of
+    a logit can move a top-k choice)."""
+
+    def __init__(self, out: int, dim: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out, dim))
+        self._weight64: torch.Tensor | None = None  # float64 copy of weight, made at the first call
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [M, hidden] -> [M, out] float64
+        w = self._weight64
+        if w is None or w.device != self.weight.device:
+            w = self._weight64 = self.weight.detach().to(torch.float64)
+        return F.linear(x.to(torch.float64), w)
+
+
+class SparseMoE(nn.Module):
+    """A mixture-of-experts MLP (qwen2_moe, qwen3_moe, mixtral; transformers' names: `gate` the router, `experts.{e}`
+    MLPs, qwen2_moe's `shared_expert` and `shared_expert_gate`). Routing is transformers': softmax over the router's
+    logits in float32, the num_experts_per_tok largest probabilities, divided by their sum where norm_topk_prob
+    (mixtral always). Dispatch: the selected (row, expert) pairs grouped by expert, each expert's MLP run once over
+    its rows, each product scaled by its routing weight into its own slot [M, k, hidden]; a row then sums its k
+    slots in ascending expert order (transformers adds the experts' outputs in that order), then the shared
+    expert's sigmoid-gated output. A row's result is a function of that row alone (row-exact, with row-exact
+    expert linears): which other rows share its experts changes no bit of it."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate = Router(cfg.num_experts, cfg.hidden_size)
+        self.experts = nn.ModuleList(MLP(cfg, cfg.moe_intermediate_size) for _ in range(cfg.num_experts))
+        self.shared = bool(cfg.shared_expert_intermediate_size)
+        if self.shared:
+            self.shared_expert = MLP(cfg, cfg.shared_expert_intermediate_size)
+            self.shared_expert_gate = Router(1, cfg.hidden_size)
+        self.num_experts, self.top_k = cfg.num_experts, cfg.num_experts_per_tok
+        self.norm_topk_prob = cfg.norm_topk_prob or cfg.architecture == "mixtral"
+
+    def merge_projections(self, merge) -> bool:
+        """Each expert's (and the shared expert's) gate/up into one module where `merge` can (MLP's)."""
+        mlps = list(self.experts) + ([self.shared_expert] if self.shared else [])
+        return sum(m.merge_projections(merge) for m in mlps) > 0
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # x [M, hidden]
+        """(experts [M, k] int64 in ascending order, weights [M, k] float32) of each row."""
+        probs = torch.softmax(self.gate(x).to(torch.float32), dim=-1)  # [M, E] float32, as transformers
+        weights, experts = torch.topk(probs, self.top_k, dim=-1)  # [M, k], largest first
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        experts, order = experts.sort(dim=-1)
+        return experts, weights.gather(-1, order)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [B, T, hidden] -> [B, T, hidden]
+        B, T, H = x.shape
+        rows = x.reshape(B * T, H)  # [M, H]
+        experts, weights = self.route(rows)  # [M, k]
+        M, k = experts.shape
+        slots = rows.new_empty(M * k, H)  # slot m * k + j: row m's j-th expert's weighted output
+        flat = experts.reshape(-1)  # [M * k]
+        by_expert = torch.argsort(flat, stable=True)  # slots grouped by expert
+        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+        w = weights.reshape(-1, 1).to(x.dtype)  # [M * k, 1]
+        start = 0
+        for e, n in enumerate(counts):
+            if not n:
+                continue
+            sel = by_expert[start:start + n]  # [n] slot indices, ascending
+            start += n
+            y = self.experts[e](rows.index_select(0, sel // k), tokens=T)  # [n, H]
+            slots[sel] = y * w[sel]
+        slots = slots.view(M, k, H)
+        out = slots[:, 0]
+        for j in range(1, k):
+            out = out + slots[:, j]
+        if self.shared:
+            scale = torch.sigmoid(self.shared_expert_gate(rows)).to(x.dtype)  # [M, 1], in float64 first (Router)
+            out = out + scale * self.shared_expert(rows, tokens=T)
+        return out.view(B, T, H)
+
+
+def _for_tokens(m: nn.Module, tokens: int) -> nn.Module:
+    """The module that runs `m` for a call with `tokens` tokens per sequence (a SplitLinear's half; else `m`)."""
+    return m.module_for(tokens) if hasattr(type(m), "module_for") else m
 
 
 class DecoderLayer(nn.Module):
     fused = False  # Decoder.use_fused_glue: the residual add and the pre-MLP norm in one C++ call
 
-    def __init__(self, cfg: ModelConfig, layer_type: str):
+    def __init__(self, cfg: ModelConfig, layer_type: str, layer: int = 0):
         super().__init__()
         norm = lambda: RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_weight_offset)  # noqa: E731
         self.self_attn = Attention(cfg, layer_type)
-        self.mlp = MLP(cfg)
+        self.mlp = SparseMoE(cfg) if cfg.is_moe_layer(layer) else MLP(cfg)
         self.input_layernorm = norm()
         # HF naming: in llama/qwen "post_attention_layernorm" is the pre-MLP norm; gemma3 has four norms
         self.post_attention_layernorm = norm()
@@ -300,7 +398,7 @@ class Body(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, t) for t in cfg.layer_types)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, t, i) for i, t in enumerate(cfg.layer_types))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_weight_offset)
 
 
