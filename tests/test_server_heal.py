@@ -93,13 +93,15 @@ def _run(server: Server, kill: bool) -> dict:
         for ev in started:
             assert ev.wait(TIMEOUT_S), "a request never started"
         runner = server.app.state.runner
-        t_kill = time.monotonic()
+        t_kill, restarts = time.monotonic(), runner.restarts
         os.kill(runner.host.pid, signal.SIGKILL)
         deadline = time.monotonic() + TIMEOUT_S
+        while runner.state == "ready" and time.monotonic() < deadline:  # until the server has seen the death
+            time.sleep(0.01)
         while time.monotonic() < deadline:  # what /health says until the engine is back
             h = httpx.get(server.url + "/health", timeout=60)
             health.append((h.status_code, h.json().get("state"), h.headers.get("retry-after")))
-            if h.status_code == 200 or health[-1][1] == "failed":
+            if (h.status_code == 200 and runner.restarts > restarts) or health[-1][1] == "failed":
                 break
             time.sleep(0.05)
     for t in threads:

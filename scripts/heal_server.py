@@ -1,0 +1,309 @@
+"""Does `draftwise serve` heal? The engine child SIGKILLed under load, the same requests answered as undisturbed.
+
+Two measurements (issue 45's done-means), each against a `draftwise serve` of this checkout (scripts/_server.py):
+  burst: 8 concurrent streamed requests (6 greedy, 2 sampled with a seed; ngram k auto; 160 tokens, ignore_eos) run
+         undisturbed, then again with the engine child SIGKILLed once every stream has --kill-after tokens: every
+         request of the second run must end 200 with no error event and the first run's text; reports the restart
+         time (kill to /health 200) and kill to a new request answered.
+  soak:  --clients clients loop over a fixed set of deterministic requests (greedy or seeded; streamed) for
+         --duration seconds undisturbed, then as long again with the child killed --kills times at even intervals:
+         lost (non-200, error event) and differing (text unlike the same request's undisturbed text) requests, and
+         the throughput of both phases.
+  flood: --memory-limit below what a flood of long prompts needs: peak RSS (server + engine, sampled every 0.2 s)
+         against the limit, the 429 / 503 (with Retry-After) and the admitted requests completing.
+Prints one JSON summary; not a test (minutes of a real model). Run on a quiet machine:
+    .venv/bin/python scripts/heal_server.py burst
+    .venv/bin/python scripts/heal_server.py soak --duration 300 --kills 5 --clients 4
+    .venv/bin/python scripts/heal_server.py flood --prompt-tokens 16384 --memory-limit 4G
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _server import DraftwiseServer  # noqa: E402
+
+MODEL = "qwen2.5-coder-1.5b-instruct"
+NGRAM_AUTO = '{"method": "ngram", "num_speculative_tokens": "auto"}'
+PROMPTS = ["def quicksort(arr):", "Write a Python class for a bank account with deposit and withdraw.",
+           "SELECT customers.name, SUM(orders.total) FROM", "Explain what a hash map is, with an example in Python.",
+           "#include <stdio.h>\nint main() {", "Write a function that parses a CSV line with quoted fields.",
+           "def fibonacci(n):", "Write a haiku about speculative decoding."]
+
+
+def engine_pid(server_pid: int) -> int | None:
+    """The server's child process (the engine), from /proc's children lists."""
+    for task in Path(f"/proc/{server_pid}/task").iterdir():
+        try:
+            kids = (task / "children").read_text().split()
+        except OSError:
+            continue
+        if kids:
+            return int(kids[0])
+    return None
+
+
+def rss(pid: int) -> int:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def stream(url: str, body: dict, progress: list | None = None, timeout: float = 1800) -> dict:
+    """One streamed completion: {"status", "text", "error", "finish", "tokens"}; `progress` gets chunk counts."""
+    parts, err, finish, chunks = [], None, None, 0
+    try:
+        with httpx.stream("POST", url + "/v1/completions", json=dict(body, stream=True), timeout=timeout) as r:
+            if r.status_code != 200:
+                r.read()
+                return {"status": r.status_code, "text": "", "error": r.text[:300], "finish": None,
+                        "retry_after": r.headers.get("retry-after")}
+            for line in r.iter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                js = json.loads(line[6:])
+                if "error" in js:
+                    err = js["error"]
+                    continue
+                for c in js["choices"]:
+                    parts.append(c.get("text") or "")
+                    finish = c.get("finish_reason") or finish
+                chunks += 1
+                if progress is not None:
+                    progress[0] = chunks
+    except httpx.HTTPError as e:
+        return {"status": None, "text": "".join(parts), "error": repr(e), "finish": finish}
+    return {"status": 200, "text": "".join(parts), "error": err, "finish": finish}
+
+
+def burst_bodies(model: str, max_tokens: int) -> list[dict]:
+    bodies = [{"prompt": p, "temperature": 0} for p in PROMPTS[:6]]
+    bodies += [{"prompt": PROMPTS[6], "temperature": 0.8, "seed": 1}, {"prompt": PROMPTS[7], "temperature": 1.0,
+                                                                        "top_p": 0.95, "seed": 2}]
+    return [dict(b, model=model, max_tokens=max_tokens, ignore_eos=True) for b in bodies]
+
+
+def run_burst(server: DraftwiseServer, bodies: list[dict], kill_after: int | None) -> dict:
+    results: list = [None] * len(bodies)
+    progress = [[0] for _ in bodies]
+
+    def one(i):
+        results[i] = stream(server.url, bodies[i], progress[i])
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(bodies))]
+    t0 = time.monotonic()
+    for t in threads:
+        t.start()
+    out = {}
+    if kill_after is not None:
+        while min(p[0] for p in progress) < kill_after and any(t.is_alive() for t in threads):
+            time.sleep(0.05)
+        pid = engine_pid(server.pid)
+        out["chunks_at_kill"] = [p[0] for p in progress]
+        t_kill = time.monotonic()
+        os.kill(pid, signal.SIGKILL)
+        states = []
+        while time.monotonic() - t_kill < 600:
+            h = httpx.get(server.url + "/health", timeout=30)
+            states.append(h.json().get("state"))
+            if h.status_code == 200:
+                break
+            time.sleep(0.1)
+        out["killed_pid"], out["restart_s"] = pid, time.monotonic() - t_kill
+        out["health_states"] = sorted(set(states), key=states.index)
+        r = httpx.post(server.url + "/v1/completions", json={"model": bodies[0]["model"], "prompt": "def add(a, b):",
+                                                              "max_tokens": 8, "temperature": 0}, timeout=600)
+        out["new_request_status"], out["kill_to_new_request_answered_s"] = r.status_code, time.monotonic() - t_kill
+    for t in threads:
+        t.join()
+    out["wall_s"] = time.monotonic() - t0
+    out["results"] = results
+    return out
+
+
+def metric_lines(server: DraftwiseServer, prefixes: tuple[str, ...]) -> list[str]:
+    return [ln for ln in server.metrics().splitlines() if ln.startswith(prefixes)]
+
+
+def cmd_burst(args) -> dict:
+    serve = ["--model", args.model, "--speculative-config", args.spec, "--max-num-seqs", "8", "--log-level",
+             "warning"]
+    bodies = burst_bodies(args.model, args.max_tokens)
+    with DraftwiseServer(serve, log=args.log) as server:
+        calm = run_burst(server, bodies, None)
+        hit = run_burst(server, bodies, args.kill_after)
+        counts = metric_lines(server, ("draftwise:engine_", "draftwise:requests_replay"))
+    same = [a["text"] == b["text"] for a, b in zip(calm["results"], hit["results"])]
+    ok200 = [r["status"] == 200 and r["error"] is None for r in hit["results"]]
+    return {"mode": "burst", "model": args.model, "spec": args.spec, "max_tokens": args.max_tokens,
+            "undisturbed_wall_s": round(calm["wall_s"], 1), "disturbed_wall_s": round(hit["wall_s"], 1),
+            "all_200_no_error_event": all(ok200), "same_text": same, "all_same": all(same),
+            "chunks_at_kill": hit["chunks_at_kill"], "restart_s": round(hit["restart_s"], 2),
+            "health_states_seen": hit["health_states"], "new_request_status": hit["new_request_status"],
+            "kill_to_new_request_answered_s": round(hit["kill_to_new_request_answered_s"], 2),
+            "finish_reasons": [r["finish"] for r in hit["results"]], "metrics": counts}
+
+
+def soak_phase(url: str, model: str, clients: int, seconds: float, max_tokens: int, seed: int,
+               on_tick=None) -> dict:
+    keys = [(p, t, s) for p in PROMPTS for t, s in ((0, None), (0.8, 11))]
+    done: list = []
+    stop_at = time.monotonic() + seconds
+
+    def client(i):
+        rng = random.Random(seed * 100 + i)
+        while time.monotonic() < stop_at:
+            p, temp, s = rng.choice(keys)
+            body = {"model": model, "prompt": p, "temperature": temp, "max_tokens": max_tokens, "ignore_eos": True}
+            if s is not None:
+                body["seed"] = s
+            r = stream(url, body)
+            r["key"] = f"{p}|{temp}|{s}"
+            done.append(r)
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(clients)]
+    t0 = time.monotonic()
+    for t in threads:
+        t.start()
+    if on_tick is not None:
+        on_tick(t0, seconds)
+    for t in threads:
+        t.join()
+    wall = time.monotonic() - t0
+    ok = [r for r in done if r["status"] == 200 and r["error"] is None]
+    return {"requests": len(done), "ok": len(ok), "lost": len(done) - len(ok), "wall_s": wall,
+            "tokens": sum(max_tokens for _ in ok), "tok_per_s": sum(max_tokens for _ in ok) / wall, "done": done}
+
+
+def cmd_soak(args) -> dict:
+    serve = ["--model", args.model, "--speculative-config", args.spec, "--max-num-seqs", "4", "--log-level",
+             "warning"]
+    with DraftwiseServer(serve, log=args.log) as server:
+        calm = soak_phase(server.url, args.model, args.clients, args.duration, args.max_tokens, 1)
+        kills = []
+
+        def killer(t0, seconds):
+            for i in range(args.kills):
+                at = t0 + seconds * (i + 1) / (args.kills + 1)
+                while time.monotonic() < at:
+                    time.sleep(0.1)
+                pid = engine_pid(server.pid)
+                t = time.monotonic()
+                os.kill(pid, signal.SIGKILL)
+                while time.monotonic() - t < 600:
+                    try:
+                        if httpx.get(server.url + "/health", timeout=30).status_code == 200:
+                            break
+                    except httpx.HTTPError:
+                        pass
+                    time.sleep(0.1)
+                kills.append(round(time.monotonic() - t, 2))
+
+        hit = soak_phase(server.url, args.model, args.clients, args.duration, args.max_tokens, 2, on_tick=killer)
+        counts = metric_lines(server, ("draftwise:engine_", "draftwise:requests_replay"))
+    reference = {}
+    for r in calm["done"]:
+        if r["status"] == 200 and r["error"] is None:
+            reference.setdefault(r["key"], r["text"])
+    seen_first = {}
+    differing = compared = 0
+    for r in hit["done"]:
+        if r["status"] != 200 or r["error"] is not None:
+            continue
+        want = reference.get(r["key"]) or seen_first.setdefault(r["key"], r["text"])
+        compared += 1
+        differing += r["text"] != want
+    strip = lambda ph: {k: (round(v, 2) if isinstance(v, float) else v) for k, v in ph.items() if k != "done"}  # noqa: E731
+    return {"mode": "soak", "model": args.model, "clients": args.clients, "duration_s": args.duration,
+            "max_tokens": args.max_tokens, "undisturbed": strip(calm), "with_kills": strip(hit),
+            "kill_restart_s": kills, "compared": compared, "differing": differing,
+            "lost": hit["lost"], "throughput_ratio": round(hit["tok_per_s"] / calm["tok_per_s"], 3)
+            if calm["tok_per_s"] else None, "metrics": counts}
+
+
+def cmd_flood(args) -> dict:
+    serve = ["--model", args.model, "--memory-limit", args.memory_limit, "--max-num-seqs", "4", "--max-waiting",
+             str(args.max_waiting), "--max-model-len", str(args.prompt_tokens + 512), "--log-level", "warning"]
+    words = "alpha beta gamma delta epsilon zeta eta theta iota kappa".split()
+    rng = random.Random(0)
+    with DraftwiseServer(serve, log=args.log) as server:
+        peak = {"bytes": 0}
+        stop = threading.Event()
+
+        def sampler():
+            while not stop.is_set():
+                pid = engine_pid(server.pid)
+                peak["bytes"] = max(peak["bytes"], rss(server.pid) + (rss(pid) if pid else 0))
+                time.sleep(0.2)
+
+        threading.Thread(target=sampler, daemon=True).start()
+        results: list = [None] * args.requests
+
+        def one(i):  # ~1 token per word for the qwen2 tokenizer
+            prompt = " ".join(rng.choice(words) for _ in range(args.prompt_tokens - 16))
+            results[i] = stream(server.url, {"model": args.model, "prompt": prompt, "max_tokens": 8,
+                                             "temperature": 0})
+
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(args.requests)]
+        t0 = time.monotonic()
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        stop.set()
+        mem = metric_lines(server, ("draftwise:memory_", "draftwise:kv_"))
+    from draftwise.server.memory_limit import parse_size
+
+    limit = parse_size(args.memory_limit)
+    statuses = [r["status"] for r in results]
+    return {"mode": "flood", "model": args.model, "prompt_tokens": args.prompt_tokens, "requests": args.requests,
+            "memory_limit_bytes": limit, "peak_rss_bytes": peak["bytes"], "under_limit": peak["bytes"] < limit,
+            "statuses": {str(s): statuses.count(s) for s in set(statuses)},
+            "refused_with_retry_after": sum(1 for r in results if r["status"] in (429, 503) and r.get("retry_after")),
+            "admitted_completed": sum(1 for r in results if r["status"] == 200 and r["error"] is None
+                                      and r["finish"] == "length"),
+            "wall_s": round(time.monotonic() - t0, 1), "metrics": mem}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    sub = ap.add_subparsers(dest="mode", required=True)
+    for name in ("burst", "soak", "flood"):
+        p = sub.add_parser(name)
+        p.add_argument("--model", default=MODEL)
+        p.add_argument("--spec", default=NGRAM_AUTO)
+        p.add_argument("--log", default=f"/tmp/heal_server_{name}.log")
+        p.add_argument("--max-tokens", type=int, default=160 if name == "burst" else 64)
+        if name == "burst":
+            p.add_argument("--kill-after", type=int, default=20, help="stream chunks every request has at the kill")
+        if name == "soak":
+            p.add_argument("--duration", type=float, default=300.0, help="seconds per phase")
+            p.add_argument("--kills", type=int, default=5)
+            p.add_argument("--clients", type=int, default=4)
+        if name == "flood":
+            p.add_argument("--prompt-tokens", type=int, default=16384)
+            p.add_argument("--requests", type=int, default=8)
+            p.add_argument("--memory-limit", default="4G")
+            p.add_argument("--max-waiting", type=int, default=2)
+    args = ap.parse_args()
+    out = {"burst": cmd_burst, "soak": cmd_soak, "flood": cmd_flood}[args.mode](args)
+    print(json.dumps(out, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
