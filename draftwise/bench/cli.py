@@ -193,7 +193,7 @@ def refused_lines(rep: dict) -> list[tuple[str, str]]:
 def cmd_tune(args) -> int:
     from draftwise.bench import report as report_mod
     from draftwise.bench.lab import run_bench
-    from draftwise.bench.tune import choose, spec_config_for, vllm_line
+    from draftwise.bench.tune import choose, pays_up_to_concurrency, spec_config_for, vllm_line
 
     engines = engines_of(args.engine)
     if len(engines) != 1:
@@ -212,8 +212,14 @@ def cmd_tune(args) -> int:
               f"95% CI {f['ci_low']}-{f['ci_high']}  n={s['n']}")
     w = by_id.get(pick["winner"])
     spec_config = spec_config_for(w.__dict__ if w else None)
+    upto = pays_up_to_concurrency(rep, pick["winner"]) if spec_config else None
+    levels = sorted({int(s.rpartition("@c")[2]) for s in rep["segments"] if s.rpartition("@c")[2].isdigit()})
     if spec_config:
         print(f"winner: {pick['winner']}")
+        if len(levels) > 1:
+            print(f"speculation pays up to concurrency {upto} here (measured {', '.join(map(str, levels))})" if upto
+                  else f"speculation does not pay at concurrency {levels[0]} on its own (measured "
+                       f"{', '.join(map(str, levels))}): pooled over levels only")
     else:
         print("winner: none — no condition beats plain decoding on a typical prompt; serve without speculation")
     if engines == ["vllm"]:
@@ -226,9 +232,10 @@ def cmd_tune(args) -> int:
               + (f" --speculative-config '{json.dumps(spec_config)}'" if spec_config else ""))
         line = vllm_line(args.model, spec_config)
     print(line)
-    (Path(args.out) / "tune.json").write_text(json.dumps({**pick, "speculative_config": spec_config, "vllm": line},
-                                                         indent=1))
-    print(json.dumps({"winner": pick["winner"], "speculative_config": spec_config, "vllm": line}))
+    # the recommendation: the winner's config and up to which concurrency it paid (None: unmeasured or nowhere)
+    recommended = {"speculative_config": spec_config, "pays_up_to_concurrency": upto, "concurrency_measured": levels}
+    (Path(args.out) / "tune.json").write_text(json.dumps({**pick, **recommended, "vllm": line}, indent=1))
+    print(json.dumps({"winner": pick["winner"], **recommended, "vllm": line}))
     return 0
 
 

@@ -77,7 +77,14 @@ def summary(report: dict, out_dir: Path) -> dict:
     return {"report": str(Path(out_dir) / "report.md"), "below_protocol": report["below_protocol"],
             "verdicts": {s: (v["verdict"] or {}).get("text") for s, v in report["segments"].items()},
             "speedups": {s: {c: round(x["tok_s"]["speedup"], 3) for c, x in v["speedups"].items()
-                             if x["tok_s"]["speedup"]} for s, v in report["segments"].items()}}
+                             if x["tok_s"]["speedup"]} for s, v in report["segments"].items()},
+            "pays_up_to_concurrency": {t.split(" by concurrency")[0]: _upto(rs)
+                                       for t, rs in concurrency_rows(report).items()}}
+
+
+def _upto(rs: list[list[str]]) -> int | None:
+    last = rs[-1][1]
+    return int(last.split()[-1]) if last.startswith("up to") else None
 
 
 # ---- table -----------------------------------------------------------------------------------------
@@ -120,6 +127,48 @@ def rows(seg: dict) -> list[list[str]]:
     return out
 
 
+def concurrency_rows(report: dict) -> dict[str, list[list[str]]]:
+    """Per workload (group) measured at several concurrency levels, one table: a row per condition, a column per
+    level, each cell the condition's aggregate tok/s over plain's at that level and its paired per-request speedup;
+    then the verdict per level and up to which level speculation pays. {title: rows (header first)}."""
+    from draftwise.bench.analyze import baseline_of
+    from draftwise.bench.verdict import pays_up_to, split_segment
+
+    by_name: dict[str, dict[int, dict]] = {}
+    for seg_name, seg in report["segments"].items():
+        name, level = split_segment(seg_name)
+        if level is not None:
+            by_name.setdefault(name, {})[level] = seg
+    out = {}
+    for name, levels in by_name.items():
+        if len(levels) < 2:
+            continue
+        cs = sorted(levels)
+        conds = list(dict.fromkeys(c for seg in levels.values() for c in seg["conditions"]))
+        rs = [["condition"] + [f"c={c}: agg x (req x)" for c in cs]]
+        for cond in conds:
+            row = [cond]
+            for c in cs:
+                seg = levels[c]
+                f, base = seg["conditions"].get(cond), seg["conditions"].get(baseline_of(cond))
+                if f is None:
+                    row.append("-")
+                elif cond == baseline_of(cond):
+                    row.append(f"{_f(f['aggregate_tok_s'], '{:.1f}')} tok/s")
+                else:
+                    agg = (f["aggregate_tok_s"] / base["aggregate_tok_s"]
+                           if base and f["aggregate_tok_s"] and base["aggregate_tok_s"] else None)
+                    sp = seg["speedups"].get(cond, {}).get("tok_s") or {}
+                    row.append(f"{_f(agg)}x ({_f(sp.get('speedup'))}x)")
+            rs.append(row)
+        for c in cs:
+            rs.append([f"verdict c={c}", (levels[c].get("verdict") or {}).get("text") or "-"])
+        upto = pays_up_to({c: levels[c].get("verdict") for c in cs})
+        rs.append(["speculation pays", f"up to concurrency {upto}" if upto else "at no measured concurrency"])
+        out[f"{name} by concurrency (aggregate tok/s over plain's; paired per-request speedup)"] = rs
+    return out
+
+
 def text_table(report: dict) -> str:
     lines = []
     for seg_name, seg in report["segments"].items():
@@ -129,6 +178,13 @@ def text_table(report: dict) -> str:
         for r in rs:
             lines.append("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
         lines.append("verdict: " + ((seg.get("verdict") or {}).get("text") or "-"))
+        lines.append("")
+    for title, rs in concurrency_rows(report).items():
+        table = [r for r in rs if len(r) == len(rs[0])]
+        widths = [max(len(r[i]) for r in table) for i in range(len(rs[0]))]
+        lines.append(f"== {title} ==")
+        lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in table]
+        lines += [f"{r[0]}: {r[1]}" for r in rs if len(r) != len(rs[0])]
         lines.append("")
     return "\n".join(lines)
 
@@ -146,6 +202,11 @@ def markdown(report: dict, plots: list[str]) -> str:
         if "unavailable" in pa:
             md += ["", f"pass@1 unavailable: {pa['unavailable']}"]
         md.append("")
+    for title, rs in concurrency_rows(report).items():
+        table = [r for r in rs if len(r) == len(rs[0])]
+        md += [f"## {title}", "", "| " + " | ".join(table[0]) + " |", "|" + "---|" * len(table[0])]
+        md += ["| " + " | ".join(r) + " |" for r in table[1:]] + [""]
+        md += [f"- **{r[0]}:** {r[1]}" for r in rs if len(r) != len(rs[0])] + [""]
     md += ["## Manifest", "", "```json", json.dumps(m, indent=1, default=str), "```", ""]
     md += [f"![{p}]({p})" for p in plots]
     md += ["", "Definitions: TTFT = request start → first token; E2E = start → last token; TPOT = (E2E − TTFT) / "

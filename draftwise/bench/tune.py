@@ -6,6 +6,9 @@ Owns the choice rule: per condition, the per-prompt paired tok/s speedups vs `no
 1.0 whose bootstrap CI also excludes 1.0, else plain decoding; the winner as our `--speculative-config` and
 as a `vllm serve ... --speculative-config '...'` line (hub ids from the catalog; the keys through bench/vllm.py's
 translation table).
+Where the sweep ran several concurrency levels, `pays_up_to_concurrency`: the same rule per level (the winner's
+per-prompt speedups pooled over the segments of that level), the highest level up to which every level pays;
+the recommendation carries it (tune.json, and the printed configuration).
 The sweep itself is an ordinary journaled bench run (lab.py); the `tune` command lives in bench/cli.py.
 Knows nothing of models.
 """
@@ -33,6 +36,27 @@ def choose(report: dict) -> dict:
     ok = {c: s for c, s in scores.items() if s["score"] is not None and s["score"] > 1.0 and (s["ci_low"] or 0) > 1.0}
     winner = max(ok, key=lambda c: ok[c]["score"]) if ok else "none"
     return {"winner": winner, "scores": scores}
+
+
+def pays_up_to_concurrency(report: dict, condition: str) -> int | None:
+    """The highest concurrency up to which `condition` wins at every level measured (median - MAD > 1 and the
+    bootstrap CI above 1.0, as `choose`); None where it does not pay at the lowest level (or nothing was paired)."""
+    from draftwise.bench.verdict import split_segment
+
+    by_level: dict[int, list[float]] = {}
+    for name, seg in report["segments"].items():
+        level = split_segment(name)[1]
+        sp = seg["speedups"].get(condition)
+        if level is not None and sp:
+            by_level.setdefault(level, []).extend(sp["tok_s"]["per_prompt"].values())
+    best = None
+    for level in sorted(by_level):
+        ratios = by_level[level]
+        score, (low, _) = stats.conservative_score(ratios), stats.bootstrap_ci(ratios)
+        if score is None or score <= 1.0 or (low or 0) <= 1.0:
+            break
+        best = level
+    return best
 
 
 def spec_config_for(cond: dict | None) -> dict | None:

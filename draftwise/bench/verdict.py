@@ -5,7 +5,8 @@ Owns the decision rule (docs/ARCHITECTURE.md: a verdict needs a CI that excludes
     one with the highest lower bound (the conservative pick, not the highest point estimate);
   - every condition's CI lies wholly below 1 → "don't speculate";
   - otherwise → "no measurable difference".
-Greedy outputs that differ from `none` are attached as a caveat. Where several engines ran, `across` names the
+Greedy outputs that differ from `none` are attached as a caveat. Across concurrency levels (one segment per
+level), `pays_up_to` says up to which concurrency the verdicts say speculate, every level below included. Where several engines ran, `across` names the
 fastest engine and configuration by the same conservative rule over tok/s paired against draftwise's plain decoding
 (each engine's own verdict above says whether speculation pays on that engine; this one says which engine to run).
 Knows nothing of records or formats.
@@ -83,3 +84,20 @@ def across_engines(speedups: dict[str, dict], across: dict[str, dict]) -> dict |
     if others:
         text += "; best of " + ", ".join(f"{e}: {quote(c)}" for e, c in sorted(others.items()))
     return {"condition": best, "engine": engine_of(best), "text": text}
+
+
+def split_segment(segment: str) -> tuple[str, int | None]:
+    """("code/repeated", 4) from "code/repeated@c4" (runner.segment_id); (segment, None) without a level."""
+    name, at, level = segment.rpartition("@c")
+    return (name, int(level)) if at and level.isdigit() else (segment, None)
+
+
+def pays_up_to(levels: dict[int, dict | None]) -> int | None:
+    """levels: concurrency -> that segment's verdict. The highest concurrency up to which every level's verdict
+    is "speculate" (None: not even the lowest)."""
+    best = None
+    for c in sorted(levels):
+        if (levels[c] or {}).get("decision") != "speculate":
+            break
+        best = c
+    return best
