@@ -190,3 +190,93 @@ def test_the_router_is_no_plan_linear_and_stays_float32(moe, tmp_path):
     assert layer.gate.weight.dtype == torch.float32 and tuple(layer.gate.weight.shape) == (8, 32)
     ids = [5, 6, 7]
     assert next_logits(model, [ids]).shape[-1] == model.config.vocab_size
+
+
+# ---- GGUF experts in their stored types ---------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def quantized_moe(tmp_path_factory):
+    """A qwen2_moe GGUF at K % 256 == 0 with its experts as llama.cpp's Q4_K_M mix stores them (gate/up Q4_K,
+    down Q6_K), the shared expert and attention in Q8_0; router and norms F32."""
+    from draftwise.kernels.linear import available
+    from draftwise.kernels.probe import probe
+
+    if "q8_0" not in available(probe(bandwidth=False)):
+        pytest.skip("our C++ kernels do not build here")
+    from tests.tiny_checkpoints import MOE_Q4K_DIMS
+
+    path = tmp_path_factory.mktemp("qmoe") / "tiny-qwen2moe-q4km.gguf"
+    types = {"ffn_gate_exps": "Q4_K", "ffn_up_exps": "Q4_K", "ffn_down_exps": "Q6_K", "ffn_gate_shexp": "Q8_0",
+             "ffn_up_shexp": "Q8_0", "ffn_down_shexp": "Q8_0", "attn_q": "Q8_0", "attn_k": "Q8_0", "attn_v": "Q8_0",
+             "attn_output": "Q8_0", "token_embd": "Q8_0", "output": "Q8_0"}
+    write_tiny_moe_gguf(path, "qwen2_moe", seed=4, dims=MOE_Q4K_DIMS, types=types)
+    return path
+
+
+def test_gguf_experts_load_in_their_stored_types_without_a_float_copy(quantized_moe, tmp_path, monkeypatch):
+    from draftwise.kernels.linear import Q4x8Linear, Q6KLinear, Q80Linear
+    from draftwise.models.gguf import GGUFTensor
+
+    dense = GGUFTensor.dense
+
+    def no_float_experts(self):
+        assert self.expert is None, f"{self.name} dequantized to float at load"
+        return dense(self)
+
+    cache = str(tmp_path / "c")
+    with monkeypatch.context() as m:
+        m.setattr(GGUFTensor, "dense", no_float_experts)
+        model, _, _ = load_model(str(quantized_moe), weights="auto", cache_dir=cache)
+    plan = model.plan
+    assert plan.faithful and plan.row_exact and not plan.lossy_types
+    moe = model.model.layers[1].mlp
+    assert isinstance(moe, SparseMoE) and len(moe.experts) == 8
+    for expert in moe.experts:
+        assert isinstance(expert.gate_up_proj, Q4x8Linear) and isinstance(expert.down_proj, Q6KLinear)
+    assert isinstance(moe.shared_expert.down_proj, Q80Linear)
+
+    reference, _, _ = load_model(str(quantized_moe), weights="fp32", cache_dir=cache)
+    ids = list(range(3, 40))
+    ref, got = next_logits(reference, [ids])[0], next_logits(model, [ids])[0]
+    # the same weights: int8 activations only (a token near a top-k tie may take another expert: looser than dense)
+    assert float((got - ref).norm() / ref.norm()) < 0.06
+    ref_moe = reference.model.layers[1].mlp
+    x = torch.randn(5, 1, 256, generator=torch.Generator().manual_seed(2))  # [rows, 1, hidden]
+    for e in (0, 7):  # each expert's kernel against the exact float weights of the file
+        want = ref_moe.experts[e].down_proj(x[..., :256])
+        have = moe.experts[e].down_proj(x[..., :256])
+        assert float((have - want).norm() / want.norm()) < Q6KLinear.tolerance
+    again, _, _ = load_model(str(quantized_moe), weights="auto", cache_dir=cache)  # from the prepared cache
+    assert torch.equal(next_logits(again, [ids])[0], got)
+
+
+def test_verification_rows_are_bitwise_single_steps_under_the_faithful_plan(quantized_moe, tmp_path):
+    """Three sequences verified together (4 rows each, padded) give each row exactly the bits of single steps
+    taken alone: the experts a row shares with the batch change nothing."""
+    model, _, _ = load_model(str(quantized_moe), weights="auto", cache_dir=str(tmp_path / "c"))
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 300, (n,), generator=g).tolist() for n in (5, 9, 7)]
+    steps = [torch.randint(3, 300, (4,), generator=g).tolist() for _ in prompts]
+    cache = _new_cache(model, slots=8)
+    for slot, p in enumerate(prompts):
+        model(torch.tensor([p]), torch.arange(len(p))[None], cache, torch.tensor([slot]), num_tokens=[len(p)])
+        model(torch.tensor([p]), torch.arange(len(p))[None], cache, torch.tensor([slot + 4]), num_tokens=[len(p)])
+    lens = [len(p) for p in prompts]
+    width = [4, 3, 4]  # one row of padding for the second sequence
+    ids = torch.tensor([s[:w] + [0] * (4 - w) for s, w in zip(steps, width)])
+    pos = torch.tensor([[n + i for i in range(4)] for n in lens])
+    together = model(ids, pos, cache, torch.tensor([0, 1, 2]), num_tokens=width)
+    for b, (s, n) in enumerate(zip(steps, lens)):
+        for i in range(width[b]):
+            alone = model(torch.tensor([[s[i]]]), torch.tensor([[n + i]]), cache, torch.tensor([b + 4]), num_tokens=[1])
+            assert torch.equal(together[b, i], alone[0, 0]), (b, i)
+
+
+def test_greedy_speculation_equals_plain_on_a_quantized_moe_gguf(quantized_moe, tmp_path):
+    llm = LLM(str(quantized_moe), max_num_seqs=3, max_model_len=128, k_max=8, cache_dir=str(tmp_path / "c"))
+    assert llm.model.plan.faithful
+    prompts = [[5, 6, 7, 8, 5, 6, 7], [9, 10, 11, 9, 10], [12, 13, 14, 15, 16, 12, 13, 14]]
+    params = [SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)] * len(prompts)
+    plain = run_engine(llm, None, prompts, params)
+    for spec in ({"method": "ngram", "num_speculative_tokens": 4}, {"method": "suffix", "num_speculative_tokens": 4}):
+        assert run_engine(llm, spec, prompts, params) == plain, spec
