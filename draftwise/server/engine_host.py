@@ -28,7 +28,7 @@ rid, status, message, param, code) per request, ("step", step_s, gap_s, [StepIte
 per step, ("failed", [rid], message) when a step failed twice, ("status", EngineSnapshot.pack()) after aborts,
 ("stopped",). Server -> engine: ("add", AddCommand), ("abort", rid), ("stop",). The per-step parts travel as plain
 tuples (a dataclass pickles at several times the cost: tens of microseconds per step on each side), and the
-snapshot's spec_stats only when its counters moved (None: as last sent; plain decoding never moves them).
+snapshot's spec_stats only when its counters moved (None: as last sent; a step moves the k histogram).
 """
 from __future__ import annotations
 
@@ -319,7 +319,7 @@ class _Snapshots:
         snapshot = _snapshot(self.llm)
         st = snapshot.spec_stats
         mark = (st.num_drafts, st.num_draft_tokens, st.num_accepted_tokens, st.num_forced_tokens,
-                st.num_accepted_forced_tokens)
+                st.num_accepted_forced_tokens, sum(st.k_histogram.values()))  # plain steps move the k histogram
         moved, self._sent = mark != self._sent, mark
         return snapshot.pack(with_spec_stats=moved)
 

@@ -74,6 +74,14 @@ class ServerMetrics:
                                ["model_name", "position"], registry=r)
         for i in range(k_max):  # expose zeros up front, as vLLM does
             self.per_pos.labels(model_name, str(i))
+        # issue 44: the k histogram (a row's k per decode step, 0 = plain) and the batch's one decision per step
+        self.k_steps = Counter(PREFIX + "spec_decode_k_steps", "Rows of decode steps by the k they guessed "
+                               "(0 = a plain row): the k histogram.", ["model_name", "k"], registry=r)
+        self.decisions = Counter(PREFIX + "spec_decode_batch_decisions", "Decode steps by the k policy's one "
+                                 "decision for the batch: rows that guessed (speculating) of the rows stepped (batch).",
+                                 ["model_name", "speculating", "batch"], registry=r)
+        self._seen_k: dict = {}
+        self._seen_decisions: dict = {}
         self.prefix_counters = {  # vLLM's prefix_cache_queries / prefix_cache_hits: tokens, not requests
             "queries": counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache."),
             "hits": counter("prefix_cache_hits", "Prompt tokens whose K/V the prefix cache held (not recomputed)."),
@@ -144,6 +152,9 @@ class ServerMetrics:
             if now > before:
                 self.per_pos.labels(self._model, str(i)).inc(now - before)
         self._seen_pos = [int(x) for x in per_pos]
+        _advance_by_label(self.k_steps, self._model, self._seen_k, stats.k_histogram, lambda k: (str(k),))
+        _advance_by_label(self.decisions, self._model, self._seen_decisions, getattr(stats, "decisions", {}),
+                          lambda d: (str(d[0]), str(d[1])))
         if status.prefix_cache is not None:
             _advance(self.prefix_counters, self._seen_prefix, status.prefix_cache)
 
@@ -209,6 +220,14 @@ class _MemoryCollector:
         yield GaugeMetricFamily(PREFIX + "memory_rss_peak_bytes", "Highest RSS measured.", value=g.peak_rss)
         yield CounterMetricFamily(PREFIX + "memory_admission_holds", "Admission checks that held a request back "
                                   "because the RSS was near the ceiling.", value=g.holds_count)
+
+
+def _advance_by_label(counter, model: str, seen: dict, counts: dict, labels) -> None:
+    """`counter` advanced, per key of `counts` (labelled by labels(key)), by what the count gained since `seen`."""
+    for key, now in counts.items():
+        if now > seen.get(key, 0):
+            counter.labels(model, *labels(key)).inc(now - seen.get(key, 0))
+            seen[key] = now
 
 
 def _advance(counters: dict, seen: dict, source) -> None:
