@@ -138,7 +138,24 @@ def cmd_kernels(args) -> int:
           + ("; PROVISIONAL: timed under load, re-timed at the next quiet start (or --refresh)"
              if result.get("provisional") else ""))
     print(_faithful_note(ckpt, cfg, list(result["table"]["ms"])))
+    if not args.no_step_cost:
+        print(_step_cost_grids(args))
     return 0
+
+
+def _step_cost_grids(args) -> str:
+    """The step-cost grids the adaptive k policy reads (kernels/step_cost.py): the model's (a verification: every
+    row's logits) and, with --draft, the draft's (its forwards: each row's last logits), read from the per-machine
+    cache or measured now (loads the weights: --weights auto's plan)."""
+    from draftwise.api import load_model
+    from draftwise.kernels import step_cost
+
+    out = []
+    for name, role, logits in [(args.model, "target", "all")] + ([(args.draft, "draft", "last")] if args.draft else []):
+        model, _, _ = load_model(name, device=args.device, role=role)
+        grid = step_cost.load_or_measure(model, logits=logits, refresh=args.refresh)
+        out.append(step_cost.format_grid(grid, f"step cost, {role} {name} ({model.plan.label})"))
+    return "\n".join(out)
 
 
 def _faithful_note(ckpt, cfg, candidates: list[str]) -> str:
@@ -186,6 +203,9 @@ def register_kernels(sub) -> None:
     k.add_argument("--full", action="store_true", help="every implementation at rows 1,2,4,8,16,128 (slower)")
     k.add_argument("--refresh", action="store_true", help="measure again instead of reading the cache")
     k.add_argument("--json", action="store_true")
+    k.add_argument("--draft", default=None, help="also print this draft model's step-cost grid")
+    k.add_argument("--no-step-cost", action="store_true",
+                   help="skip the step-cost grid (ms per step, B 1..8 x width 1..16; loads the model's weights)")
     k.set_defaults(func=cmd_kernels)
 
 
