@@ -280,3 +280,14 @@ def test_greedy_speculation_equals_plain_on_a_quantized_moe_gguf(quantized_moe, 
     plain = run_engine(llm, None, prompts, params)
     for spec in ({"method": "ngram", "num_speculative_tokens": 4}, {"method": "suffix", "num_speculative_tokens": 4}):
         assert run_engine(llm, spec, prompts, params) == plain, spec
+
+
+def test_experts_touched_counts_the_union_a_forward_read(moe, tmp_path):
+    model, _, _ = load_model(str(moe["qwen3_moe"][0]), weights="fp32", cache_dir=str(tmp_path / "c"))
+    cache = _new_cache(model)
+    model(torch.tensor([[5]]), torch.tensor([[0]]), cache, torch.tensor([0]), num_tokens=[1])
+    assert model.experts_touched() == [4, 4]  # two sparse layers (layer 1 is dense), top-4 each
+    ids = list(range(10, 19))
+    model(torch.tensor([ids]), torch.arange(1, 10)[None], cache, torch.tensor([0]), num_tokens=[9])
+    assert all(4 <= n <= 8 for n in model.experts_touched())  # 9 rows x top-4 of 8 experts: a union
+    assert any(n > 4 for n in model.experts_touched())

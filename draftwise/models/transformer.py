@@ -316,6 +316,7 @@ class SparseMoE(nn.Module):
             self.shared_expert_gate = Router(1, cfg.hidden_size)
         self.num_experts, self.top_k = cfg.num_experts, cfg.num_experts_per_tok
         self.norm_topk_prob = cfg.norm_topk_prob or cfg.architecture == "mixtral"
+        self.touched = 0  # distinct experts the last call ran (the weights it read): Decoder.experts_touched
 
     def merge_projections(self, merge) -> bool:
         """Each expert's (and the shared expert's) gate/up into one module where `merge` can (MLP's)."""
@@ -340,6 +341,7 @@ class SparseMoE(nn.Module):
         flat = experts.reshape(-1)  # [M * k]
         by_expert = torch.argsort(flat, stable=True)  # slots grouped by expert
         counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+        self.touched = self.num_experts - counts.count(0)
         w = weights.reshape(-1, 1).to(x.dtype)  # [M * k, 1]
         start = 0
         for e, n in enumerate(counts):
@@ -498,6 +500,12 @@ class Decoder(nn.Module):
             if isinstance(m, (RMSNorm, Attention, MLP, DecoderLayer, Decoder)):
                 m.fused = on
         return on
+
+    def experts_touched(self) -> list[int]:
+        """Per sparse layer, how many distinct experts the last forward ran ([] for a dense model): what that
+        forward read of the experts' weights. A verification's rows touch the union of their experts, so its cost
+        grows with the union, not with its width alone (docs/ARCHITECTURE.md, mixtures of experts)."""
+        return [layer.mlp.touched for layer in self.model.layers if isinstance(layer.mlp, SparseMoE)]
 
     def _build_rope(self, device) -> None:
         cfg = self.config
