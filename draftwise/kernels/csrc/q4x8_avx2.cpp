@@ -32,7 +32,7 @@ inline __m256i mn_pair(const uint8_t* MN, int64_t g, int64_t G) {
 // into L2, as on the AVX-512 path; measured for this path on a Zen 4: 8-37% more weight bytes per second at 1-9 rows
 // than into L1; not measured on an AVX2-only CPU).
 template <int MT>
-void half_rows(const DwQ4* w, const DwQ8* a, float* out, int64_t b, int h, int64_t m0, bool prefetch) {
+[[gnu::noinline]] void half_rows(const DwQ4* w, const DwQ8* a, float* out, int64_t b, int h, int64_t m0, bool prefetch) {
     const int64_t G = w->G, S = w->S, N = w->N, M = a->M;
     const uint8_t* P = w->packed + b * G * 256 + h * 32;
     const uint8_t* SC = w->sc + b * G * 16 + h * 8;

@@ -41,7 +41,7 @@ inline __m512i mn_pair(const uint8_t* MN, int64_t g, int64_t G) {
 // compute-bound call (many rows) overlaps its memory traffic instead of stalling on it (q4x8_prefetch.h: the
 // packed nibbles into L2, and why).
 template <int MT>
-void block_rows(const DwQ4* w, const DwQ8* a, float* out, int64_t b, int64_t m0, bool prefetch) {
+[[gnu::noinline]] void block_rows(const DwQ4* w, const DwQ8* a, float* out, int64_t b, int64_t m0, bool prefetch) {
     const int64_t G = w->G, S = w->S, N = w->N, M = a->M;
     const uint8_t* P = w->packed + b * G * 256;
     const uint8_t* SC = w->sc + b * G * 16;

@@ -29,7 +29,7 @@ inline __m256i sc_pair(const int8_t* lo, const int8_t* hi) {
 
 // Rows [m0, m0 + MT) of one half (h = 0: columns 0-7, h = 1: columns 8-15) of the 16-column block b.
 template <int MT>
-void half_rows(const DwQ6* w, const DwQ8K16* a, float* out, int64_t b, int h, int64_t m0, bool prefetch) {
+[[gnu::noinline]] void half_rows(const DwQ6* w, const DwQ8K16* a, float* out, int64_t b, int h, int64_t m0, bool prefetch) {
     const int64_t G = w->G, S = w->S, N = w->N, M = a->M;
     const uint8_t* L = w->ql + b * G * 256 + h * 32;
     const uint8_t* H = w->qh + b * G * 128 + h * 32;

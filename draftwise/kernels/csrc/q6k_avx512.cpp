@@ -14,7 +14,7 @@ using dwrows::dpbusd_b;
 // Rows [m0, m0 + MT) of one 16-column block b: per group, 8 VPDPBUSD per row into two sub-block sums, two VPMULLD
 // by the sub-blocks' scales into the super-block's int32; per super-block the float steps of q6k.h.
 template <int MT>
-void block_rows(const DwQ6* w, const DwQ8K16* a, float* out, int64_t b, int64_t m0, bool prefetch) {
+[[gnu::noinline]] void block_rows(const DwQ6* w, const DwQ8K16* a, float* out, int64_t b, int64_t m0, bool prefetch) {
     const int64_t G = w->G, S = w->S, N = w->N, M = a->M;
     const uint8_t* L = w->ql + b * G * 256;
     const uint8_t* H = w->qh + b * G * 128;

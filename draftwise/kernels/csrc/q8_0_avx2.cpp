@@ -13,7 +13,7 @@ using dwrows::load_i32;
 
 // Rows [m0, m0 + MT) of one half (h = 0: columns 0-7, h = 1: columns 8-15) of the 16-column block b.
 template <int MT, bool MIN>
-void half_rows(const DwQ80* w, const DwQ80Act* a, float* out, int64_t b, int h, int64_t m0, bool prefetch) {
+[[gnu::noinline]] void half_rows(const DwQ80* w, const DwQ80Act* a, float* out, int64_t b, int h, int64_t m0, bool prefetch) {
     const int64_t G = w->G, M = a->M;
     const uint8_t* P = w->qw + b * G * 512 + h * 32;
     const float* D = w->d + b * G * 16 + h * 8;

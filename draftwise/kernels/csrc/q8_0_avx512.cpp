@@ -14,7 +14,7 @@ using dwrows::dpbusd_b;
 // Rows [m0, m0 + MT) of one 16-column block b: per group, 8 VPDPBUSD per row on the group's weights (read once for
 // all MT rows), then the float steps of q8_0.h (with MIN, the min term's step too).
 template <int MT, bool MIN>
-void block_rows(const DwQ80* w, const DwQ80Act* a, float* out, int64_t b, int64_t m0, bool prefetch) {
+[[gnu::noinline]] void block_rows(const DwQ80* w, const DwQ80Act* a, float* out, int64_t b, int64_t m0, bool prefetch) {
     const int64_t G = w->G, M = a->M;
     const uint8_t* P = w->qw + b * G * 512;
     const float* D = w->d + b * G * 16;

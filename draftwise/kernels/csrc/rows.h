@@ -3,6 +3,11 @@
 // function template over the tile height MT, computing MT rows of one column block) and the widest tile its
 // registers hold; the ISA's own driver (rows_avx512.h, rows_avx2.h) walks the column blocks and stores.
 //
+// A type's tile function is [[gnu::noinline]]: one function per height, called from the walk. Inlined into it,
+// GCC's register allocation of the 1-row tile spilled the weight vectors of q4x8's AVX-512 loop to the stack (1.7x
+// slower on a cache-resident 1536 x 8960 GEMV; called, it is within 4% of the old switch's inlined tile there and
+// equal on a DRAM-resident one, where decode lives).
+//
 // Owns: the balanced tiling (ceil(M / MAX) tiles whose heights differ by at most one: 16 rows at MAX 12 -> 8 + 8)
 // and the dispatch of each height to its instantiation. Which tile computes a row changes no bit of it: a type's
 // tile computes each row on its own (its integer sums per row, its float steps per row), so every M and every
