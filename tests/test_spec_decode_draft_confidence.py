@@ -13,7 +13,6 @@ import torch
 
 from draftwise.config import DRAFT_P_MIN, ConfigError, parse_spec_config
 from draftwise.sampling import SamplingParams, process_logits, sample
-from draftwise.spec_decode.adaptive import _time_proposer
 from draftwise.spec_decode.verify import rejection_verify
 from tests.harness import PROMPTS, one_torch_thread, tiny_llm  # noqa: F401 (a fixture)
 from tests.test_spec_decode_draft_vocab import _pvalue
@@ -75,17 +74,15 @@ def test_every_guess_but_the_last_is_at_least_the_threshold(temperature, p_min):
     assert len(lengths) > 1  # not vacuous: some drafts stop early, some do not
 
 
-def test_the_policys_calibration_times_full_length_guesses():
-    llm = tiny_llm(k_max=4)
-    llm.set_speculation(_spec(0.999, 4))
-    proposer = llm.proposer
-    calls = []
-    forward = proposer._forward
-    proposer._forward = lambda slots, toks: calls.append(len(toks[0])) or forward(slots, toks)
-    _time_proposer(proposer, 4, torch.device("cpu"))
-    assert proposer.min_guess_prob == 0.999  # restored
-    # k = 1..4 in the steady state: 1 + 2 + 3 + 4 forwards, none cut short by the (unsure) tiny draft
-    assert len(calls) >= 1 + 2 + 3 + 4
+def test_the_policys_draft_costs_come_from_the_drafts_own_forwards():
+    """The auto policy costs guesses by the draft's step-cost grid (its forwards timed directly, at every batch
+    size), so a draft that stops early on its own confidence cannot make guessing k look cheaper at load."""
+    llm = tiny_llm(k_max=8)
+    llm.set_speculation(_spec(0.999, "auto"))
+    policy = llm.engine.k_policy
+    assert llm.proposer.min_guess_prob == 0.999
+    assert policy.draft_grid is llm.step_cost(llm.proposer.model, "last")
+    assert policy.draft_time([4]) > policy.draft_time([1]) > 0  # one draft forward per guess
 
 
 def test_the_default_and_bad_values():
