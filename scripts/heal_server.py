@@ -42,15 +42,40 @@ PROMPTS = ["def quicksort(arr):", "Write a Python class for a bank account with 
 
 
 def engine_pid(server_pid: int) -> int | None:
-    """The server's child process (the engine), from /proc's children lists."""
+    """The server's engine child (a multiprocessing spawn child; not its resource tracker), from /proc."""
     for task in Path(f"/proc/{server_pid}/task").iterdir():
         try:
             kids = (task / "children").read_text().split()
         except OSError:
             continue
-        if kids:
-            return int(kids[0])
+        for kid in kids:
+            try:
+                cmd = Path(f"/proc/{kid}/cmdline").read_bytes().decode(errors="replace")
+            except OSError:
+                continue
+            if "spawn_main" in cmd and "resource_tracker" not in cmd:
+                return int(kid)
     return None
+
+
+def kill_and_wait(server: DraftwiseServer) -> dict:
+    """SIGKILL the engine child; /health's states until the server has seen it and answers 200 again."""
+    pid = engine_pid(server.pid)
+    t_kill = time.monotonic()
+    os.kill(pid, signal.SIGKILL)
+    states, seen_down = [], False
+    while time.monotonic() - t_kill < 900:
+        try:
+            h = httpx.get(server.url + "/health", timeout=30)
+            states.append(h.json().get("state"))
+            seen_down = seen_down or h.status_code != 200
+            if h.status_code == 200 and (seen_down or time.monotonic() - t_kill > 30):
+                break
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    return {"killed_pid": pid, "t_kill": t_kill, "restart_s": time.monotonic() - t_kill,
+            "health_states": sorted(set(states), key=states.index)}
 
 
 def rss(pid: int) -> int:
@@ -112,19 +137,10 @@ def run_burst(server: DraftwiseServer, bodies: list[dict], kill_after: int | Non
     if kill_after is not None:
         while min(p[0] for p in progress) < kill_after and any(t.is_alive() for t in threads):
             time.sleep(0.05)
-        pid = engine_pid(server.pid)
         out["chunks_at_kill"] = [p[0] for p in progress]
-        t_kill = time.monotonic()
-        os.kill(pid, signal.SIGKILL)
-        states = []
-        while time.monotonic() - t_kill < 600:
-            h = httpx.get(server.url + "/health", timeout=30)
-            states.append(h.json().get("state"))
-            if h.status_code == 200:
-                break
-            time.sleep(0.1)
-        out["killed_pid"], out["restart_s"] = pid, time.monotonic() - t_kill
-        out["health_states"] = sorted(set(states), key=states.index)
+        k = kill_and_wait(server)
+        t_kill = k["t_kill"]
+        out["killed_pid"], out["restart_s"], out["health_states"] = k["killed_pid"], k["restart_s"], k["health_states"]
         r = httpx.post(server.url + "/v1/completions", json={"model": bodies[0]["model"], "prompt": "def add(a, b):",
                                                               "max_tokens": 8, "temperature": 0}, timeout=600)
         out["new_request_status"], out["kill_to_new_request_answered_s"] = r.status_code, time.monotonic() - t_kill
@@ -140,13 +156,15 @@ def metric_lines(server: DraftwiseServer, prefixes: tuple[str, ...]) -> list[str
 
 
 def cmd_burst(args) -> dict:
-    serve = ["--model", args.model, "--speculative-config", args.spec, "--max-num-seqs", "8", "--log-level",
+    # 9 slots: the 8 requests and the new one sent after the kill (else it waits for one of the 8 to finish)
+    serve = ["--model", args.model, "--speculative-config", args.spec, "--max-num-seqs", "9", "--log-level",
              "warning"]
     bodies = burst_bodies(args.model, args.max_tokens)
     with DraftwiseServer(serve, log=args.log) as server:
         calm = run_burst(server, bodies, None)
         hit = run_burst(server, bodies, args.kill_after)
-        counts = metric_lines(server, ("draftwise:engine_", "draftwise:requests_replay"))
+        counts = metric_lines(server, ("draftwise:engine_deaths", "draftwise:engine_restart",
+                                       "draftwise:requests_replay", "draftwise:engine_state"))
     same = [a["text"] == b["text"] for a, b in zip(calm["results"], hit["results"])]
     ok200 = [r["status"] == 200 and r["error"] is None for r in hit["results"]]
     return {"mode": "burst", "model": args.model, "spec": args.spec, "max_tokens": args.max_tokens,
@@ -201,20 +219,11 @@ def cmd_soak(args) -> dict:
                 at = t0 + seconds * (i + 1) / (args.kills + 1)
                 while time.monotonic() < at:
                     time.sleep(0.1)
-                pid = engine_pid(server.pid)
-                t = time.monotonic()
-                os.kill(pid, signal.SIGKILL)
-                while time.monotonic() - t < 600:
-                    try:
-                        if httpx.get(server.url + "/health", timeout=30).status_code == 200:
-                            break
-                    except httpx.HTTPError:
-                        pass
-                    time.sleep(0.1)
-                kills.append(round(time.monotonic() - t, 2))
+                kills.append(round(kill_and_wait(server)["restart_s"], 2))
 
         hit = soak_phase(server.url, args.model, args.clients, args.duration, args.max_tokens, 2, on_tick=killer)
-        counts = metric_lines(server, ("draftwise:engine_", "draftwise:requests_replay"))
+        counts = metric_lines(server, ("draftwise:engine_deaths", "draftwise:engine_restart",
+                                       "draftwise:requests_replay", "draftwise:engine_state"))
     reference = {}
     for r in calm["done"]:
         if r["status"] == 200 and r["error"] is None:

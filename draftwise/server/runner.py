@@ -419,6 +419,8 @@ class EngineRunner:
             self._kv_blocks = None  # the new engine's pool says what is free
             doomed = []
             for rid, sink in self._sinks.items():
+                if cause == "start_failed":  # a child that never took them: not their deaths
+                    continue
                 sink.replays += 1
                 if sink.replays > policy.max_replays:
                     doomed.append(rid)
