@@ -315,3 +315,22 @@ def test_the_suffix_proposer_reads_the_live_grid_not_a_copy():
         g.observe(4, 5, 20 * g.predicted_base(4, 5))
         g.observe(4, 1, g.predicted_base(4, 1))
     assert s.tree_size(probs, batch=4) < 4
+
+
+def test_the_draft_s_cost_follows_the_measured_proposing_time():
+    """Guessing steps' proposing seconds move the draft's scale (a draft model) or its seconds (a model-free
+    proposer); one step's outlier (a long prompt read at a request's first guess) moves it a bounded amount."""
+    draft = _grid(lambda b, w: 0.010 + 0.001 * b * w)
+    p = AdaptiveK(4, ROW_BOUND, draft)
+    predicted = p.draft_time([4, 4])
+    for _ in range(60):
+        p.observe_step(2, 5, ROW_BOUND.cost(2, 5), 2 * predicted, [4, 4])
+    assert abs(p.draft_time([4, 4]) / predicted - 2) < 0.1
+    before = p.draft_scale
+    p.observe_step(2, 5, ROW_BOUND.cost(2, 5), 1000 * predicted, [4, 4])
+    assert p.draft_scale <= before * adaptive.DRAFT_RATIO_RANGE[1] ** adaptive.DRAFT_EWMA * 1.001
+    lookup = AdaptiveK(4, ROW_BOUND)  # n-gram: free until measured
+    assert lookup.draft_time([3]) == 0.0
+    for _ in range(60):
+        lookup.observe_step(1, 4, ROW_BOUND.cost(1, 4), 0.002, [3])
+    assert abs(lookup.draft_time([3]) - 0.002) < 0.0002

@@ -47,6 +47,7 @@ KEEP_MARGIN = 1.0  # ... and stop when it predicts less than plain (stopping is 
 EXPLORE_EVERY = 16  # plain steps before a probe (then 32, 64, ...: the gap doubles after each probe)
 PROBE_K = 2  # guesses of a probe
 DRAFT_EWMA = 0.1  # per guessing step: the draft's scale (or a model-free proposer's seconds) toward the measured
+DRAFT_RATIO_RANGE = (0.25, 4.0)  # one step's measured / predicted proposing time, as the draft's scale reads it
 CATCH_UP_WIDTH = 16  # the draft grid's width used for the per-token catch-up cost
 
 
@@ -127,6 +128,7 @@ class AdaptiveK:
         self.k_histogram: dict[int, int] = {}
         self.last_decision: tuple[int, int] = (0, 0)  # (rows that guessed, rows) of the last batch decision
         self._guessing = False  # the last batch decision guessed: stopping is free, restarting is not
+        self._unseen = 0  # context tokens the last decision's guessing rows had their proposer read first
         self._behind: dict[str, int] = {}  # request -> context tokens its proposer has not seen
         self._plain_run: dict[str, int] = {}  # request -> plain steps since its last guess
         self._probe_gap: dict[str, int] = {}
@@ -166,30 +168,45 @@ class AdaptiveK:
     def batch_rate(self, k_per_seq: list[int], alphas: list[float], behind: list[int] | None = None,
                    remaining: list[int] | None = None) -> float:
         """rate(k): the batch's expected tokens per second when row i guesses k_per_seq[i] (module docstring)."""
-        n = len(k_per_seq)
-        tokens, catch_up = 0.0, 0.0
-        for i, k in enumerate(k_per_seq):
-            e = _expected(alphas[i], k)
-            tokens += e
-            if k and behind is not None:
-                catch_up += self.catch_up_cost * (behind[i] - 1) * e / max(remaining[i], 1)
-        time = self.target.cost(n, 1 + max(k_per_seq, default=0)) + self.draft_time(k_per_seq) + catch_up
-        return tokens / time
+        return self._rate_of(alphas, max(k_per_seq, default=0), behind, remaining)(k_per_seq)
 
     def expected_rate(self, k: int, alpha: float, behind: int = 1, remaining: int = 1 << 30) -> float:
         """E(k)/time(k) of one request alone (a batch of one)."""
         return self.batch_rate([k], [alpha], [behind], [remaining])
+
+    def _rate_of(self, alphas: list[float], k_top: int, behind: list[int] | None, remaining: list[int] | None):
+        """rate(ks) for ks up to k_top, over costs read once per decision (the grids' lookups are the slow part)."""
+        n = len(alphas)
+        e = [[_expected(a, k) for k in range(k_top + 1)] for a in alphas]  # E_i(k)
+        verify = [0.0] + [self.target.cost(n, w) for w in range(1, k_top + 2)]  # by the padded width
+        forward = ([self.draft_grid.cost(b, 1) * self.draft_scale for b in range(n + 1)]
+                   if self.draft_grid is not None else None)  # one draft forward of b rows
+        cu = ([self.catch_up_cost * (behind[i] - 1) / max(remaining[i], 1) for i in range(n)]
+              if behind is not None else [0.0] * n)
+
+        def rate(ks: list[int]) -> float:
+            K = max(ks)
+            if forward is not None:
+                draft = sum(forward[sum(k >= j for k in ks)] for j in range(1, K + 1))
+            else:
+                draft = self.draft_time(ks)
+            tokens = sum(e[i][k] for i, k in enumerate(ks))
+            catch_up = sum(cu[i] * e[i][k] for i, k in enumerate(ks) if k)
+            return tokens / (verify[1 + K] + draft + catch_up)
+
+        return rate
 
     # ---- the decision --------------------------------------------------------------------------------------
     def best_ks(self, alphas: list[float], caps: list[int], behind: list[int] | None = None,
                 remaining: list[int] | None = None) -> tuple[list[int], float, float]:
         """(k per row, its rate, plain's rate): the search of the module docstring, without hysteresis or probes."""
         n = len(alphas)
-        rate = lambda ks: self.batch_rate(ks, alphas, behind, remaining)  # noqa: E731
+        k_top = min(self.k_max, max(caps, default=0))
+        rate = self._rate_of(alphas, k_top, behind, remaining)
         plain = rate([0] * n)
         best, best_rate = [0] * n, plain
         order = sorted((i for i in range(n) if caps[i] > 0), key=lambda i: -alphas[i])
-        for K in range(1, min(self.k_max, max(caps, default=0)) + 1):
+        for K in range(1, k_top + 1):
             ks = [0] * n
             for i in order:
                 ks[i] = min(K, caps[i])
@@ -227,6 +244,7 @@ class AdaptiveK:
             self.k_histogram[ks[i]] = self.k_histogram.get(ks[i], 0) + 1
         self._guessing = any(ks)
         self.last_decision = (sum(k > 0 for k in ks), len(ks))
+        self._unseen = sum(behind[i] - 1 for i in range(len(ks)) if ks[i])  # context the proposer reads first
         return ks
 
     def choose(self, req) -> int:
@@ -246,9 +264,9 @@ class AdaptiveK:
         if self.draft_grid is None and self.draft_steps is None:
             self.propose_s = (1 - DRAFT_EWMA) * self.propose_s + DRAFT_EWMA * propose_s
             return
-        predicted = self.draft_time(k_per_seq) / self.draft_scale
-        if predicted > 0:
-            ratio = propose_s / predicted
+        predicted = self.draft_time(k_per_seq) / self.draft_scale + self._catch_up * self._unseen
+        if predicted > 0:  # one step moves the scale by at most DRAFT_RATIO_RANGE (a prompt's catch-up is an outlier)
+            ratio = min(max(propose_s / predicted, DRAFT_RATIO_RANGE[0]), DRAFT_RATIO_RANGE[1])
             self.draft_scale = math.exp((1 - DRAFT_EWMA) * math.log(self.draft_scale) + DRAFT_EWMA * math.log(ratio))
 
     def acceptance(self, req) -> float:
