@@ -1,0 +1,85 @@
+"""Whole files of the types the block-type table newly holds (kernels/blocktypes.py): a tiny random GGUF whose
+projections are stored as Q4_1, Q5_1 and Q4_0 (the gguf package quantizes these; the embedding and head as Q8_0) loads under `auto` as the faithful plan with each tensor on its table row's kernel (no fp32 fallback
+for a quantized tensor), says row-exact, and greedy speculation (ngram, suffix, a draft model) equals plain
+decoding bitwise. No download."""
+from __future__ import annotations
+
+import pytest
+
+from draftwise import LLM, SamplingParams
+from draftwise.kernels import blocktypes
+from draftwise.kernels.linear import LINEARS, available
+from draftwise.kernels.probe import probe
+from tests.tiny_checkpoints import Q4K_DIMS, write_tiny_gguf
+
+
+def _requantized(src, dst, kinds: dict[str, str]) -> None:
+    """`src` GGUF rewritten as `dst` with each 2-D float tensor whose name ends with a key of `kinds` quantized to
+    that ggml type by the gguf package (metadata and other tensors copied as they are)."""
+    import gguf
+    import numpy as np
+
+    reader = gguf.GGUFReader(str(src))
+    arch = reader.fields["general.architecture"].contents()
+    writer = gguf.GGUFWriter(str(dst), arch)
+    for name, field in reader.fields.items():
+        if name.startswith("GGUF.") or name == "general.architecture":
+            continue
+        vtype = field.types[0]
+        sub = field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(name, field.contents(), vtype, sub)
+    for t in reader.tensors:
+        shape = tuple(int(d) for d in reversed(t.shape))  # [rows, K]
+        kind = next((k for s, k in kinds.items() if t.name.endswith(s)), None)
+        if kind and len(shape) == 2 and t.tensor_type == gguf.GGMLQuantizationType.F32:
+            qt = gguf.GGMLQuantizationType[kind]
+            writer.add_tensor(t.name, gguf.quants.quantize(np.asarray(t.data).reshape(shape), qt), raw_dtype=qt)
+        else:
+            writer.add_tensor(t.name, np.asarray(t.data).reshape(shape) if t.tensor_type ==
+                              gguf.GGMLQuantizationType.F32 else np.asarray(t.data), raw_dtype=t.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.fixture(scope="module")
+def new_types_gguf(tmp_path_factory):
+    if "q8_1" not in available(probe(bandwidth=False)):
+        pytest.skip("our kernels cannot run here (no C++ compiler)")
+    root = tmp_path_factory.mktemp("newtypes")
+    write_tiny_gguf(root / "src.gguf", "qwen2", dims=Q4K_DIMS)
+    _requantized(root / "src.gguf", root / "m.gguf", {"attn_q.weight": "Q4_1", "attn_k.weight": "Q4_1",
+                                                      "attn_v.weight": "Q4_1", "attn_output.weight": "Q5_1",
+                                                      "ffn_gate.weight": "Q5_1", "ffn_up.weight": "Q5_1",
+                                                      "ffn_down.weight": "Q4_0", "token_embd.weight": "Q8_0",
+                                                      "output.weight": "Q8_0"})
+    return root / "m.gguf"
+
+
+def test_every_quantized_tensor_is_on_its_rows_kernel(new_types_gguf, tmp_path):
+    llm = LLM(str(new_types_gguf), max_num_seqs=1, max_model_len=64, cache_dir=str(tmp_path / "c"))
+    plan = llm.model.plan
+    assert plan.faithful and plan.row_exact and not plan.fallback_types, plan.describe()
+    assert set(plan.stored_types) == {"Q4_1", "Q5_1", "Q4_0", "Q8_0"}
+    for t in ("Q4_1", "Q5_1", "Q4_0"):
+        assert f"{t}->{blocktypes.kernel_of(t)}" in plan.describe()
+    kinds = {type(m).name for m in llm.model.modules() if type(m).__name__ in ("Q80Linear", "Q81Linear")}
+    assert kinds == {"q8_0", "q8_1"} and all(k in LINEARS for k in kinds)
+
+
+@pytest.mark.parametrize("spec", [
+    {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1},
+    {"method": "suffix", "num_speculative_tokens": 4},
+    {"method": "draft_model", "model": "SELF", "num_speculative_tokens": 3, "draft_weights": "faithful"},
+])
+def test_greedy_speculation_equals_plain(new_types_gguf, tmp_path, spec):
+    from draftwise.equivalence import run_engine
+
+    path = str(new_types_gguf)
+    spec = {**spec, "model": path} if spec.get("model") == "SELF" else spec
+    llm = LLM(path, max_num_seqs=3, max_model_len=160, k_max=4, cache_dir=str(tmp_path / "c"))
+    assert llm.model.plan.faithful and llm.model.plan.row_exact
+    prompts = [[5, 6, 7, 8, 5, 6, 7], [9, 10, 11, 9, 10], [12, 13, 14, 15, 16, 12, 13, 14]]
+    params = [SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)] * len(prompts)
+    assert run_engine(llm, spec, prompts, params) == run_engine(llm, None, prompts, params)
