@@ -16,9 +16,9 @@ from draftwise.kernels import autotune, blocktypes, ggml_blocks, library
 from draftwise.kernels.linear import LINEARS, available, block_paths
 from draftwise.kernels.probe import probe
 
-# the types held by the 32-value int8 kernels, each with the byte offsets of its fp16 scale fields (d, and m / dmin)
+# the types the table gives a block kernel, each with the byte offsets of its fp16 scale fields (d, and m / dmin)
 TYPES = {"Q8_0": (0,), "Q5_0": (0,), "Q4_0": (0,), "IQ4_NL": (0,), "IQ4_XS": (0,), "Q4_1": (0, 2), "Q5_1": (0, 2),
-         "Q5_K": (0, 2)}
+         "Q5_K": (0, 2), "Q6_K": (208,), "Q3_K": (108,)}
 WIDTHS = range(1, 97)
 THREADS = [1, 2]
 
@@ -61,11 +61,12 @@ def _gguf_dense(kind: str, raw: np.ndarray, N: int, K: int) -> torch.Tensor:
     return torch.from_numpy(dequantize(raw, GGMLQuantizationType[kind]).reshape(N, K).astype(np.float32))
 
 
-def _quantized_activations(x: torch.Tensor) -> torch.Tensor:
-    """x [M, K] -> the values the kernel computes with, float64: per row and 32, dx * round_half_even(x * 127 / amax)
-    (csrc/q8_0.h)."""
+def _quantized_activations(x: torch.Tensor, kind: str) -> torch.Tensor:
+    """x [M, K] -> the values the kernel of `kind` computes with, float64: per row and block of its activation
+    quantization (the table's: Q8_K 256 values, Q8_0 / Q8_1 32), dx * round_half_even(x * 127 / amax)."""
     M, K = x.shape
-    g = x.view(M, K // 32, 32)
+    per = 256 if blocktypes.KERNELS[blocktypes.kernel_of(kind)].activation == "Q8_K" else 32
+    g = x.view(M, K // per, per)
     amax = g.abs().amax(-1, keepdim=True)
     q = torch.where(amax > 0, torch.round(g * (127.0 / amax)), torch.zeros_like(g))
     return (q.double() * (amax / 127.0).double()).view(M, K)
@@ -93,7 +94,7 @@ def test_every_path_is_the_dequantized_weight_times_the_quantized_activations(ki
     raw = _random_blocks(kind, N, K, seed=1)
     bias = torch.randn(N)
     x = torch.randn(13, K)
-    ref = _quantized_activations(x) @ _gguf_dense(kind, raw, N, K).double().T + bias.double()
+    ref = _quantized_activations(x, kind) @ _gguf_dense(kind, raw, N, K).double().T + bias.double()
     ys = {p: _on(cls.from_blocks(kind, raw, N, K, bias), p)(x) for p in block_paths(cls.name)}
     for p, y in ys.items():
         assert torch.equal(y, ys["scalar"]), p

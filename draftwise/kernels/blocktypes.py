@@ -78,7 +78,7 @@ TYPES: dict[str, BlockType] = {t.name: t for t in (
     BlockType("Q8_0", 8, 32, 34, "q8_0"),
     BlockType("Q8_1", 9, 32, 40),
     BlockType("Q2_K", 10, 256, 84),
-    BlockType("Q3_K", 11, 256, 110),
+    BlockType("Q3_K", 11, 256, 110, "q6k"),  # q3 + 32 and a signed 6-bit scale per 16: exactly a Q6_K
     BlockType("Q4_K", 12, 256, 144, "q4x8"),
     BlockType("Q5_K", 13, 256, 176, "q8_1"),
     BlockType("Q6_K", 14, 256, 210, "q6k"),

@@ -1,4 +1,4 @@
-"""GGUF block types other than Q4_K, read exactly and packed for our kernels: Q6_K for csrc/q6k.h; Q8_0, Q5_0, Q4_0,
+"""GGUF block types other than Q4_K, read exactly and packed for our kernels: Q6_K and Q3_K for csrc/q6k.h; Q8_0, Q5_0, Q4_0,
 IQ4_NL and IQ4_XS for csrc/q8_0.h (values exact in int8, group scales exact in float32), Q4_1, Q5_1 and Q5_K for
 its min-term form (the q8_1 kernel: w = d * v + m per 32), plus simple quantizers that build the same layouts from
 float weights (tests, `make_linear`, a dense checkpoint pinned to these kernels). Which type goes to which kernel
@@ -62,6 +62,24 @@ def q6k_from_blocks(blocks, N: int, K: int) -> dict[str, torch.Tensor]:
     sc = raw[:, 192:208].contiguous().view(torch.int8).reshape(N, K // 16)
     d = raw[:, 208:210].contiguous().view(torch.float16).float().reshape(N, K // QK_K)
     return {"q": q.contiguous(), "sc": sc.contiguous(), "d": d.contiguous()}
+
+
+def q3k_from_blocks(blocks, N: int, K: int) -> dict[str, torch.Tensor]:
+    """A GGUF Q3_K tensor's raw bytes -> q6k parts, exactly ggml's dequantize_row_q3_K: w = d * (scale - 32) * q3 per
+    16 values, q3 in -4..3 held as q = q3 + 32 (Q6_K's offset), the signed 6-bit scale as sc. Block (110 bytes):
+    hmask[32] (bit j of byte l: value 32 j + l's high bit, q3 = low 2 bits - 4 where it is 0), qs[64] (half h of
+    128 values: byte 32 h + l holds values 128 h + 32 j + l in bits 2j..2j+1), 12 bytes of 16 6-bit scales (low
+    nibbles of bytes 0-7 for scales 0-7, their high nibbles 8-15, the top 2 bits from bytes 8-11), d fp16."""
+    raw = _raw(blocks, N, K, "Q3_K")
+    nb = raw.shape[0]
+    low = (raw[:, 32:96].reshape(nb, 2, 1, 32) >> (2 * torch.arange(4, dtype=torch.uint8)).view(1, 1, 4, 1)) & 3
+    high = (raw[:, 0:32].reshape(nb, 1, 32) >> torch.arange(8, dtype=torch.uint8).view(1, 8, 1)) & 1
+    q = low.reshape(nb, 256).to(torch.int16) - 4 * (1 - high.reshape(nb, 256).to(torch.int16)) + 32
+    ls = raw[:, 96:104].reshape(nb, 1, 8) >> torch.tensor([0, 4], dtype=torch.uint8).view(1, 2, 1)
+    hs = raw[:, 104:108].reshape(nb, 1, 4) >> (2 * torch.arange(4, dtype=torch.uint8)).view(1, 4, 1)
+    sc = ((ls.reshape(nb, 16) & 15) | ((hs.reshape(nb, 16) & 3) << 4)).to(torch.int16) - 32
+    d = raw[:, 108:110].contiguous().view(torch.float16).float().reshape(N, K // QK_K)
+    return {"q": q.to(torch.uint8).reshape(N, K), "sc": sc.to(torch.int8).reshape(N, K // 16), "d": d}
 
 
 def quantize_q6k(weight: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -340,4 +358,4 @@ def q8_1_bytes(N: int, K: int) -> int:
 
 FROM_BLOCKS = {"Q6_K": q6k_from_blocks, "Q8_0": q8_0_from_blocks, "Q5_0": q5_0_from_blocks, "Q4_0": q4_0_from_blocks,
                "IQ4_NL": iq4_nl_from_blocks, "IQ4_XS": iq4_xs_from_blocks, "Q4_1": q4_1_from_blocks,
-               "Q5_1": q5_1_from_blocks, "Q5_K": q5k_from_blocks}
+               "Q5_1": q5_1_from_blocks, "Q5_K": q5k_from_blocks, "Q3_K": q3k_from_blocks}
