@@ -9,10 +9,11 @@ STEP_MAX_TOKENS tokens per sequence, the prefill kernel above); a kernel that ca
 falls back to the dense implementation of its activation dtype (linear.impl_for, the autotuner's rule too).
 q4x8 takes a GGUF Q4_K tensor's blocks exactly (kernels/q4x8.py, q4k_from_blocks); under a named plan other GGUF
 types are dequantized and quantized to the plan's format. A faithful plan (kernels/plan.py) gives each tensor the
-kernel of its stored type instead, built from its blocks (kernels/blocktypes.py's table: Q6_K -> q6k, Q8_0 / Q5_0
-/ Q4_0 / IQ4 -> q8_0, Q4_1 / Q5_1 / Q5_K -> q8_1, others -> fp32 over the exactly dequantized weight), and keeps the embedding table as stored (`GGUFRowsEmbedding` for types other
-than Q4_K). `type_census` counts a file's types for the plan. Knows nothing of the engine; of checkpoints it knows
-only the GGUFTensor handle (shape, type, dense(), blocks(), q4k_blocks()).
+kernel of its stored type instead, built from its blocks (kernels/blocktypes.py's table: Q6_K / Q3_K -> q6k,
+Q8_0 / Q5_0 / Q4_0 / IQ4 -> q8_0, Q4_1 / Q5_1 / Q5_K -> q8_1, others -> fp32 over the exactly dequantized weight),
+and keeps the embedding table as stored (`GGUFRowsEmbedding` for types other than Q4_K). `type_census` counts a
+file's types for the plan. Knows nothing of the engine; of checkpoints it knows only the GGUFTensor handle (shape,
+type, dense(), blocks(), q4k_blocks()).
 """
 from __future__ import annotations
 
@@ -30,8 +31,8 @@ PREPARED_FORMAT_VERSION = 7  # bump when a prepared module's stored tensors chan
 # 3: a q4x8 step + dense prefill split stores only the q4x8 half, the dense one is derived at load;
 # 4: one registry: implementations stored under their --weights names, with K; 5: faithful plans, q6k / q8_0
 # linears and the GGUF-rows embedding; 6: merge groups' buffers stored back to back, `storage_order`, so a merged
-# q/k/v or gate/up is a view of the mapped file; 7: the block-type table's kernels for Q4_0, Q4_1, Q5_1, Q5_K,
-# IQ4_NL and IQ4_XS, which a faithful plan's file of version 6 held in fp32). Bump sources.CONVERSION_VERSION with it:
+# q/k/v or gate/up is a view of the mapped file; 7: the block-type table's kernels for Q3_K, Q4_0, Q4_1, Q5_1,
+# Q5_K, IQ4_NL and IQ4_XS, which a faithful plan's file of version 6 held in fp32). Bump sources.CONVERSION_VERSION with it:
 # the converted folder is rebuilt, so the old prepared files leave the disk.
 
 
