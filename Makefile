@@ -56,14 +56,21 @@ $(VLLM_STAMP): scripts/setup_vllm.sh scripts/vllm_launcher.py
 	PY=$(PY) bash scripts/setup_vllm.sh $(VLLM_VENV)
 	touch $(VLLM_STAMP)
 
+# TEST_WORKERS: pytest-xdist workers (0: serial, in one process; auto: one per core). --dist loadfile keeps a
+# file's tests on one worker, so its module fixtures (a loaded model, a server) are built once. Serial by default:
+# on 2 cores two workers made the unit tests slower, 2365 s against 1909 s (most tests are CPU-bound: each worker's
+# torch already uses both cores; docs/PERFORMANCE.md, "make test"); give more cores a worker each with TEST_WORKERS
+TEST_WORKERS ?= 0
+PYTEST := HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=15
+
 test: setup-test vllm
-	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q -x tests
+	$(PYTEST) -x tests
 
 unit: setup-test
-	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q -m "not integration" tests
+	$(PYTEST) -m "not integration" tests
 
 integration: setup-test vllm
-	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q -m integration tests
+	$(PYTEST) -m integration tests
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info
