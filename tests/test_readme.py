@@ -11,6 +11,7 @@ What is checked, and how:
   `bench` and `tune` (30 measured requests per condition), `quality` (a dense float32 reference over 1,024 tokens)
   and `verify` (400 seeded samples) are checked by parsing only: their work is tested in test_bench_*.py,
   test_quality_kl.py and test_cli.py. `make demo` and `make test` are what CI runs (`.ci/run`).
+- scripts/README.md names every file under scripts/ (the removed ones only under its "Removed" heading).
 - Every relative link in README.md, docs/*.md and scripts/README.md points at a file that exists and, with a
   `#fragment`, at a heading of that file (GitHub's anchor rule).
 """
@@ -191,6 +192,15 @@ def test_readme_serve_and_curl_run_as_printed():
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+def test_every_script_is_in_the_index():
+    """scripts/README.md names every file under scripts/ (and no script that is gone)."""
+    index = (ROOT / "scripts" / "README.md").read_text()
+    files = {p.name for p in (ROOT / "scripts").iterdir() if p.is_file() and p.name != "README.md"}
+    named = set(re.findall(r"`([\w.-]+\.(?:py|sh|cpp))`", index.split("## Removed")[0]))
+    assert files - named == set(), f"scripts/README.md does not name {sorted(files - named)}"
+    assert named - files == set(), f"scripts/README.md names scripts that are gone: {sorted(named - files)}"
 
 
 # ---- links ---------------------------------------------------------------------------------------------
