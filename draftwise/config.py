@@ -25,9 +25,10 @@ class ContextLengthError(ConfigError):
     """The prompt plus the requested output does not fit the context length (raised when a request is added)."""
 
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma3", "qwen2_moe", "qwen3_moe", "mixtral")
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma3", "qwen2_moe", "qwen3_moe", "mixtral",
+                           "olmoe")
 # mixture-of-experts families: a layer's MLP is a router over num_experts MLPs (models/transformer.py SparseMoE)
-MOE_ARCHITECTURES = ("qwen2_moe", "qwen3_moe", "mixtral")
+MOE_ARCHITECTURES = ("qwen2_moe", "qwen3_moe", "mixtral", "olmoe")
 
 # --kv-cache-dtype: how K/V is stored (auto: auto_kv_cache_dtype). bfloat16 halves the pool per token; the attention
 # op widens it exactly (fp32 accumulation); float16 runs only where the decoder takes its torch path (not our ops).
@@ -102,6 +103,7 @@ class ModelConfig:
     max_position_embeddings: int = 4096
     attention_bias: bool = False  # qwen2: bias on q/k/v
     qk_norm: bool = False  # qwen3, gemma3: RMSNorm on q and k per head
+    qk_norm_full: bool = False  # olmoe: RMSNorm over the whole q and k projections (all heads at once) instead
     sandwich_norm: bool = False  # gemma3: post-attention and pre/post feed-forward norms
     norm_weight_offset: float = 0.0  # gemma: RMSNorm multiplies by (offset + weight)
     embed_scale: float = 1.0  # gemma: embeddings scaled by sqrt(hidden_size)

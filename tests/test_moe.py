@@ -179,6 +179,26 @@ def test_a_batch_order_dispatch_is_caught(moe, tmp_path, monkeypatch):
     assert not _rows_alone_equal_rows_together(moe_block)
 
 
+def test_olmoe_from_a_transformers_checkpoint(tmp_path):
+    """OLMoE (its q/k RMSNorms span the whole projection, no renormalisation of the top-k): logits within 1e-4 of
+    transformers' and the same greedy continuation; n-gram speculation equals plain."""
+    hf = write_tiny_moe_hf_dir(tmp_path / "olmoe", "olmoe", seed=3)
+    llm = LLM(str(tmp_path / "olmoe"), weights="fp32", max_num_seqs=2, max_model_len=128, k_max=4,
+              cache_dir=str(tmp_path / "c"))
+    model = llm.model
+    assert model.config.architecture == "olmoe" and model.config.qk_norm_full and not model.config.norm_topk_prob
+    ids = llm.tokenizer.encode(PROMPT)
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0]
+    T = len(ids)
+    got = model(torch.tensor([ids]), torch.arange(T)[None], _new_cache(model), torch.tensor([0]), num_tokens=[T])[0]
+    assert (got - ref).abs().max().item() < 1e-4
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    plain = run_engine(llm, None, [ids], [params])[0]
+    assert plain == _hf_greedy(hf, ids, 24)
+    assert run_engine(llm, {"method": "ngram", "num_speculative_tokens": 4}, [ids], [params])[0] == plain
+
+
 def test_the_router_is_no_plan_linear_and_stays_float32(moe, tmp_path):
     """The router and the shared expert's gate are never swapped for a quantized kernel (llama.cpp keeps
     ffn_gate_inp in F32 as well): a plan's linears are the experts' and attention's only."""

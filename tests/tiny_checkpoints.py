@@ -253,6 +253,10 @@ def hf_moe_model(family: str, vocab_size: int, seed: int = 0, dims: dict | None 
         cfg = tf.MixtralConfig(**kw, intermediate_size=d["moe_intermediate"], num_local_experts=d["experts"],
                                head_dim=d["head_dim"], rope_theta=1000000.0)
         cls = tf.MixtralForCausalLM
+    elif family == "olmoe":  # q/k norms over the whole projection
+        cfg = tf.OlmoeConfig(**kw, intermediate_size=d["moe_intermediate"], num_experts=d["experts"],
+                             rope_theta=10000.0)
+        cls = tf.OlmoeForCausalLM
     else:
         raise ValueError(family)
     cfg._attn_implementation = "eager"

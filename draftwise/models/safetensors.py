@@ -34,6 +34,7 @@ _MODEL_TYPES = {
     "qwen2_moe": "qwen2_moe",
     "qwen3_moe": "qwen3_moe",
     "mixtral": "mixtral",
+    "olmoe": "olmoe",
 }
 # Prefixes of multimodal gemma3 checkpoints: text weights are renamed, the rest is skipped.
 _RENAMES = (("model.language_model.", "model."), ("language_model.model.", "model."), ("language_model.lm_head.", "lm_head."))
@@ -93,6 +94,7 @@ def config_from_hf(cfg: dict, generation: dict | None = None) -> ModelConfig:
         attention_bias=True if arch == "qwen2" else bool(cfg.get("qkv_bias", True)) if arch == "qwen2_moe"
         else bool(cfg.get("attention_bias", False)),
         qk_norm=arch in ("qwen3", "gemma3", "qwen3_moe"),
+        qk_norm_full=arch == "olmoe",
         hidden_act=cfg.get("hidden_act") or cfg.get("hidden_activation") or "silu",
         tie_word_embeddings=bool(top.get("tie_word_embeddings", cfg.get("tie_word_embeddings", arch == "gemma3"))),
         bos_token_id=cfg.get("bos_token_id", top.get("bos_token_id")),
@@ -103,23 +105,25 @@ def config_from_hf(cfg: dict, generation: dict | None = None) -> ModelConfig:
         out["sliding_window"] = cfg["sliding_window"]
     if arch == "gemma3":
         out.update(_gemma3_fields(cfg, hidden, out["num_layers"]))
-    if arch in ("qwen2_moe", "qwen3_moe", "mixtral"):
+    if arch in ("qwen2_moe", "qwen3_moe", "mixtral", "olmoe"):
         out.update(_moe_fields(cfg, arch))
+    if cfg.get("clip_qkv") is not None:
+        raise ConfigError(f"clip_qkv {cfg['clip_qkv']} is not supported (q/k/v clamped after projection)")
     return ModelConfig(**out)
 
 
 def _moe_fields(cfg: dict, arch: str) -> dict:
     """ModelConfig's expert fields from a qwen2_moe / qwen3_moe / mixtral config.json (transformers' keys; mixtral
     names its experts' width intermediate_size and always renormalises the top-k weights)."""
-    mixtral = arch == "mixtral"
+    mixtral, olmoe = arch == "mixtral", arch == "olmoe"
     return dict(
         num_experts=cfg.get("num_experts") or cfg.get("num_local_experts"),
         num_experts_per_tok=cfg["num_experts_per_tok"],
-        moe_intermediate_size=cfg["intermediate_size"] if mixtral else cfg["moe_intermediate_size"],
+        moe_intermediate_size=cfg["intermediate_size"] if mixtral or olmoe else cfg["moe_intermediate_size"],
         shared_expert_intermediate_size=cfg.get("shared_expert_intermediate_size") or 0 if arch == "qwen2_moe" else 0,
         norm_topk_prob=True if mixtral else bool(cfg.get("norm_topk_prob", False)),
-        decoder_sparse_step=1 if mixtral else cfg.get("decoder_sparse_step") or 1,
-        mlp_only_layers=() if mixtral else tuple(cfg.get("mlp_only_layers") or ()),
+        decoder_sparse_step=1 if mixtral or olmoe else cfg.get("decoder_sparse_step") or 1,
+        mlp_only_layers=() if mixtral or olmoe else tuple(cfg.get("mlp_only_layers") or ()),
     )
 
 

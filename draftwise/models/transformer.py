@@ -1,5 +1,5 @@
 """One decoder-only transformer for the llama, mistral, qwen2, qwen3 and gemma3 families and the mixture-of-experts
-qwen2_moe, qwen3_moe and mixtral.
+qwen2_moe, qwen3_moe, mixtral and olmoe (its q/k norms over the whole projection).
 
 Families differ only by ModelConfig fields (qkv bias, q/k norm, sandwich norms and norm weight offset,
 embedding scale, activation, attention scale, sliding-window layers with their own RoPE base, tied
@@ -99,10 +99,11 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(cfg.hidden_size, nkv * hd, bias=cfg.attention_bias)
         self.v_proj = nn.Linear(cfg.hidden_size, nkv * hd, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(nh * hd, cfg.hidden_size, bias=False)
-        if cfg.qk_norm:
-            self.q_norm = RMSNorm(hd, cfg.rms_norm_eps, cfg.norm_weight_offset)
-            self.k_norm = RMSNorm(hd, cfg.rms_norm_eps, cfg.norm_weight_offset)
-        self.qk_norm = cfg.qk_norm
+        if cfg.qk_norm or cfg.qk_norm_full:  # per head [head_dim], or (olmoe) over the whole projection
+            self.q_norm = RMSNorm(nh * hd if cfg.qk_norm_full else hd, cfg.rms_norm_eps, cfg.norm_weight_offset)
+            self.k_norm = RMSNorm(nkv * hd if cfg.qk_norm_full else hd, cfg.rms_norm_eps, cfg.norm_weight_offset)
+        self.qk_norm = cfg.qk_norm and not cfg.qk_norm_full  # the per-head norm (in the fused call where fused)
+        self.qk_norm_full = cfg.qk_norm_full
         self.num_heads, self.num_kv_heads, self.head_dim = nh, nkv, hd
         self.scale = (cfg.query_pre_attn_scalar or hd) ** -0.5
         self.sliding = layer_type == "sliding_attention"
@@ -137,6 +138,8 @@ class Attention(nn.Module):
             q, k, v = self.qkv_proj(x).split(self.qkv_sizes, dim=-1)  # views of one [B, T, Nq + 2 Nkv] output
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if self.qk_norm_full:  # olmoe: each row's whole q and k normalised before they are cut into heads
+            q, k = self.q_norm(q), self.k_norm(k)
         cos, sin = rope
         if self.fused:  # one C++ call: q/k norm, RoPE, K/V into the cache (float32 / bfloat16) as KVCache.write does;
             # bitwise the reference below up to the q/k norm's summation (kernels/glue.py)
@@ -627,7 +630,7 @@ class Decoder(nn.Module):
             mods = layer._modules
             attn, mlp = mods["self_attn"], mods["mlp"]
             a, m = attn._modules, mlp._modules
-            if layer.sandwich or m.get("gate_up_proj") is None:
+            if layer.sandwich or m.get("gate_up_proj") is None or attn.qk_norm_full:
                 return None
             qkv = ("qkv_proj",) if a.get("qkv_proj") is not None else ("q_proj", "k_proj", "v_proj")
             projections = [_stackable(a[n], tokens) for n in qkv] + [
