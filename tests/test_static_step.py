@@ -1,6 +1,7 @@
 """The static step (models/static_step.py) and device-side speculation (spec_decode/static_spec.py) on tiny
 random models: with our row-exact attention op its rows are bitwise Decoder.forward's; with row-exact linears
-a row's logits do not depend on the bucket it ran in (SDPA over the slot's whole capacity included); greedy
+a row's logits do not depend on the bucket it ran in (SDPA over the slot's whole capacity included;
+bitwise where torch's CPU SDPA is itself bucket-free, to 1e-5 where its GEMMs' blocking is not); greedy
 output equals today's engine token for token (plain, n-gram k 1..8, a draft model, the suffix proposer on the
 host; 1..8 sequences of mixed widths); the tensor n-gram lookup is spec_decode/ngram.py's; rejection
 sampling keeps the target's distribution (chi-square)."""
@@ -83,8 +84,31 @@ def test_sdpa_rows_do_not_depend_on_the_bucket_with_row_exact_linears():
             rows.append(step(tok, pos, torch.arange(batch))[0])
         results[(width, batch)] = torch.cat(rows)
     base = results[(1, 1)]
+    bitwise = _torch_sdpa_rows_are_bucket_free()
     for key, rows in results.items():
-        assert torch.equal(rows, base), key
+        torch.testing.assert_close(rows, base, rtol=1e-5, atol=1e-5, msg=str(key))
+        if bitwise:  # torch's own SDPA keeps a row's bits whatever the bucket here: so must the step around it
+            assert torch.equal(rows, base), key
+
+
+def _torch_sdpa_rows_are_bucket_free() -> bool:
+    """Whether torch's CPU SDPA on this machine gives a query row the same bits at every query width and batch
+    (its GEMMs' blocking decides: on a Sapphire Rapids class CPU it does, on Zen 4 rows differ by ~2e-7). Where
+    it does not, the step's rows can only be compared to a tolerance: the static step is the GPU's path."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = torch.randn(8, 4, 16, 16, generator=g), torch.randn(8, 2, 64, 16, generator=g), torch.randn(8, 2, 64, 16, generator=g)
+    key_pos = torch.arange(64)
+
+    def rows(width, batch):
+        out = []
+        for start in range(0, 16, width):
+            mask = key_pos <= (torch.arange(width)[None].repeat(batch, 1) + start)[:, None, :, None]
+            out.append(torch.nn.functional.scaled_dot_product_attention(
+                q[:batch, :, start : start + width], k[:batch], v[:batch], attn_mask=mask, enable_gqa=True)[0])
+        return torch.cat(out, 1)
+
+    base = rows(1, 1)
+    return all(torch.equal(rows(w, b), base) for w, b in ((2, 2), (4, 8), (8, 4), (16, 1)))
 
 
 def test_plain_equals_engine(target, plain_outputs):
