@@ -175,12 +175,13 @@ class AdaptiveK:
         return self.batch_rate([k], [alpha], [behind], [remaining])
 
     def _rate_of(self, alphas: list[float], k_top: int, behind: list[int] | None, remaining: list[int] | None):
-        """rate(ks) for ks up to k_top, over costs read once per decision (the grids' lookups are the slow part)."""
+        """rate(ks) for ks up to k_top, over costs read once per decision (the grids' lookups are the slow part);
+        its `.parts` (E table, verify by width, draft forward by rows or None, catch-up per row) for best_ks."""
         n = len(alphas)
         e = [[_expected(a, k) for k in range(k_top + 1)] for a in alphas]  # E_i(k)
         verify = [0.0] + [self.target.cost(n, w) for w in range(1, k_top + 2)]  # by the padded width
-        forward = ([self.draft_grid.cost(b, 1) * self.draft_scale for b in range(n + 1)]
-                   if self.draft_grid is not None else None)  # one draft forward of b rows
+        forward = ([0.0] + [self.draft_grid.cost(b, 1) * self.draft_scale for b in range(1, n + 1)]
+                   if self.draft_grid is not None else None)  # one draft forward of b rows (none for 0)
         cu = ([self.catch_up_cost * (behind[i] - 1) / max(remaining[i], 1) for i in range(n)]
               if behind is not None else [0.0] * n)
 
@@ -194,33 +195,47 @@ class AdaptiveK:
             catch_up = sum(cu[i] * e[i][k] for i, k in enumerate(ks) if k)
             return tokens / (verify[1 + K] + draft + catch_up)
 
+        rate.parts = (e, verify, forward, cu)
         return rate
 
     # ---- the decision --------------------------------------------------------------------------------------
     def best_ks(self, alphas: list[float], caps: list[int], behind: list[int] | None = None,
                 remaining: list[int] | None = None) -> tuple[list[int], float, float]:
-        """(k per row, its rate, plain's rate): the search of the module docstring, without hysteresis or probes."""
+        """(k per row, its rate, plain's rate): the search of the module docstring, without hysteresis or probes.
+        The shared-K pass adds rows one at a time, updating the sums (no full re-evaluation per candidate)."""
         n = len(alphas)
         k_top = min(self.k_max, max(caps, default=0))
         rate = self._rate_of(alphas, k_top, behind, remaining)
+        e, verify, forward, cu = rate.parts
         plain = rate([0] * n)
         best, best_rate = [0] * n, plain
         order = sorted((i for i in range(n) if caps[i] > 0), key=lambda i: -alphas[i])
         for K in range(1, k_top + 1):
-            ks = [0] * n
+            ks, rows_at = [0] * n, [0] * (K + 1)  # rows_at[j]: rows guessing >= j tokens
+            tokens, catch_up, draft, widest = float(n), 0.0, 0.0, 0
             for i in order:
-                ks[i] = min(K, caps[i])
-                r = rate(ks)
+                k = ks[i] = min(K, caps[i])
+                tokens += e[i][k] - 1.0
+                catch_up += cu[i] * e[i][k]
+                widest = max(widest, k)
+                if forward is not None:
+                    for j in range(1, k + 1):
+                        draft += forward[rows_at[j] + 1] - forward[rows_at[j]]
+                        rows_at[j] += 1
+                else:
+                    draft = self.draft_time(ks)
+                r = tokens / (verify[1 + widest] + draft + catch_up)
                 if r > best_rate:
                     best, best_rate = list(ks), r
-        for i in reversed(order):  # least likely first: a row's own k, the others held
-            for k in range(best[i] - 1, -1, -1) if best[i] else ():
-                trial = list(best)
-                trial[i] = k
-                r = rate(trial)
-                if r > best_rate:
-                    best, best_rate = trial, r
-        return best, best_rate, plain
+        if forward is not None or any(cu):  # a row's smaller k saves draft forwards or catch-up, never verify width
+            for i in reversed(order):  # least likely first: a row's own k, the others held
+                for k in range(best[i] - 1, -1, -1) if best[i] else ():
+                    trial = list(best)
+                    trial[i] = k
+                    r = rate(trial)
+                    if r > best_rate:
+                        best, best_rate = trial, r
+        return best, rate(best), plain
 
     def choose_batch(self, reqs: list, caps: list[int] | None = None, guessing: bool | None = None) -> list[int]:
         """Each row's k for this step (caps: each row's most, default k_max); `guessing`: whether the last step
