@@ -675,7 +675,8 @@ class Q81Linear(_BlockLinear):
 
     name = "q8_1"
     description = "ours: GGUF Q4_1 / Q5_1 / Q5_K weights (exact) x int8 activations per 32, AVX-512 VNNI / AVX2"
-    tolerance = 0.04  # 5-bit weights (~0.03 for Gaussian weights) plus int8 activations per 32 (~0.006)
+    tolerance = 0.06  # 5-bit min-max weights per 32 (steps of range / 31: ~0.04 for Gaussian weights, measured
+    # 0.042 at worst on tests/test_kernels.py's shapes) plus int8 activations per 32 (~0.006)
     PACKED = ("qw", "d", "m")
     GGUF_TYPES = blocktypes.types_of("q8_1")
 
