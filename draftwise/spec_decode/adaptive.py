@@ -264,9 +264,9 @@ class AdaptiveK:
 
     def choose(self, req) -> int:
         """The batch rule for one request alone (a prefill's first guesses): the batch decision's state is kept."""
-        held = self._guessing, self.last_decision
+        held = self._guessing, self.last_decision, self._unseen
         k = self.choose_batch([req], guessing=self._plain_run.get(req.request_id) == 0)[0]
-        self._guessing, self.last_decision = held
+        self._guessing, self.last_decision, self._unseen = held
         return k
 
     # ---- learning ------------------------------------------------------------------------------------------
