@@ -59,20 +59,21 @@ def test_the_limit_comes_from_the_flag_the_cgroup_or_the_ram(monkeypatch):
 
 
 def test_a_flood_past_the_ceiling_is_held_then_refused_and_what_is_admitted_completes():
-    rss = {"bytes": 100}  # below the ceiling until the first request runs, then above it
-    guard = M.MemoryGuard(1000, measure=lambda: rss["bytes"], interval_s=0.0)
+    app = {}
+    # the stand-in RSS: above 95% of the ceiling whenever a request holds an engine slot
+    guard = M.MemoryGuard(1000, measure=lambda: 990 if app["runner"]._sinks else 100, interval_s=0.0)
     llm = tiny_llm(max_model_len=1024, max_num_seqs=4)
     running = {"max": 0}
     real_step = llm.engine.step
 
     def step():  # the engine's concurrency while the ceiling holds admission
-        running["max"] = max(running["max"], len(llm.engine.running))
-        rss["bytes"] = 990  # what the running request "uses": above 95% of the ceiling
+        running["max"] = max(running["max"], len(llm.engine.running) + len(llm.engine.waiting))
         return real_step()
 
     llm.engine.step = step
     body = {"model": MODEL, "prompt": "w1 w2 w3 " * 50, "max_tokens": 24, "ignore_eos": True}
     with Server(create_app(llm, MODEL, max_waiting=3, memory_guard=guard)) as s:
+        app["runner"] = s.app.state.runner
         barrier = threading.Barrier(12)
 
         def one(_):
