@@ -334,3 +334,24 @@ def test_the_draft_s_cost_follows_the_measured_proposing_time():
     for _ in range(60):
         lookup.observe_step(1, 4, ROW_BOUND.cost(1, 4), 0.002, [3])
     assert abs(lookup.draft_time([3]) - 0.002) < 0.0002
+
+
+def test_rows_probe_together_so_a_batch_pays_few_wide_steps():
+    """Four plain rows (guessing never pays on this grid) probe in the same steps: a probe widens the whole padded
+    step, so the rows whose probe is at least half due ride along; each row still probes on its doubling cadence."""
+    p = AdaptiveK(8, ROW_BOUND)
+    reqs = [_Req(f"r{i}", params=SamplingParams(max_tokens=10_000)) for i in range(4)]
+    steps = []
+    for t in range(200):
+        if t == 5:
+            reqs.append(_Req("late", params=SamplingParams(max_tokens=10_000)))  # joins mid-way, its gap out of step
+        ks = p.choose_batch(reqs, [8] * len(reqs))
+        steps.append(ks)
+        for r, k in zip(reqs, ks):
+            if k:
+                p.observe(r, k, 0)
+    wide = [ks for ks in steps if any(ks)]
+    per_row = [sum(1 for ks in steps if len(ks) > i and ks[i]) for i in range(5)]
+    assert all(n >= 3 for n in per_row)  # every row keeps probing
+    assert len(wide) < sum(per_row)  # ... in shared steps
+    assert all(k in (0, adaptive.PROBE_K) for ks in steps[20:] for k in ks)  # after the prior's first guesses

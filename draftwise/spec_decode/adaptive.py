@@ -29,7 +29,8 @@ for a batch of one (the prefill's first guesses, per-request callers).
 behind PRIOR_GUESSES pseudo-guesses at the engine's α, which each finished request moves ENGINE_MIX of the way
 to its own: the last few requests set a new request's start, and no workload's long history outvotes a
 request's own evidence. While plain decoding wins for a row, a k = PROBE_K probe after EXPLORE_EVERY plain steps
-keeps its estimate from freezing, the gap doubling after each probe (every probe pays the proposer's catch-up).
+keeps its estimate from freezing, the gap doubling after each probe (every probe pays the proposer's catch-up); a
+probe widens the whole padded step, so the rows whose probe is at least half due probe in that same step.
 Knows nothing of models' internals or the proposer's type.
 """
 from __future__ import annotations
@@ -249,10 +250,13 @@ class AdaptiveK:
         ks, rate, plain = self.best_ks(alphas, caps, behind, remaining)
         if any(ks) and rate < (KEEP_MARGIN if guessing else MARGIN) * plain:
             ks = [0] * len(reqs)
+        runs = [self._plain_run.get(rid, 0) + 1 if ks[i] == 0 else 0 for i, rid in enumerate(rids)]
+        gaps = [self._probe_gap.get(rid, EXPLORE_EVERY) for rid in rids]
+        # a probe widens the whole padded step: rows whose probe is at least half due take the same step
+        due = any(runs[i] >= gaps[i] and caps[i] > 0 for i in range(len(rids)))
         for i, rid in enumerate(rids):
-            plain_run = self._plain_run.get(rid, 0) + 1 if ks[i] == 0 else 0
-            gap = self._probe_gap.get(rid, EXPLORE_EVERY)
-            if plain_run >= gap and caps[i] > 0:  # a cheap probe keeps the estimate alive, less often each time
+            plain_run, gap = runs[i], gaps[i]
+            if due and plain_run >= (gap + 1) // 2 and caps[i] > 0:  # keeps the estimate alive, less often each time
                 ks[i], plain_run, self._probe_gap[rid] = min(PROBE_K, caps[i]), 0, 2 * gap
             self._plain_run[rid] = plain_run
             self._behind[rid] = behind[i] + 1 if ks[i] == 0 else behind[i]  # observe() resets it after a guess
