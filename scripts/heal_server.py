@@ -247,7 +247,7 @@ def cmd_soak(args) -> dict:
 def cmd_flood(args) -> dict:
     serve = ["--model", args.model, "--memory-limit", args.memory_limit, "--max-num-seqs", "4", "--max-waiting",
              str(args.max_waiting), "--max-model-len", str(args.prompt_tokens + 512), "--log-level", "warning"]
-    words = "alpha beta gamma delta epsilon zeta eta theta iota kappa".split()
+    words = "the of and to in is it for on with".split()  # one qwen2 token each (with its space)
     rng = random.Random(0)
     with DraftwiseServer(serve, log=args.log) as server:
         peak = {"bytes": 0}
@@ -262,7 +262,7 @@ def cmd_flood(args) -> dict:
         threading.Thread(target=sampler, daemon=True).start()
         results: list = [None] * args.requests
 
-        def one(i):  # ~1 token per word for the qwen2 tokenizer
+        def one(i):  # a token per word
             prompt = " ".join(rng.choice(words) for _ in range(args.prompt_tokens - 16))
             results[i] = stream(server.url, {"model": args.model, "prompt": prompt, "max_tokens": 8,
                                              "temperature": 0})
