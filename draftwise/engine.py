@@ -317,7 +317,9 @@ class Engine:
     def _first_drafts(self, reqs: list[Request]) -> tuple[list[Draft], list[torch.Tensor | None]]:
         """Each new request's first draft, cut by its grammar, and the masks of its rows (mask [k + 1, V]).
         No guesses unless the prefill verifies them; a proposer that fails here leaves the requests unguessed."""
-        k_per_seq = [self._k_for(r, len(r.context_ids) - 1) if self.speculate_in_prefill else 0 for r in reqs]
+        # the admitted prompts' first guesses as one batch decision (a draft model reads each prompt to guess)
+        k_per_seq = (choose_batch(self.k_policy, reqs, [self._room(r, len(r.context_ids) - 1) for r in reqs])
+                     if self.speculate_in_prefill else [0] * len(reqs))
         drafts = [Draft(EMPTY_DRAFT_IDS) for _ in reqs]
         if any(k_per_seq):
             try:
@@ -526,15 +528,11 @@ class Engine:
         r.spec_stats.mask_time_s += dt
         self.stats.mask_time_s += dt
 
-    def _k_for(self, req: Request, context: int | None = None) -> int:
-        """Guesses for req's next step; `context`: tokens in its cache before the pending token (default: the
-        slot's length; a prefill passes its prompt's length - 1, the last prompt token being the pending one)."""
-        room = self._room(req, context)
-        return max(0, min(self.k_policy.choose(req), room)) if room > 0 else 0
-
     def _room(self, req: Request, context: int | None = None) -> int:
         """The most guesses req's next step may hold: 0 for a request that opted out (plain steps through the same
-        path), else within k_max, max_tokens and the context (the pending token takes one position)."""
+        path), else within k_max, max_tokens and the context (the pending token takes one position); `context`:
+        tokens in its cache before the pending token (default: the slot's length; a prefill passes its prompt's
+        length - 1, the last prompt token being the pending one)."""
         if not req.speculate:
             return 0
         room_out = req.params.max_tokens - len(req.output_ids) - 1
