@@ -99,8 +99,11 @@ def test_catching_up_is_charged_and_spread_over_what_is_left():
     nothing (n-gram)."""
     p = _policy(catch_up_cost=0.002)
     _history(p)
-    assert p.choose(_Req("near_end", prompt_ids=[1] * 400, params=SamplingParams(max_tokens=31))) == 0
-    assert p.choose(_Req("long", prompt_ids=[1] * 400, params=SamplingParams(max_tokens=500))) > 0
+    near_end = _Req("near_end", prompt_ids=[1] * 400, params=SamplingParams(max_tokens=31))
+    long = _Req("long", prompt_ids=[1] * 400, params=SamplingParams(max_tokens=500))
+    assert p.choose(long) == 0  # a first decision (the prefill's guesses) pays the whole prompt's catch-up
+    assert p.choose(near_end) == 0 and p.choose(near_end) == 0
+    assert p.choose(long) > 0  # from then on spread over what is left
     free = _policy(catch_up_cost=0.0)
     _history(free)
     assert free.choose(_Req("near_end", prompt_ids=[1] * 400, params=SamplingParams(max_tokens=31))) > 0

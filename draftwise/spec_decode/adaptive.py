@@ -245,7 +245,8 @@ class AdaptiveK:
         caps = [self.k_max] * len(reqs) if caps is None else [min(c, self.k_max) for c in caps]
         rids = [r.request_id for r in reqs]
         behind = [self._behind.get(rid, len(r.prompt_ids) + 1) for rid, r in zip(rids, reqs)]
-        remaining = [r.params.max_tokens - len(r.output_ids) for r in reqs]
+        # a request's first decision (its prefill's guesses) pays its prompt's catch-up in full: later steps may not guess
+        remaining = [r.params.max_tokens - len(r.output_ids) if rid in self._behind else 1 for rid, r in zip(rids, reqs)]
         alphas = [self.acceptance(r) for r in reqs]
         ks, rate, plain = self.best_ks(alphas, caps, behind, remaining)
         if any(ks) and rate < (KEEP_MARGIN if guessing else MARGIN) * plain:
