@@ -47,3 +47,14 @@ def test_tune_says_up_to_which_concurrency_the_winner_pays():
     assert tune.pays_up_to_concurrency(REPORT, "draft_model-auto") is None
     flat = _seg({"none": 20.0, "ngram-auto": 20.0}, {"ngram-auto": [1.0] * 12}, "no measurable difference")
     assert tune.pays_up_to_concurrency({"segments": {"chat@c1": flat, "chat@c2": flat}}, "ngram-auto") is None
+
+
+def test_levels_that_pay_above_a_losing_first_level_are_named():
+    segs = {f"code/repeated@c{c}": REPORT["segments"][f"code/repeated@c{c}"] for c in (2, 4, 8)}
+    segs["code/repeated@c1"] = _seg({"none": 20.0, "ngram-auto": 19.0}, {"ngram-auto": LOSSES}, "don't")
+    rows = next(iter(report.concurrency_rows({"segments": segs}).values()))
+    assert rows[-1] == ["speculation pays", "not at concurrency 1 (only at c=2, c=8)"]
+    assert report._upto(rows) is None
+    losing = {k: _seg({"none": 20.0, "ngram-auto": 19.0}, {"ngram-auto": LOSSES}, "don't") for k in segs}
+    assert next(iter(report.concurrency_rows({"segments": losing}).values()))[-1] == [
+        "speculation pays", "at no measured concurrency"]

@@ -164,7 +164,10 @@ def concurrency_rows(report: dict) -> dict[str, list[list[str]]]:
         for c in cs:
             rs.append([f"verdict c={c}", (levels[c].get("verdict") or {}).get("text") or "-"])
         upto = pays_up_to({c: levels[c].get("verdict") for c in cs})
-        rs.append(["speculation pays", f"up to concurrency {upto}" if upto else "at no measured concurrency"])
+        paying = [c for c in cs if (levels[c].get("verdict") or {}).get("decision") == "speculate"]
+        rs.append(["speculation pays", f"up to concurrency {upto}" if upto else
+                   f"not at concurrency {cs[0]} (only at {', '.join(f'c={c}' for c in paying)})" if paying else
+                   "at no measured concurrency"])
         out[f"{name} by concurrency (aggregate tok/s over plain's; paired per-request speedup)"] = rs
     return out
 
