@@ -257,7 +257,7 @@ def _prepared_from_cache(path: Path, kinds: dict) -> Iterator[tuple[str, torch.T
     from draftwise.models import quant
 
     pending: dict[str, dict[str, torch.Tensor]] = {}
-    for name, t in st.map_tensors(path):  # views of the file, used as they are (README: what is mapped)
+    for name, t in st.map_tensors(path):  # views of the file, used as they are (docs/models.md: Mapped weights)
         owner = next((p for p in (name.rpartition(".")[0], name.rpartition(".")[0].rpartition(".")[0]) if p in kinds),
                      None)
         if owner is None:

@@ -39,7 +39,7 @@ def register(sub) -> None:
                    help="--engine vllm: the python of vLLM's environment (default: $DRAFTWISE_VLLM, else .venv-vllm)")
     p.add_argument("vllm_args", nargs="*", metavar="-- VLLM_ARG",
                    help="--engine vllm: arguments after `--` go to `vllm serve` untouched")
-    g = p.add_argument_group("limits (README: Running it safely)")
+    g = p.add_argument_group("limits (docs/server.md: Running it safely)")
     d = L.RequestLimits()
     g.add_argument("--max-body-bytes", type=int, default=L.DEFAULT_MAX_BODY_BYTES,
                    help="largest request body accepted, 413 above (default: %(default)s)")

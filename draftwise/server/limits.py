@@ -1,5 +1,5 @@
 """The server's limits and their defaults, in one place with no heavy imports, so that `draftwise serve --help`
-shows them without loading FastAPI. README "Running it safely" lists the same values.
+shows them without loading FastAPI. docs/server.md "Running it safely" lists the same values.
 
 Owns only numbers: validation.py enforces the per-request ones, runner.py / app.py the admission ones,
 shutdown.py the shutdown timeout, cli.py turns each into a flag.
