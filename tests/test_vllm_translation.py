@@ -249,3 +249,13 @@ def test_http_client_sends_at_most_four_stops_and_cuts_at_the_rest():
     assert HUMANEVAL_STOP[MAX_STOP] == "\n#" and res.text == "    return 1" and res.finish_reason == "stop"
     res = client._stream("http://x", Call("def f():\n", None, 8, stop=["\nclass "]))
     assert res.text == "    return 1\n# x" and res.token_ids == [0, 1, 2]
+
+
+def test_a_mixture_of_experts_gguf_is_refused_for_the_vllm_export_by_name():
+    from draftwise.config import ModelConfig
+    from draftwise.models.hf_export import hf_config
+
+    moe = ModelConfig("qwen3_moe", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
+                      num_kv_heads=2, head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16)
+    with pytest.raises(ConfigError, match="qwen3_moe: a GGUF of this family cannot be exported for vLLM"):
+        hf_config(moe)

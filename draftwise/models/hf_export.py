@@ -34,6 +34,9 @@ _HF_TYPES = {  # our architecture -> (transformers model_type, its causal-LM cla
 
 def hf_config(config: ModelConfig, dtype: str = "bfloat16") -> dict:
     """transformers' config.json for `config` (safetensors.config_from_hf reads it back to the same ModelConfig)."""
+    if config.architecture not in _HF_TYPES:  # the mixtures of experts: their expert tensors have no export yet
+        raise ConfigError(f"{config.architecture}: a GGUF of this family cannot be exported for vLLM yet (exported: "
+                          f"{', '.join(_HF_TYPES)}); give vLLM the model's HF checkpoint directory instead")
     model_type, cls = _HF_TYPES[config.architecture]
     eos = list(config.eos_token_ids)
     out = {
