@@ -460,13 +460,47 @@ class _BlockLinear(LinearImpl):
     """Shared by our GGUF block kernels (Q6KLinear, Q80Linear): weights packed per 16 output columns
     (kernels/ggml_blocks.py), activations quantized per row inside the C++ operator, work split by column block
     (so every row is exact by construction, as q4x8). Subclasses set PACKED (the buffers of the layout, dim 0 the
-    16-column block), OP (the torch.ops namespace), and `_parts` / `_pack` / `_call`."""
+    16-column block) in the operator's argument order, K_BLOCK (K values per block), K_PART (the part whose dim 1
+    is K) and GGUF_TYPES; the layout's functions are ggml_blocks' `quantize_`, `pack_`, `unpack_`, `dequantize_`
+    and `_bytes` of the kernel's name, and its operator is the library's op of that name."""
 
     dtype = "float32"
     row_exact = True
     mergeable = True
     PACKED: ClassVar[tuple[str, ...]] = ()
     GGUF_TYPES: ClassVar[tuple[str, ...]] = ()  # the GGUF block types this kernel holds exactly
+    K_BLOCK: ClassVar[int] = 32
+    K_PART: ClassVar[str] = "v"
+
+    @classmethod
+    def supports(cls, N: int, K: int) -> bool:
+        return K % cls.K_BLOCK == 0
+
+    @classmethod
+    def nbytes(cls, N: int, K: int, bias: bool = False) -> int:
+        return getattr(ggml_blocks, f"{cls.name}_bytes")(N, K) + (4 * N if bias else 0)
+
+    @classmethod
+    def _quantize(cls, weight: torch.Tensor) -> dict:
+        return getattr(ggml_blocks, f"quantize_{cls.name}")(weight)
+
+    @classmethod
+    def _k_of(cls, parts: dict) -> int:
+        return parts[cls.K_PART].shape[1]
+
+    @classmethod
+    def _pack(cls, parts: dict) -> dict:
+        return getattr(ggml_blocks, f"pack_{cls.name}")(parts)
+
+    @classmethod
+    def _dense(cls, buffers: dict, b0: int, b1: int) -> torch.Tensor:
+        unpacked = getattr(ggml_blocks, f"unpack_{cls.name}")(buffers, b0, b1)
+        return getattr(ggml_blocks, f"dequantize_{cls.name}")(unpacked)
+
+    def _call(self, x2: torch.Tensor) -> torch.Tensor:  # x2 [M, K] float32 -> [M, N]
+        b = self._buffers
+        return _block_op(self.name)(x2, *(b[n] for n in self.PACKED), b["bias"], self.out_features,
+                                    library.PATHS[self.path])
 
     @classmethod
     def available(cls, probe: dict) -> bool:
@@ -591,38 +625,14 @@ class Q6KLinear(_BlockLinear):
     tolerance = 0.03  # 6-bit weights (~0.02 for Gaussian weights) plus int8 activations per 256 (~0.007)
     PACKED = ("ql", "qh", "sc", "d")
     GGUF_TYPES = blocktypes.types_of("q6k")
-
-    @classmethod
-    def supports(cls, N: int, K: int) -> bool:
-        return K % ggml_blocks.QK_K == 0
-
-    @classmethod
-    def nbytes(cls, N: int, K: int, bias: bool = False) -> int:
-        return ggml_blocks.q6k_bytes(N, K) + (4 * N if bias else 0)
-
-    @staticmethod
-    def _quantize(weight: torch.Tensor) -> dict:
-        return ggml_blocks.quantize_q6k(weight)
-
-    @staticmethod
-    def _k_of(parts: dict) -> int:
-        return parts["q"].shape[1]
-
-    @staticmethod
-    def _pack(parts: dict) -> dict:
-        return ggml_blocks.pack_q6k(parts)
-
-    @staticmethod
-    def _dense(buffers: dict, b0: int, b1: int) -> torch.Tensor:
-        return ggml_blocks.dequantize_q6k(ggml_blocks.unpack_q6k(buffers, b0, b1))
+    K_BLOCK, K_PART = ggml_blocks.QK_K, "q"
 
     def _call(self, x2: torch.Tensor) -> torch.Tensor:  # x2 [M, K] float32 -> [M, N]
         b = self._buffers
         if self.path == "auto" and x2.shape[0] > 1 and _q6k_wide_takes(x2.shape[0]):
             # the wide GEMM (csrc/gemm_q6k*.cpp: AMX, or VNNI over row chunks): bitwise the GEMV's rows, faster from the measured width on
             return _q6k_wide()(x2, b["ql"], b["qh"], b["sc"], b["d"], b["bias"], self.out_features)
-        return _block_op("q6k")(x2, b["ql"], b["qh"], b["sc"], b["d"], b["bias"], self.out_features,
-                                library.PATHS[self.path])
+        return super()._call(x2)
 
 
 class Q80Linear(_BlockLinear):
@@ -636,34 +646,6 @@ class Q80Linear(_BlockLinear):
     tolerance = 0.02  # 8-bit weights (~0.005) plus int8 activations per 32 (~0.006)
     PACKED = ("qw", "d")
     GGUF_TYPES = blocktypes.types_of("q8_0")
-
-    @classmethod
-    def supports(cls, N: int, K: int) -> bool:
-        return K % 32 == 0
-
-    @classmethod
-    def nbytes(cls, N: int, K: int, bias: bool = False) -> int:
-        return ggml_blocks.q8_0_bytes(N, K) + (4 * N if bias else 0)
-
-    @staticmethod
-    def _quantize(weight: torch.Tensor) -> dict:
-        return ggml_blocks.quantize_q8_0(weight)
-
-    @staticmethod
-    def _k_of(parts: dict) -> int:
-        return parts["v"].shape[1]
-
-    @staticmethod
-    def _pack(parts: dict) -> dict:
-        return ggml_blocks.pack_q8_0(parts)
-
-    @staticmethod
-    def _dense(buffers: dict, b0: int, b1: int) -> torch.Tensor:
-        return ggml_blocks.dequantize_q8_0(ggml_blocks.unpack_q8_0(buffers, b0, b1))
-
-    def _call(self, x2: torch.Tensor) -> torch.Tensor:  # x2 [M, K] float32 -> [M, N]
-        b = self._buffers
-        return _block_op("q8_0")(x2, b["qw"], b["d"], b["bias"], self.out_features, library.PATHS[self.path])
 
 
 class Q81Linear(_BlockLinear):
@@ -679,35 +661,6 @@ class Q81Linear(_BlockLinear):
     # 0.042 at worst on tests/test_kernels.py's shapes) plus int8 activations per 32 (~0.006)
     PACKED = ("qw", "d", "m")
     GGUF_TYPES = blocktypes.types_of("q8_1")
-
-    @classmethod
-    def supports(cls, N: int, K: int) -> bool:
-        return K % 32 == 0
-
-    @classmethod
-    def nbytes(cls, N: int, K: int, bias: bool = False) -> int:
-        return ggml_blocks.q8_1_bytes(N, K) + (4 * N if bias else 0)
-
-    @staticmethod
-    def _quantize(weight: torch.Tensor) -> dict:
-        return ggml_blocks.quantize_q8_1(weight)
-
-    @staticmethod
-    def _k_of(parts: dict) -> int:
-        return parts["v"].shape[1]
-
-    @staticmethod
-    def _pack(parts: dict) -> dict:
-        return ggml_blocks.pack_q8_1(parts)
-
-    @staticmethod
-    def _dense(buffers: dict, b0: int, b1: int) -> torch.Tensor:
-        return ggml_blocks.dequantize_q8_1(ggml_blocks.unpack_q8_1(buffers, b0, b1))
-
-    def _call(self, x2: torch.Tensor) -> torch.Tensor:  # x2 [M, K] float32 -> [M, N]
-        b = self._buffers
-        return _block_op("q8_1")(x2, b["qw"], b["d"], b["m"], b["bias"], self.out_features,
-                                 library.PATHS[self.path])
 
 
 _BLOCK_OPS: dict[str, object] = {}
