@@ -54,7 +54,7 @@ def test_the_limit_comes_from_the_flag_the_cgroup_or_the_ram(monkeypatch):
     monkeypatch.setattr(M, "cgroup_limit", lambda: 5 * GIB)
     assert M.resolve_limit("auto") == (5 * GIB, "the cgroup's memory limit")
     monkeypatch.setattr(M, "cgroup_limit", lambda: None)
-    monkeypatch.setattr(M, "available_ram", lambda: 7 * GIB)
+    monkeypatch.setattr(M, "available_memory", lambda: 7 * GIB)
     assert M.resolve_limit(None)[0] == 7 * GIB
 
 

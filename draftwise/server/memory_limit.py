@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from draftwise.config import ConfigError
+from draftwise.kv_cache import available_memory
 
 UNLIMITED_CGROUP = 2**60  # a v1 cgroup without a limit reports about 2^63
 # the HTTP process beside the engine: 484 MB measured (VmRSS) serving the 1.5B's tokenizer through a flood of 4k and
@@ -69,16 +70,6 @@ def cgroup_limit() -> int | None:
     return None
 
 
-def available_ram() -> int | None:
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
-
-
 def resolve_limit(flag: str | None) -> tuple[int | None, str]:
     """(bytes or None, where it came from) for --memory-limit `flag` ("auto" / None, "none", or a size)."""
     if flag is not None and flag.strip().lower() in ("none", "off", "0"):
@@ -88,7 +79,7 @@ def resolve_limit(flag: str | None) -> tuple[int | None, str]:
     limit = cgroup_limit()
     if limit is not None:
         return limit, "the cgroup's memory limit"
-    ram = available_ram()
+    ram = available_memory()
     return (ram, "the RAM available at start (MemAvailable)") if ram else (None, "unknown (no ceiling)")
 
 
