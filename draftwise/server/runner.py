@@ -385,12 +385,16 @@ class EngineRunner:
         self._down_message = self.host.exit_description()
         log.error("%s", self._down_message)
         if not getattr(self.host, "restartable", False) or self.restart_policy.max_restarts <= 0:
-            self.state = "failed"
-            self.metrics.on_engine_death(self.host.exit_cause(), restarted=False)
-            self.metrics.set_engine_state(self.state)
-            self._close()
+            self._fail_for_good(self.host.exit_cause())
             return
         self._on_death(self.host.exit_cause(), self._down_message)
+
+    def _fail_for_good(self, cause: str) -> None:
+        """No restart: count the death, say so in /health and /metrics, answer 503 (`_down_message`) from now on."""
+        self.state = "failed"
+        self.metrics.on_engine_death(cause, restarted=False)
+        self.metrics.set_engine_state(self.state)
+        self._close()
 
     def _on_death(self, cause: str, description: str) -> None:
         """Count the death; restart (after the backoff) unless over the limit; fail requests replayed too often."""
@@ -402,13 +406,10 @@ class EngineRunner:
         while self._deaths and self._deaths[0] < now - policy.window_s:
             self._deaths.popleft()
         if len(self._deaths) > policy.max_restarts:
-            self.state = "failed"
             self._down_message = (f"{description}; the engine died {len(self._deaths)} times within "
                                   f"{policy.window_s:g} s (the limit is {policy.max_restarts}): not restarting it")
             log.error("%s", self._down_message)
-            self.metrics.on_engine_death(cause, restarted=False)
-            self.metrics.set_engine_state(self.state)
-            self._close()
+            self._fail_for_good(cause)
             return
         self.metrics.on_engine_death(cause, restarted=True)
         if self.state != "restarting":
