@@ -253,29 +253,33 @@ def test_a_padded_step_lets_rows_ride_along_with_the_widest():
 
 def test_speculation_stops_when_the_load_makes_it_lose_and_starts_again_when_it_pays():
     """The engine's own step times move the grid (no re-timing forwards): when wide steps get dear (a neighbour
-    takes the cores a wide step needs), the batch goes plain; when they are cheap again, it guesses again. A
-    probe every EXPLORE_EVERY plain steps keeps the acceptance estimate moving meanwhile."""
+    takes the cores a wide step needs), the batch goes plain, probes included (guessing would lose even at
+    PROBE_ALPHA); when they are cheap again, it guesses again: at once where it still runs wide steps, and from plain
+    steps alone as the dear residual goes stale (no probe needed)."""
     cheap = _grid(lambda b, w: 0.050 + 0.002 * b * w)
-    p = AdaptiveK(4, cheap)
-    p.engine_alpha = 0.8
     reqs = [_Req(f"r{i}", params=SamplingParams(max_tokens=10_000)) for i in range(4)]
-    assert any(p.choose_batch(reqs, [4] * 4))
-    for _ in range(40):  # the engine reports wide steps 4x dearer than the grid said
-        p.observe_step(4, 5, 4 * (0.050 + 4 * 0.040), 0.0, [4] * 4)
-        p.observe_step(4, 1, 0.054, 0.0, [0] * 4)
-    assert p.choose_batch(reqs, [4] * 4) == [0] * 4
-    probes = []
-    for _ in range(EXPLORE_EVERY):
-        ks = p.choose_batch(reqs, [4] * 4)
-        probes.append(ks)
-        for r, k in zip(reqs, ks):
-            if k:
-                p.observe(r, k, k)
-    assert any(any(ks) for ks in probes)  # the rows' probes
-    for _ in range(60):  # cheap again
-        p.observe_step(4, 5, 0.050 + 0.002 * 20, 0.0, [4] * 4)
-        p.observe_step(4, 1, 0.058, 0.0, [0] * 4)
-    assert any(p.choose_batch(reqs, [4] * 4))
+    for restart in ("wide steps observed", "plain steps only"):
+        p = AdaptiveK(4, _grid(lambda b, w: 0.050 + 0.002 * b * w))
+        p.engine_alpha = 0.8
+        assert any(p.choose_batch(reqs, [4] * 4))
+        for _ in range(40):  # the engine reports wide steps 4x dearer than the grid said
+            p.observe_step(4, 5, 4 * (0.050 + 4 * 0.040), 0.0, [4] * 4)
+            p.observe_step(4, 1, 0.054, 0.0, [0] * 4)
+        plain_run = []
+        for _ in range(3 * EXPLORE_EVERY):
+            plain_run.append(p.choose_batch(reqs, [4] * 4))
+        assert plain_run == [[0] * 4] * len(plain_run)  # no probe either: none could find an α that pays here
+        if restart == "wide steps observed":
+            for _ in range(60):  # cheap again
+                p.observe_step(4, 5, 0.050 + 0.002 * 20, 0.0, [4] * 4)
+                p.observe_step(4, 1, 0.058, 0.0, [0] * 4)
+            assert any(p.choose_batch(reqs, [4] * 4))
+        else:
+            for t in range(400):  # the machine as measured again; the engine runs plain steps only
+                p.observe_step(4, 1, cheap.cost(4, 1), 0.0, [0] * 4)
+                if any(p.choose_batch(reqs, [4] * 4)):
+                    break
+            assert t < 399, "the stale residual of the dear widths never let speculation start again"
 
 
 def test_the_grid_follows_the_load_online():
@@ -337,6 +341,32 @@ def test_the_draft_s_cost_follows_the_measured_proposing_time():
     for _ in range(60):
         lookup.observe_step(1, 4, ROW_BOUND.cost(1, 4), 0.002, [3])
     assert abs(lookup.draft_time([3]) - 0.002) < 0.0002
+
+
+def test_no_probe_where_even_the_hoped_for_acceptance_cannot_pay_the_catch_up():
+    """A draft model's probe reads the request's whole unseen context (prompt + every plain step's token): where that
+    catch-up, spread over what is left, makes guessing lose even at PROBE_ALPHA (a short answer after a long prompt),
+    no row probes and every step is plain; with a long answer left the same rows probe on their cadence."""
+    draft = _grid(lambda b, w: 0.010 + 0.004 * b * w)  # catch-up ~4 ms a context token
+    p = AdaptiveK(8, ROW_BOUND, draft)
+    assert p.catch_up_cost > 0.003
+    short = [_Req(f"s{i}", prompt_ids=[1] * 300, params=SamplingParams(max_tokens=32)) for i in range(4)]
+    ks = []
+    for t in range(31):
+        for r in short:
+            r.output_ids = [1] * (t + 1)
+        ks.append(p.choose_batch(short, [8] * 4))
+    assert ks == [[0] * 4] * 31
+    assert p.k_histogram == {0: 4 * 31}
+    long = [_Req(f"l{i}", prompt_ids=[1] * 300, params=SamplingParams(max_tokens=4000)) for i in range(4)]
+    probed = []
+    for t in range(3 * EXPLORE_EVERY):
+        ks = p.choose_batch(long, [8] * 4)
+        probed.append(any(ks))
+        for r, k in zip(long, ks):
+            if k:
+                p.observe(r, k, 0)
+    assert any(probed)
 
 
 def test_rows_probe_together_so_a_batch_pays_few_wide_steps():

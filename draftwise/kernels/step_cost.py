@@ -18,7 +18,10 @@ Online: the engine reports every decode step's seconds for its (B, width) cell (
 so cells the engine never visits follow the load too; `resid` (per measured cell, clamped to RESID_RANGE) takes
 CELL_EWMA of what the scale leaves unexplained, shared among the measured cells around the observed one by their
 interpolation weights, so a width that got dearer (fewer threads under load make wide steps dearer than narrow
-ones) makes its neighbours dearer too, before the engine ever runs them.
+ones) makes its neighbours dearer too, before the engine ever runs them. What a residual says grows stale while its
+cells go unvisited: every other cell's residual relaxes RESID_RELAX of the way (in log) back to the measured shape
+per observed step, so a width that a burst of load priced out of the engine's steps (a policy that stops
+speculating never runs it again) is tried again once the burst is old, and taught again if it is still dear.
 Knows nothing of speculation, proposers or the engine: callers pass a decoder-like callable.
 """
 from __future__ import annotations
@@ -47,6 +50,7 @@ MAX_ROUNDS = 12  # time slice stalled (100+ ms on 2 busy cores) needs a few trie
 SCALE_EWMA = 0.1  # per observed step: the load factor's move toward measured / predicted (~10 steps to follow)
 CELL_EWMA = 0.2  # per observation of a cell: its residual's move
 RESID_RANGE = (0.25, 4.0)  # a residual explains at most this much of a cell (the rest is load, the scale's)
+RESID_RELAX = 0.01  # per observed step: an unvisited cell's residual's move back toward 1 (log; ~70 steps to halve)
 VERSION = 1
 
 
@@ -105,7 +109,12 @@ class StepCost:
             return
         self.scale *= (seconds / (base * self.scale)) ** SCALE_EWMA  # a uniform load change: all of it here
         left = math.log(seconds / (base * self.scale))  # what the load factor does not explain at this cell
-        for cell, weight in self._around(batch, width):
+        around = self._around(batch, width)
+        visited = {cell for cell, _ in around}
+        for cell, r in self.resid.items():  # unvisited cells' residuals go stale: back toward the measured shape
+            if cell not in visited:
+                self.resid[cell] = math.exp((1 - RESID_RELAX) * math.log(r))
+        for cell, weight in around:
             a = CELL_EWMA * weight
             r = math.exp((1 - a) * math.log(self.resid.get(cell, 1.0)) + a * left)
             self.resid[cell] = min(max(r, RESID_RANGE[0]), RESID_RANGE[1])

@@ -29,8 +29,12 @@ for a batch of one (the prefill's first guesses, per-request callers).
 behind PRIOR_GUESSES pseudo-guesses at the engine's α, which each finished request moves ENGINE_MIX of the way
 to its own: the last few requests set a new request's start, and no workload's long history outvotes a
 request's own evidence. While plain decoding wins for a row, a k = PROBE_K probe after EXPLORE_EVERY plain steps
-keeps its estimate from freezing, the gap doubling after each probe (every probe pays the proposer's catch-up); a
-probe widens the whole padded step, so the rows whose probe is at least half due probe in that same step.
+keeps its estimate from freezing, the gap doubling after each probe; a probe widens the whole padded step, so the
+rows whose probe is at least half due probe in that same step. A probe pays what a guess pays (the padded width,
+the draft's forwards and the proposer's whole catch-up: a draft model reads the prompt and every plain step's
+token first), so a row is probed only where the same search, with its α raised to PROBE_ALPHA, would have it
+guess: where the grid and its catch-up make guessing lose even at that acceptance, no probe can change the
+decision and the row stays plain (a short answer whose draft never read its prompt never pays the prompt).
 Knows nothing of models' internals or the proposer's type.
 """
 from __future__ import annotations
@@ -47,6 +51,7 @@ MARGIN = 1.1  # start guessing only when the model predicts >= 10% more tokens/s
 KEEP_MARGIN = 1.0  # ... and stop when it predicts less than plain (stopping is free, restarting costs a catch-up)
 EXPLORE_EVERY = 16  # plain steps before a probe (then 32, 64, ...: the gap doubles after each probe)
 PROBE_K = 2  # guesses of a probe
+PROBE_ALPHA = 0.9  # the acceptance a probe looks for: a row whose guessing would not pay even at it is not probed
 DRAFT_EWMA = 0.1  # per guessing step: the draft's scale (or a model-free proposer's seconds) toward the measured
 DRAFT_RATIO_RANGE = (0.25, 4.0)  # one step's measured / predicted proposing time, as the draft's scale reads it
 CATCH_UP_WIDTH = 16  # the draft grid's width used for the per-token catch-up cost
@@ -253,11 +258,12 @@ class AdaptiveK:
             ks = [0] * len(reqs)
         runs = [self._plain_run.get(rid, 0) + 1 if ks[i] == 0 else 0 for i, rid in enumerate(rids)]
         gaps = [self._probe_gap.get(rid, EXPLORE_EVERY) for rid in rids]
-        # a probe widens the whole padded step: rows whose probe is at least half due take the same step
-        due = any(runs[i] >= gaps[i] and caps[i] > 0 for i in range(len(rids)))
+        # a probe widens the whole padded step: rows whose probe is at least half due take the same step; only rows
+        # that would guess at PROBE_ALPHA (their catch-up charged) are worth the probe
+        hopeful = self._worth_probing(alphas, caps, behind, remaining, runs, gaps)
         for i, rid in enumerate(rids):
             plain_run, gap = runs[i], gaps[i]
-            if due and plain_run >= (gap + 1) // 2 and caps[i] > 0:  # keeps the estimate alive, less often each time
+            if hopeful[i] and plain_run >= (gap + 1) // 2:  # keeps the estimate alive, less often each time
                 ks[i], plain_run, self._probe_gap[rid] = min(PROBE_K, caps[i]), 0, 2 * gap
             self._plain_run[rid] = plain_run
             self._behind[rid] = behind[i] + 1 if ks[i] == 0 else behind[i]  # observe() resets it after a guess
@@ -266,6 +272,19 @@ class AdaptiveK:
         self.last_decision = (sum(k > 0 for k in ks), len(ks))
         self._unseen = sum(behind[i] - 1 for i in range(len(ks)) if ks[i])  # context the proposer reads first
         return ks
+
+    def _worth_probing(self, alphas: list[float], caps: list[int], behind: list[int], remaining: list[int],
+                       runs: list[int], gaps: list[int]) -> list[bool]:
+        """Per row: may it probe this step? None may unless some row's probe is due; then each row that would guess
+        if every row's α were at least PROBE_ALPHA (the same search and start margin; widths, draft forwards and
+        catch-up as they are), so a probe is never paid where no acceptance it could find would make guessing pay."""
+        n = len(alphas)
+        if not any(runs[i] >= gaps[i] and caps[i] > 0 for i in range(n)):
+            return [False] * n
+        ks, rate, plain = self.best_ks([max(a, PROBE_ALPHA) for a in alphas], caps, behind, remaining)
+        if rate < MARGIN * plain:
+            return [False] * n
+        return [k > 0 for k in ks]
 
     def choose(self, req) -> int:
         """The batch rule for one request alone (a prefill's first guesses): the batch decision's state is kept."""
