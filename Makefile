@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 TEST_STAMP := $(VENV)/.installed-test
 
-.PHONY: setup setup-test demo test unit integration clean vllm
+.PHONY: setup setup-test test-envs demo test unit integration clean vllm
 
 # ISA=avx2 | avx512: run as a CPU of that class (Zen 3: AVX2 only; Zen 4: AVX-512 without AMX) on a bigger one:
 # our kernels' dispatch and probe ($$DRAFTWISE_MAX_ISA), torch's ATen kernels and oneDNN all capped alike
@@ -63,13 +63,20 @@ $(VLLM_STAMP): scripts/setup_vllm.sh scripts/vllm_launcher.py
 TEST_WORKERS ?= 0
 PYTEST := HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=15
 
-test: setup-test vllm
+# test-envs: both environments, built side by side (from pip's cache each install is mostly one core unpacking and
+# copying wheels: .venv's ~1.5 min and .venv-vllm's ~2 min overlap), then setup-test's apt step (after vLLM's: one
+# apt-get at a time)
+test-envs:
+	$(MAKE) -j2 $(TEST_STAMP) vllm
+	$(MAKE) setup-test
+
+test: test-envs
 	$(PYTEST) -x tests
 
 unit: setup-test
 	$(PYTEST) -m "not integration" tests
 
-integration: setup-test vllm
+integration: test-envs
 	$(PYTEST) -m integration tests
 
 clean:
