@@ -1,26 +1,29 @@
 """The engine: continuous batching of requests over one target decoder and one proposer.
 
-step(): admit waiting requests into free slots while the K/V pool (kv_cache.py, blocks) has room for each one's
-context and a look-ahead — when the pool later runs out, the prefix cache first lets go of blocks only it holds,
-then the youngest running request is preempted (blocks returned, re-prefilled from prompt + output when
-re-admitted: `_preempt`) — (prefill from the end of the prompt's longest prefix in the prefix cache, whose blocks
-the slot shares rather than copies: a shared system prompt, a chat's earlier turns and n samples of one prompt
-hold their K/V once; where prompt rows are bitwise decode rows, the prompt's first guesses ride along and are verified
-like a step's, else the first token) → ask the proposer for up to k guesses per running sequence → mask: under structured outputs, cut each draft at its first token the grammar forbids →
-one batched target forward over [pending token, guesses...] for every sequence → verify each row (pure
-function; under a grammar, row i's logits masked by the grammar state after guesses 1..i; penalties, bias
-and min_tokens likewise from the history through guess i: sampling.adjust_logits) → roll the target
-cache back to what was accepted → emit tokens (advancing the request's grammar state along them, and only
-them). Plain decoding is the same path with a proposer that never guesses. A draft may be a token tree
-(Draft.parents): the same forward with each row attending its ancestors only, a greedy walk down the tree as the
-verification, and the accepted path's K/V moved to consecutive positions before the rollback.
+step(), numbered as docs/ARCHITECTURE.md's "One request, end to end" (1., the tokens, is LLM.new_request's):
+2. admit and prefill: the scheduler (scheduler.py) gives waiting requests free slots under a prompt-token budget
+   while the K/V pool has room (it also owns preemption: when a forward finds the pool short, the youngest running
+   request gives its blocks back and is prefilled again later from prompt + output); each admitted prompt is
+   prefilled from the end of its longest prefix in the prefix cache (those blocks shared, not copied); where prompt
+   rows are bitwise decode rows its first guesses ride along and are verified like a step's;
+3. propose up to k guesses per running sequence (one k decision for the batch);
+4. mask: under structured outputs, cut each draft at its first token the grammar forbids;
+5. one batched target forward over [pending token, guesses...] for every sequence;
+6. verify each row (pure; under a grammar row i masked by the state after guesses 1..i; penalties, bias and
+   min_tokens from the history through guess i: sampling.adjust_logits);
+7. truncate the target cache to what was accepted;
+8. emit tokens (advancing the grammar state along them, and only them).
+Plain decoding is the same path with a proposer that never guesses. A draft may be a token tree (Draft.parents): the
+same forward with each row attending its ancestors only, a greedy walk down the tree as the verification, and the
+accepted path's K/V moved to consecutive positions before the rollback.
 
 A failing step fails only the request(s) it can be pinned on: a batched prefill that raises is retried prompt by
 prompt; a decode step that raises is rolled back (truncate, generator states) and retried once; whatever still
 fails finishes with finish_reason "error" and `Request.error`, and step() goes on. When the proposer declares a
 vocab_limit (a draft with fewer embedding rows), prompts beyond it are refused and sampling is masked to it.
 
-The engine knows token ids, not text or HTTP: stop strings are checked by a per-request callback.
+The engine knows token ids, not text or HTTP: stop strings are checked by a per-request callback. Which request
+holds a slot, and who gives blocks back, is the scheduler's.
 """
 from __future__ import annotations
 
@@ -33,9 +36,10 @@ import torch
 
 from draftwise.config import ConfigError, ContextLengthError
 from draftwise.kernels.threads import ThreadGuard
-from draftwise.kv_cache import CacheFull, KVCache, blocks_for, target_cache_capacity
+from draftwise.kv_cache import CacheFull, KVCache, target_cache_capacity
 from draftwise.models.transformer import Decoder
 from draftwise.prefix_cache import PrefixCache
+from draftwise.scheduler import Scheduler
 from draftwise.sampling import SamplingParams, TokenLogprob, adjust_logits, make_generator, token_logprobs
 from draftwise.spec_decode.adaptive import FixedK, KPolicy, choose_batch, observe_step
 from draftwise.spec_decode.proposer import EMPTY_DRAFT_IDS, Draft, Proposer
@@ -45,7 +49,6 @@ from draftwise.spec_decode.verify import verify
 from draftwise.structured.matcher import GrammarError, GrammarMatcher, mask_logits
 
 
-PREFILL_TOKENS_PER_STEP = 1024  # prompt tokens admitted per step (at least one request always)
 # a longer prompt is prefilled in forwards of at most this many tokens, so its activations (the MLP's are ~12 KiB a
 # token on the 1.5B) follow the chunk, not the prompt; where rows are exact the result is bitwise one forward's
 PREFILL_CHUNK_TOKENS = 2048
@@ -125,13 +128,12 @@ class Engine:
         self.max_model_len = max_model_len
         self.eos_token_ids = set(eos_token_ids)
         self.seed = seed
-        self.waiting: list[Request] = []
-        self.running: list[Request] = []
-        self.set_speculation(proposer, k_policy or FixedK(k_max))
         capacity = target_cache_capacity(max_model_len, k_max)
         self.cache = KVCache(c.num_layers, max_num_seqs, c.num_kv_heads, capacity, c.head_dim,
                              kv_cache_dtype or target.dtype, target.device, num_blocks=kv_cache_blocks)
-        self.free_slots = list(range(max_num_seqs))[::-1]
+        # admission, preemption and the block budget (scheduler.py); the engine runs what it admits
+        self.scheduler = Scheduler(self.cache, prefix_cache, max_num_seqs, max_model_len, k_max)
+        self.set_speculation(proposer, k_policy or FixedK(k_max))
         self.stats = SpecStats()  # engine-wide
         self._counter = itertools.count()
         self._pending: dict[int, int] = {}  # slot -> last emitted token, not yet in the target cache
@@ -146,11 +148,6 @@ class Engine:
                 f"prompt ({len(req.prompt_ids)} tokens) + max_tokens ({req.params.max_tokens}) = {need} tokens "
                 f"exceeds the context length of {self.max_model_len} tokens"
             )
-        if self._claim(req) > self.cache.num_blocks:
-            raise ContextLengthError(
-                f"prompt ({len(req.prompt_ids)} tokens) + max_tokens ({req.params.max_tokens}) needs "
-                f"{self._claim(req)} K/V blocks of {self.cache.block_size} tokens, the pool holds "
-                f"{self.cache.num_blocks} (--kv-cache-memory)")
         self.check_vocab_limit(req.prompt_ids)
         if req.params.structured_outputs is not None and req.grammar is None:
             raise ConfigError("structured_outputs need the grammar compiled for the tokenizer (LLM.new_request)")
@@ -158,12 +155,10 @@ class Engine:
             req.matcher = req.grammar.matcher()
         if req.generator is None:
             req.generator = make_generator(req.params.seed, self.seed + next(self._counter), str(self.target.device))
-        self.waiting.append(req)
+        self.scheduler.add(req)  # refused when its claim exceeds the pool
 
     def abort(self, request_id: str) -> None:
-        for r in list(self.waiting):
-            if r.request_id == request_id:
-                self.waiting.remove(r)
+        self.scheduler.remove_waiting([r for r in self.waiting if r.request_id == request_id])
         for r in list(self.running):
             if r.request_id == request_id:
                 self._finish(r, "abort")
@@ -204,75 +199,40 @@ class Engine:
         return bool(self.waiting or self.running)
 
     @property
+    def waiting(self) -> list[Request]:  # queued for a slot (the scheduler's queue)
+        return self.scheduler.waiting
+
+    @property
+    def running(self) -> list[Request]:  # holding a slot, in admission order
+        return self.scheduler.running
+
+    @property
     def num_free_slots(self) -> int:
-        return len(self.free_slots)
-
-    def _claim(self, req: Request) -> int:
-        """K/V blocks `req` may hold at most: its prompt and max_tokens (within the context) plus one
-        verification's look-ahead. A request whose claim exceeds the pool is refused; any other one finishes,
-        alone if it must (preemption gives it the others' blocks)."""
-        tokens = min(len(req.prompt_ids) + req.params.max_tokens, self.max_model_len) + self.k_max + 1
-        return blocks_for(tokens, self.cache.block_size)
-
-    def _admittable_blocks(self) -> int:
-        """Free blocks less what the running requests' next steps may take (a verification's look-ahead each):
-        a waiting request is admitted when its context and a look-ahead fit here. Admission is optimistic, as
-        vLLM's: when the pool later runs out, the youngest running request is preempted (`_preempt`)."""
-        ahead = sum(self.cache.blocks_needed(r.slot, self.cache.lengths[r.slot] + self.k_max + 1)
-                    for r in self.running if r.slot is not None)
-        return self.cache.num_available_blocks - ahead  # free, and those only the prefix cache holds
-
-    def _admission_cost(self, req: Request) -> tuple[int, int]:
-        """(tokens its prefill computes, blocks it takes from the available ones) if `req` is admitted now: its
-        context less the cached prefix; blocks for its context and a look-ahead, less the whole blocks of its
-        cached prefix that running sequences hold anyway (shared, and not counted as available)."""
-        n = len(req.context_ids)
-        need = blocks_for(n + self.k_max + 1, self.cache.block_size)
-        if self.prefix_cache is None:
-            return n, need
-        entry, cached = self.prefix_cache.match(req.context_ids)
-        whole = self.prefix_cache.blocks(entry, cached)[: cached // self.cache.block_size]
-        return n - cached, need - sum(self.cache.refs[b] > 1 for b in whole)
+        return len(self.scheduler.free_slots)
 
     def _preempt(self, r: Request) -> None:
-        """The pool ran out: r (the youngest running request) gives back its slot and blocks and waits at the head
-        of the queue; re-admitted, its prompt and output so far are prefilled again (bitwise the K/V it had, where
-        rows are exact: KernelPlan.row_exact) and it goes on from its pending token, its output unchanged."""
-        self.running.remove(r)
+        """The pool ran out: r lets go of the engine's state for its slot (pending token, the proposer's), then the
+        scheduler takes its slot and blocks and queues it first; re-admitted, its prompt and output so far are
+        prefilled again (bitwise the K/V it had, where rows are exact: KernelPlan.row_exact) and it goes on from its
+        pending token, its output unchanged."""
         self._pending.pop(r.slot, None)
         self.proposer.end(r.slot)
-        if self.prefix_cache is not None:  # its blocks stay cached (evictable) for its re-admission
-            self.prefix_cache.store(r.context_ids[: self.cache.lengths[r.slot]], self.cache, r.slot)
-        self.cache.free(r.slot)
-        self.free_slots.append(r.slot)
-        r.slot = None
-        r.num_preemptions += 1
-        self.waiting.insert(0, r)
+        self.scheduler.preempt(r)
 
     # ---- one step -----------------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
-        outputs: list[StepOutput] = []
+        """One step, as docs/ARCHITECTURE.md numbers it: the scheduler admits and the admitted are prefilled (2),
+        then one decode step over every running sequence with a pending token: propose (3), mask (4), one
+        forward (5), pure verify (6), truncate (7), emit (8): `_decode_step`, `_settle`."""
         if self.thread_guard is not None:
             self.thread_guard.tick()
-        # admit waiting requests up to a prompt-token budget, so running sequences keep decoding meanwhile
-        admit, budget = [], PREFILL_TOKENS_PER_STEP
-        room = self._admittable_blocks() if self.waiting else 0
-        while self.waiting and len(admit) < len(self.free_slots):
-            n, need = self._admission_cost(self.waiting[0])  # a cached prefix is neither computed nor held twice
-            if admit and n > budget:
-                break
-            if need > room and (admit or self.running):
-                break  # the K/V pool is short: wait until blocks come back (alone, a request always starts)
-            room -= need
-            if self.prefix_cache is not None and any(a.prompt_ids == self.waiting[0].prompt_ids for a in admit):
-                break  # the same prompt again (n > 1 samples): next step, its K/V from the prefix cache
-            admit.append(self.waiting.pop(0))
-            budget -= n
-        if admit:
-            outputs.extend(self._prefill(admit))
+        outputs: list[StepOutput] = []
+        admitted = self.scheduler.schedule()  # 2. slots for the waiting, under the prompt-token and block budgets,
+        if admitted:
+            outputs.extend(self._prefill(admitted))  # and their prefill (its first draft verified inside, where exact)
         decoding = [r for r in self.running if r.slot in self._pending]
         if decoding:
-            outputs.extend(self._decode(decoding))
+            outputs.extend(self._decode(decoding))  # 3.-8.
         return outputs
 
     def _prefill(self, reqs: list[Request]) -> list[StepOutput]:
@@ -282,9 +242,7 @@ class Engine:
         batched forward fails (e.g. out of memory in one big prefill), each prompt is retried alone and only one
         that still fails finishes with "error"; the others proceed."""
         outputs, begun = [], []
-        for r in reqs:
-            r.slot = self.free_slots.pop()
-            self.running.append(r)
+        for r in reqs:  # each holds a slot (scheduler.schedule)
             try:
                 self.proposer.begin(r.slot, r.context_ids, r.params, r.generator, r.matcher, scope=r.cache_scope)
                 begun.append(r)
@@ -379,26 +337,28 @@ class Engine:
             try:
                 return self._decode_step(reqs)
             except CacheFull:  # rolled back already: free the youngest request's blocks, then again
-                victim = self.running[-1]
+                victim = self.scheduler.preemption_victim()
                 self._preempt(victim)
                 reqs = [r for r in reqs if r is not victim]
                 if not reqs:
                     return []
 
     def _decode_step(self, reqs: list[Request]) -> list[StepOutput]:
+        """Phases 3.-8. over reqs: propose, mask, one forward (retried once, rolled back first), then per row
+        verify, truncate, emit (`_settle`); the step's timing goes to the stats and the k policy."""
         slots = [r.slot for r in reqs]
-        # one decision for the whole batch: each row's k (0 = plain) within its room (adaptive.choose_batch)
+        # 3. one decision for the whole batch: each row's k (0 = plain) within its room (adaptive.choose_batch)
         k_per_seq = choose_batch(self.k_policy, reqs, [self._room(r) for r in reqs])
         base_lengths = [self.cache.lengths[s] for s in slots]
         rng_states = [r.generator.get_state() for r in reqs]  # a retried step draws the same numbers
         for attempt in (1, 2):
             try:
                 t0 = time.perf_counter()
-                drafts = self.proposer.propose(slots, k_per_seq)
+                drafts = self.proposer.propose(slots, k_per_seq)  # 3. propose
                 t1 = time.perf_counter()
-                # mask: cut at the grammar's first forbidden guess (rejected at no cost) and keep the k+1 masks
+                # 4. mask: cut at the grammar's first forbidden guess (rejected at no cost) and keep the k+1 masks
                 drafts, masks = zip(*(self._grammar_cut(r, d) for r, d in zip(reqs, drafts)))
-                logits = self._verify_forward(reqs, drafts)  # [B, width, V]
+                logits = self._verify_forward(reqs, drafts)  # 5. one forward: [B, width, V]
                 break
             except Exception as e:  # noqa: BLE001 — a failed batched step can't be pinned on one request
                 # roll back to the pre-step state (propose is idempotent between accepts), then retry once
@@ -411,7 +371,7 @@ class Engine:
                     return [self._fail(r, e) for r in reqs]
         outputs = []
         for row, (r, d) in enumerate(zip(reqs, drafts)):
-            try:
+            try:  # 6.-8. verify, truncate, emit
                 outputs.append(self._settle(r, d, logits[row], base_lengths[row], masks[row]))
             except Exception as e:  # noqa: BLE001 — this request's own verification or emission failed
                 outputs.append(self._fail(r, e))
@@ -468,15 +428,17 @@ class Engine:
             d = _chain_prefix(d)  # a history is a chain (tree proposers give such requests chains anyway)
             rows = adjust_logits(rows[: d.num_tokens + 1], r.params, r.prompt_ids, r.output_ids,
                                  d.token_ids.tolist(), r.params.stop_ids(self.eos_token_ids))
+        # 6. pure verify
         res = verify(d.token_ids.to(logits.device), d.probs, rows, r.params, r.generator, d.parents,
                      position=len(r.output_ids))  # position-addressed draws: a resumed request draws the same
-        if res.path is not None:  # a tree: the accepted path's K/V to consecutive positions, then the rollback
+        # 7. truncate: a tree's accepted path's K/V to consecutive positions first, then the rollback
+        if res.path is not None:
             self.cache.compact(r.slot, base_length, [0, *res.path])
         self.cache.truncate(r.slot, base_length + 1 + res.num_accepted)
         if k:
             self.k_policy.observe(r, k, res.num_accepted)  # the policy learns what the target agreed with
         slot = r.slot
-        emitted = self._emit(r, res.token_ids)
+        emitted = self._emit(r, res.token_ids)  # 8. emit, up to a stop
         if r.params.logprobs is not None:  # the target's raw rows, the same bits with or without guesses
             at = [0, *res.path] if res.path is not None else list(range(len(emitted)))  # a tree: its path's rows
             r.logprobs.extend(token_logprobs(logits[at[: len(emitted)]], emitted, r.params.logprobs))
@@ -578,18 +540,12 @@ class Engine:
     def _finish(self, req: Request, reason: str) -> None:
         req.finish_reason = reason
         req.finish_time = time.perf_counter()
-        if req in self.running:
-            self.running.remove(req)
         self.k_policy.end(req)
         if req.slot is not None:
             self._pending.pop(req.slot, None)
             self.proposer.end(req.slot)
-            if self.prefix_cache is not None and reason in ("stop", "length"):  # the next turn of a chat starts
-                # with this prompt and output: keep what the cache holds of them (all but the last token emitted)
-                held = (req.prompt_ids + req.output_ids)[: self.cache.lengths[req.slot]]
-                self.prefix_cache.store(held, self.cache, req.slot)
-            self.cache.free(req.slot)
-            self.free_slots.append(req.slot)
+        # the slot and its blocks back; a normal end keeps its K/V in the prefix cache (a chat's next turn)
+        self.scheduler.finish(req, keep=reason in ("stop", "length"))
 
 
 def _chain_prefix(d: Draft) -> Draft:

@@ -18,7 +18,7 @@ RULES = """\
 layer        may import                      modules
 entry        entry, api, base                server/ bench/ cli.py cli_args.py equivalence.py
 api          api, engine, spec_decode, base  api.py
-engine       engine, spec_decode, base       engine.py
+engine       engine, spec_decode, base       engine.py scheduler.py
 spec_decode  spec_decode, base               spec_decode/
 base         base                            config.py paths.py kv_cache.py prefix_cache.py sampling.py
                                              tokenizer.py output.py models/ kernels/ structured/
