@@ -369,6 +369,39 @@ def test_no_probe_where_even_the_hoped_for_acceptance_cannot_pay_the_catch_up():
     assert any(probed)
 
 
+def test_the_draft_s_costs_follow_the_load_the_target_s_plain_steps_measure():
+    """A batch decoding plainly never runs the draft, yet the load its steps measure (the target grid's factor)
+    prices the draft's forwards and catch-up: 3x dearer plain steps make a restart's draft work 3x dearer, so under
+    load the policy decides as on the quiet grid. A draft priced at load time (3x too cheap beside the target's
+    steps) would start guessing where the catch-up of a long prompt does not pay."""
+    draft = _grid(lambda b, w: 0.004 + 0.002 * b * w)
+
+    def policy(load: float, draft_follows: bool = True) -> AdaptiveK:
+        p = AdaptiveK(4, _grid(lambda b, w: 0.050 + 0.0005 * b * w), draft)
+        p.engine_alpha = 0.7
+        for _ in range(80):  # plain steps at `load` x what the grid was timed at; the draft never asked
+            p.observe_step(1, 1, load * p.target.predicted_base(1, 1), 0.0, [0])
+        if not draft_follows:
+            p.draft_scale = 1 / p.target.scale  # the draft's cost as timed at load
+        return p
+
+    quiet, loaded = policy(1.0), policy(3.0)
+    assert abs(loaded.draft_time([2, 2]) / quiet.draft_time([2, 2]) - 3) < 0.1
+    assert abs(loaded.catch_up_cost / quiet.catch_up_cost - 3) < 0.1
+
+    def second_decision(p, max_tokens):  # the first pays the whole prompt; the second spreads it over what is left
+        req = _Req("r", prompt_ids=[1] * 200, params=SamplingParams(max_tokens=max_tokens))
+        p.choose_batch([req], [4])
+        k = p.choose_batch([req], [4])[0]
+        p.end(req)
+        return k
+
+    lengths = range(8, 400, 8)
+    assert [second_decision(loaded, n) for n in lengths] == [second_decision(quiet, n) for n in lengths]
+    stale = policy(3.0, draft_follows=False)
+    assert any(second_decision(stale, n) and not second_decision(quiet, n) for n in lengths)
+
+
 def test_rows_probe_together_so_a_batch_pays_few_wide_steps():
     """Four plain rows (guessing never pays on this grid) probe in the same steps: a probe widens the whole padded
     step, so the rows whose probe is at least half due ride along; each row still probes on its doubling cadence."""

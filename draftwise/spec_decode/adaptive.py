@@ -12,7 +12,11 @@ positions), a step in which row i guesses k_i tokens yields and costs
 verify(B, w): the target's step-cost grid (kernels/step_cost.py: B rows x w tokens, measured at load, corrected
 online from the engine's own steps), at the engine's padded width (every row padded to the widest). draft(k):
 guess j is one draft forward over the B_j rows guessing >= j tokens, Σ_j draft_grid(B_j, 1), scaled online by the
-measured proposing time (a proposer without a model: what its lookups measure). Catch-up (k_i >= 1 only): context
+measured proposing time (a proposer without a model: what its lookups measure). The draft's costs also follow the
+target grid's load factor (both models run on the same cores: when the target's steps take 3x what its grid was
+timed at, so do the draft's forwards), so a batch that decoded plainly for a while, the draft idle, still prices a
+restart's draft forwards and catch-up at today's load; the draft's own scale learns only how the two differ.
+Catch-up (k_i >= 1 only): context
 the proposer has not read (`behind`: the prompt before a request's first guess, + 1 per plain step, for a draft
 model that reads only on `propose`), paid once, so spread over the steps left if each yields E (remaining = output
 tokens left); catch_up per token from the draft grid's widths.
@@ -127,7 +131,7 @@ class AdaptiveK:
             catch_up_cost = (max(0.0, g.cost(1, CATCH_UP_WIDTH) - g.cost(1, 1)) / (CATCH_UP_WIDTH - 1)
                              if g is not None else 0.0)
         self._catch_up = catch_up_cost  # seconds per unseen context token, at the draft scale of the load time
-        self.draft_scale = 1.0  # measured / predicted proposing time of guessing steps (EWMA)
+        self.draft_scale = 1.0  # measured / predicted proposing time of guessing steps, beyond the load factor (EWMA)
         self.propose_s = 0.0  # a model-free proposer's seconds per guessing step (EWMA)
         self.engine_alpha: float | None = None  # α of the last few finished requests; None before the first
         self.req_counts: dict[str, tuple[float, float]] = {}
@@ -150,8 +154,14 @@ class AdaptiveK:
                    load_or_measure(draft, max_batch, GRID_WIDTHS, "last", cache=cache) if draft is not None else None)
 
     @property
+    def draft_factor(self) -> float:
+        """What the draft's load-time costs are multiplied by now: its own scale times the target's load factor."""
+        return self.draft_scale * self.target.scale
+
+    @property
     def catch_up_cost(self) -> float:
-        return self._catch_up * self.draft_scale
+        """Seconds per context token the proposer has not read, now."""
+        return self._catch_up * self.draft_factor
 
     def verify_cost(self, batch: int, width: int) -> float:
         """Seconds of a target step of `batch` rows x `width` tokens now (the live grid)."""
@@ -169,7 +179,7 @@ class AdaptiveK:
             t = self.draft_steps.get(K, self.draft_steps[max(self.draft_steps)])
         else:
             return self.propose_s
-        return t * self.draft_scale
+        return t * self.draft_factor
 
     def batch_rate(self, k_per_seq: list[int], alphas: list[float], behind: list[int] | None = None,
                    remaining: list[int] | None = None) -> float:
@@ -186,7 +196,7 @@ class AdaptiveK:
         n = len(alphas)
         e = [[_expected(a, k) for k in range(k_top + 1)] for a in alphas]  # E_i(k)
         verify = [0.0] + [self.target.cost(n, w) for w in range(1, k_top + 2)]  # by the padded width
-        forward = ([0.0] + [self.draft_grid.cost(b, 1) * self.draft_scale for b in range(1, n + 1)]
+        forward = ([0.0] + [self.draft_grid.cost(b, 1) * self.draft_factor for b in range(1, n + 1)]
                    if self.draft_grid is not None else None)  # one draft forward of b rows (none for 0)
         cu = ([self.catch_up_cost * (behind[i] - 1) / max(remaining[i], 1) for i in range(n)]
               if behind is not None else [0.0] * n)
@@ -303,7 +313,7 @@ class AdaptiveK:
         if self.draft_grid is None and self.draft_steps is None:
             self.propose_s = (1 - DRAFT_EWMA) * self.propose_s + DRAFT_EWMA * propose_s
             return
-        predicted = self.draft_time(k_per_seq) / self.draft_scale + self._catch_up * self._unseen
+        predicted = (self.draft_time(k_per_seq) / self.draft_scale + self._catch_up * self._unseen * self.target.scale)
         if predicted > 0:  # one step moves the scale by at most DRAFT_RATIO_RANGE (a prompt's catch-up is an outlier)
             ratio = min(max(propose_s / predicted, DRAFT_RATIO_RANGE[0]), DRAFT_RATIO_RANGE[1])
             self.draft_scale = math.exp((1 - DRAFT_EWMA) * math.log(self.draft_scale) + DRAFT_EWMA * math.log(ratio))
