@@ -29,6 +29,76 @@ def k_list(s: str) -> list[int | str]:
         raise ConfigError(f"expected comma-separated integers or 'auto', got {s!r}") from None
 
 
+# byte sizes on the command line (--memory-limit, --kv-cache-memory): a binary unit (KiB, MiB, GiB, TiB), a decimal
+# one (KB, MB, GB, TB), or a bare K / M / G / T, which is BINARY (8G = 8 GiB = 8589934592 bytes, as in docker, free
+# and ulimit); no unit: bytes. Case and spaces do not matter.
+SIZE_UNITS = {"": 1, "b": 1, "k": 2**10, "kib": 2**10, "kb": 10**3, "m": 2**20, "mib": 2**20, "mb": 10**6,
+              "g": 2**30, "gib": 2**30, "gb": 10**9, "t": 2**40, "tib": 2**40, "tb": 10**12}
+SIZE_HELP = "a bare K/M/G/T is binary (8G = 8GiB); KB/MB/GB are decimal"
+
+
+class ByteSize(int):
+    """A size parsed from the command line: bytes, remembering the text it came from (the startup log shows
+    both)."""
+
+    text: str = ""
+
+    def describe(self) -> str:
+        return f"{self.text} = {int(self)} bytes ({int(self) / 2**30:.2f} GiB)"
+
+
+def parse_size(text: str | int, flag: str = "size") -> ByteSize:
+    """"8G" / "8GiB" -> 8589934592, "8GB" -> 8000000000, "6000MiB", "1.5GiB", "123456" (bytes): SIZE_UNITS, the
+    one size parser of the command line. ConfigError naming `flag` for anything else, or a size not above 0."""
+    raw = str(text).strip()
+    t = raw.lower().replace(" ", "")
+    i = len(t)
+    while i and t[i - 1].isalpha():
+        i -= 1
+    try:
+        number, unit = float(t[:i]), t[i:]
+    except ValueError:
+        raise ConfigError(f"{flag}: expected a size such as 8GiB, 8GB or 6000MiB ({SIZE_HELP}), got {raw!r}") from None
+    if unit not in SIZE_UNITS:
+        raise ConfigError(f"{flag}: unknown unit {unit!r} in {raw!r} (B, KiB, MiB, GiB, TiB, KB, MB, GB, TB; "
+                          f"{SIZE_HELP})")
+    nbytes = int(number * SIZE_UNITS[unit])
+    if nbytes <= 0:
+        raise ConfigError(f"{flag}: expected a size above 0, got {raw!r}")
+    size = ByteSize(nbytes)
+    size.text = raw
+    return size
+
+
+def kv_cache_memory_value(text: str | int | float | None) -> int | float | None:
+    """--kv-cache-memory: a size (parse_size: bytes) or, written with a point and no unit, a fraction of the RAM
+    available in (0, 1] (0.25). None stays None (the default budget)."""
+    if text is None or isinstance(text, (int, float)):
+        return text
+    t = str(text).strip()
+    if t and "." in t and not t[-1].isalpha():
+        try:
+            fraction = float(t)
+        except ValueError:
+            raise ConfigError(f"--kv-cache-memory: expected a size or a fraction, got {t!r}") from None
+        if not 0 < fraction <= 1:
+            raise ConfigError(f"--kv-cache-memory: a fraction of the RAM available must be in (0, 1], got {t!r}")
+        return fraction
+    return parse_size(t, "--kv-cache-memory")
+
+
+def arg_type(convert):
+    """An argparse `type` from a converter that raises ConfigError (argparse prints its message)."""
+    def arg(text: str):
+        try:
+            return convert(text)
+        except ConfigError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+
+    arg.__name__ = convert.__name__
+    return arg
+
+
 def weights_arg(text: str) -> str:
     """argparse type of --weights / --draft-weights: config.check_weights, its message as argparse's error."""
     try:
@@ -55,10 +125,10 @@ def add_model_args(p: argparse.ArgumentParser, speculative: bool = True) -> None
                    action=argparse.BooleanOptionalAction,
                    help="reuse the K/V of a prompt's longest prefix seen before (default: on where it changes no "
                         "token: a row-exact kernel plan, e.g. q4x8 for every width with our attention op)")
-    p.add_argument("--kv-cache-memory", default=None,
-                   help="K/V pool budget: bytes (e.g. 2GiB, 512MiB) or a fraction of available RAM (e.g. 0.25); "
-                        "paged, so memory is used only as tokens are held (default 4GiB; a draft model's pool holds "
-                        "the same tokens)")
+    p.add_argument("--kv-cache-memory", default=None, type=arg_type(kv_cache_memory_value),
+                   help="K/V pool budget: a size (2GiB, 512MiB, 2GB; " + SIZE_HELP + ") or a fraction of available "
+                        "RAM (e.g. 0.25); paged, so memory is used only as tokens are held (default 4GiB; a draft "
+                        "model's pool holds the same tokens)")
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="K/V storage; auto: bfloat16 where our fused CPU kernels run (float32 activations: our "
                         "attention widens it exactly, fp32 accumulation; half the K/V memory), else the activation "

@@ -33,6 +33,8 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _server import DraftwiseServer  # noqa: E402
 
+from draftwise.bench.clients import stream_sse  # noqa: E402  (_server put the checkout on sys.path)
+
 MODEL = "qwen2.5-coder-1.5b-instruct"
 NGRAM_AUTO = '{"method": "ngram", "num_speculative_tokens": "auto"}'
 PROMPTS = ["def quicksort(arr):", "Write a Python class for a bank account with deposit and withdraw.",
@@ -41,28 +43,47 @@ PROMPTS = ["def quicksort(arr):", "Write a Python class for a bank account with 
            "def fibonacci(n):", "Write a haiku about speculative decoding."]
 
 
-def engine_pid(server_pid: int) -> int | None:
-    """The server's engine child (a multiprocessing spawn child; not its resource tracker), from /proc."""
-    for task in Path(f"/proc/{server_pid}/task").iterdir():
+def children(pid: int) -> list[int]:
+    """A process's children, every thread's (/proc)."""
+    kids = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
         try:
-            kids = (task / "children").read_text().split()
+            kids += [int(k) for k in (task / "children").read_text().split()]
         except OSError:
             continue
-        for kid in kids:
-            try:
-                cmd = Path(f"/proc/{kid}/cmdline").read_bytes().decode(errors="replace")
-            except OSError:
-                continue
-            if "spawn_main" in cmd and "resource_tracker" not in cmd:
-                return int(kid)
-    return None
+    return kids
 
 
-def kill_and_wait(server: DraftwiseServer) -> dict:
-    """SIGKILL the engine child; /health's states until the server has seen it and answers 200 again."""
-    pid = engine_pid(server.pid)
+def engine_pid(server: DraftwiseServer) -> int | None:
+    """The server's engine child, as its /health names it (the standby child is another spawn child)."""
+    try:
+        return httpx.get(server.url + "/health", timeout=30).json().get("engine_pid")
+    except (httpx.HTTPError, ValueError):
+        return None
+
+
+def tree_rss(pid: int) -> int:
+    """RSS of a process and all its descendants (server, engine, standby engine, multiprocessing's resource
+    tracker): shared pages counted in each, so never below what they hold."""
+    total, todo = 0, [pid]
+    while todo:
+        p = todo.pop()
+        total += rss(p)
+        try:
+            todo += children(p)
+        except OSError:
+            pass
+    return total
+
+
+def kill_and_wait(server: DraftwiseServer, on_kill=None) -> dict:
+    """SIGKILL the engine child (then `on_kill()`); /health's states until the server has seen it and answers 200
+    again."""
+    pid = engine_pid(server)
     t_kill = time.monotonic()
     os.kill(pid, signal.SIGKILL)
+    if on_kill is not None:
+        on_kill()
     states, seen_down = [], False
     while time.monotonic() - t_kill < 900:
         try:
@@ -89,30 +110,24 @@ def rss(pid: int) -> int:
 
 
 def stream(url: str, body: dict, progress: list | None = None, timeout: float = 1800) -> dict:
-    """One streamed completion: {"status", "text", "error", "finish", "tokens"}; `progress` gets chunk counts."""
-    parts, err, finish, chunks = [], None, None, 0
-    try:
-        with httpx.stream("POST", url + "/v1/completions", json=dict(body, stream=True), timeout=timeout) as r:
-            if r.status_code != 200:
-                r.read()
-                return {"status": r.status_code, "text": "", "error": r.text[:300], "finish": None,
-                        "retry_after": r.headers.get("retry-after")}
-            for line in r.iter_lines():
-                if not line.startswith("data: {"):
-                    continue
-                js = json.loads(line[6:])
-                if "error" in js:
-                    err = js["error"]
-                    continue
-                for c in js["choices"]:
-                    parts.append(c.get("text") or "")
-                    finish = c.get("finish_reason") or finish
-                chunks += 1
-                if progress is not None:
-                    progress[0] = chunks
-    except httpx.HTTPError as e:
-        return {"status": None, "text": "".join(parts), "error": repr(e), "finish": finish}
-    return {"status": 200, "text": "".join(parts), "error": err, "finish": finish}
+    """One streamed completion through the bench's SSE reader (bench/clients.stream_sse): {"status", "text",
+    "error", "finish", "retry_after"}; `progress[0]` counts the chunks that carried text."""
+
+    def on_text(_text):
+        progress[0] += 1
+
+    with httpx.Client(timeout=timeout) as http:
+        res, status, headers = stream_sse(http, url + "/v1/completions", body,
+                                          on_text=on_text if progress is not None else None)
+    return {"status": status, "text": res.text, "error": res.error, "finish": res.finish_reason,
+            "retry_after": headers.get("retry-after")}
+
+
+def new_request(url: str, body: dict) -> dict:
+    """A short streamed request: status, seconds to its first text and to its end (from sending it)."""
+    with httpx.Client(timeout=900) as http:
+        res, status, _ = stream_sse(http, url + "/v1/completions", body)
+    return {"status": status, "error": res.error, "ttft_s": round(res.ttft_s or -1, 2), "answered_s": round(res.e2e_s, 2)}
 
 
 def burst_bodies(model: str, max_tokens: int) -> list[dict]:
@@ -138,12 +153,21 @@ def run_burst(server: DraftwiseServer, bodies: list[dict], kill_after: int | Non
         while min(p[0] for p in progress) < kill_after and any(t.is_alive() for t in threads):
             time.sleep(0.05)
         out["chunks_at_kill"] = [p[0] for p in progress]
-        k = kill_and_wait(server)
+        new_body = {"model": bodies[0]["model"], "prompt": "def add(a, b):", "max_tokens": 8, "temperature": 0}
+        at_kill: dict = {}
+
+        def sent_at_kill():  # a client that does not wait for /health: queued while the engine restarts
+            at_kill.update(new_request(server.url, new_body))
+
+        early = threading.Thread(target=sent_at_kill)
+        k = kill_and_wait(server, on_kill=early.start)
         t_kill = k["t_kill"]
         out["killed_pid"], out["restart_s"], out["health_states"] = k["killed_pid"], k["restart_s"], k["health_states"]
-        r = httpx.post(server.url + "/v1/completions", json={"model": bodies[0]["model"], "prompt": "def add(a, b):",
-                                                              "max_tokens": 8, "temperature": 0}, timeout=600)
-        out["new_request_status"], out["kill_to_new_request_answered_s"] = r.status_code, time.monotonic() - t_kill
+        after = new_request(server.url, new_body)  # one sent once /health is 200 again
+        out["new_request_status"], out["kill_to_new_request_answered_s"] = after["status"], time.monotonic() - t_kill
+        out["new_request_after_ready"] = after
+        early.join()
+        out["request_sent_at_kill"] = at_kill
     for t in threads:
         t.join()
     out["wall_s"] = time.monotonic() - t0
@@ -156,15 +180,16 @@ def metric_lines(server: DraftwiseServer, prefixes: tuple[str, ...]) -> list[str
 
 
 def cmd_burst(args) -> dict:
-    # 9 slots: the 8 requests and the new one sent after the kill (else it waits for one of the 8 to finish)
-    serve = ["--model", args.model, "--speculative-config", args.spec, "--max-num-seqs", "9", "--log-level",
+    # 10 slots: the 8 requests and the two new ones of the kill (else they wait for one of the 8 to finish)
+    serve = ["--model", args.model, "--speculative-config", args.spec, "--max-num-seqs", "10", "--log-level",
              "warning"]
     bodies = burst_bodies(args.model, args.max_tokens)
     with DraftwiseServer(serve, log=args.log) as server:
         calm = run_burst(server, bodies, None)
         hit = run_burst(server, bodies, args.kill_after)
-        counts = metric_lines(server, ("draftwise:engine_deaths", "draftwise:engine_restart",
-                                       "draftwise:requests_replay", "draftwise:engine_state"))
+        counts = metric_lines(server, ("draftwise:engine_deaths_total", "draftwise:engine_restart",
+                                       "draftwise:requests_replay", "draftwise:engine_state",
+                                       "draftwise:engine_step_seconds_sum", "draftwise:engine_step_seconds_count"))
     same = [a["text"] == b["text"] for a, b in zip(calm["results"], hit["results"])]
     ok200 = [r["status"] == 200 and r["error"] is None for r in hit["results"]]
     return {"mode": "burst", "model": args.model, "spec": args.spec, "max_tokens": args.max_tokens,
@@ -173,6 +198,9 @@ def cmd_burst(args) -> dict:
             "chunks_at_kill": hit["chunks_at_kill"], "restart_s": round(hit["restart_s"], 2),
             "health_states_seen": hit["health_states"], "new_request_status": hit["new_request_status"],
             "kill_to_new_request_answered_s": round(hit["kill_to_new_request_answered_s"], 2),
+            "request_sent_at_kill": hit["request_sent_at_kill"],
+            "new_request_after_ready": hit["new_request_after_ready"],
+            "load_average": os.getloadavg(),
             "finish_reasons": [r["finish"] for r in hit["results"]], "metrics": counts}
 
 
@@ -240,13 +268,14 @@ def cmd_soak(args) -> dict:
     return {"mode": "soak", "model": args.model, "clients": args.clients, "duration_s": args.duration,
             "max_tokens": args.max_tokens, "undisturbed": strip(calm), "with_kills": strip(hit),
             "kill_restart_s": kills, "compared": compared, "differing": differing,
-            "lost": hit["lost"], "throughput_ratio": round(hit["tok_per_s"] / calm["tok_per_s"], 3)
+            "lost": hit["lost"], "load_average": os.getloadavg(), "throughput_ratio": round(hit["tok_per_s"] / calm["tok_per_s"], 3)
             if calm["tok_per_s"] else None, "metrics": counts}
 
 
 def cmd_flood(args) -> dict:
     serve = ["--model", args.model, "--memory-limit", args.memory_limit, "--max-num-seqs", "4", "--max-waiting",
-             str(args.max_waiting), "--max-model-len", str(args.prompt_tokens + 512), "--log-level", "warning"]
+             str(args.max_waiting), "--max-model-len", str(args.prompt_tokens + 512), "--request-timeout",
+             str(args.request_timeout), "--log-level", "warning"]
     words = "the of and to in is it for on with".split()  # one qwen2 token each (with its space)
     rng = random.Random(0)
     with DraftwiseServer(serve, log=args.log) as server:
@@ -255,8 +284,7 @@ def cmd_flood(args) -> dict:
 
         def sampler():
             while not stop.is_set():
-                pid = engine_pid(server.pid)
-                peak["bytes"] = max(peak["bytes"], rss(server.pid) + (rss(pid) if pid else 0))
+                peak["bytes"] = max(peak["bytes"], tree_rss(server.pid))
                 time.sleep(0.2)
 
         threading.Thread(target=sampler, daemon=True).start()
@@ -275,9 +303,9 @@ def cmd_flood(args) -> dict:
             t.join()
         stop.set()
         mem = metric_lines(server, ("draftwise:memory_", "draftwise:kv_"))
-    from draftwise.server.memory_limit import parse_size
+    from draftwise.cli_args import parse_size
 
-    limit = parse_size(args.memory_limit)
+    limit = parse_size(args.memory_limit, "--memory-limit")
     statuses = [r["status"] for r in results]
     return {"mode": "flood", "model": args.model, "prompt_tokens": args.prompt_tokens, "requests": args.requests,
             "memory_limit_bytes": limit, "peak_rss_bytes": peak["bytes"], "under_limit": peak["bytes"] < limit,
@@ -285,7 +313,7 @@ def cmd_flood(args) -> dict:
             "refused_with_retry_after": sum(1 for r in results if r["status"] in (429, 503) and r.get("retry_after")),
             "admitted_completed": sum(1 for r in results if r["status"] == 200 and r["error"] is None
                                       and r["finish"] == "length"),
-            "wall_s": round(time.monotonic() - t0, 1), "metrics": mem}
+            "wall_s": round(time.monotonic() - t0, 1), "load_average": os.getloadavg(), "metrics": mem}
 
 
 def main() -> int:
@@ -308,6 +336,8 @@ def main() -> int:
             p.add_argument("--requests", type=int, default=8)
             p.add_argument("--memory-limit", default="4G")
             p.add_argument("--max-waiting", type=int, default=2)
+            p.add_argument("--request-timeout", type=float, default=3600.0,
+                           help="the server's --request-timeout: long enough for the admitted prefills to finish")
     args = ap.parse_args()
     out = {"burst": cmd_burst, "soak": cmd_soak, "flood": cmd_flood}[args.mode](args)
     print(json.dumps(out, indent=1))

@@ -10,7 +10,6 @@ same server with the engine on a thread (no child to spawn)."""
 from __future__ import annotations
 
 import functools
-import json
 import os
 import signal
 import threading
@@ -19,6 +18,7 @@ import time
 import httpx
 import pytest
 
+from draftwise.bench.clients import stream_sse
 from draftwise.server import runner as runner_mod
 from draftwise.server.app import create_app
 from draftwise.server.engine_host import EngineProcess
@@ -56,25 +56,12 @@ def _one(url: str, body: dict, started: threading.Event, out: dict, i: int) -> N
                 return
             out[i] = (200, js["choices"][0]["text"], None, js["choices"][0]["finish_reason"])
             return
-        parts, err, finish = [], None, None
-        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=TIMEOUT_S) as r:
-            if r.status_code != 200:
-                r.read()
-                out[i] = (r.status_code, "", r.text, None)
-                return
-            for line in r.iter_lines():
-                if not line.startswith("data: {"):
-                    continue
-                js = json.loads(line[6:])
-                if "error" in js:
-                    err = js["error"]
-                    continue
-                for c in js["choices"]:
-                    parts.append(c.get("text") or "")
-                    finish = c.get("finish_reason") or finish
-                if parts and any(parts):
-                    started.set()
-        out[i] = (200, "".join(parts), err, finish)
+        with httpx.Client(timeout=TIMEOUT_S) as http:  # the bench's SSE reader (an error event is an error)
+            res, status, _ = stream_sse(http, url + "/v1/completions", body, on_text=lambda _t: started.set())
+        if status != 200:
+            out[i] = (status, "", res.error, None)
+            return
+        out[i] = (200, res.text, res.error, res.finish_reason)
     except Exception as e:  # noqa: BLE001 — reported as the outcome
         out[i] = (None, "", repr(e), None)
 
@@ -139,13 +126,20 @@ def reference():
 
 
 def test_a_killed_engine_is_restarted_and_every_request_finishes_exactly(reference):
+    """With a standby child (what `draftwise serve` runs): the restart hands it the factory."""
     engine = EngineProcess(_factory())
-    with Server(create_app(engine, MODEL)) as s:
+    with Server(create_app(engine, MODEL, restart_policy=RestartPolicy(standby=True))) as s:
         first_pid = engine.pid
+        deadline = time.monotonic() + TIMEOUT_S
+        while engine.standby is None and time.monotonic() < deadline:  # prepared once the engine is ready
+            time.sleep(0.05)
+        standby_pid = engine.standby.pid
+        assert httpx.get(s.url + "/health").json()["engine_pid"] == first_pid
         got = _run(s, kill=True)
         assert _problems(reference, got) == []
         runner = s.app.state.runner
-        assert runner.host.pid != first_pid and runner.restarts == 1
+        assert runner.host.pid == standby_pid and runner.restarts == 1
+        assert httpx.get(s.url + "/health").json()["engine_pid"] == standby_pid
         states = {h[1] for h in got["health"]}
         assert "restarting" in states and got["health"][-1][:2] == (200, "ready")
         assert all(h[2] is not None and int(h[2]) >= 1 for h in got["health"] if h[0] == 503)  # Retry-After

@@ -96,3 +96,41 @@ def test_a_flood_past_the_ceiling_is_held_then_refused_and_what_is_admitted_comp
 def test_the_real_rss_measure_reads_this_process():
     guard = M.MemoryGuard(64 * GIB)
     assert 10 * 2**20 < guard.rss() < 64 * GIB and not guard.holds()
+
+
+def test_the_plan_sets_aside_the_server_as_measured_a_standby_and_the_retained_heap():
+    limit, fixed = 6 * GIB, int(1.8 * GIB)
+    base = M.plan_kv_memory(limit, _prediction(fixed, 28672))
+    server = M.server_reserve(400 * 2**20)
+    assert server == 400 * 2**20 + M.SERVER_GROWTH_BYTES and M.server_reserve(None) == M.SERVER_RESERVE_BYTES
+    plan = M.plan_kv_memory(limit, _prediction(fixed, 28672), server_bytes=server, standby_bytes=M.STANDBY_BYTES,
+                            heap_bytes=64 * 2**20)
+    peak = plan.fixed_bytes + server + M.STANDBY_BYTES + plan.tokens * plan.kv_bytes_per_token
+    assert plan.fixed_bytes == fixed + 64 * 2**20 and peak <= limit * (1 - M.HEADROOM)
+    assert plan.tokens < base.tokens and "a standby engine 0.31 GiB" in plan.describe()
+    with pytest.raises(ConfigError, match="--no-engine-standby"):
+        M.plan_kv_memory(int(2.7 * GIB), _prediction(fixed, 28672), server_bytes=server, standby_bytes=M.STANDBY_BYTES)
+
+
+def test_one_size_parser_for_both_memory_flags(capsys):
+    """--memory-limit and --kv-cache-memory read sizes alike (cli_args.parse_size): a bare G is GiB, GB is
+    decimal; the serve parser keeps the text beside the bytes for the startup log."""
+    from draftwise.cli import build_parser
+    from draftwise.cli_args import kv_cache_memory_value, parse_size
+
+    assert parse_size("8G") == parse_size("8GiB") == parse_size("8 gib") == 8 * GIB
+    assert parse_size("8GB") == 8 * 10**9 and parse_size("6000MiB") == 6000 * 2**20 and parse_size("4096") == 4096
+    assert parse_size("8G").describe() == "8G = 8589934592 bytes (8.00 GiB)"
+    assert kv_cache_memory_value("8G") == 8 * GIB and kv_cache_memory_value("0.25") == 0.25
+    for bad in ("lots", "0", "2 parsecs"):
+        with pytest.raises(ConfigError):
+            parse_size(bad)
+    with pytest.raises(ConfigError, match=r"\(0, 1\]"):
+        kv_cache_memory_value("1.5")
+    args = build_parser().parse_args(["serve", "--memory-limit", "8G", "--kv-cache-memory", "2G"])
+    assert args.memory_limit == args.kv_cache_memory * 4 == 8 * GIB
+    assert M.resolve_limit(args.memory_limit) == (8 * GIB, "--memory-limit 8G = 8589934592 bytes")
+    assert build_parser().parse_args(["serve"]).memory_limit == "auto"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--memory-limit", "8 parsecs"])
+    assert "unknown unit 'parsecs'" in capsys.readouterr().err

@@ -351,52 +351,14 @@ class HTTPClient:
         if call.structured_outputs:
             body["structured_outputs"] = call.structured_outputs  # vLLM's field; draftwise serve takes it too
         url = base + ("/v1/chat/completions" if chat else "/v1/completions")
-        res, chunks, parts, ids = Result(), 0, [], []
-        t0 = time.perf_counter()
-        try:
-            with self.http.stream("POST", url, json=body) as r:
-                if r.status_code != 200:
-                    r.read()
-                    return Result(error=f"HTTP {r.status_code}: {r.text[:300]}", e2e_s=time.perf_counter() - t0)
-                if r.headers.get("content-type", "").startswith("application/json"):
-                    r.read()  # a whole JSON body instead of a stream: an error object, or one full completion
-                    return _body_result(r.json(), chat, time.perf_counter() - t0)
-                for line in r.iter_lines():
-                    if not line.startswith("data:"):
-                        continue
-                    data = line[5:].strip()
-                    if data == "[DONE]":
-                        break
-                    obj = json.loads(data)
-                    if obj.get("error"):  # the server failed mid-stream: an error, whatever came before it
-                        res.error = f"stream error: {_error_message(obj['error'])}"
-                        break
-                    if obj.get("usage"):
-                        res.num_prompt_tokens = obj["usage"].get("prompt_tokens")
-                        res.num_output_tokens = obj["usage"].get("completion_tokens") or 0
-                    for ch in obj.get("choices") or []:
-                        ids += ch.get("token_ids") or []
-                        text = (ch.get("delta") or {}).get("content") if chat else ch.get("text")
-                        if text:
-                            if res.ttft_s is None:
-                                res.ttft_s = time.perf_counter() - t0
-                            parts.append(text)
-                            chunks += 1
-                        if ch.get("finish_reason"):
-                            res.finish_reason = ch["finish_reason"]
-                if res.finish_reason == "error" and res.error is None:
-                    res.error = "stream error: finish_reason error"
-        except Exception as e:  # noqa: BLE001 — a failed request is recorded, not fatal to the run
-            res.error = f"{type(e).__name__}: {e}"
-        res.e2e_s = time.perf_counter() - t0
-        res.text = "".join(parts)
+        res, _, _ = stream_sse(self.http, url, body, chat)
+        ids = res.token_ids or []
+        res.token_ids = None
         cut = min((i for i in (res.text.find(x) for x in call.stop[MAX_STOP:]) if i >= 0), default=-1)
         if cut >= 0:  # a stop string beyond the server's limit: the text ends there, as the engine's would
             res.text, res.finish_reason, ids = res.text[:cut], "stop", []  # ids past the cut are unknown here
         if self.return_token_ids and ids:
             res.token_ids = ids
-        if not res.num_output_tokens and chunks:
-            res.num_output_tokens, res.tokens_estimated = chunks, True
         return res
 
     def identity(self) -> dict:
@@ -410,6 +372,64 @@ class HTTPClient:
         if self._rss:
             out["server_rss_bytes_by_condition"] = dict(self._rss)
         return out
+
+
+def stream_sse(http, url: str, body: dict, chat: bool = False, on_text=None) -> tuple[Result, int | None, dict]:
+    """POST `body` to `url` as a stream (`stream: true` is set) and read its server-sent events: (Result, HTTP status
+    or None when the request failed before one, the response headers). The one SSE reader of the bench, the
+    scripts and the server tests. A stream that ends with an `error` event (or finish_reason "error"), a non-200
+    status, or a whole JSON body holding an `error` object is an error (Result.error), never a success; the text
+    and finish reason received before it are kept. `on_text(text)`: called per chunk that carries text (progress);
+    `chat`: the text is in choices[].delta.content. Token ids (vLLM's `return_token_ids`) land in Result.token_ids;
+    output tokens are counted from usage when the server sends it, else from the chunks (tokens_estimated)."""
+    res, chunks, parts, ids = Result(), 0, [], []
+    status, headers = None, {}
+    t0 = time.perf_counter()
+    try:
+        with http.stream("POST", url, json=dict(body, stream=True)) as r:
+            status, headers = r.status_code, dict(r.headers)
+            if r.status_code != 200:
+                r.read()
+                return Result(error=f"HTTP {r.status_code}: {r.text[:300]}", e2e_s=time.perf_counter() - t0), \
+                    status, headers
+            if r.headers.get("content-type", "").startswith("application/json"):
+                r.read()  # a whole JSON body instead of a stream: an error object, or one full completion
+                return _body_result(r.json(), chat, time.perf_counter() - t0), status, headers
+            for line in r.iter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    break
+                obj = json.loads(data)
+                if obj.get("error"):  # the server failed mid-stream: an error, whatever came before it
+                    res.error = f"stream error: {_error_message(obj['error'])}"
+                    break
+                if obj.get("usage"):
+                    res.num_prompt_tokens = obj["usage"].get("prompt_tokens")
+                    res.num_output_tokens = obj["usage"].get("completion_tokens") or 0
+                for ch in obj.get("choices") or []:
+                    ids += ch.get("token_ids") or []
+                    text = (ch.get("delta") or {}).get("content") if chat else ch.get("text")
+                    if text:
+                        if res.ttft_s is None:
+                            res.ttft_s = time.perf_counter() - t0
+                        parts.append(text)
+                        chunks += 1
+                        if on_text is not None:
+                            on_text(text)
+                    if ch.get("finish_reason"):
+                        res.finish_reason = ch["finish_reason"]
+            if res.finish_reason == "error" and res.error is None:
+                res.error = "stream error: finish_reason error"
+    except Exception as e:  # noqa: BLE001 — a failed request is recorded, not fatal to the run
+        res.error = f"{type(e).__name__}: {e}"
+    res.e2e_s = time.perf_counter() - t0
+    res.text = "".join(parts)
+    res.token_ids = ids or None
+    if not res.num_output_tokens and chunks:
+        res.num_output_tokens, res.tokens_estimated = chunks, True
+    return res, status, headers
 
 
 def _error_message(err) -> str:

@@ -64,7 +64,7 @@ def create_app(engine, served_model_name: str, api_key: str | None = None,
     metrics.watch_keys(runner.key_counts)
     if memory_guard is not None:  # the ceiling counts this process and the engine's (whichever child is current)
         if memory_guard.pids is None:
-            memory_guard.pids = lambda: [os.getpid()] + ([] if runner.host.in_process else [runner.host.pid])
+            memory_guard.pids = lambda: [os.getpid()] + ([] if runner.host.in_process else runner.host.pids())
         metrics.watch_memory(memory_guard)
     pool = ThreadPoolExecutor(PREP_WORKERS, thread_name_prefix="draftwise-prep")
 
@@ -105,9 +105,10 @@ def create_app(engine, served_model_name: str, api_key: str | None = None,
 
     @app.get("/health")
     async def health():
-        """200 {"status": "ok", "state": "ready"} while the engine serves; 503 otherwise, its `state` in the body:
-        "starting" / "restarting" (with Retry-After), "failed" (for good: the message names the cause),
-        "stopped", or draining (shutting down)."""
+        """200 {"status": "ok", "state": "ready", "restarts": N, "engine_pid": PID (None: the engine on a thread)}
+        while the engine serves; 503 otherwise, its `state` in the body: "starting" / "restarting" (with
+        Retry-After), "failed" (for good: the message names the cause), "stopped", or draining (shutting down).
+        Before the app exists (the model still loading under `draftwise serve`), boot.BootApp answers "starting"."""
         state = runner.state
         if runner.draining:
             return _health_503("the server is shutting down", "draining")
@@ -118,7 +119,8 @@ def create_app(engine, served_model_name: str, api_key: str | None = None,
             return _health_503("the engine is starting", state, {"Retry-After": str(runner.retry_after_s())})
         if not runner.alive:
             return _health_503(runner.down_message, state if state != "ready" else "failed")
-        return {"status": "ok", "state": "ready", "restarts": runner.restarts}
+        return {"status": "ok", "state": "ready", "restarts": runner.restarts,
+                "engine_pid": getattr(runner.host, "pid", None)}
 
     @app.get("/v1/models", dependencies=auth)
     async def models():

@@ -1,16 +1,19 @@
-"""`draftwise serve`: start the engine process (it loads the model), build the app, run uvicorn.
+"""`draftwise serve`: start the engine process (it loads the model), listen at once (boot.py: /health says
+"starting" until the model is loaded), then serve the app.
 
 Owns the serve flags and the one environment read of the server (DRAFTWISE_API_KEY, when --api-key is not
 given); everything below receives plain values.
 """
 from __future__ import annotations
 
+import argparse
 import functools
 import os
 
-from draftwise.cli_args import add_model_args, llm_from_args
+from draftwise.cli_args import SIZE_HELP, add_model_args, arg_type, llm_from_args
 from draftwise.config import ConfigError
 from draftwise.server import limits as L
+from draftwise.server.memory_limit import limit_arg
 
 API_KEY_ENV = "DRAFTWISE_API_KEY"
 SERVER_NICE = 0  # --server-nice default (docs/PERFORMANCE.md: the server beside a 2-thread engine on 2 cores)
@@ -73,8 +76,9 @@ def register(sub) -> None:
                         "--host)")
     g.add_argument("--allowed-origins", default=None,
                    help="comma-separated browser origins allowed cross-origin (CORS; '*' = any; default: none)")
-    g.add_argument("--memory-limit", default="auto",
-                   help="memory ceiling for the server and its engine: a size (8G, 6000MiB), 'auto' (the cgroup's "
+    g.add_argument("--memory-limit", default="auto", type=arg_type(limit_arg),
+                   help="memory ceiling for the server and its engine: a size (8GiB, 6000MiB, 8GB; " + SIZE_HELP +
+                        "), 'auto' (the cgroup's "
                         "limit, else the RAM available at start) or 'none'. The K/V pool (--kv-cache-memory) is "
                         "capped so `draftwise memory --rss`'s predicted peak stays under it, and admission holds new "
                         "requests while the measured RSS is near it (they queue; 429 with Retry-After once the "
@@ -86,6 +90,9 @@ def register(sub) -> None:
                         "never restart (default: %(default)s)")
     r.add_argument("--restart-window", type=float, default=300.0,
                    help="seconds over which --max-restarts counts deaths (default: %(default)s)")
+    r.add_argument("--engine-standby", default=True, action=argparse.BooleanOptionalAction,
+                   help="keep a standby engine process that has done its imports (torch, the package: ~0.3 GB, "
+                        "within --memory-limit), so a restart only loads the model (default: on)")
     p.set_defaults(func=cmd_serve)
 
 
@@ -109,42 +116,59 @@ def cmd_serve(args) -> int:
     engine = EngineProcess(functools.partial(llm_from_args, args))
     lower_priority(args.server_nice)  # after the child started: it keeps the priority it was born with
     from draftwise.server.app import create_app
+    from draftwise.server.boot import BootApp
     from draftwise.server.guard import LOOPBACK_HOSTS
     from draftwise.server.runner import RestartPolicy
     from draftwise.server.shutdown import serve
 
     api_key = resolve_api_key(args.api_key, os.environ)
-    llm = engine.front  # waits for the model
     limits = L.RequestLimits(max_stop_strings=args.max_stop_strings, max_stop_length=args.max_stop_length,
                              max_stop_token_ids=args.max_stop_token_ids, max_prompt_chars=args.max_prompt_chars,
                              max_json_depth=args.max_json_depth)
-    app = create_app(engine, args.served_model_name or args.model, api_key=api_key,
-                     max_body_bytes=args.max_body_bytes, limits=limits, max_waiting=args.max_waiting,
-                     request_timeout=args.request_timeout or None,
-                     allowed_hosts=allowed_hosts(args.allowed_hosts, args.host, LOOPBACK_HOSTS),
-                     allowed_origins=_split(args.allowed_origins), suffix_cache_scope=args.suffix_cache_scope,
-                     max_queued_per_key=args.max_queued_per_key, max_running_per_key=args.max_running_per_key,
-                     restart_policy=RestartPolicy(max_restarts=args.max_restarts, window_s=args.restart_window),
-                     memory_guard=guard)
-    spec_config = llm.spec_config
-    print(f"draftwise: serving {args.model!r} on http://{args.host}:{args.port}/v1 "
-          f"(speculation: {spec_config.method}, max_num_seqs {args.max_num_seqs}, context {llm.max_model_len}, "
-          f"api key {'required' if api_key else 'off'}); loaded in {llm.load_time_s:.1f}s (engine process "
-          f"{engine.pid} ready after {engine.start_s:.1f}s)", flush=True)
-    print("\n".join(llm.plan_lines), flush=True)
-    serve(app, args.host, args.port, args.shutdown_timeout, log_level=args.log_level)
+
+    def make_app():  # once the engine has loaded its model (boot.BootApp calls it)
+        return create_app(engine, args.served_model_name or args.model, api_key=api_key,
+                          max_body_bytes=args.max_body_bytes, limits=limits, max_waiting=args.max_waiting,
+                          request_timeout=args.request_timeout or None,
+                          allowed_hosts=allowed_hosts(args.allowed_hosts, args.host, LOOPBACK_HOSTS),
+                          allowed_origins=_split(args.allowed_origins), suffix_cache_scope=args.suffix_cache_scope,
+                          max_queued_per_key=args.max_queued_per_key, max_running_per_key=args.max_running_per_key,
+                          restart_policy=RestartPolicy(max_restarts=args.max_restarts, window_s=args.restart_window,
+                                                       standby=args.engine_standby),
+                          memory_guard=guard)
+
+    def ready(app):
+        llm = app.state.front
+        print(f"draftwise: serving {args.model!r} on http://{args.host}:{args.port}/v1 "
+              f"(speculation: {llm.spec_config.method}, max_num_seqs {args.max_num_seqs}, context "
+              f"{llm.max_model_len}, api key {'required' if api_key else 'off'}); loaded in {llm.load_time_s:.1f}s "
+              f"(engine process {engine.pid} ready after {engine.start_s:.1f}s)", flush=True)
+        print("\n".join(llm.plan_lines), flush=True)
+
+    # listening at once: /health says "starting" (503, Retry-After) until the engine has loaded its model
+    boot = BootApp(lambda: engine.front, make_app, on_ready=ready, abandon=engine.kill)
+    print(f"draftwise: listening on http://{args.host}:{args.port} (loading the model: /health is 503 "
+          f"\"starting\" until it is ready)", flush=True)
+    serve(boot, args.host, args.port, args.shutdown_timeout, log_level=args.log_level)
+    if boot.failed is not None:
+        raise boot.failed if isinstance(boot.failed, ConfigError) else ConfigError(str(boot.failed))
     return 0
 
 
 def memory_ceiling(args):
     """--memory-limit: the MemoryGuard admission asks (None: no ceiling), after capping args.kv_cache_memory so
-    the predicted peak RSS (bench/memory.predict_peak_rss: one full prefill chunk, K/V of target and draft) fits
-    under it. A prediction that cannot be made (an uncached model, a path the catalog does not know) leaves the
+    the predicted peak RSS (bench/memory.predict_peak_rss: one full prefill chunk, K/V of target and draft; plus
+    this process's RSS measured now and what serving adds to it, the standby engine, the allocator's retained
+    heap) fits under it. A prediction that cannot be made (an uncached model, a path the catalog does not know) leaves the
     pool as asked and keeps the measured-RSS check."""
     from draftwise.config import parse_kv_cache_memory, parse_spec_config
     from draftwise.server import memory_limit as M
 
+    asked_kv = getattr(args, "kv_cache_memory", None)
+    if hasattr(asked_kv, "describe"):  # cli_args.ByteSize: the text and the bytes it was read as
+        print(f"draftwise: --kv-cache-memory {asked_kv.describe()}", flush=True)
     limit, source = M.resolve_limit(args.memory_limit)
+    standby = args.engine_standby and args.max_restarts > 0
     if limit is None:
         print(f"draftwise: no memory ceiling ({source})", flush=True)
         return None
@@ -163,7 +187,9 @@ def memory_ceiling(args):
         print(f"draftwise: memory limit {limit / 2**30:.2f} GiB ({source}); no prediction ({e}): the K/V pool is "
               f"as asked, admission watches the measured RSS", flush=True)
         return M.MemoryGuard(limit)
-    plan = M.plan_kv_memory(limit, prediction, asked)  # ConfigError when the model alone does not fit
+    plan = M.plan_kv_memory(limit, prediction, asked, server_bytes=M.server_reserve(M.rss_bytes(os.getpid())),
+                            standby_bytes=M.STANDBY_BYTES if standby else 0,
+                            heap_bytes=M.retained_heap_bytes())  # ConfigError when the model alone does not fit
     args.kv_cache_memory = plan.kv_cache_memory
     print(f"draftwise: {plan.describe()} ({source})", flush=True)
     return M.MemoryGuard(limit)

@@ -12,8 +12,12 @@ serve` uses: the engine never shares a GIL with the event loop), and `EngineThre
 process around an LLM already built (tests, embedding), over the same pipe protocol. The child dies with its
 parent (PR_SET_PDEATHSIG, and an end of file on the pipe), ignores SIGINT / SIGTERM (the parent drains, then
 tells it to stop), and a child that dies is seen as an end of file by the parent: runner.py restarts it
-(`EngineProcess.respawn()`: a new child from the same factory) and replays what was in flight, or, past its
-restart limit, answers 503 naming the exit. `exit_description()` / `exit_cause()` name how a child ended: exit
+(`EngineProcess.respawn()`: a child with the same factory) and replays what was in flight, or, past its restart
+limit, answers 503 naming the exit. A restart pays only the model's load: once an engine is ready the server keeps
+a standby child (`prepare_standby()`: a spawned interpreter that has imported what loading imports — torch, the
+package, torch._dynamo, which the first nn.Module init pulls in — ~6 s of a child's ~7.5 s start on a quiet
+2-core machine, and waits for its factory); `respawn()` hands it the factory (a fresh child when there is none).
+It holds the imports' memory only (~0.3 GB RSS, counted by the memory ceiling through `pids()`), never a model. `exit_description()` / `exit_cause()` name how a child ended: exit
 code or signal name, and "oom" when the kernel's OOM-kill counter (the cgroup's memory.events, else
 /proc/vmstat) moved while the child ran and it died by SIGKILL.
 
@@ -363,7 +367,8 @@ class EngineThread:
 class EngineProcess:
     """serve_engine in a child process that builds its LLM with `factory()` (picklable: a module-level function or
     a functools.partial of one). The constructor starts it and returns (the caller may import and build the app
-    meanwhile); `front` waits until the model is loaded: ConfigError when the child fails to load it."""
+    meanwhile); `front` waits until the model is loaded: ConfigError when the child fails to load it.
+    `factory=None` starts a standby: it imports PRELOAD and waits until `assign(factory)` (respawn does that)."""
 
     in_process = False
 
@@ -381,7 +386,27 @@ class EngineProcess:
         their_end.close()  # ours is gone: the child's end of file when we die is the pipe's
         self.start_timeout_s = start_timeout_s
         self._front: EngineFront | None = None
-        self.start_s: float | None = None  # from spawning to the model loaded and ready
+        self.start_s: float | None = None  # from spawning (a standby: from assign()) to the model loaded and ready
+        self.standby: EngineProcess | None = None  # the child the next respawn() hands the factory (prepare_standby)
+
+    def assign(self, factory, start_timeout_s: float | None = None) -> "EngineProcess":
+        """A standby becomes an engine: it gets `factory` and loads the model (`front` waits for it)."""
+        self.factory, self.start_timeout_s = factory, start_timeout_s
+        self._oom_kills_at_start = oom_kill_count()
+        self._t0 = time.perf_counter()
+        self.conn.send(("build", factory))
+        return self
+
+    def prepare_standby(self) -> None:
+        """Start a standby child for the next respawn(), unless a live one is there (call it from a long-lived
+        thread: a child's PR_SET_PDEATHSIG follows the thread that spawned it)."""
+        if self.standby is None or not self.standby.process.is_alive():
+            self.standby = EngineProcess(None)
+
+    def pids(self) -> list[int]:
+        """The engine's pid and its standby's (what the memory ceiling counts)."""
+        spare = self.standby
+        return [self.pid] + ([spare.pid] if spare is not None and spare.process.is_alive() else [])
 
     @property
     def front(self) -> EngineFront:
@@ -410,23 +435,39 @@ class EngineProcess:
         return self.process.pid
 
     def respawn(self, start_timeout_s: float | None = None) -> "EngineProcess":
-        """A new child from the same factory (the caller waits for its `front`: the model loaded, within
-        `start_timeout_s`, else this one's)."""
-        return EngineProcess(self.factory, start_timeout_s if start_timeout_s is not None else self.start_timeout_s)
+        """A child with the same factory: the standby when a live one is there (it only loads the model), else a
+        new one (the caller waits for its `front`: the model loaded, within `start_timeout_s`, else this one's)."""
+        timeout = start_timeout_s if start_timeout_s is not None else self.start_timeout_s
+        spare, self.standby = self.standby, None
+        if spare is not None:
+            if spare.process.is_alive():
+                try:
+                    return spare.assign(self.factory, timeout)
+                except (OSError, ValueError):  # it died meanwhile
+                    pass
+            spare.kill()
+        return EngineProcess(self.factory, timeout)
 
     def start(self) -> None:
         """Already running (the constructor waited for the model)."""
 
     def join(self, timeout: float) -> None:
+        self._kill_standby()
         self.process.join(timeout)
         if self.process.is_alive():
             log.warning("the engine process did not stop within %g s; killing it", timeout)
             self.kill()
 
     def kill(self) -> None:
+        self._kill_standby()
         if self.process.is_alive():
             self.process.kill()
             self.process.join(5)
+
+    def _kill_standby(self) -> None:
+        spare, self.standby = self.standby, None
+        if spare is not None:
+            spare.kill()
 
     def exit_cause(self) -> str:
         """How the child ended, as a short label (/metrics): "oom", a signal's name ("SIGKILL", "SIGSEGV"),
@@ -488,12 +529,34 @@ def oom_kill_count() -> int | None:
     return None
 
 
+# what loading a model imports (a standby imports it in advance): the package's entry, the loaders api.LLM imports
+# lazily, and torch._dynamo, which the first nn.Module's parameter init imports (~3 s of a child's ~7.5 s start)
+PRELOAD = ("draftwise.api", "draftwise.models.catalog", "draftwise.models.quant", "draftwise.models.safetensors",
+           "draftwise.models.sources", "draftwise.kernels.probe", "torch._dynamo")
+
+
 def _child_main(conn, factory, parent_pid: int) -> None:
-    """The child process: die with the parent, leave signals to it, load the model, serve."""
+    """The child process: die with the parent, leave signals to it, load the model, serve. A standby (`factory`
+    None) first imports PRELOAD and waits for ("build", factory)."""
     _die_with_parent(parent_pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's ^C / systemd's SIGTERM: the parent drains first
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(format="draftwise engine: %(levelname)s %(message)s")
+    if factory is None:
+        import importlib
+
+        for name in PRELOAD:
+            try:
+                importlib.import_module(name)
+            except Exception:  # noqa: BLE001 — the load imports (and reports) it again
+                pass
+        try:
+            msg = conn.recv()
+        except (EOFError, OSError):  # the server is gone, or it let the standby go
+            return
+        if msg[0] != "build":
+            return
+        factory = msg[1]
     try:
         llm = factory()
     except BaseException as e:

@@ -1,8 +1,9 @@
 """The server's memory ceiling (`draftwise serve --memory-limit`): what it defaults to, how much of it the K/V pool
 may take, and the admission's check of the RSS actually held.
 
-Owns three things. `resolve_limit(flag)`: bytes from the flag ("auto": the cgroup's limit — v2 memory.max, v1
-memory.limit_in_bytes — else the RAM available now; "none": no ceiling). `plan_kv_memory(limit, prediction)`:
+Owns three things. `resolve_limit(flag)`: bytes from the flag (a size through cli_args.parse_size, the command
+line's one size parser: a bare G is GiB; "auto": the cgroup's limit — v2 memory.max, v1 memory.limit_in_bytes —
+else the RAM available now; "none": no ceiling). `plan_kv_memory(limit, prediction)`:
 the K/V budget (--kv-cache-memory) that keeps the engine's predicted peak under the ceiling, from `draftwise memory
 --rss`'s prediction (bench/memory.predict_peak_rss: measured runtime, resident weights, one prefill chunk's
 activations, K/V per token of the target and a draft); the engine's paged pool then never holds more, and
@@ -19,32 +20,22 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from draftwise.cli_args import parse_size
 from draftwise.config import ConfigError
 from draftwise.kv_cache import available_memory
 
 UNLIMITED_CGROUP = 2**60  # a v1 cgroup without a limit reports about 2^63
-# the HTTP process beside the engine: 484 MB measured (VmRSS) serving the 1.5B's tokenizer through a flood of 4k and
-# 16k-token prompts (256 MiB, the first guess, let a 2.35 GiB ceiling be overrun by ~4%)
+# the HTTP process beside the engine: its RSS measured when the plan is made (torch and the package imported:
+# ~345 MB) plus what serving adds — the tokenizer, request bodies and streams: 484 MB measured (VmRSS) serving the
+# 1.5B through floods of 4k and 16k-token prompts, ~140 MB above the plan-time figure. SERVER_RESERVE_BYTES is the
+# whole reserve when nothing was measured (a constant 256 MiB let a 2.35 GiB ceiling be overrun by ~13%).
+SERVER_GROWTH_BYTES = 192 * 2**20
 SERVER_RESERVE_BYTES = 512 * 2**20
+# the standby engine process (engine_host.EngineProcess.prepare_standby: an interpreter with torch and the package
+# imported, no model): 298 MB RSS measured
+STANDBY_BYTES = 320 * 2**20
 HEADROOM = 0.05  # of the ceiling kept free of the prediction (allocator slack, page tables, the suffix cache)
 HOLD_FRACTION = 0.95  # measured RSS above this share of the ceiling holds admission
-
-
-def parse_size(text: str) -> int:
-    """"8G", "6000M", "512MiB", "1.5GB", "123456" -> bytes (K/M/G/T: powers of 1024 without an "B"; KB/MB: 1000)."""
-    t = str(text).strip().lower()
-    units = {"": 1, "b": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40, "kib": 2**10, "mib": 2**20,
-             "gib": 2**30, "tib": 2**40, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
-    i = len(t)
-    while i and t[i - 1].isalpha():
-        i -= 1
-    try:
-        number, unit = float(t[:i]), t[i:]
-    except ValueError:
-        raise ConfigError(f"--memory-limit: expected a size such as 8G or 6000MiB, got {text!r}") from None
-    if unit not in units or number <= 0:
-        raise ConfigError(f"--memory-limit: expected a positive size such as 8G or 6000MiB, got {text!r}")
-    return int(number * units[unit])
 
 
 def cgroup_limit() -> int | None:
@@ -70,12 +61,23 @@ def cgroup_limit() -> int | None:
     return None
 
 
-def resolve_limit(flag: str | None) -> tuple[int | None, str]:
-    """(bytes or None, where it came from) for --memory-limit `flag` ("auto" / None, "none", or a size)."""
-    if flag is not None and flag.strip().lower() in ("none", "off", "0"):
+def limit_arg(text: str) -> str | int:
+    """--memory-limit's value: "auto", "none" (also "off", "0"), or a size (cli_args.parse_size: bytes)."""
+    t = str(text).strip().lower()
+    if t in ("auto", "none", "off", "0"):
+        return "none" if t != "auto" else "auto"
+    return parse_size(text, "--memory-limit")
+
+
+def resolve_limit(flag: str | int | None) -> tuple[int | None, str]:
+    """(bytes or None, where it came from) for --memory-limit `flag` ("auto" / None, "none", a size's text, or
+    bytes)."""
+    value = "auto" if flag is None else flag if isinstance(flag, int) else limit_arg(flag)
+    if value == "none":
         return None, "off"
-    if flag is not None and flag.strip().lower() != "auto":
-        return parse_size(flag), "--memory-limit"
+    if isinstance(value, int):
+        text = getattr(value, "text", "") or str(int(value))
+        return int(value), f"--memory-limit {text} = {int(value)} bytes"
     limit = cgroup_limit()
     if limit is not None:
         return limit, "the cgroup's memory limit"
@@ -86,46 +88,75 @@ def resolve_limit(flag: str | None) -> tuple[int | None, str]:
 @dataclass
 class KVPlan:
     """What the ceiling leaves the K/V pool: `kv_cache_memory` (the target's pool budget; a draft's pool holds the
-    same tokens), the prediction's fixed part, and the K/V bytes per token of target and draft together."""
+    same tokens), the prediction's fixed part (the engine before any K/V, its allocator's retained heap included),
+    what the other processes are given (the HTTP server, a standby engine), and the K/V bytes per token of target
+    and draft together."""
 
     limit: int
     fixed_bytes: int
     kv_bytes_per_token: int
     kv_cache_memory: int
     tokens: int  # positions the pool then holds
+    server_bytes: int = SERVER_RESERVE_BYTES
+    standby_bytes: int = 0
+    heap_bytes: int = 0  # of fixed_bytes: the allocator's retained heap beyond the prediction
 
     def describe(self) -> str:
         gib = 2**30
-        return (f"memory limit {self.limit / gib:.2f} GiB: predicted runtime + weights + activations "
-                f"{self.fixed_bytes / gib:.2f} GiB + the HTTP process {SERVER_RESERVE_BYTES / gib:.2f} GiB + headroom"
-                f" {HEADROOM:.0%}; the K/V pool gets {self.kv_cache_memory / gib:.2f} GiB ({self.tokens} tokens at "
-                f"{self.kv_bytes_per_token} B each, target and draft)")
+        standby = f" + a standby engine {self.standby_bytes / gib:.2f} GiB" if self.standby_bytes else ""
+        return (f"memory limit {self.limit / gib:.2f} GiB: predicted runtime + weights + activations + retained heap "
+                f"{self.fixed_bytes / gib:.2f} GiB + the HTTP process {self.server_bytes / gib:.2f} GiB{standby} + "
+                f"headroom {HEADROOM:.0%}; the K/V pool gets {self.kv_cache_memory / gib:.2f} GiB ({self.tokens} "
+                f"tokens at {self.kv_bytes_per_token} B each, target and draft)")
 
 
-def plan_kv_memory(limit: int, prediction: dict, requested: int | None = None) -> KVPlan:
+def server_reserve(measured_rss: int | None) -> int:
+    """The HTTP process's share of the ceiling: its RSS now (plan time) plus SERVER_GROWTH_BYTES, else the
+    constant SERVER_RESERVE_BYTES."""
+    return SERVER_RESERVE_BYTES if not measured_rss else measured_rss + SERVER_GROWTH_BYTES
+
+
+def retained_heap_bytes() -> int:
+    """Freed heap the engine's allocator keeps mapped beyond the prediction's live peak: the top pad each heap
+    growth asks for (kernels/heap.py's mallopt policy keeps freed blocks for reuse, so RSS stays at the
+    high-water mark of a chunk's temporaries, which the activations row already counts); 0 when the policy is not
+    applied there (not glibc, or the user chose the allocator's settings)."""
+    from draftwise.kernels import heap
+
+    return int(heap.heap_policy().get("top_pad", 0))  # the engine's environment is this process's
+
+
+def plan_kv_memory(limit: int, prediction: dict, requested: int | None = None, server_bytes: int | None = None,
+                   standby_bytes: int = 0, heap_bytes: int = 0) -> KVPlan:
     """The K/V budget under `limit` from predict_peak_rss's `prediction` (its "bytes" rows: "<role> K/V" are the
     pools' part, the rest is fixed; "models"[role]["kv_blocks"] how many blocks of BLOCK_SIZE those rows are),
-    at most `requested` (the --kv-cache-memory asked for, in bytes). ConfigError when not even one block fits."""
+    at most `requested` (the --kv-cache-memory asked for, in bytes), with `server_bytes` (server_reserve: default
+    SERVER_RESERVE_BYTES), `standby_bytes` and the engine's retained heap `heap_bytes` set aside. ConfigError when
+    not even one block fits."""
     from draftwise.kv_cache import BLOCK_SIZE
 
+    server = SERVER_RESERVE_BYTES if server_bytes is None else server_bytes
     rows = prediction["bytes"]
     kv_rows = {k: v for k, v in rows.items() if k.endswith(" K/V")}
-    fixed = sum(v for k, v in rows.items() if k not in kv_rows)
+    fixed = sum(v for k, v in rows.items() if k not in kv_rows) + heap_bytes
     per_token = {role: rows[f"{role} K/V"] / (info["kv_blocks"] * BLOCK_SIZE)
                  for role, info in prediction["models"].items() if f"{role} K/V" in rows and info["kv_blocks"]}
     total_per_token = int(sum(per_token.values()))
-    spare = limit * (1 - HEADROOM) - fixed - SERVER_RESERVE_BYTES
+    others = server + standby_bytes
+    spare = limit * (1 - HEADROOM) - fixed - others
     tokens = int(spare // total_per_token) if total_per_token else 0
     if tokens < BLOCK_SIZE:
-        need = fixed + SERVER_RESERVE_BYTES + BLOCK_SIZE * total_per_token
+        need = fixed + others + BLOCK_SIZE * total_per_token
         raise ConfigError(f"--memory-limit {limit / 2**30:.2f} GiB is below what serving this model needs "
                           f"(about {need / (1 - HEADROOM) / 2**30:.2f} GiB: {fixed / 2**30:.2f} GiB predicted before "
-                          f"any K/V; `draftwise memory --rss` has the breakdown)")
+                          f"any K/V, {others / 2**30:.2f} GiB for the HTTP process"
+                          f"{' and a standby engine (--no-engine-standby drops it)' if standby_bytes else ''}; "
+                          f"`draftwise memory --rss` has the breakdown)")
     target_budget = int(tokens * per_token.get("target", total_per_token))
     if requested is not None and requested < target_budget:
         target_budget = requested
         tokens = int(requested // per_token.get("target", total_per_token))
-    return KVPlan(limit, int(fixed), total_per_token, target_budget, tokens)
+    return KVPlan(limit, int(fixed), total_per_token, target_budget, tokens, server, standby_bytes, heap_bytes)
 
 
 def rss_bytes(pid: int) -> int:

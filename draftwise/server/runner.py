@@ -85,7 +85,9 @@ class RestartPolicy:
     """When a dead engine process is restarted: at once, or after a backoff doubling from `backoff_s` (to at most
     `max_backoff_s`) while children keep dying within `stable_s` of becoming ready; never again once more than
     `max_restarts` deaths fell within `window_s` (0: never restart). A request is replayed after at most
-    `max_replays` deaths, then failed. A new child must load within `start_timeout_s`."""
+    `max_replays` deaths, then failed. A new child must load within `start_timeout_s`. `standby`: a spare child
+    that has done its imports waits beside the engine (engine_host.EngineProcess.prepare_standby), so a restart
+    pays only the model's load."""
 
     max_restarts: int = 10
     window_s: float = 300.0
@@ -94,6 +96,7 @@ class RestartPolicy:
     stable_s: float = 30.0
     max_replays: int = 3
     start_timeout_s: float = 600.0
+    standby: bool = False  # keep a standby child (imports done) for the next restart (`draftwise serve`: on)
 
     def backoff(self, fast_deaths: int) -> float:
         """Seconds to wait before a restart after `fast_deaths` deaths in a row of children that died young."""
@@ -156,6 +159,16 @@ class EngineRunner:
         self._loop.add_reader(self._conn.fileno(), self._on_readable)
         self.state, self._ready, self._ready_at = "ready", True, time.monotonic()
         self.metrics.set_engine_state(self.state)
+        self._prepare_standby()
+
+    def _prepare_standby(self) -> None:
+        """Start the next restart's standby child (on the event loop: a long-lived thread), when it is wanted."""
+        policy = self.restart_policy
+        if policy.standby and policy.max_restarts > 0 and hasattr(self.host, "prepare_standby"):
+            try:
+                self.host.prepare_standby()
+            except Exception:  # noqa: BLE001 — a restart then spawns a fresh child
+                log.exception("starting a standby engine process failed")
 
     def stop(self, timeout: float = 10.0) -> None:
         """Tell the engine to stop and wait for its last messages and its end (a child process is killed after
@@ -490,10 +503,12 @@ class EngineRunner:
         self.restarts += 1
         self.metrics.on_engine_restarted(self.last_restart_s, len(replay))
         self.metrics.set_engine_state(self.state)
-        log.warning("the engine is back (pid %s) %.1f s after it died; replaying %d requests", getattr(host, "pid", "-"),
-                    self.last_restart_s, len(replay))
+        log.warning("the engine is back (pid %s) %.1f s after it died (its start %.1f s, of which building the LLM "
+                    "%.1f s); replaying %d requests", getattr(host, "pid", "-"), self.last_restart_s,
+                    getattr(host, "start_s", 0) or 0, host.front.load_time_s, len(replay))
         self._admit()
         self._flush()
+        self._prepare_standby()
 
     def _stop_reading(self) -> bool:
         """Stop watching the pipe; whether it was watched."""

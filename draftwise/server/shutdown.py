@@ -57,4 +57,7 @@ class GracefulServer(uvicorn.Server):
 
 def serve(app, host: str, port: int, shutdown_timeout: float, log_level: str = "info") -> None:
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=FLUSH_S)
-    GracefulServer(config, app, shutdown_timeout).run()
+    server = GracefulServer(config, app, shutdown_timeout)
+    if hasattr(app, "server"):  # boot.BootApp: told to exit when its engine cannot start
+        app.server = server
+    server.run()
