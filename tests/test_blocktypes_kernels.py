@@ -138,3 +138,21 @@ def test_a_planted_width_dependent_reduction_fails_the_check(kind, machine):
     assert autotune.rows_exact(whole, K, WIDTHS, THREADS) is None
     got = autotune.rows_exact(_WidthDependent(whole, lo, hi, K), K, WIDTHS, THREADS)
     assert got is not None and got.startswith("row ") and " of 33 " in got, got
+
+
+# the compact kernels and the byte form of the same parts (csrc/q8_0.h: every form computes bitwise the same row)
+BYTE_FORM = {"q4c": "q8_0", "q5m": "q8_1"}
+
+
+@pytest.mark.parametrize("kind", sorted(t for t in TYPES if blocktypes.kernel_of(t) in BYTE_FORM))
+def test_codes_compute_bitwise_what_bytes_compute_in_fewer_bytes(kind, machine):
+    cls = _kernel(kind, machine)
+    wide = LINEARS[BYTE_FORM[cls.name]]
+    N, K = 37, 512
+    parts = ggml_blocks.FROM_BLOCKS[kind](_random_blocks(kind, N, K, seed=4), N, K)
+    bias, x = torch.randn(N), torch.randn(9, K)
+    for path in block_paths(cls.name):
+        assert torch.equal(_on(cls(parts=parts, bias=bias), path)(x), _on(wide(parts=parts, bias=bias), path)(x)), path
+    assert cls.nbytes(N, K) == sum(t.numel() * t.element_size() for t in cls._pack(parts).values())
+    assert cls.nbytes(4096, 4096) * 8 / 4096**2 <= blocktypes.KERNELS[cls.name].bits + 0.01
+    assert cls.nbytes(N, K) < wide.nbytes(N, K)

@@ -66,31 +66,33 @@ KERNELS: dict[str, Kernel] = {k.name: k for k in (
     Kernel("q8_0", "Q8_0", 9.0, False, (("q8_0.cpp", MAIN), ("q8_0_avx2.cpp", AVX2),
                                          ("q8_0_avx512.cpp", AVX512_VNNI))),
     Kernel("q8_1", "Q8_1", 10.0, False, ()),  # csrc/q8_0.h's min term: q8_0's units serve it (q8_0.cpp registers it)
+    Kernel("q4c", "Q8_0", 5.0, False, ()),  # csrc/q8_0.h's 4-bit codes form (q8_0's units)
+    Kernel("q5m", "Q8_1", 7.0, False, ()),  # csrc/q8_0.h's codes, fifth-bit plane and min term (q8_0's units)
 )}
 
 TYPES: dict[str, BlockType] = {t.name: t for t in (
     BlockType("F32", 0, 1, 4, quantized=False),
     BlockType("F16", 1, 1, 2, quantized=False),
-    BlockType("Q4_0", 2, 32, 18, "q8_0"),
-    BlockType("Q4_1", 3, 32, 20, "q8_1"),
+    BlockType("Q4_0", 2, 32, 18, "q4c"),
+    BlockType("Q4_1", 3, 32, 20, "q5m"),
     BlockType("Q5_0", 6, 32, 22, "q8_0"),
-    BlockType("Q5_1", 7, 32, 24, "q8_1"),
+    BlockType("Q5_1", 7, 32, 24, "q5m"),
     BlockType("Q8_0", 8, 32, 34, "q8_0"),
     BlockType("Q8_1", 9, 32, 40),
     BlockType("Q2_K", 10, 256, 84),
     BlockType("Q3_K", 11, 256, 110, "q6k"),  # q3 + 32 and a signed 6-bit scale per 16: exactly a Q6_K
     BlockType("Q4_K", 12, 256, 144, "q4x8"),
-    BlockType("Q5_K", 13, 256, 176, "q8_1"),
+    BlockType("Q5_K", 13, 256, 176, "q5m"),
     BlockType("Q6_K", 14, 256, 210, "q6k"),
     BlockType("Q8_K", 15, 256, 292),
     BlockType("IQ2_XXS", 16, 256, 66),
     BlockType("IQ2_XS", 17, 256, 74),
     BlockType("IQ3_XXS", 18, 256, 98),
     BlockType("IQ1_S", 19, 256, 50),
-    BlockType("IQ4_NL", 20, 32, 18, "q8_0"),
+    BlockType("IQ4_NL", 20, 32, 18, "q4c"),
     BlockType("IQ3_S", 21, 256, 110),
     BlockType("IQ2_S", 22, 256, 82),
-    BlockType("IQ4_XS", 23, 256, 136, "q8_0"),
+    BlockType("IQ4_XS", 23, 256, 136, "q4c"),
     BlockType("I8", 24, 1, 1, quantized=False),
     BlockType("I16", 25, 1, 2, quantized=False),
     BlockType("I32", 26, 1, 4, quantized=False),

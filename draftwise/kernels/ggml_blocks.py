@@ -1,6 +1,7 @@
-"""GGUF block types other than Q4_K, read exactly and packed for our kernels: Q6_K and Q3_K for csrc/q6k.h; Q8_0, Q5_0, Q4_0,
-IQ4_NL and IQ4_XS for csrc/q8_0.h (values exact in int8, group scales exact in float32), Q4_1, Q5_1 and Q5_K for
-its min-term form (the q8_1 kernel: w = d * v + m per 32), plus simple quantizers that build the same layouts from
+"""GGUF block types other than Q4_K, read exactly and packed for our kernels: Q6_K and Q3_K for csrc/q6k.h; Q8_0 and
+Q5_0 for csrc/q8_0.h (values exact in int8, group scales exact in float32), Q4_0, IQ4_NL and IQ4_XS for its 4-bit
+codes form (the q4c kernel: a 16-entry table), Q4_1, Q5_1 and Q5_K for its codes, fifth-bit plane and min-term form
+(the q5m kernel: w = d * v + m per 32; q8_1 holds the same parts as bytes), plus simple quantizers that build the same layouts from
 float weights (tests, `make_linear`, a dense checkpoint pinned to these kernels). Which type goes to which kernel
 is kernels/blocktypes.py's table; here are the block layouts.
 
@@ -354,6 +355,121 @@ def unpack_q8_1(packed: dict[str, torch.Tensor], b0: int, b1: int) -> dict[str, 
 def q8_1_bytes(N: int, K: int) -> int:
     """Bytes of pack_q8_1's output: q8_0's plus a float32 min per 32 (10 bits per weight)."""
     return q8_0_bytes(N, K) + -(-N // COLS) * (K // 32) * COLS * 4
+
+
+
+# ---- the same parts held as 4-bit codes: q4c (a 16-entry table per 16 columns) and q5m (plus a fifth-bit plane) ----
+
+def _chunks(t: torch.Tensor, N: int) -> torch.Tensor:
+    """[N, K] per-value bytes -> csrc/q8_0.h's chunk order [NB, G, 8, 64] (byte i of chunk c: column 16 b + i / 4,
+    K value 32 g + 4 c + i % 4), rows padded with zeros."""
+    K = t.shape[1]
+    G, NB = K // 32, -(-N // COLS)
+    return _pad(t, N).view(NB, COLS, G, 8, 4).permute(0, 2, 3, 1, 4).reshape(NB, G, 8, 64)
+
+
+def _unchunk(t: torch.Tensor) -> torch.Tensor:
+    """The inverse of _chunks: [nb, G, 8, 64] -> [nb * 16, G * 32]."""
+    nb, G = t.shape[:2]
+    return t.view(nb, G, 8, COLS, 4).permute(0, 3, 1, 2, 4).reshape(nb * COLS, G * 32)
+
+
+def _code_lines(codes: torch.Tensor) -> torch.Tensor:
+    """[NB, G, 8, 64] codes (0..15) -> [NB, G, 4, 64] bytes: chunk L in the low nibble, chunk L + 4 in the high."""
+    return (codes[:, :, :4] | (codes[:, :, 4:] << 4)).contiguous()
+
+
+def _line_codes(qs: torch.Tensor) -> torch.Tensor:
+    """The inverse of _code_lines: [nb, G, 4, 64] -> [nb, G, 8, 64]."""
+    return torch.cat([qs & 15, qs >> 4], dim=2)
+
+
+def pack_q4c(parts: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """q8_0 parts whose values take at most 16 distinct values (Q4_0: -8..7, IQ4_NL / IQ4_XS: the IQ4 table) ->
+    csrc/q8_0.h's codes form: qs [NB, G, 4, 64] uint8 (codes into the table), lut [NB, 16] uint8 (the tensor's
+    values + 128, in increasing order, repeated per block), d [NB, G, 16] float32."""
+    v, d = parts["v"], parts["d"]
+    N = v.shape[0]
+    u = v.to(torch.int64) + 128
+    present = torch.bincount(u.reshape(-1), minlength=256).nonzero().reshape(-1)
+    if len(present) > 16:
+        raise ValueError(f"q4c holds at most 16 distinct values per tensor, got {len(present)}")
+    table = torch.cat([present, present[-1:].expand(16 - len(present))]) if len(present) else torch.full((16,), 128)
+    code = torch.zeros(256, dtype=torch.uint8)
+    code[present] = torch.arange(len(present), dtype=torch.uint8)
+    NB = -(-N // COLS)
+    return {"qs": _code_lines(_chunks(code[u], N)), "lut": table.to(torch.uint8).expand(NB, 16).contiguous(),
+            "d": _pad(d.float(), N).view(NB, COLS, -1).transpose(1, 2).contiguous()}
+
+
+def unpack_q4c(packed: dict[str, torch.Tensor], b0: int, b1: int) -> dict[str, torch.Tensor]:
+    """pack_q4c's buffers -> the q8_0 parts of the 16-column blocks [b0, b1)."""
+    qs, lut, d = packed["qs"][b0:b1], packed["lut"][b0:b1], packed["d"][b0:b1]
+    codes = _line_codes(qs).long()  # [nb, G, 8, 64]
+    nb = qs.shape[0]
+    u = torch.gather(lut.long().view(nb, 1, 1, 16).expand(*codes.shape[:3], 16), 3, codes)
+    return {"v": (_unchunk(u) - 128).to(torch.int8), "d": d.permute(0, 2, 1).reshape(nb * COLS, -1)}
+
+
+def quantize_q4c(weight: torch.Tensor) -> dict[str, torch.Tensor]:
+    """fp32 weight [N, K] (K % 32 == 0) -> q8_0 parts as ggml quantizes Q4_0: per 32, d = (the value of largest
+    magnitude) / -8, v = round(w / d) clamped to -8..7."""
+    N, K = weight.shape
+    if K % 32:
+        raise ValueError(f"q4c needs K divisible by 32, got K={K}")
+    w = weight.detach().float().view(N, K // 32, 32)
+    big = torch.gather(w, -1, w.abs().argmax(-1, keepdim=True)).squeeze(-1)
+    d = big / -8.0
+    v = torch.where(d[..., None] != 0, (w / torch.where(d == 0, 1.0, d)[..., None]).round(), torch.zeros_like(w))
+    return {"v": v.clamp(-8, 7).to(torch.int8).view(N, K), "d": d.contiguous()}
+
+
+dequantize_q4c = dequantize_q8_0
+
+
+def q4c_bytes(N: int, K: int) -> int:
+    """Bytes of pack_q4c's output: 4 bits per weight plus a float32 per 32 (5 bits per weight; the file's Q4_0 /
+    IQ4_NL: 4.5, IQ4_XS: 4.25), and the 16-byte table per 16 columns."""
+    NB = -(-N // COLS)
+    return NB * (K // 32) * (256 + COLS * 4) + NB * 16
+
+
+def pack_q5m(parts: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """q8_1 parts (v in 0..31) -> csrc/q8_0.h's codes form with the fifth-bit plane and the min term: qs [NB, G, 4, 64]
+    (the low 4 bits), qh [NB, G, 8, 8] uint8 (the fifth bits, chunk c's 64 as a little-endian uint64), lut [NB, 16]
+    (128 + 0..15), d and m [NB, G, 16] float32."""
+    v, d, m = parts["v"], parts["d"], parts["m"]
+    N = v.shape[0]
+    if bool(((v < 0) | (v > 31)).any()):
+        raise ValueError("q5m holds values 0..31")
+    u = _chunks(v.to(torch.uint8), N)  # [NB, G, 8, 64]
+    NB, G = u.shape[:2]
+    weights = (1 << torch.arange(8, dtype=torch.int32)).view(1, 1, 1, 1, 8)
+    qh = ((u >> 4).view(NB, G, 8, 8, 8).to(torch.int32) * weights).sum(-1).to(torch.uint8)
+    side = lambda t: _pad(t.float(), N).view(NB, COLS, G).transpose(1, 2).contiguous()  # noqa: E731
+    return {"qs": _code_lines(u & 15), "qh": qh.contiguous(),
+            "lut": (torch.arange(16, dtype=torch.uint8) + 128).expand(NB, 16).contiguous(), "d": side(d), "m": side(m)}
+
+
+def unpack_q5m(packed: dict[str, torch.Tensor], b0: int, b1: int) -> dict[str, torch.Tensor]:
+    """pack_q5m's buffers -> the q8_1 parts of the 16-column blocks [b0, b1)."""
+    qs, qh, lut = packed["qs"][b0:b1], packed["qh"][b0:b1], packed["lut"][b0:b1]
+    nb, G = qs.shape[:2]
+    low = torch.gather(lut.long().view(nb, 1, 1, 16).expand(nb, G, 8, 16), 3, _line_codes(qs).long()) - 128
+    fifth = ((qh.view(nb, G, 8, 8, 1) >> torch.arange(8, dtype=torch.uint8)) & 1).view(nb, G, 8, 64).long() << 4
+    side = lambda t: t.permute(0, 2, 1).reshape(nb * COLS, G)  # noqa: E731
+    return {"v": _unchunk(low + fifth).to(torch.int8), "d": side(packed["d"][b0:b1]), "m": side(packed["m"][b0:b1])}
+
+
+quantize_q5m = quantize_q8_1
+dequantize_q5m = dequantize_q8_1
+
+
+def q5m_bytes(N: int, K: int) -> int:
+    """Bytes of pack_q5m's output: 5 bits per weight plus a float32 scale and min per 32 (7 bits per weight; the
+    file's Q5_1: 6, Q5_K: 5.5, Q4_1: 5), and the 16-byte table per 16 columns."""
+    NB = -(-N // COLS)
+    return NB * (K // 32) * (256 + 64 + 2 * COLS * 4) + NB * 16
 
 
 FROM_BLOCKS = {"Q6_K": q6k_from_blocks, "Q8_0": q8_0_from_blocks, "Q5_0": q5_0_from_blocks, "Q4_0": q4_0_from_blocks,

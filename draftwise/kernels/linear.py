@@ -8,8 +8,10 @@ Owns, per implementation (one class each, registered under the name a user types
   int8_dynamic  fbgemm's dynamically quantized int8 (x86): a row depends on the other rows, never chosen
   q4x8          ours: int4 weights x int8 activations (kernels/q4x8.py builds the C++ operator and the format)
   q6k           ours: GGUF Q6_K weights held exactly x int8 activations per 256 (GGUF's Q8_K)
-  q8_0          ours: GGUF Q8_0 / Q5_0 / Q4_0 / IQ4_NL / IQ4_XS weights held exactly x int8 activations per 32
-  q8_1          ours: GGUF Q4_1 / Q5_1 / Q5_K weights held exactly (a min per 32) x int8 activations per 32
+  q8_0          ours: GGUF Q8_0 / Q5_0 weights held exactly x int8 activations per 32
+  q8_1          ours: weights with a min per 32 held exactly as int8 (d * v + m) x int8 activations per 32
+  q4c           ours: GGUF Q4_0 / IQ4_NL / IQ4_XS weights held exactly as 4-bit codes x int8 activations per 32
+  q5m           ours: GGUF Q4_1 / Q5_1 / Q5_K weights held exactly as 5-bit values with a min x int8 activations per 32
 and what each declares as class attributes: `devices` it runs on, `dtype` its activations are computed in (the
 model dtype "auto" resolves to when it is the step kernel), `row_exact` (by construction: every output row is a
 fixed computation of that row alone, whatever other rows share the call and however many threads run it —
@@ -636,31 +638,59 @@ class Q6KLinear(_BlockLinear):
 
 
 class Q80Linear(_BlockLinear):
-    """Ours: GGUF Q8_0, Q5_0, Q4_0, IQ4_NL or IQ4_XS weights held exactly as int8 per 32 with a scale (kernels/ggml_blocks.py,
+    """Ours: GGUF Q8_0 or Q5_0 weights (any int8-per-32 parts: Q4_0 / IQ4 blocks too) held exactly as int8 per 32 with a scale (kernels/ggml_blocks.py,
     csrc/q8_0.h) x int8 activations per row and 32 K values (GGUF's Q8_0, as llama.cpp's CPU dot products of
     these types); AVX-512 VNNI / AVX2 / scalar, bitwise the same. Q80Linear(weight [N, K], bias) quantizes a float
     weight as ggml's Q8_0; `from_blocks` takes its types' blocks (kernels/blocktypes.py) as they are."""
 
     name = "q8_0"
-    description = "ours: GGUF Q8_0 / Q5_0 / Q4_0 / IQ4 weights (exact) x int8 activations per 32, AVX-512 VNNI / AVX2"
+    description = "ours: GGUF Q8_0 / Q5_0 weights (exact) x int8 activations per 32, AVX-512 VNNI / AVX2"
     tolerance = 0.02  # 8-bit weights (~0.005) plus int8 activations per 32 (~0.006)
     PACKED = ("qw", "d")
     GGUF_TYPES = blocktypes.types_of("q8_0")
 
 
 class Q81Linear(_BlockLinear):
-    """Ours: GGUF Q4_1, Q5_1 and Q5_K weights held exactly as int8 per 32 with a scale and a min, w = d * v + m
+    """Ours: weights with a min per 32 (GGUF Q4_1, Q5_1, Q5_K parts; the table holds those types on q5m) held exactly as int8 per 32 with a scale and a min, w = d * v + m
     (kernels/ggml_blocks.py, csrc/q8_0.h's min term) x int8 activations per row and 32 K values with their sums
     (GGUF's Q8_1, as llama.cpp pairs Q4_1 / Q5_1; finer than the Q8_K it pairs with Q5_K); AVX-512 VNNI / AVX2 /
     scalar, bitwise the same. Q81Linear(weight [N, K], bias) quantizes a float weight as ggml's Q5_1;
     `from_blocks` takes the types' blocks as they are."""
 
     name = "q8_1"
-    description = "ours: GGUF Q4_1 / Q5_1 / Q5_K weights (exact) x int8 activations per 32, AVX-512 VNNI / AVX2"
+    description = "ours: weights with a min per 32 (exact, int8) x int8 activations per 32, AVX-512 VNNI / AVX2"
     tolerance = 0.06  # 5-bit min-max weights per 32 (steps of range / 31: ~0.04 for Gaussian weights, measured
     # 0.042 at worst on tests/test_kernels.py's shapes) plus int8 activations per 32 (~0.006)
     PACKED = ("qw", "d", "m")
     GGUF_TYPES = blocktypes.types_of("q8_1")
+
+
+class Q4CLinear(_BlockLinear):
+    """Ours: GGUF Q4_0, IQ4_NL and IQ4_XS weights held exactly as 4-bit codes into a 16-entry table of int8 values with
+    a float32 scale per 32 (5 bits per weight; kernels/ggml_blocks.py pack_q4c, csrc/q8_0.h's codes form) x int8
+    activations per row and 32 K values (GGUF's Q8_0, as llama.cpp pairs these types): bitwise what q8_0 computes
+    with the same blocks held as bytes; AVX-512 VNNI / AVX2 / scalar, bitwise the same. Q4CLinear(weight [N, K],
+    bias) quantizes a float weight as ggml's Q4_0; `from_blocks` takes the types' blocks as they are."""
+
+    name = "q4c"
+    description = "ours: GGUF Q4_0 / IQ4 weights (exact, 4-bit codes) x int8 activations per 32, AVX-512 VNNI / AVX2"
+    tolerance = 0.15  # 4-bit weights per 32 (~0.11 for Gaussian weights) plus int8 activations per 32 (~0.006)
+    PACKED = ("qs", "lut", "d")
+    GGUF_TYPES = blocktypes.types_of("q4c")
+
+
+class Q5MLinear(_BlockLinear):
+    """Ours: GGUF Q4_1, Q5_1 and Q5_K weights held exactly as 5-bit values (4-bit codes plus a fifth-bit plane) with
+    a float32 scale and min per 32, w = d * v + m (7 bits per weight; kernels/ggml_blocks.py pack_q5m, csrc/q8_0.h)
+    x int8 activations per row and 32 K values with their sums (GGUF's Q8_1): bitwise what q8_1 computes with the
+    same blocks held as bytes; AVX-512 VNNI / AVX2 / scalar, bitwise the same. Q5MLinear(weight [N, K], bias)
+    quantizes a float weight as ggml's Q5_1; `from_blocks` takes the types' blocks as they are."""
+
+    name = "q5m"
+    description = "ours: GGUF Q4_1 / Q5_1 / Q5_K weights (exact, 5-bit) x int8 activations per 32, AVX-512 VNNI / AVX2"
+    tolerance = Q81Linear.tolerance
+    PACKED = ("qs", "qh", "lut", "d", "m")
+    GGUF_TYPES = blocktypes.types_of("q5m")
 
 
 _BLOCK_OPS: dict[str, object] = {}
@@ -711,7 +741,7 @@ def _runs_on_cuda(cls: type[LinearImpl]) -> bool:
 
 LINEARS: dict[str, type[LinearImpl]] = {
     c.name: c for c in (DenseF32, DenseBF16, TorchInt4, TorchInt8, FbgemmDynamicInt8, Q4x8Linear, Q6KLinear,
-                        Q80Linear, Q81Linear)
+                        Q80Linear, Q81Linear, Q4CLinear, Q5MLinear)
 }
 
 

@@ -11,7 +11,7 @@ csrc/stack.cpp's Slot order, checked to be exactly SLOTS long, and its KINDS_PER
 here is glue's `available` (one library). The layout itself is csrc/stack.cpp's alone: SLOTS, the entries per layer,
 the kinds per layer and the kinds' ids are read from the loaded library (`weights_per_layer`, `kinds_per_layer`,
 `linear_kinds`) the first time they are used, never written here. Each projection may be any of the row-exact
-kernels the library runs (q4x8, q6k, q8_0, q8_1: a faithful plan mixes them layer by layer), with q/k/v merged or as
+kernels the library runs (q4x8 and every block kernel of kernels/blocktypes.py: a faithful plan mixes them layer by layer), with q/k/v merged or as
 three calls. Knows nothing of models beyond those shapes: the decoder (models/transformer.py) decides when its
 layers qualify (those kernels on their auto path, gate/up merged, our glue and attention ops, no sandwich norms)
 and keeps its Python loop for everything else.
@@ -22,12 +22,12 @@ import functools
 
 import torch
 
-from draftwise.kernels import library
-from draftwise.kernels.linear import LinearImpl, Q4x8Linear, Q6KLinear, Q80Linear, Q81Linear
+from draftwise.kernels import blocktypes, library
+from draftwise.kernels.linear import LINEARS, LinearImpl, Q4x8Linear
 from draftwise.kernels.glue import available  # noqa: F401 (one library: built and loaded, or not)
 
 # the projections' kernels the library's loop calls, by registry name (csrc/stack.cpp's Kind: linear_kinds())
-KERNELS = {cls.name: cls for cls in (Q4x8Linear, Q6KLinear, Q80Linear, Q81Linear)}
+KERNELS = {name: LINEARS[name] for name in ("q4x8", *blocktypes.block_kernels())}
 ABSENT = -1  # csrc/stack.cpp's Kind for k_proj / v_proj where q/k/v are merged
 
 
@@ -64,11 +64,8 @@ def _linear(m: LinearImpl | None) -> list[torch.Tensor | None]:  # csrc/stack.cp
     b = m._buffers  # read directly, as the modules' forward does (a model's buffers may be swapped: hugepages.py)
     if isinstance(m, Q4x8Linear):
         return [b["packed"], b["sc"], b["mn"], b["d"], b["dmin"], b["bias"]]
-    if isinstance(m, Q6KLinear):
-        return [b["ql"], b["qh"], b["sc"], b["d"], None, b["bias"]]
-    if isinstance(m, Q81Linear):
-        return [b["qw"], b["d"], b["m"], None, None, b["bias"]]
-    return [b["qw"], b["d"], None, None, None, b["bias"]]  # Q80Linear
+    packed = [b[n] for n in m.PACKED]  # a block kernel's buffers in its operator's order, then None, the bias last
+    return [*packed, *[None] * (5 - len(packed)), b["bias"]]
 
 
 def layer_weights(in_norm: torch.Tensor, qkv: LinearImpl, k: LinearImpl | None, v: LinearImpl | None,

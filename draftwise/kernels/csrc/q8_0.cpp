@@ -1,5 +1,6 @@
-// q8_0: the torch operators (torch.ops.draftwise_q8_0.linear, and draftwise_q8_1.linear: the same kernel with a
-// min term) and the scalar path of the int8-per-32 block types x Q8_0 activations.
+// q8_0: the torch operators of the per-32 block types x Q8_0 activations (torch.ops.draftwise_q8_0.linear; q8_1:
+// the same kernel with a min term; q4c: its 4-bit codes form; q5m: codes, fifth-bit plane and min term, q8_0.h)
+// and their scalar path.
 // Owns: argument checks, the activation quantization per group of 32 (one scalar implementation serves every path,
 // so its bits cannot differ between them), which cpuid features each ISA unit needs (dispatch.h's rule picks the
 // path); the thread split is block_op.h's. Knows nothing of models or files; the layout and the arithmetic are
@@ -51,11 +52,10 @@ extern "C" void dw_q80_gemm_scalar(const DwQ80* w, const DwQ80Act* a, float* out
             for (int64_t m = 0; m < M; ++m) {
                 float acc = 0.0f;
                 for (int64_t g = 0; g < G; ++g) {
-                    const uint8_t* P = w->qw + (b * G + g) * 512;
                     const int8_t* xq = a->q + (g * M + m) * 32;
                     int32_t isum = 0;
                     for (int c = 0; c < 8; ++c)
-                        for (int t = 0; t < 4; ++t) isum += ((int32_t)P[c * 64 + j * 4 + t] - 128) * xq[c * 4 + t];
+                        for (int t = 0; t < 4; ++t) isum += ((int32_t)dw_q80_byte(w, b, g, c, j, t) - 128) * xq[c * 4 + t];
                     const float t = (float)isum * w->d[(b * G + g) * 16 + j];
                     acc = std::fma(t, a->dx[g * M + m], acc);
                     if (w->m) {
@@ -71,20 +71,29 @@ extern "C" void dw_q80_gemm_scalar(const DwQ80* w, const DwQ80Act* a, float* out
 
 namespace {
 
-// x [M, K] float32 -> y [M, N] float32; qw [NB, G, 8, 64] uint8, d and m (or none) [NB, G, 16] float32
-at::Tensor linear(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& d, const std::optional<at::Tensor>& m,
+// A present optional tensor's data, checked as `numel` values of `dtype`; null when absent.
+template <class T>
+const T* optional_of(const std::optional<at::Tensor>& t, at::ScalarType dtype, int64_t numel, const char* name) {
+    if (!t.has_value() || !t->defined()) return nullptr;
+    dwop::check_weight(*t, dtype, numel, name);
+    return t->data_ptr<T>();
+}
+
+// x [M, K] float32 -> y [M, N] float32; qw [NB, G, 8, 64] uint8 (bytes) or [NB, G, 4, 64] (codes, with lut [NB, 16]
+// uint8 and, for the fifth-bit plane, qh [NB, G, 8, 8]), d and m (or none) [NB, G, 16] float32
+at::Tensor linear(const at::Tensor& x, const at::Tensor& qw, const std::optional<at::Tensor>& qh,
+                  const std::optional<at::Tensor>& lut, const at::Tensor& d, const std::optional<at::Tensor>& m,
                   const std::optional<at::Tensor>& bias, int64_t N, int64_t path) {
     TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be [M, K] float32 contiguous");
     const int64_t M = x.size(0), K = x.size(1);
     TORCH_CHECK(K % 32 == 0, "K must be a multiple of 32");
     const int64_t G = K / 32, NB = (N + 15) / 16;
-    dwop::check_weight(qw, at::kByte, NB * G * 512, "qw");
+    const uint8_t* lut_p = optional_of<uint8_t>(lut, at::kByte, NB * 16, "lut");
+    const uint8_t* qh_p = optional_of<uint8_t>(qh, at::kByte, NB * G * 64, "qh");
+    TORCH_CHECK(lut_p || !qh_p, "a fifth-bit plane goes with codes (lut)");
+    dwop::check_weight(qw, at::kByte, NB * G * (lut_p ? 256 : 512), "qw");
     dwop::check_weight(d, at::kFloat, NB * G * 16, "d");
-    const float* m_p = nullptr;
-    if (m.has_value() && m->defined()) {
-        dwop::check_weight(*m, at::kFloat, NB * G * 16, "m");
-        m_p = m->data_ptr<float>();
-    }
+    const float* m_p = optional_of<float>(m, at::kFloat, NB * G * 16, "m");
     const float* bias_p = dwop::bias_of(bias, N);
     path = dwisa::select(ISA, path);
     at::Tensor y = at::empty({M, N}, x.options());
@@ -100,17 +109,11 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& d
     int32_t* qsp = qsum.data_ptr<int32_t>();
     dwop::over_rows(M, K, [&](int64_t r0, int64_t r1) { quantize_rows(xp, M, K, qp, dxp, qop, qsp, r0, r1); });
     const auto gemm = dwisa::pick(path, dw_q80_gemm_scalar, dw_q80_gemm_avx2, dw_q80_gemm_avx512);
-    DwQ80 w{qw.data_ptr<uint8_t>(), d.data_ptr<float>(), m_p, bias_p, N, K, G};
+    DwQ80 w{qw.data_ptr<uint8_t>(), d.data_ptr<float>(), m_p, bias_p, N, K, G, lut_p, qh_p};
     DwQ80Act a{qp, dxp, qop, qsp, M};
     float* yp = y.data_ptr<float>();
     dwop::over_blocks(NB, [&](int64_t b0, int64_t b1) { gemm(&w, &a, yp, b0, b1); });
     return y;
-}
-
-// q8_0: no min term
-at::Tensor q80_linear(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& d,
-                      const std::optional<at::Tensor>& bias, int64_t N, int64_t path) {
-    return linear(x, qw, d, std::nullopt, bias, N, path);
 }
 
 std::vector<int64_t> paths() { return dwisa::available_paths(ISA); }
@@ -122,21 +125,46 @@ extern "C" void dw_q80_gemm_avx2(const DwQ80*, const DwQ80Act*, float*, int64_t,
 extern "C" void dw_q80_gemm_avx512(const DwQ80*, const DwQ80Act*, float*, int64_t, int64_t) {}
 #endif
 
+// One library per kernel of kernels/blocktypes.py on this unit, each linear's arguments its PACKED buffers in order.
 TORCH_LIBRARY(draftwise_q8_0, m) {
     m.def("linear(Tensor x, Tensor qw, Tensor d, Tensor? bias, int N, int path) -> Tensor");
     m.def("paths() -> int[]", &paths);
 }
-
-TORCH_LIBRARY_IMPL(draftwise_q8_0, CPU, m) { m.impl("linear", &q80_linear); }
+TORCH_LIBRARY_IMPL(draftwise_q8_0, CPU, m) {
+    m.impl("linear", [](const at::Tensor& x, const at::Tensor& qw, const at::Tensor& d,
+                        const std::optional<at::Tensor>& bias, int64_t N, int64_t path) {
+        return linear(x, qw, std::nullopt, std::nullopt, d, std::nullopt, bias, N, path);
+    });
+}
 
 TORCH_LIBRARY(draftwise_q8_1, m) {
     m.def("linear(Tensor x, Tensor qw, Tensor d, Tensor m, Tensor? bias, int N, int path) -> Tensor");
     m.def("paths() -> int[]", &paths);
 }
-
 TORCH_LIBRARY_IMPL(draftwise_q8_1, CPU, m) {
     m.impl("linear", [](const at::Tensor& x, const at::Tensor& qw, const at::Tensor& d, const at::Tensor& m_,
                         const std::optional<at::Tensor>& bias, int64_t N, int64_t path) {
-        return linear(x, qw, d, m_, bias, N, path);
+        return linear(x, qw, std::nullopt, std::nullopt, d, m_, bias, N, path);
     });
+}
+
+TORCH_LIBRARY(draftwise_q4c, m) {
+    m.def("linear(Tensor x, Tensor qs, Tensor lut, Tensor d, Tensor? bias, int N, int path) -> Tensor");
+    m.def("paths() -> int[]", &paths);
+}
+TORCH_LIBRARY_IMPL(draftwise_q4c, CPU, m) {
+    m.impl("linear", [](const at::Tensor& x, const at::Tensor& qs, const at::Tensor& lut, const at::Tensor& d,
+                        const std::optional<at::Tensor>& bias, int64_t N, int64_t path) {
+        return linear(x, qs, std::nullopt, lut, d, std::nullopt, bias, N, path);
+    });
+}
+
+TORCH_LIBRARY(draftwise_q5m, m) {
+    m.def("linear(Tensor x, Tensor qs, Tensor qh, Tensor lut, Tensor d, Tensor m, Tensor? bias, int N, int path) -> Tensor");
+    m.def("paths() -> int[]", &paths);
+}
+TORCH_LIBRARY_IMPL(draftwise_q5m, CPU, m) {
+    m.impl("linear", [](const at::Tensor& x, const at::Tensor& qs, const at::Tensor& qh, const at::Tensor& lut,
+                        const at::Tensor& d, const at::Tensor& m_, const std::optional<at::Tensor>& bias, int64_t N,
+                        int64_t path) { return linear(x, qs, qh, lut, d, m_, bias, N, path); });
 }

@@ -31,12 +31,13 @@ namespace {
 // The flat list's layout, the one definition of it: kernels/stack.py reads the count (weights_per_layer, SLOTS
 // there) and builds each layer's entries in this order; every offset follows from the one before it.
 // A projection's entries, by its kind (its module's buffers; unused entries None, the bias always last):
-//   q4x8: packed, sc, mn, d, dmin, bias    q6k: ql, qh, sc, d, -, bias    q8_0: qw, d, -, -, -, bias
-//   q8_1: qw, d, m, -, -, bias
+//   q4x8: packed, sc, mn, d, dmin, bias;  every other kind (a block kernel): its linear op's packed buffers in
+//   order (kernels/linear.py PACKED: q6k ql, qh, sc, d; q8_0 qw, d; ...), None up to 5, the bias
 constexpr int64_t LINEAR = 6;
 
-enum Kind : int64_t { ABSENT = -1, Q4X8 = 0, Q6K = 1, Q8_0 = 2, Q8_1 = 3, NUM_KINDS = 4 };
-const char* const KIND_NAMES[NUM_KINDS] = {"q4x8", "q6k", "q8_0", "q8_1"};  // kernels/linear.py's registry names
+enum Kind : int64_t { ABSENT = -1, Q4X8 = 0, Q6K = 1, NUM_KINDS = 6 };  // ids past Q6K: the block kernels below
+// kernels/linear.py's registry names; a kind past Q6K calls draftwise_<name>::linear with its packed buffers
+const char* const KIND_NAMES[NUM_KINDS] = {"q4x8", "q6k", "q8_0", "q8_1", "q4c", "q5m"};
 
 enum Proj : int64_t { P_QKV = 0, P_K, P_V, P_O, P_GATE_UP, P_DOWN, KINDS_PER_LAYER };
 
@@ -62,9 +63,6 @@ using Q6KFn = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&
 using Q6KWideFn = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                              const at::Tensor&, const OptT&, int64_t);
 using TakesFn = bool(int64_t);
-using Q80Fn = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const OptT&, int64_t, int64_t);
-using Q81Fn = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const OptT&, int64_t,
-                         int64_t);
 using NormFn = at::Tensor(const at::Tensor&, const at::Tensor&, double, double);
 using AddNormFn = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&, double,
                                                      double);
@@ -82,13 +80,20 @@ c10::TypedOperatorHandle<Fn> op(const char* name) {
     return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Fn>();
 }
 
+// The block kernels' linear ops (kinds past Q6K), by name.
+std::vector<c10::OperatorHandle> block_ops() {
+    std::vector<c10::OperatorHandle> v;
+    for (int64_t k = Q6K + 1; k < NUM_KINDS; ++k)
+        v.push_back(c10::Dispatcher::singleton().findSchemaOrThrow((std::string("draftwise_") + KIND_NAMES[k] + "::linear").c_str(), ""));
+    return v;
+}
+
 struct Ops {  // the registered operators, resolved once (all live in this library)
     c10::TypedOperatorHandle<LinearFn> linear = op<LinearFn>("draftwise_q4x8::linear");
     c10::TypedOperatorHandle<Q6KFn> q6k = op<Q6KFn>("draftwise_q6k::linear");
     c10::TypedOperatorHandle<Q6KWideFn> q6k_wide = op<Q6KWideFn>("draftwise_q6k::wide");  // gemm_q6k.cpp
     c10::TypedOperatorHandle<TakesFn> q6k_wide_takes = op<TakesFn>("draftwise_q6k::wide_takes");
-    c10::TypedOperatorHandle<Q80Fn> q8_0 = op<Q80Fn>("draftwise_q8_0::linear");
-    c10::TypedOperatorHandle<Q81Fn> q8_1 = op<Q81Fn>("draftwise_q8_1::linear");
+    std::vector<c10::OperatorHandle> blocks = block_ops();  // by kind - Q6K - 1
     c10::TypedOperatorHandle<NormFn> rms_norm = op<NormFn>("draftwise_glue::rms_norm");
     c10::TypedOperatorHandle<AddNormFn> add_rms_norm = op<AddNormFn>("draftwise_glue::add_rms_norm");
     c10::TypedOperatorHandle<RopeCacheFn> rope_qk_cache = op<RopeCacheFn>("draftwise_glue::rope_qk_cache");
@@ -110,6 +115,20 @@ at::Tensor w_at(const c10::List<OptT>& w, int64_t i) {
 
 OptT opt(const c10::List<OptT>& w, int64_t i) { return w.get(i); }
 
+// A block kernel's linear through the boxed call: x, its packed buffers (the schema's count), bias, N, path auto.
+at::Tensor block_linear(const c10::OperatorHandle& h, const c10::List<OptT>& w, int64_t at_, const at::Tensor& x2, int64_t N) {
+    const int64_t packed = (int64_t)h.schema().arguments().size() - 4;
+    torch::jit::Stack stack;
+    stack.reserve(packed + 4);
+    stack.emplace_back(x2);
+    for (int64_t i = 0; i < packed; ++i) stack.emplace_back(w_at(w, at_ + i));
+    stack.emplace_back(opt(w, at_ + 5));
+    stack.emplace_back(N);
+    stack.emplace_back((int64_t)-1);
+    h.callBoxed(&stack);
+    return stack[0].toTensor();
+}
+
 // Q4x8Linear.forward / Q6KLinear / Q80Linear / Q81Linear (_BlockLinear.forward), path auto: x [B, T, K] -> [B, T, N]
 // (x.reshape(-1, K) is contiguous float32 at every call site here)
 at::Tensor linear(const c10::List<OptT>& w, int64_t at_, int64_t kind, const at::Tensor& x, int64_t N) {
@@ -129,14 +148,10 @@ at::Tensor linear(const c10::List<OptT>& w, int64_t at_, int64_t kind, const at:
             }
             y = o.q6k.call(x2, w_at(w, at_), w_at(w, at_ + 1), w_at(w, at_ + 2), w_at(w, at_ + 3), opt(w, at_ + 5), N, -1);
             break;
-        case Q8_0:
-            y = o.q8_0.call(x2, w_at(w, at_), w_at(w, at_ + 1), opt(w, at_ + 5), N, -1);
-            break;
-        case Q8_1:
-            y = o.q8_1.call(x2, w_at(w, at_), w_at(w, at_ + 1), w_at(w, at_ + 2), opt(w, at_ + 5), N, -1);
-            break;
         default:
-            TORCH_CHECK(false, "stack: projection kind ", kind, " at weight ", at_, " is not one of 0..", NUM_KINDS - 1);
+            TORCH_CHECK(kind > Q6K && kind < NUM_KINDS, "stack: projection kind ", kind, " at weight ", at_,
+                        " is not one of 0..", NUM_KINDS - 1);
+            y = block_linear(o.blocks[kind - Q6K - 1], w, at_, x2, N);
     }
     return y.view({x.size(0), x.size(1), N});
 }
