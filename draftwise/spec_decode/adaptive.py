@@ -38,7 +38,9 @@ rows whose probe is at least half due probe in that same step. A probe pays what
 the draft's forwards and the proposer's whole catch-up: a draft model reads the prompt and every plain step's
 token first), so a row is probed only where the same search, with its α raised to PROBE_ALPHA, would have it
 guess: where the grid and its catch-up make guessing lose even at that acceptance, no probe can change the
-decision and the row stays plain (a short answer whose draft never read its prompt never pays the prompt).
+decision and the row stays plain (a short answer whose draft never read its prompt never pays the prompt). A cold
+engine (no finished request has guessed yet, so no acceptance to go by) probes where a guess accepted every time
+would pay: its first probes are what every later request's prior is learned from.
 Knows nothing of models' internals or the proposer's type.
 """
 from __future__ import annotations
@@ -56,6 +58,7 @@ KEEP_MARGIN = 1.0  # ... and stop when it predicts less than plain (stopping is 
 EXPLORE_EVERY = 16  # plain steps before a probe (then 32, 64, ...: the gap doubles after each probe)
 PROBE_K = 2  # guesses of a probe
 PROBE_ALPHA = 0.9  # the acceptance a probe looks for: a row whose guessing would not pay even at it is not probed
+COLD_PROBE_ALPHA = 1.0  # ... before the engine has any acceptance of its own (every guess accepted)
 DRAFT_EWMA = 0.1  # per guessing step: the draft's scale (or a model-free proposer's seconds) toward the measured
 DRAFT_RATIO_RANGE = (0.25, 4.0)  # one step's measured / predicted proposing time, as the draft's scale reads it
 CATCH_UP_WIDTH = 16  # the draft grid's width used for the per-token catch-up cost
@@ -286,12 +289,14 @@ class AdaptiveK:
     def _worth_probing(self, alphas: list[float], caps: list[int], behind: list[int], remaining: list[int],
                        runs: list[int], gaps: list[int]) -> list[bool]:
         """Per row: may it probe this step? None may unless some row's probe is due; then each row that would guess
-        if every row's α were at least PROBE_ALPHA (the same search and start margin; widths, draft forwards and
-        catch-up as they are), so a probe is never paid where no acceptance it could find would make guessing pay."""
+        if every row's α were at least PROBE_ALPHA (COLD_PROBE_ALPHA before the engine has an α; the same search and
+        start margin; widths, draft forwards and catch-up as they are), so a probe is never paid where no
+        acceptance it looks for would make guessing pay."""
         n = len(alphas)
         if not any(runs[i] >= gaps[i] and caps[i] > 0 for i in range(n)):
             return [False] * n
-        ks, rate, plain = self.best_ks([max(a, PROBE_ALPHA) for a in alphas], caps, behind, remaining)
+        hope = PROBE_ALPHA if self.engine_alpha is not None else COLD_PROBE_ALPHA
+        ks, rate, plain = self.best_ks([max(a, hope) for a in alphas], caps, behind, remaining)
         if rate < MARGIN * plain:
             return [False] * n
         return [k > 0 for k in ks]
