@@ -8,7 +8,8 @@ step(), numbered as docs/ARCHITECTURE.md's "One request, end to end" (1., the to
    rows are bitwise decode rows its first guesses ride along and are verified like a step's;
 3. propose up to k guesses per running sequence (one k decision for the batch);
 4. mask: under structured outputs, cut each draft at its first token the grammar forbids;
-5. one batched target forward over [pending token, guesses...] for every sequence;
+5. one batched target forward over [pending token, guesses...] for every sequence, ragged: each token a row of its
+   own, so a sequence that does not guess costs one token, not the widest sequence's width (`_verify_forward`);
 6. verify each row (pure; under a grammar row i masked by the state after guesses 1..i; penalties, bias and
    min_tokens from the history through guess i: sampling.adjust_logits);
 7. truncate the target cache to what was accepted;
@@ -358,7 +359,7 @@ class Engine:
                 t1 = time.perf_counter()
                 # 4. mask: cut at the grammar's first forbidden guess (rejected at no cost) and keep the k+1 masks
                 drafts, masks = zip(*(self._grammar_cut(r, d) for r, d in zip(reqs, drafts)))
-                logits = self._verify_forward(reqs, drafts)  # 5. one forward: [B, width, V]
+                logits = self._verify_forward(reqs, drafts)  # 5. one forward: per row [1 + k, V]
                 break
             except Exception as e:  # noqa: BLE001 — a failed batched step can't be pinned on one request
                 # roll back to the pre-step state (propose is idempotent between accepts), then retry once
@@ -383,12 +384,41 @@ class Engine:
         if any(d.num_tokens for d in drafts):
             self.stats.add_times(t1 - t0, t2 - t1)
         self.stats.record_decision(sum(k > 0 for k in k_per_seq), len(reqs))
-        if attempt == 1:  # the step's own cost (B rows x the padded width) corrects the policy's grid: no extra forward
-            observe_step(self.k_policy, len(reqs), 1 + max(d.num_tokens for d in drafts), t2 - t1, t1 - t0, k_per_seq)
+        if attempt == 1:  # the step's own cost corrects the policy's grid (no extra forward): a ragged step computed
+            # sum(1 + k) tokens, the cell of B rows with as many tokens (rounded up); a padded one B x the widest
+            tokens = sum(1 + d.num_tokens for d in drafts)
+            trees = any(d.parents is not None for d in drafts)
+            width = 1 + max(d.num_tokens for d in drafts) if trees else -(-tokens // len(reqs))
+            observe_step(self.k_policy, len(reqs), width, t2 - t1, t1 - t0, k_per_seq)
         return outputs
 
-    def _verify_forward(self, reqs: list[Request], drafts: list[Draft]) -> torch.Tensor:  # -> [B, 1 + max k, V]
-        """One batched target forward over [pending token, guesses...] per sequence (token trees: _tree_inputs)."""
+    def _verify_forward(self, reqs: list[Request], drafts: list[Draft]) -> list[torch.Tensor]:  # each [1 + k, V]
+        """One target forward over [pending token, guesses...] of every sequence, ragged: each token is a row of
+        its own (its slot's block table, its position), so the forward computes sum(1 + k) tokens, not B x the
+        widest row's width — a sequence that does not guess costs one token. Each row stays exact: every layer
+        writes the whole chunk's K/V before any row attends, and a row attends exactly its keys (row-exact
+        attention), so its bits are a plain step's at its position whatever the batch and the other widths. A
+        batch with a token tree (whose rows attend within their chunk) is padded instead: `_padded_verify_forward`."""
+        if any(d.parents is not None for d in drafts):
+            return self._padded_verify_forward(reqs, drafts)
+        dev = self.target.device
+        counts = [1 + d.num_tokens for d in drafts]
+        ids, pos, slots = [], [], []
+        for r, d, n in zip(reqs, drafts, counts):
+            base = self.cache.lengths[r.slot]
+            ids += [self._pending[r.slot], *d.token_ids.tolist()]
+            pos += range(base, base + n)
+            slots += [r.slot] * n
+        # a slot is named once per token in the forward: its blocks are taken here, once per sequence, all or none
+        # (CacheFull); the forward's own reserve then finds them held
+        self.cache.reserve([r.slot for r in reqs], [self.cache.lengths[r.slot] + n for r, n in zip(reqs, counts)])
+        logits = self.target(torch.tensor(ids, device=dev)[:, None], torch.tensor(pos, device=dev)[:, None],
+                             self.cache, torch.tensor(slots, device=dev), num_tokens=[1] * len(ids))  # [N, 1, V]
+        return list(self._shared_vocab(logits[:, 0]).split(counts))  # each [1 + k, V]
+
+    def _padded_verify_forward(self, reqs: list[Request], drafts: list[Draft]) -> torch.Tensor:  # [B, 1 + max k, V]
+        """The forward with every sequence a row padded to the widest draft (token trees: _tree_inputs); padding
+        lands past each row's end and is rolled back."""
         width = 1 + max(d.num_tokens for d in drafts)
         dev = self.target.device
         ids = torch.zeros(len(reqs), width, dtype=torch.int64)
@@ -396,7 +426,7 @@ class Engine:
         for row, (r, d) in enumerate(zip(reqs, drafts)):
             ids[row, 0] = self._pending[r.slot]
             ids[row, 1 : 1 + d.num_tokens] = d.token_ids
-            pos[row] = self.cache.lengths[r.slot] + torch.arange(width)  # padding lands past the end, rolled back
+            pos[row] = self.cache.lengths[r.slot] + torch.arange(width)
         slots = torch.tensor([r.slot for r in reqs], device=dev)
         tree_args = self._tree_inputs(drafts, pos, dev) if any(d.parents is not None for d in drafts) else {}
         # num_tokens: row-exact attention, so each verified row equals the plain decode step at its position
