@@ -59,9 +59,10 @@ $(VLLM_STAMP): scripts/setup_vllm.sh scripts/vllm_launcher.py
 # TEST_WORKERS: pytest-xdist workers (0: serial, in one process; auto: one per core). --dist loadfile keeps a
 # file's tests on one worker, so its module fixtures (a loaded model, a server) are built once. With 2 (the default,
 # for 2 cores) the split is tests/conftest.py's: one worker runs the files that mostly keep one core or wait on other
-# processes (the vLLM servers' starts, one-thread distribution simulations, CLI subprocesses), the other every
-# other file; loadfile's free split had made the unit tests slower on 2 cores (2365 s against 1909 s serially, on a
-# loaded machine; docs/PERFORMANCE.md, "make test"). TEST_WORKERS=0 runs them all in one process as before
+# processes (the vLLM servers' starts, one-thread distribution simulations, CLI subprocesses) while the other takes
+# the other files one by one, and then takes files too; loadfile's free split had made the unit tests slower on 2
+# cores (2365 s against 1909 s serially, on a loaded machine; docs/PERFORMANCE.md, "make test"). TEST_WORKERS=0 runs
+# them all in one process as before
 TEST_WORKERS ?= 2
 PYTEST := HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=15
 

@@ -64,8 +64,9 @@ def require_packaged(name: str) -> None:
 
 # Files whose time is mostly one core or waiting on other processes: a vLLM server's start (its imports, dynamo's
 # tracing), distribution tests simulating one sequence at a time on one torch thread, transformers' GGUF reader,
-# CLI subprocesses. With 2 workers they run in one worker, in this order, while the other runs every other file in
-# collection order (its model forwards and kernel sweeps keep both cores when this side leaves one free).
+# CLI subprocesses. With 2 workers they run first, in this order, in one worker, while the other takes every other
+# file in collection order (its model forwards and kernel sweeps keep both cores when this side leaves one free);
+# once this side is done, its worker takes the remaining files too.
 SIDE_FILES = (
     "test_vllm_integration.py", "test_vllm_translation.py", "test_real_models_loading.py",
     "test_spec_decode_verify.py", "test_spec_decode_draft_confidence.py", "test_spec_decode_draft_vocab.py",
@@ -79,24 +80,27 @@ def _two_workers() -> bool:
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):
-    """`--dist loadfile` (the Makefile's) with 2 workers: two work units, SIDE_FILES and every other file, one per
-    worker; with any other count, xdist's own loadfile (a file's tests on one worker, its module fixtures once).
+    """`--dist loadfile` (the Makefile's) with 2 workers: SIDE_FILES are one work unit, given first (to one worker),
+    every other file a unit of its own as under loadfile, handed out in collection order to whichever worker is
+    free; with any other count, xdist's own loadfile (a file's tests on one worker, its module fixtures once).
     A scheduler of our own rather than xdist_group marks: xdist 3.8's `--dist loadgroup` renames node ids, which
     pytest 9 no longer reads (every test became a unit of its own)."""
     if config.getoption("dist") != "loadfile" or config.getoption("numprocesses") != 2:
         return None
     from xdist.scheduler import LoadScopeScheduling
 
-    class TwoSides(LoadScopeScheduling):
+    class SideFirst(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            return "side" if nodeid.split("::", 1)[0].rsplit("/", 1)[-1] in SIDE_FILES else "main"
+            path = nodeid.split("::", 1)[0]
+            return "side" if path.rsplit("/", 1)[-1] in SIDE_FILES else path
 
-    return TwoSides(config, log)
+    config.option.loadscopereorder = False  # units in collection order (the side's first), not by their sizes
+    return SideFirst(config, log)
 
 
 def pytest_collection_modifyitems(config, items):
-    """On each of 2 workers: SIDE_FILES after the rest and in their own order (the longest first), so the side's
-    unit starts with the vLLM test; the rest keep their collection order. Elsewhere (serial) nothing."""
+    """On each of 2 workers: SIDE_FILES first and in their own order (the vLLM test first), then the other files in
+    collection order. Elsewhere (serial) nothing."""
     if _two_workers() and os.environ.get("PYTEST_XDIST_WORKER"):
         side = {name: i for i, name in enumerate(SIDE_FILES)}
-        items.sort(key=lambda item: side.get(item.path.name, -1))
+        items.sort(key=lambda item: side.get(item.path.name, len(SIDE_FILES)))
