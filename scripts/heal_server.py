@@ -1,20 +1,25 @@
 """Does `draftwise serve` heal? The engine child SIGKILLed under load, the same requests answered as undisturbed.
 
-Two measurements (issue 45's done-means), each against a `draftwise serve` of this checkout (scripts/_server.py):
+Three measurements (issue 45's done-means), each against a `draftwise serve` of this checkout (scripts/_server.py):
   burst: 8 concurrent streamed requests (6 greedy, 2 sampled with a seed; ngram k auto; 160 tokens, ignore_eos) run
-         undisturbed, then again with the engine child SIGKILLed once every stream has --kill-after tokens: every
+         undisturbed, then again with the engine child SIGKILLed once every stream has --kill-after chunks: every
          request of the second run must end 200 with no error event and the first run's text; reports the restart
-         time (kill to /health 200) and kill to a new request answered.
+         time (kill to /health 200 again), a new request sent at the kill (queued while the engine restarts) and
+         one sent once /health is 200 again: their time to first text and to the answer.
   soak:  --clients clients loop over a fixed set of deterministic requests (greedy or seeded; streamed) for
          --duration seconds undisturbed, then as long again with the child killed --kills times at even intervals:
          lost (non-200, error event) and differing (text unlike the same request's undisturbed text) requests, and
          the throughput of both phases.
-  flood: --memory-limit below what a flood of long prompts needs: peak RSS (server + engine, sampled every 0.2 s)
-         against the limit, the 429 / 503 (with Retry-After) and the admitted requests completing.
-Prints one JSON summary; not a test (minutes of a real model). Run on a quiet machine:
+  flood: --memory-limit below what a flood of long prompts needs: peak RSS of the server's process tree (server,
+         engine, standby engine, resource tracker; sampled every 0.2 s) against the limit, the 429 / 503 (with
+         Retry-After) and the admitted requests completing (--request-timeout long enough for their prefills).
+The engine child is the one /health names (engine_pid); requests go through the bench's SSE reader
+(draftwise/bench/clients.stream_sse). Prints one JSON summary; not a test (minutes of a real model). The quiet-machine
+evidence run is /work/notes/issue45_quiet_run.sh; by hand:
     .venv/bin/python scripts/heal_server.py burst
     .venv/bin/python scripts/heal_server.py soak --duration 300 --kills 5 --clients 4
-    .venv/bin/python scripts/heal_server.py flood --prompt-tokens 16384 --memory-limit 4G
+    .venv/bin/python scripts/heal_server.py flood --prompt-tokens 16384 --memory-limit 3.5GiB --max-num-seqs 2 \
+        --max-waiting 0 --requests 6
 """
 from __future__ import annotations
 
@@ -77,24 +82,24 @@ def tree_rss(pid: int) -> int:
 
 
 def kill_and_wait(server: DraftwiseServer, on_kill=None) -> dict:
-    """SIGKILL the engine child (then `on_kill()`); /health's states until the server has seen it and answers 200
-    again."""
+    """SIGKILL the engine child (then `on_kill()`); /health's states until it is 200 again with another engine
+    (its engine_pid: a restart from the standby can be done before /health was ever asked)."""
     pid = engine_pid(server)
     t_kill = time.monotonic()
     os.kill(pid, signal.SIGKILL)
     if on_kill is not None:
         on_kill()
-    states, seen_down = [], False
+    states = []
     while time.monotonic() - t_kill < 900:
         try:
             h = httpx.get(server.url + "/health", timeout=30)
-            states.append(h.json().get("state"))
-            seen_down = seen_down or h.status_code != 200
-            if h.status_code == 200 and (seen_down or time.monotonic() - t_kill > 30):
+            body = h.json()
+            states.append(body.get("state"))
+            if h.status_code == 200 and body.get("engine_pid") not in (None, pid):
                 break
-        except httpx.HTTPError:
+        except (httpx.HTTPError, ValueError):
             pass
-        time.sleep(0.1)
+        time.sleep(0.05)
     return {"killed_pid": pid, "t_kill": t_kill, "restart_s": time.monotonic() - t_kill,
             "health_states": sorted(set(states), key=states.index)}
 
@@ -273,7 +278,8 @@ def cmd_soak(args) -> dict:
 
 
 def cmd_flood(args) -> dict:
-    serve = ["--model", args.model, "--memory-limit", args.memory_limit, "--max-num-seqs", "4", "--max-waiting",
+    serve = ["--model", args.model, "--memory-limit", args.memory_limit, "--max-num-seqs", str(args.max_num_seqs),
+             "--max-waiting",
              str(args.max_waiting), "--max-model-len", str(args.prompt_tokens + 512), "--request-timeout",
              str(args.request_timeout), "--log-level", "warning"]
     words = "the of and to in is it for on with".split()  # one qwen2 token each (with its space)
@@ -336,6 +342,7 @@ def main() -> int:
             p.add_argument("--requests", type=int, default=8)
             p.add_argument("--memory-limit", default="4G")
             p.add_argument("--max-waiting", type=int, default=2)
+            p.add_argument("--max-num-seqs", type=int, default=4)
             p.add_argument("--request-timeout", type=float, default=3600.0,
                            help="the server's --request-timeout: long enough for the admitted prefills to finish")
     args = ap.parse_args()

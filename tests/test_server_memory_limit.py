@@ -107,7 +107,7 @@ def test_the_plan_sets_aside_the_server_as_measured_a_standby_and_the_retained_h
                             heap_bytes=64 * 2**20)
     peak = plan.fixed_bytes + server + M.STANDBY_BYTES + plan.tokens * plan.kv_bytes_per_token
     assert plan.fixed_bytes == fixed + 64 * 2**20 and peak <= limit * (1 - M.HEADROOM)
-    assert plan.tokens < base.tokens and "a standby engine 0.31 GiB" in plan.describe()
+    assert plan.tokens < base.tokens and "a standby engine 0.39 GiB" in plan.describe()
     with pytest.raises(ConfigError, match="--no-engine-standby"):
         M.plan_kv_memory(int(2.7 * GIB), _prediction(fixed, 28672), server_bytes=server, standby_bytes=M.STANDBY_BYTES)
 

@@ -13,12 +13,12 @@ process around an LLM already built (tests, embedding), over the same pipe proto
 parent (PR_SET_PDEATHSIG, and an end of file on the pipe), ignores SIGINT / SIGTERM (the parent drains, then
 tells it to stop), and a child that dies is seen as an end of file by the parent: runner.py restarts it
 (`EngineProcess.respawn()`: a child with the same factory) and replays what was in flight, or, past its restart
-limit, answers 503 naming the exit. A restart pays only the model's load: once an engine is ready the server keeps
-a standby child (`prepare_standby()`: a spawned interpreter that has imported what loading imports — torch, the
-package, torch._dynamo, which the first nn.Module init pulls in — ~6 s of a child's ~7.5 s start on a quiet
-2-core machine, and waits for its factory); `respawn()` hands it the factory (a fresh child when there is none).
-It holds the imports' memory only (~0.3 GB RSS, counted by the memory ceiling through `pids()`), never a model. `exit_description()` / `exit_cause()` name how a child ended: exit
-code or signal name, and "oom" when the kernel's OOM-kill counter (the cgroup's memory.events, else
+limit, answers 503 naming the exit. A restart costs a message, not a start: once an engine is ready the server
+keeps a standby child (`prepare_standby()`: the same factory, its LLM built in advance — imports ~6 s and load
+~1.5 s of a child's ~7.5 s start on a quiet 2-core machine — then waiting); `respawn()` tells it to go (a fresh
+child when there is none, or it died). Idle and loaded it holds ~0.4 GB RSS (weights are mapped from the prepared
+file: untouched until its first forward; the memory ceiling counts it through `pids()`). `exit_description()` /
+`exit_cause()` name how a child ended: exit code or signal name, and "oom" when the kernel's OOM-kill counter (the cgroup's memory.events, else
 /proc/vmstat) moved while the child ran and it died by SIGKILL.
 
 A replayed request arrives as an AddCommand with `output_ids`: the tokens the client already has. The engine
@@ -368,40 +368,44 @@ class EngineProcess:
     """serve_engine in a child process that builds its LLM with `factory()` (picklable: a module-level function or
     a functools.partial of one). The constructor starts it and returns (the caller may import and build the app
     meanwhile); `front` waits until the model is loaded: ConfigError when the child fails to load it.
-    `factory=None` starts a standby: it imports PRELOAD and waits until `assign(factory)` (respawn does that)."""
+    `standby=True` builds the LLM at once but reports ready only when `activate()` tells it to go."""
 
     in_process = False
 
     restartable = True
 
-    def __init__(self, factory, start_timeout_s: float | None = None):
+    def __init__(self, factory, start_timeout_s: float | None = None, standby: bool = False, tokenizer=None):
         ctx = mp.get_context("spawn")  # a fresh interpreter: no inherited threads, locks or OpenMP pools
         self.factory = factory
+        # a child of the same factory as an engine before it: this side has its tokenizer, so the child does not
+        # send it (pickling a 150k-token vocabulary there and parsing it here took ~3 s of a restart under load)
+        self._tokenizer = tokenizer
         self._oom_kills_at_start = oom_kill_count()
         self.conn, their_end = ctx.Pipe()
-        self.process = ctx.Process(target=_child_main, args=(their_end, factory, os.getpid()),
+        self.process = ctx.Process(target=_child_main, args=(their_end, factory, os.getpid(), standby,
+                                                             tokenizer is None),
                                    name="draftwise-engine", daemon=True)
         self._t0 = time.perf_counter()
         self.process.start()
         their_end.close()  # ours is gone: the child's end of file when we die is the pipe's
         self.start_timeout_s = start_timeout_s
         self._front: EngineFront | None = None
-        self.start_s: float | None = None  # from spawning (a standby: from assign()) to the model loaded and ready
-        self.standby: EngineProcess | None = None  # the child the next respawn() hands the factory (prepare_standby)
+        self.start_s: float | None = None  # from spawning (a standby: from activate()) to the model ready
+        self.standby: EngineProcess | None = None  # the child the next respawn() activates (prepare_standby)
 
-    def assign(self, factory, start_timeout_s: float | None = None) -> "EngineProcess":
-        """A standby becomes an engine: it gets `factory` and loads the model (`front` waits for it)."""
-        self.factory, self.start_timeout_s = factory, start_timeout_s
+    def activate(self, start_timeout_s: float | None = None) -> "EngineProcess":
+        """A standby becomes the engine: it reports ready (at once when its LLM is built; `front` waits for it)."""
+        self.start_timeout_s = start_timeout_s
         self._oom_kills_at_start = oom_kill_count()
         self._t0 = time.perf_counter()
-        self.conn.send(("build", factory))
+        self.conn.send(("go",))
         return self
 
     def prepare_standby(self) -> None:
         """Start a standby child for the next respawn(), unless a live one is there (call it from a long-lived
         thread: a child's PR_SET_PDEATHSIG follows the thread that spawned it)."""
         if self.standby is None or not self.standby.process.is_alive():
-            self.standby = EngineProcess(None)
+            self.standby = EngineProcess(self.factory, standby=True, tokenizer=self.front.tokenizer)
 
     def pids(self) -> list[int]:
         """The engine's pid and its standby's (what the memory ceiling counts)."""
@@ -428,25 +432,28 @@ class EngineProcess:
             self.process.join(5)
             raise ConfigError(f"the engine process could not load the model: {msg[1]}")
         self.start_s = time.perf_counter() - self._t0
-        return EngineFront(**msg[1])
+        fields = msg[1]
+        if fields["tokenizer"] is None:  # not sent: the one this side already has (the same factory's)
+            fields["tokenizer"] = self._tokenizer
+        return EngineFront(**fields)
 
     @property
     def pid(self) -> int:
         return self.process.pid
 
     def respawn(self, start_timeout_s: float | None = None) -> "EngineProcess":
-        """A child with the same factory: the standby when a live one is there (it only loads the model), else a
+        """A child with the same factory: the standby when a live one is there (its model is loaded already), else a
         new one (the caller waits for its `front`: the model loaded, within `start_timeout_s`, else this one's)."""
         timeout = start_timeout_s if start_timeout_s is not None else self.start_timeout_s
         spare, self.standby = self.standby, None
         if spare is not None:
             if spare.process.is_alive():
                 try:
-                    return spare.assign(self.factory, timeout)
+                    return spare.activate(timeout)
                 except (OSError, ValueError):  # it died meanwhile
                     pass
             spare.kill()
-        return EngineProcess(self.factory, timeout)
+        return EngineProcess(self.factory, timeout, tokenizer=self._front.tokenizer if self._front else None)
 
     def start(self) -> None:
         """Already running (the constructor waited for the model)."""
@@ -529,41 +536,33 @@ def oom_kill_count() -> int | None:
     return None
 
 
-# what loading a model imports (a standby imports it in advance): the package's entry, the loaders api.LLM imports
-# lazily, and torch._dynamo, which the first nn.Module's parameter init imports (~3 s of a child's ~7.5 s start)
-PRELOAD = ("draftwise.api", "draftwise.models.catalog", "draftwise.models.quant", "draftwise.models.safetensors",
-           "draftwise.models.sources", "draftwise.kernels.probe", "torch._dynamo")
-
-
-def _child_main(conn, factory, parent_pid: int) -> None:
-    """The child process: die with the parent, leave signals to it, load the model, serve. A standby (`factory`
-    None) first imports PRELOAD and waits for ("build", factory)."""
+def _child_main(conn, factory, parent_pid: int, standby: bool = False, send_tokenizer: bool = True) -> None:
+    """The child process: die with the parent, leave signals to it, load the model, serve. A standby loads it, then
+    waits for ("go",) before it reports ready (or its load's failure). Without `send_tokenizer` the ready message's
+    tokenizer is None (the server has it)."""
     _die_with_parent(parent_pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's ^C / systemd's SIGTERM: the parent drains first
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(format="draftwise engine: %(levelname)s %(message)s")
-    if factory is None:
-        import importlib
-
-        for name in PRELOAD:
-            try:
-                importlib.import_module(name)
-            except Exception:  # noqa: BLE001 — the load imports (and reports) it again
-                pass
+    try:
+        llm, failure = factory(), None
+    except BaseException as e:  # noqa: BLE001 — reported to the server (a standby: once told to go)
+        llm, failure = None, e
+    if standby:
         try:
             msg = conn.recv()
         except (EOFError, OSError):  # the server is gone, or it let the standby go
             return
-        if msg[0] != "build":
+        if msg[0] != "go":
             return
-        factory = msg[1]
-    try:
-        llm = factory()
-    except BaseException as e:
-        conn.send(("load_failed", f"{type(e).__name__}: {e}"))
+    if failure is not None:
+        conn.send(("load_failed", f"{type(failure).__name__}: {failure}"))
         return
     front = EngineFront.of(llm)
-    conn.send(("ready", {f: getattr(front, f) for f in front.__dataclass_fields__}))
+    fields = {f: getattr(front, f) for f in front.__dataclass_fields__}
+    if not send_tokenizer:
+        fields["tokenizer"] = None
+    conn.send(("ready", fields))
     serve_engine(llm, conn)
 
 

@@ -86,8 +86,8 @@ class RestartPolicy:
     `max_backoff_s`) while children keep dying within `stable_s` of becoming ready; never again once more than
     `max_restarts` deaths fell within `window_s` (0: never restart). A request is replayed after at most
     `max_replays` deaths, then failed. A new child must load within `start_timeout_s`. `standby`: a spare child
-    that has done its imports waits beside the engine (engine_host.EngineProcess.prepare_standby), so a restart
-    pays only the model's load."""
+    with its LLM built waits beside the engine (engine_host.EngineProcess.prepare_standby), so a restart only
+    tells it to go."""
 
     max_restarts: int = 10
     window_s: float = 300.0
@@ -96,7 +96,7 @@ class RestartPolicy:
     stable_s: float = 30.0
     max_replays: int = 3
     start_timeout_s: float = 600.0
-    standby: bool = False  # keep a standby child (imports done) for the next restart (`draftwise serve`: on)
+    standby: bool = False  # keep a standby child (its LLM built) for the next restart (`draftwise serve`: on)
 
     def backoff(self, fast_deaths: int) -> float:
         """Seconds to wait before a restart after `fast_deaths` deaths in a row of children that died young."""
@@ -503,8 +503,8 @@ class EngineRunner:
         self.restarts += 1
         self.metrics.on_engine_restarted(self.last_restart_s, len(replay))
         self.metrics.set_engine_state(self.state)
-        log.warning("the engine is back (pid %s) %.1f s after it died (its start %.1f s, of which building the LLM "
-                    "%.1f s); replaying %d requests", getattr(host, "pid", "-"), self.last_restart_s,
+        log.warning("the engine is back (pid %s) %.1f s after it died (ready %.1f s after it was asked; its LLM "
+                    "built in %.1f s); replaying %d requests", getattr(host, "pid", "-"), self.last_restart_s,
                     getattr(host, "start_s", 0) or 0, host.front.load_time_s, len(replay))
         self._admit()
         self._flush()
