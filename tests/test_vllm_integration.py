@@ -33,7 +33,7 @@ def test_bench_engine_vllm_two_conditions_and_a_refused_one(tmp_path, capsys):
     rc = main(["bench", "--engine", "vllm", "--model", TARGET, "--draft", REFUSED_DRAFT,
                "--methods", "none,ngram,draft_model", "--num-speculative-tokens", "4", "--workload", "code",
                "--requests", "3", "--warmup", "1", "--max-tokens", "24", "--concurrency", "1",
-               "--no-plots", "--no-humaneval", "--out", str(out)])
+               "--no-plots", "--no-humaneval", "--vllm-arg=-O0", "--out", str(out)])
     printed = capsys.readouterr().out
     assert rc == 0, printed
     rep = json.loads((out / "report.json").read_text())
@@ -41,7 +41,7 @@ def test_bench_engine_vllm_two_conditions_and_a_refused_one(tmp_path, capsys):
     assert client["mode"] == "vllm" and client["vllm_version"] == vinfo["version"]
     assert client["device"] == vinfo["device"]
     assert {"vllm:none", "vllm:ngram-k4"} <= set(client["commands"])
-    assert all(" serve " in line for line in client["commands"].values())
+    assert all(" serve " in line and line.split()[-1] == "-O0" for line in client["commands"].values())  # --vllm-arg
 
     # refused: vLLM's own error line, shown in the printed report; the sweep went on past it
     assert set(client["refused"]) == {"vllm:draft_model-k4"}

@@ -60,6 +60,9 @@ def add_engine_args(p) -> None:
                         "per condition, from vLLM's own environment; `make vllm` installs it)")
     p.add_argument("--vllm", default=None, metavar="PYTHON",
                    help="the python of vLLM's environment (default: $DRAFTWISE_VLLM, else .venv-vllm from `make vllm`)")
+    p.add_argument("--vllm-arg", action="append", default=[], metavar="ARG", dest="vllm_args",
+                   help="one more argument for every `vllm serve` started (repeatable, as --vllm-arg=-O0: vLLM "
+                        "without graph compilation, quicker to start, slower to run); kept in the report's commands")
 
 
 def engines_of(text: str) -> list[str]:
@@ -88,7 +91,7 @@ def vllm_client(args, conditions):
     vinfo = vllm.info(vllm.find_python(args.vllm))
     dtype = args.dtype if args.dtype in ("bfloat16", "float16", "float32") else "bfloat16"
     return vllm.VLLMClient(vinfo, args.model, args.draft, Path(args.out), max_model_len=args.max_model_len or 4096,
-                           seed=args.seed, dtype=dtype)
+                           seed=args.seed, dtype=dtype, extra=args.vllm_args)
 
 
 def options_from_args(args, conditions):
