@@ -95,7 +95,7 @@ def write_gguf(path: Path, layers: int, seed: int = 0) -> None:
     w.close()
 
 
-def measure(model, widths: list[int], context: int, repeats: int, rounds: int) -> list[dict]:
+def measure(model, widths: list[int], context: int, repeats: int, rounds: int, clock=time.perf_counter) -> list[dict]:
     from draftwise.kv_cache import KVCache
 
     c = model.config
@@ -115,9 +115,9 @@ def measure(model, widths: list[int], context: int, repeats: int, rounds: int) -
                 samples = []
                 for _ in range(repeats):
                     ids = torch.randint(3, V, (1, w), generator=g)
-                    t0 = time.perf_counter()
+                    t0 = clock()
                     model(ids, torch.arange(context, context + w)[None], cache, slot, num_tokens=[w], last_only=True)
-                    samples.append(time.perf_counter() - t0)
+                    samples.append(clock() - t0)
                     cache.truncate(0, context)
                     union[w].append(statistics.mean(model.experts_touched()))
                 times[w].append(statistics.median(samples))
@@ -135,7 +135,16 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    ap.add_argument("--clock", choices=("wall", "thread"), default="wall",
+                    help="thread: the calling thread's CPU time (with --threads 1 every kernel runs on it; time "
+                         "spent descheduled by other processes counts for no width)")
+    ap.add_argument("--loop", action="store_true", help="the Python loop over experts (SparseMoE.grouped = False) "
+                    "instead of the grouped C++ call, to compare")
     args = ap.parse_args()
+    if args.loop:
+        from draftwise.models.transformer import SparseMoE
+
+        SparseMoE.grouped = False
     if args.threads:
         torch.set_num_threads(args.threads)
     path = Path(args.path)
@@ -148,8 +157,10 @@ def main() -> None:
     t0 = time.perf_counter()
     model, _, _ = load_model(str(path), weights="auto", cache_dir=args.cache_dir)
     print(f"loaded in {time.perf_counter() - t0:.0f} s: {model.plan.describe()}")
-    rows = measure(model, list(range(1, 10)), args.context, args.repeats, args.rounds)
-    print(f"threads {torch.get_num_threads()}, context {args.context}, median of {args.rounds} rounds x {args.repeats}")
+    clock = time.thread_time if args.clock == "thread" else time.perf_counter
+    rows = measure(model, list(range(1, 10)), args.context, args.repeats, args.rounds, clock)
+    print(f"threads {torch.get_num_threads()}, {args.clock} clock, context {args.context}, median of {args.rounds} "
+          f"rounds x {args.repeats}")
     print(f"| width | ms / forward ({model.config.num_layers} layers) | x width 1 | experts touched per layer |")
     print("|---|---|---|---|")
     for r in rows:

@@ -311,3 +311,34 @@ def test_experts_touched_counts_the_union_a_forward_read(moe, tmp_path):
     model(torch.tensor([ids]), torch.arange(1, 10)[None], cache, torch.tensor([0]), num_tokens=[9])
     assert all(4 <= n <= 8 for n in model.experts_touched())  # 9 rows x top-4 of 8 experts: a union
     assert any(n > 4 for n in model.experts_touched())
+
+
+def test_grouped_experts_are_bitwise_the_python_loop(quantized_moe, tmp_path, monkeypatch):
+    """kernels/experts.py's one C++ call per layer (each routed expert's kernels once over all its rows) gives
+    bitwise the Python loop's outputs, on a prompt (many rows per expert: the wide kernels too, forced on from 2
+    rows) and on single steps; and the grouped path is the one the faithful plan runs."""
+    model, _, _ = load_model(str(quantized_moe), weights="auto", cache_dir=str(tmp_path / "c"))
+    moe = model.model.layers[1].mlp
+    assert moe._grouped_op() is not None
+    ids = list(range(3, 43))
+    wide = {k: getattr(torch.ops, f"draftwise_{k}") for k in ("q4x8", "q6k")}
+    before = {k: int(ops.wide_min_rows()) for k, ops in wide.items()}
+    outs = {}
+    try:
+        for rows in (before, {"q4x8": 2, "q6k": 2}):
+            for k, ops in wide.items():
+                ops.set_wide_min_rows(rows[k])
+            for grouped in (True, False):
+                monkeypatch.setattr(SparseMoE, "grouped", grouped)
+                cache = _new_cache(model)
+                T = len(ids)
+                prompt = model(torch.tensor([ids]), torch.arange(T)[None], cache, torch.tensor([0]), num_tokens=[T])
+                step = model(torch.tensor([[7]]), torch.tensor([[T]]), cache, torch.tensor([0]), num_tokens=[1])
+                outs[(rows is before, grouped)] = (prompt, step, model.experts_touched())
+    finally:
+        for k, ops in wide.items():
+            ops.set_wide_min_rows(before[k])
+    first = outs[(True, True)]
+    for key, got in outs.items():
+        assert torch.equal(got[0], first[0]) and torch.equal(got[1], first[1]), key
+        assert got[2] == first[2], key

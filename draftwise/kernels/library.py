@@ -88,7 +88,8 @@ def _units() -> list[tuple[str, list[str]]]:
     main_flags = ["-fopenmp"] + (["-DDW_HAVE_X86"] if _X86 else [])
     units = [(src, main_flags if isa == blocktypes.MAIN else ISA_FLAGS[isa])
              for k in blocktypes.KERNELS.values() for src, isa in k.units if isa == blocktypes.MAIN or _X86]
-    units += [("attention.cpp", main_flags), ("glue.cpp", main_flags), ("stack.cpp", main_flags)]
+    units += [("attention.cpp", main_flags), ("glue.cpp", main_flags), ("stack.cpp", main_flags),
+              ("experts.cpp", main_flags)]
     if not _X86:
         return units
     return units + [

@@ -35,6 +35,7 @@ from torch import nn
 
 from draftwise.config import ModelConfig
 from draftwise.kernels import attention as attention_op
+from draftwise.kernels import experts as experts_op
 from draftwise.kernels import glue
 from draftwise.kernels import stack as stack_op
 from draftwise.kernels import linear
@@ -307,7 +308,12 @@ class SparseMoE(nn.Module):
     its rows, each product scaled by its routing weight into its own slot [M, k, hidden]; a row then sums its k
     slots in ascending expert order (transformers adds the experts' outputs in that order), then the shared
     expert's sigmoid-gated output. A row's result is a function of that row alone (row-exact, with row-exact
-    expert linears): which other rows share its experts changes no bit of it."""
+    expert linears): which other rows share its experts changes no bit of it. Where the experts qualify
+    (kernels/experts.py `grouped`: merged gate/up and down of the table's block kernels, fused glue) the dispatch
+    is one C++ call per layer (csrc/experts.cpp: each routed expert's kernels once over all its rows, the wide
+    kernels for a prompt's rows), bitwise the loop below (`SparseMoE.grouped = False` keeps the loop)."""
+
+    grouped = True  # False: always the Python loop over experts (tests compare the two)
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -319,7 +325,26 @@ class SparseMoE(nn.Module):
             self.shared_expert_gate = Router(1, cfg.hidden_size)
         self.num_experts, self.top_k = cfg.num_experts, cfg.num_experts_per_tok
         self.norm_topk_prob = cfg.norm_topk_prob or cfg.architecture == "mixtral"
-        self.touched = 0  # distinct experts the last call ran (the weights it read): Decoder.experts_touched
+        self._touched = 0  # distinct experts the last call ran (the weights it read): Decoder.experts_touched
+        self._last: torch.Tensor | None = None  # the last call's experts [M, k] (touched counted when asked)
+        self._experts_op: object | None = None  # kernels/experts.py's handle over the experts' buffers
+        self._experts_key: tuple | None = None  # the expert modules it was built over (rebuilt when they change)
+
+    @property
+    def touched(self) -> int:
+        """Distinct experts the last forward ran (the expert weights it read)."""
+        if self._last is not None:
+            self._touched, self._last = int(torch.unique(self._last).numel()), None
+        return self._touched
+
+    def _grouped_op(self) -> object | None:
+        """The grouped-experts handle over the current expert modules, or None where they do not qualify."""
+        # a plan swaps every expert's modules, and kernels/hugepages.py every buffer: the ends tell (cheaply)
+        key = tuple((m.fused, *(_first_buffer(p) for p in (m.gate_up_proj, m.down_proj)))
+                    for m in (self.experts[0], self.experts[-1]))
+        if key != self._experts_key:
+            self._experts_op, self._experts_key = experts_op.grouped(list(self.experts)), key
+        return self._experts_op
 
     def merge_projections(self, merge) -> bool:
         """Each expert's (and the shared expert's) gate/up into one module where `merge` can (MLP's)."""
@@ -339,12 +364,20 @@ class SparseMoE(nn.Module):
         B, T, H = x.shape
         rows = x.reshape(B * T, H)  # [M, H]
         experts, weights = self.route(rows)  # [M, k]
+        op = self._grouped_op() if self.grouped and rows.dtype == torch.float32 and rows.device.type == "cpu" else None
+        if op is not None:
+            self._last = experts
+            out = experts_op.run(op, rows, experts, weights)  # [M, H]
+            if self.shared:
+                scale = torch.sigmoid(self.shared_expert_gate(rows)).to(x.dtype)  # [M, 1]
+                out = out + scale * self.shared_expert(rows, tokens=T)
+            return out.view(B, T, H)
         M, k = experts.shape
         slots = rows.new_empty(M * k, H)  # slot m * k + j: row m's j-th expert's weighted output
         flat = experts.reshape(-1)  # [M * k]
         by_expert = torch.argsort(flat, stable=True)  # slots grouped by expert
         counts = torch.bincount(flat, minlength=self.num_experts).tolist()
-        self.touched = self.num_experts - counts.count(0)
+        self._touched, self._last = self.num_experts - counts.count(0), None
         w = weights.reshape(-1, 1).to(x.dtype)  # [M * k, 1]
         start = 0
         for e, n in enumerate(counts):
@@ -362,6 +395,12 @@ class SparseMoE(nn.Module):
             scale = torch.sigmoid(self.shared_expert_gate(rows)).to(x.dtype)  # [M, 1], in float64 first (Router)
             out = out + scale * self.shared_expert(rows, tokens=T)
         return out.view(B, T, H)
+
+
+def _first_buffer(m: nn.Module | None) -> tuple[int, int]:
+    """(the module's id, where its first buffer's data lies): what changes when a module or its buffers are swapped."""
+    b = next(iter(m._buffers.values()), None) if m is not None else None
+    return id(m), b.data_ptr() if b is not None else 0
 
 
 def _for_tokens(m: nn.Module, tokens: int) -> nn.Module:

@@ -1,0 +1,161 @@
+// Grouped experts: one mixture-of-experts layer's expert MLPs in one call (torch.ops.draftwise_experts, the class
+// ExpertSet). A row's k routed experts are given (the router ran before, transformer.py SparseMoE.route); this
+// groups the rows by expert and, for each expert that has rows, runs its merged gate/up linear once over all of
+// them (the block kernel's GEMV, or its wide kernel for many rows, exactly as the Python module would call it),
+// the gated activation, the down linear, and adds each product, scaled by its routing weight, into its row.
+//
+// Owns: the grouping (experts in ascending order, each expert's rows in ascending order), the gather of an expert's
+// rows and the weighted sum, and the per-kind call rule (an op `draftwise_<kind>::linear(x, <buffers>, bias, N,
+// path)` of the block-type table's kernels; where the kind has `wide_takes(rows)`, its `wide` op for the rows it
+// takes: q6k's rule in kernels/linear.py Q6KLinear). Knows nothing of any layout or arithmetic: the linears and
+// the activation are the library's other ops (found through the dispatcher once), so every expert's output is
+// bitwise what its Python module computes for the same rows.
+//
+// Row-exact: each row's products come from row-exact kernels (a row's bits do not depend on the other rows of
+// the call), and a row's sum is s = p_0, s = s + p_j for its experts j in ascending order, each p_j = y_j * w_j
+// rounded to float32 (no contraction: -ffp-contract=off): bitwise SparseMoE's loop (slots summed in expert order),
+// whichever other rows share its experts.
+#pragma GCC diagnostic ignored "-Wstringop-overflow"  // torch's custom-class templates, instantiated here (not ours)
+#include <torch/custom_class.h>
+#include <torch/library.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+#include <cstring>
+#include <string>
+#include <vector>
+
+namespace {
+
+struct KindOps {
+    c10::OperatorHandle linear;
+    std::optional<c10::OperatorHandle> wide, wide_takes;
+    size_t buffers;  // packed buffers per linear, in the operator's argument order
+};
+
+KindOps ops_of(const std::string& kind, size_t buffers) {
+    auto& d = c10::Dispatcher::singleton();
+    const std::string ns = "draftwise_" + kind + "::";
+    KindOps k{d.findSchemaOrThrow((ns + "linear").c_str(), ""), std::nullopt, std::nullopt, buffers};
+    auto takes = d.findSchema({ns + "wide_takes", ""});
+    auto wide = d.findSchema({ns + "wide", ""});
+    if (takes.has_value() && wide.has_value() && kind != "q4x8") {  // q4x8's linear takes its wide kernel itself
+        k.wide_takes = takes;
+        k.wide = wide;
+    }
+    return k;
+}
+
+// y [n, N] = the kind's linear of x [n, K] with one expert's buffers bufs[0 .. k.buffers)
+at::Tensor run_linear(const KindOps& k, const at::Tensor* bufs, const at::Tensor& x, int64_t N, int64_t path) {
+    torch::jit::Stack st;
+    st.reserve(k.buffers + 4);
+    bool wide = false;
+    if (k.wide.has_value() && path == -1 && x.size(0) > 1) {
+        torch::jit::Stack q{c10::IValue(x.size(0))};
+        k.wide_takes->callBoxed(q);
+        wide = q.at(0).toBool();
+    }
+    st.emplace_back(x);
+    for (size_t i = 0; i < k.buffers; ++i) st.emplace_back(bufs[i]);
+    st.emplace_back(c10::IValue());  // no bias (ExpertSet refuses experts with one)
+    st.emplace_back(N);
+    if (wide) {
+        k.wide->callBoxed(st);
+    } else {
+        st.emplace_back(path);
+        k.linear.callBoxed(st);
+    }
+    return st.at(0).toTensor();
+}
+
+struct ExpertSet : torch::CustomClassHolder {
+    // gate_up: per expert, gu_buffers tensors of a merged gate | up linear [2 I, H] of kind gu_kind; down: per
+    // expert, down_buffers tensors of a [H, I] linear of kind down_kind; act: glue.py ACTIVATIONS' id
+    ExpertSet(std::string gu_kind, int64_t gu_buffers, std::vector<at::Tensor> gu, int64_t gu_N, std::string down_kind,
+              int64_t down_buffers, std::vector<at::Tensor> down, int64_t down_N, int64_t act, int64_t path)
+        : gu_(ops_of(gu_kind, gu_buffers)), down_(ops_of(down_kind, down_buffers)), gu_w(std::move(gu)),
+          down_w(std::move(down)), gu_N(gu_N), down_N(down_N), act(act), path(path),
+          glu(c10::Dispatcher::singleton().findSchemaOrThrow("draftwise_glue::glu", "")) {
+        TORCH_CHECK(gu_buffers > 0 && down_buffers > 0, "ExpertSet: buffers per linear must be >= 1");
+        E = (int64_t)gu_w.size() / gu_buffers;
+        TORCH_CHECK(E >= 1 && (int64_t)gu_w.size() == E * gu_buffers && (int64_t)down_w.size() == E * down_buffers,
+                    "ExpertSet: ", gu_w.size(), " gate/up and ", down_w.size(), " down buffers for ", gu_buffers, " and ",
+                    down_buffers, " per expert");
+        TORCH_CHECK(gu_N % 2 == 0, "ExpertSet: gate | up has an even width");
+    }
+
+    // x [M, H] float32, experts [M, k] int64 ascending per row, weights [M, k] float32 -> out [M, down_N]
+    at::Tensor run(const at::Tensor& x_in, const at::Tensor& experts_in, const at::Tensor& weights_in) {
+        TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat, "x must be [M, H] float32");
+        TORCH_CHECK(experts_in.dim() == 2 && experts_in.size(0) == x_in.size(0) && experts_in.scalar_type() == at::kLong,
+                    "experts must be [M, k] int64");
+        TORCH_CHECK(weights_in.sizes() == experts_in.sizes() && weights_in.scalar_type() == at::kFloat,
+                    "weights must be [M, k] float32");
+        const at::Tensor x = x_in.contiguous(), ex = experts_in.contiguous(), wt = weights_in.contiguous();
+        const int64_t M = x.size(0), H = x.size(1), k = ex.size(1);
+        const int64_t* ep = ex.data_ptr<int64_t>();
+        const float* wp = wt.data_ptr<float>();
+        // rows of each expert, ascending; a row lists an expert at most once (top-k of distinct indices)
+        std::vector<std::vector<int64_t>> rows(E);
+        for (int64_t m = 0; m < M; ++m)
+            for (int64_t j = 0; j < k; ++j) {
+                const int64_t e = ep[m * k + j];
+                TORCH_CHECK(e >= 0 && e < E, "expert index ", e, " out of range [0, ", E, ")");
+                TORCH_CHECK(j == 0 || ep[m * k + j - 1] < e, "a row's experts must be ascending and distinct");
+                rows[e].push_back(m * k + j);  // slot: row m's j-th expert
+            }
+        at::Tensor out = at::empty({M, down_N}, x.options());
+        float* op = out.data_ptr<float>();
+        std::vector<uint8_t> started(M, 0);
+        const float* xp = x.data_ptr<float>();
+        for (int64_t e = 0; e < E; ++e) {
+            const auto& slots = rows[e];
+            const int64_t n = (int64_t)slots.size();
+            if (!n) continue;
+            at::Tensor xe = at::empty({n, H}, x.options());  // this expert's rows, gathered
+            float* xep = xe.data_ptr<float>();
+            for (int64_t i = 0; i < n; ++i) std::memcpy(xep + i * H, xp + slots[i] / k * H, H * sizeof(float));
+            at::Tensor gu = run_linear(gu_, &gu_w[e * gu_.buffers], xe, gu_N, path);  // [n, 2 I]
+            at::Tensor h = glu.typed<at::Tensor(const at::Tensor&, const std::optional<at::Tensor>&, int64_t)>()
+                               .call(gu, std::nullopt, act);  // [n, I]
+            at::Tensor y = run_linear(down_, &down_w[e * down_.buffers], h.contiguous(), down_N, path);  // [n, H]
+            TORCH_CHECK(y.is_contiguous() && y.size(0) == n && y.size(1) == down_N, "expert output shape");
+            const float* yp = y.data_ptr<float>();
+            for (int64_t i = 0; i < n; ++i) {
+                const int64_t m = slots[i] / k;
+                const float w = wp[slots[i]];
+                float* o = op + m * down_N;
+                const float* yr = yp + i * down_N;
+                if (!started[m]) {  // the row's first (lowest) expert: s = p_0
+                    for (int64_t c = 0; c < down_N; ++c) o[c] = yr[c] * w;
+                    started[m] = 1;
+                } else {  // s = s + p_j, with p_j rounded first
+                    for (int64_t c = 0; c < down_N; ++c) {
+                        const float p = yr[c] * w;
+                        o[c] = o[c] + p;
+                    }
+                }
+            }
+        }
+        return out;
+    }
+
+    int64_t num_experts() const { return E; }
+
+    KindOps gu_, down_;
+    std::vector<at::Tensor> gu_w, down_w;
+    int64_t gu_N, down_N, act, path, E = 0;
+    c10::OperatorHandle glu;
+};
+
+}  // namespace
+
+TORCH_LIBRARY(draftwise_experts, m) {
+    m.class_<ExpertSet>("ExpertSet")
+        .def(torch::init<std::string, int64_t, std::vector<at::Tensor>, int64_t, std::string, int64_t,
+                         std::vector<at::Tensor>, int64_t, int64_t, int64_t>())
+        .def("run", &ExpertSet::run)
+        .def("num_experts", &ExpertSet::num_experts);
+}
