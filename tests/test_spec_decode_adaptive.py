@@ -203,18 +203,19 @@ def _brute(policy, alphas, caps):
 
 def test_the_policy_never_speculates_where_the_planted_grid_says_it_loses():
     """At every batch size 1..8 and many acceptances: the chosen ks predict at least plain's rate on the planted
-    grid, and wherever no speculation beats plain (here: 4+ rows with acceptances this low), every row is plain."""
+    grid (priced ragged, as the engine verifies: a guessing mix is chosen only where it predicts more than plain),
+    and wherever no k per row beats plain (exhaustively, batches up to 4), every row is plain."""
     rng = random.Random(0)
     for trial in range(200):
         B = rng.randint(1, 8)
         alphas = [rng.uniform(0.0, 0.95) for _ in range(B)]
-        p = AdaptiveK(8, ROW_BOUND)
-        ks, rate, plain = p.best_ks(alphas, [8] * B)
+        p = AdaptiveK(8 if B > 4 else 4, ROW_BOUND)
+        ks, rate, plain = p.best_ks(alphas, [p.k_max] * B)
         assert rate >= plain
         assert p.batch_rate(ks, alphas) == rate
-        best_any = max(p.batch_rate([k if i in rows else 0 for i in range(B)], alphas)
-                       for k in range(1, 9) for n in range(1, B + 1) for rows in itertools.combinations(range(B), n))
-        if best_any <= plain:
+        if any(ks):
+            assert rate > plain
+        if B <= 4 and p.batch_rate(_brute(p, alphas, [4] * B), alphas) <= plain:
             assert ks == [0] * B, (trial, B, alphas, ks)
     lows = [0.3] * 6
     p = AdaptiveK(8, ROW_BOUND)
@@ -239,16 +240,120 @@ def test_the_batch_decision_is_near_the_exhaustive_optimum():
 
 
 def test_a_padded_step_lets_rows_ride_along_with_the_widest():
-    """The engine pads every row to the widest: with one row guessing 6 anyway, the others' guesses cost no
-    verification, so a free proposer (n-gram) has every row guess (cost by padded width, not by total tokens)."""
+    """A batch holding a token tree is padded to the widest row (`padded`): with one row guessing 6 anyway, the
+    others' guesses cost no verification, so a free proposer (n-gram) has every row guess (cost by padded width).
+    Ragged (the engine's chains), the same guesses cost their tokens: the unlikely rows guess less."""
     flat = _grid(lambda b, w: 0.050 + 0.004 * w + 0.001 * b)  # width costs, rows nearly free
+    alphas = [0.95, 0.2, 0.2, 0.2]
     p = AdaptiveK(6, flat)
-    ks, _, _ = p.best_ks([0.95, 0.2, 0.2, 0.2], [6] * 4)
+    p.padded = True
+    ks, _, _ = p.best_ks(alphas, [6] * 4)
     assert ks[0] == 6 and all(k == 6 for k in ks[1:])
     # a planted cost that charged each row only its own tokens would leave the unlikely rows plain: the padded
     # grid's rate must differ from such a ragged one
-    ragged = sum(adaptive._expected(a, k) for a, k in zip([0.95, 0.2, 0.2, 0.2], [6, 0, 0, 0]))
-    assert p.batch_rate([6, 6, 6, 6], [0.95, 0.2, 0.2, 0.2]) > ragged / flat.cost(4, 7)
+    ragged = sum(adaptive._expected(a, k) for a, k in zip(alphas, [6, 0, 0, 0]))
+    assert p.batch_rate([6, 6, 6, 6], alphas) > ragged / flat.cost(4, 7)
+    r = AdaptiveK(6, flat)
+    ks, _, _ = r.best_ks(alphas, [6] * 4)
+    assert ks[0] == 6 and sum(ks[1:]) < 18
+    assert r.batch_rate([6, 0, 0, 0], alphas) == ragged / flat.cost(4, 3)  # 10 tokens: the cell (4, ceil(10 / 4))
+
+
+# compute-bound at 4 rows: a step costs about its tokens (0.01 s each) over a fixed 0.02 s
+TOKEN_BOUND = _grid(lambda b, w: 0.020 + 0.010 * b * w)
+
+
+def _accepting(p: AdaptiveK, reqs, alphas):
+    """Plant each request's α (the policy's estimate of it) and return them."""
+    table = {r.request_id: a for r, a in zip(reqs, alphas)}
+    p.engine_alpha = 0.5
+    p.acceptance = lambda r: table[r.request_id]
+    return [p.acceptance(r) for r in reqs]
+
+
+def test_mixed_k_that_pays_only_priced_ragged_is_chosen():
+    """Two likely rows and two unlikely ones on a token-bound grid: the likely rows guessing 4 and the others plain
+    is 12 tokens, the cell (4, 3), and pays (> MARGIN x plain); priced padded (4, 5) it loses, and so does every row
+    guessing. The ragged policy picks mixed k with rows at 0; one told the engine pads picks plain."""
+    reqs = [_Req(f"r{i}", params=SamplingParams(max_tokens=10_000)) for i in range(4)]
+    ragged, padded = AdaptiveK(4, TOKEN_BOUND), AdaptiveK(4, TOKEN_BOUND)
+    padded.padded = True
+    alphas = _accepting(ragged, reqs, [0.99, 0.99, 0.1, 0.1])
+    assert alphas == _accepting(padded, reqs, [0.99, 0.99, 0.1, 0.1])
+    ks = ragged.choose_batch(reqs, [4] * 4)
+    assert ks[0] > 0 and ks[1] > 0 and ks[2] == ks[3] == 0, ks
+    rate, plain = ragged.batch_rate(ks, alphas), ragged.batch_rate([0] * 4, alphas)
+    assert rate > adaptive.MARGIN * plain
+    assert rate == (sum(adaptive._expected(a, k) for a, k in zip(alphas, ks))
+                    / TOKEN_BOUND.cost(4, 1 + -(-sum(ks) // 4)))  # priced at the ragged cell
+    assert padded.batch_rate(ks, alphas) < plain  # the same ks priced padded lose
+    assert padded.choose_batch(reqs, [4] * 4) == [0] * 4
+    assert padded.best_ks(alphas, [4] * 4)[0] == [0] * 4
+    # the search reaches what an exhaustive one finds over these rows (ragged)
+    assert ragged.best_ks(alphas, [4] * 4)[1] >= 0.99 * ragged.batch_rate(_brute(ragged, alphas, [4] * 4), alphas)
+
+
+def test_mixed_k_that_loses_even_ragged_stays_plain():
+    """The same grid with acceptances too low for any mix to pay even priced ragged: every row plain, and every
+    mixed k (rows at 0 included) predicts less than plain."""
+    reqs = [_Req(f"r{i}", params=SamplingParams(max_tokens=10_000)) for i in range(4)]
+    p = AdaptiveK(4, TOKEN_BOUND)
+    alphas = _accepting(p, reqs, [0.6, 0.6, 0.1, 0.1])
+    plain = p.batch_rate([0] * 4, alphas)
+    assert all(p.batch_rate(list(ks), alphas) < plain
+               for ks in itertools.product(range(5), repeat=4) if any(ks))
+    assert p.best_ks(alphas, [4] * 4)[0] == [0] * 4
+    assert p.choose_batch(reqs, [4] * 4) == [0] * 4
+
+
+def test_the_search_prices_ragged_near_the_exhaustive_optimum():
+    """Batches of 1..4 on the row-bound and token-bound grids with a draft model: the search's rate (ragged) is
+    within 2% of the exhaustive best, and never below plain's."""
+    rng = random.Random(3)
+    draft = _grid(lambda b, w: 0.008 + 0.001 * b * w)
+    for grid in (ROW_BOUND, TOKEN_BOUND):
+        for _ in range(30):
+            B = rng.randint(1, 4)
+            alphas = [rng.uniform(0.0, 0.99) for _ in range(B)]
+            caps = [rng.randint(0, 4) for _ in range(B)]
+            p = AdaptiveK(4, grid, draft, catch_up_cost=0.0)
+            ks, rate, plain = p.best_ks(alphas, caps)
+            assert rate >= plain and all(k <= c for k, c in zip(ks, caps))
+            assert rate >= 0.98 * p.batch_rate(_brute(p, alphas, caps), alphas), (B, alphas, caps, ks)
+
+
+def test_a_step_reported_wider_than_its_ragged_cell_prices_padded():
+    """observe_step tells the policy how the engine verified: a guessing batch reported at its widest row (a token
+    tree, padded) prices padded widths from then on; one reported at its ragged cell, ragged again."""
+    p = AdaptiveK(4, TOKEN_BOUND)
+    p.observe_step(4, 5, TOKEN_BOUND.cost(4, 5), 0.001, [4, 0, 0, 0])
+    assert p.padded and p.verify_width([4, 0, 0, 0]) == 5
+    p.observe_step(4, 2, TOKEN_BOUND.cost(4, 2), 0.001, [4, 0, 0, 0])
+    assert not p.padded and p.verify_width([4, 0, 0, 0]) == 2
+    p.observe_step(4, 5, TOKEN_BOUND.cost(4, 5), 0.001, [4, 4, 4, 4])  # every row as wide: nothing to tell
+    assert not p.padded
+
+
+def test_catch_up_is_priced_from_the_draft_s_prompt_width_cells():
+    """A draft grid with one row measured at prompt widths (64, 128) prices a 100-token catch-up between them
+    (cheap a token: the wide kernels), not by extrapolating widths 1..16 (dear a token); a first guess after a
+    100-token prompt and before a short answer pays on such a grid where the extrapolated price said it does not."""
+    narrow = lambda b, w: 0.010 + 0.002 * b * w  # noqa: E731 — 2 ms a token up to 16 tokens
+    cells = {(b, w): narrow(b, w) for b in (1, 2, 4, 8) for w in (1, 2, 4, 8, 16)}
+    with_prompt = StepCost({**cells, (1, 64): 0.060, (1, 128): 0.090})  # ~0.5 ms a token from 16 on
+    without = StepCost(cells)
+    assert abs(with_prompt.catch_up(100) - (0.060 + (0.090 - 0.060) * (101 - 64) / 64 - narrow(1, 1))) < 1e-9
+    assert abs(without.catch_up(100) - 0.002 * 100) < 1e-9  # extrapolated from widths 8..16: 2 ms a token
+    assert with_prompt.catch_up(10) == without.catch_up(10)  # inside 1..16 both read the same cells
+    target = _grid(lambda b, w: 0.060 + 0.0005 * b * w)
+    cheap, dear = AdaptiveK(4, target, with_prompt), AdaptiveK(4, target, without)
+    assert cheap.catch_up_time(100) < 0.4 * dear.catch_up_time(100)
+    req = _Req("r", prompt_ids=[1] * 100, params=SamplingParams(max_tokens=8))  # a short answer left
+    for p in (cheap, dear):
+        p.engine_alpha = 0.8
+        p.choose_batch([req], [4])  # the first decision pays the whole prompt; the second spreads it
+    assert cheap.choose_batch([req], [4])[0] > 0
+    assert dear.choose_batch([req], [4])[0] == 0
 
 
 def test_speculation_stops_when_the_load_makes_it_lose_and_starts_again_when_it_pays():

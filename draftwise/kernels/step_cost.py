@@ -5,7 +5,8 @@ Owns `StepCost` (the grid: measured cells, interpolation between them, the onlin
 load-time timing on a scratch cache), the JSON cache of measured grids per machine, model and plan
 (${DRAFTWISE_CACHE_DIR}/kernels/step_cost/<key>.json, as the autotuner's) and `format_grid` (`draftwise kernels`).
 
-Load time: MEASURED_BATCHES x MEASURED_WIDTHS cells (20 forwards a round, ROUNDS rounds or more while they fit
+Load time: MEASURED_BATCHES x MEASURED_WIDTHS cells (a draft's grid, logits "last", also B = 1 at PROMPT_WIDTHS: what
+its catch-up of a prompt costs; `catch_up` reads it) (20 forwards a round, ROUNDS rounds or more while they fit
 BUDGET_S, interleaved; each cell keeps its fastest round, then the least of itself and every larger cell: load only
 adds time) after CONTEXT tokens per row (slot 0 prefilled once, the other rows map its
 blocks). Other cells are piecewise-linear between measured ones (in width, then in B; extrapolated past the last).
@@ -51,6 +52,10 @@ SCALE_EWMA = 0.1  # per observed step: the load factor's move toward measured / 
 CELL_EWMA = 0.2  # per observation of a cell: its residual's move
 RESID_RANGE = (0.25, 4.0)  # a residual explains at most this much of a cell (the rest is load, the scale's)
 RESID_RELAX = 0.01  # per observed step: an unvisited cell's residual's move back toward 1 (log; ~70 steps to halve)
+PROMPT_WIDTHS = (64,)  # a draft's grid also times one row at a prompt's width: its catch-up (the prompt and the
+# tokens decoded plainly before its first guess, ~100 tokens) runs the wide kernels, whose cost a token widths 1..16
+# do not tell (logits "last" grids only: a verification never runs one row that wide); past 64 the 16..64 slope
+# extrapolates (a 128-token cell would double what the draft's grid costs at load)
 VERSION = 1
 
 
@@ -86,6 +91,15 @@ class StepCost:
 
     def __call__(self, batch: int, width: int) -> float:
         return self.cost(batch, width)
+
+    def catch_up(self, tokens: int) -> float:
+        """Seconds one row's forward spends on `tokens` more context tokens than a width-1 forward (a draft reading
+        a prompt or the tokens decoded while it was idle, before its first guess): cost(1, 1 + tokens) - cost(1, 1),
+        piecewise-linear between the measured widths (PROMPT_WIDTHS where the grid has them: a prompt's width runs
+        the wide kernels, cheaper a token than widths 1..16 extrapolated), extrapolated past the widest."""
+        if tokens <= 0:
+            return 0.0
+        return max(0.0, self.cost(1, 1 + tokens) - self.cost(1, 1))
 
     def grid(self, batches: int = GRID_BATCHES, widths: int = GRID_WIDTHS) -> dict[tuple[int, int], float]:
         """Every cell (B 1..batches, width 1..widths) as it costs now."""
@@ -162,17 +176,21 @@ def _monotone(base: dict[tuple[int, int], float]) -> dict[tuple[int, int], float
 # ---- load-time measurement ---------------------------------------------------------------------------------
 
 def measure_grid(model, max_batch: int = GRID_BATCHES, max_width: int = GRID_WIDTHS, logits: str = "all",
-                 rounds: int = ROUNDS, context: int = CONTEXT) -> dict[tuple[int, int], float]:
+                 rounds: int = ROUNDS, context: int = CONTEXT,
+                 prompt_widths: tuple[int, ...] = ()) -> dict[tuple[int, int], float]:
     """Time `model` (a Decoder: forward(ids [B, T], positions [B, T], cache, slots [B], ...)) at the measured
-    cells up to (max_batch, max_width), as the engine calls it (`num_tokens`; logits "all": every row's, a
-    verification; "last": each row's last, a draft's forward), on a scratch cache; each cell its fastest round."""
+    cells up to (max_batch, max_width), and one row at each of `prompt_widths`, as the engine calls it
+    (`num_tokens`; logits "all": every row's, a verification; "last": each row's last, a draft's forward), on a
+    scratch cache; each cell its fastest round."""
     from draftwise.kv_cache import KVCache
 
     c, dev = model.config, model.device
     batches = sorted({b for b in MEASURED_BATCHES if b < max_batch} | {min(max_batch, MEASURED_BATCHES[-1])})
     widths = sorted({w for w in MEASURED_WIDTHS if w < max_width} | {min(max_width, MEASURED_WIDTHS[-1])})
-    context = max(1, min(context, c.max_position_embeddings - widths[-1] - 1))
-    cache = KVCache(c.num_layers, batches[-1], c.num_kv_heads, context + widths[-1] + 1, c.head_dim, model.dtype, dev)
+    wide = sorted(w for w in prompt_widths if widths[-1] < w <= c.max_position_embeddings // 2)  # room for context
+    widest = max([widths[-1], *wide])
+    context = max(1, min(context, c.max_position_embeddings - widest - 1))
+    cache = KVCache(c.num_layers, batches[-1], c.num_kv_heads, context + widest + 1, c.head_dim, model.dtype, dev)
     model(torch.zeros(1, context, dtype=torch.int64, device=dev), torch.arange(context, device=dev)[None], cache,
           torch.tensor([0], device=dev), last_only=True, num_tokens=[context])
     whole = context - context % cache.block_size
@@ -198,7 +216,7 @@ def measure_grid(model, max_batch: int = GRID_BATCHES, max_width: int = GRID_WID
         return time.perf_counter() - t0
 
     timed(1, 1)  # warm-up: first-call allocations
-    cells = [(b, w) for b in batches for w in widths]
+    cells = [(b, w) for b in batches for w in widths] + [(1, w) for w in wide]
     best = {cell: float("inf") for cell in cells}
     t0, done = time.perf_counter(), 0
     while done < rounds or (done < MAX_ROUNDS and time.perf_counter() - t0 < BUDGET_S * done / (done + 1)):
@@ -208,7 +226,7 @@ def measure_grid(model, max_batch: int = GRID_BATCHES, max_width: int = GRID_WID
     return best
 
 
-def _model_key(model, logits: str, context: int) -> str:
+def _model_key(model, logits: str, context: int, prompt_widths: tuple[int, ...] = ()) -> str:
     from draftwise.kernels.probe import probe
 
     p = probe(bandwidth=False)
@@ -218,6 +236,8 @@ def _model_key(model, logits: str, context: int) -> str:
             "torch": torch.__version__, "threads": torch.get_num_threads(), "device": str(model.device),
             "config": cfg, "dtype": str(model.dtype), "plan": plan.to_dict() if hasattr(plan, "to_dict") else None,
             "logits": logits, "context": context, "cells": [MEASURED_BATCHES, MEASURED_WIDTHS, ROUNDS]}
+    if prompt_widths:  # (a grid without them keeps its key: the target's cached grids stay valid)
+        what["prompt_widths"] = list(prompt_widths)
     return hashlib.sha256((json.dumps(what, sort_keys=True, default=str) + f"v{VERSION}").encode()).hexdigest()[:20]
 
 
@@ -229,10 +249,11 @@ def load_or_measure(model, max_batch: int = GRID_BATCHES, max_width: int = GRID_
                     refresh: bool = False, cache: bool = True) -> StepCost:
     """The model's grid from the cache (this machine, model, plan, threads), else measured now and cached; a
     provisional entry is measured again when the machine is quiet. Cells up to (max_batch, max_width) at least
-    (a cached grid measured wider serves a narrower ask)."""
+    (a cached grid measured wider serves a narrower ask); a draft's (logits "last") also one row at PROMPT_WIDTHS."""
     from draftwise.kernels.threads import busy_meter, busy_now, is_busy
 
-    key = _model_key(model, logits, CONTEXT)
+    prompt_widths = PROMPT_WIDTHS if logits == "last" else ()
+    key = _model_key(model, logits, CONTEXT, prompt_widths)
     path = cache_path(key)
     cached = None
     if cache and not refresh:
@@ -246,7 +267,7 @@ def load_or_measure(model, max_batch: int = GRID_BATCHES, max_width: int = GRID_
     if cached is not None and (not cached.provisional or not cpu or is_busy(busy_now())):
         return cached
     others = busy_meter() if cpu else (lambda: None)
-    base = measure_grid(model, max(max_batch, 1), max(max_width, 1), logits)
+    base = measure_grid(model, max(max_batch, 1), max(max_width, 1), logits, prompt_widths=prompt_widths)
     busy = others()
     grid = StepCost(base, provisional=is_busy(busy),
                     info={"key": key, "busy_cores": busy,
@@ -260,6 +281,7 @@ def load_or_measure(model, max_batch: int = GRID_BATCHES, max_width: int = GRID_
 
 
 def _covers(grid: StepCost, max_batch: int, max_width: int) -> bool:
+    """(PROMPT_WIDTHS are in the cache key: an entry under a draft's key was measured with them, where they fit.)"""
     want_b = min(max_batch, MEASURED_BATCHES[-1])
     want_w = min(max_width, MEASURED_WIDTHS[-1])
     return grid.batches[-1] >= want_b and all(grid.widths[b][-1] >= want_w for b in grid.batches)
@@ -279,6 +301,12 @@ def format_grid(grid: StepCost, title: str, batches: int = GRID_BATCHES, widths:
         lines.append(f"  {b:3d} " + "".join(cells) + f"   {ratio:6.2f}x")
     tail = [f"  a plain step of 8 rows costs {grid.cost(8, 1) / grid.cost(1, 1):.2f}x one row's; "
             f"8 rows x 9 tokens (k = 8 each) {grid.cost(8, 9) / grid.cost(8, 1):.2f}x a plain step of 8"]
+    wide = [w for w in grid.widths[1] if w > widths]
+    if wide:
+        tail.append("  one row at a prompt's width (a draft's catch-up): " + ", ".join(
+            f"{w} tokens {grid.cost(1, w) * 1e3:.1f} ms" for w in wide)
+            + f"; {grid.catch_up(wide[-1] - 1) / (wide[-1] - 1) * 1e3:.2f} ms a catch-up token"
+            + f" (widths 1..{widths} extrapolated: {grid.catch_up(widths - 1) / (widths - 1) * 1e3:.2f})")
     if grid.info.get("measured_at"):
         busy = grid.info.get("busy_cores")
         tail.append(f"  timed {grid.info['measured_at']}" + (f" with {busy:.1f} other cores busy" if busy else "")

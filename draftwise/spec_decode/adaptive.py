@@ -6,11 +6,18 @@ that row i's guess is accepted (their i.i.d. assumption; the 0.5B draft's measur
 positions), a step in which row i guesses k_i tokens yields and costs
 
     E_i(k)  = (1 − α_i^(k+1)) / (1 − α_i)                       tokens row i emits (their eq. 1; E_i(0) = 1)
-    time(k) = verify(B, 1 + max_i k_i) + draft(k) + Σ_i catch_up · (behind_i − 1) · E_i(k_i) / remaining_i
+    time(k) = verify(B, w(k)) + draft(k) + Σ_i catch_up(behind_i − 1) · E_i(k_i) / remaining_i
+    w(k)    = ⌈Σ_i (1 + k_i) / B⌉                                  (ragged; a padded batch: 1 + max_i k_i)
     rate(k) = Σ_i E_i(k_i) / time(k)
 
 verify(B, w): the target's step-cost grid (kernels/step_cost.py: B rows x w tokens, measured at load, corrected
-online from the engine's own steps), at the engine's padded width (every row padded to the widest). draft(k):
+online from the engine's own steps), at the cell with as many tokens as the engine computes: its verification is
+ragged (every row its own 1 + k_i tokens, Σ_i (1 + k_i) in all), the cell of B rows with that many tokens rounded
+up, the cell the engine's observe_step reports, so the grid is corrected where it is read. A batch holding a token
+tree is still padded to its widest row: `padded` (set by a caller whose proposer grows trees, and learned from the
+steps: one reported wider than its ragged cell) prices 1 + max_i k_i instead. A row that does not guess beside one
+that does costs one token, not the widest row's width, so mixed k (a likely row guessing, an unlikely one plain)
+can pay where one padded step would not. draft(k):
 guess j is one draft forward over the B_j rows guessing >= j tokens, Σ_j draft_grid(B_j, 1), scaled online by the
 measured proposing time (a proposer without a model: what its lookups measure). The draft's costs also follow the
 target grid's load factor (both models run on the same cores: when the target's steps take 3x what its grid was
@@ -19,14 +26,20 @@ restart's draft forwards and catch-up at today's load; the draft's own scale lea
 Catch-up (k_i >= 1 only): context
 the proposer has not read (`behind`: the prompt before a request's first guess, + 1 per plain step, for a draft
 model that reads only on `propose`), paid once, so spread over the steps left if each yields E (remaining = output
-tokens left); catch_up per token from the draft grid's widths.
+tokens left). catch_up(n): what a draft row's forward of 1 + n tokens costs beyond a width-1 forward (the draft
+reads them in the forward that yields its first guess), from the draft grid's cells at B = 1, PROMPT_WIDTHS
+included (StepCost.catch_up: a ~100-token catch-up runs the prompt kernels, a fraction of the per-token cost that
+widths 1..16 extrapolate to), times the draft's load factor; a constant per token where the caller gives one.
 
 The decision (`choose_batch`, once per step): for each K in 1..k_max and m in 1..B, the m rows likeliest to be
-accepted guess min(K, their cap) and the others none; the best of these, then each guessing row (least likely
-first) tried at every smaller k. Guessing starts when the best predicts MARGIN more tokens/s than a plain step of
-the batch and stops when it predicts less than plain (KEEP_MARGIN): stopping is free, restarting is not. A padded
-step makes width nearly free beside a row that guesses anyway; a wide batch makes every width dear: the grid
-decides, the same rule at every load. The engine asks `choose_batch(reqs, caps)`; `choose(req)` is the same rule
+accepted guess min(K, their cap) and the others none; the best of these, then each row (least likely first) tried
+at every other k, the others held, for up to SWEEPS sweeps while one improves. Guessing starts when the best predicts MARGIN more tokens/s than a plain step of
+the batch and stops when it predicts less than plain (KEEP_MARGIN): stopping is free, restarting is not. The
+shared-K pass adds rows in order, keeping Σ k_i (the ragged width) and the widest (the padded one) as it goes; in
+the per-row sweeps a smaller k saves verification tokens (ragged) as well as draft forwards and catch-up, a larger
+one fills the ragged cell's rounding up (tokens the step computes anyway) or rides along a padded widest row. A
+narrow batch makes width nearly free; a wide batch makes every token dear: the grid decides, the same rule at every
+load. The engine asks `choose_batch(reqs, caps)`; `choose(req)` is the same rule
 for a batch of one (the prefill's first guesses, per-request callers).
 
 α is learned per request, older guesses decayed (DECAY per guess: a chat answer turns into code and back),
@@ -57,11 +70,12 @@ MARGIN = 1.1  # start guessing only when the model predicts >= 10% more tokens/s
 KEEP_MARGIN = 1.0  # ... and stop when it predicts less than plain (stopping is free, restarting costs a catch-up)
 EXPLORE_EVERY = 16  # plain steps before a probe (then 32, 64, ...: the gap doubles after each probe)
 PROBE_K = 2  # guesses of a probe
+SWEEPS = 2  # the search's per-row passes after the shared-K one (each row at every k, the others held)
 PROBE_ALPHA = 0.9  # the acceptance a probe looks for: a row whose guessing would not pay even at it is not probed
 COLD_PROBE_ALPHA = 1.0  # ... before the engine has any acceptance of its own (every guess accepted)
 DRAFT_EWMA = 0.1  # per guessing step: the draft's scale (or a model-free proposer's seconds) toward the measured
 DRAFT_RATIO_RANGE = (0.25, 4.0)  # one step's measured / predicted proposing time, as the draft's scale reads it
-CATCH_UP_WIDTH = 16  # the draft grid's width used for the per-token catch-up cost
+CATCH_UP_TOKENS = 128  # a typical prompt: `catch_up_cost` (seconds a token) is the catch-up of this many, per token
 
 
 class KPolicy(Protocol):
@@ -124,16 +138,14 @@ class AdaptiveK:
         """verify_cost: the target's grid (a width -> seconds dict: a batch-independent one); draft_cost: the
         draft model's grid (one forward of B rows), or k -> seconds to guess k (batch-independent), or None (a
         proposer without a model: its seconds are measured online); catch_up_cost: seconds per context token
-        the proposer has not read (None: from the draft grid, 0 without one)."""
+        the proposer has not read (None: from the draft grid's B = 1 cells, StepCost.catch_up; 0 without one)."""
         self.k_max = k_max
         self.target = verify_cost if isinstance(verify_cost, StepCost) else StepCost.from_widths(verify_cost)
         self.draft_grid = draft_cost if isinstance(draft_cost, StepCost) else None
         self.draft_steps = None if draft_cost is None or self.draft_grid is not None else dict(draft_cost)
-        if catch_up_cost is None:
-            g = self.draft_grid
-            catch_up_cost = (max(0.0, g.cost(1, CATCH_UP_WIDTH) - g.cost(1, 1)) / (CATCH_UP_WIDTH - 1)
-                             if g is not None else 0.0)
-        self._catch_up = catch_up_cost  # seconds per unseen context token, at the draft scale of the load time
+        # seconds per unseen context token at the load time's scale (a constant), or None: the draft grid's cells
+        self._catch_up = catch_up_cost if catch_up_cost is not None or self.draft_grid is not None else 0.0
+        self.padded = False  # the engine pads verification to the widest row (token trees); ragged otherwise
         self.draft_scale = 1.0  # measured / predicted proposing time of guessing steps, beyond the load factor (EWMA)
         self.propose_s = 0.0  # a model-free proposer's seconds per guessing step (EWMA)
         self.engine_alpha: float | None = None  # α of the last few finished requests; None before the first
@@ -141,7 +153,7 @@ class AdaptiveK:
         self.k_histogram: dict[int, int] = {}
         self.last_decision: tuple[int, int] = (0, 0)  # (rows that guessed, rows) of the last batch decision
         self._guessing = False  # the last batch decision guessed: stopping is free, restarting is not
-        self._unseen = 0  # context tokens the last decision's guessing rows had their proposer read first
+        self._unseen = 0.0  # seconds (load time) of catch-up the last decision's guessing rows had the proposer do
         self._behind: dict[str, int] = {}  # request -> context tokens its proposer has not seen
         self._plain_run: dict[str, int] = {}  # request -> plain steps since its last guess
         self._probe_gap: dict[str, int] = {}
@@ -154,17 +166,37 @@ class AdaptiveK:
 
         draft = getattr(proposer, "model", None)
         return cls(k_max, load_or_measure(target, max_batch, GRID_WIDTHS, "all", cache=cache),
-                   load_or_measure(draft, max_batch, GRID_WIDTHS, "last", cache=cache) if draft is not None else None)
+                   load_or_measure(draft, max_batch, GRID_WIDTHS, "last", cache=cache)  # + PROMPT_WIDTHS cells
+                   if draft is not None else None)
 
     @property
     def draft_factor(self) -> float:
         """What the draft's load-time costs are multiplied by now: its own scale times the target's load factor."""
         return self.draft_scale * self.target.scale
 
+    def _catch_up_base(self, tokens: int) -> float:
+        """Seconds to read `tokens` unseen context tokens at the load time's costs (module docstring: catch_up)."""
+        if tokens <= 0:
+            return 0.0
+        if self._catch_up is None:
+            return self.draft_grid.catch_up(tokens)
+        return self._catch_up * tokens
+
+    def catch_up_time(self, tokens: int) -> float:
+        """Seconds for the proposer to read `tokens` context tokens it has not seen, now."""
+        return self._catch_up_base(tokens) * self.draft_factor
+
     @property
     def catch_up_cost(self) -> float:
-        """Seconds per context token the proposer has not read, now."""
-        return self._catch_up * self.draft_factor
+        """Seconds per context token the proposer has not read, now (a CATCH_UP_TOKENS catch-up's, per token)."""
+        return self.catch_up_time(CATCH_UP_TOKENS) / CATCH_UP_TOKENS
+
+    def verify_width(self, k_per_seq: list[int]) -> int:
+        """The grid width a step with these guesses is priced at: the ragged cell with as many tokens (rounded up),
+        as observe_step records it; a padded engine's widest row."""
+        if self.padded:
+            return 1 + max(k_per_seq, default=0)
+        return 1 + -(-sum(k_per_seq) // max(len(k_per_seq), 1))
 
     def verify_cost(self, batch: int, width: int) -> float:
         """Seconds of a target step of `batch` rows x `width` tokens now (the live grid)."""
@@ -195,24 +227,27 @@ class AdaptiveK:
 
     def _rate_of(self, alphas: list[float], k_top: int, behind: list[int] | None, remaining: list[int] | None):
         """rate(ks) for ks up to k_top, over costs read once per decision (the grids' lookups are the slow part);
-        its `.parts` (E table, verify by width, draft forward by rows or None, catch-up per row) for best_ks."""
+        its `.parts` (E table, verify by width, draft forward by rows or None, catch-up per row) for best_ks.
+        verify[w] is the target's step of the n rows at width w; the width is verify_width's (ragged: 1 + ⌈Σk/n⌉)."""
         n = len(alphas)
         e = [[_expected(a, k) for k in range(k_top + 1)] for a in alphas]  # E_i(k)
-        verify = [0.0] + [self.target.cost(n, w) for w in range(1, k_top + 2)]  # by the padded width
+        verify = [0.0] + [self.target.cost(n, w) for w in range(1, k_top + 2)]  # by the priced width
         forward = ([0.0] + [self.draft_grid.cost(b, 1) * self.draft_factor for b in range(1, n + 1)]
                    if self.draft_grid is not None else None)  # one draft forward of b rows (none for 0)
-        cu = ([self.catch_up_cost * (behind[i] - 1) / max(remaining[i], 1) for i in range(n)]
+        cu = ([self.catch_up_time(behind[i] - 1) / max(remaining[i], 1) for i in range(n)]
               if behind is not None else [0.0] * n)
+        padded = self.padded
 
         def rate(ks: list[int]) -> float:
             K = max(ks)
+            w = 1 + K if padded else 1 + -(-sum(ks) // n)
             if forward is not None:
                 draft = sum(forward[sum(k >= j for k in ks)] for j in range(1, K + 1))
             else:
                 draft = self.draft_time(ks)
             tokens = sum(e[i][k] for i, k in enumerate(ks))
             catch_up = sum(cu[i] * e[i][k] for i, k in enumerate(ks) if k)
-            return tokens / (verify[1 + K] + draft + catch_up)
+            return tokens / (verify[w] + draft + catch_up)
 
         rate.parts = (e, verify, forward, cu)
         return rate
@@ -221,39 +256,64 @@ class AdaptiveK:
     def best_ks(self, alphas: list[float], caps: list[int], behind: list[int] | None = None,
                 remaining: list[int] | None = None) -> tuple[list[int], float, float]:
         """(k per row, its rate, plain's rate): the search of the module docstring, without hysteresis or probes.
-        The shared-K pass adds rows one at a time, updating the sums (no full re-evaluation per candidate)."""
+        The shared-K pass adds rows one at a time, updating the sums (no full re-evaluation per candidate): the
+        tokens, the catch-up, the draft's forwards by depth, Σk (the ragged width 1 + ⌈Σk/n⌉) and the widest row
+        (the padded width 1 + widest); both widths are at most 1 + K, inside `verify`."""
         n = len(alphas)
         k_top = min(self.k_max, max(caps, default=0))
         rate = self._rate_of(alphas, k_top, behind, remaining)
         e, verify, forward, cu = rate.parts
         plain = rate([0] * n)
-        best, best_rate = [0] * n, plain
+        best, best_rate = [0] * n, float("-inf")  # the best guessing candidate (plain's rate compared at the end)
         order = sorted((i for i in range(n) if caps[i] > 0), key=lambda i: -alphas[i])
         for K in range(1, k_top + 1):
             ks, rows_at = [0] * n, [0] * (K + 1)  # rows_at[j]: rows guessing >= j tokens
-            tokens, catch_up, draft, widest = float(n), 0.0, 0.0, 0
+            tokens, catch_up, draft, widest, guessed = float(n), 0.0, 0.0, 0, 0
             for i in order:
                 k = ks[i] = min(K, caps[i])
                 tokens += e[i][k] - 1.0
                 catch_up += cu[i] * e[i][k]
                 widest = max(widest, k)
+                guessed += k
                 if forward is not None:
                     for j in range(1, k + 1):
                         draft += forward[rows_at[j] + 1] - forward[rows_at[j]]
                         rows_at[j] += 1
                 else:
                     draft = self.draft_time(ks)
-                r = tokens / (verify[1 + widest] + draft + catch_up)
+                width = 1 + widest if self.padded else 1 + -(-guessed // n)
+                r = tokens / (verify[width] + draft + catch_up)
                 if r > best_rate:
                     best, best_rate = list(ks), r
-        if forward is not None or any(cu):  # a row's smaller k saves draft forwards or catch-up, never verify width
-            for i in reversed(order):  # least likely first: a row's own k, the others held
-                for k in range(best[i] - 1, -1, -1) if best[i] else ():
+        # ragged, the step's width follows Σk: one guess at a time to the row it adds the most tokens to (row i's
+        # (k+1)-th guess adds α_i^(k+1)), each total priced (the allocation of Σk guesses that yields the most)
+        if not self.padded:
+            ks = [0] * n
+            while True:
+                gains = [(alphas[i] ** (ks[i] + 1), alphas[i], i) for i in order if ks[i] < min(k_top, caps[i])]
+                if not gains:
+                    break
+                ks[max(gains)[2]] += 1
+                r = rate(ks)
+                if r > best_rate:
+                    best, best_rate = list(ks), r
+        # then each row alone (least likely first) at every other k, the others held, while a sweep improves; from
+        # the best guessing candidate even where it loses to plain (one row fewer and one more may win together)
+        for _ in range(SWEEPS if any(best) else 0):
+            improved = False
+            for i in reversed(order):
+                for k in range(min(k_top, caps[i]) + 1):
+                    if k == best[i]:
+                        continue
                     trial = list(best)
                     trial[i] = k
                     r = rate(trial)
                     if r > best_rate:
-                        best, best_rate = trial, r
+                        best, best_rate, improved = trial, r, True
+            if not improved:
+                break
+        if best_rate <= plain:
+            best = [0] * n
         return best, rate(best), plain
 
     def choose_batch(self, reqs: list, caps: list[int] | None = None, guessing: bool | None = None) -> list[int]:
@@ -283,7 +343,7 @@ class AdaptiveK:
             self.k_histogram[ks[i]] = self.k_histogram.get(ks[i], 0) + 1
         self._guessing = any(ks)
         self.last_decision = (sum(k > 0 for k in ks), len(ks))
-        self._unseen = sum(behind[i] - 1 for i in range(len(ks)) if ks[i])  # context the proposer reads first
+        self._unseen = sum(self._catch_up_base(behind[i] - 1) for i in range(len(ks)) if ks[i])  # read first
         return ks
 
     def _worth_probing(self, alphas: list[float], caps: list[int], behind: list[int], remaining: list[int],
@@ -311,14 +371,20 @@ class AdaptiveK:
     # ---- learning ------------------------------------------------------------------------------------------
     def observe_step(self, batch: int, width: int, step_s: float, propose_s: float, k_per_seq: list[int]) -> None:
         """A decode step of `batch` rows verified at `width` in step_s seconds after proposing k_per_seq in
-        propose_s: the target's grid follows it; a guessing step moves the draft's scale (or seconds)."""
+        propose_s: the target's grid follows it; a guessing step moves the draft's scale (or seconds). A guessing
+        step of several rows reported wider than its ragged cell was padded (a token tree in the batch): the
+        following decisions price the widest row (`padded`) until a step is reported ragged again."""
         self.target.observe(batch, width, step_s)
+        if batch > 1 and any(k_per_seq) and len(k_per_seq) == batch:
+            ragged = 1 + -(-sum(k_per_seq) // batch)
+            if ragged != 1 + max(k_per_seq):
+                self.padded = width > ragged
         if not any(k_per_seq) or not propose_s > 0:
             return
         if self.draft_grid is None and self.draft_steps is None:
             self.propose_s = (1 - DRAFT_EWMA) * self.propose_s + DRAFT_EWMA * propose_s
             return
-        predicted = (self.draft_time(k_per_seq) / self.draft_scale + self._catch_up * self._unseen * self.target.scale)
+        predicted = (self.draft_time(k_per_seq) / self.draft_scale + self._unseen * self.target.scale)
         if predicted > 0:  # one step moves the scale by at most DRAFT_RATIO_RANGE (a prompt's catch-up is an outlier)
             ratio = min(max(propose_s / predicted, DRAFT_RATIO_RANGE[0]), DRAFT_RATIO_RANGE[1])
             self.draft_scale = math.exp((1 - DRAFT_EWMA) * math.log(self.draft_scale) + DRAFT_EWMA * math.log(ratio))
