@@ -15,6 +15,7 @@
 #include <cstring>
 #include <string>
 #include <vector>
+#include "block_op.h"
 #include "dispatch.h"
 #include "gemm_q4x8.h"
 #include "gemm_wide.h"
@@ -84,12 +85,10 @@ at::Tensor wide_amx(const at::Tensor& x, const at::Tensor& packed, const at::Ten
     const int64_t Kp = (K + 63) / 64 * 64, Mp = (M + 31) / 32 * 32;
     at::Tensor y = at::empty({M, N}, x.options());
     if (M == 0) return y;
-    at::Tensor q = at::empty({Mp / 16, Kp / 64, 16, 64}, x.options().dtype(at::kChar));  // tile-major (gemm_q4x8.h)
-    at::Tensor dx = at::empty({Mp, S}, x.options());  // padding rows never read
-    at::Tensor qsum = at::empty({Mp, S, 8}, x.options().dtype(at::kShort));  // padding rows never read
-    int8_t* qp = q.data_ptr<int8_t>();
-    float* dxp = dx.data_ptr<float>();
-    int16_t* qsp = qsum.data_ptr<int16_t>();
+    dwop::Scratch s(x);
+    int8_t* qp = s.make<int8_t>({Mp / 16, Kp / 64, 16, 64}, at::kChar);  // tile-major (gemm_q4x8.h)
+    float* dxp = s.make<float>({Mp, S}, at::kFloat);                      // padding rows never read
+    int16_t* qsp = s.make<int16_t>({Mp, S, 8}, at::kShort);
     dw_quantize_tiles(x.data_ptr<float>(), M, K, qp, dxp, qsp);
     DwQ4 w{packed.data_ptr<uint8_t>(), sc.data_ptr<uint8_t>(), mn.data_ptr<uint8_t>(), d.data_ptr<float>(),
            dmin.data_ptr<float>(), bias, N, K, G, S};

@@ -13,6 +13,7 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
 #include <string>
+#include "block_op.h"
 #include "dispatch.h"
 #include "gemm_q6k.h"
 #include "gemm_wide.h"
@@ -41,10 +42,9 @@ at::Tensor wide_amx(const at::Tensor& x, const at::Tensor& ql, const at::Tensor&
     at::Tensor y = at::empty({M, N}, x.options());
     if (M == 0) return y;
     const int64_t Mp = (M + 31) / 32 * 32;
-    at::Tensor q = at::empty({Mp / 16, K / 64, 16, 64}, x.options().dtype(at::kChar));  // tile-major (gemm_q6k.h)
-    at::Tensor dx = at::empty({Mp, S}, x.options());  // padding rows never read
-    int8_t* qp = q.data_ptr<int8_t>();
-    float* dxp = dx.data_ptr<float>();
+    dwop::Scratch s(x);
+    int8_t* qp = s.make<int8_t>({Mp / 16, K / 64, 16, 64}, at::kChar);  // tile-major (gemm_q6k.h)
+    float* dxp = s.make<float>({Mp, S}, at::kFloat);                     // padding rows never read
     dw_quantize_tiles(x.data_ptr<float>(), M, K, qp, dxp, nullptr);
     DwQ6 w{ql.data_ptr<uint8_t>(), qh.data_ptr<uint8_t>(), sc.data_ptr<int8_t>(), d.data_ptr<float>(), bias_p, N, K, K / 32, S};
     float* yp = y.data_ptr<float>();
@@ -69,17 +69,13 @@ at::Tensor wide_vnni(const at::Tensor& x, const at::Tensor& ql, const at::Tensor
     at::Tensor y = at::empty({M, N}, x.options());
     if (M == 0) return y;
     const int64_t chunk = DW_VNNI_CHUNK_ROWS, chunks = (M + chunk - 1) / chunk;
-    at::Tensor q = at::empty({chunks, G, chunk, 32}, x.options().dtype(at::kChar));        // chunk c: [G, Mc, 32]
-    at::Tensor dx = at::empty({chunks, S, chunk}, x.options());                              // [S, Mc]
-    at::Tensor qsum = at::empty({chunks, S, chunk, 8}, x.options().dtype(at::kShort));     // [S, Mc, 8]
-    at::Tensor qsum16 = at::empty({chunks, S, chunk, 16}, x.options().dtype(at::kShort));  // [S, Mc, 16]
-    at::Tensor qoff16 = at::empty({chunks, G, chunk, 2}, x.options().dtype(at::kInt));     // [G, Mc, 2]
+    dwop::Scratch s(x);  // chunk c: q [G, Mc, 32], dx [S, Mc], qsum [S, Mc, 8], qsum16 [S, Mc, 16], qoff16 [G, Mc, 2]
+    int8_t* qp = s.make<int8_t>({chunks, G, chunk, 32}, at::kChar);
+    float* dxp = s.make<float>({chunks, S, chunk}, at::kFloat);
+    int16_t* qsp = s.make<int16_t>({chunks, S, chunk, 8}, at::kShort);
+    int16_t* q16 = s.make<int16_t>({chunks, S, chunk, 16}, at::kShort);
+    int32_t* qo = s.make<int32_t>({chunks, G, chunk, 2}, at::kInt);
     const float* xp = x.data_ptr<float>();
-    int8_t* qp = q.data_ptr<int8_t>();
-    float* dxp = dx.data_ptr<float>();
-    int16_t* qsp = qsum.data_ptr<int16_t>();
-    int16_t* q16 = qsum16.data_ptr<int16_t>();
-    int32_t* qo = qoff16.data_ptr<int32_t>();
     auto rows_of = [&](int64_t c) { return std::min(chunk, M - c * chunk); };
     at::parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) {
         for (int64_t c = c0; c < c1; ++c)

@@ -53,34 +53,28 @@ extern "C" void dw_q8_rows_scalar(const float* x, int64_t M, int64_t K, int8_t* 
 
 extern "C" void dw_gemm_scalar(const DwQ4* w, const DwQ8* a, float* out, int64_t b0, int64_t b1) {
     const int64_t G = w->G, S = w->S, N = w->N, M = a->M;
-    for (int64_t b = b0; b < b1; ++b) {
-        for (int j = 0; j < 16; ++j) {
-            const int64_t n = b * 16 + j;
-            if (n >= N) break;
-            for (int64_t m = 0; m < M; ++m) {
-                float acc = 0.0f;
-                for (int64_t s = 0; s < S; ++s) {
-                    int32_t isc = 0, imn = 0;
-                    for (int64_t g = s * 8; g < s * 8 + 8 && g < G; ++g) {
-                        const uint8_t* P = w->packed + (b * G + g) * 256;
-                        const int8_t* xq = a->q + (g * M + m) * 32;
-                        int32_t isum = 0;
-                        for (int c = 0; c < 4; ++c)
-                            for (int t = 0; t < 4; ++t) {
-                                const uint8_t byte = P[c * 64 + j * 4 + t];
-                                isum += (int32_t)(byte & 15) * xq[c * 4 + t] + (int32_t)(byte >> 4) * xq[16 + c * 4 + t];
-                            }
-                        isc += (int32_t)w->sc[(b * G + g) * 16 + j] * isum;
-                        imn += (int32_t)w->mn[(b * G + g) * 16 + j] * a->qsum[(s * M + m) * 8 + g % 8];
+    dwop::scalar_cells(N, M, b0, b1, w->bias, out, [&](int64_t b, int j, int64_t m) {
+        float acc = 0.0f;
+        for (int64_t s = 0; s < S; ++s) {
+            int32_t isc = 0, imn = 0;
+            for (int64_t g = s * 8; g < s * 8 + 8 && g < G; ++g) {
+                const uint8_t* P = w->packed + (b * G + g) * 256;
+                const int8_t* xq = a->q + (g * M + m) * 32;
+                int32_t isum = 0;
+                for (int c = 0; c < 4; ++c)
+                    for (int t = 0; t < 4; ++t) {
+                        const uint8_t byte = P[c * 64 + j * 4 + t];
+                        isum += (int32_t)(byte & 15) * xq[c * 4 + t] + (int32_t)(byte >> 4) * xq[16 + c * 4 + t];
                     }
-                    float t = (float)isc * w->d[(b * S + s) * 16 + j];
-                    t = std::fma(-(float)imn, w->dmin[(b * S + s) * 16 + j], t);  // = fnmadd((float) imn, dmin, t)
-                    acc = std::fma(t, a->dx[s * M + m], acc);
-                }
-                out[m * N + n] = acc + (w->bias ? w->bias[n] : 0.0f);
+                isc += (int32_t)w->sc[(b * G + g) * 16 + j] * isum;
+                imn += (int32_t)w->mn[(b * G + g) * 16 + j] * a->qsum[(s * M + m) * 8 + g % 8];
             }
+            float t = (float)isc * w->d[(b * S + s) * 16 + j];
+            t = std::fma(-(float)imn, w->dmin[(b * S + s) * 16 + j], t);  // = fnmadd((float) imn, dmin, t)
+            acc = std::fma(t, a->dx[s * M + m], acc);
         }
-    }
+        return acc;
+    });
 }
 
 // The wide side (gemm_q4x8.cpp): whether 'auto' hands M rows to it, and the kernel (bitwise the same rows).
@@ -111,25 +105,19 @@ at::Tensor dw_q4x8_linear_checked(const at::Tensor& x, const at::Tensor& packed,
     if (wide || (path == dwisa::AUTO && dw_wide_takes(x.size(0))))
         return dw_q4x8_wide(x, packed, sc, mn, d, dmin, bias_p, N);
     path = dwisa::select(ISA, path);
-
-    at::Tensor y = at::empty({M, N}, x.options());
-    if (M == 0) return y;
-    at::Tensor q = at::empty({G, M, 32}, x.options().dtype(at::kChar));
-    at::Tensor dx = at::empty({S, M}, x.options());
-    at::Tensor qsum = at::empty({S, M, 8}, x.options().dtype(at::kShort));
-    const float* xp = x.data_ptr<float>();
-    int8_t* qp = q.data_ptr<int8_t>();
-    float* dxp = dx.data_ptr<float>();
-    int16_t* qsp = qsum.data_ptr<int16_t>();
-    const auto quant = dwisa::pick(path, dw_q8_rows_scalar, dw_q8_rows_avx2, dw_q8_rows_avx512);
-    const auto gemm = dwisa::pick(path, dw_gemm_scalar, dw_gemm_avx2, dw_gemm_avx512);
-    dwop::over_rows(M, K, [&](int64_t r0, int64_t r1) { quant(xp, M, K, qp, dxp, qsp, r0, r1); });
-    DwQ4 w{packed.data_ptr<uint8_t>(), sc.data_ptr<uint8_t>(), mn.data_ptr<uint8_t>(), d.data_ptr<float>(),
-           dmin.data_ptr<float>(), bias_p, N, K, G, S};
-    DwQ8 a{qp, dxp, qsp, M};
-    float* yp = y.data_ptr<float>();
-    dwop::over_blocks(NB, [&](int64_t b0, int64_t b1) { gemm(&w, &a, yp, b0, b1); });
-    return y;
+    return dwop::output(x, N, [&](dwop::Scratch& s, float* yp) {
+        int8_t* qp = s.make<int8_t>({G, M, 32}, at::kChar);
+        float* dxp = s.make<float>({S, M}, at::kFloat);
+        int16_t* qsp = s.make<int16_t>({S, M, 8}, at::kShort);
+        const float* xp = x.data_ptr<float>();
+        const auto quant = dwisa::pick(path, dw_q8_rows_scalar, dw_q8_rows_avx2, dw_q8_rows_avx512);
+        const auto gemm = dwisa::pick(path, dw_gemm_scalar, dw_gemm_avx2, dw_gemm_avx512);
+        dwop::over_rows(M, K, [&](int64_t r0, int64_t r1) { quant(xp, M, K, qp, dxp, qsp, r0, r1); });
+        DwQ4 w{packed.data_ptr<uint8_t>(), sc.data_ptr<uint8_t>(), mn.data_ptr<uint8_t>(), d.data_ptr<float>(),
+               dmin.data_ptr<float>(), bias_p, N, K, G, S};
+        DwQ8 a{qp, dxp, qsp, M};
+        dwop::over_blocks(NB, [&](int64_t b0, int64_t b1) { gemm(&w, &a, yp, b0, b1); });
+    });
 }
 
 namespace {

@@ -23,39 +23,33 @@ constexpr dwisa::Isa ISA{"q6k", {0, dwisa::F_AVX2 | dwisa::F_FMA,
 
 extern "C" void dw_q6k_gemm_scalar(const DwQ6* w, const DwQ8K16* a, float* out, int64_t b0, int64_t b1) {
     const int64_t G = w->G, S = w->S, N = w->N, M = a->M;
-    for (int64_t b = b0; b < b1; ++b) {
-        for (int j = 0; j < 16; ++j) {
-            const int64_t n = b * 16 + j;
-            if (n >= N) break;
-            for (int64_t m = 0; m < M; ++m) {
-                float acc = 0.0f;
-                for (int64_t s = 0; s < S; ++s) {
-                    int32_t isc = 0, imn = 0;
-                    for (int64_t g = s * 8; g < s * 8 + 8; ++g) {
-                        const uint8_t* L = w->ql + (b * G + g) * 256;
-                        const uint8_t* H = w->qh + (b * G + g) * 128;
-                        const int8_t* xq = a->q + (g * M + m) * 32;
-                        int32_t lo = 0, hi = 0;
-                        for (int c = 0; c < 4; ++c)
-                            for (int t = 0; t < 4; ++t) {
-                                const uint8_t byte = L[c * 64 + j * 4 + t];
-                                const uint8_t top = (uint8_t)(H[(c / 2) * 64 + j * 4 + t] >> ((c % 2) * 4));
-                                const int32_t ql = (byte & 15) | ((top & 3) << 4), qh = (byte >> 4) | (((top >> 2) & 3) << 4);
-                                lo += ql * xq[c * 4 + t];
-                                hi += qh * xq[16 + c * 4 + t];
-                            }
-                        const int8_t* SC = w->sc + (b * G + g) * 32;
-                        const int16_t* qs = a->qsum16 + (s * M + m) * 16 + (g - s * 8) * 2;
-                        isc += (int32_t)SC[j] * lo + (int32_t)SC[16 + j] * hi;
-                        imn += (int32_t)SC[j] * qs[0] + (int32_t)SC[16 + j] * qs[1];
+    dwop::scalar_cells(N, M, b0, b1, w->bias, out, [&](int64_t b, int j, int64_t m) {
+        float acc = 0.0f;
+        for (int64_t s = 0; s < S; ++s) {
+            int32_t isc = 0, imn = 0;
+            for (int64_t g = s * 8; g < s * 8 + 8; ++g) {
+                const uint8_t* L = w->ql + (b * G + g) * 256;
+                const uint8_t* H = w->qh + (b * G + g) * 128;
+                const int8_t* xq = a->q + (g * M + m) * 32;
+                int32_t lo = 0, hi = 0;
+                for (int c = 0; c < 4; ++c)
+                    for (int t = 0; t < 4; ++t) {
+                        const uint8_t byte = L[c * 64 + j * 4 + t];
+                        const uint8_t top = (uint8_t)(H[(c / 2) * 64 + j * 4 + t] >> ((c % 2) * 4));
+                        const int32_t ql = (byte & 15) | ((top & 3) << 4), qh = (byte >> 4) | (((top >> 2) & 3) << 4);
+                        lo += ql * xq[c * 4 + t];
+                        hi += qh * xq[16 + c * 4 + t];
                     }
-                    const float t = (float)(isc - 32 * imn) * w->d[(b * S + s) * 16 + j];
-                    acc = std::fma(t, a->dx[s * M + m], acc);
-                }
-                out[m * N + n] = acc + (w->bias ? w->bias[n] : 0.0f);
+                const int8_t* SC = w->sc + (b * G + g) * 32;
+                const int16_t* qs = a->qsum16 + (s * M + m) * 16 + (g - s * 8) * 2;
+                isc += (int32_t)SC[j] * lo + (int32_t)SC[16 + j] * hi;
+                imn += (int32_t)SC[j] * qs[0] + (int32_t)SC[16 + j] * qs[1];
             }
+            const float t = (float)(isc - 32 * imn) * w->d[(b * S + s) * 16 + j];
+            acc = std::fma(t, a->dx[s * M + m], acc);
         }
-    }
+        return acc;
+    });
 }
 
 const float* dw_q6k_check(const at::Tensor& x, const at::Tensor& ql, const at::Tensor& qh, const at::Tensor& sc,
@@ -100,28 +94,21 @@ at::Tensor q6k_linear(const at::Tensor& x, const at::Tensor& ql, const at::Tenso
     const float* bias_p = dw_q6k_check(x, ql, qh, sc, d, bias, N);
     const int64_t M = x.size(0), K = x.size(1), G = K / 32, S = K / 256, NB = (N + 15) / 16;
     path = dwisa::select(ISA, path);
-    at::Tensor y = at::empty({M, N}, x.options());
-    if (M == 0) return y;
-    at::Tensor q = at::empty({G, M, 32}, x.options().dtype(at::kChar));
-    at::Tensor dx = at::empty({S, M}, x.options());
-    at::Tensor qsum = at::empty({S, M, 8}, x.options().dtype(at::kShort));
-    at::Tensor qsum16 = at::empty({S, M, 16}, x.options().dtype(at::kShort));
-    at::Tensor qoff16 = at::empty({G, M, 2}, x.options().dtype(at::kInt));
-    const float* xp = x.data_ptr<float>();
-    int8_t* qp = q.data_ptr<int8_t>();
-    float* dxp = dx.data_ptr<float>();
-    int16_t* qsp = qsum.data_ptr<int16_t>();
-    int16_t* q16 = qsum16.data_ptr<int16_t>();
-    int32_t* qo = qoff16.data_ptr<int32_t>();
-    dwop::over_rows(M, K, [&](int64_t r0, int64_t r1) {
-        dw_q6k_quantize_rows(path, xp, M, K, qp, dxp, qsp, q16, qo, r0, r1);
+    return dwop::output(x, N, [&](dwop::Scratch& s, float* yp) {
+        int8_t* qp = s.make<int8_t>({G, M, 32}, at::kChar);
+        float* dxp = s.make<float>({S, M}, at::kFloat);
+        int16_t* qsp = s.make<int16_t>({S, M, 8}, at::kShort);
+        int16_t* q16 = s.make<int16_t>({S, M, 16}, at::kShort);
+        int32_t* qo = s.make<int32_t>({G, M, 2}, at::kInt);
+        const float* xp = x.data_ptr<float>();
+        dwop::over_rows(M, K, [&](int64_t r0, int64_t r1) {
+            dw_q6k_quantize_rows(path, xp, M, K, qp, dxp, qsp, q16, qo, r0, r1);
+        });
+        const auto gemm = dwisa::pick(path, dw_q6k_gemm_scalar, dw_q6k_gemm_avx2, dw_q6k_gemm_avx512);
+        DwQ6 w{ql.data_ptr<uint8_t>(), qh.data_ptr<uint8_t>(), sc.data_ptr<int8_t>(), d.data_ptr<float>(), bias_p, N, K, G, S};
+        DwQ8K16 a{qp, dxp, q16, qo, M};
+        dwop::over_blocks(NB, [&](int64_t b0, int64_t b1) { gemm(&w, &a, yp, b0, b1); });
     });
-    const auto gemm = dwisa::pick(path, dw_q6k_gemm_scalar, dw_q6k_gemm_avx2, dw_q6k_gemm_avx512);
-    DwQ6 w{ql.data_ptr<uint8_t>(), qh.data_ptr<uint8_t>(), sc.data_ptr<int8_t>(), d.data_ptr<float>(), bias_p, N, K, G, S};
-    DwQ8K16 a{qp, dxp, q16, qo, M};
-    float* yp = y.data_ptr<float>();
-    dwop::over_blocks(NB, [&](int64_t b0, int64_t b1) { gemm(&w, &a, yp, b0, b1); });
-    return y;
 }
 
 std::vector<int64_t> paths() { return dwisa::available_paths(ISA); }

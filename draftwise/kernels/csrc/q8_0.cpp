@@ -44,29 +44,23 @@ void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* q, float* dx, i
 }  // namespace
 
 extern "C" void dw_q80_gemm_scalar(const DwQ80* w, const DwQ80Act* a, float* out, int64_t b0, int64_t b1) {
-    const int64_t G = w->G, N = w->N, M = a->M;
-    for (int64_t b = b0; b < b1; ++b) {
-        for (int j = 0; j < 16; ++j) {
-            const int64_t n = b * 16 + j;
-            if (n >= N) break;
-            for (int64_t m = 0; m < M; ++m) {
-                float acc = 0.0f;
-                for (int64_t g = 0; g < G; ++g) {
-                    const int8_t* xq = a->q + (g * M + m) * 32;
-                    int32_t isum = 0;
-                    for (int c = 0; c < 8; ++c)
-                        for (int t = 0; t < 4; ++t) isum += ((int32_t)dw_q80_byte(w, b, g, c, j, t) - 128) * xq[c * 4 + t];
-                    const float t = (float)isum * w->d[(b * G + g) * 16 + j];
-                    acc = std::fma(t, a->dx[g * M + m], acc);
-                    if (w->m) {
-                        const float u = (float)a->qsum[g * M + m] * w->m[(b * G + g) * 16 + j];
-                        acc = std::fma(u, a->dx[g * M + m], acc);
-                    }
-                }
-                out[m * N + n] = acc + (w->bias ? w->bias[n] : 0.0f);
+    const int64_t G = w->G, M = a->M;
+    dwop::scalar_cells(w->N, M, b0, b1, w->bias, out, [&](int64_t b, int j, int64_t m) {
+        float acc = 0.0f;
+        for (int64_t g = 0; g < G; ++g) {
+            const int8_t* xq = a->q + (g * M + m) * 32;
+            int32_t isum = 0;
+            for (int c = 0; c < 8; ++c)
+                for (int t = 0; t < 4; ++t) isum += ((int32_t)dw_q80_byte(w, b, g, c, j, t) - 128) * xq[c * 4 + t];
+            const float t = (float)isum * w->d[(b * G + g) * 16 + j];
+            acc = std::fma(t, a->dx[g * M + m], acc);
+            if (w->m) {
+                const float u = (float)a->qsum[g * M + m] * w->m[(b * G + g) * 16 + j];
+                acc = std::fma(u, a->dx[g * M + m], acc);
             }
         }
-    }
+        return acc;
+    });
 }
 
 namespace {
@@ -96,27 +90,27 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& qw, const std::optional
     const float* m_p = optional_of<float>(m, at::kFloat, NB * G * 16, "m");
     const float* bias_p = dwop::bias_of(bias, N);
     path = dwisa::select(ISA, path);
-    at::Tensor y = at::empty({M, N}, x.options());
-    if (M == 0) return y;
-    at::Tensor q = at::empty({G, M, 32}, x.options().dtype(at::kChar));
-    at::Tensor dx = at::empty({G, M}, x.options());
-    at::Tensor qoff = at::empty({G, M}, x.options().dtype(at::kInt));
-    at::Tensor qsum = at::empty({G, M}, x.options().dtype(at::kInt));
-    const float* xp = x.data_ptr<float>();
-    int8_t* qp = q.data_ptr<int8_t>();
-    float* dxp = dx.data_ptr<float>();
-    int32_t* qop = qoff.data_ptr<int32_t>();
-    int32_t* qsp = qsum.data_ptr<int32_t>();
-    dwop::over_rows(M, K, [&](int64_t r0, int64_t r1) { quantize_rows(xp, M, K, qp, dxp, qop, qsp, r0, r1); });
-    const auto gemm = dwisa::pick(path, dw_q80_gemm_scalar, dw_q80_gemm_avx2, dw_q80_gemm_avx512);
-    DwQ80 w{qw.data_ptr<uint8_t>(), d.data_ptr<float>(), m_p, bias_p, N, K, G, lut_p, qh_p};
-    DwQ80Act a{qp, dxp, qop, qsp, M};
-    float* yp = y.data_ptr<float>();
-    dwop::over_blocks(NB, [&](int64_t b0, int64_t b1) { gemm(&w, &a, yp, b0, b1); });
-    return y;
+    return dwop::output(x, N, [&](dwop::Scratch& s, float* yp) {
+        int8_t* qp = s.make<int8_t>({G, M, 32}, at::kChar);
+        float* dxp = s.make<float>({G, M}, at::kFloat);
+        int32_t* qop = s.make<int32_t>({G, M}, at::kInt);
+        int32_t* qsp = s.make<int32_t>({G, M}, at::kInt);
+        const float* xp = x.data_ptr<float>();
+        dwop::over_rows(M, K, [&](int64_t r0, int64_t r1) { quantize_rows(xp, M, K, qp, dxp, qop, qsp, r0, r1); });
+        const auto gemm = dwisa::pick(path, dw_q80_gemm_scalar, dw_q80_gemm_avx2, dw_q80_gemm_avx512);
+        DwQ80 w{qw.data_ptr<uint8_t>(), d.data_ptr<float>(), m_p, bias_p, N, K, G, lut_p, qh_p};
+        DwQ80Act a{qp, dxp, qop, qsp, M};
+        dwop::over_blocks(NB, [&](int64_t b0, int64_t b1) { gemm(&w, &a, yp, b0, b1); });
+    });
 }
 
 std::vector<int64_t> paths() { return dwisa::available_paths(ISA); }
+
+// A kernel's linear(x, <its packed buffers>, bias, N, path) and paths() schemas.
+void define(torch::Library& m, const std::string& packed) {
+    m.def(("linear(Tensor x, Tensor " + packed + ", Tensor? bias, int N, int path) -> Tensor").c_str());
+    m.def("paths() -> int[]", &paths);
+}
 
 }  // namespace
 
@@ -126,10 +120,7 @@ extern "C" void dw_q80_gemm_avx512(const DwQ80*, const DwQ80Act*, float*, int64_
 #endif
 
 // One library per kernel of kernels/blocktypes.py on this unit, each linear's arguments its PACKED buffers in order.
-TORCH_LIBRARY(draftwise_q8_0, m) {
-    m.def("linear(Tensor x, Tensor qw, Tensor d, Tensor? bias, int N, int path) -> Tensor");
-    m.def("paths() -> int[]", &paths);
-}
+TORCH_LIBRARY(draftwise_q8_0, m) { define(m, "qw, Tensor d"); }
 TORCH_LIBRARY_IMPL(draftwise_q8_0, CPU, m) {
     m.impl("linear", [](const at::Tensor& x, const at::Tensor& qw, const at::Tensor& d,
                         const std::optional<at::Tensor>& bias, int64_t N, int64_t path) {
@@ -137,10 +128,7 @@ TORCH_LIBRARY_IMPL(draftwise_q8_0, CPU, m) {
     });
 }
 
-TORCH_LIBRARY(draftwise_q8_1, m) {
-    m.def("linear(Tensor x, Tensor qw, Tensor d, Tensor m, Tensor? bias, int N, int path) -> Tensor");
-    m.def("paths() -> int[]", &paths);
-}
+TORCH_LIBRARY(draftwise_q8_1, m) { define(m, "qw, Tensor d, Tensor m"); }
 TORCH_LIBRARY_IMPL(draftwise_q8_1, CPU, m) {
     m.impl("linear", [](const at::Tensor& x, const at::Tensor& qw, const at::Tensor& d, const at::Tensor& m_,
                         const std::optional<at::Tensor>& bias, int64_t N, int64_t path) {
@@ -148,10 +136,7 @@ TORCH_LIBRARY_IMPL(draftwise_q8_1, CPU, m) {
     });
 }
 
-TORCH_LIBRARY(draftwise_q4c, m) {
-    m.def("linear(Tensor x, Tensor qs, Tensor lut, Tensor d, Tensor? bias, int N, int path) -> Tensor");
-    m.def("paths() -> int[]", &paths);
-}
+TORCH_LIBRARY(draftwise_q4c, m) { define(m, "qs, Tensor lut, Tensor d"); }
 TORCH_LIBRARY_IMPL(draftwise_q4c, CPU, m) {
     m.impl("linear", [](const at::Tensor& x, const at::Tensor& qs, const at::Tensor& lut, const at::Tensor& d,
                         const std::optional<at::Tensor>& bias, int64_t N, int64_t path) {
@@ -159,10 +144,7 @@ TORCH_LIBRARY_IMPL(draftwise_q4c, CPU, m) {
     });
 }
 
-TORCH_LIBRARY(draftwise_q5m, m) {
-    m.def("linear(Tensor x, Tensor qs, Tensor qh, Tensor lut, Tensor d, Tensor m, Tensor? bias, int N, int path) -> Tensor");
-    m.def("paths() -> int[]", &paths);
-}
+TORCH_LIBRARY(draftwise_q5m, m) { define(m, "qs, Tensor qh, Tensor lut, Tensor d, Tensor m"); }
 TORCH_LIBRARY_IMPL(draftwise_q5m, CPU, m) {
     m.impl("linear", [](const at::Tensor& x, const at::Tensor& qs, const at::Tensor& qh, const at::Tensor& lut,
                         const at::Tensor& d, const at::Tensor& m_, const std::optional<at::Tensor>& bias, int64_t N,
