@@ -302,8 +302,8 @@ class AdaptiveK:
         for _ in range(SWEEPS if any(best) else 0):
             improved = False
             for i in reversed(order):
-                for k in range(min(k_top, caps[i]) + 1):
-                    if k == best[i]:
+                for k in {0, best[i] - 1, best[i] + 1}:  # plain, or one guess fewer or more
+                    if not 0 <= k <= min(k_top, caps[i]) or k == best[i]:
                         continue
                     trial = list(best)
                     trial[i] = k
