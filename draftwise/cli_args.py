@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import argparse
 
-from draftwise.config import DTYPE_CHOICES, ConfigError, check_weights
+from draftwise.config import DTYPE_CHOICES, SIZE_HELP, ConfigError, check_weights, parse_kv_cache_memory
+from draftwise.config import parse_size as config_parse_size
 from draftwise.models.catalog import DEFAULT_TARGET
 
 
@@ -29,14 +30,9 @@ def k_list(s: str) -> list[int | str]:
         raise ConfigError(f"expected comma-separated integers or 'auto', got {s!r}") from None
 
 
-# byte sizes on the command line (--memory-limit, --kv-cache-memory): a binary unit (KiB, MiB, GiB, TiB), a decimal
+# byte sizes on the command line (--memory-limit, --kv-cache-memory; config.parse_size): a binary unit (KiB, MiB, GiB, TiB), a decimal
 # one (KB, MB, GB, TB), or a bare K / M / G / T, which is BINARY (8G = 8 GiB = 8589934592 bytes, as in docker, free
 # and ulimit); no unit: bytes. Case and spaces do not matter.
-SIZE_UNITS = {"": 1, "b": 1, "k": 2**10, "kib": 2**10, "kb": 10**3, "m": 2**20, "mib": 2**20, "mb": 10**6,
-              "g": 2**30, "gib": 2**30, "gb": 10**9, "t": 2**40, "tib": 2**40, "tb": 10**12}
-SIZE_HELP = "a bare K/M/G/T is binary (8G = 8GiB); KB/MB/GB are decimal"
-
-
 class ByteSize(int):
     """A size parsed from the command line: bytes, remembering the text it came from (the startup log shows
     both)."""
@@ -48,43 +44,19 @@ class ByteSize(int):
 
 
 def parse_size(text: str | int, flag: str = "size") -> ByteSize:
-    """"8G" / "8GiB" -> 8589934592, "8GB" -> 8000000000, "6000MiB", "1.5GiB", "123456" (bytes): SIZE_UNITS, the
-    one size parser of the command line. ConfigError naming `flag` for anything else, or a size not above 0."""
-    raw = str(text).strip()
-    t = raw.lower().replace(" ", "")
-    i = len(t)
-    while i and t[i - 1].isalpha():
-        i -= 1
-    try:
-        number, unit = float(t[:i]), t[i:]
-    except ValueError:
-        raise ConfigError(f"{flag}: expected a size such as 8GiB, 8GB or 6000MiB ({SIZE_HELP}), got {raw!r}") from None
-    if unit not in SIZE_UNITS:
-        raise ConfigError(f"{flag}: unknown unit {unit!r} in {raw!r} (B, KiB, MiB, GiB, TiB, KB, MB, GB, TB; "
-                          f"{SIZE_HELP})")
-    nbytes = int(number * SIZE_UNITS[unit])
-    if nbytes <= 0:
-        raise ConfigError(f"{flag}: expected a size above 0, got {raw!r}")
-    size = ByteSize(nbytes)
-    size.text = raw
+    """config.parse_size's bytes as a ByteSize that remembers the text (the startup log shows both)."""
+    size = ByteSize(config_parse_size(text, flag))
+    size.text = str(text).strip()
     return size
 
 
 def kv_cache_memory_value(text: str | int | float | None) -> int | float | None:
-    """--kv-cache-memory: a size (parse_size: bytes) or, written with a point and no unit, a fraction of the RAM
-    available in (0, 1] (0.25). None stays None (the default budget)."""
+    """--kv-cache-memory: config.parse_kv_cache_memory's bytes (as a ByteSize) or fraction of the RAM available;
+    None stays None (the default budget)."""
     if text is None or isinstance(text, (int, float)):
         return text
-    t = str(text).strip()
-    if t and "." in t and not t[-1].isalpha():
-        try:
-            fraction = float(t)
-        except ValueError:
-            raise ConfigError(f"--kv-cache-memory: expected a size or a fraction, got {t!r}") from None
-        if not 0 < fraction <= 1:
-            raise ConfigError(f"--kv-cache-memory: a fraction of the RAM available must be in (0, 1], got {t!r}")
-        return fraction
-    return parse_size(t, "--kv-cache-memory")
+    value = parse_kv_cache_memory(text, "--kv-cache-memory")
+    return parse_size(text, "--kv-cache-memory") if isinstance(value, int) else value
 
 
 def arg_type(convert):

@@ -47,41 +47,51 @@ def auto_kv_cache_dtype(activations: str, widens_exactly: bool) -> str:
 # --kv-cache-memory: the K/V pool's budget (kv_cache.py pages it; memory is committed only as blocks are used).
 # Default as vLLM's CPU backend (VLLM_CPU_KVCACHE_SPACE=4 GiB), never more than every slot at full context.
 DEFAULT_KV_CACHE_MEMORY = 4 * 2**30
-_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,
-          "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12, "tib": 2**40}
+SIZE_UNITS = {"": 1, "b": 1, "k": 2**10, "kib": 2**10, "kb": 10**3, "m": 2**20, "mib": 2**20, "mb": 10**6,
+              "g": 2**30, "gib": 2**30, "gb": 10**9, "t": 2**40, "tib": 2**40, "tb": 10**12}
+SIZE_HELP = "a bare K/M/G/T is binary (8G = 8GiB); KB/MB/GB are decimal"
 
 
-def parse_kv_cache_memory(value: str | int | float | None) -> int | float:
-    """--kv-cache-memory: bytes (an int, or a size such as "2GiB", "512MiB", "4GB") or a fraction of the RAM
-    available at load (a float in (0, 1], e.g. 0.25). None: DEFAULT_KV_CACHE_MEMORY."""
+def parse_size(value: str | int, what: str = "size") -> int:
+    """"8G" / "8GiB" -> 8589934592, "8GB" -> 8000000000, "6000MiB", "1.5GiB", "123456" or 123456 (bytes): the one
+    size reader of the package (SIZE_UNITS). ConfigError naming `what` for anything else, or a size not above 0."""
+    raw = str(value).strip()
+    t = raw.lower().replace(" ", "")
+    i = len(t)
+    while i and t[i - 1].isalpha():
+        i -= 1
+    try:
+        number, unit = float(t[:i]), t[i:]
+    except ValueError:
+        raise ConfigError(f"{what}: expected a size such as 8GiB, 8GB or 6000MiB ({SIZE_HELP}), got {raw!r}") from None
+    if unit not in SIZE_UNITS:
+        raise ConfigError(f"{what}: unknown unit {unit!r} in {raw!r} (B, KiB, MiB, GiB, TiB, KB, MB, GB, TB; "
+                          f"{SIZE_HELP})")
+    nbytes = int(number * SIZE_UNITS[unit])
+    if nbytes <= 0:
+        raise ConfigError(f"{what}: expected a size above 0, got {raw!r}")
+    return nbytes
+
+
+def parse_kv_cache_memory(value: str | int | float | None, what: str = "kv_cache_memory") -> int | float:
+    """kv_cache_memory: bytes (an int, or a size as parse_size reads it: "2GiB", "2G", "4GB") or a fraction of the
+    RAM available at load (a float in (0, 1], or its text with a point and no unit: 0.25, "0.25").
+    None: DEFAULT_KV_CACHE_MEMORY."""
     if value is None:
         return DEFAULT_KV_CACHE_MEMORY
     if isinstance(value, bool):
-        raise ConfigError(f"kv_cache_memory must be bytes or a fraction, got {value!r}")
-    if isinstance(value, (int, float)) and not isinstance(value, str):
-        number, unit = value, ""
-    else:
-        text = str(value).strip().lower().replace(" ", "")
-        i = len(text)
-        while i and text[i - 1].isalpha():
-            i -= 1
+        raise ConfigError(f"{what} must be bytes or a fraction, got {value!r}")
+    text = str(value).strip()
+    if isinstance(value, float) or ("." in text and text and not text[-1].isalpha()):
         try:
-            number, unit = float(text[:i]), text[i:]
+            fraction = float(text)
         except ValueError:
-            raise ConfigError(f"kv_cache_memory: expected bytes (e.g. 2GiB, 512MiB) or a fraction of free RAM "
+            raise ConfigError(f"{what}: expected a size (e.g. 2GiB, 512MiB) or a fraction of the RAM available "
                               f"(e.g. 0.25), got {value!r}") from None
-        if unit not in _UNITS:
-            raise ConfigError(f"kv_cache_memory: unknown unit {unit!r} in {value!r} (B, KiB, MiB, GiB, KB, MB, GB)")
-        if not unit and "." not in text[:i]:
-            number = int(number)
-    if not unit and isinstance(number, float):
-        if not 0 < number <= 1:
-            raise ConfigError(f"kv_cache_memory: a fraction of free RAM must be in (0, 1], got {value!r}")
-        return number
-    nbytes = int(number * _UNITS[unit])
-    if nbytes <= 0:
-        raise ConfigError(f"kv_cache_memory must be > 0 bytes, got {value!r}")
-    return nbytes
+        if not 0 < fraction <= 1:
+            raise ConfigError(f"{what}: a fraction of the RAM available must be in (0, 1], got {value!r}")
+        return fraction
+    return parse_size(text, what)
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from draftwise import cli_args
 from draftwise.config import ConfigError, ContextLengthError, parse_kv_cache_memory
 from draftwise.engine import Engine, Request
 from draftwise.kv_cache import CacheFull, KVCache, blocks_for, draft_pool_blocks, pool_blocks
@@ -158,6 +159,7 @@ def test_budget_parsing_and_pool_size():
     assert parse_kv_cache_memory("2GiB") == 2 * 2**30 and parse_kv_cache_memory("512MB") == 512 * 10**6
     assert parse_kv_cache_memory(None) == 4 * 2**30 and parse_kv_cache_memory(0.25) == 0.25
     assert parse_kv_cache_memory("0.5") == 0.5 and parse_kv_cache_memory(1000) == 1000
+    assert parse_kv_cache_memory("8G") == 8 * 2**30 == cli_args.kv_cache_memory_value("8G")  # one reader, a bare G binary
     for bad in ("lots", "1.5", "0", "2XB"):
         with pytest.raises(ConfigError):
             parse_kv_cache_memory(bad)
