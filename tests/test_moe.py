@@ -342,3 +342,16 @@ def test_grouped_experts_are_bitwise_the_python_loop(quantized_moe, tmp_path, mo
     for key, got in outs.items():
         assert torch.equal(got[0], first[0]) and torch.equal(got[1], first[1]), key
         assert got[2] == first[2], key
+
+
+def test_the_step_cost_calibration_routes_like_text_not_one_token(moe, tmp_path):
+    """kernels/step_cost.py times verification widths with token ids spread over the vocabulary: on a mixture of
+    experts a wide calibration forward reads the union of many rows' experts (as a verification of real text does),
+    not the top-k of one repeated token."""
+    from draftwise.kernels.step_cost import measure_grid
+
+    model, _, _ = load_model(str(moe["qwen3_moe"][0]), weights="fp32", cache_dir=str(tmp_path / "c"))
+    top_k = model.config.num_experts_per_tok
+    grid = measure_grid(model, max_batch=1, max_width=8, rounds=1, context=16)
+    assert set(grid) >= {(1, 1), (1, 8)}
+    assert any(n > top_k for n in model.experts_touched())  # the last cell timed: 1 row x 8 tokens

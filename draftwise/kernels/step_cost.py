@@ -56,7 +56,7 @@ PROMPT_WIDTHS = (64,)  # a draft's grid also times one row at a prompt's width: 
 # tokens decoded plainly before its first guess, ~100 tokens) runs the wide kernels, whose cost a token widths 1..16
 # do not tell (logits "last" grids only: a verification never runs one row that wide); past 64 the 16..64 slope
 # extrapolates (a 128-token cell would double what the draft's grid costs at load)
-VERSION = 1
+VERSION = 2  # 2: the timed forwards carry spread-out token ids (1: token 0 everywhere)
 
 
 class StepCost:
@@ -185,26 +185,31 @@ def measure_grid(model, max_batch: int = GRID_BATCHES, max_width: int = GRID_WID
     from draftwise.kv_cache import KVCache
 
     c, dev = model.config, model.device
+    gen = torch.Generator().manual_seed(0)
+    # seeded ids spread over the vocabulary, not one repeated token: a mixture of experts routes each row by its
+    # token, and a forward whose rows all carry the same token touches only top-k experts per layer, far fewer
+    # than a verification of real text reads (models/transformer.py SparseMoE; dense models time the same)
+    tokens = lambda *shape: torch.randint(0, c.vocab_size, shape, generator=gen).to(dev)  # noqa: E731
     batches = sorted({b for b in MEASURED_BATCHES if b < max_batch} | {min(max_batch, MEASURED_BATCHES[-1])})
     widths = sorted({w for w in MEASURED_WIDTHS if w < max_width} | {min(max_width, MEASURED_WIDTHS[-1])})
     wide = sorted(w for w in prompt_widths if widths[-1] < w <= c.max_position_embeddings // 2)  # room for context
     widest = max([widths[-1], *wide])
     context = max(1, min(context, c.max_position_embeddings - widest - 1))
     cache = KVCache(c.num_layers, batches[-1], c.num_kv_heads, context + widest + 1, c.head_dim, model.dtype, dev)
-    model(torch.zeros(1, context, dtype=torch.int64, device=dev), torch.arange(context, device=dev)[None], cache,
+    model(tokens(1, context), torch.arange(context, device=dev)[None], cache,
           torch.tensor([0], device=dev), last_only=True, num_tokens=[context])
     whole = context - context % cache.block_size
     for s in range(1, batches[-1]):  # the other rows read slot 0's keys (shared blocks, written past them only)
         cache.share(s, cache.blocks(0, whole), whole)
         if whole < context:
-            model(torch.zeros(1, context - whole, dtype=torch.int64, device=dev),
+            model(tokens(1, context - whole),
                   torch.arange(whole, context, device=dev)[None], cache, torch.tensor([s], device=dev),
                   last_only=True, num_tokens=[context - whole])
 
     def timed(b: int, w: int) -> float:
         for s in range(b):
             cache.truncate(s, context)
-        ids = torch.zeros(b, w, dtype=torch.int64, device=dev)
+        ids = tokens(b, w)  # [b, w]
         pos = context + torch.arange(w, device=dev)[None].expand(b, w)
         kw = {"logit_index": torch.full((b,), w - 1, device=dev)} if logits == "last" else {}
         if dev.type == "cuda":
