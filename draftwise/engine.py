@@ -42,7 +42,7 @@ from draftwise.models.transformer import Decoder
 from draftwise.prefix_cache import PrefixCache
 from draftwise.scheduler import Scheduler
 from draftwise.sampling import SamplingParams, TokenLogprob, adjust_logits, make_generator, token_logprobs
-from draftwise.spec_decode.adaptive import FixedK, KPolicy, choose_batch, observe_step
+from draftwise.spec_decode.adaptive import FixedK, KPolicy, choose_batch, observe_step, ragged_width
 from draftwise.spec_decode.proposer import EMPTY_DRAFT_IDS, Draft, Proposer
 from draftwise.spec_decode import tree
 from draftwise.spec_decode.stats import SpecStats
@@ -386,9 +386,9 @@ class Engine:
         self.stats.record_decision(sum(k > 0 for k in k_per_seq), len(reqs))
         if attempt == 1:  # the step's own cost corrects the policy's grid (no extra forward): a ragged step computed
             # sum(1 + k) tokens, the cell of B rows with as many tokens (rounded up); a padded one B x the widest
-            tokens = sum(1 + d.num_tokens for d in drafts)
+            guesses = [d.num_tokens for d in drafts]
             trees = any(d.parents is not None for d in drafts)
-            width = 1 + max(d.num_tokens for d in drafts) if trees else -(-tokens // len(reqs))
+            width = 1 + max(guesses) if trees else ragged_width(guesses)
             observe_step(self.k_policy, len(reqs), width, t2 - t1, t1 - t0, k_per_seq)
         return outputs
 

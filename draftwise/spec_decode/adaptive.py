@@ -78,6 +78,12 @@ DRAFT_RATIO_RANGE = (0.25, 4.0)  # one step's measured / predicted proposing tim
 CATCH_UP_TOKENS = 128  # a typical prompt: `catch_up_cost` (seconds a token) is the catch-up of this many, per token
 
 
+def ragged_width(guesses: list[int]) -> int:
+    """The step-cost grid width of a ragged verification whose B rows guess these many tokens: Σ(1 + k_i) tokens
+    priced as B rows of ⌈Σ(1 + k_i) / B⌉ = 1 + ⌈Σ k_i / B⌉ (what the engine reports to observe_step)."""
+    return 1 + -(-sum(guesses) // max(len(guesses), 1))
+
+
 class KPolicy(Protocol):
     """How the engine asks for k each step and reports back what happened."""
 
@@ -196,7 +202,7 @@ class AdaptiveK:
         as observe_step records it; a padded engine's widest row."""
         if self.padded:
             return 1 + max(k_per_seq, default=0)
-        return 1 + -(-sum(k_per_seq) // max(len(k_per_seq), 1))
+        return ragged_width(k_per_seq)
 
     def verify_cost(self, batch: int, width: int) -> float:
         """Seconds of a target step of `batch` rows x `width` tokens now (the live grid)."""
@@ -236,11 +242,10 @@ class AdaptiveK:
                    if self.draft_grid is not None else None)  # one draft forward of b rows (none for 0)
         cu = ([self.catch_up_time(behind[i] - 1) / max(remaining[i], 1) for i in range(n)]
               if behind is not None else [0.0] * n)
-        padded = self.padded
 
         def rate(ks: list[int]) -> float:
             K = max(ks)
-            w = 1 + K if padded else 1 + -(-sum(ks) // n)
+            w = self.verify_width(ks)
             if forward is not None:
                 draft = sum(forward[sum(k >= j for k in ks)] for j in range(1, K + 1))
             else:
@@ -376,7 +381,7 @@ class AdaptiveK:
         following decisions price the widest row (`padded`) until a step is reported ragged again."""
         self.target.observe(batch, width, step_s)
         if batch > 1 and any(k_per_seq) and len(k_per_seq) == batch:
-            ragged = 1 + -(-sum(k_per_seq) // batch)
+            ragged = ragged_width(k_per_seq)
             if ragged != 1 + max(k_per_seq):
                 self.padded = width > ragged
         if not any(k_per_seq) or not propose_s > 0:
