@@ -5,6 +5,7 @@ C++ extension once into ~/.cache/draftwise/kernels (or $DRAFTWISE_CACHE_DIR)."""
 from __future__ import annotations
 
 import json
+import math
 
 import os
 
@@ -14,7 +15,8 @@ import torch.nn.functional as F
 
 from draftwise.kernels import autotune, library, q4x8
 from draftwise.kernels.linear import LINEARS, Q4x8Linear, available, make_linear
-from draftwise.kernels.probe import cuda_probe, format_probe, measure_bandwidth, probe
+from draftwise.kernels.probe import (cuda_probe, format_probe, measure_bandwidth, measure_stream_bandwidth, probe,
+                                    stream_read_sum)
 
 
 @pytest.fixture(scope="module")
@@ -44,6 +46,21 @@ def test_probe_reports_machine(machine):
     assert measure_bandwidth(mib=8, seconds=0.01) > 0
     assert "instruction sets" in format_probe(machine)
     json.dumps(machine)
+
+
+def test_the_streaming_read_reads_every_word_and_measures_a_bandwidth():
+    """stream_read.c sums every word of the buffer (odd lengths: the tail past the last group of four; any thread
+    count) and its measured bandwidth is a positive finite number (no bound on its value: a loaded machine reads
+    slower). Skipped only where no C compiler builds it."""
+    words = torch.randint(-2**62, 2**62, (1_000_003,), dtype=torch.int64, generator=torch.Generator().manual_seed(0))
+    if stream_read_sum(words[:5]) is None:
+        pytest.skip("no C compiler builds kernels/stream_read.c here")
+    for n in (1, 3, 4, 7, 1_000_003):
+        for threads in (1, 2, 3):
+            assert stream_read_sum(words[:n], threads) == int(words[:n].sum()), (n, threads)
+    gbs = measure_stream_bandwidth(mib=8, seconds=0.01)
+    assert gbs is not None and math.isfinite(gbs) and gbs > 0
+    assert "streaming sum" in format_probe({**probe(bandwidth=False), "bandwidth_gbs": 1.0, "stream_gbs": gbs})
 
 
 # ---- every implementation vs the fp32 reference -----------------------------------------------------------

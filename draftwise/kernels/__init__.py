@@ -8,7 +8,8 @@ ops (norms, RoPE + K/V write, gated activation). It knows nothing of checkpoints
 speculation: callers hand it fp32 (or dequantized) weights and get back modules with
 `forward(x [..., K]) -> [..., N]`.
 
-    probe.py     what this CPU can do (instruction sets, threads, measured memory bandwidth)
+    probe.py     what this CPU can do (instruction sets, threads, measured memory bandwidth: torch matvec and a
+                 streaming sum in C, stream_read.c, built with the system C compiler, not in the library)
     q4x8.py      our kernel: build (JIT, cached), weight quantization/packing, the packed embedding table
     attention.py our row-exact decode/verification attention op (one call per layer; in q4x8's library)
     glue.py      the decoder's glue between the matmuls as row-exact C++ ops (in q4x8's library)

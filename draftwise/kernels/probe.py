@@ -3,7 +3,11 @@
 Owns: reading instruction-set flags (/proc/cpuinfo on Linux, sysctl on macOS), the CPU model name,
 torch's own view (ATen CPU capability, threads, version), the kernel's transparent-huge-page policy
 (kernels/hugepages.py places weights there on request), the C heap's policy for a forward's temporaries
-(kernels/heap.py) and a short measured memory bandwidth.
+(kernels/heap.py) and two short measured memory read bandwidths: torch's matrix-vector product
+(`measure_bandwidth`, "bandwidth_gbs") and a plain streaming sum in C at the same thread count
+(`measure_stream_bandwidth`, "stream_gbs": stream_read.c, compiled once per machine with the system's C compiler
+into the cache, not part of the kernel library; absent where no compiler builds it): the second is the nearer to
+what the memory can deliver, the ceiling a decode step's weight reads are held to (scripts/compare.py).
 `cuda_probe()` is the same for a CUDA device (name, compute capability, multiprocessors, memory, L2,
 torch's CUDA version, measured device-memory bandwidth), marked "device": "cuda" (a CPU probe has no
 "device" key: it means "cpu"). Knows nothing of models or of which kernel is chosen; both return a
@@ -11,15 +15,21 @@ plain dict (JSON-able) that bench manifests can record as it is, and `format_pro
 """
 from __future__ import annotations
 
+import ctypes
+import hashlib
+import math
 import os
 import platform
+import shutil
 import subprocess
 import time
+from pathlib import Path
 
 import torch
 
 from draftwise.kernels import heap
 from draftwise.kernels.hugepages import thp_mode
+from draftwise.paths import default_cache_dir
 
 # flag names as /proc/cpuinfo spells them (x86) -> the key we report
 X86_FLAGS = (
@@ -76,6 +86,71 @@ def measure_bandwidth(mib: int = 128, seconds: float = 0.5) -> float:
     return rows * cols * 4 / best / 1e9
 
 
+STREAM_SOURCE = Path(__file__).parent / "stream_read.c"
+STREAM_FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
+_STREAM: list = []  # [the loaded function] once built, [None] when it cannot be built here
+
+
+def _stream_read():
+    """stream_read.c's function (uint64 *, n, threads) -> uint64, built once per source, flags and compiler into
+    <cache>/probe/<hash>/; None where no C compiler builds or loads it."""
+    if _STREAM:
+        return _STREAM[0]
+    fn = None
+    cc = os.environ.get("CC") or "cc"
+    if shutil.which(cc) is not None:
+        try:
+            version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30,
+                                     check=False).stdout
+            key = hashlib.sha256(STREAM_SOURCE.read_bytes() + repr(STREAM_FLAGS).encode() + version.encode()
+                                 + platform.machine().encode()).hexdigest()[:16]
+            target = Path(default_cache_dir()) / "probe" / key / "stream_read.so"
+            if not target.exists():
+                target.parent.mkdir(parents=True, exist_ok=True)
+                tmp = target.with_suffix(f".{os.getpid()}.tmp")
+                subprocess.run([cc, *STREAM_FLAGS, str(STREAM_SOURCE), "-o", str(tmp)], capture_output=True,
+                               timeout=120, check=True)
+                os.replace(tmp, target)  # atomic: a concurrent builder sees nothing or the whole file
+            fn = ctypes.CDLL(str(target)).draftwise_stream_read
+            fn.restype, fn.argtypes = ctypes.c_uint64, [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        except (OSError, subprocess.SubprocessError, AttributeError):
+            fn = None
+    _STREAM.append(fn)
+    return fn
+
+
+def stream_read_sum(words: torch.Tensor, threads: int | None = None) -> int | None:
+    """The wrapping sum of `words` [n] int64 (contiguous) as stream_read.c reads it, on `threads` (default torch's)
+    threads; None where it cannot be built here."""
+    fn = _stream_read()
+    if fn is None:
+        return None
+    if words.dtype != torch.int64 or words.dim() != 1 or not words.is_contiguous():
+        raise ValueError("stream_read_sum takes a contiguous 1-D int64 tensor")
+    total = fn(words.data_ptr(), words.numel(), threads or torch.get_num_threads())
+    return total - (1 << 64) if total >= 1 << 63 else total
+
+
+def measure_stream_bandwidth(mib: int = 256, seconds: float = 0.5, threads: int | None = None) -> float | None:
+    """Memory read bandwidth in GB/s as a plain streaming sum reads it (stream_read.c) on `threads` (default
+    torch's) threads: every byte of a buffer far larger than the caches read once, in order, with nothing else to
+    do; the best of a few passes within `seconds` (other jobs only ever make a pass slower). None where no C
+    compiler builds the kernel."""
+    if _stream_read() is None:
+        return None
+    words = torch.ones(mib * 1024 * 1024 // 8, dtype=torch.int64)  # [mib MiB / 8], every page mapped
+    stream_read_sum(words, threads)
+    best, t_end = float("inf"), time.perf_counter() + seconds
+    for i in range(50):
+        t0 = time.perf_counter()
+        stream_read_sum(words, threads)
+        best = min(best, time.perf_counter() - t0)
+        if i >= 2 and time.perf_counter() > t_end:
+            break
+    gbs = words.numel() * 8 / best / 1e9
+    return gbs if math.isfinite(gbs) else None
+
+
 ISA_CAP_ENV = "DRAFTWISE_MAX_ISA"
 ISA_CAPS = {  # cap -> the flags a CPU of that class lacks (the C++ dispatch applies the same cap: csrc/dispatch.h)
     "avx512": ("amx_", "avx512_fp16"),  # an AVX-512 CPU without AMX (Zen 4 class)
@@ -127,6 +202,9 @@ def probe(bandwidth: bool = True, refresh: bool = False) -> dict:
         out["isa_cap"] = cap
     if bandwidth:
         out["bandwidth_gbs"] = round(measure_bandwidth(), 1)
+        stream = measure_stream_bandwidth()
+        if stream is not None:
+            out["stream_gbs"] = round(stream, 1)
     _CACHE = out
     return _with_heap(out)
 
@@ -212,7 +290,8 @@ def format_probe(p: dict) -> str:
     if "heap" in p:
         lines.append(f"heap              {p['heap']}")
     if "bandwidth_gbs" in p:
-        lines.append(f"memory read       {p['bandwidth_gbs']:.1f} GB/s (measured, {p['torch_threads']} threads)")
+        lines.append(f"memory read       {p['bandwidth_gbs']:.1f} GB/s (measured, {p['torch_threads']} threads)"
+                     + (f"; streaming sum {p['stream_gbs']:.1f} GB/s (C, same threads)" if "stream_gbs" in p else ""))
     return "\n".join(lines)
 
 
