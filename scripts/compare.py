@@ -21,6 +21,16 @@ auto is the faithful plan (every tensor as the file stores it); --lossy (default
 the same lossy plan, labelled "(lossy)", so the table shows what faithfulness costs (`draftwise quality` shows what
 it buys). The machine probe (instruction sets, measured memory bandwidth) is printed beside the tables.
     .venv/bin/python scripts/compare.py --skip llamacpp,hf --formats q4x8,int4,bf16
+
+After the table, the roofline of plain decoding: a `ceiling` line per weight layout (the bytes one decode step
+reads: every weight tensor of the file's layers as the GGUF stores it, which llama.cpp reads as it is, or each
+loaded draftwise plan's linears as it packs them, plus the output head; norms, biases, the embedding row and the
+K/V cache left out, a few MB at these lengths; a mixture of experts' expert tensors counted whole, so there it
+overstates the bytes) divided into the probe's streaming-read bandwidth at the run's threads (`stream_gbs`; the
+torch matvec's `bandwidth_gbs` where no C compiler built the streaming read) gives the tok/s no engine can pass
+on that layout with plain decoding; each engine's measured rate is printed as % of its own layout's ceiling
+(speculative rows may pass 100%: they take several tokens per read of the weights; prefill is inside the measured
+rate, so plain rows sit a little under their decode-only share).
 """
 from __future__ import annotations
 
@@ -48,6 +58,7 @@ class Runner:
     name: str
     run: Callable[[list[int]], int]  # prompt ids -> output tokens generated (greedy, max_tokens)
     rates: dict = field(default_factory=dict)  # (group, prompt index, round) -> output tok/s
+    layout: str | None = None  # whose bytes a decode step of this engine reads (a key of the ceiling's layouts)
 
     def timed(self, ids: list[int]) -> float:
         t0 = time.perf_counter()
@@ -72,7 +83,64 @@ def ours(llm_cache: dict, model: str, conf: dict, max_tokens: int, threads: int)
         llm.set_speculation(spec_config)
         return llm.generate([{"prompt_token_ids": ids}], params)[0].num_output_tokens
 
-    return Runner(conf.get("name", json.dumps(conf)), run)
+    return Runner(conf.get("name", json.dumps(conf)), run, layout=f"draftwise {fmt[1]} (dtype {fmt[0]})")
+
+
+def file_step_bytes(path: str) -> tuple[int, str]:
+    """(bytes, what) one decode step reads from a GGUF as it stores them: every weight tensor of its layers
+    ('blk.*', two or more dimensions: the linears; a mixture of experts' expert tensors whole) plus the output
+    head ('output.weight', or the tied 'token_embd.weight'); 1-D tensors (norms, biases) and the embedding row a
+    step looks up are left out."""
+    from collections import Counter
+
+    from gguf import GGUFReader
+
+    tensors = {t.name: t for t in GGUFReader(path).tensors}
+    head = tensors.get("output.weight") or tensors["token_embd.weight"]
+    layers = [t for n, t in tensors.items() if n.startswith("blk.") and len(t.shape) >= 2]
+    kinds = Counter(t.tensor_type.name for t in layers)
+    what = (f"{len(layers)} layer weights as stored ({', '.join(f'{k} x{v}' for k, v in kinds.most_common())}) + "
+            f"head {head.name} {head.tensor_type.name} [{', '.join(str(int(d)) for d in head.shape)}]")
+    return sum(int(t.n_bytes) for t in layers) + int(head.n_bytes), what
+
+
+def plan_step_bytes(model: torch.nn.Module) -> int:
+    """Bytes one decode step of a loaded draftwise model reads for its linears and head: each kernel module's
+    stored layout (LinearImpl.weight_bytes), a plain torch Linear's weight; embeddings, norms and biases left
+    out."""
+    from draftwise.kernels.linear import LinearImpl
+
+    def walk(m: torch.nn.Module) -> int:
+        if isinstance(m, LinearImpl):
+            return m.weight_bytes
+        if isinstance(m, torch.nn.Linear):
+            return m.weight.nbytes
+        return sum(walk(c) for c in m.children())
+
+    return walk(model)
+
+
+def ceiling(runners: list["Runner"], groups: list[str], layouts: dict[str, tuple[int, str]], probe: dict,
+            threads: int) -> dict:
+    """Print the roofline of plain decoding per layout (bytes a step reads / streaming-read bandwidth) and each
+    engine's measured rate per group as % of its layout's ceiling; returns the same as a dict."""
+    gbs, how = ((probe["stream_gbs"], "streaming sum in C") if "stream_gbs" in probe
+                else (probe["bandwidth_gbs"], "torch matvec"))
+    out = {"read_gbs": gbs, "read_measured_by": how, "threads": threads, "layouts": {}, "engines": {}}
+    print(f"\nceiling: memory read {gbs:.1f} GB/s ({how}, {threads} threads, measured at the start of this run); "
+          f"bytes one decode step reads (norms, biases, the embedding row and K/V not counted):")
+    for name, (nbytes, what) in layouts.items():
+        tok_s = gbs * 1e9 / nbytes
+        out["layouts"][name] = {"bytes": nbytes, "what": what, "ceiling_tok_s": tok_s}
+        print(f"ceiling  {name:36s} {nbytes / 1e9:6.3f} GB -> {tok_s:6.2f} tok/s  ({what})")
+    for r in runners:
+        if r.layout not in layouts:
+            continue
+        top = out["layouts"][r.layout]["ceiling_tok_s"]
+        cells = {g: statistics.median(v for k, v in r.rates.items() if k[0] == g) / top for g in groups}
+        out["engines"][r.name] = {"layout": r.layout, **{g: c for g, c in cells.items()}}
+        print(f"  {r.name:42s} of {r.layout:36s}" + "".join(f"  {g} {100 * c:5.1f}%" for g, c in cells.items()))
+    return out
 
 
 def llamacpp(path: str, max_tokens: int, threads: int, lookup: int | None) -> Runner:
@@ -90,7 +158,7 @@ def llamacpp(path: str, max_tokens: int, threads: int, lookup: int | None) -> Ru
         r = llm.create_completion(ids, max_tokens=max_tokens, temperature=0.0, top_k=1)
         return r["usage"]["completion_tokens"]
 
-    return Runner(f"llama.cpp prompt lookup k={lookup}" if lookup else "llama.cpp plain", run)
+    return Runner(f"llama.cpp prompt lookup k={lookup}" if lookup else "llama.cpp plain", run, layout="file (llama.cpp)")
 
 
 def hf_runner(name: str, hf, max_tokens: int, **gen_kw) -> Runner:
@@ -176,7 +244,8 @@ def main() -> None:
     from draftwise.kernels.probe import format_probe, probe
     from draftwise.models.sources import load_checkpoint
 
-    machine = format_probe(probe())
+    machine_probe = probe()
+    machine = format_probe(machine_probe)
     print(machine, flush=True)
     ckpt = load_checkpoint(args.model)
     tok, info = ckpt.tokenizer, ckpt.info
@@ -246,9 +315,17 @@ def main() -> None:
           f"output tokens, {args.per_group} prompts/group x {args.rounds} rounds, interleaved; output tok/s per "
           f"request (median) and the median [min, max] of paired ratios vs {ref.name if ref else '-'}")
     results = table(runners, groups, ref)
+    layouts = {}
+    if info["path"].endswith(".gguf"):
+        layouts["file (llama.cpp)"] = file_step_bytes(info["path"])
+    for (dtype, weights), llm in llms.items():
+        layouts[f"draftwise {weights} (dtype {dtype})"] = (plan_step_bytes(llm.model),
+                                                          f"as packed: {llm.model.plan.describe()}")
+    roof = ceiling(runners, groups, layouts, machine_probe, args.threads)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"machine": machine, "reference": ref.name if ref else None, "results": results}, f, indent=1)
+            json.dump({"machine": machine, "reference": ref.name if ref else None, "results": results,
+                       "ceiling": roof}, f, indent=1)
 
 
 if __name__ == "__main__":
