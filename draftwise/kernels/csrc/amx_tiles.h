@@ -1,6 +1,6 @@
-// The AMX int8 scaffolding both wide kernels share (gemm_q4x8_amx.cpp, gemm_q6k_amx.cpp): the tile configuration,
-// the 32-row x 16-column passes over runs of 64-K steps (each pass's float epilogue pipelined into the next), and
-// the per-block bias / column mask / accumulator store.
+// The AMX int8 scaffolding both wide kernels share (gemm_q4x8_amx.cpp, gemm_q6k_amx.cpp): the 32-row x 16-column
+// passes over runs of 64-K steps on the tiles amx_config.h configures (each pass's float epilogue pipelined into the
+// next), and the per-block bias / column mask / accumulator store.
 //
 // Owns: the tile register assignment (tmm0-3 accumulators: lo rows 0-15, hi rows 0-15, lo rows 16-31, hi rows
 // 16-31; tmm4-5 the two 16-row activation tiles; tmm6-7 the lo and hi weight tiles), the tile-major activation and
@@ -15,19 +15,6 @@
 #include "intrin.h"
 
 namespace dwamx {
-
-using TileConfig = DwTileConfig;  // the LDTILECFG operand, palette 1 (amx_config.h)
-
-// Configures the calling thread's 8 tiles as 16 rows x 64 bytes (release with _tile_release()).
-inline void configure() {
-    TileConfig cfg = {};
-    cfg.palette = 1;
-    for (int i = 0; i < 8; ++i) {
-        cfg.colsb[i] = 64;
-        cfg.rows[i] = 16;
-    }
-    dw_load_tile_config(&cfg);
-}
 
 // Bytes of scratch one thread needs for one 16-column block: `steps` x 2 B tiles x 1 KiB, then 16 float32
 // accumulators per row for M rows rounded up to 32 (64-byte aligned if scratch is).

@@ -35,8 +35,6 @@ namespace dwamx {
 using dwattn::Block;
 using dwattn::QB;
 
-using TileConfig = DwTileConfig;  // the LDTILECFG operand, palette 1 (amx_config.h)
-
 // Scores from packed keys, three key blocks a pass: tiles 0-2 = C [16 queries][16 keys] fp32, 3 / 4 = a 32-dim
 // chunk of the queries' hi / lo parts [16 queries][32 bf16], 5-7 = that chunk of each key block in VNNI layout
 // [16 dim pairs][16 keys][2]. Scores from keys in place: tile 0 = C [16 keys][16 queries], 1 = a key block's
@@ -44,16 +42,7 @@ using TileConfig = DwTileConfig;  // the LDTILECFG operand, palette 1 (amx_confi
 // [16 queries][2].
 // Values: tiles 0-3 = C [16 queries][16 dims] fp32 (4 dim chunks a pass), 4 / 5 = P's hi / lo parts of a pair of
 // key blocks [16 queries][32 keys] bf16, 6 / 7 = that pair's values, one 16-dim chunk in VNNI layout [16 key
-// pairs][16 dims][2]. Every tile 16 rows x 64 bytes.
-inline void configure() {
-    TileConfig cfg = {};
-    cfg.palette = 1;
-    for (int i = 0; i < 8; ++i) {
-        cfg.colsb[i] = 64;
-        cfg.rows[i] = 16;
-    }
-    dw_load_tile_config(&cfg);
-}
+// pairs][16 dims][2]. Every tile 16 rows x 64 bytes (amx_config.h's dw_configure_tiles).
 
 // fp32 bits -> bf16 bits, round to nearest even (finite inputs; lanes of 32 bits, result in the low half)
 inline __m512i to_bf16(__m512i u) {
@@ -415,7 +404,7 @@ extern "C" void dw_attn_rows_amx(const DwAttnArgs* a, int64_t i0, int64_t i1, fl
     float* base = scratch + dw_attn_scratch_floats(a->max_len, D);  // past gather's part (dw_attn_amx_scratch_floats)
     const uintptr_t mis = (uintptr_t)base & 63u;
     base += mis ? (64 - mis) / 4 : 0;
-    dwamx::configure();
+    dw_configure_tiles();
     dwamx::Work w;
     w.c = base;
     w.q = (uint16_t*)(base + 768);

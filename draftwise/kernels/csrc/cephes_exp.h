@@ -51,22 +51,19 @@ inline float exp_poly(float t) {  // a NaN stays NaN
     DW_EXP_POLY(float, DW_SET1_1, DW_ADD_1, DW_SUB_1, DW_MUL_1, pow2_1, t);
 }
 
-#if defined(__AVX2__)
-#define DW_POW2_8(n) \
+// The vector versions: the same intrinsics but for their prefix P (_mm256: AVX2, _mm512: AVX-512), and 2^n built
+// as (int(n) + 127) << 23 in the exponent bits (DW_POW2 with that prefix).
+#define DW_POW2_mm256(n) \
     _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(n), _mm256_set1_epi32(127)), 23))
-
-inline __m256 exp_poly8(__m256 t) {
-    DW_EXP_POLY(__m256, _mm256_set1_ps, _mm256_add_ps, _mm256_sub_ps, _mm256_mul_ps, DW_POW2_8, t);
-}
-#endif
-
-#if defined(__AVX512F__)
-#define DW_POW2_16(n) \
+#define DW_POW2_mm512(n) \
     _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(n), _mm512_set1_epi32(127)), 23))
+#define DW_EXP_POLY_SIMD(F, P, t) DW_EXP_POLY(F, P##_set1_ps, P##_add_ps, P##_sub_ps, P##_mul_ps, DW_POW2##P, t)
 
-inline __m512 exp_poly16(__m512 t) {
-    DW_EXP_POLY(__m512, _mm512_set1_ps, _mm512_add_ps, _mm512_sub_ps, _mm512_mul_ps, DW_POW2_16, t);
-}
+#if defined(__AVX2__)
+inline __m256 exp_poly8(__m256 t) { DW_EXP_POLY_SIMD(__m256, _mm256, t); }
+#endif
+#if defined(__AVX512F__)
+inline __m512 exp_poly16(__m512 t) { DW_EXP_POLY_SIMD(__m512, _mm512, t); }
 #endif
 
 #undef DW_EXP_POLY
@@ -74,8 +71,9 @@ inline __m512 exp_poly16(__m512 t) {
 #undef DW_ADD_1
 #undef DW_SUB_1
 #undef DW_MUL_1
-#undef DW_POW2_8
-#undef DW_POW2_16
+#undef DW_POW2_mm256
+#undef DW_POW2_mm512
+#undef DW_EXP_POLY_SIMD
 
 }  // namespace dwexp
 }  // namespace

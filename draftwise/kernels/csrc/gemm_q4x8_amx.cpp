@@ -104,7 +104,7 @@ extern "C" int64_t dw_amx_scratch_bytes(int64_t Kp, int64_t M) { return dwamx::s
 // accumulator waits in scratch between super-blocks (the same fma sequence per row, in super-block order, as the
 // GEMV's register accumulator). Each pass's epilogue runs inside the next pass (amx_tiles.h's Pipeline).
 extern "C" void dw_gemm_amx(const DwQ4* w, const DwQ8Rows* a, float* out, int64_t b0, int64_t b1, uint8_t* scratch) {
-    dwamx::configure();
+    dw_configure_tiles();  // amx_config.h: 8 tiles of 16 x 64 bytes
     const int64_t G = w->G, S = w->S, N = w->N, M = a->M, Kp = a->Kp, steps = Kp / 64;
     float* accs = (float*)(scratch + steps * 2048);  // [M rounded up to 32, 16]
     dwamx::Pipeline<false, Epilogue> pipe;

@@ -25,13 +25,12 @@ inline void split(__m512i q, __m512i scl, uint8_t* lo, uint8_t* hi) {
 }
 
 // Block b's weights as B tiles: step j (groups 2j, 2j + 1) at scratch + 2048 j: lo tile, then hi tile (gemm_q6k.h).
-// The 6-bit q of chunk c are rebuilt as q6k_avx512.cpp does: low nibbles | top 2 bits from qh.
+// The 6-bit q of chunk c are rebuilt as the AVX-512 GEMV does (q6k.h's dwq6k::unpack_chunk).
 void prepare(const DwQ6* w, int64_t b, int64_t steps, uint8_t* scratch) {
     const int64_t G = w->G;
     const uint8_t* L = w->ql + b * G * 256;
     const uint8_t* H = w->qh + b * G * 128;
     const int8_t* SC = w->sc + b * G * 32;
-    const __m512i low4 = _mm512_set1_epi8(0x0F), top2 = _mm512_set1_epi8(0x30);
     for (int64_t j = 0; j < steps; ++j) {
         uint8_t* lo = scratch + j * 2048;
         uint8_t* hi = lo + 1024;
@@ -42,12 +41,8 @@ void prepare(const DwQ6* w, int64_t b, int64_t steps, uint8_t* scratch) {
             const __m512i h1 = _mm512_loadu_si512((const void*)(H + g * 128 + 64));
             for (int c = 0; c < 4; ++c) {  // chunk c: low nibbles = K values 4c..4c+3 of the group, high = 16 + 4c..
                 const __m512i raw = _mm512_loadu_si512((const void*)(L + g * 256 + c * 64));
-                const __m512i hv = c < 2 ? h0 : h1;
-                const __m512i hl = (c & 1) ? _mm512_and_si512(hv, top2) : _mm512_and_si512(_mm512_slli_epi16(hv, 4), top2);
-                const __m512i hh = (c & 1) ? _mm512_and_si512(_mm512_srli_epi16(hv, 2), top2)
-                                           : _mm512_and_si512(_mm512_slli_epi16(hv, 2), top2);
-                const __m512i wl = _mm512_or_si512(_mm512_and_si512(raw, low4), hl);
-                const __m512i wh = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(raw, 4), low4), hh);
+                __m512i wl, wh;
+                dwq6k::unpack_chunk(raw, c < 2 ? h0 : h1, c, wl, wh);
                 split(wl, scl, lo + (h * 8 + c) * 64, hi + (h * 8 + c) * 64);
                 split(wh, sch, lo + (h * 8 + 4 + c) * 64, hi + (h * 8 + 4 + c) * 64);
             }
@@ -85,7 +80,7 @@ extern "C" int64_t dw_q6k_amx_scratch_bytes(int64_t K, int64_t M) { return dwamx
 // fma sequence per row, in super-block order, as the GEMV's register accumulator). Each pass's epilogue runs inside
 // the next pass (amx_tiles.h's Pipeline).
 extern "C" void dw_q6k_gemm_amx(const DwQ6* w, const DwQ8Tiles* a, float* out, int64_t b0, int64_t b1, uint8_t* scratch) {
-    dwamx::configure();
+    dw_configure_tiles();  // amx_config.h: 8 tiles of 16 x 64 bytes
     const int64_t S = w->S, N = w->N, M = a->M, steps = a->K / 64;
     float* accs = (float*)(scratch + steps * 2048);  // [M rounded up to 32, 16]
     dwamx::Pipeline<true, Epilogue> pipe;

@@ -27,28 +27,21 @@ constexpr dwisa::Isa ISA{"q4x8", {0, dwisa::F_AVX2 | dwisa::F_FMA,
 
 extern "C" void dw_q8_rows_scalar(const float* x, int64_t M, int64_t K, int8_t* q, float* dx, int16_t* qsum,
                                   int64_t r0, int64_t r1) {
-    const int64_t G = K / 32, S = (G + 7) / 8;
-    for (int64_t r = r0; r < r1; ++r) {
-        for (int64_t s = 0; s < S; ++s) {
-            const int64_t g0 = s * 8, ng = g0 + 8 < G ? 8 : G - g0;
-            const float* p = x + r * K + g0 * 32;
+    dwq8k::rows(x, M, K, q, dx, qsum, r0, r1,
+        [](const float* p, int64_t n) {
             float amax = 0.0f;
-            for (int64_t i = 0; i < ng * 32; ++i) amax = std::fmax(amax, std::fabs(p[i]));
-            const float id = amax > 0.0f ? 127.0f / amax : 0.0f;
-            for (int64_t g = 0; g < 8; ++g) {
-                int32_t sum = 0;  // stays 0 past G
-                if (g < ng) {
-                    for (int i = 0; i < 32; ++i) {
-                        const int32_t v = (int32_t)std::nearbyint(p[g * 32 + i] * id);
-                        q[((g0 + g) * M + r) * 32 + i] = (int8_t)v;
-                        sum += v;
-                    }
-                }
-                qsum[(s * M + r) * 8 + g] = (int16_t)sum;
+            for (int64_t i = 0; i < n; ++i) amax = std::fmax(amax, std::fabs(p[i]));
+            return amax;
+        },
+        [](const float* p, float id, int8_t* qg) {
+            int32_t sum = 0;
+            for (int i = 0; i < 32; ++i) {
+                const int32_t v = (int32_t)std::nearbyint(p[i] * id);
+                qg[i] = (int8_t)v;
+                sum += v;
             }
-            dx[s * M + r] = amax / 127.0f;
-        }
-    }
+            return sum;
+        });
 }
 
 extern "C" void dw_gemm_scalar(const DwQ4* w, const DwQ8* a, float* out, int64_t b0, int64_t b1) {

@@ -62,3 +62,29 @@ void dw_gemm_avx2(const DwQ4* w, const DwQ8* a, float* out, int64_t b0, int64_t 
 void dw_gemm_avx512(const DwQ4* w, const DwQ8* a, float* out, int64_t b0, int64_t b1);
 
 }
+
+namespace dwq8k {
+
+// The walk of every path's activation quantizer above (dw_q8_rows_*), which a path supplies only the lane work of:
+// rows [r0, r1), per super-block amax = amax_of(p, n) (max |x| over its n = 32 live groups' values at p),
+// id = 127 / amax (0 where amax = 0), each live group's 32 values at p_g quantized by group(p_g, id, q_g) into its 32
+// int8 at q_g (returning their sum, the group's qsum; 0 for the groups past G), then dx = amax / 127.
+template <class Amax, class Group>
+inline void rows(const float* x, int64_t M, int64_t K, int8_t* q, float* dx, int16_t* qsum, int64_t r0, int64_t r1,
+                 Amax&& amax_of, Group&& group) {
+    const int64_t G = K / 32, S = (G + 7) / 8;
+    for (int64_t r = r0; r < r1; ++r) {
+        for (int64_t s = 0; s < S; ++s) {
+            const int64_t g0 = s * 8, ng = g0 + 8 < G ? 8 : G - g0;
+            const float* p = x + r * K + g0 * 32;
+            const float amax = amax_of(p, ng * 32);
+            const float id = amax > 0.0f ? 127.0f / amax : 0.0f;
+            for (int64_t g = 0; g < 8; ++g)
+                qsum[(s * M + r) * 8 + g] = g < ng ? (int16_t)group(p + g * 32, id, q + ((g0 + g) * M + r) * 32) : 0;
+            dx[s * M + r] = amax / 127.0f;
+        }
+    }
+}
+
+}  // namespace dwq8k
+

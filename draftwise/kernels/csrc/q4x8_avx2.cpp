@@ -72,16 +72,14 @@ template <int MT>
         for (int p = 0; p < 4; ++p) mnp[p] = g0 + 2 * p < g1 ? mn_pair(MN, g0 + 2 * p, G) : _mm256_setzero_si256();
         const __m256 dv = _mm256_loadu_ps(D + s * 16), dmv = _mm256_loadu_ps(DM + s * 16);
         const int16_t* QS = a->qsum + (s * M + m0) * 8;  // row m of the tile at QS + 8 m
-        const float* DX = a->dx + s * M + m0;
-        for (int m = 0; m < MT; ++m) {
+        dwrows::fma_rows(acc, a->dx + s * M + m0, [&](int m) {
             const int16_t* qs = QS + m * 8;
             __m256i imn = _mm256_madd_epi16(mnp[0], _mm256_set1_epi32(load_i32(qs)));
             for (int p = 1; p < 4; ++p)
                 imn = _mm256_add_epi32(imn, _mm256_madd_epi16(mnp[p], _mm256_set1_epi32(load_i32(qs + 2 * p))));
-            __m256 t = _mm256_mul_ps(_mm256_cvtepi32_ps(isc[m]), dv);
-            t = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(imn), dmv, t);
-            acc[m] = _mm256_fmadd_ps(t, _mm256_set1_ps(DX[m]), acc[m]);
-        }
+            const __m256 t = _mm256_mul_ps(_mm256_cvtepi32_ps(isc[m]), dv);
+            return _mm256_fnmadd_ps(_mm256_cvtepi32_ps(imn), dmv, t);
+        });
     }
     dwrows::store8(acc, w->bias, out, N, b, h, m0);
 }
@@ -98,39 +96,28 @@ extern "C" void dw_gemm_avx2(const DwQ4* w, const DwQ8* a, float* out, int64_t b
 
 extern "C" void dw_q8_rows_avx2(const float* x, int64_t M, int64_t K, int8_t* q, float* dx, int16_t* qsum,
                                 int64_t r0, int64_t r1) {
-    const int64_t G = K / 32, S = (G + 7) / 8;
-    const __m256 sign = _mm256_set1_ps(-0.0f);
-    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
-    for (int64_t r = r0; r < r1; ++r) {
-        for (int64_t s = 0; s < S; ++s) {
-            const int64_t g0 = s * 8, ng = g0 + 8 < G ? 8 : G - g0;
-            const float* p = x + r * K + g0 * 32;
+    dwq8k::rows(x, M, K, q, dx, qsum, r0, r1,
+        [](const float* p, int64_t n) {
+            const __m256 sign = _mm256_set1_ps(-0.0f);
             __m256 mx = _mm256_setzero_ps();
-            for (int64_t i = 0; i < ng * 32; i += 8) mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, _mm256_loadu_ps(p + i)));
+            for (int64_t i = 0; i < n; i += 8) mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, _mm256_loadu_ps(p + i)));
             __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
             m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
             m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
-            const float amax = _mm_cvtss_f32(m4);
-            const __m256 id = _mm256_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
-            int16_t* qs = qsum + (s * M + r) * 8;
-            for (int64_t g = 0; g < 8; ++g) {
-                if (g >= ng) {
-                    qs[g] = 0;
-                    continue;
-                }
-                __m256i qi[4];
-                for (int i = 0; i < 4; ++i) qi[i] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(p + g * 32 + 8 * i), id));
-                const __m256i s32 = _mm256_add_epi32(_mm256_add_epi32(qi[0], qi[1]), _mm256_add_epi32(qi[2], qi[3]));
-                __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s32), _mm256_extracti128_si256(s32, 1));
-                s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
-                s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
-                qs[g] = (int16_t)_mm_cvtsi128_si32(s4);
-                const __m256i p16a = _mm256_packs_epi32(qi[0], qi[1]);
-                const __m256i p16b = _mm256_packs_epi32(qi[2], qi[3]);
-                const __m256i p8 = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(p16a, p16b), order);
-                _mm256_storeu_si256((__m256i*)(q + ((g0 + g) * M + r) * 32), p8);
-            }
-            dx[s * M + r] = amax / 127.0f;
-        }
-    }
+            return _mm_cvtss_f32(m4);
+        },
+        [](const float* p, float idf, int8_t* qg) {
+            const __m256 id = _mm256_set1_ps(idf);
+            __m256i qi[4];
+            for (int i = 0; i < 4; ++i) qi[i] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(p + 8 * i), id));
+            const __m256i s32 = _mm256_add_epi32(_mm256_add_epi32(qi[0], qi[1]), _mm256_add_epi32(qi[2], qi[3]));
+            __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s32), _mm256_extracti128_si256(s32, 1));
+            s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
+            s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
+            const __m256i p16a = _mm256_packs_epi32(qi[0], qi[1]);
+            const __m256i p16b = _mm256_packs_epi32(qi[2], qi[3]);
+            const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+            _mm256_storeu_si256((__m256i*)qg, _mm256_permutevar8x32_epi32(_mm256_packs_epi16(p16a, p16b), order));
+            return _mm_cvtsi128_si32(s4);
+        });
 }

@@ -85,17 +85,14 @@ template <int MT>
         for (int p = 0; p < 4; ++p) mnp[p] = g0 + 2 * p < g1 ? mn_pair(MN, g0 + 2 * p, G) : _mm512_setzero_si512();
         const __m512 dv = _mm512_loadu_ps(D + s * 16), dmv = _mm512_loadu_ps(DM + s * 16);
         const int16_t* QS = a->qsum + (s * M + m0) * 8;  // row m of the tile at QS + 8 m
-        const float* DX = a->dx + s * M + m0;
-#pragma GCC unroll 12
-        for (int m = 0; m < MT; ++m) {
+        dwrows::fma_rows(acc, a->dx + s * M + m0, [&](int m) {
             const int16_t* qs = QS + m * 8;
             __m512i imn = _mm512_setzero_si512();
 #pragma GCC unroll 4
             for (int p = 0; p < 4; ++p) imn = dpwssd_b(imn, mnp[p], qs + 2 * p);
-            __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(isc[m]), dv);
-            t = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(imn), dmv, t);
-            acc[m] = _mm512_fmadd_ps(t, _mm512_set1_ps(DX[m]), acc[m]);
-        }
+            const __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(isc[m]), dv);
+            return _mm512_fnmadd_ps(_mm512_cvtepi32_ps(imn), dmv, t);
+        });
     }
     dwrows::store16(acc, w->bias, out, N, b, m0);
 }
@@ -114,29 +111,18 @@ extern "C" void dw_gemm_avx512(const DwQ4* w, const DwQ8* a, float* out, int64_t
 
 extern "C" void dw_q8_rows_avx512(const float* x, int64_t M, int64_t K, int8_t* q, float* dx, int16_t* qsum,
                                   int64_t r0, int64_t r1) {
-    const int64_t G = K / 32, S = (G + 7) / 8;
-    for (int64_t r = r0; r < r1; ++r) {
-        for (int64_t s = 0; s < S; ++s) {
-            const int64_t g0 = s * 8, ng = g0 + 8 < G ? 8 : G - g0;
-            const float* p = x + r * K + g0 * 32;
+    dwq8k::rows(x, M, K, q, dx, qsum, r0, r1,
+        [](const float* p, int64_t n) {
             __m512 mx = _mm512_setzero_ps();
-            for (int64_t i = 0; i < ng * 32; i += 16) mx = _mm512_max_ps(mx, _mm512_abs_ps(_mm512_loadu_ps(p + i)));
-            const float amax = _mm512_reduce_max_ps(mx);
-            const __m512 id = _mm512_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
-            int16_t* qs = qsum + (s * M + r) * 8;
-            for (int64_t g = 0; g < 8; ++g) {
-                if (g >= ng) {
-                    qs[g] = 0;
-                    continue;
-                }
-                const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(p + g * 32), id));
-                const __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(p + g * 32 + 16), id));
-                int8_t* o = q + ((g0 + g) * M + r) * 32;
-                _mm_storeu_si128((__m128i*)o, _mm512_cvtsepi32_epi8(q0));
-                _mm_storeu_si128((__m128i*)(o + 16), _mm512_cvtsepi32_epi8(q1));
-                qs[g] = (int16_t)_mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
-            }
-            dx[s * M + r] = amax / 127.0f;
-        }
-    }
+            for (int64_t i = 0; i < n; i += 16) mx = _mm512_max_ps(mx, _mm512_abs_ps(_mm512_loadu_ps(p + i)));
+            return _mm512_reduce_max_ps(mx);
+        },
+        [](const float* p, float idf, int8_t* qg) {
+            const __m512 id = _mm512_set1_ps(idf);
+            const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(p), id));
+            const __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(p + 16), id));
+            _mm_storeu_si128((__m128i*)qg, _mm512_cvtsepi32_epi8(q0));
+            _mm_storeu_si128((__m128i*)(qg + 16), _mm512_cvtsepi32_epi8(q1));
+            return _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+        });
 }

@@ -1,6 +1,7 @@
 // q6k: GGUF Q6_K weights x int8 activations (GGUF's Q8_K), the plain-C interface shared by the ISA units.
 //
-// Owns: the packed Q6_K layout and the arithmetic every path performs, described here once. Knows nothing of torch
+// Owns: the packed Q6_K layout and the arithmetic every path performs, described here once, and (for units compiled
+// with AVX-512) the one rebuild of a chunk's 6-bit values from ql and qh. Knows nothing of torch
 // (the ISA units include only this header and intrin.h) or of how the blocks were read (kernels/ggml_blocks.py).
 //
 // Weights W [N, K], K a multiple of 256, N padded to NB = ceil(N / 16) blocks of 16 output columns. As ggml defines
@@ -53,3 +54,27 @@ void dw_q6k_gemm_avx2(const DwQ6* w, const DwQ8K16* a, float* out, int64_t b0, i
 void dw_q6k_gemm_avx512(const DwQ6* w, const DwQ8K16* a, float* out, int64_t b0, int64_t b1);
 
 }
+
+#if defined(__AVX512BW__)
+#include "intrin.h"
+
+namespace {
+namespace dwq6k {
+
+// Chunk c (0-3) of a group's weights as the 6-bit values q (0..63, one per byte, the layout of ql's chunk): wl the
+// K values 4c..4c+3 of the 16 columns (ql's low nibbles), wh the values 16 + 4c.. (its high nibbles), each with its
+// top 2 bits from hv, the group's qh pair c / 2. For the AVX-512 GEMV (q6k_avx512.cpp) and the AMX side's B tiles
+// (gemm_q6k_amx.cpp) alike. Internal linkage: only units compiled for AVX-512 see it.
+inline void unpack_chunk(__m512i raw, __m512i hv, int c, __m512i& wl, __m512i& wh) {
+    const __m512i low4 = _mm512_set1_epi8(0x0F), top2 = _mm512_set1_epi8(0x30);
+    const __m512i hl = (c & 1) ? _mm512_and_si512(hv, top2) : _mm512_and_si512(_mm512_slli_epi16(hv, 4), top2);
+    const __m512i hh = (c & 1) ? _mm512_and_si512(_mm512_srli_epi16(hv, 2), top2)
+                               : _mm512_and_si512(_mm512_slli_epi16(hv, 2), top2);
+    wl = _mm512_or_si512(_mm512_and_si512(raw, low4), hl);
+    wh = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(raw, 4), low4), hh);
+}
+
+}  // namespace dwq6k
+}  // namespace
+#endif
+

@@ -80,12 +80,10 @@ template <int MT>
             }
         }
         const __m256 dv = _mm256_loadu_ps(D + s * 16);
-        const float* DX = a->dx + s * M + m0;
-        for (int m = 0; m < MT; ++m) {
+        dwrows::fma_rows(acc, a->dx + s * M + m0, [&](int m) {
             const __m256i tot = _mm256_sub_epi32(isc[m], _mm256_slli_epi32(imn[m], 5));
-            const __m256 t = _mm256_mul_ps(_mm256_cvtepi32_ps(tot), dv);
-            acc[m] = _mm256_fmadd_ps(t, _mm256_set1_ps(DX[m]), acc[m]);
-        }
+            return _mm256_mul_ps(_mm256_cvtepi32_ps(tot), dv);
+        });
     }
     dwrows::store8(acc, w->bias, out, N, b, h, m0);
 }

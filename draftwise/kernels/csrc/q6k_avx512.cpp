@@ -20,7 +20,6 @@ template <int MT>
     const uint8_t* H = w->qh + b * G * 128;
     const int8_t* SC = w->sc + b * G * 32;
     const float* D = w->d + b * S * 16;
-    const __m512i low4 = _mm512_set1_epi8(0x0F), top2 = _mm512_set1_epi8(0x30);
     __m512 acc[MT];
 #pragma GCC unroll 8
     for (int m = 0; m < MT; ++m) acc[m] = _mm512_setzero_ps();
@@ -55,12 +54,8 @@ template <int MT>
 #pragma GCC unroll 4
             for (int c = 0; c < 4; ++c) {
                 const __m512i raw = _mm512_loadu_si512((const void*)(L + g * 256 + c * 64));
-                const __m512i hv = c < 2 ? h0 : h1;
-                const __m512i hl = (c & 1) ? _mm512_and_si512(hv, top2) : _mm512_and_si512(_mm512_slli_epi16(hv, 4), top2);
-                const __m512i hh = (c & 1) ? _mm512_and_si512(_mm512_srli_epi16(hv, 2), top2)
-                                           : _mm512_and_si512(_mm512_slli_epi16(hv, 2), top2);
-                const __m512i wl = _mm512_or_si512(_mm512_and_si512(raw, low4), hl);
-                const __m512i wh = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(raw, 4), low4), hh);
+                __m512i wl, wh;
+                dwq6k::unpack_chunk(raw, c < 2 ? h0 : h1, c, wl, wh);
 #pragma GCC unroll 8
                 for (int m = 0; m < MT; ++m) {
                     lo[m] = dpbusd_b(lo[m], wl, xg + m * 32 + 4 * c);
@@ -75,12 +70,7 @@ template <int MT>
                                                                    _mm512_mullo_epi32(hi[m], sch)));
         }
         const __m512 dv = _mm512_loadu_ps(D + s * 16);
-        const float* DX = a->dx + s * M + m0;
-#pragma GCC unroll 8
-        for (int m = 0; m < MT; ++m) {
-            const __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(isc[m]), dv);
-            acc[m] = _mm512_fmadd_ps(t, _mm512_set1_ps(DX[m]), acc[m]);
-        }
+        dwrows::fma_rows(acc, a->dx + s * M + m0, [&](int m) { return _mm512_mul_ps(_mm512_cvtepi32_ps(isc[m]), dv); });
     }
     dwrows::store16(acc, w->bias, out, N, b, m0);
 }

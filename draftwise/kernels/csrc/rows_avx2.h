@@ -4,10 +4,11 @@
 //
 // Owns: gemv8x2 (blocks [b0, b1), each block's halves h = 0 (columns 0-7) and h = 1 (8-15, skipped past N), each
 // half's rows in rows.h's balanced tiles; the next block prefetched while the first tile of half 0 computes),
-// store8 (a tile's 8 outputs per row plus the bias; a short half through a scalar tail, the same additions) and
-// load_i32. A type supplies `Rows`: a template lambda <int MT>(b, h, m0, prefetch) computing rows [m0, m0 + MT)
-// of half h of block b into MT __m256 accumulators and handing them to store8. Knows nothing of any type's layout
-// or arithmetic; includes no C++ library header.
+// store8 (a tile's 8 outputs per row plus the bias; a short half through a scalar tail, the same additions),
+// load_i32, and fma_rows (the float step every type ends a super-block or group with). A type supplies `Rows`: a
+// template lambda <int MT>(b, h, m0, prefetch) computing rows [m0, m0 + MT) of half h of block b into MT __m256
+// accumulators and handing them to store8. Knows nothing of any type's layout or arithmetic; includes no C++
+// library header.
 #pragma once
 #include "intrin.h"
 #include "rows.h"
@@ -36,6 +37,13 @@ inline void store8(const __m256 (&acc)[MT], const float* bias, float* out, int64
             for (int64_t j = 0; j < live; ++j) o[j] = tmp[j] + (bias ? bias[n0 + j] : 0.0f);
         }
     }
+}
+
+// acc[m] = fma(t(m), dx[m] broadcast, acc[m]) for the tile's rows m < MT: the float step that ends each super-block
+// (or group) of every type's sequence, t(m) the row's scaled exact sum (a float vector of the half's 8 columns).
+template <int MT, class T>
+inline void fma_rows(__m256 (&acc)[MT], const float* dx, T&& t) {
+    for (int m = 0; m < MT; ++m) acc[m] = _mm256_fmadd_ps(t(m), _mm256_set1_ps(dx[m]), acc[m]);
 }
 
 // Blocks [b0, b1) of an M-row call over N columns: each block's two halves, each half's rows in balanced tiles of

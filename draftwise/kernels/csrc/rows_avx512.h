@@ -3,10 +3,10 @@
 // bias, and the one VNNI instruction every type's inner loop is built on.
 //
 // Owns: gemv16 (blocks [b0, b1), each one's rows in rows.h's balanced tiles, the next block prefetched while a
-// block's first tile computes), store16 (the 16 outputs of each tile row plus the bias, a short last block masked)
-// and dpbusd_b. A type supplies `Rows`: a template lambda <int MT>(b, m0, prefetch) computing rows [m0, m0 + MT)
-// of block b into MT __m512 accumulators and handing them to store16. Knows nothing of any type's layout or
-// arithmetic; includes no C++ library header.
+// block's first tile computes), store16 (the 16 outputs of each tile row plus the bias, a short last block masked),
+// dpbusd_b, and fma_rows (the float step every type ends a super-block or group with). A type supplies `Rows`: a
+// template lambda <int MT>(b, m0, prefetch) computing rows [m0, m0 + MT) of block b into MT __m512 accumulators and
+// handing them to store16. Knows nothing of any type's layout or arithmetic; includes no C++ library header.
 #pragma once
 #include "intrin.h"
 #include "rows.h"
@@ -33,6 +33,14 @@ inline void store16(const __m512 (&acc)[MT], const float* bias, float* out, int6
     const __m512 bv = bias ? _mm512_maskz_loadu_ps(keep, bias + n0) : _mm512_setzero_ps();
 #pragma GCC unroll 12
     for (int m = 0; m < MT; ++m) _mm512_mask_storeu_ps(out + (m0 + m) * N + n0, keep, _mm512_add_ps(acc[m], bv));
+}
+
+// acc[m] = fma(t(m), dx[m] broadcast, acc[m]) for the tile's rows m < MT: the float step that ends each super-block
+// (or group) of every type's sequence, t(m) the row's scaled exact sum (a float vector of the 16 columns).
+template <int MT, class T>
+inline void fma_rows(__m512 (&acc)[MT], const float* dx, T&& t) {
+#pragma GCC unroll 12
+    for (int m = 0; m < MT; ++m) acc[m] = _mm512_fmadd_ps(t(m), _mm512_set1_ps(dx[m]), acc[m]);
 }
 
 // Blocks [b0, b1) of an M-row call: each block's rows in balanced tiles of at most MAX.
