@@ -32,13 +32,9 @@ constexpr int64_t AMX_PATH = 3;
 
 // Whether this process may run attention_amx.cpp: cpuid AMX-TILE + AMX-BF16 and the AVX-512 its softmax uses, no
 // $DRAFTWISE_MAX_ISA cap (any cap is a CPU without AMX), and the kernel's permission for tile data.
-bool detect_amx_bf16() {
-    using namespace dwisa;
-    return amx_usable(AMX_BF16, F_AVX512F | F_AVX512BW | F_AVX512VL | F_AVX512DQ);
-}
-
 bool amx_bf16() {
-    static const bool ok = detect_amx_bf16();
+    using namespace dwisa;
+    static const bool ok = amx_usable(AMX_BF16, F_AVX512F | F_AVX512BW | F_AVX512VL | F_AVX512DQ);  // asked once
     return ok;
 }
 

@@ -23,13 +23,9 @@
 namespace {
 
 // AMX-INT8 tiles and the AVX-512 VNNI the wide side's quantizer and epilogue use (dispatch.h)
-bool detect_amx() {
-    using namespace dwisa;
-    return amx_usable(AMX_INT8, F_AVX512F | F_AVX512BW | F_AVX512VL | F_AVX512VNNI);
-}
-
 bool amx() {
-    static const bool ok = detect_amx();
+    using namespace dwisa;
+    static const bool ok = amx_usable(AMX_INT8, F_AVX512F | F_AVX512BW | F_AVX512VL | F_AVX512VNNI);  // asked once
     return ok;
 }
 
@@ -176,23 +172,12 @@ at::Tensor wide_vnni_op(const at::Tensor& x, const at::Tensor& packed, const at:
     return wide_vnni(x, packed, sc, mn, d, dmin, dw_q4x8_check(x, packed, sc, mn, d, dmin, bias, N), N);
 }
 
-bool wide_available() { return dw_wide_side() != DwWideSide::NONE; }
-
-std::string get_wide_kind() { return dw_wide_side_name(dw_wide_side()); }
-
-void set_wide_min_rows(int64_t rows) { wide_switch.set(rows); }
-
-int64_t get_wide_min_rows() { return wide_switch.get(); }
-
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(draftwise_q4x8, m) {
     m.def("wide(Tensor x, Tensor packed, Tensor sc, Tensor mn, Tensor d, Tensor dmin, Tensor? bias, int N) -> Tensor");
-    m.def("wide_available() -> bool", &wide_available);
-    m.def("wide_kind() -> str", &get_wide_kind);
     m.def("wide_vnni(Tensor x, Tensor packed, Tensor sc, Tensor mn, Tensor d, Tensor dmin, Tensor? bias, int N) -> Tensor");
-    m.def("set_wide_min_rows(int rows) -> ()", &set_wide_min_rows);
-    m.def("wide_min_rows() -> int", &get_wide_min_rows);
+    dw_def_wide_ops<wide_switch>(m);
 }
 
 TORCH_LIBRARY_IMPL(draftwise_q4x8, CPU, m) {

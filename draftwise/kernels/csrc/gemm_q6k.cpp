@@ -118,27 +118,15 @@ at::Tensor wide_vnni_op(const at::Tensor& x, const at::Tensor& ql, const at::Ten
     return wide_vnni(x, ql, qh, sc, d, dw_q6k_check(x, ql, qh, sc, d, bias, N), N);
 }
 
-bool wide_available() { return dw_wide_side() != DwWideSide::NONE; }
-
-std::string get_wide_kind() { return dw_wide_side_name(dw_wide_side()); }
-
-
 bool wide_takes(int64_t M) { return dw_q6k_wide_takes(M); }
-
-void set_wide_min_rows(int64_t rows) { wide_switch.set(rows); }
-
-int64_t get_wide_min_rows() { return wide_switch.get(); }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(draftwise_q6k, m) {
     m.def("wide(Tensor x, Tensor ql, Tensor qh, Tensor sc, Tensor d, Tensor? bias, int N) -> Tensor");
-    m.def("wide_available() -> bool", &wide_available);
-    m.def("wide_kind() -> str", &get_wide_kind);
     m.def("wide_vnni(Tensor x, Tensor ql, Tensor qh, Tensor sc, Tensor d, Tensor? bias, int N) -> Tensor");
     m.def("wide_takes(int rows) -> bool", &wide_takes);
-    m.def("set_wide_min_rows(int rows) -> ()", &set_wide_min_rows);
-    m.def("wide_min_rows() -> int", &get_wide_min_rows);
+    dw_def_wide_ops<wide_switch>(m);
 }
 
 TORCH_LIBRARY_IMPL(draftwise_q6k, CPU, m) {

@@ -4,19 +4,21 @@
 // Owns: the switch's storage (`DwWideSwitch`: the smallest row count path-'auto' calls hand to the wide kernel,
 // set from Python, which measures it: kernels/library.py wide_min_rows; until then never), the AMX sides' row chunk
 // size (a chunk's int8 activations stay in a core's L2 while every 16-column block passes over them) and the
-// GEMVs' argument checks (q4x8.cpp and q6k.cpp define them; each kind's GEMV and wide operators call them), and the
-// names of the wide sides. Knows nothing of the tile loops or of how the side is chosen (gemm_q4x8.cpp's
+// GEMVs' argument checks (q4x8.cpp and q6k.cpp define them; each kind's GEMV and wide operators call them), the
+// names of the wide sides and the operators every kind's wide side defines alike (dw_def_wide_ops). Knows nothing of the tile loops or of how the side is chosen (gemm_q4x8.cpp's
 // dw_wide_side); the quantized values are the GEMVs' own (q4x8.h's dw_q8_rows_*), so a row's arithmetic never
 // depends on the call's width or chunking.
 #pragma once
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <c10/util/Exception.h>
+#include <torch/library.h>
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
 #include <limits>
 #include <optional>
+#include <string>
 #include <vector>
 
 // The smallest row count from which path-'auto' calls take a wide kernel (never until set).
@@ -95,3 +97,15 @@ enum class DwWideSide { NONE, VNNI, AMX };
 DwWideSide dw_wide_side();
 const char* dw_wide_side_name(DwWideSide side);  // "none", "vnni", "amx"
 constexpr int64_t DW_VNNI_CHUNK_ROWS = 48;  // 4 of the GEMV's 12-row tiles (measured: 24-48 best at K 1536-8960)
+
+// The operators every wide kind's library defines beside its own wide and wide_vnni (the schemas Python's
+// kernels/library.py and tests call): wide_available, wide_kind (this process's side, dw_wide_side), and its
+// switch SW's set_wide_min_rows / wide_min_rows.
+template <DwWideSwitch& SW>
+inline void dw_def_wide_ops(torch::Library& m) {
+    m.def("wide_available() -> bool", [] { return dw_wide_side() != DwWideSide::NONE; });
+    m.def("wide_kind() -> str", []() -> std::string { return dw_wide_side_name(dw_wide_side()); });
+    m.def("set_wide_min_rows(int rows) -> ()", [](int64_t rows) { SW.set(rows); });
+    m.def("wide_min_rows() -> int", [] { return SW.get(); });
+}
+

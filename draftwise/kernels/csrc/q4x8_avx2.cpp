@@ -72,14 +72,16 @@ template <int MT>
         for (int p = 0; p < 4; ++p) mnp[p] = g0 + 2 * p < g1 ? mn_pair(MN, g0 + 2 * p, G) : _mm256_setzero_si256();
         const __m256 dv = _mm256_loadu_ps(D + s * 16), dmv = _mm256_loadu_ps(DM + s * 16);
         const int16_t* QS = a->qsum + (s * M + m0) * 8;  // row m of the tile at QS + 8 m
-        dwrows::fma_rows(acc, a->dx + s * M + m0, [&](int m) {
+        const float* DX = a->dx + s * M + m0;
+        for (int m = 0; m < MT; ++m) {
             const int16_t* qs = QS + m * 8;
             __m256i imn = _mm256_madd_epi16(mnp[0], _mm256_set1_epi32(load_i32(qs)));
             for (int p = 1; p < 4; ++p)
                 imn = _mm256_add_epi32(imn, _mm256_madd_epi16(mnp[p], _mm256_set1_epi32(load_i32(qs + 2 * p))));
-            const __m256 t = _mm256_mul_ps(_mm256_cvtepi32_ps(isc[m]), dv);
-            return _mm256_fnmadd_ps(_mm256_cvtepi32_ps(imn), dmv, t);
-        });
+            __m256 t = _mm256_mul_ps(_mm256_cvtepi32_ps(isc[m]), dv);
+            t = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(imn), dmv, t);
+            acc[m] = _mm256_fmadd_ps(t, _mm256_set1_ps(DX[m]), acc[m]);
+        }
     }
     dwrows::store8(acc, w->bias, out, N, b, h, m0);
 }

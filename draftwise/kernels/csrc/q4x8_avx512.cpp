@@ -85,14 +85,17 @@ template <int MT>
         for (int p = 0; p < 4; ++p) mnp[p] = g0 + 2 * p < g1 ? mn_pair(MN, g0 + 2 * p, G) : _mm512_setzero_si512();
         const __m512 dv = _mm512_loadu_ps(D + s * 16), dmv = _mm512_loadu_ps(DM + s * 16);
         const int16_t* QS = a->qsum + (s * M + m0) * 8;  // row m of the tile at QS + 8 m
-        dwrows::fma_rows(acc, a->dx + s * M + m0, [&](int m) {
+        const float* DX = a->dx + s * M + m0;
+#pragma GCC unroll 12
+        for (int m = 0; m < MT; ++m) {
             const int16_t* qs = QS + m * 8;
             __m512i imn = _mm512_setzero_si512();
 #pragma GCC unroll 4
             for (int p = 0; p < 4; ++p) imn = dpwssd_b(imn, mnp[p], qs + 2 * p);
-            const __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(isc[m]), dv);
-            return _mm512_fnmadd_ps(_mm512_cvtepi32_ps(imn), dmv, t);
-        });
+            __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(isc[m]), dv);
+            t = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(imn), dmv, t);
+            acc[m] = _mm512_fmadd_ps(t, _mm512_set1_ps(DX[m]), acc[m]);
+        }
     }
     dwrows::store16(acc, w->bias, out, N, b, m0);
 }

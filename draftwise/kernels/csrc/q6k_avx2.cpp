@@ -79,11 +79,9 @@ template <int MT>
                 imn[m] = _mm256_add_epi32(imn[m], _mm256_madd_epi16(scp, _mm256_set1_epi32(load_i32(QS + m * 16))));
             }
         }
-        const __m256 dv = _mm256_loadu_ps(D + s * 16);
-        dwrows::fma_rows(acc, a->dx + s * M + m0, [&](int m) {
-            const __m256i tot = _mm256_sub_epi32(isc[m], _mm256_slli_epi32(imn[m], 5));
-            return _mm256_mul_ps(_mm256_cvtepi32_ps(tot), dv);
-        });
+        __m256i tot[MT];
+        for (int m = 0; m < MT; ++m) tot[m] = _mm256_sub_epi32(isc[m], _mm256_slli_epi32(imn[m], 5));
+        dwrows::fma_rows(acc, a->dx + s * M + m0, tot, _mm256_loadu_ps(D + s * 16));
     }
     dwrows::store8(acc, w->bias, out, N, b, h, m0);
 }

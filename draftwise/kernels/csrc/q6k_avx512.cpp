@@ -69,8 +69,7 @@ template <int MT>
                 isc[m] = _mm512_add_epi32(isc[m], _mm512_add_epi32(_mm512_mullo_epi32(lo[m], scl),
                                                                    _mm512_mullo_epi32(hi[m], sch)));
         }
-        const __m512 dv = _mm512_loadu_ps(D + s * 16);
-        dwrows::fma_rows(acc, a->dx + s * M + m0, [&](int m) { return _mm512_mul_ps(_mm512_cvtepi32_ps(isc[m]), dv); });
+        dwrows::fma_rows(acc, a->dx + s * M + m0, isc, _mm512_loadu_ps(D + s * 16));
     }
     dwrows::store16(acc, w->bias, out, N, b, m0);
 }

@@ -75,20 +75,9 @@ template <int MT, bool MIN, Form F>
                 isum[m] = _mm256_add_epi32(isum[m], _mm256_madd_epi16(p, ones));
             }
         });
-        const __m256 dv = _mm256_loadu_ps(D + g * 16);
         const float* DX = a->dx + g * M + m0;
-        for (int m = 0; m < MT; ++m) {
-            const __m256 t = _mm256_mul_ps(_mm256_cvtepi32_ps(isum[m]), dv);
-            acc[m] = _mm256_fmadd_ps(t, _mm256_set1_ps(DX[m]), acc[m]);
-        }
-        if constexpr (MIN) {
-            const __m256 mv = _mm256_loadu_ps(MN + g * 16);
-            const int32_t* QS = a->qsum + g * M + m0;
-            for (int m = 0; m < MT; ++m) {
-                const __m256 u = _mm256_mul_ps(_mm256_set1_ps((float)QS[m]), mv);
-                acc[m] = _mm256_fmadd_ps(u, _mm256_set1_ps(DX[m]), acc[m]);
-            }
-        }
+        dwrows::fma_rows(acc, DX, isum, _mm256_loadu_ps(D + g * 16));
+        if constexpr (MIN) dwrows::fma_rows(acc, DX, a->qsum + g * M + m0, _mm256_loadu_ps(MN + g * 16));
     }
     dwrows::store8(acc, w->bias, out, w->N, b, h, m0);
 }

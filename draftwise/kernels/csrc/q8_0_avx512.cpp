@@ -71,22 +71,9 @@ template <int MT, bool MIN, Form F>
 #pragma GCC unroll 12
             for (int m = 0; m < MT; ++m) isum[m] = dpbusd_b(isum[m], wv, xg + m * 32 + 4 * c);
         });
-        const __m512 dv = _mm512_loadu_ps(D + g * 16);
         const float* DX = a->dx + g * M + m0;
-#pragma GCC unroll 12
-        for (int m = 0; m < MT; ++m) {
-            const __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(isum[m]), dv);
-            acc[m] = _mm512_fmadd_ps(t, _mm512_set1_ps(DX[m]), acc[m]);
-        }
-        if constexpr (MIN) {
-            const __m512 mv = _mm512_loadu_ps(MN + g * 16);
-            const int32_t* QS = a->qsum + g * M + m0;
-#pragma GCC unroll 12
-            for (int m = 0; m < MT; ++m) {
-                const __m512 u = _mm512_mul_ps(_mm512_set1_ps((float)QS[m]), mv);
-                acc[m] = _mm512_fmadd_ps(u, _mm512_set1_ps(DX[m]), acc[m]);
-            }
-        }
+        dwrows::fma_rows(acc, DX, isum, _mm512_loadu_ps(D + g * 16));
+        if constexpr (MIN) dwrows::fma_rows(acc, DX, a->qsum + g * M + m0, _mm512_loadu_ps(MN + g * 16));
     }
     dwrows::store16(acc, w->bias, out, w->N, b, m0);
 }

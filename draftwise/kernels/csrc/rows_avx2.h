@@ -5,7 +5,7 @@
 // Owns: gemv8x2 (blocks [b0, b1), each block's halves h = 0 (columns 0-7) and h = 1 (8-15, skipped past N), each
 // half's rows in rows.h's balanced tiles; the next block prefetched while the first tile of half 0 computes),
 // store8 (a tile's 8 outputs per row plus the bias; a short half through a scalar tail, the same additions),
-// load_i32, and fma_rows (the float step every type ends a super-block or group with). A type supplies `Rows`: a
+// load_i32, and fma_rows (the float step the types end a super-block or group with). A type supplies `Rows`: a
 // template lambda <int MT>(b, h, m0, prefetch) computing rows [m0, m0 + MT) of half h of block b into MT __m256
 // accumulators and handing them to store8. Knows nothing of any type's layout or arithmetic; includes no C++
 // library header.
@@ -39,13 +39,6 @@ inline void store8(const __m256 (&acc)[MT], const float* bias, float* out, int64
     }
 }
 
-// acc[m] = fma(t(m), dx[m] broadcast, acc[m]) for the tile's rows m < MT: the float step that ends each super-block
-// (or group) of every type's sequence, t(m) the row's scaled exact sum (a float vector of the half's 8 columns).
-template <int MT, class T>
-inline void fma_rows(__m256 (&acc)[MT], const float* dx, T&& t) {
-    for (int m = 0; m < MT; ++m) acc[m] = _mm256_fmadd_ps(t(m), _mm256_set1_ps(dx[m]), acc[m]);
-}
-
 // Blocks [b0, b1) of an M-row call over N columns: each block's two halves, each half's rows in balanced tiles of
 // at most MAX.
 template <int MAX, class Rows>
@@ -55,6 +48,17 @@ inline void gemv8x2(int64_t M, int64_t N, int64_t b0, int64_t b1, Rows&& rows) {
         if (b * 16 + 8 < N)
             balanced_tiles<MAX>(M, false, [&]<int MT>(int64_t m0, bool pf) { rows.template operator()<MT>(b, 1, m0, pf); });
     }
+}
+
+// A row's exact integer sums as floats: its 8 columns' own (a vector), or one for every column (a min term's).
+inline __m256 to_lanes(__m256i v) { return _mm256_cvtepi32_ps(v); }
+inline __m256 to_lanes(int32_t s) { return _mm256_set1_ps((float)s); }
+
+// acc[m] = fma((float) s[m] * v, dx[m], acc[m]) for the tile's rows m < MT, s[m] a row's sums (to_lanes): the float
+// step that ends a super-block or group of the types' sequences (q6k, q8_0; q4x8's t has a second term).
+template <int MT, class S>
+inline void fma_rows(__m256 (&acc)[MT], const float* dx, const S* s, __m256 v) {
+    for (int m = 0; m < MT; ++m) acc[m] = _mm256_fmadd_ps(_mm256_mul_ps(to_lanes(s[m]), v), _mm256_set1_ps(dx[m]), acc[m]);
 }
 
 }  // namespace dwrows

@@ -4,7 +4,7 @@
 //
 // Owns: gemv16 (blocks [b0, b1), each one's rows in rows.h's balanced tiles, the next block prefetched while a
 // block's first tile computes), store16 (the 16 outputs of each tile row plus the bias, a short last block masked),
-// dpbusd_b, and fma_rows (the float step every type ends a super-block or group with). A type supplies `Rows`: a
+// dpbusd_b, and fma_rows (the float step the types end a super-block or group with). A type supplies `Rows`: a
 // template lambda <int MT>(b, m0, prefetch) computing rows [m0, m0 + MT) of block b into MT __m512 accumulators and
 // handing them to store16. Knows nothing of any type's layout or arithmetic; includes no C++ library header.
 #pragma once
@@ -35,19 +35,23 @@ inline void store16(const __m512 (&acc)[MT], const float* bias, float* out, int6
     for (int m = 0; m < MT; ++m) _mm512_mask_storeu_ps(out + (m0 + m) * N + n0, keep, _mm512_add_ps(acc[m], bv));
 }
 
-// acc[m] = fma(t(m), dx[m] broadcast, acc[m]) for the tile's rows m < MT: the float step that ends each super-block
-// (or group) of every type's sequence, t(m) the row's scaled exact sum (a float vector of the 16 columns).
-template <int MT, class T>
-inline void fma_rows(__m512 (&acc)[MT], const float* dx, T&& t) {
-#pragma GCC unroll 12
-    for (int m = 0; m < MT; ++m) acc[m] = _mm512_fmadd_ps(t(m), _mm512_set1_ps(dx[m]), acc[m]);
-}
-
 // Blocks [b0, b1) of an M-row call: each block's rows in balanced tiles of at most MAX.
 template <int MAX, class Rows>
 inline void gemv16(int64_t M, int64_t b0, int64_t b1, Rows&& rows) {
     for (int64_t b = b0; b < b1; ++b)
         balanced_tiles<MAX>(M, b + 1 < b1, [&]<int MT>(int64_t m0, bool pf) { rows.template operator()<MT>(b, m0, pf); });
+}
+
+// A row's exact integer sums as floats: its 16 columns' own (a vector), or one for every column (a min term's).
+inline __m512 to_lanes(__m512i v) { return _mm512_cvtepi32_ps(v); }
+inline __m512 to_lanes(int32_t s) { return _mm512_set1_ps((float)s); }
+
+// acc[m] = fma((float) s[m] * v, dx[m], acc[m]) for the tile's rows m < MT, s[m] a row's sums (to_lanes): the float
+// step that ends a super-block or group of the types' sequences (q6k, q8_0; q4x8's t has a second term).
+template <int MT, class S>
+inline void fma_rows(__m512 (&acc)[MT], const float* dx, const S* s, __m512 v) {
+#pragma GCC unroll 12
+    for (int m = 0; m < MT; ++m) acc[m] = _mm512_fmadd_ps(_mm512_mul_ps(to_lanes(s[m]), v), _mm512_set1_ps(dx[m]), acc[m]);
 }
 
 }  // namespace dwrows
