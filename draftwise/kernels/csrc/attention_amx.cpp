@@ -416,14 +416,14 @@ extern "C" void dw_attn_rows_amx(const DwAttnArgs* a, int64_t i0, int64_t i1, fl
     w.vr = (uint32_t*)(w.p + 512 * w.cap);
     w.kr = w.vr + 8 * D * w.cap;
     // keys packed where a (b, kv head) has more than one query block in the call: its packing then serves them all
-    w.packed = !a->anc && a->T * (a->H / a->Hkv) > QB;
+    w.packed = !a->anc && a->T * (a->H / a->Hkv) > dwattn::QB;
     w.bg = -1;
     w.lo = w.lo_exact = w.hi = 0;
     const int64_t G = a->H / a->Hkv;
     if (a->anc) {
         for (int64_t i = i0; i < i1;) {
             const int64_t e0 = (i / G + 1) * G < i1 ? (i / G + 1) * G : i1;
-            const int64_t e = e0 - i > QB ? i + QB : e0;
+            const int64_t e = e0 - i > dwattn::QB ? i + dwattn::QB : e0;
             dwamx::attend_block(a, i, (int)(e - i), scratch, w);
             i = e;
         }

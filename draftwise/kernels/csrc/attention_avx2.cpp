@@ -5,7 +5,8 @@
 // w = 8 step, and the 8 dots of a group of keys are folded together by a shuffle tree doing, per key, the very
 // additions of the portable fold. Consecutive queries of one (b, kv head) are attended as a block (dwattn::attend_block,
 // as in attention_avx512.cpp), so a block of 16 keys or values is read from L2 once for all of them.
-// Owns only this path's loops over 16-key blocks (Steps); knows nothing of torch, threads or when it runs (that is
+// Owns only this path's lanes and its score loop over 16-key blocks (Steps; softmax and values are
+// attention_kernel.h's LaneSteps on these lanes); knows nothing of torch, threads or when it runs (that is
 // attention.cpp's and dispatch.h's). Includes no C++ library header: nothing inline from here can leak into code
 // run on other CPUs.
 #include "intrin.h"
@@ -40,6 +41,9 @@ inline __m256 exp8(__m256 x) {
     return _mm256_andnot_ps(_mm256_cmp_ps(x, lo, _CMP_LT_OQ), e);  // x < -80: 0
 }
 
+// This path's lanes for the steps it shares (dwattn::LaneSteps)
+DW_ATTN_LANES(__m256, _mm256, exp8, ld8);
+
 // 8 keys' dot products with q, keys lo..hi-1 of the group (the others stay 0 and are never loaded: they may lie
 // past the cache's end): lanes 0-7 of every key accumulate in i order in one ymm, then lanes 8-15 in another,
 // exactly as the generic loop in dwattn::dot, and f = lanes 0-7 + lanes 8-15 is the fold's w = 8 step. NI: head_dim
@@ -66,52 +70,43 @@ inline void dots8(const float* qf, int64_t D, const E* kp, int64_t sc, int lo, i
 
 // Query blocks (dwattn::Block, attention_kernel.h), as in attention_avx512.cpp: each pass over a block of 16 keys
 // (or values) serves up to QB queries of one (b, kv head) while it sits in L1; keys outside a query's range are
-// never loaded.
-using dwattn::Block;
-using dwattn::QB;
-
-// This path's loops over 16-key blocks, the steps dwattn::attend_block calls.
-struct Steps {
+// never loaded. Steps: this path's loops over 16-key blocks, the steps dwattn::attend_block calls (softmax_weights and
+// values: the shared LaneSteps on 8 lanes).
+struct Steps : dwattn::LaneSteps<Lanes> {
 
 // Every query's scores s_j (into s[u], j from its own start) and max, one 16-key block at a time, as two groups of
 // 8 keys. A group's 8 folded scores are stored whole: the lanes outside the query's keys (before its start or at
 // or past its end) land in the 16 floats of room on either side of s[u] and are never read.
 template <int NI, class E>
-static void scores(const DwAttnArgs* a, Block<E>& blk, float* mx) {
-    const int64_t a_lo = blk.a_lo, a_hi = blk.a_hi;
+static void scores(const DwAttnArgs* a, dwattn::Block<E>& blk, float* mx) {
     const int64_t sc = blk.q[0].sc, D = a->D;
     const __m256 vscale = _mm256_set1_ps(a->scale), ninf = _mm256_set1_ps(-__builtin_inff());
     const __m256i iota = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-    __m256 vmax[QB];
+    __m256 vmax[dwattn::QB];
     for (int u = 0; u < blk.n; ++u) vmax[u] = ninf;
-    for (int64_t ab = a_lo; ab < a_hi; ab += 16) {
-        for (int u = 0; u < blk.n; ++u) {
-            const int64_t st = blk.start[u];
-            int lo, hi;
-            dwattn::span(blk, u, ab, lo, hi);
-            for (int grp = 0; grp < 2; ++grp) {
-                const int glo = lo - 8 * grp > 0 ? lo - 8 * grp : 0, ghi = hi - 8 * grp < 8 ? hi - 8 * grp : 8;
-                if (glo >= ghi) continue;
-                const E* kb = dwattn::block_at(blk, blk.q[0].Kh, ab) + 8 * grp * sc;
-                __m256 f[8];
-                const bool full = glo == 0 && ghi == 8;
-                if (full)
-                    dots8<NI, true>(blk.qf[u], D, kb, sc, 0, 8, f);
-                else
-                    dots8<NI, false>(blk.qf[u], D, kb, sc, glo, ghi, f);
-                const __m256 sv = _mm256_mul_ps(fold8(f), vscale);
-                _mm256_storeu_ps(blk.s[u] + (ab + 8 * grp - st), sv);
-                if (full) {
-                    vmax[u] = _mm256_max_ps(vmax[u], sv);
-                } else {  // lanes glo..ghi-1 only
-                    const __m256 valid = _mm256_castsi256_ps(
-                        _mm256_andnot_si256(_mm256_cmpgt_epi32(_mm256_set1_epi32(glo), iota),
-                                            _mm256_cmpgt_epi32(_mm256_set1_epi32(ghi), iota)));
-                    vmax[u] = _mm256_max_ps(vmax[u], _mm256_blendv_ps(ninf, sv, valid));
-                }
+    dwattn::for_spans(blk, blk.q[0].Kh, [&](const E* kblock, int64_t ab, int u, int lo, int hi) {
+        for (int grp = 0; grp < 2; ++grp) {
+            const int glo = lo - 8 * grp > 0 ? lo - 8 * grp : 0, ghi = hi - 8 * grp < 8 ? hi - 8 * grp : 8;
+            if (glo >= ghi) continue;
+            const E* kb = kblock + 8 * grp * sc;
+            __m256 f[8];
+            const bool full = glo == 0 && ghi == 8;
+            if (full)
+                dots8<NI, true>(blk.qf[u], D, kb, sc, 0, 8, f);
+            else
+                dots8<NI, false>(blk.qf[u], D, kb, sc, glo, ghi, f);
+            const __m256 sv = _mm256_mul_ps(fold8(f), vscale);
+            _mm256_storeu_ps(blk.s[u] + (ab + 8 * grp - blk.start[u]), sv);
+            if (full) {
+                vmax[u] = _mm256_max_ps(vmax[u], sv);
+            } else {  // lanes glo..ghi-1 only
+                const __m256 valid = _mm256_castsi256_ps(
+                    _mm256_andnot_si256(_mm256_cmpgt_epi32(_mm256_set1_epi32(glo), iota),
+                                        _mm256_cmpgt_epi32(_mm256_set1_epi32(ghi), iota)));
+                vmax[u] = _mm256_max_ps(vmax[u], _mm256_blendv_ps(ninf, sv, valid));
             }
         }
-    }
+    });
     for (int u = 0; u < blk.n; ++u) {
         float m8[8];
         _mm256_storeu_ps(m8, vmax[u]);
@@ -120,52 +115,6 @@ static void scores(const DwAttnArgs* a, Block<E>& blk, float* mx) {
         mx[u] = m;
     }
 }
-
-// p_j = exp(s_j - m) and their sum in lanes j mod 16 (lanes 0-7 in slo, 8-15 in shi; one query, s in place)
-static float softmax_weights(float* s, int64_t L, float m) {
-    const __m256 vm = _mm256_set1_ps(m);
-    __m256 slo = _mm256_setzero_ps(), shi = _mm256_setzero_ps();
-    int64_t j = 0;
-    for (; j + 16 <= L; j += 16) {
-        const __m256 e0 = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j), vm));
-        const __m256 e1 = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j + 8), vm));
-        _mm256_storeu_ps(s + j, e0);
-        _mm256_storeu_ps(s + j + 8, e1);
-        slo = _mm256_add_ps(slo, e0);
-        shi = _mm256_add_ps(shi, e1);
-    }
-    float sum[16];
-    _mm256_storeu_ps(sum, slo);
-    _mm256_storeu_ps(sum + 8, shi);
-    for (int l = 0; j + l < L; ++l) {
-        const float e = dwattn::exp_nonpos(s[j + l] - m);
-        s[j + l] = e;
-        sum[l] = sum[l] + e;
-    }
-    return dwattn::fold(sum);
-}
-
-// acc += p_j v_j for the query's keys lo..hi-1 of this block of 16, in j order; 64 dims (8 ymm) at a time
-template <class E>
-static void values(const E* vb, int64_t sc, int64_t D, const float* p, int lo, int hi, float* accp) {
-    for (int64_t d0 = 0; d0 < D; d0 += 64) {
-        const int nv = D - d0 >= 64 ? 8 : (int)((D - d0) / 8);
-        __m256 acc[8];
-#pragma GCC unroll 8
-        for (int r = 0; r < 8; ++r) acc[r] = r < nv ? _mm256_loadu_ps(accp + d0 + 8 * r) : _mm256_setzero_ps();
-        const E* vp = vb + lo * sc + d0;
-        for (int kk = lo; kk < hi; ++kk, vp += sc) {
-            const __m256 pv = _mm256_set1_ps(p[kk]);
-#pragma GCC unroll 8
-            for (int r = 0; r < 8; ++r)
-                if (r < nv) acc[r] = _mm256_fmadd_ps(pv, ld8(vp + 8 * r), acc[r]);
-        }
-#pragma GCC unroll 8
-        for (int r = 0; r < 8; ++r)
-            if (r < nv) _mm256_storeu_ps(accp + d0 + 8 * r, acc[r]);
-    }
-}
-
 };
 
 }  // namespace

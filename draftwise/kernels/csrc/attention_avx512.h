@@ -1,7 +1,8 @@
 // Row-exact attention, the AVX-512 path's steps (F + BW + VL + DQ): included by attention_avx512.cpp (the path
 // itself) and by attention_amx.cpp (whose softmax and exponentials are these, operation for operation), both
 // compiled with those -m flags and run only after a run-time cpuid check. See attention_avx512.cpp for the path.
-// Owns this path's loops over 16-key blocks (Steps) and their lane helpers; knows nothing of torch, threads or when
+// Owns this path's lanes and its score loop over 16-key blocks (Steps; softmax and values: attention_kernel.h's
+// LaneSteps on these lanes) and their lane helpers; knows nothing of torch, threads or when
 // it runs. Includes no C++ library header.
 #pragma once
 #include "intrin.h"
@@ -39,6 +40,9 @@ inline __m512 exp16(__m512 x) {
     return _mm512_maskz_mov_ps(~_mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ), e);  // x < -80: 0
 }
 
+// This path's lanes for the steps it shares (dwattn::LaneSteps)
+DW_ATTN_LANES(__m512, _mm512, exp16, ld16);
+
 // 16 keys' dot products with q (NC chunks of 16 lanes, held in registers), keys lo..hi-1 of the block (the
 // others stay 0 and are never loaded: they may lie past the cache's end): key kk's lanes accumulate in i order,
 // exactly as the generic loop in dwattn::dot. FULL: all 16 keys, no tests.
@@ -72,89 +76,36 @@ inline void dots16_any(const float* qf, int64_t D, const E* kp, int64_t sc, int 
 // 128) serves up to QB queries of one (b, kv head) while it sits in L1, instead of each query streaming its whole
 // K and V from L2 (65 KiB each per query for the 1.5B at context 130). Measured on Zen 4 at 9 rows it saves
 // ~10-30% of the kernel: the rest is the arithmetic itself. Two queries per value load (16 accumulators) measured
-// no faster.
-using dwattn::Block;
-using dwattn::QB;
-
-// This path's loops over 16-key blocks, the steps dwattn::attend_block calls.
-struct Steps {
+// no faster. Steps: this path's loops over 16-key blocks, the steps dwattn::attend_block calls (softmax_weights and
+// values: the shared LaneSteps on 16 lanes).
+struct Steps : dwattn::LaneSteps<Lanes> {
 
 template <int NC, class E>
-static void scores(const DwAttnArgs* a, Block<E>& blk, float* mx) {
-    const int64_t a_lo = blk.a_lo, a_hi = blk.a_hi;
+static void scores(const DwAttnArgs* a, dwattn::Block<E>& blk, float* mx) {
     const int64_t sc = blk.q[0].sc, D = a->D;
     const __m512 vscale = _mm512_set1_ps(a->scale);
-    __m512 vmax[QB];
+    __m512 vmax[dwattn::QB];
     for (int u = 0; u < blk.n; ++u) vmax[u] = _mm512_set1_ps(-__builtin_inff());
-    for (int64_t ab = a_lo; ab < a_hi; ab += 16) {
-        const E* kb = dwattn::block_at(blk, blk.q[0].Kh, ab);
-        for (int u = 0; u < blk.n; ++u) {
-            const int64_t st = blk.start[u];
-            int lo, hi;
-            dwattn::span(blk, u, ab, lo, hi);
-            if (lo >= hi) continue;
-            __m512 acc[16];
-            if constexpr (NC > 0) {
-                __m512 qv[NC];
+    dwattn::for_spans(blk, blk.q[0].Kh, [&](const E* kb, int64_t ab, int u, int lo, int hi) {
+        __m512 acc[16];
+        if constexpr (NC > 0) {
+            __m512 qv[NC];
 #pragma GCC unroll 8
-                for (int c = 0; c < NC; ++c) qv[c] = _mm512_loadu_ps(blk.qf[u] + 16 * c);
-                if (lo == 0 && hi == 16)
-                    dots16<NC, true>(qv, kb, sc, 0, 16, acc);
-                else
-                    dots16<NC, false>(qv, kb, sc, lo, hi, acc);
-            } else {
-                dots16_any(blk.qf[u], D, kb, sc, lo, hi, acc);
-            }
-            const __m512 sv = _mm512_mul_ps(fold16(acc), vscale);
-            const __mmask16 valid = (__mmask16)(((1u << hi) - 1u) & ~((1u << lo) - 1u));
-            _mm512_mask_storeu_ps(blk.s[u] + (ab - st), valid, sv);  // s[u] has 16 floats of room before it
-            vmax[u] = _mm512_mask_max_ps(vmax[u], valid, vmax[u], sv);
+            for (int c = 0; c < NC; ++c) qv[c] = _mm512_loadu_ps(blk.qf[u] + 16 * c);
+            if (lo == 0 && hi == 16)
+                dots16<NC, true>(qv, kb, sc, 0, 16, acc);
+            else
+                dots16<NC, false>(qv, kb, sc, lo, hi, acc);
+        } else {
+            dots16_any(blk.qf[u], D, kb, sc, lo, hi, acc);
         }
-    }
+        const __m512 sv = _mm512_mul_ps(fold16(acc), vscale);
+        const __mmask16 valid = (__mmask16)(((1u << hi) - 1u) & ~((1u << lo) - 1u));
+        _mm512_mask_storeu_ps(blk.s[u] + (ab - blk.start[u]), valid, sv);  // s[u] has 16 floats of room before it
+        vmax[u] = _mm512_mask_max_ps(vmax[u], valid, vmax[u], sv);
+    });
     for (int u = 0; u < blk.n; ++u) mx[u] = _mm512_reduce_max_ps(vmax[u]);
 }
-
-// p_j = exp(s_j - m) and their sum in lanes j mod 16 (one query; s in place)
-static float softmax_weights(float* s, int64_t L, float m) {
-    const __m512 vm = _mm512_set1_ps(m);
-    __m512 vsum = _mm512_setzero_ps();
-    int64_t j = 0;
-    for (; j + 16 <= L; j += 16) {
-        const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(s + j), vm));
-        _mm512_storeu_ps(s + j, e);
-        vsum = _mm512_add_ps(vsum, e);
-    }
-    float sum[16];
-    _mm512_storeu_ps(sum, vsum);
-    for (int l = 0; j + l < L; ++l) {
-        const float e = dwattn::exp_nonpos(s[j + l] - m);
-        s[j + l] = e;
-        sum[l] = sum[l] + e;
-    }
-    return dwattn::fold(sum);
-}
-
-// acc[u] += p_j v_j for the query's keys in this block of 16, in j order; 128 dims (8 zmm) at a time
-template <class E>
-static void values(const E* vb, int64_t sc, int64_t D, const float* p, int lo, int hi, float* accp) {
-    for (int64_t d0 = 0; d0 < D; d0 += 128) {
-        const int nv = D - d0 >= 128 ? 8 : (int)((D - d0) / 16);
-        __m512 acc[8];
-#pragma GCC unroll 8
-        for (int r = 0; r < 8; ++r) acc[r] = r < nv ? _mm512_loadu_ps(accp + d0 + 16 * r) : _mm512_setzero_ps();
-        const E* vp = vb + lo * sc + d0;
-        for (int kk = lo; kk < hi; ++kk, vp += sc) {
-            const __m512 pv = _mm512_set1_ps(p[kk]);
-#pragma GCC unroll 8
-            for (int r = 0; r < 8; ++r)
-                if (r < nv) acc[r] = _mm512_fmadd_ps(pv, ld16(vp + 16 * r), acc[r]);
-        }
-#pragma GCC unroll 8
-        for (int r = 0; r < 8; ++r)
-            if (r < nv) _mm512_storeu_ps(accp + d0 + 16 * r, acc[r]);
-    }
-}
-
 };
 
 }  // namespace

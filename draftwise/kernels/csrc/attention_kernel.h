@@ -1,9 +1,10 @@
 // Row-exact attention: the portable implementation of the float sequence documented in attention.h — the
 // baseline path (compiled into the main unit without -m flags), the path for a head_dim that is not a multiple
 // of 16, and the oracle of the SIMD paths. Owns also what those paths share: its helpers (load, store, exp_nonpos,
-// fold) and the driver they run their query blocks through (run_blocks: Block, gather, span, attend_block,
-// for_each_block), so each supplies only its loops over 16-key blocks. Knows nothing of torch, threads or which
-// path runs.
+// fold), the driver they run their query blocks through (run_blocks: Block, gather, span, for_spans, attend_block,
+// for_each_block), and the softmax and value steps written once over a path's vector lanes (LaneSteps,
+// DW_ATTN_LANES), so each path supplies only its lanes and its score loop over 16-key blocks. Knows nothing of
+// torch, threads or which path runs.
 //
 // Written lane by lane (arrays of 16 floats, every lane an independent chain), so -O3 may vectorize it at any
 // width without reordering a single float operation (-ffp-contract=off: no fused multiply-add the source does not
@@ -210,6 +211,20 @@ inline void span(const Block<E>& blk, int u, int64_t ab, int& lo, int& hi) {
     hi = en - ab < 16 ? (int)(en - ab) : 16;
 }
 
+// fn(xb, ab, u, lo, hi) for each 16-key block ab of the query block, in position order (xb: its first key, or its
+// first value with h = Vh), and each query u with keys in it (block offsets lo..hi-1, lo < hi), in query order.
+template <class E, class F>
+inline void for_spans(const Block<E>& blk, const E* h, F&& fn) {
+    for (int64_t ab = blk.a_lo; ab < blk.a_hi; ab += 16) {
+        const E* xb = block_at(blk, h, ab);
+        for (int u = 0; u < blk.n; ++u) {
+            int lo, hi;
+            span(blk, u, ab, lo, hi);
+            if (lo < hi) fn(xb, ab, u, lo, hi);
+        }
+    }
+}
+
 // Items [i0, i1) (one thread's share) cut at (b, g) boundaries into blocks of even size <= QB: fn(first, count).
 template <class F>
 void for_each_block(const DwAttnArgs* a, int64_t i0, int64_t i1, F&& fn) {
@@ -244,6 +259,74 @@ inline void tree_values(const Query<E>& q, int64_t D, const float* p, float* acc
         Steps::values(at(q.Vh, q, q.first + __builtin_ctzll(r)), q.sc, D, p + j, 0, 1, acc);
 }
 
+// The two steps the SIMD paths share but for their vector width (attention_avx2.cpp: 8 lanes, attention_avx512.h:
+// 16), written once over a path's lanes L (DW_ATTN_LANES): L::V a vector of W = sizeof(V) / 4 floats and its
+// set1 / add / sub / fmadd / exp (exp_nonpos lane by lane) / ld (fp32, or bf16 widened exactly) / st. Every lane is
+// an independent chain, so any width performs the very float operations of the portable steps.
+template <class L>
+struct LaneSteps {
+    using V = typename L::V;
+    static constexpr int W = sizeof(V) / 4, C = LANES / W;  // C vectors hold the 16 lanes of a sum
+
+    // p_j = exp(s_j - m) and their sum in lanes j mod 16 (one query, s in place)
+    static float softmax_weights(float* s, int64_t n, float m) {
+        const V vm = L::set1(m);
+        V vsum[C];
+        for (int c = 0; c < C; ++c) vsum[c] = L::set1(0.0f);
+        int64_t j = 0;
+        for (; j + LANES <= n; j += LANES)
+            for (int c = 0; c < C; ++c) {
+                const V e = L::exp(L::sub(L::ld(s + j + W * c), vm));
+                L::st(s + j + W * c, e);
+                vsum[c] = L::add(vsum[c], e);
+            }
+        float sum[LANES];
+        for (int c = 0; c < C; ++c) L::st(sum + W * c, vsum[c]);
+        for (int l = 0; j + l < n; ++l) {
+            const float e = exp_nonpos(s[j + l] - m);
+            s[j + l] = e;
+            sum[l] = sum[l] + e;
+        }
+        return fold(sum);
+    }
+
+    // acc += p_j v_j for the query's keys lo..hi-1 of this block of 16, in j order; 8 vectors of dims at a time
+    template <class E>
+    static void values(const E* vb, int64_t sc, int64_t D, const float* p, int lo, int hi, float* accp) {
+        for (int64_t d0 = 0; d0 < D; d0 += 8 * W) {
+            const int nv = D - d0 >= 8 * W ? 8 : (int)((D - d0) / W);
+            V acc[8];
+#pragma GCC unroll 8
+            for (int r = 0; r < 8; ++r) acc[r] = r < nv ? L::ld(accp + d0 + W * r) : L::set1(0.0f);
+            const E* vp = vb + lo * sc + d0;
+            for (int kk = lo; kk < hi; ++kk, vp += sc) {
+                const V pv = L::set1(p[kk]);
+#pragma GCC unroll 8
+                for (int r = 0; r < 8; ++r)
+                    if (r < nv) acc[r] = L::fmadd(pv, L::ld(vp + W * r), acc[r]);
+            }
+#pragma GCC unroll 8
+            for (int r = 0; r < 8; ++r)
+                if (r < nv) L::st(accp + d0 + W * r, acc[r]);
+        }
+    }
+};
+
+// A SIMD path's lanes for LaneSteps, in the unit compiled for them: V_ its float vector, P its intrinsics' prefix
+// (_mm256, _mm512), EXP its exp_nonpos on V_ and LD its loads (overloaded for fp32 and bf16).
+#define DW_ATTN_LANES(V_, P, EXP, LD)                                      \
+    struct Lanes {                                                        \
+        using V = V_;                                                     \
+        static V set1(float x) { return P##_set1_ps(x); }                 \
+        static V add(V a, V b) { return P##_add_ps(a, b); }               \
+        static V sub(V a, V b) { return P##_sub_ps(a, b); }               \
+        static V fmadd(V a, V b, V c) { return P##_fmadd_ps(a, b, c); }   \
+        static V exp(V x) { return EXP(x); }                              \
+        template <class E>                                                \
+        static V ld(const E* p) { return LD(p); }                         \
+        static void st(float* p, V v) { P##_storeu_ps(p, v); }            \
+    }
+
 // One query block, start to end; Steps supplies a SIMD path's loops over 16-key blocks:
 //   Steps::template scores<NC>(a, blk, mx)   every query's s_j into blk.s[u] and its max into mx[u]; NC = head_dim / 16
 //                                            when head_dim is 128 or 64 (q held in registers), else 0 (any multiple of 16)
@@ -265,14 +348,9 @@ void attend_block(const DwAttnArgs* a, int64_t i0, int n, float* scratch) {
     if (a->anc)
         for (int u = 0; u < blk.n; ++u) tree_scores(a, blk.q[u], blk.qf[u], blk.s[u], mx[u]);
     for (int u = 0; u < blk.n; ++u) total[u] = Steps::softmax_weights(blk.s[u], blk.q[u].L, mx[u]);
-    for (int64_t ab = blk.a_lo; ab < blk.a_hi; ab += 16) {
-        const E* vb = block_at(blk, blk.q[0].Vh, ab);
-        for (int u = 0; u < blk.n; ++u) {
-            int lo, hi;
-            span(blk, u, ab, lo, hi);
-            if (lo < hi) Steps::values(vb, sc, D, blk.s[u] + (ab - blk.start[u]), lo, hi, blk.acc[u]);
-        }
-    }
+    for_spans(blk, blk.q[0].Vh, [&](const E* vb, int64_t ab, int u, int lo, int hi) {
+        Steps::values(vb, sc, D, blk.s[u] + (ab - blk.start[u]), lo, hi, blk.acc[u]);
+    });
     if (a->anc)
         for (int u = 0; u < blk.n; ++u) tree_values<Steps>(blk.q[u], D, blk.s[u], blk.acc[u]);
     for (int u = 0; u < blk.n; ++u) {

@@ -91,12 +91,25 @@ int64_t row_stride(const at::Tensor& x) {
     return stride < 0 ? N : stride;
 }
 
-at::Tensor rows_of(const at::Tensor& x, int64_t& stride) {  // x, or a contiguous copy when not row-strided
-    stride = row_stride(x);
-    if (stride >= 0) return x;
-    at::Tensor c = x.contiguous();
-    stride = c.size(-1);
-    return c;
+// x as the row loops read it: R rows of N floats, row r at p + r * stride (x itself where it has a row stride, else a
+// contiguous copy, held in `held`).
+struct Rows {
+    at::Tensor held;
+    const float* p;
+    int64_t stride, N, R;
+    const float* row(int64_t r) const { return p + r * stride; }
+};
+
+Rows rows_of(const at::Tensor& x) {
+    int64_t stride = row_stride(x);
+    const at::Tensor t = stride >= 0 ? x : x.contiguous();
+    const int64_t N = t.size(-1);
+    return {t, t.data_ptr<float>(), stride >= 0 ? stride : N, N, N ? t.numel() / N : 0};
+}
+
+// An op's output: float32 of x's sizes, contiguous.
+at::Tensor dense_like(const at::Tensor& x) {
+    return at::empty(x.sizes(), x.options().memory_format(at::MemoryFormat::Contiguous));
 }
 
 void check_f32_cpu(const at::Tensor& t, const char* name) {
@@ -113,16 +126,13 @@ void check_norm(const at::Tensor& x, const at::Tensor& w) {
 // x [..., N] -> RMSNorm(x) [..., N] contiguous
 at::Tensor rms_norm(const at::Tensor& x_in, const at::Tensor& w, double eps, double offset) {
     check_norm(x_in, w);
-    int64_t xs;
-    const at::Tensor x = rows_of(x_in, xs);
-    const int64_t N = x.size(-1), R = N ? x.numel() / N : 0;
-    at::Tensor y = at::empty(x.sizes(), x.options().memory_format(at::MemoryFormat::Contiguous));
-    const float* xp = x.data_ptr<float>();
+    const Rows x = rows_of(x_in);
+    at::Tensor y = dense_like(x_in);
     const float* wp = w.data_ptr<float>();
     float* yp = y.data_ptr<float>();
     const DwGlue k = ops();
-    at::parallel_for(0, R, ROW_GRAIN, [&](int64_t r0, int64_t r1) {
-        for (int64_t r = r0; r < r1; ++r) k.norm_row(xp + r * xs, wp, yp + r * N, N, eps, (float)offset);
+    at::parallel_for(0, x.R, ROW_GRAIN, [&](int64_t r0, int64_t r1) {
+        for (int64_t r = r0; r < r1; ++r) k.norm_row(x.row(r), wp, yp + r * x.N, x.N, eps, (float)offset);
     });
     return y;
 }
@@ -133,20 +143,16 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x_in, const at
     check_norm(x_in, w);
     check_f32_cpu(h_in, "h");
     TORCH_CHECK(x_in.sizes() == h_in.sizes(), "x and h must have the same shape");
-    int64_t xs, hs;
-    const at::Tensor x = rows_of(x_in, xs), h = rows_of(h_in, hs);
-    const int64_t N = x.size(-1), R = N ? x.numel() / N : 0;
-    at::Tensor s = at::empty(x.sizes(), x.options().memory_format(at::MemoryFormat::Contiguous));
-    at::Tensor y = at::empty(x.sizes(), x.options().memory_format(at::MemoryFormat::Contiguous));
-    const float* xp = x.data_ptr<float>();
-    const float* hp = h.data_ptr<float>();
+    const Rows x = rows_of(x_in), h = rows_of(h_in);
+    at::Tensor s = dense_like(x_in), y = dense_like(x_in);
     const float* wp = w.data_ptr<float>();
     float* sp = s.data_ptr<float>();
     float* yp = y.data_ptr<float>();
     const DwGlue k = ops();
-    at::parallel_for(0, R, ROW_GRAIN, [&](int64_t r0, int64_t r1) {
+    const int64_t N = x.N;
+    at::parallel_for(0, x.R, ROW_GRAIN, [&](int64_t r0, int64_t r1) {
         for (int64_t r = r0; r < r1; ++r)
-            k.add_norm_row(xp + r * xs, hp + r * hs, wp, sp + r * N, yp + r * N, N, eps, (float)offset);
+            k.add_norm_row(x.row(r), h.row(r), wp, sp + r * N, yp + r * N, N, eps, (float)offset);
     });
     return {s, y};
 }
@@ -166,19 +172,18 @@ inline void rope_head(const float* x, float* out, const float* c, const float* s
     }
 }
 
-void rope_rows(const at::Tensor& x, int64_t xs, at::Tensor& out, const at::Tensor& cos, const at::Tensor& sin,
-               int64_t D, const float* nw, double eps, float offset) {
-    const int64_t N = x.size(-1), R = N ? x.numel() / N : 0, H = N / D, half = D / 2;
-    const float* xp = x.data_ptr<float>();
+void rope_rows(const Rows& x, at::Tensor& out, const at::Tensor& cos, const at::Tensor& sin, int64_t D,
+               const float* nw, double eps, float offset) {
+    const int64_t N = x.N, H = N / D, half = D / 2;
     const float* cp = cos.data_ptr<float>();
     const float* sp = sin.data_ptr<float>();
     float* op = out.data_ptr<float>();
     const DwGlue k = ops();
-    at::parallel_for(0, R, ROW_GRAIN, [&](int64_t r0, int64_t r1) {
+    at::parallel_for(0, x.R, ROW_GRAIN, [&](int64_t r0, int64_t r1) {
         std::vector<float> tmp(nw ? D : 0);
         for (int64_t r = r0; r < r1; ++r)
             for (int64_t hd = 0; hd < H; ++hd)
-                rope_head(xp + r * xs + hd * D, op + r * N + hd * D, cp + r * half, sp + r * half, D, nw, eps, offset,
+                rope_head(x.row(r) + hd * D, op + r * N + hd * D, cp + r * half, sp + r * half, D, nw, eps, offset,
                           tmp.data(), k);
     });
 }
@@ -196,10 +201,9 @@ std::tuple<at::Tensor, at::Tensor> rope_qk(const at::Tensor& q_in, const at::Ten
     check_f32_cpu(sin, "sin");
     const int64_t D = head_dim;
     TORCH_CHECK(D > 0 && D % 2 == 0 && q_in.size(-1) % D == 0 && k_in.size(-1) % D == 0, "bad head_dim");
-    int64_t qs, ks;
-    const at::Tensor q = rows_of(q_in, qs), k = rows_of(k_in, ks);
-    const int64_t R = q.numel() / q.size(-1);
-    TORCH_CHECK(k.numel() / k.size(-1) == R, "q and k must have the same rows");
+    const Rows q = rows_of(q_in), k = rows_of(k_in);
+    const int64_t R = q.R;
+    TORCH_CHECK(k.R == R, "q and k must have the same rows");
     TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.numel() == R * (D / 2) && sin.numel() == cos.numel(),
                 "cos and sin must be contiguous [rows, head_dim / 2]");
     const float* qn = nullptr;
@@ -214,10 +218,9 @@ std::tuple<at::Tensor, at::Tensor> rope_qk(const at::Tensor& q_in, const at::Ten
         TORCH_CHECK(k_norm->dim() == 1 && k_norm->is_contiguous() && k_norm->size(0) == D, "k_norm must be [head_dim]");
         kn = k_norm->data_ptr<float>();
     }
-    at::Tensor qo = at::empty(q.sizes(), q.options().memory_format(at::MemoryFormat::Contiguous));
-    at::Tensor ko = at::empty(k.sizes(), k.options().memory_format(at::MemoryFormat::Contiguous));
-    rope_rows(q, qs, qo, cos, sin, D, qn, eps, (float)offset);
-    rope_rows(k, ks, ko, cos, sin, D, kn, eps, (float)offset);
+    at::Tensor qo = dense_like(q_in), ko = dense_like(k_in);
+    rope_rows(q, qo, cos, sin, D, qn, eps, (float)offset);
+    rope_rows(k, ko, cos, sin, D, kn, eps, (float)offset);
     return {qo, ko};
 }
 
@@ -244,8 +247,7 @@ at::Tensor rope_qk_cache(const at::Tensor& q, const at::Tensor& k, const at::Ten
     const int64_t B = positions.size(0), T = positions.size(1), nb = tables.size(1);
     TORCH_CHECK(ko.size(-1) == Hkv * D && ko.numel() == B * T * Hkv * D, "k must be [B, T, kv heads * head_dim]");
     TORCH_CHECK(v.size(-1) == Hkv * D && v.numel() == ko.numel(), "v must be shaped like k");
-    int64_t vs;
-    const at::Tensor vr = rows_of(v, vs);
+    const Rows vr = rows_of(v);
     const at::Tensor tb = tables.contiguous(), ps = positions.contiguous();
     const int64_t* tp = tb.data_ptr<int64_t>();
     const int64_t* pp = ps.data_ptr<int64_t>();
@@ -260,7 +262,6 @@ at::Tensor rope_qk_cache(const at::Tensor& q, const at::Tensor& k, const at::Ten
                         " of position ", p, " out of range [0, ", P, ")");
         }
     const float* kp = ko.data_ptr<float>();
-    const float* vp = vr.data_ptr<float>();
     if (kvt == at::kBFloat16) {  // rounded to nearest even, as tensor.to(torch.bfloat16) (c10::BFloat16)
         c10::BFloat16* K = keys.data_ptr<c10::BFloat16>();
         c10::BFloat16* V = values.data_ptr<c10::BFloat16>();
@@ -268,7 +269,7 @@ at::Tensor rope_qk_cache(const at::Tensor& q, const at::Tensor& k, const at::Ten
             for (int64_t h = 0; h < Hkv; ++h) {
                 const int64_t dst = ((page[r] * Hkv + h) * BS + pp[r] % BS) * D;
                 const float* ks = kp + r * Hkv * D + h * D;
-                const float* vs_ = vp + r * vs + h * D;
+                const float* vs_ = vr.row(r) + h * D;
                 for (int64_t d = 0; d < D; ++d) {
                     K[dst + d] = c10::BFloat16(ks[d]);
                     V[dst + d] = c10::BFloat16(vs_[d]);
@@ -282,7 +283,7 @@ at::Tensor rope_qk_cache(const at::Tensor& q, const at::Tensor& k, const at::Ten
         for (int64_t h = 0; h < Hkv; ++h) {
             const int64_t dst = ((page[r] * Hkv + h) * BS + pp[r] % BS) * D;
             std::memcpy(K + dst, kp + r * Hkv * D + h * D, D * sizeof(float));
-            std::memcpy(V + dst, vp + r * vs + h * D, D * sizeof(float));
+            std::memcpy(V + dst, vr.row(r) + h * D, D * sizeof(float));
         }
     return qo;
 }
@@ -304,21 +305,18 @@ at::Tensor glu(const at::Tensor& gate, const std::optional<at::Tensor>& up, int6
     }
     TORCH_CHECK(kind == 0 || kind == 1, "kind: 0 = silu, 1 = gelu tanh");
     if (kind == 1) return at::gelu(g, "tanh").mul_(u);
-    int64_t gs, us;
-    const at::Tensor gr = rows_of(g, gs), ur = rows_of(u, us);
-    const int64_t N = g.size(-1), R = N ? g.numel() / N : 0;
-    at::Tensor out = at::empty(g.sizes(), g.options().memory_format(at::MemoryFormat::Contiguous));
-    const float* gp = gr.data_ptr<float>();
-    const float* up_ = ur.data_ptr<float>();
+    const Rows gr = rows_of(g), ur = rows_of(u);
+    const int64_t N = gr.N;
+    at::Tensor out = dense_like(g);
     float* op = out.data_ptr<float>();
     const DwGlue k = ops();
     // Elementwise, so any split is exact: tasks of GLU_CHUNK elements of one row, >= GLU_GRAIN_CHUNKS per thread
     // (a decode step's 1 x 8960 stays on the calling thread; a 9-row verification's 9 x 8960 uses both)
     const int64_t per_row = (N + GLU_CHUNK - 1) / GLU_CHUNK;
-    at::parallel_for(0, R * per_row, GLU_GRAIN_CHUNKS, [&](int64_t t0, int64_t t1) {
+    at::parallel_for(0, gr.R * per_row, GLU_GRAIN_CHUNKS, [&](int64_t t0, int64_t t1) {
         for (int64_t t = t0; t < t1; ++t) {
             const int64_t r = t / per_row, c0 = (t % per_row) * GLU_CHUNK, n = std::min(GLU_CHUNK, N - c0);
-            k.silu_mul(gp + r * gs + c0, up_ + r * us + c0, op + r * N + c0, n);
+            k.silu_mul(gr.row(r) + c0, ur.row(r) + c0, op + r * N + c0, n);
         }
     });
     return out;
