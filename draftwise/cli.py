@@ -162,12 +162,12 @@ def _faithful_note(ckpt, cfg, candidates: list[str]) -> str:
     """For a quantized GGUF: what `auto` runs (every tensor as stored) and which timed candidates are lossy, each
     with its KL from the last `draftwise quality` run on this file where one was recorded (nothing is measured)."""
     from draftwise.bench.quality import recorded
-    from draftwise.kernels.plan import KernelPlan, quantized
+    from draftwise.kernels.plan import KernelPlan, faithful_by_default
     from draftwise.models.quant import type_census
 
     types = ckpt.tensor_types() if "converted_path" in ckpt.info else None
     census = type_census(types, cfg) if types else None
-    if not quantized(census):
+    if not faithful_by_default(census):
         return "a dense checkpoint: --weights auto takes the choice above"
     faithful = KernelPlan("q4x8", "q4x8", "float32", faithful=True, stored_types=census)
     kl = recorded(ckpt.info["path"]) if ckpt.info.get("path") else {}

@@ -27,13 +27,17 @@ class Kernel:
     """One C++ kernel family: a registry name (kernels/linear.py LINEARS), the activation quantization it pairs
     with, its packed layout's bits per weight (for N % 16 == 0, K a whole number of its blocks; the exact bytes
     are the linear class's `nbytes`), whether 'auto' calls past a measured width take a wide kernel, and its
-    C++ units (file, ISA level)."""
+    C++ units (file, ISA level). A float type's row (`element` set: the torch dtype of its 16-bit values) takes
+    the float family's shared units (FLOAT_UNITS: csrc/float.h), which the library compiles once per such row
+    with the row's own header, csrc/<name>.h (how its 16-bit values become float32); kernels/linear.py registers
+    a linear per such row."""
 
     name: str
-    activation: str  # "Q8_K": int8 per row and 256 K values; "Q8_0": per 32; "Q8_1": per 32 with its sum
+    activation: str  # "Q8_K": int8 per row and 256 K values; "Q8_0": per 32; "Q8_1": per 32 with its sum; "F32"
     bits: float
     wide: bool
     units: tuple[tuple[str, str], ...]
+    element: str = ""  # a float row's torch dtype name ("float16"); "" for a block kernel
 
 
 @dataclass(frozen=True)
@@ -58,6 +62,9 @@ class BlockType:
         return numel // self.values * self.block_bytes
 
 
+# the float family's units (csrc/float.h): compiled once per float row, with -DDW_FLOAT=<name> and its header
+FLOAT_UNITS = (("float.cpp", MAIN), ("float_avx2.cpp", AVX2), ("float_avx512.cpp", AVX512_VNNI))
+
 KERNELS: dict[str, Kernel] = {k.name: k for k in (
     Kernel("q4x8", "Q8_K", 4.75, True, (("q4x8.cpp", MAIN), ("gemm_q4x8.cpp", MAIN), ("q4x8_avx2.cpp", AVX2),
                                          ("q4x8_avx512.cpp", AVX512_VNNI), ("gemm_q4x8_amx.cpp", AMX_INT8))),
@@ -68,11 +75,12 @@ KERNELS: dict[str, Kernel] = {k.name: k for k in (
     Kernel("q8_1", "Q8_1", 10.0, False, ()),  # csrc/q8_0.h's min term: q8_0's units serve it (q8_0.cpp registers it)
     Kernel("q4c", "Q8_0", 5.0, False, ()),  # csrc/q8_0.h's 4-bit codes form (q8_0's units)
     Kernel("q5m", "Q8_1", 7.0, False, ()),  # csrc/q8_0.h's codes, fifth-bit plane and min term (q8_0's units)
+    Kernel("f16", "F32", 16.0, False, FLOAT_UNITS, "float16"),  # csrc/f16.h: IEEE half, as stored
 )}
 
 TYPES: dict[str, BlockType] = {t.name: t for t in (
     BlockType("F32", 0, 1, 4, quantized=False),
-    BlockType("F16", 1, 1, 2, quantized=False),
+    BlockType("F16", 1, 1, 2, "f16", quantized=False),
     BlockType("Q4_0", 2, 32, 18, "q4c"),
     BlockType("Q4_1", 3, 32, 20, "q5m"),
     BlockType("Q5_0", 6, 32, 22, "q8_0"),

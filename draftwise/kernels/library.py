@@ -82,17 +82,23 @@ ISA_FLAGS = {  # blocktypes' ISA levels -> the -m flags of a unit compiled for o
 }
 
 
-def _units() -> list[tuple[str, list[str]]]:
-    """(source, extra flags) per translation unit: the units of every kernel row of kernels/blocktypes.py, then
-    the ops that are no block type's; the ISA units get their own -m flags and no torch headers."""
+def _units() -> list[tuple[str, list[str], str]]:
+    """(source, extra flags, object name) per translation unit: the units of every kernel row of
+    kernels/blocktypes.py (a float row's shared units once per row: -DDW_FLOAT=<name> and its header <name>.h,
+    objects <name>_<unit>.o), then the ops that are no block type's; the ISA units get their own -m flags and no
+    torch headers."""
     main_flags = ["-fopenmp"] + (["-DDW_HAVE_X86"] if _X86 else [])
-    units = [(src, main_flags if isa == blocktypes.MAIN else ISA_FLAGS[isa])
-             for k in blocktypes.KERNELS.values() for src, isa in k.units if isa == blocktypes.MAIN or _X86]
-    units += [("attention.cpp", main_flags), ("glue.cpp", main_flags), ("stack.cpp", main_flags),
-              ("experts.cpp", main_flags)]
+    units = []
+    for k in blocktypes.KERNELS.values():
+        per_row = [f"-DDW_FLOAT={k.name}", f'-DDW_FLOAT_HEADER="{k.name}.h"'] if k.element else []
+        units += [(src, (main_flags if isa == blocktypes.MAIN else ISA_FLAGS[isa]) + per_row,
+                   (f"{k.name}_" if k.element else "") + src.replace(".cpp", ".o"))
+                  for src, isa in k.units if isa == blocktypes.MAIN or _X86]
+    units += [(src, main_flags, src.replace(".cpp", ".o"))
+              for src in ("attention.cpp", "glue.cpp", "stack.cpp", "experts.cpp")]
     if not _X86:
         return units
-    return units + [
+    return units + [(src, flags, src.replace(".cpp", ".o")) for src, flags in [
         ("attention_avx2.cpp", ["-mavx2", "-mfma"]),
         ("attention_avx512.cpp", ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma",
                                   "-mprefer-vector-width=512"]),
@@ -100,7 +106,7 @@ def _units() -> list[tuple[str, list[str]]]:
                                "-mfma", "-mprefer-vector-width=512"]),
         ("glue_avx2.cpp", ["-mavx2"]),
         ("glue_avx512.cpp", ["-mavx512f", "-mavx512dq", "-mavx512vl", "-mprefer-vector-width=512"]),
-    ]
+    ]]
 
 
 def _flags_key() -> str:
@@ -141,8 +147,8 @@ def build(verbose: bool = False) -> Path:
           f"(~20-40 s) into {target.parent}", file=sys.stderr, flush=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         procs = []
-        for src, extra in _units():
-            obj = os.path.join(tmp, src.replace(".cpp", ".o"))
+        for src, extra, name in _units():
+            obj = os.path.join(tmp, name)
             cmd = [cxx, *common, *extra, *includes, "-c", str(CSRC / src), "-o", obj]
             if verbose:
                 print(" ".join(cmd), file=sys.stderr)

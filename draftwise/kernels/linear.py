@@ -12,6 +12,8 @@ Owns, per implementation (one class each, registered under the name a user types
   q8_1          ours: weights with a min per 32 held exactly as int8 (d * v + m) x int8 activations per 32
   q4c           ours: GGUF Q4_0 / IQ4_NL / IQ4_XS weights held exactly as 4-bit codes x int8 activations per 32
   q5m           ours: GGUF Q4_1 / Q5_1 / Q5_K weights held exactly as 5-bit values with a min x int8 activations per 32
+  f16, ...      ours, one per float row of kernels/blocktypes.py: GGUF F16 (...) weights held as stored (16 bits) x
+                float32 activations, one fp32 FMA chain per output (csrc/float.h)
 and what each declares as class attributes: `devices` it runs on, `dtype` its activations are computed in (the
 model dtype "auto" resolves to when it is the step kernel), `row_exact` (by construction: every output row is a
 fixed computation of that row alone, whatever other rows share the call and however many threads run it —
@@ -541,14 +543,20 @@ class _BlockLinear(LinearImpl):
         return cls(bias=bias, parts=ggml_blocks.FROM_BLOCKS[kind](blocks, N, K))
 
     @classmethod
+    def _packed_k(cls, first: torch.Tensor) -> int | None:  # first: the first PACKED buffer
+        """K of a packed weight from its first buffer ([NB, G, ...]: G groups of 32), None if not this layout."""
+        return first.shape[1] * 32 if first.dim() == 4 else None
+
+    @classmethod
     def from_state(cls, tensors: dict[str, torch.Tensor], N: int, K: int | None = None) -> _BlockLinear:
         library.load()
         first = tensors[cls.PACKED[0]]
-        if first.dim() != 4 or not 0 < N <= first.shape[0] * ggml_blocks.COLS:
+        packed_k = cls._packed_k(first)
+        if packed_k is None or not 0 < N <= first.shape[0] * ggml_blocks.COLS:
             raise ValueError(f"not a packed {cls.name} weight for N={N}: {tuple(first.shape)}")
         mod = cls.__new__(cls)
         nn.Module.__init__(mod)
-        mod._shape(N, first.shape[1] * 32)
+        mod._shape(N, packed_k)
         mod.path = "auto"
         for name in cls.PACKED:
             mod.register_buffer(name, tensors[name].contiguous())
@@ -693,6 +701,71 @@ class Q5MLinear(_BlockLinear):
     GGUF_TYPES = blocktypes.types_of("q5m")
 
 
+class _FloatLinear(_BlockLinear):
+    """Ours, one per float row of kernels/blocktypes.py (`element` set: F16 -> f16): the weight held as the file's
+    16-bit values, 2 bytes per weight, packed per 16 output columns (w [NB, K, 16], the bits as int16;
+    csrc/float.h) x float32 activations as they are (finer than llama.cpp's CPU path, which rounds the activations
+    to the weight's 16-bit type), one float32 FMA chain per output in K order on every path (scalar, AVX2 with
+    F16C, AVX-512): every path, width and thread count give bitwise the same row. FloatLinear(weight [N, K], bias)
+    rounds a float weight to the type (round to nearest even); `from_blocks` takes a GGUF tensor's stored values
+    as they are. The class of each row is made here from the row (`_float_linear`), so a float type is one table
+    row plus its csrc/<name>.h."""
+
+    PACKED = ("w",)
+    K_BLOCK = 1
+    K_PART = "w"
+    ELEMENT: ClassVar[torch.dtype] = torch.float16
+
+    @classmethod
+    def nbytes(cls, N: int, K: int, bias: bool = False) -> int:
+        return -(-N // ggml_blocks.COLS) * ggml_blocks.COLS * K * 2 + (4 * N if bias else 0)
+
+    @classmethod
+    def _quantize(cls, weight: torch.Tensor) -> dict:  # weight [N, K] float
+        return {"w": weight.detach().to(cls.ELEMENT)}
+
+    @classmethod
+    def _pack(cls, parts: dict) -> dict:  # parts["w"] [N, K] ELEMENT -> w [NB, K, 16] int16
+        w = parts["w"]
+        N, K = w.shape
+        padded = ggml_blocks._pad(w.view(torch.int16), N)
+        return {"w": padded.view(-1, ggml_blocks.COLS, K).transpose(1, 2).contiguous()}
+
+    @classmethod
+    def _dense(cls, buffers: dict, b0: int, b1: int) -> torch.Tensor:  # -> [(b1 - b0) * 16, K] float32
+        w = buffers["w"][b0:b1]
+        return w.transpose(1, 2).reshape(-1, w.shape[1]).contiguous().view(cls.ELEMENT).float()
+
+    @classmethod
+    def _packed_k(cls, first: torch.Tensor) -> int | None:
+        return first.shape[1] if first.dim() == 3 and first.shape[2] == ggml_blocks.COLS else None
+
+    @classmethod
+    def from_blocks(cls, kind: str, blocks, N: int, K: int, bias: torch.Tensor | None = None) -> _FloatLinear:
+        """A GGUF tensor of type `kind` (one of GGUF_TYPES): its stored 16-bit values (raw bytes, N rows of 2 K),
+        held as they are."""
+        if kind not in cls.GGUF_TYPES:
+            raise ValueError(f"{cls.name} holds {', '.join(cls.GGUF_TYPES)} tensors, not {kind}")
+        raw = torch.as_tensor(blocks).reshape(-1).view(torch.uint8)
+        if raw.numel() != N * K * 2:
+            raise ValueError(f"{kind} tensor [{N}, {K}] needs {N * K * 2} bytes, got {raw.numel()}")
+        return cls(bias=bias, parts={"w": raw.view(cls.ELEMENT).reshape(N, K)})
+
+
+def _float_linear(k: blocktypes.Kernel) -> type[_FloatLinear]:
+    """The linear of a float row of the table: its name, element dtype and types; its tolerance (Gaussian weights
+    against fp32) two of its element's epsilons (the weight's rounding; the fp32 chain adds far less)."""
+    element = getattr(torch, k.element)
+    types = blocktypes.types_of(k.name)
+    return type(f"Float{k.name.upper()}Linear", (_FloatLinear,), {
+        "name": k.name, "ELEMENT": element, "GGUF_TYPES": types, "tolerance": 2 * torch.finfo(element).eps,
+        "__doc__": f"_FloatLinear for {', '.join(types)} ({k.element} values held as stored).",
+        "description": f"ours: GGUF {' / '.join(types)} weights (as stored, {k.element}) x float32 activations, "
+                       "one fp32 FMA chain per output; AVX-512 / AVX2"})
+
+
+FLOAT_LINEARS = tuple(_float_linear(k) for k in blocktypes.KERNELS.values() if k.element)
+
 _BLOCK_OPS: dict[str, object] = {}
 
 
@@ -741,7 +814,7 @@ def _runs_on_cuda(cls: type[LinearImpl]) -> bool:
 
 LINEARS: dict[str, type[LinearImpl]] = {
     c.name: c for c in (DenseF32, DenseBF16, TorchInt4, TorchInt8, FbgemmDynamicInt8, Q4x8Linear, Q6KLinear,
-                        Q80Linear, Q81Linear, Q4CLinear, Q5MLinear)
+                        Q80Linear, Q81Linear, Q4CLinear, Q5MLinear, *FLOAT_LINEARS)
 }
 
 

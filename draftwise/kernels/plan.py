@@ -49,9 +49,11 @@ EXACT_DENSE = blocktypes.FALLBACK
 FLOAT_TYPES = blocktypes.FLOAT_TYPES  # a GGUF holding only these has no quantization to honour
 
 
-def quantized(stored_types: dict | None) -> bool:
-    """Whether a census of stored types holds any quantized tensor (then `auto` is the faithful plan)."""
-    return any(t not in FLOAT_TYPES for t in stored_types or {})
+def faithful_by_default(stored_types: dict | None) -> bool:
+    """Whether `auto` is the faithful plan for a census of stored types: it holds a quantized tensor, or a float
+    type with a kernel of its own in the table (F16 -> f16: the file's 16 bits per weight as stored, where the
+    tuner's plans would widen them to fp32 or requantize them)."""
+    return any(t not in FLOAT_TYPES or faithful_kernel(t) != EXACT_DENSE for t in stored_types or {})
 
 
 def faithful_kernel(gguf_type: str) -> str:
@@ -238,7 +240,7 @@ def resolve_plan(weights: str, dtype: str, cfg, device: str = "cpu", tune=None, 
         raise ValueError(f"a plan's role is one of {ROLES}, got {role!r}")
     names = parse_weights(weights, device)
     tuning, source, provisional = None, "pinned", False
-    if names == ("faithful", "faithful") or (names is None and role == "target" and quantized(stored_types)
+    if names == ("faithful", "faithful") or (names is None and role == "target" and faithful_by_default(stored_types)
                                               and device == "cpu" and _kernels_build()):
         if not stored_types:
             raise ValueError("weights 'faithful' keeps a GGUF's stored types: it needs a GGUF model on the cpu")

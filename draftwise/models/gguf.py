@@ -327,9 +327,10 @@ class GGUFTensor:
         return self.raw_rows()
 
     def blocks(self) -> torch.Tensor | None:
-        """The raw blocks of a quantized 2-D tensor [N, row bytes] uint8, rows as dense() orders them (llama's Q/K
-        rows un-permuted: whole rows move, exact), or None for a float or 1-D tensor."""
-        if self.type in ("F32", "F16", "BF16", "F64") or len(self.shape) != 2:
+        """The raw blocks of a 2-D tensor [N, row bytes] uint8 (a quantized type's blocks, or a 16-bit float
+        type's values as stored: the float kernels hold them), rows as dense() orders them (llama's Q/K rows
+        un-permuted: whole rows move, exact), or None for an F32 / F64 or 1-D tensor."""
+        if self.type in ("F32", "F64") or len(self.shape) != 2:
             return None
         return self.raw_rows()
 

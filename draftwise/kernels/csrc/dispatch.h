@@ -36,7 +36,7 @@ constexpr const char* NAMES[NUM_PATHS] = {"scalar", "avx2", "avx512"};  // by id
 // The cpuid features an ISA unit may be compiled for.
 enum Feature : uint32_t {
     F_AVX2 = 1u << 0, F_FMA = 1u << 1, F_AVX512F = 1u << 2, F_AVX512BW = 1u << 3, F_AVX512VL = 1u << 4,
-    F_AVX512DQ = 1u << 5, F_AVX512VNNI = 1u << 6,
+    F_AVX512DQ = 1u << 5, F_AVX512VNNI = 1u << 6, F_F16C = 1u << 7,
 };
 
 // One op's paths: needs[p] = the features path p's unit needs (PORTABLE: none, it is compiled without -m flags).
@@ -50,7 +50,7 @@ struct Isa {
 inline uint32_t cap_features(uint32_t f) {
     const char* cap = std::getenv("DRAFTWISE_MAX_ISA");
     if (cap == nullptr || *cap == '\0' || std::strcmp(cap, "avx512") == 0) return f;
-    return std::strcmp(cap, "avx2") == 0 ? f & (F_AVX2 | F_FMA) : 0;
+    return std::strcmp(cap, "avx2") == 0 ? f & (F_AVX2 | F_FMA | F_F16C) : 0;
 }
 
 inline uint32_t detect_features() {
@@ -64,6 +64,7 @@ inline uint32_t detect_features() {
     if (__builtin_cpu_supports("avx512vl")) f |= F_AVX512VL;
     if (__builtin_cpu_supports("avx512dq")) f |= F_AVX512DQ;
     if (__builtin_cpu_supports("avx512vnni")) f |= F_AVX512VNNI;
+    if (__builtin_cpu_supports("f16c")) f |= F_F16C;
 #endif
     return cap_features(f);  // no x86 units in this build: only the portable paths run
 }
