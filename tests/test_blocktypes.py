@@ -24,7 +24,8 @@ def test_rows_are_ggmls_ids_and_block_sizes():
 def test_every_kernel_row_is_a_registered_linear_holding_its_types():
     for k in blocktypes.KERNELS.values():
         assert k.name in LINEARS, k.name
-        assert k.activation in ("Q8_K", "Q8_0", "Q8_1"), k.name
+        assert k.activation in ("Q8_K", "Q8_0", "Q8_1", "F32"), k.name
+        assert (k.activation == "F32") == bool(k.element), k.name  # a float row: float32 activations
         for src, isa in k.units:
             assert (CSRC / src).exists(), src
             assert isa == blocktypes.MAIN or isa in ISA_FLAGS, (src, isa)
@@ -32,7 +33,7 @@ def test_every_kernel_row_is_a_registered_linear_holding_its_types():
             assert set(LINEARS[k.name].GGUF_TYPES) == set(blocktypes.types_of(k.name)), k.name
     for t in blocktypes.TYPES.values():
         assert t.kernel is None or t.kernel in blocktypes.KERNELS, t.name
-        assert t.quantized or t.kernel is None, t.name
+        assert t.quantized or t.kernel is None or blocktypes.KERNELS[t.kernel].element, t.name
 
 
 def test_the_plan_and_the_loader_read_the_table():
@@ -71,4 +72,21 @@ def test_describe_says_what_a_type_is_held_in():
     assert blocktypes.describe("Q6_K").startswith("Q6_K: 6.56 bits stored -> q6k (Q8_K activations")
     assert "fp32 fallback" in blocktypes.describe(next(
         t.name for t in blocktypes.TYPES.values() if t.quantized and t.kernel is None))
-    assert blocktypes.describe("F16").endswith("dense")
+    assert blocktypes.describe("F32").endswith("dense")
+    assert blocktypes.describe("F16") == "F16: 16.00 bits stored -> f16 (F32 activations, 16.00 bits)"
+
+
+def test_a_float_row_brings_its_header_and_the_familys_units():
+    from draftwise.kernels.library import _units
+
+    for k in blocktypes.KERNELS.values():
+        if k.element:
+            assert k.units == blocktypes.FLOAT_UNITS and (CSRC / f"{k.name}.h").exists(), k.name
+            assert f"{k.name}_float.o" in {obj for _, _, obj in _units()}, k.name
+
+
+def test_auto_is_the_faithful_plan_for_a_float_type_with_a_kernel():
+    from draftwise.kernels.plan import faithful_by_default
+
+    assert faithful_by_default({"F16": 196, "F32": 57}) and not faithful_by_default({"F32": 196})
+    assert faithful_by_default({"Q4_K": 1, "F32": 2})

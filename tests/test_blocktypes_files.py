@@ -83,3 +83,37 @@ def test_greedy_speculation_equals_plain(new_types_gguf, tmp_path, spec):
     prompts = [[5, 6, 7, 8, 5, 6, 7], [9, 10, 11, 9, 10], [12, 13, 14, 15, 16, 12, 13, 14]]
     params = [SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)] * len(prompts)
     assert run_engine(llm, spec, prompts, params) == run_engine(llm, None, prompts, params)
+
+
+# the float types the table gives a kernel of their own: a file whose 2-D tensors are all stored as one of them
+FLOAT_FILES = ["F16"]
+
+
+@pytest.fixture(scope="module", params=FLOAT_FILES)
+def float_gguf(request, tmp_path_factory):
+    kind = request.param
+    if blocktypes.kernel_of(kind) not in available(probe(bandwidth=False)):
+        pytest.skip("our kernels cannot run here (no C++ compiler)")
+    root = tmp_path_factory.mktemp(kind.lower())
+    write_tiny_gguf(root / "src.gguf", "qwen2", dims=Q4K_DIMS)
+    _requantized(root / "src.gguf", root / "m.gguf", {s: kind for s in (
+        "attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_output.weight", "ffn_gate.weight", "ffn_up.weight",
+        "ffn_down.weight", "token_embd.weight", "output.weight")})
+    return kind, root / "m.gguf"
+
+
+def test_a_float_file_is_the_faithful_plan_on_its_rows_kernel(float_gguf, tmp_path):
+    """A dense file stored as a float type with a kernel: `auto` keeps it as stored (no fp32 fallback, no
+    requantization), every projection on the row's kernel, row-exact, and the same greedy tokens as --weights fp32
+    (the same weights; the float kernel's fp32 chain against the dense sgemm: compared by tokens, not bits)."""
+    kind, path = float_gguf
+    llm = LLM(str(path), max_num_seqs=1, max_model_len=64, cache_dir=str(tmp_path / "c"))
+    plan = llm.model.plan
+    assert plan.faithful and plan.row_exact and not plan.fallback_types, plan.describe()
+    assert f"{kind}->{blocktypes.kernel_of(kind)}" in plan.describe() and "SLOW PATH" not in plan.describe()
+    kinds = {getattr(type(m), "name", None) for m in llm.model.modules()} & set(LINEARS)
+    assert kinds == {blocktypes.kernel_of(kind)}, kinds
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    dense = LLM(str(path), max_num_seqs=1, max_model_len=64, cache_dir=str(tmp_path / "d"), weights="fp32")
+    prompt = [[5, 6, 7, 8, 9]]
+    assert llm.generate(prompt, params)[0].outputs[0].token_ids == dense.generate(prompt, params)[0].outputs[0].token_ids

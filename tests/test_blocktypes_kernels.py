@@ -1,6 +1,7 @@
 """Every GGUF type the block-type table (kernels/blocktypes.py) gives a kernel, on that kernel, with no download:
-random block bytes (any bytes are a valid block once the fp16 scale fields are finite) are read bitwise as the
-`gguf` package's dequantizer reads them; the kernel computes that weight times the int8 activations it quantizes
+random block bytes (any bytes are a valid block once the fp16 scale fields are finite; a float type: random finite
+values) are read bitwise as the `gguf` package's dequantizer reads them; the kernel computes that weight times the
+int8 activations it quantizes (a float kernel: the float32 activations, bitwise its one FMA chain per output)
 (against a float64 reference of the gguf-dequantized weight times the same quantized activations: only the float
 steps' rounding remains), every ISA path bitwise the scalar one; every row bitwise that row alone at widths 1..96
 and thread counts 1 and 2 on every path, and a planted width-dependent reduction fails that check. The types and
@@ -16,9 +17,11 @@ from draftwise.kernels import autotune, blocktypes, ggml_blocks, library
 from draftwise.kernels.linear import LINEARS, available, block_paths
 from draftwise.kernels.probe import probe
 
-# the types the table gives a block kernel, each with the byte offsets of its fp16 scale fields (d, and m / dmin)
+# the types the table gives a block kernel, each with the byte offsets of its fp16 scale fields (d, and m / dmin;
+# none for a float type: its values are random finite numbers of the type)
 TYPES = {"Q8_0": (0,), "Q5_0": (0,), "Q4_0": (0,), "IQ4_NL": (0,), "IQ4_XS": (0,), "Q4_1": (0, 2), "Q5_1": (0, 2),
-         "Q5_K": (0, 2), "Q6_K": (208,), "Q3_K": (108,)}
+         "Q5_K": (0, 2), "Q6_K": (208,), "Q3_K": (108,), "F16": ()}
+FLOATS = sorted(t for t in TYPES if not blocktypes.row(t).quantized)
 WIDTHS = range(1, 97)
 THREADS = [1, 2]
 
@@ -46,6 +49,10 @@ def _random_blocks(kind: str, N: int, K: int, seed: int = 0) -> np.ndarray:
     """Random raw blocks of a type with finite, moderate fp16 scale fields."""
     rng = np.random.default_rng(seed)
     t = blocktypes.row(kind)
+    if not t.quantized:  # a float type: finite values of the type, as its bytes
+        element = getattr(torch, blocktypes.KERNELS[t.kernel].element)
+        values = torch.from_numpy(rng.standard_normal((N, K), dtype=np.float32)).to(element)
+        return values.view(torch.int16).numpy().view(np.uint8).reshape(N, -1)
     raw = rng.integers(0, 256, size=(N * K // t.values, t.block_bytes), dtype=np.uint8)
     for at in TYPES[kind]:
         raw[:, at:at + 2] = rng.uniform(0.001, 0.01, size=raw.shape[0]).astype(np.float16).view(np.uint8).reshape(-1, 2)
@@ -65,7 +72,10 @@ def _quantized_activations(x: torch.Tensor, kind: str) -> torch.Tensor:
     """x [M, K] -> the values the kernel of `kind` computes with, float64: per row and block of its activation
     quantization (the table's: Q8_K 256 values, Q8_0 / Q8_1 32), dx * round_half_even(x * 127 / amax)."""
     M, K = x.shape
-    per = 256 if blocktypes.KERNELS[blocktypes.kernel_of(kind)].activation == "Q8_K" else 32
+    activation = blocktypes.KERNELS[blocktypes.kernel_of(kind)].activation
+    if activation == "F32":  # the float kernels: the activations as they are
+        return x.double()
+    per = 256 if activation == "Q8_K" else 32
     g = x.view(M, K // per, per)
     amax = g.abs().amax(-1, keepdim=True)
     q = torch.where(amax > 0, torch.round(g * (127.0 / amax)), torch.zeros_like(g))
@@ -83,7 +93,7 @@ def test_blocks_are_read_as_the_gguf_package_dequantizes_them(kind):
     N, K = 20, 512
     raw = _random_blocks(kind, N, K)
     cls = LINEARS[blocktypes.kernel_of(kind)]
-    parts = ggml_blocks.FROM_BLOCKS[kind](raw, N, K)
+    parts = cls.parts_from_blocks(kind, raw, N, K)
     assert torch.equal(cls._dense(cls._pack(parts), 0, -(-N // 16))[:N], _gguf_dense(kind, raw, N, K))
 
 
@@ -102,10 +112,40 @@ def test_every_path_is_the_dequantized_weight_times_the_quantized_activations(ki
     assert err < 1e-5, err  # float32 steps over exact integer sums: only their rounding remains
 
 
+def _fma32(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """float32 fma(a, b, c) elementwise, exactly (one rounding), from float64: a * b is exact in float64, s = a * b
+    + c rounds once more, e (TwoSum) is what that rounding lost; rounding s to float32 is then the one rounding of
+    a * b + c except where s is a float32 tie that e breaks."""
+    p, c = a.double() * b.double(), c.double()
+    s = p + c
+    bb = s - p
+    e = (p - (s - bb)) + (c - bb)
+    r = s.float()
+    other = torch.nextafter(r, torch.where(s > r.double(), torch.tensor(float("inf")), torch.tensor(float("-inf"))))
+    tie = (s == (r.double() + other.double()) / 2) & (e != 0)
+    return torch.where(tie, torch.where(e > 0, torch.maximum(r, other), torch.minimum(r, other)), r)
+
+
+@pytest.mark.parametrize("kind", FLOATS)
+def test_a_float_kernel_is_bitwise_the_gguf_weight_times_x_in_one_fma_chain(kind, machine):
+    """csrc/float.h's arithmetic, emulated exactly: per output, acc = fma(w, x, acc) over K in order, then + bias,
+    with w the gguf package's dequantized value: every path bitwise that, nothing left to a tolerance."""
+    cls = _kernel(kind, machine)
+    N, K, M = 37, 300, 5
+    raw = _random_blocks(kind, N, K, seed=5)
+    w, x, bias = _gguf_dense(kind, raw, N, K), torch.randn(M, K), torch.randn(N)
+    acc = torch.zeros(M, N)
+    for k in range(K):
+        acc = _fma32(w[:, k].expand(M, N), x[:, k:k + 1].expand(M, N), acc)
+    ref = acc + bias
+    for p in block_paths(cls.name):
+        assert torch.equal(_on(cls.from_blocks(kind, raw, N, K, bias), p)(x), ref), p
+
+
 @pytest.mark.parametrize("kind", sorted(TYPES))
 def test_rows_are_exact_at_every_width_and_thread_count_on_every_path(kind, machine):
     cls = _kernel(kind, machine)
-    N, K = 40, 512
+    N, K = 40, 512 if blocktypes.row(kind).quantized else 700  # a float kernel's wide calls pass over K in 512s
     for path in block_paths(cls.name):
         mod = _on(cls.from_blocks(kind, _random_blocks(kind, N, K, seed=2), N, K, torch.randn(N)), path)
         assert autotune.rows_exact(mod, K, WIDTHS, THREADS) is None, path
@@ -125,11 +165,11 @@ class _WidthDependent(torch.nn.Module):
         return self.lo(x[:, : self.K // 2].contiguous()) + self.hi(x[:, self.K // 2:].contiguous())
 
 
-@pytest.mark.parametrize("kind", ["Q4_1", "Q5_K"])
+@pytest.mark.parametrize("kind", ["Q4_1", "Q5_K", "F16"])
 def test_a_planted_width_dependent_reduction_fails_the_check(kind, machine):
     cls = _kernel(kind, machine)
     N, K = 48, 512
-    parts = ggml_blocks.FROM_BLOCKS[kind](_random_blocks(kind, N, K, seed=3), N, K)
+    parts = cls.parts_from_blocks(kind, _random_blocks(kind, N, K, seed=3), N, K)
     half = {k: (v[:, : v.shape[1] // 2], v[:, v.shape[1] // 2:]) for k, v in parts.items()}
     path = block_paths(cls.name)[-1]
     whole = cls(parts=parts, path=path)

@@ -536,11 +536,16 @@ class _BlockLinear(LinearImpl):
         self.register_buffer("bias", None if bias is None else bias.detach().float().contiguous())
 
     @classmethod
-    def from_blocks(cls, kind: str, blocks, N: int, K: int, bias: torch.Tensor | None = None) -> _BlockLinear:
-        """A GGUF tensor's raw blocks of type `kind` (one of GGUF_TYPES), held exactly."""
+    def parts_from_blocks(cls, kind: str, blocks, N: int, K: int) -> dict:
+        """A GGUF tensor's raw blocks of type `kind` (one of GGUF_TYPES) -> the parts this kernel packs, exactly."""
         if kind not in cls.GGUF_TYPES:
             raise ValueError(f"{cls.name} holds {', '.join(cls.GGUF_TYPES)} blocks, not {kind}")
-        return cls(bias=bias, parts=ggml_blocks.FROM_BLOCKS[kind](blocks, N, K))
+        return ggml_blocks.FROM_BLOCKS[kind](blocks, N, K)
+
+    @classmethod
+    def from_blocks(cls, kind: str, blocks, N: int, K: int, bias: torch.Tensor | None = None) -> _BlockLinear:
+        """A GGUF tensor's raw blocks of type `kind` (one of GGUF_TYPES), held exactly."""
+        return cls(bias=bias, parts=cls.parts_from_blocks(kind, blocks, N, K))
 
     @classmethod
     def _packed_k(cls, first: torch.Tensor) -> int | None:  # first: the first PACKED buffer
@@ -703,8 +708,8 @@ class Q5MLinear(_BlockLinear):
 
 class _FloatLinear(_BlockLinear):
     """Ours, one per float row of kernels/blocktypes.py (`element` set: F16 -> f16): the weight held as the file's
-    16-bit values, 2 bytes per weight, packed per 16 output columns (w [NB, K, 16], the bits as int16;
-    csrc/float.h) x float32 activations as they are (finer than llama.cpp's CPU path, which rounds the activations
+    16-bit values, 2 bytes per weight, packed per 16 output columns (w [NB, K, 16] of the element dtype, the
+    stored bits; csrc/float.h) x float32 activations as they are (finer than llama.cpp's CPU path, which rounds the activations
     to the weight's 16-bit type), one float32 FMA chain per output in K order on every path (scalar, AVX2 with
     F16C, AVX-512): every path, width and thread count give bitwise the same row. FloatLinear(weight [N, K], bias)
     rounds a float weight to the type (round to nearest even); `from_blocks` takes a GGUF tensor's stored values
@@ -725,31 +730,30 @@ class _FloatLinear(_BlockLinear):
         return {"w": weight.detach().to(cls.ELEMENT)}
 
     @classmethod
-    def _pack(cls, parts: dict) -> dict:  # parts["w"] [N, K] ELEMENT -> w [NB, K, 16] int16
+    def _pack(cls, parts: dict) -> dict:  # parts["w"] [N, K] ELEMENT -> w [NB, K, 16] ELEMENT
         w = parts["w"]
         N, K = w.shape
-        padded = ggml_blocks._pad(w.view(torch.int16), N)
-        return {"w": padded.view(-1, ggml_blocks.COLS, K).transpose(1, 2).contiguous()}
+        return {"w": ggml_blocks._pad(w, N).view(-1, ggml_blocks.COLS, K).transpose(1, 2).contiguous()}
 
     @classmethod
     def _dense(cls, buffers: dict, b0: int, b1: int) -> torch.Tensor:  # -> [(b1 - b0) * 16, K] float32
         w = buffers["w"][b0:b1]
-        return w.transpose(1, 2).reshape(-1, w.shape[1]).contiguous().view(cls.ELEMENT).float()
+        return w.transpose(1, 2).reshape(-1, w.shape[1]).float()
 
     @classmethod
     def _packed_k(cls, first: torch.Tensor) -> int | None:
         return first.shape[1] if first.dim() == 3 and first.shape[2] == ggml_blocks.COLS else None
 
     @classmethod
-    def from_blocks(cls, kind: str, blocks, N: int, K: int, bias: torch.Tensor | None = None) -> _FloatLinear:
-        """A GGUF tensor of type `kind` (one of GGUF_TYPES): its stored 16-bit values (raw bytes, N rows of 2 K),
-        held as they are."""
+    def parts_from_blocks(cls, kind: str, blocks, N: int, K: int) -> dict:
+        """A GGUF tensor of type `kind` (one of GGUF_TYPES): its stored 16-bit values (raw bytes, N rows of 2 K)
+        -> w [N, K] ELEMENT, as they are."""
         if kind not in cls.GGUF_TYPES:
             raise ValueError(f"{cls.name} holds {', '.join(cls.GGUF_TYPES)} tensors, not {kind}")
         raw = torch.as_tensor(blocks).reshape(-1).view(torch.uint8)
         if raw.numel() != N * K * 2:
             raise ValueError(f"{kind} tensor [{N}, {K}] needs {N * K * 2} bytes, got {raw.numel()}")
-        return cls(bias=bias, parts={"w": raw.view(cls.ELEMENT).reshape(N, K)})
+        return {"w": raw.view(cls.ELEMENT).reshape(N, K)}
 
 
 def _float_linear(k: blocktypes.Kernel) -> type[_FloatLinear]:

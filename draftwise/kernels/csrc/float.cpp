@@ -37,18 +37,19 @@ extern "C" void DW_FLOAT_GEMM(avx512)(const DwFloat*, const DwFloatAct*, float*,
 
 namespace {
 
-// x [M, K] float32 -> y [M, N] float32; w [NB, K, 16] int16 (the stored 16-bit values; torch has no uint16 ops)
+// x [M, K] float32 -> y [M, N] float32; w [NB, K, 16] of a 16-bit dtype (the type's own: float16, bfloat16), read
+// as the stored bits (the type's header converts them)
 at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias, int64_t N,
                   int64_t path) {
     TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be [M, K] float32 contiguous");
     const int64_t M = x.size(0), K = x.size(1), NB = (N + 15) / 16;
-    dwop::check_weight(w, at::kShort, NB * K * 16, "w");
+    TORCH_CHECK(w.element_size() == 2 && w.is_contiguous() && w.numel() == NB * K * 16, "w: bad shape");
     const float* bias_p = dwop::bias_of(bias, N);
     path = dwisa::select(ISA, path);
     return dwop::output(x, N, [&](dwop::Scratch& s, float* yp) {
         float* part = M > 1 ? s.make<float>({M, NB * 16}, at::kFloat) : nullptr;
         const auto gemm = dwisa::pick(path, DW_FLOAT_GEMM(scalar), DW_FLOAT_GEMM(avx2), DW_FLOAT_GEMM(avx512));
-        DwFloat wt{(const uint16_t*)w.data_ptr<int16_t>(), bias_p, N, K};
+        DwFloat wt{(const uint16_t*)w.data_ptr(), bias_p, N, K};
         DwFloatAct a{x.data_ptr<float>(), M, part};
         dwop::over_blocks(NB, [&](int64_t b0, int64_t b1) { gemm(&wt, &a, yp, b0, b1); });
     });
