@@ -212,6 +212,12 @@ def prepared_path(ckpt: Checkpoint, plan, embed_dtype: torch.dtype) -> Path:
     what = [ckpt.info["sha256"], quant.PREPARED_FORMAT_VERSION, plan.step, plan.prefill, str(dtype), str(embed_dtype)]
     if plan.faithful:
         what.append("faithful")
+        from draftwise.kernels import blocktypes
+
+        floats = {t: blocktypes.kernel_of(t) for t in sorted(plan.stored_types or {})
+                  if t in blocktypes.FLOAT_TYPES and blocktypes.kernel_of(t) != blocktypes.FALLBACK}
+        if floats:  # float types on their own kernels (a prepared file from before a type's row held it in fp32)
+            what.append(floats)
     if "int4" in (plan.step, plan.prefill):  # torch's int4 packing is its own, and may change between versions
         what.append(torch.__version__)
     key = hashlib.sha256(json.dumps(what).encode()).hexdigest()[:16]
