@@ -38,6 +38,7 @@ class Kernel:
     wide: bool
     units: tuple[tuple[str, str], ...]
     element: str = ""  # a float row's torch dtype name ("float16"); "" for a block kernel
+    # (a row's name is its kernels/linear.py registry name: never one of the dense ones, "fp32" and "bf16")
 
 
 @dataclass(frozen=True)

@@ -816,10 +816,11 @@ def _runs_on_cuda(cls: type[LinearImpl]) -> bool:
     return _CUDA_SMOKE[cls.name]
 
 
-LINEARS: dict[str, type[LinearImpl]] = {
-    c.name: c for c in (DenseF32, DenseBF16, TorchInt4, TorchInt8, FbgemmDynamicInt8, Q4x8Linear, Q6KLinear,
-                        Q80Linear, Q81Linear, Q4CLinear, Q5MLinear, *FLOAT_LINEARS)
-}
+_IMPLS = (DenseF32, DenseBF16, TorchInt4, TorchInt8, FbgemmDynamicInt8, Q4x8Linear, Q6KLinear, Q80Linear, Q81Linear,
+          Q4CLinear, Q5MLinear, *FLOAT_LINEARS)
+LINEARS: dict[str, type[LinearImpl]] = {c.name: c for c in _IMPLS}
+if len(LINEARS) != len(_IMPLS):  # one name means one thing: a table row may not take an implementation's name
+    raise RuntimeError(f"two linear implementations share a name: {sorted(c.name for c in _IMPLS)}")
 
 
 def available(probe: dict) -> list[str]:
