@@ -1,13 +1,8 @@
 // F16 (IEEE half) for the float kernel family (float.h): how one, 8 (AVX2) or 16 (AVX-512) stored 16-bit values
 // become float32, exactly (every half is a float32; VCVTPH2PS and the scalar conversion agree bit for bit, NaNs
 // quieted as the instruction quiets them). Included by the family's units compiled for this type; each sees the
-// conversion of its own ISA. Knows nothing else.
+// conversion of its own ISA, after float.h (and intrin.h on the SIMD paths). Knows nothing else.
 #pragma once
-#include <stdint.h>
-#include <string.h>
-#if defined(__AVX2__) || defined(__AVX512F__)
-#include "intrin.h"
-#endif
 
 namespace {
 namespace dwelem {
@@ -19,13 +14,13 @@ inline float to_float(uint16_t h) {
         bits = sign | 0x7f800000u | (m << 13) | (m ? 0x400000u : 0u);  // inf, or a NaN made quiet
     } else if (e == 0) {
         const float f = (float)m * 0x1p-24f;  // zero or a subnormal half: m * 2^-24, exact in float32
-        memcpy(&bits, &f, 4);
+        __builtin_memcpy(&bits, &f, 4);
         bits |= sign;
     } else {
         bits = sign | ((e + 112u) << 23) | (m << 13);
     }
     float f;
-    memcpy(&f, &bits, 4);
+    __builtin_memcpy(&f, &bits, 4);
     return f;
 }
 

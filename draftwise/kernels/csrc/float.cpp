@@ -8,8 +8,8 @@
 #include <cmath>
 #include "block_op.h"
 #include "dispatch.h"
-#include DW_FLOAT_HEADER
 #include "float.h"
+#include DW_FLOAT_HEADER
 
 namespace {
 
@@ -41,7 +41,8 @@ namespace {
 // as the stored bits (the type's header converts them)
 at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias, int64_t N,
                   int64_t path) {
-    TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be [M, K] float32 contiguous");
+    TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
+                "x must be [M, K] float32 contiguous");
     const int64_t M = x.size(0), K = x.size(1), NB = (N + 15) / 16;
     TORCH_CHECK(w.element_size() == 2 && w.is_contiguous() && w.numel() == NB * K * 16, "w: bad shape");
     const float* bias_p = dwop::bias_of(bias, N);

@@ -2,36 +2,29 @@
 // converted by its header's `load8` (F16: VCVTPH2PS, F16C), tiles of 4 blocks for one row and 3 rows x 2 blocks
 // otherwise (float_kernel.h walks them): the same chains as the AVX-512 and scalar paths, so bitwise their rows.
 // Compiled once per type (-DDW_FLOAT, -DDW_FLOAT_HEADER) with -mavx2 -mfma, F16C by the pragma below (this unit
-// alone: every AVX2 CPU has it, dispatch.h checks it), and called only after a run-time
-// cpuid check (float.cpp, dispatch.h). Knows nothing of torch or threads; includes no C++ library header.
+// alone: every AVX2 CPU has it, dispatch.h checks it), and called only after a run-time cpuid check (float.cpp,
+// dispatch.h). Knows nothing of torch or threads; includes no C++ library header.
 #pragma GCC target("f16c")
 #include "intrin.h"
+#include "float.h"
 #include DW_FLOAT_HEADER
 #include "float_kernel.h"
 
 namespace {
 
-struct V256 {
-    using vec = __m256;
-    static constexpr int LANES = 8, CB1 = 4, MT = 3, CB = 2;
-    static vec zero() { return _mm256_setzero_ps(); }
-    static vec load(const uint16_t* p) { return dwelem::load8(p); }
-    static vec loadf(const float* p) { return _mm256_loadu_ps(p); }
-    static vec bcast(const float* p) { return _mm256_broadcast_ss(p); }
-    static vec fma(vec w, vec x, vec acc) { return _mm256_fmadd_ps(w, x, acc); }
-    static void storef(float* p, vec v) { _mm256_storeu_ps(p, v); }
-    // p[j] = v[j] + bias[j] (+ 0 without a bias) for the live j < min(live, 8): a short vector through the same
-    // float additions one at a time
-    static void store(float* p, vec v, const float* bias, int64_t live) {
-        if (live >= 8) {
-            _mm256_storeu_ps(p, _mm256_add_ps(v, bias ? _mm256_loadu_ps(bias) : _mm256_setzero_ps()));
-            return;
-        }
-        alignas(32) float tmp[8];
-        _mm256_store_ps(tmp, v);
-        for (int64_t j = 0; j < live; ++j) p[j] = tmp[j] + (bias ? bias[j] : 0.0f);
+// p[j] = v[j] + bias[j] (+ 0 without a bias) for the live j < min(live, 8): a short vector through the same float
+// additions one at a time
+inline void store8(float* p, __m256 v, const float* bias, int64_t live) {
+    if (live >= 8) {
+        _mm256_storeu_ps(p, _mm256_add_ps(v, bias ? _mm256_loadu_ps(bias) : _mm256_setzero_ps()));
+        return;
     }
-};
+    alignas(32) float tmp[8];
+    _mm256_store_ps(tmp, v);
+    for (int64_t j = 0; j < live; ++j) p[j] = tmp[j] + (bias ? bias[j] : 0.0f);
+}
+
+DW_FLOAT_VEC(V256, __m256, _mm256, 8, 4, 3, 2, dwelem::load8, store8);
 
 }  // namespace
 

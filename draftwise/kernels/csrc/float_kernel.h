@@ -2,7 +2,7 @@
 // column blocks, each output one FMA chain in K order (float.h). An ISA unit supplies V, its vector traits: LANES
 // (float32 per vector: 16 columns are 16 / LANES vectors), the widest tiles its registers hold (CB1 blocks for a
 // one-row call, MT rows x CB blocks otherwise), and zero / load (LANES weights of the type as float32: the type's
-// header) / loadf / bcast / fma / store (the live columns of one vector plus the bias).
+// header) / loadf / bcast / fma / store (the live columns of one vector plus the bias): DW_FLOAT_VEC below.
 //
 // Owns: the walk. A one-row call (decode, bandwidth-bound) streams CB1 blocks at once, CB1 independent chains
 // hiding the FMA latency. A call of up to MT rows takes one pass over K in balanced tiles (rows.h). A wider call
@@ -12,6 +12,22 @@
 #pragma once
 #include "float.h"
 #include "rows.h"
+
+// The vector traits V of an ISA whose intrinsics are PS##_setzero_ps ... (_mm256, _mm512): VEC of LANES float32,
+// the tiles, `load` (the type header's LOAD: LANES stored values as float32) and `store` (STORE: the live columns
+// of one vector plus the bias, the ISA's own way of storing a short vector).
+#define DW_FLOAT_VEC(NAME, VEC, PS, LANES_, CB1_, MT_, CB_, LOAD, STORE)                          \
+    struct NAME {                                                                                  \
+        using vec = VEC;                                                                           \
+        static constexpr int LANES = LANES_, CB1 = CB1_, MT = MT_, CB = CB_;                        \
+        static vec zero() { return PS##_setzero_ps(); }                                            \
+        static vec load(const uint16_t* p) { return LOAD(p); }                                     \
+        static vec loadf(const float* p) { return PS##_loadu_ps(p); }                              \
+        static vec bcast(const float* p) { return PS##_set1_ps(*p); }                              \
+        static vec fma(vec w, vec x, vec acc) { return PS##_fmadd_ps(w, x, acc); }                 \
+        static void storef(float* p, vec v) { PS##_storeu_ps(p, v); }                              \
+        static void store(float* p, vec v, const float* bias, int64_t live) { STORE(p, v, bias, live); } \
+    }
 
 namespace {
 namespace dwfloat {
@@ -78,7 +94,8 @@ template <class V>
 inline void gemm(const DwFloat* w, const DwFloatAct* a, float* out, int64_t b0, int64_t b1) {
     const int64_t M = a->M, K = w->K;
     if (M == 1) {
-        for (int64_t b = b0; b < b1; b += V::CB1) blocks<V, 1, V::CB1>(b1 - b < V::CB1 ? b1 - b : V::CB1, w, a, out, b, 0, 0, K);
+        for (int64_t b = b0; b < b1; b += V::CB1)
+            blocks<V, 1, V::CB1>(b1 - b < V::CB1 ? b1 - b : V::CB1, w, a, out, b, 0, 0, K);
         return;
     }
     const int64_t step = M <= V::MT || a->part == nullptr ? K : KC;
