@@ -86,7 +86,7 @@ def test_greedy_speculation_equals_plain(new_types_gguf, tmp_path, spec):
 
 
 # the float types the table gives a kernel of their own: a file whose 2-D tensors are all stored as one of them
-FLOAT_FILES = ["F16"]
+FLOAT_FILES = ["F16", "BF16"]
 
 
 @pytest.fixture(scope="module", params=FLOAT_FILES)

@@ -77,6 +77,7 @@ KERNELS: dict[str, Kernel] = {k.name: k for k in (
     Kernel("q4c", "Q8_0", 5.0, False, ()),  # csrc/q8_0.h's 4-bit codes form (q8_0's units)
     Kernel("q5m", "Q8_1", 7.0, False, ()),  # csrc/q8_0.h's codes, fifth-bit plane and min term (q8_0's units)
     Kernel("f16", "F32", 16.0, False, FLOAT_UNITS, "float16"),  # csrc/f16.h: IEEE half, as stored
+    Kernel("bf16w", "F32", 16.0, False, FLOAT_UNITS, "bfloat16"),  # csrc/bf16w.h: bfloat16, as stored
 )}
 
 TYPES: dict[str, BlockType] = {t.name: t for t in (
@@ -108,7 +109,7 @@ TYPES: dict[str, BlockType] = {t.name: t for t in (
     BlockType("I64", 27, 1, 8, quantized=False),
     BlockType("F64", 28, 1, 8, quantized=False),
     BlockType("IQ1_M", 29, 256, 56),
-    BlockType("BF16", 30, 1, 2, quantized=False),
+    BlockType("BF16", 30, 1, 2, "bf16w", quantized=False),
     BlockType("TQ1_0", 34, 256, 54),
     BlockType("TQ2_0", 35, 256, 66),
     BlockType("MXFP4", 39, 32, 17),
