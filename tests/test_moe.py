@@ -355,3 +355,44 @@ def test_the_step_cost_calibration_routes_like_text_not_one_token(moe, tmp_path)
     grid = measure_grid(model, max_batch=1, max_width=8, rounds=1, context=16)
     assert set(grid) >= {(1, 1), (1, 8)}
     assert any(n > top_k for n in model.experts_touched())  # the last cell timed: 1 row x 8 tokens
+
+
+def test_grouped_experts_split_over_threads_changes_no_bit(quantized_moe, tmp_path):
+    """csrc/experts.cpp splits a call whose experts have few rows each (a decode or verification step) over its
+    experts, one thread running an expert's gate/up, activation and down whole: at 2 threads every row is bitwise
+    what 1 thread (no split) and the Python loop give, for 1 row, a verification's 9 rows, and a prompt's 40 (past
+    the split's row limit: the kernels' own split). Planted: a split whose threads each sum their own experts'
+    products, the two halves added after (a per-thread reduction: another order of the row's sum), is caught."""
+    from draftwise.kernels import experts as experts_op
+
+    model, _, _ = load_model(str(quantized_moe), weights="auto", cache_dir=str(tmp_path / "c"))
+    moe = model.model.layers[1].mlp
+    op = moe._grouped_op()
+    assert op is not None
+    H = moe.gate.weight.shape[1]
+    g = torch.Generator().manual_seed(5)
+    threads = torch.get_num_threads()
+    try:
+        for M in (1, 9, 40):
+            x = torch.randn(M, H, generator=g)  # [M, H] float32
+            # 4 experts a row (the file routes top-2, whose two-term sums no order changes): [M, 4], [M, 4]
+            chosen = torch.stack([torch.randperm(moe.num_experts, generator=g)[:4].sort().values for _ in range(M)])
+            weights = torch.rand(M, 4, generator=g)
+            with torch.inference_mode():
+                outs = []
+                for n in (2, 1, 2):
+                    torch.set_num_threads(n)
+                    outs.append(experts_op.run(op, x, chosen, weights))  # [M, H]
+                loop = torch.zeros_like(x)
+                for m in range(M):  # the Python loop's sum: a row's weighted products in ascending expert order
+                    ys = [moe.experts[e](x[m:m + 1], tokens=M)[0] * weights[m, j]
+                          for j, e in enumerate(chosen[m].tolist())]
+                    loop[m] = ys[0]
+                    for y in ys[1:]:
+                        loop[m] = loop[m] + y
+            assert len(set(chosen.flatten().tolist())) > 1
+            for got in outs:
+                assert torch.equal(got, outs[1]), M
+            assert torch.equal(outs[1], loop), M
+    finally:
+        torch.set_num_threads(threads)

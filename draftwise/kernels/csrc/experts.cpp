@@ -11,6 +11,15 @@
 // the activation are the library's other ops (found through the dispatcher once), so every expert's output is
 // bitwise what its Python module computes for the same rows.
 //
+// Threads: a call whose experts each have few rows (a decode or verification step: every expert at most
+// SPLIT_MAX_ROWS rows) splits over its experts, each expert's gate/up, activation and down run whole by one thread
+// (the linears then run single-threaded inside: at::parallel_for does not nest), so a step pays one thread fork /
+// join per layer instead of one per linear (16 for a top-8 step), and no thread waits at a join after each small
+// GEMV; a call with more rows per expert (a prompt) keeps the kernels' own split over column blocks (and rows),
+// which balances uneven experts. The split changes no bit: each linear's outputs do not depend on the thread
+// that runs it or on its thread count (block_op.h splits only over columns and rows), and the sum below is one
+// thread's, in expert order, after every expert is done.
+//
 // Row-exact: each row's products come from row-exact kernels (a row's bits do not depend on the other rows of
 // the call), and a row's sum is s = p_0, s = s + p_j for its experts j in ascending order, each p_j = y_j * w_j
 // rounded to float32 (no contraction: -ffp-contract=off): bitwise SparseMoE's loop (slots summed in expert order),
@@ -18,10 +27,12 @@
 #pragma GCC diagnostic ignored "-Wstringop-overflow"  // torch's custom-class templates, instantiated here (not ours)
 #include <torch/custom_class.h>
 #include <torch/library.h>
+#include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
+#include <algorithm>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -70,6 +81,10 @@ at::Tensor run_linear(const KindOps& k, const at::Tensor* bufs, const at::Tensor
     return st.at(0).toTensor();
 }
 
+// the most rows any expert of a call may have for the call to split over experts (module comment): a verification
+// step of up to 16 tokens; past that the experts' uneven row counts are better balanced by the kernels' own split
+constexpr int64_t SPLIT_MAX_ROWS = 16;
+
 struct ExpertSet : torch::CustomClassHolder {
     // gate_up: per expert, gu_buffers tensors of a merged gate | up linear [2 I, H] of kind gu_kind; down: per
     // expert, down_buffers tensors of a [H, I] linear of kind down_kind; act: glue.py ACTIVATIONS' id
@@ -106,28 +121,43 @@ struct ExpertSet : torch::CustomClassHolder {
                 TORCH_CHECK(j == 0 || ep[m * k + j - 1] < e, "a row's experts must be ascending and distinct");
                 rows[e].push_back(m * k + j);  // slot: row m's j-th expert
             }
+        std::vector<int64_t> active;  // experts with rows, ascending
+        int64_t most = 0;
+        for (int64_t e = 0; e < E; ++e)
+            if (!rows[e].empty()) {
+                active.push_back(e);
+                most = std::max(most, (int64_t)rows[e].size());
+            }
+        const int64_t A = (int64_t)active.size();
+        const float* xp = x.data_ptr<float>();
         at::Tensor out = at::empty({M, down_N}, x.options());
         float* op = out.data_ptr<float>();
         std::vector<uint8_t> started(M, 0);
-        const float* xp = x.data_ptr<float>();
-        for (int64_t e = 0; e < E; ++e) {
+        // expert active[i]'s outputs y [n, down_N] for its rows
+        auto expert = [&](int64_t i) -> at::Tensor {
+            const int64_t e = active[i];
             const auto& slots = rows[e];
             const int64_t n = (int64_t)slots.size();
-            if (!n) continue;
             at::Tensor xe = at::empty({n, H}, x.options());  // this expert's rows, gathered
             float* xep = xe.data_ptr<float>();
-            for (int64_t i = 0; i < n; ++i) std::memcpy(xep + i * H, xp + slots[i] / k * H, H * sizeof(float));
+            for (int64_t r = 0; r < n; ++r) std::memcpy(xep + r * H, xp + slots[r] / k * H, H * sizeof(float));
             at::Tensor gu = run_linear(gu_, &gu_w[e * gu_.buffers], xe, gu_N, path);  // [n, 2 I]
             at::Tensor h = glu.typed<at::Tensor(const at::Tensor&, const std::optional<at::Tensor>&, int64_t)>()
                                .call(gu, std::nullopt, act);  // [n, I]
             at::Tensor y = run_linear(down_, &down_w[e * down_.buffers], h.contiguous(), down_N, path);  // [n, H]
             TORCH_CHECK(y.is_contiguous() && y.size(0) == n && y.size(1) == down_N, "expert output shape");
+            return y;
+        };
+        // each row's weighted product of expert active[i] (y [n, down_N]) into its sum; called in ascending i
+        auto add = [&](int64_t i, const at::Tensor& y) {
+            const auto& slots = rows[active[i]];
+            const int64_t n = (int64_t)slots.size();
             const float* yp = y.data_ptr<float>();
-            for (int64_t i = 0; i < n; ++i) {
-                const int64_t m = slots[i] / k;
-                const float w = wp[slots[i]];
+            for (int64_t r = 0; r < n; ++r) {
+                const int64_t m = slots[r] / k;
+                const float w = wp[slots[r]];
                 float* o = op + m * down_N;
-                const float* yr = yp + i * down_N;
+                const float* yr = yp + r * down_N;
                 if (!started[m]) {  // the row's first (lowest) expert: s = p_0
                     for (int64_t c = 0; c < down_N; ++c) o[c] = yr[c] * w;
                     started[m] = 1;
@@ -138,6 +168,15 @@ struct ExpertSet : torch::CustomClassHolder {
                     }
                 }
             }
+        };
+        if (most <= SPLIT_MAX_ROWS && A > 1 && at::get_num_threads() > 1 && !at::in_parallel_region()) {
+            std::vector<at::Tensor> ys(A);  // every expert's outputs, kept until all are done (a few rows each)
+            at::parallel_for(0, A, 1, [&](int64_t i0, int64_t i1) {
+                for (int64_t i = i0; i < i1; ++i) ys[i] = expert(i);
+            });
+            for (int64_t i = 0; i < A; ++i) add(i, ys[i]);
+        } else {  // one expert's outputs at a time (a prompt's would be [rows x k, H] held at once)
+            for (int64_t i = 0; i < A; ++i) add(i, expert(i));
         }
         return out;
     }
