@@ -1,5 +1,6 @@
-"""draftwise against llama.cpp (llama-cpp-python) on one mixture-of-experts GGUF: by default the synthetic file with
-Qwen3-30B-A3B's layer shapes that scripts/moe_shapes.py writes (128 experts top-8, the Q4_K_M type mix, layers cut).
+"""draftwise against llama.cpp (llama-cpp-python) on one GGUF, by default a mixture-of-experts one: the synthetic file with
+Qwen3-30B-A3B's layer shapes that scripts/moe_shapes.py writes (128 experts top-8, the Q4_K_M type mix, layers cut);
+--path takes any GGUF both engines load (a dense file has no experts: the ceiling counts its every layer).
 
 Each engine runs in its own child process under /usr/bin/time -v (its peak RSS), the two alternated --rounds times
 (draftwise, llama.cpp, draftwise, ...) so a busy machine slows both alike; the load average is recorded around
@@ -62,10 +63,10 @@ def file_step_bytes(path: str) -> dict:
     import gguf
 
     r = gguf.GGUFReader(path)
-    field = lambda key: int(r.fields[key].parts[-1][0])  # noqa: E731
+    field = lambda key: int(r.fields[key].parts[-1][0]) if key in r.fields else 1  # noqa: E731  (a dense file: 1)
     arch = bytes(r.fields["general.architecture"].parts[-1]).decode()
     E, k = field(f"{arch}.expert_count"), field(f"{arch}.expert_used_count")
-    parts = {"attention": 0.0, "router and norms": 0.0, "experts": 0.0, "head": 0.0}
+    parts = {"attention": 0.0, "dense ffn": 0.0, "router and norms": 0.0, "experts": 0.0, "head": 0.0}
     for t in r.tensors:
         n = float(t.n_bytes)
         if t.name == "token_embd.weight":
@@ -74,6 +75,8 @@ def file_step_bytes(path: str) -> dict:
             n, part = n * k / E, "experts"
         elif ".attn_" in t.name and "norm" not in t.name:
             part = "attention"
+        elif ".ffn_" in t.name and "norm" not in t.name and "gate_inp" not in t.name and "shexp" not in t.name:
+            part = "dense ffn"  # a dense file's feed-forward (an MoE file's shared expert stays with the router)
         elif t.name.startswith("output"):
             part = "head"
         else:
