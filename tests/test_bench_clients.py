@@ -170,3 +170,33 @@ def test_a_sweep_over_the_drafts_plans_loads_each_and_keeps_them_apart(tmp_path)
     assert tune.spec_config_for(cond) == {"method": "draft_model", "num_speculative_tokens": 2,
                                           "model": "tiny-draft", "draft_weights": "faithful"}
     assert conditions_from(["draft_model"], [2], "d", draft_weights=["q4x8"])[0].draft_weights is None  # one: client's
+
+
+def test_in_process_batches_never_share_a_suffix_cache_scope():
+    """Each batch runs under its own suffix-cache scope: the same prompt run again (another condition or concurrency
+    level, one engine for all) must not be guessed from its earlier run's output. Planted: the same prompt twice in
+    one scope accepts (nearly) every guess the second time, so scopes shared across batches would show."""
+    from draftwise.bench.clients import Call
+
+    client = InProcessClient(tiny_llm(max_num_seqs=1, k_max=4))
+    client.llm.set_speculation({"method": "suffix", "num_speculative_tokens": 4})
+    call = Call(PROMPTS[0], None, 24)
+    seen = []
+    new_request = client.llm.new_request
+
+    def spy(prompt, params):
+        req, stream = new_request(prompt, params)
+        seen.append(req)
+        return req, stream
+
+    client.llm.new_request = spy
+    first, second = client._run_calls([call])[0], client._run_calls([call])[0]
+    assert first.token_ids == second.token_ids
+    assert len({r.cache_scope for r in seen}) == 2
+    accepted = [r.spec["num_accepted_tokens"] for r in (first, second)]
+    assert accepted[1] == accepted[0], accepted  # the second run learned nothing from the first
+
+    # the planted leak: both runs in one scope; the second run now guesses its own earlier output and accepts more
+    client._batches = iter(["shared", "shared"])
+    leak = [client._run_calls([call])[0] for _ in range(2)]
+    assert leak[1].spec["num_accepted_tokens"] > leak[0].spec["num_accepted_tokens"], leak

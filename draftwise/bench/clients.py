@@ -5,6 +5,9 @@ Two implementations of one small interface (`prepare`, `run_batch`, `manifest`, 
     method (built once, with the largest k of the sweep), switched between conditions; a batch of C requests
     is submitted together and the engine stepped until all finish (continuous batching), so concurrency C
     is real. Times come from the engine's Request (arrival → first token → finish), the definitions in docs/ARCHITECTURE.md.
+    Every request arrives new: its prompt is forgotten by the prefix caches, and each batch gets its own
+    suffix-cache scope, so method suffix never guesses from the output of the same prompt run in another condition
+    or concurrency level (it would accept nearly every guess: a benchmark artefact, not a speed-up).
   - HTTPClient talks to any OpenAI-compatible server (`/v1/completions`, `/v1/chat/completions`) with
     streaming SSE: TTFT is the first chunk carrying text. A stream that ends with an `error` event (or a body
     holding an `error` object, even with HTTP 200) is an error, never a success. Acceptance comes from the server's /metrics,
@@ -15,6 +18,7 @@ Knows nothing of conditions' order, statistics or files.
 """
 from __future__ import annotations
 
+import itertools
 import json
 import re
 import resource
@@ -143,6 +147,7 @@ class InProcessClient:
     def __init__(self, llm, draft: str | None = None, draft_dtype: str | None = None, draft_weights: str | None = None):
         self.llm = llm
         self.draft, self.draft_dtype, self.draft_weights = draft, draft_dtype, draft_weights
+        self._batches = itertools.count()  # each batch's suffix-cache scope (_run_calls)
 
     @property
     def draft_info(self) -> dict | None:
@@ -183,6 +188,9 @@ class InProcessClient:
         for cache in llm.prefix_caches().values():  # every request arrives new: it reuses only what it shares
             for req, _ in pairs:  # with other prompts (a system prompt), never its own run in another condition
                 cache.forget(req.prompt_ids)
+        scope = f"bench-batch-{next(self._batches)}"  # nor guesses from its own output in another condition or
+        for req, _ in pairs:  # concurrency level (method suffix's cache of earlier outputs; one engine runs them all)
+            req.cache_scope = scope
         start = time.perf_counter()
         for req, _ in pairs:
             req.arrival_time = start  # the batch arrives at once
