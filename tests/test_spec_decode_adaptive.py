@@ -84,9 +84,10 @@ def test_recent_steps_weigh_more_than_old_ones():
     assert k_per_step == sorted(k_per_step, reverse=True) and k_per_step[1] < k_per_step[0] and k_per_step[-1] == 0
 
 
-def _history(policy, accepted_of_3=(2, 3, 1), times=6):
-    """Another request's steps of 3 guesses: acceptance ~0.75 per guess, the engine's prior for the next."""
-    other = _Req("other")
+def _history(policy, accepted_of_3=(2, 3, 1), times=6, length=500):
+    """Another request's steps of 3 guesses: acceptance ~0.75 per guess, the engine's prior for the next; it ends
+    after `length` output tokens (the typical length the next requests' catch-up is spread over)."""
+    other = _Req("other", output_ids=[1] * length, params=SamplingParams(max_tokens=500))
     for _ in range(times):
         for n in accepted_of_3:
             policy.observe(other, 3, n)
@@ -107,6 +108,29 @@ def test_catching_up_is_charged_and_spread_over_what_is_left():
     free = _policy(catch_up_cost=0.0)
     _history(free)
     assert free.choose(_Req("near_end", prompt_ids=[1] * 400, params=SamplingParams(max_tokens=31))) > 0
+
+
+def test_a_catch_up_is_spread_over_the_output_requests_typically_end_with():
+    """Requests that end at a stop or EOS long before max_tokens leave few tokens to spread a catch-up over: where
+    finished requests ended after ~20 tokens, a 400-token prompt's catch-up does not pay for a request allowed 500,
+    where it does once they ran to 500. Planted: the length ignored (max_tokens left, as before) guesses."""
+    def decisions(length, ignore_length=False):
+        p = _policy(catch_up_cost=0.002)
+        _history(p, length=length)
+        if ignore_length:
+            p.typical_length = None
+        req = _Req("long", prompt_ids=[1] * 400, params=SamplingParams(max_tokens=500))
+        return [p.choose(req) for _ in range(3)]
+
+    assert decisions(500)[1:] != [0, 0]
+    short = decisions(20)
+    assert short == [0, 0, 0], short
+    assert decisions(20, ignore_length=True)[1:] != [0, 0]
+    p = _policy()
+    _history(p, length=20)
+    assert p.remaining(_Req("a", output_ids=[1] * 5, params=SamplingParams(max_tokens=500))) == 15
+    assert p.remaining(_Req("b", output_ids=[1] * 30, params=SamplingParams(max_tokens=500))) == 10  # past it
+    assert p.remaining(_Req("c", output_ids=[1] * 5, params=SamplingParams(max_tokens=8))) == 3  # never past max
 
 
 def test_plain_steps_leave_the_proposer_behind():

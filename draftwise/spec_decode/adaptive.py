@@ -26,7 +26,8 @@ restart's draft forwards and catch-up at today's load; the draft's own scale lea
 Catch-up (k_i >= 1 only): context
 the proposer has not read (`behind`: the prompt before a request's first guess, + 1 per plain step, for a draft
 model that reads only on `propose`), paid once, so spread over the steps left if each yields E (remaining = output
-tokens left). catch_up(n): what a draft row's forward of 1 + n tokens costs beyond a width-1 forward (the draft
+tokens still expected: max_tokens left, or fewer where finished requests have been ending sooner at a stop or EOS;
+`remaining`). catch_up(n): what a draft row's forward of 1 + n tokens costs beyond a width-1 forward (the draft
 reads them in the forward that yields its first guess), from the draft grid's cells at B = 1, PROMPT_WIDTHS
 included (StepCost.catch_up: a ~100-token catch-up runs the prompt kernels, a fraction of the per-token cost that
 widths 1..16 extrapolate to), times the draft's load factor; a constant per token where the caller gives one.
@@ -76,6 +77,7 @@ COLD_PROBE_ALPHA = 1.0  # ... before the engine has any acceptance of its own (e
 DRAFT_EWMA = 0.1  # per guessing step: the draft's scale (or a model-free proposer's seconds) toward the measured
 DRAFT_RATIO_RANGE = (0.25, 4.0)  # one step's measured / predicted proposing time, as the draft's scale reads it
 CATCH_UP_TOKENS = 128  # a typical prompt: `catch_up_cost` (seconds a token) is the catch-up of this many, per token
+LENGTH_MIX = 0.25  # a finished request's share in the typical output length (`remaining`)
 
 
 def ragged_width(guesses: list[int]) -> int:
@@ -163,6 +165,7 @@ class AdaptiveK:
         self._behind: dict[str, int] = {}  # request -> context tokens its proposer has not seen
         self._plain_run: dict[str, int] = {}  # request -> plain steps since its last guess
         self._probe_gap: dict[str, int] = {}
+        self.typical_length: float | None = None  # output tokens of the last few finished requests (EWMA)
 
     @classmethod
     def calibrate(cls, target, k_max: int, proposer=None, max_batch: int = 8, cache: bool = False) -> AdaptiveK:
@@ -329,7 +332,7 @@ class AdaptiveK:
         rids = [r.request_id for r in reqs]
         behind = [self._behind.get(rid, len(r.prompt_ids) + 1) for rid, r in zip(rids, reqs)]
         # a request's first decision (its prefill's guesses) pays its prompt's catch-up in full: later steps may not guess
-        remaining = [r.params.max_tokens - len(r.output_ids) if rid in self._behind else 1 for rid, r in zip(rids, reqs)]
+        remaining = [self.remaining(r) if rid in self._behind else 1 for rid, r in zip(rids, reqs)]
         alphas = [self.acceptance(r) for r in reqs]
         ks, rate, plain = self.best_ks(alphas, caps, behind, remaining)
         if any(ks) and rate < (KEEP_MARGIN if guessing else MARGIN) * plain:
@@ -365,6 +368,16 @@ class AdaptiveK:
         if rate < MARGIN * plain:
             return [False] * n
         return [k > 0 for k in ks]
+
+    def remaining(self, req) -> int:
+        """The output tokens a request is expected to produce still, which a catch-up is spread over: its
+        max_tokens left, or fewer where finished requests have been ending sooner (at a stop or EOS): the typical
+        output length less what it has, or half the typical length once it is past it, never more than it may."""
+        n, left = len(req.output_ids), req.params.max_tokens - len(req.output_ids)
+        if self.typical_length is None:
+            return max(left, 1)
+        expected = self.typical_length - n if n < self.typical_length else self.typical_length / 2
+        return max(1, min(left, round(expected)))
 
     def choose(self, req) -> int:
         """The batch rule for one request alone (a prefill's first guesses): the batch decision's state is kept."""
@@ -410,7 +423,11 @@ class AdaptiveK:
         self.req_counts[req.request_id] = (own[0] * keep + reached, own[1] * keep + num_accepted)
 
     def end(self, req) -> None:
-        """The request's own α (its recent guesses) moves the engine's, the prior of the next requests."""
+        """The request's own α (its recent guesses) moves the engine's, the prior of the next requests; its output
+        length moves the typical one (`remaining`)."""
+        n = len(req.output_ids)
+        self.typical_length = n if self.typical_length is None else (
+            (1 - LENGTH_MIX) * self.typical_length + LENGTH_MIX * n)
         reached, accepted = self.req_counts.get(req.request_id, (0.0, 0.0))
         if reached:
             mix = ENGINE_MIX if self.engine_alpha is not None else 1.0
