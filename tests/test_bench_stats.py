@@ -75,6 +75,9 @@ def test_verdict_rules():
     assert v["decision"] == "speculate" and v["condition"] == "ngram-k4"  # highest lower bound, not highest point
     assert decide({"a": _sp(0.7, 0.8, 0.9), "b": _sp(0.5, 0.6, 0.99)})["decision"] == "don't"
     assert decide({"a": _sp(0.9, 1.05, 1.2), "b": _sp(0.5, 0.6, 0.7)})["decision"] == "no measurable difference"
+    # the CI it quotes as holding 1.0 does: the faster "a" lies wholly below 1, "b" holds it
+    v = decide({"a": _sp(0.88, 0.92, 0.97), "b": _sp(0.7, 0.9, 1.1)})
+    assert v["decision"] == "no measurable difference" and v["condition"] == "b" and "0.70-1.10 includes" in v["text"]
     assert decide({"a": _sp(1.0, 1.0, 1.0, n=1)})["decision"] == "not enough data"
     v = decide({"a": _sp(1.1, 1.2, 1.3)}, {"a": {"n": 10, "identical": 9, "share": 0.9}})
     assert "1 of 10 greedy outputs differ" in v["text"]

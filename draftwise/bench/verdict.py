@@ -34,8 +34,9 @@ def decide(speedups: dict[str, dict], identical: dict[str, dict] | None = None) 
         out = {"decision": "don't", "condition": best,
                "text": f"don't speculate: even the best, {best}, is slower at {v['speedup']:.2f}x "
                        f"(95% CI {v['ci_low']:.2f}-{v['ci_high']:.2f})"}
-    else:
-        best = max(s, key=lambda c: s[c]["speedup"])
+    else:  # the condition named is one whose CI holds 1.0 (the best of those): a faster one may lie wholly below 1
+        holds = {c: v for c, v in s.items() if v["ci_high"] >= 1.0}
+        best = max(holds, key=lambda c: holds[c]["speedup"])
         v = s[best]
         out = {"decision": "no measurable difference", "condition": best,
                "text": f"no measurable difference: best {best} at {v['speedup']:.2f}x, 95% CI "
