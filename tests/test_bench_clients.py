@@ -200,3 +200,29 @@ def test_in_process_batches_never_share_a_suffix_cache_scope():
     client._batches = iter(["shared", "shared"])
     leak = [client._run_calls([call])[0] for _ in range(2)]
     assert leak[1].spec["num_accepted_tokens"] > leak[0].spec["num_accepted_tokens"], leak
+
+
+def test_http_client_sends_each_batch_under_its_own_key_unless_given_one():
+    """Without --api-key each batch goes under a key of its own (a key-scoped suffix cache then never guesses a
+    prompt from another batch's output); with one, every request carries the user's key."""
+    import httpx
+
+    from draftwise.bench.clients import Call
+
+    def run(api_key):
+        seen = []
+
+        def answer(request):
+            seen.append(request.headers.get("authorization"))
+            body = _sse({"choices": [{"index": 0, "text": "x", "finish_reason": "length"}]}, "[DONE]")
+            return httpx.Response(200, headers={"content-type": "text/event-stream"}, content=body.encode())
+
+        client = HTTPClient(api_key=api_key, model="m", transport=httpx.MockTransport(answer))
+        client._models["http://x"] = "m"
+        for _ in range(2):
+            client._run_calls("http://x", [Call("p", None, 4), Call("q", None, 4)])
+        return seen
+
+    own = run(None)
+    assert len(own) == 4 and own[0] == own[1] and own[2] == own[3] and own[0] != own[2], own
+    assert run("secret") == ["Bearer secret"] * 4

@@ -295,6 +295,9 @@ class HTTPClient:
 
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.http = httpx.Client(headers=headers, timeout=timeout_s, transport=transport)
+        # without a key of the user's, each batch sends one of its own: a server that scopes its suffix cache by key
+        # (draftwise serve's default) then never guesses a prompt from its warm-up's or another batch's output
+        self._batch_keys = None if api_key else itertools.count()
         self.model = model
         self._models: dict[str, str] = {}
         self._rss: dict[str, float] = {}
@@ -340,12 +343,13 @@ class HTTPClient:
         return results, extra
 
     def _run_calls(self, base: str, calls: list[Call]) -> list[Result]:
+        key = None if self._batch_keys is None else {"Authorization": f"Bearer bench-batch-{next(self._batch_keys)}"}
         if len(calls) == 1:
-            return [self._stream(base, calls[0])]
+            return [self._stream(base, calls[0], key)]
         with ThreadPoolExecutor(len(calls)) as pool:
-            return list(pool.map(lambda c: self._stream(base, c), calls))
+            return list(pool.map(lambda c: self._stream(base, c, key), calls))
 
-    def _stream(self, base: str, call: Call) -> Result:
+    def _stream(self, base: str, call: Call, headers: dict | None = None) -> Result:
         chat = call.messages is not None
         body = {"model": self._models[base], "max_tokens": call.max_tokens, "temperature": call.temperature,
                 "top_p": call.top_p, "stream": True, "stream_options": {"include_usage": True}}
@@ -359,7 +363,7 @@ class HTTPClient:
         if call.structured_outputs:
             body["structured_outputs"] = call.structured_outputs  # vLLM's field; draftwise serve takes it too
         url = base + ("/v1/chat/completions" if chat else "/v1/completions")
-        res, _, _ = stream_sse(self.http, url, body, chat)
+        res, _, _ = stream_sse(self.http, url, body, chat, request_headers=headers)
         ids = res.token_ids or []
         res.token_ids = None
         cut = min((i for i in (res.text.find(x) for x in call.stop[MAX_STOP:]) if i >= 0), default=-1)
@@ -382,19 +386,20 @@ class HTTPClient:
         return out
 
 
-def stream_sse(http, url: str, body: dict, chat: bool = False, on_text=None) -> tuple[Result, int | None, dict]:
+def stream_sse(http, url: str, body: dict, chat: bool = False, on_text=None,
+               request_headers: dict | None = None) -> tuple[Result, int | None, dict]:
     """POST `body` to `url` as a stream (`stream: true` is set) and read its server-sent events: (Result, HTTP status
     or None when the request failed before one, the response headers). The one SSE reader of the bench, the
     scripts and the server tests. A stream that ends with an `error` event (or finish_reason "error"), a non-200
     status, or a whole JSON body holding an `error` object is an error (Result.error), never a success; the text
     and finish reason received before it are kept. `on_text(text)`: called per chunk that carries text (progress);
-    `chat`: the text is in choices[].delta.content. Token ids (vLLM's `return_token_ids`) land in Result.token_ids;
-    output tokens are counted from usage when the server sends it, else from the chunks (tokens_estimated)."""
+    `chat`: the text is in choices[].delta.content; `request_headers`: this request's own, beside the client's.
+    Token ids (vLLM's `return_token_ids`) land in Result.token_ids; output tokens are counted from usage when the server sends it, else from the chunks (tokens_estimated)."""
     res, chunks, parts, ids = Result(), 0, [], []
     status, headers = None, {}
     t0 = time.perf_counter()
     try:
-        with http.stream("POST", url, json=dict(body, stream=True)) as r:
+        with http.stream("POST", url, json=dict(body, stream=True), headers=request_headers) as r:
             status, headers = r.status_code, dict(r.headers)
             if r.status_code != 200:
                 r.read()
