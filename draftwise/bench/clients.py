@@ -394,7 +394,8 @@ def stream_sse(http, url: str, body: dict, chat: bool = False, on_text=None,
     status, or a whole JSON body holding an `error` object is an error (Result.error), never a success; the text
     and finish reason received before it are kept. `on_text(text)`: called per chunk that carries text (progress);
     `chat`: the text is in choices[].delta.content; `request_headers`: this request's own, beside the client's.
-    Token ids (vLLM's `return_token_ids`) land in Result.token_ids; output tokens are counted from usage when the server sends it, else from the chunks (tokens_estimated)."""
+    Token ids (vLLM's `return_token_ids`) land in Result.token_ids; output tokens are counted from usage when the
+    server sends it, else from the chunks (tokens_estimated)."""
     res, chunks, parts, ids = Result(), 0, [], []
     status, headers = None, {}
     t0 = time.perf_counter()
