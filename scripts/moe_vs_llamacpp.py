@@ -1,6 +1,6 @@
 """draftwise against llama.cpp (llama-cpp-python) on one GGUF, by default a mixture-of-experts one: the synthetic
-file with Qwen3-30B-A3B's layer shapes that scripts/moe_shapes.py writes (128 experts top-8, the Q4_K_M type mix, layers cut);
---path takes any GGUF both engines load (a dense file has no experts: the ceiling counts its every layer).
+file with Qwen3-30B-A3B's layer shapes that scripts/moe_shapes.py writes (128 experts top-8, the Q4_K_M type mix,
+layers cut); --path takes any GGUF both engines load (a dense file has no experts: the ceiling counts every layer).
 
 Each engine runs in its own child process under /usr/bin/time -v (its peak RSS), the two alternated --rounds times
 (draftwise, llama.cpp, draftwise, ...) so a busy machine slows both alike; the load average is recorded around
