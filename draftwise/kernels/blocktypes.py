@@ -158,6 +158,11 @@ def fallbacks(stored_types: dict[str, int] | None) -> dict[str, int]:
             if kernel_of(t) == FALLBACK and (t not in TYPES or TYPES[t].quantized)}
 
 
+def float_kernels(stored_types: dict[str, int] | None) -> dict[str, str]:
+    """Of a census of stored types, the float types held on a kernel of their own (F16 -> f16), type -> kernel."""
+    return {t: kernel_of(t) for t in sorted(stored_types or {}) if t in FLOAT_TYPES and kernel_of(t) != FALLBACK}
+
+
 def kernel_bits(name: str) -> float:
     """Bits per weight a type is held in once loaded: its kernel's packed layout, or the fp32 fallback's."""
     k = kernel_of(name)

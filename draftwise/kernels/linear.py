@@ -540,6 +540,11 @@ class _BlockLinear(LinearImpl):
         """A GGUF tensor's raw blocks of type `kind` (one of GGUF_TYPES) -> the parts this kernel packs, exactly."""
         if kind not in cls.GGUF_TYPES:
             raise ValueError(f"{cls.name} holds {', '.join(cls.GGUF_TYPES)} blocks, not {kind}")
+        return cls._parts_of(kind, blocks, N, K)
+
+    @classmethod
+    def _parts_of(cls, kind: str, blocks, N: int, K: int) -> dict:
+        """parts_from_blocks once `kind` is known to be this kernel's: the table's reader of its blocks."""
         return ggml_blocks.FROM_BLOCKS[kind](blocks, N, K)
 
     @classmethod
@@ -745,11 +750,9 @@ class _FloatLinear(_BlockLinear):
         return first.shape[1] if first.dim() == 3 and first.shape[2] == ggml_blocks.COLS else None
 
     @classmethod
-    def parts_from_blocks(cls, kind: str, blocks, N: int, K: int) -> dict:
+    def _parts_of(cls, kind: str, blocks, N: int, K: int) -> dict:
         """A GGUF tensor of type `kind` (one of GGUF_TYPES): its stored 16-bit values (raw bytes, N rows of 2 K)
         -> w [N, K] ELEMENT, as they are."""
-        if kind not in cls.GGUF_TYPES:
-            raise ValueError(f"{cls.name} holds {', '.join(cls.GGUF_TYPES)} tensors, not {kind}")
         raw = torch.as_tensor(blocks).reshape(-1).view(torch.uint8)
         if raw.numel() != N * K * 2:
             raise ValueError(f"{kind} tensor [{N}, {K}] needs {N * K * 2} bytes, got {raw.numel()}")

@@ -53,7 +53,7 @@ def faithful_by_default(stored_types: dict | None) -> bool:
     """Whether `auto` is the faithful plan for a census of stored types: it holds a quantized tensor, or a float
     type with a kernel of its own in the table (F16 -> f16: the file's 16 bits per weight as stored, where the
     tuner's plans would widen them to fp32 or requantize them)."""
-    return any(t not in FLOAT_TYPES or faithful_kernel(t) != EXACT_DENSE for t in stored_types or {})
+    return any(t not in FLOAT_TYPES for t in stored_types or {}) or bool(blocktypes.float_kernels(stored_types))
 
 
 def faithful_kernel(gguf_type: str) -> str:

@@ -214,8 +214,7 @@ def prepared_path(ckpt: Checkpoint, plan, embed_dtype: torch.dtype) -> Path:
         what.append("faithful")
         from draftwise.kernels import blocktypes
 
-        floats = {t: blocktypes.kernel_of(t) for t in sorted(plan.stored_types or {})
-                  if t in blocktypes.FLOAT_TYPES and blocktypes.kernel_of(t) != blocktypes.FALLBACK}
+        floats = blocktypes.float_kernels(plan.stored_types)
         if floats:  # float types on their own kernels (a prepared file from before a type's row held it in fp32)
             what.append(floats)
     if "int4" in (plan.step, plan.prefill):  # torch's int4 packing is its own, and may change between versions
