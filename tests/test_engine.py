@@ -146,6 +146,27 @@ def test_adaptive_k_stays_exact():
     assert sum(policy.k_histogram.values()) > 0
 
 
+
+def test_an_aborted_request_does_not_move_the_typical_length(target):
+    """The engine tells the policy why a request ended: one aborted mid-way leaves the typical output length (which
+    a draft's catch-up is spread over) where the finished one put it."""
+    from draftwise.spec_decode.adaptive import AdaptiveK
+
+    policy = AdaptiveK(4, {w: 0.01 for w in range(1, 6)})
+    eng = Engine(target, NgramProposer(1, 3), 4, 2, MAX_LEN, eos_token_ids=(0,), k_policy=policy)
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    done, cut = Request("done", PROMPTS[0], params), Request("cut", PROMPTS[1], params)
+    for r in (done, cut):
+        eng.add_request(r)
+    eng.step()
+    eng.step()
+    eng.abort("cut")
+    while eng.has_unfinished():
+        eng.step()
+    assert cut.finish_reason == "abort" and 0 < len(cut.output_ids) < 24
+    assert done.finish_reason == "length" and policy.typical_length == 24
+    assert policy.remaining(Request("next", PROMPTS[2], params, output_ids=[5] * 4)) == 20
+
 class _RandomK:
     """k drawn per step from 0..k_max, runs of plain steps included: the draft must catch up after them."""
 

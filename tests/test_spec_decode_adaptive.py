@@ -1,8 +1,8 @@
 """AdaptiveK's policy logic with injected costs and acceptances (no timing asserts): the cost model's choices,
 the batch decision against planted step-cost grids (never speculating where the grid says it loses, padded widths,
 stopping and starting again as the online correction follows the load), the grid's own correction, acceptance
-learned per request rather than from other workloads, the proposer's catch-up cost, and the probe cadence while
-plain decoding wins."""
+learned per request rather than from other workloads, the proposer's catch-up cost spread over the output its
+request's kind typically ends with (finished requests only), and the probe cadence while plain decoding wins."""
 import itertools
 import random
 from dataclasses import dataclass, field
@@ -23,6 +23,8 @@ class _Req:
     prompt_ids: list = field(default_factory=lambda: [1] * 8)
     output_ids: list = field(default_factory=lambda: [1])
     params: SamplingParams = field(default_factory=lambda: SamplingParams(temperature=0.0, max_tokens=96))
+    cache_scope: str = ""
+    finish_reason: str | None = "stop"  # what end() is told (the engine sets it before): "stop" unless a test says
 
 
 def _policy(**kw) -> AdaptiveK:
@@ -131,6 +133,80 @@ def test_a_catch_up_is_spread_over_the_output_requests_typically_end_with():
     assert p.remaining(_Req("a", output_ids=[1] * 5, params=SamplingParams(max_tokens=500))) == 15
     assert p.remaining(_Req("b", output_ids=[1] * 30, params=SamplingParams(max_tokens=500))) == 10  # past it
     assert p.remaining(_Req("c", output_ids=[1] * 5, params=SamplingParams(max_tokens=8))) == 3  # never past max
+
+
+
+def _finish(policy, rid, length, params, scope="", reason="stop"):
+    """A request of this kind (params, scope) ending after `length` output tokens, for `reason`."""
+    policy.end(_Req(rid, output_ids=[1] * length, params=params, cache_scope=scope, finish_reason=reason))
+
+
+CODE = SamplingParams(max_tokens=256, stop=["\ndef ", "\nclass "])  # a completion that stops early
+CHAT = SamplingParams(max_tokens=500)  # an answer that runs to its limit
+
+
+def test_the_typical_length_follows_the_request_s_kind(monkeypatch):
+    """Two kinds of request share the engine: code completions stopping after 20 tokens and chat answers running
+    to 500, finishing in turns. Each kind's catch-up is spread over its own typical output: a 400-token prompt's
+    draft catch-up pays for the chat request and not for the code one. Planted: one engine-wide length (the kinds
+    ignored) misprices one of them, whichever kind finished last."""
+    def engine(kinds=True):
+        if not kinds:
+            monkeypatch.setattr(adaptive, "length_kinds", lambda req: ())
+        p = _policy(catch_up_cost=0.002)
+        _history(p, length=500)
+        for i in range(4):
+            _finish(p, f"chat{i}", 500, CHAT, reason="length")
+            _finish(p, f"code{i}", 20, CODE)
+        return p
+
+    def case(p, params):
+        out = _Req("o", output_ids=[1] * 5, params=params)
+        req = _Req(f"new{params.max_tokens}", prompt_ids=[1] * 400, params=params)
+        return p.remaining(out), [p.choose(req) for _ in range(3)]
+
+    p = engine()
+    assert case(p, CODE) == (15, [0, 0, 0])
+    chat_left, chat_ks = case(p, CHAT)
+    assert chat_left == 495 and chat_ks[1:] != [0, 0]
+    blind = engine(kinds=False)
+    assert case(blind, CODE)[0] != 15 and case(blind, CHAT)[0] != 495
+    assert case(blind, CHAT)[1][1:] == [0, 0]  # the chat request priced at both kinds' mix (~250 tokens): plain
+    monkeypatch.undo()
+
+    # one shape, two scopes (API keys) whose requests end differently: each key its own, once it has
+    # LENGTH_SAMPLES of them; a new key (and a key with fewer) the shape's across keys; a new shape the engine's
+    p = _policy()
+    for i in range(adaptive.LENGTH_SAMPLES):
+        _finish(p, f"a{i}", 20, CODE, scope="key:a")
+        _finish(p, f"b{i}", 200, CODE, scope="key:b")
+    code_at = lambda scope: p.expected_length(_Req("q", params=CODE, cache_scope=scope))
+    assert code_at("key:a") == 20 and code_at("key:b") == 200
+    shape = code_at("key:new")
+    assert 20 < shape < 200 and shape == p._kind_lengths[adaptive.length_kinds(_Req(params=CODE))[1]][0]
+    _finish(p, "c0", 100, CODE, scope="key:c")
+    assert code_at("key:c") == code_at("key:new") != 100  # one sample is too few
+    other = SamplingParams(max_tokens=64)
+    assert p.expected_length(_Req("q", params=other)) == p.typical_length != shape
+
+
+def test_an_aborted_or_failed_request_leaves_the_typical_length_alone(monkeypatch):
+    """Where a request was cancelled or failed says nothing of where it would have ended: neither its kind's
+    typical length nor the engine's moves. Planted: every end counted moves both."""
+    def lengths(finished=adaptive.FINISHED):
+        monkeypatch.setattr(adaptive, "FINISHED", finished)
+        p = _policy()
+        for i in range(adaptive.LENGTH_SAMPLES):
+            _finish(p, f"chat{i}", 500, CHAT, reason="length")
+        before = p.expected_length(_Req(params=CHAT)), p.typical_length
+        _finish(p, "cut", 3, CHAT, reason="abort")
+        _finish(p, "broke", 7, CHAT, reason="error")
+        return before, (p.expected_length(_Req(params=CHAT)), p.typical_length)
+
+    before, after = lengths()
+    assert before == after == (500, 500)
+    before, after = lengths(("stop", "length", "abort", "error"))
+    assert after[0] < before[0] and after[1] < before[1]
 
 
 def test_plain_steps_leave_the_proposer_behind():

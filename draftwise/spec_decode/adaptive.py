@@ -26,9 +26,17 @@ restart's draft forwards and catch-up at today's load; the draft's own scale lea
 Catch-up (k_i >= 1 only): context
 the proposer has not read (`behind`: the prompt before a request's first guess, + 1 per plain step, for a draft
 model that reads only on `propose`), paid once, so spread over the steps left if each yields E (remaining = output
-tokens still expected: max_tokens left, or fewer where finished requests have been ending sooner at a stop or EOS;
-`remaining`). catch_up(n): what a draft row's forward of 1 + n tokens costs beyond a width-1 forward (the draft
-reads them in the forward that yields its first guess), from the draft grid's cells at B = 1, PROMPT_WIDTHS
+tokens still expected: max_tokens left, or fewer where finished requests of its kind have been ending sooner at a
+stop or EOS; `remaining`). A request's kind (`length_kinds`) is what the engine knows of it on arrival that predicts
+where it ends: its shape as its client set it (max_tokens' power-of-two bucket, stop strings and stop ids,
+ignore_eos, whether a grammar constrains it) within its cache scope (the server: its API key), else that shape in
+every scope; each kind's typical length is an EWMA of the lengths its requests finished with (at a stop, EOS or
+max_tokens: an aborted or failed request says nothing of where it would have ended), used from LENGTH_SAMPLES of
+them on, the engine's (every kind's finished requests) until then. A chat asking for 128 tokens that runs to them
+no longer prices a code completion's catch-up, nor a code completion that stops after 20 tokens a chat's; prompts
+that differ only in content (the bench's code/repeated and code/novel: one max_tokens, one stop list) share a kind.
+catch_up(n): what a draft row's forward of 1 + n tokens costs beyond a width-1 forward (the draft reads them in
+the forward that yields its first guess), from the draft grid's cells at B = 1, PROMPT_WIDTHS
 included (StepCost.catch_up: a ~100-token catch-up runs the prompt kernels, a fraction of the per-token cost that
 widths 1..16 extrapolate to), times the draft's load factor; a constant per token where the caller gives one.
 
@@ -77,7 +85,20 @@ COLD_PROBE_ALPHA = 1.0  # ... before the engine has any acceptance of its own (e
 DRAFT_EWMA = 0.1  # per guessing step: the draft's scale (or a model-free proposer's seconds) toward the measured
 DRAFT_RATIO_RANGE = (0.25, 4.0)  # one step's measured / predicted proposing time, as the draft's scale reads it
 CATCH_UP_TOKENS = 128  # a typical prompt: `catch_up_cost` (seconds a token) is the catch-up of this many, per token
-LENGTH_MIX = 0.25  # a finished request's share in the typical output length (`remaining`)
+LENGTH_MIX = 0.25  # a finished request's share in its kinds' typical output lengths and the engine's (`remaining`)
+LENGTH_SAMPLES = 3  # finished requests of a kind before its own typical length is used (the engine's until then)
+LENGTH_KINDS = 256  # kinds whose typical lengths are kept (the least recently finished one is forgotten first)
+FINISHED = ("stop", "length")  # the finish reasons whose output length is evidence (not "abort", not "error")
+
+
+def length_kinds(req) -> tuple:
+    """The kinds a request's output length is learned under, narrowest first (module docstring): its shape as its
+    client set it (max_tokens' power-of-two bucket, stop strings, stop ids, ignore_eos, constrained by a grammar)
+    within its cache scope, then that shape in every scope. All of it is known when the request arrives."""
+    p = req.params
+    shape = (p.max_tokens.bit_length(), tuple(sorted(p.stop)), tuple(sorted(p.stop_token_ids)), p.ignore_eos,
+             p.structured_outputs is not None)
+    return ("scope", req.cache_scope, shape), ("shape", shape)
 
 
 def ragged_width(guesses: list[int]) -> int:
@@ -165,7 +186,8 @@ class AdaptiveK:
         self._behind: dict[str, int] = {}  # request -> context tokens its proposer has not seen
         self._plain_run: dict[str, int] = {}  # request -> plain steps since its last guess
         self._probe_gap: dict[str, int] = {}
-        self.typical_length: float | None = None  # output tokens of the last few finished requests (EWMA)
+        self.typical_length: float | None = None  # output tokens of the last few finished requests, any kind (EWMA)
+        self._kind_lengths: dict[tuple, tuple[float, int]] = {}  # length kind -> (its typical length, requests)
 
     @classmethod
     def calibrate(cls, target, k_max: int, proposer=None, max_batch: int = 8, cache: bool = False) -> AdaptiveK:
@@ -371,13 +393,24 @@ class AdaptiveK:
 
     def remaining(self, req) -> int:
         """The output tokens a request is expected to produce still, which a catch-up is spread over: its
-        max_tokens left, or fewer where finished requests have been ending sooner (at a stop or EOS): the typical
-        output length less what it has, or half the typical length once it is past it, never more than it may."""
+        max_tokens left, or fewer where finished requests of its kind have been ending sooner (at a stop or EOS):
+        the typical output length less what it has, or half the typical length once it is past it, never more
+        than it may."""
         n, left = len(req.output_ids), req.params.max_tokens - len(req.output_ids)
-        if self.typical_length is None:
+        typical = self.expected_length(req)
+        if typical is None:
             return max(left, 1)
-        expected = self.typical_length - n if n < self.typical_length else self.typical_length / 2
+        expected = typical - n if n < typical else typical / 2
         return max(1, min(left, round(expected)))
+
+    def expected_length(self, req) -> float | None:
+        """The output length requests like this one finish with: the narrowest of its kinds (`length_kinds`) with
+        LENGTH_SAMPLES finished requests, else the engine's typical length (None before any request finished)."""
+        for kind in length_kinds(req):
+            typical, count = self._kind_lengths.get(kind, (0.0, 0))
+            if count >= LENGTH_SAMPLES:
+                return typical
+        return self.typical_length
 
     def choose(self, req) -> int:
         """The batch rule for one request alone (a prefill's first guesses): the batch decision's state is kept."""
@@ -423,17 +456,29 @@ class AdaptiveK:
         self.req_counts[req.request_id] = (own[0] * keep + reached, own[1] * keep + num_accepted)
 
     def end(self, req) -> None:
-        """The request's own α (its recent guesses) moves the engine's, the prior of the next requests; its output
-        length moves the typical one (`remaining`)."""
-        n = len(req.output_ids)
-        self.typical_length = n if self.typical_length is None else (
-            (1 - LENGTH_MIX) * self.typical_length + LENGTH_MIX * n)
+        """The request's own α (its recent guesses) moves the engine's, the prior of the next requests; where it
+        finished (FINISHED: at a stop, EOS or max_tokens), its output length moves its kinds' typical lengths and
+        the engine's (`remaining`)."""
+        if req.finish_reason in FINISHED:
+            self._learn_length(req)
         reached, accepted = self.req_counts.get(req.request_id, (0.0, 0.0))
         if reached:
             mix = ENGINE_MIX if self.engine_alpha is not None else 1.0
             self.engine_alpha = (1 - mix) * (self.engine_alpha or 0.0) + mix * accepted / reached
         for d in (self.req_counts, self._behind, self._plain_run, self._probe_gap):
             d.pop(req.request_id, None)
+
+    def _learn_length(self, req) -> None:
+        """A finished request's output length into the engine's typical length and each of its kinds'; past
+        LENGTH_KINDS kinds the least recently finished one is forgotten."""
+        n = len(req.output_ids)
+        self.typical_length = n if self.typical_length is None else (
+            (1 - LENGTH_MIX) * self.typical_length + LENGTH_MIX * n)
+        for kind in length_kinds(req):
+            typical, count = self._kind_lengths.pop(kind, (float(n), 0))
+            self._kind_lengths[kind] = ((1 - LENGTH_MIX) * typical + LENGTH_MIX * n, count + 1)
+        while len(self._kind_lengths) > LENGTH_KINDS:
+            del self._kind_lengths[next(iter(self._kind_lengths))]
 
 
 def _expected(alpha: float, k: int) -> float:
