@@ -23,10 +23,10 @@ it buys). The machine probe (instruction sets, measured memory bandwidth) is pri
     .venv/bin/python scripts/compare.py --skip llamacpp,hf --formats q4x8,int4,bf16
 
 After the table, the roofline of plain decoding: a `ceiling` line per weight layout (the bytes one decode step
-reads: every weight tensor of the file's layers as the GGUF stores it, which llama.cpp reads as it is, or each
-loaded draftwise plan's linears as it packs them, plus the output head; norms, biases, the embedding row and the
-K/V cache left out, a few MB at these lengths; a mixture of experts' expert tensors counted whole, so there it
-overstates the bytes) divided into the probe's streaming-read bandwidth at the run's threads (`stream_gbs`; the
+reads, draftwise/bench/memory.py's step bytes, the definition scripts/moe_vs_llamacpp.py prints too: every weight
+tensor of the layers, a mixture's experts for their top-k share, the output head and one embedding row, as the GGUF
+stores them, which llama.cpp reads as they are, or as each loaded draftwise plan holds them; the K/V cache left
+out, a few MB at these lengths) divided into the probe's streaming-read bandwidth at the run's threads (`stream_gbs`; the
 torch matvec's `bandwidth_gbs` where no C compiler built the streaming read) gives the tok/s no engine can pass
 on that layout with plain decoding; each engine's measured rate is printed as % of its own layout's ceiling
 (speculative rows may pass 100%: they take several tokens per read of the weights; prefill is inside the measured
@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from draftwise.bench.memory import file_step_bytes, plan_step_bytes
 from draftwise.bench.workloads import load_workload
 
 
@@ -86,40 +87,6 @@ def ours(llm_cache: dict, model: str, conf: dict, max_tokens: int, threads: int)
     return Runner(conf.get("name", json.dumps(conf)), run, layout=f"draftwise {fmt[1]} (dtype {fmt[0]})")
 
 
-def file_step_bytes(path: str) -> tuple[int, str]:
-    """(bytes, what) one decode step reads from a GGUF as it stores them: every weight tensor of its layers
-    ('blk.*', two or more dimensions: the linears; a mixture of experts' expert tensors whole) plus the output
-    head ('output.weight', or the tied 'token_embd.weight'); 1-D tensors (norms, biases) and the embedding row a
-    step looks up are left out."""
-    from collections import Counter
-
-    from gguf import GGUFReader
-
-    tensors = {t.name: t for t in GGUFReader(path).tensors}
-    head = tensors.get("output.weight") or tensors["token_embd.weight"]
-    layers = [t for n, t in tensors.items() if n.startswith("blk.") and len(t.shape) >= 2]
-    kinds = Counter(t.tensor_type.name for t in layers)
-    what = (f"{len(layers)} layer weights as stored ({', '.join(f'{k} x{v}' for k, v in kinds.most_common())}) + "
-            f"head {head.name} {head.tensor_type.name} [{', '.join(str(int(d)) for d in head.shape)}]")
-    return sum(int(t.n_bytes) for t in layers) + int(head.n_bytes), what
-
-
-def plan_step_bytes(model: torch.nn.Module) -> int:
-    """Bytes one decode step of a loaded draftwise model reads for its linears and head: each kernel module's
-    stored layout (LinearImpl.weight_bytes), a plain torch Linear's weight; embeddings, norms and biases left
-    out."""
-    from draftwise.kernels.linear import LinearImpl
-
-    def walk(m: torch.nn.Module) -> int:
-        if isinstance(m, LinearImpl):
-            return m.weight_bytes
-        if isinstance(m, torch.nn.Linear):
-            return m.weight.nbytes
-        return sum(walk(c) for c in m.children())
-
-    return walk(model)
-
-
 def ceiling(runners: list["Runner"], groups: list[str], layouts: dict[str, tuple[int, str]], probe: dict,
             threads: int) -> dict:
     """Print the roofline of plain decoding per layout (bytes a step reads / streaming-read bandwidth) and each
@@ -128,7 +95,7 @@ def ceiling(runners: list["Runner"], groups: list[str], layouts: dict[str, tuple
                 else (probe["bandwidth_gbs"], "torch matvec"))
     out = {"read_gbs": gbs, "read_measured_by": how, "threads": threads, "layouts": {}, "engines": {}}
     print(f"\nceiling: memory read {gbs:.1f} GB/s ({how}, {threads} threads, measured at the start of this run); "
-          f"bytes one decode step reads (norms, biases, the embedding row and K/V not counted):")
+          f"bytes one decode step reads (bench/memory.py step bytes; K/V not counted):")
     for name, (nbytes, what) in layouts.items():
         tok_s = gbs * 1e9 / nbytes
         out["layouts"][name] = {"bytes": nbytes, "what": what, "ceiling_tok_s": tok_s}
@@ -317,7 +284,8 @@ def main() -> None:
     results = table(runners, groups, ref)
     layouts = {}
     if info["path"].endswith(".gguf"):
-        layouts["file (llama.cpp)"] = file_step_bytes(info["path"])
+        stored = file_step_bytes(info["path"])
+        layouts["file (llama.cpp)"] = (stored.total, stored.what)
     for (dtype, weights), llm in llms.items():
         layouts[f"draftwise {weights} (dtype {dtype})"] = (plan_step_bytes(llm.model),
                                                           f"as packed: {llm.model.plan.describe()}")

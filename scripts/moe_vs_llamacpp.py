@@ -19,11 +19,11 @@ engine's: one [1, T] forward per step, num_tokens given); llama.cpp with n_ctx =
 default KV cache (f16). Both at --threads threads. Not a test: a measurement for the lead to rerun on a quiet
 machine.
 
-Every run also prints a 'ceiling' line: the bytes one decode step must read (counted from the file's tensor table:
-each layer's attention projections, router and norms, top-k / experts of the stacked experts' gate, up and down in
-their stored types, the output head and one row of the token table; the K/V cache of a short context is left out),
-in the file's types (what llama.cpp reads) and as the loaded draftwise plan packs them (each linear's stored layout:
-q4x8 4.75 bits where Q4_K is 4.5; the router's float64 copy), and the machine's streaming read bandwidth at
+Every run also prints a 'ceiling' line: the bytes one decode step must read (draftwise/bench/memory.py's step
+bytes, the definition scripts/compare.py prints too: each layer's attention projections, router and norms, top-k /
+experts of the stacked experts' gate, up and down, the output head and one row of the token table; the K/V cache of
+a short context is left out), in the file's types (what llama.cpp reads) and as the loaded draftwise plan holds
+them (each linear's stored layout: q4x8 4.75 bits where Q4_K is 4.5; the router's float64 copy), and the machine's streaming read bandwidth at
 --threads threads (kernels/probe.py's streaming sum in C, measured after the rounds): bandwidth / bytes is the most
 tokens a second either engine can decode, the measured tok/s beside it as a share of that.
 
@@ -57,65 +57,10 @@ def cpu_seconds() -> float:
     return t.user + t.system
 
 
-def file_step_bytes(path: str) -> dict:
-    """The bytes one decode step reads from the GGUF as it stores them (what llama.cpp reads; module docstring):
-    {'total': ..., 'parts': {part: bytes}}, the stacked experts' tensors counted for their top-k share."""
-    import gguf
-
-    r = gguf.GGUFReader(path)
-    field = lambda key: int(r.fields[key].parts[-1][0]) if key in r.fields else 1  # noqa: E731  (a dense file: 1)
-    arch = bytes(r.fields["general.architecture"].parts[-1]).decode()
-    E, k = field(f"{arch}.expert_count"), field(f"{arch}.expert_used_count")
-    parts = {"attention": 0.0, "dense ffn": 0.0, "router and norms": 0.0, "experts": 0.0, "head": 0.0}
-    for t in r.tensors:
-        n = float(t.n_bytes)
-        if t.name == "token_embd.weight":
-            n, part = n / int(t.shape[-1]), "head"  # the one row a step looks up
-        elif "_exps" in t.name:
-            n, part = n * k / E, "experts"
-        elif ".attn_" in t.name and "norm" not in t.name:
-            part = "attention"
-        elif ".ffn_" in t.name and "norm" not in t.name and "gate_inp" not in t.name and "shexp" not in t.name:
-            part = "dense ffn"  # a dense file's feed-forward (an MoE file's shared expert stays with the router)
-        elif t.name.startswith("output"):
-            part = "head"
-        else:
-            part = "router and norms"
-        parts[part] += n
-    return {"total": sum(parts.values()), "parts": parts}
-
-
-def plan_step_bytes(model) -> float:
-    """The bytes one decode step of the loaded draftwise model reads: every kernel linear's stored layout
-    (LinearImpl.weight_bytes) outside the experts, each mixture's experts for their top-k share, its router's
-    float64 copy (models/transformer.py Router), norms; the embedding row, not the table."""
-    import torch
-
-    from draftwise.kernels.linear import LinearImpl
-    from draftwise.models.transformer import Router, SparseMoE
-
-    def walk(m) -> float:
-        if isinstance(m, LinearImpl):
-            return m.weight_bytes
-        if isinstance(m, torch.nn.Linear):
-            return m.weight.nbytes
-        if isinstance(m, Router):
-            return 2 * m.weight.nbytes
-        if isinstance(m, torch.nn.Embedding):
-            return m.weight[0].nbytes
-        if isinstance(m, SparseMoE):
-            rest = sum(walk(c) for n, c in m.named_children() if n != "experts")
-            return rest + sum(walk(e) for e in m.experts) * m.top_k / m.num_experts
-        own = sum(p.nbytes for p in m.parameters(recurse=False)) + sum(
-            b.nbytes for b in m.buffers(recurse=False) if b is not None)
-        return own + sum(walk(c) for c in m.children())
-
-    return walk(model)
-
-
 def ceiling_line(path: str, threads: int, summary: dict) -> str:
     """The roofline of a decode step on `path` at `threads` threads (module docstring), with each engine's
     measured decode in `summary` as a share of its ceiling."""
+    from draftwise.bench.memory import file_step_bytes
     from draftwise.kernels.probe import measure_bandwidth, measure_stream_bandwidth
 
     f = file_step_bytes(path)
@@ -126,9 +71,9 @@ def ceiling_line(path: str, threads: int, summary: dict) -> str:
 
         torch.set_num_threads(threads)
         gbs, how = measure_bandwidth(), "torch matvec, kernels/probe.py (no C compiler here)"
-    top_file = gbs * 1e9 / f["total"]
-    parts = ", ".join(f"{name} {v / 1e6:.1f}" for name, v in f["parts"].items())
-    line = (f"ceiling: a decode step reads {f['total'] / 1e6:.1f} MB as the file stores it ({parts})"
+    top_file = gbs * 1e9 / f.total
+    parts = ", ".join(f"{name} {v / 1e6:.1f}" for name, v in f.parts.items())
+    line = (f"ceiling: a decode step reads {f.total / 1e6:.1f} MB as the file stores it ({parts})"
             + (f" and {ours / 1e6:.1f} MB as draftwise packs it" if ours else "")
             + f"; streaming read {gbs:.1f} GB/s at {threads} threads ({how}, load average "
             f"{os.getloadavg()[0]:.1f}) -> at most {top_file:.0f} tok/s on the file's bytes (llama.cpp)"
@@ -143,10 +88,12 @@ def ceiling_line(path: str, threads: int, summary: dict) -> str:
         line += f"; draftwise {dw:.1f} tok/s = {100 * dw * ours / (gbs * 1e9):.0f}% of its ceiling"
     return line
 
+
 def child_draftwise(args) -> dict:
     import torch
 
     from draftwise.api import load_model
+    from draftwise.bench.memory import plan_step_bytes
     from draftwise.engine import PREFILL_CHUNK_TOKENS
     from draftwise.kv_cache import KVCache
 

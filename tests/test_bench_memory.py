@@ -166,3 +166,50 @@ def test_the_faithful_plan_costs_each_tensor_in_its_stored_types_kernel(tmp_path
     shapes = memory.model_shapes(str(path), cache)
     lossy = memory.weight_bytes(shapes, memory.resolve_plan(shapes, "auto", "q4x8", tune=tune))
     assert lossy != held_bytes(target)  # the planted estimate: every tensor costed as q4x8
+
+
+def test_one_definition_of_the_bytes_a_decode_step_reads(tiny_gguf_path, tiny_llama_gguf_path, tmp_path):
+    """The step bytes the comparison scripts print (scripts/compare.py, scripts/moe_vs_llamacpp.py): on an F32 file
+    loaded under the fp32 plan (every tensor held as stored) the file's count and the loaded model's agree to the
+    byte, untied head and tied (the embedding table read whole as the head, plus one row); a mixture's stacked
+    experts count for top-k / experts on both sides, which then differ by the routers' float64 copies alone; a
+    q4x8 step kernel with a dense prefill half (SplitLinear) reads what the all-q4x8 plan reads, its step half.
+    Planted (below): the file's count without its norms, or without the tied head, or the plan's with both halves
+    of a SplitLinear, each misses."""
+    from draftwise.api import load_model
+    from draftwise.kernels.linear import LINEARS, SplitLinear
+    from draftwise.kernels.probe import probe
+    from draftwise.models.gguf import GGUFFile
+    from draftwise.models.transformer import Router
+    from tests.harness import fixed_tune
+    from tests.tiny_checkpoints import write_tiny_moe_gguf
+
+    cache = str(tmp_path / "cache")
+    for path in (tiny_gguf_path, tiny_llama_gguf_path):
+        stored = memory.file_step_bytes(path)
+        tensors = {t.name: int(t.n_bytes) for t in GGUFFile(path).reader.tensors}
+        table = tensors["token_embd.weight"]
+        vocab = GGUFFile(path).config.vocab_size
+        head = 0 if "output.weight" in tensors else table  # tied: the table is the head
+        assert stored.total == sum(tensors.values()) - table + table / vocab + head
+        assert stored.parts["router and norms"] > 0 and stored.parts["experts"] == 0
+        model, _, _ = load_model(str(path), cache_dir=cache, weights="fp32")
+        assert memory.plan_step_bytes(model) == stored.total, path.name
+
+    moe = tmp_path / "moe.gguf"
+    write_tiny_moe_gguf(moe, "qwen2_moe")
+    stored = memory.file_step_bytes(moe)
+    g = GGUFFile(moe)
+    experts = sum(int(t.n_bytes) for t in g.reader.tensors if "_exps" in t.name)
+    assert stored.parts["experts"] == experts * g.config.num_experts_per_tok / g.config.num_experts > 0
+    model, _, _ = load_model(str(moe), cache_dir=cache, weights="fp32")
+    routers = sum(m.weight.nbytes for m in model.modules() if isinstance(m, Router))
+    assert memory.plan_step_bytes(model) == stored.total + routers
+
+    if not all(LINEARS[n].available(probe(bandwidth=False)) for n in ("q4x8", "fp32")):
+        return
+    split, _, _ = load_model(str(tiny_gguf_path), cache_dir=cache, tune=fixed_tune("q4x8", "fp32"))
+    packed, _, _ = load_model(str(tiny_gguf_path), cache_dir=cache, tune=fixed_tune("q4x8", "q4x8"))
+    assert any(isinstance(m, SplitLinear) for m in split.modules())
+    assert not any(isinstance(m, SplitLinear) for m in packed.modules())
+    assert memory.plan_step_bytes(split) == memory.plan_step_bytes(packed) < memory.file_step_bytes(tiny_gguf_path).total

@@ -35,6 +35,12 @@ the K/V blocks the run's tokens commit and one prefill chunk's activations (test
 within 10% of a measured `generate`).
 Loads no weights (auto with no cached choice for the shapes times the kernels on random weights first, as a
 first load would, and caches the choice for it); the cache sizes come from kv_cache.py, as the engine's do.
+Also owns the step bytes, the one definition of the weight bytes a decode step reads (the roofline scripts/compare.py
+and scripts/moe_vs_llamacpp.py print: bytes / streaming-read bandwidth): every weight tensor of the layers (linears,
+biases, norms, routers) once, a mixture's experts for their top-k share, the output head whole (a tied head: the
+embedding table) and one embedding row; the K/V cache left out. `file_step_bytes`: as a GGUF stores them (what
+llama.cpp reads); `plan_step_bytes`: as a loaded model holds them (each linear's stored layout, a SplitLinear's step
+half, a router's float64 copy), from the model it is given.
 """
 from __future__ import annotations
 
@@ -197,6 +203,95 @@ def weight_bytes(s: Shapes, plan) -> int:
         else:
             total += numel * BYTES[plan.dtype]
     return total
+
+
+STEP_PARTS = ("attention", "dense ffn", "experts", "router and norms", "head")
+
+
+@dataclass
+class StepBytes:
+    """The weight bytes one decode step reads (module docstring), by part (STEP_PARTS), and the types read."""
+
+    parts: dict[str, float]
+    what: str
+
+    @property
+    def total(self) -> float:
+        return sum(self.parts.values())
+
+
+def file_step_bytes(path: str | Path) -> StepBytes:
+    """The step bytes of a GGUF as it stores them: each tensor's stored bytes, the stacked experts' (`_exps`) for
+    top-k / experts of them, token_embd.weight for one row (and whole as the head when there is no
+    output.weight: a tied head)."""
+    from collections import Counter
+
+    from draftwise.models.gguf import GGUFFile
+
+    g = GGUFFile(path)
+    experts, used = g.arch_field("expert_count", 1) or 1, g.arch_field("expert_used_count", 1) or 1
+    tensors = g.reader.tensors
+    tied = not any(t.name == "output.weight" for t in tensors)
+    parts, kinds, head = dict.fromkeys(STEP_PARTS, 0.0), Counter(), None
+    for t in tensors:
+        n = float(t.n_bytes)
+        if t.name == "token_embd.weight":
+            parts["head"] += n / int(t.shape[-1])  # the one row a step looks up (ggml order: rows last)
+            if tied:
+                parts["head"] += n
+                head = t
+            continue
+        if t.name == "output.weight":
+            part, head = "head", t
+        elif "_exps" in t.name:
+            n, part = n * used / experts, "experts"
+        elif ".attn_" in t.name and "norm" not in t.name:
+            part = "attention"
+        elif ".ffn_" in t.name and "norm" not in t.name and "gate_inp" not in t.name and "shexp" not in t.name:
+            part = "dense ffn"  # a dense file's feed-forward (an MoE file's shared expert stays with the router)
+        else:
+            part = "router and norms"
+        parts[part] += n
+        if t.name.startswith("blk.") and len(t.shape) >= 2:
+            kinds[t.tensor_type.name] += 1
+    what = (f"{sum(kinds.values())} layer weights as stored ({', '.join(f'{k} x{v}' for k, v in kinds.most_common())})"
+            f" + head {head.name} {head.tensor_type.name} [{', '.join(str(int(d)) for d in head.shape)}]")
+    return StepBytes(parts, what)
+
+
+def plan_step_bytes(model) -> float:
+    """The step bytes of a loaded Decoder (models/transformer.py) as it holds them: a kernel linear's stored layout
+    (LinearImpl.weight_bytes) and bias, a SplitLinear's step half (the one a decode step runs), a plain torch
+    Linear's weight and bias, a Router's float64 copy (what its forward reads), each SparseMoE's experts for top-k
+    / experts, the embedding (nn.Embedding or a prepared table) for one row, every other module's own
+    parameters and buffers (norms)."""
+    import torch
+
+    from draftwise.kernels.linear import LinearImpl, SplitLinear
+    from draftwise.models.transformer import Router, SparseMoE
+
+    embed = model.model.embed_tokens
+
+    def own(m) -> int:
+        return sum(t.nbytes for t in [*m.parameters(recurse=False), *m.buffers(recurse=False)] if t is not None)
+
+    def walk(m) -> float:
+        if m is embed:
+            return sum(t.nbytes for t in {id(t): t for t in [*m.parameters(), *m.buffers()]}.values()) / (
+                model.config.vocab_size)
+        if isinstance(m, LinearImpl):
+            bias = getattr(m, "bias", None)
+            return m.weight_bytes + (bias.nbytes if isinstance(bias, torch.Tensor) else 0)
+        if isinstance(m, SplitLinear):
+            return walk(m.step)
+        if isinstance(m, Router):
+            return 2 * m.weight.nbytes  # float32 -> its float64 copy
+        if isinstance(m, SparseMoE):
+            rest = sum(walk(c) for name, c in m.named_children() if name != "experts")
+            return rest + sum(walk(e) for e in m.experts) * m.top_k / m.num_experts
+        return own(m) + sum(walk(c) for c in m.children())
+
+    return walk(model)
 
 
 def loading_bytes(s: Shapes, plan) -> int:
