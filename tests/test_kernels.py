@@ -63,6 +63,32 @@ def test_the_streaming_read_reads_every_word_and_measures_a_bandwidth():
     assert "streaming sum" in format_probe({**probe(bandwidth=False), "bandwidth_gbs": 1.0, "stream_gbs": gbs})
 
 
+def test_one_build_routine_publishes_a_whole_library_or_nothing(tmp_path):
+    """kernels/cbuild.py, which builds the kernel library and the probe's streaming read: a library whose units
+    compile is published at its target with build.log beside it (every command); a unit that does not compile
+    raises BuildError naming its command and publishes nothing, no temporary folder left behind."""
+    import ctypes
+    import shutil
+
+    from draftwise.kernels import cbuild
+
+    cc = os.environ.get("CC") or "cc"
+    if shutil.which(cc) is None:
+        pytest.skip("no C compiler here")
+    good, bad = tmp_path / "good.c", tmp_path / "bad.c"
+    good.write_text("int draftwise_answer(void) { return 42; }\n")
+    bad.write_text("int draftwise_answer(void) { return }\n")
+    target = tmp_path / "out" / "ok.so"
+    cbuild.build_shared(cc, [(good, ["-O1", "-fPIC"], "good.o")], [], target)
+    assert ctypes.CDLL(str(target)).draftwise_answer() == 42
+    assert "-c " + str(good) in (target.parent / "build.log").read_text()
+    failed = tmp_path / "failed" / "no.so"
+    with pytest.raises(cbuild.BuildError, match="compiling .*bad.c"):
+        cbuild.build_shared(cc, [(good, ["-fPIC"], "good.o"), (bad, ["-fPIC"], "bad.o")], [], failed)
+    assert list(failed.parent.iterdir()) == []
+    assert cbuild.cache_key([b"a", b"b"]) == cbuild.cache_key([b"ab"]) != cbuild.cache_key([b"a", b"c"])
+
+
 # ---- every implementation vs the fp32 reference -----------------------------------------------------------
 
 def device_probe(device: str, machine: dict) -> dict:

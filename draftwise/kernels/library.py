@@ -3,7 +3,8 @@
 Owns: building the extension (JIT on first use, cached under ${DRAFTWISE_CACHE_DIR:-~/.cache/draftwise}/kernels/
 <hash of every csrc file + all compiler flags + torch version + compiler>; `build()` is what `make setup` calls;
 each unit is compiled with WARNINGS (-Wall -Wextra ...), torch's headers as system headers, and the compiler's
-output kept in build.log next to the library: warnings are printed, only errors fail the build), loading it once
+output kept in build.log next to the library: warnings are printed, only errors fail the build; the compile, link
+and atomic publish are kernels/cbuild.py's, which the probe's streaming read is built by too), loading it once
 per process (`load`: the q4x8, q6k, q8_0 (and every block type's), attention, glue and layer-loop ops), the ISA
 path names and ids every op selects by (csrc/dispatch.h's one rule; `PATHS` is filled from the library when it is
 loaded), and the wide side's switch: `wide_min_rows` measures once per build and CPU from how many rows 'auto'
@@ -17,19 +18,16 @@ Knows nothing of weight formats, checkpoints or decoders: the wide probe times t
 """
 from __future__ import annotations
 
-import hashlib
 import os
 import platform
 import shutil
-import subprocess
 import sys
-import tempfile
 import threading
 from pathlib import Path
 
 import torch
 
-from draftwise.kernels import blocktypes
+from draftwise.kernels import blocktypes, cbuild
 from draftwise.kernels.threads import busy_meter, busy_now, is_busy
 from draftwise.paths import default_cache_dir
 
@@ -120,19 +118,12 @@ def _flags_key() -> str:
 
 def library_path() -> Path:
     """Where the built library lives for these sources, these flags, this torch and this compiler."""
-    h = hashlib.sha256()
-    for name in SOURCES:
-        h.update(name.encode())
-        h.update((CSRC / name).read_bytes())
-    h.update(torch.__version__.encode())
-    h.update(platform.machine().encode())
-    h.update(_flags_key().encode())  # compile, include and link flags: any change to them rebuilds
-    h.update(repr(_units()).encode())
-    try:
-        h.update(subprocess.run([_compiler(), "--version"], capture_output=True, text=True, timeout=30, check=False).stdout.encode())
-    except (OSError, subprocess.SubprocessError):
-        pass
-    return cache_dir() / h.hexdigest()[:16] / LIBRARY
+    version = cbuild.compiler_version(_compiler())  # KernelBuildError where there is no compiler
+    parts = [b for name in SOURCES for b in (name.encode(), (CSRC / name).read_bytes())]
+    parts += [torch.__version__.encode(), platform.machine().encode(),
+              _flags_key().encode(),  # compile, include and link flags: any change to them rebuilds
+              repr(_units()).encode(), version.encode()]
+    return cache_dir() / cbuild.cache_key(parts) / LIBRARY
 
 
 def build(verbose: bool = False) -> Path:
@@ -145,35 +136,14 @@ def build(verbose: bool = False) -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     print(f"draftwise: building the CPU kernels ({', '.join(blocktypes.KERNELS)}, attention, glue, layer loop) once "
           f"(~20-40 s) into {target.parent}", file=sys.stderr, flush=True)
-    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        procs = []
-        for src, extra, name in _units():
-            obj = os.path.join(tmp, name)
-            cmd = [cxx, *common, *extra, *includes, "-c", str(CSRC / src), "-o", obj]
-            if verbose:
-                print(" ".join(cmd), file=sys.stderr)
-            procs.append((obj, cmd, subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)))
-        log, outputs = [], []  # every command with its output; the outputs alone (warnings: the build goes on)
-        for obj, cmd, p in procs:
-            out = p.communicate()[0]
-            if p.returncode != 0:
-                raise KernelBuildError(f"compiling {' '.join(cmd)} failed:\n{out[-4000:]}")
-            log.append(f"$ {' '.join(cmd)}\n{out}")
-            outputs.append(out.strip())
-        so = os.path.join(tmp, LIBRARY)
-        cmd = [cxx, "-shared", "-o", so, *[o for o, _, _ in procs], *link]
-        r = subprocess.run(cmd, capture_output=True, text=True, check=False)
-        if r.returncode != 0:
-            raise KernelBuildError(f"linking failed:\n{(r.stdout + r.stderr)[-4000:]}")
-        log.append(f"$ {' '.join(cmd)}\n{r.stdout}{r.stderr}")
-        outputs.append((r.stdout + r.stderr).strip())
-        Path(tmp, "build.log").write_text("\n".join(log))
-        os.replace(Path(tmp, "build.log"), target.parent / "build.log")
-        said = "\n".join(t for t in outputs if t)
-        if said:  # warnings: shown, never fatal (only errors fail the build)
-            print(f"draftwise: the kernel build printed warnings (the whole log: {target.parent / 'build.log'}):\n"
-                  f"{said[-4000:]}", file=sys.stderr, flush=True)
-        os.replace(so, target)  # atomic: a concurrent builder either sees nothing or a whole library
+    units = [(CSRC / src, [*common, *extra, *includes], name) for src, extra, name in _units()]
+    try:
+        said = cbuild.build_shared(cxx, units, link, target, verbose=verbose)
+    except cbuild.BuildError as e:
+        raise KernelBuildError(str(e)) from None
+    if said:  # warnings: shown, never fatal (only errors fail the build)
+        print(f"draftwise: the kernel build printed warnings (the whole log: {target.parent / 'build.log'}):\n"
+              f"{said[-4000:]}", file=sys.stderr, flush=True)
     return target
 
 

@@ -6,7 +6,8 @@ torch's own view (ATen CPU capability, threads, version), the kernel's transpare
 (kernels/heap.py) and two short measured memory read bandwidths: torch's matrix-vector product
 (`measure_bandwidth`, "bandwidth_gbs") and a plain streaming sum in C at the same thread count
 (`measure_stream_bandwidth`, "stream_gbs": stream_read.c, compiled once per machine with the system's C compiler
-into the cache, not part of the kernel library; absent where no compiler builds it): the second is the nearer to
+into the cache by kernels/cbuild.py, as the kernel library is, but not part of it; absent where no compiler builds
+it): the second is the nearer to
 what the memory can deliver, the ceiling a decode step's weight reads are held to (scripts/compare.py).
 `cuda_probe()` is the same for a CUDA device (name, compute capability, multiprocessors, memory, L2,
 torch's CUDA version, measured device-memory bandwidth), marked "device": "cuda" (a CPU probe has no
@@ -16,7 +17,6 @@ plain dict (JSON-able) that bench manifests can record as it is, and `format_pro
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import math
 import os
 import platform
@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from draftwise.kernels import heap
+from draftwise.kernels import cbuild, heap
 from draftwise.kernels.hugepages import thp_mode
 from draftwise.paths import default_cache_dir
 
@@ -87,7 +87,8 @@ def measure_bandwidth(mib: int = 128, seconds: float = 0.5) -> float:
 
 
 STREAM_SOURCE = Path(__file__).parent / "stream_read.c"
-STREAM_FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
+STREAM_FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC"]  # compiling stream_read.c
+STREAM_LINK = ["-fopenmp"]  # linking it (cbuild.build_shared adds -shared)
 _STREAM: list = []  # [the loaded function] once built, [None] when it cannot be built here
 
 
@@ -100,20 +101,15 @@ def _stream_read():
     cc = os.environ.get("CC") or "cc"
     if shutil.which(cc) is not None:
         try:
-            version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30,
-                                     check=False).stdout
-            key = hashlib.sha256(STREAM_SOURCE.read_bytes() + repr(STREAM_FLAGS).encode() + version.encode()
-                                 + platform.machine().encode()).hexdigest()[:16]
+            key = cbuild.cache_key([STREAM_SOURCE.read_bytes(), repr((STREAM_FLAGS, STREAM_LINK)).encode(),
+                                    cbuild.compiler_version(cc).encode(), platform.machine().encode()])
             target = Path(default_cache_dir()) / "probe" / key / "stream_read.so"
             if not target.exists():
-                target.parent.mkdir(parents=True, exist_ok=True)
-                tmp = target.with_suffix(f".{os.getpid()}.tmp")
-                subprocess.run([cc, *STREAM_FLAGS, str(STREAM_SOURCE), "-o", str(tmp)], capture_output=True,
-                               timeout=120, check=True)
-                os.replace(tmp, target)  # atomic: a concurrent builder sees nothing or the whole file
+                cbuild.build_shared(cc, [(STREAM_SOURCE, STREAM_FLAGS, "stream_read.o")], STREAM_LINK, target,
+                                    timeout=120)
             fn = ctypes.CDLL(str(target)).draftwise_stream_read
             fn.restype, fn.argtypes = ctypes.c_uint64, [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-        except (OSError, subprocess.SubprocessError, AttributeError):
+        except (OSError, cbuild.BuildError, AttributeError):
             fn = None
     _STREAM.append(fn)
     return fn
