@@ -71,11 +71,11 @@ KERNELS: dict[str, Kernel] = {k.name: k for k in (
                                          ("q4x8_avx512.cpp", AVX512_VNNI), ("gemm_q4x8_amx.cpp", AMX_INT8))),
     Kernel("q6k", "Q8_K", 6.625, True, (("q6k.cpp", MAIN), ("gemm_q6k.cpp", MAIN), ("q6k_avx2.cpp", AVX2),
                                          ("q6k_avx512.cpp", AVX512_VNNI), ("gemm_q6k_amx.cpp", AMX_INT8))),
-    Kernel("q8_0", "Q8_0", 9.0, False, (("q8_0.cpp", MAIN), ("q8_0_avx2.cpp", AVX2),
-                                         ("q8_0_avx512.cpp", AVX512_VNNI))),
-    Kernel("q8_1", "Q8_1", 10.0, False, ()),  # csrc/q8_0.h's min term: q8_0's units serve it (q8_0.cpp registers it)
-    Kernel("q4c", "Q8_0", 5.0, False, ()),  # csrc/q8_0.h's 4-bit codes form (q8_0's units)
-    Kernel("q5m", "Q8_1", 7.0, False, ()),  # csrc/q8_0.h's codes, fifth-bit plane and min term (q8_0's units)
+    Kernel("q8_0", "Q8_0", 9.0, True, (("q8_0.cpp", MAIN), ("gemm_q8_0.cpp", MAIN), ("q8_0_avx2.cpp", AVX2),
+                                        ("q8_0_avx512.cpp", AVX512_VNNI), ("gemm_q8_0_avx512.cpp", AVX512_VNNI))),
+    Kernel("q8_1", "Q8_1", 10.0, True, ()),  # csrc/q8_0.h's min term: q8_0's units serve it (q8_0.cpp registers it)
+    Kernel("q4c", "Q8_0", 5.0, True, ()),  # csrc/q8_0.h's 4-bit codes form (q8_0's units)
+    Kernel("q5m", "Q8_1", 7.0, True, ()),  # csrc/q8_0.h's codes, fifth-bit plane and min term (q8_0's units)
     Kernel("f16", "F32", 16.0, False, FLOAT_UNITS, "float16"),  # csrc/f16.h: IEEE half, as stored
     Kernel("bf16w", "F32", 16.0, False, FLOAT_UNITS, "bfloat16"),  # csrc/bf16w.h: bfloat16, as stored
 )}

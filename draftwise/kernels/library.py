@@ -8,8 +8,9 @@ and atomic publish are kernels/cbuild.py's, which the probe's streaming read is 
 per process (`load`: the q4x8, q6k, q8_0 (and every block type's), attention, glue and layer-loop ops), the ISA
 path names and ids every op selects by (csrc/dispatch.h's one rule; `PATHS` is filled from the library when it is
 loaded), and the wide side's switch: `wide_min_rows` measures once per build and CPU from how many rows 'auto'
-calls of q4x8 and q6k take their wide kernel (csrc/gemm_q4x8*.cpp, gemm_q6k*.cpp: the AMX GEMM, or on an AVX-512
-VNNI CPU without AMX the GEMV's register tile blocked over rows: bitwise the GEMVs' rows).
+calls of each kernel with a wide side (blocktypes' `wide`: q4x8, q6k, and the per-32 family q8_0, q8_1, q4c, q5m)
+take it (csrc/gemm_q4x8*.cpp, gemm_q6k*.cpp: the AMX GEMM, or on an AVX-512 VNNI CPU without AMX the GEMV's
+register tile blocked over rows; csrc/gemm_q8_0*.cpp: the latter only): bitwise the GEMVs' rows.
 
 Which C++ units a block type brings is its row's in kernels/blocktypes.py (`units`); the library compiles the
 units of every row with a kernel, plus the ops that are no block type's (attention, glue, layer loop).
@@ -181,11 +182,11 @@ WIDE_PROVISIONAL = "|provisional"  # appended to the key of a width measured whi
 
 
 def wide_min_rows(ops, where: Path, kind: str = "q4x8") -> int:
-    """The smallest row count from which 'auto' calls of the `kind` kernel ("q4x8" or "q6k": `ops` is its
-    torch.ops namespace) take its wide kernel (AMX tiles, or the AVX-512 VNNI row-blocked side where AMX is absent or
+    """The smallest row count from which 'auto' calls of the `kind` kernel (a blocktypes row with `wide`: `ops` is
+    its torch.ops namespace) take its wide kernel (AMX tiles, or the AVX-512 VNNI row-blocked side where AMX is absent or
     capped off: `ops.wide_kind()`) instead of the GEMV: both give bitwise the same rows, so this is a speed choice
     only, measured here once per library build, kind, wide side and CPU and kept in `where`/wide_<side>.txt (q4x8)
-    or wide_q6k_<side>.txt ($DRAFTWISE_WIDE_MIN_ROWS overrides both; 0 or no wide side: never). The probe times both
+    or wide_<kind>_<side>.txt ($DRAFTWISE_WIDE_MIN_ROWS overrides all; 0 or no wide side: never). The probe times both
     kernels on one thread on a WIDE_PROBE_SHAPE weight at each of WIDE_PROBE_WIDTHS (best of WIDE_PROBE_REPEATS
     interleaved calls, in thread CPU time) and takes the smallest width from which the wide kernel is faster at every
     larger width too. Thread CPU time does not shield the probe from other processes' use of the caches and memory
@@ -228,14 +229,21 @@ def wide_min_rows(ops, where: Path, kind: str = "q4x8") -> int:
 
 def _probe_args(kind: str, N: int, K: int, gen: torch.Generator) -> tuple:
     """The weight arguments (after x) of the `kind` kernel's linear and wide ops for a random packed [N, K] weight:
-    random bytes in csrc/q4x8.h's or csrc/q6k.h's layout, small normal float scales (the arithmetic, and so the
-    time, does not depend on the values)."""
+    random bytes in csrc/q4x8.h's, csrc/q6k.h's or csrc/q8_0.h's layout, small positive float scales (the
+    arithmetic, and so the time, does not depend on the values)."""
     NB, G, S = -(-N // 16), K // 32, K // 256
     byte = lambda *shape: torch.randint(0, 256, shape, generator=gen, dtype=torch.uint8)  # noqa: E731
     scale = lambda *shape: torch.rand(shape, generator=gen) * 0.01 + 0.001  # noqa: E731
     if kind == "q4x8":
         return byte(NB, G, 4, 64), byte(NB, G, 16), byte(NB, G, 16), scale(NB, S, 16), scale(NB, S, 16), None, N
-    return byte(NB, G, 4, 64), byte(NB, G, 2, 64), byte(NB, G, 2, 16).view(torch.int8), scale(NB, S, 16), None, N
+    if kind == "q6k":
+        return byte(NB, G, 4, 64), byte(NB, G, 2, 64), byte(NB, G, 2, 16).view(torch.int8), scale(NB, S, 16), None, N
+    # csrc/q8_0.h's forms: bytes (q8_0, with a min q8_1), codes through a table (q4c), codes and a plane (q5m)
+    packed = {"q8_0": (byte(NB, G, 8, 64), scale(NB, G, 16)),
+              "q8_1": (byte(NB, G, 8, 64), scale(NB, G, 16), scale(NB, G, 16)),
+              "q4c": (byte(NB, G, 4, 64), byte(NB, 16), scale(NB, G, 16)),
+              "q5m": (byte(NB, G, 4, 64), byte(NB, G, 8, 8), byte(NB, 16), scale(NB, G, 16), scale(NB, G, 16))}[kind]
+    return *packed, None, N
 
 
 def _probe_wide(ops, kind: str = "q4x8") -> int:

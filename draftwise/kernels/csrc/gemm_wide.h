@@ -1,4 +1,5 @@
-// The torch-facing pieces both wide sides share (gemm_q4x8.cpp, gemm_q6k.cpp): the measured switch width, the
+// The torch-facing pieces the wide sides share (gemm_q4x8.cpp, gemm_q6k.cpp; gemm_q8_0.cpp: the switch, the VNNI
+// chunk and the ops): the measured switch width, the
 // tile-major activation quantization, the row chunking and the per-thread scratch.
 //
 // Owns: the switch's storage (`DwWideSwitch`: the smallest row count path-'auto' calls hand to the wide kernel,
@@ -98,13 +99,14 @@ DwWideSide dw_wide_side();
 const char* dw_wide_side_name(DwWideSide side);  // "none", "vnni", "amx"
 constexpr int64_t DW_VNNI_CHUNK_ROWS = 48;  // 4 of the GEMV's 12-row tiles (measured: 24-48 best at K 1536-8960)
 
-// The operators every wide kind's library defines beside its own wide and wide_vnni (the schemas Python's
-// kernels/library.py and tests call): wide_available, wide_kind (this process's side, dw_wide_side), and its
-// switch SW's set_wide_min_rows / wide_min_rows.
-template <DwWideSwitch& SW>
+// The operators every wide kind's library defines beside its own wide (and wide_vnni where it has two sides: the
+// schemas Python's kernels/library.py and tests call): wide_available, wide_kind (the side this process runs for the
+// kind: SIDE, dw_wide_side unless the kind has fewer sides, as q8_0's has only VNNI), and its switch SW's
+// set_wide_min_rows / wide_min_rows.
+template <DwWideSwitch& SW, DwWideSide (*SIDE)() = dw_wide_side>
 inline void dw_def_wide_ops(torch::Library& m) {
-    m.def("wide_available() -> bool", [] { return dw_wide_side() != DwWideSide::NONE; });
-    m.def("wide_kind() -> str", []() -> std::string { return dw_wide_side_name(dw_wide_side()); });
+    m.def("wide_available() -> bool", [] { return SIDE() != DwWideSide::NONE; });
+    m.def("wide_kind() -> str", []() -> std::string { return dw_wide_side_name(SIDE()); });
     m.def("set_wide_min_rows(int rows) -> ()", [](int64_t rows) { SW.set(rows); });
     m.def("wide_min_rows() -> int", [] { return SW.get(); });
 }

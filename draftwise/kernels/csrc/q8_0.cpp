@@ -1,15 +1,17 @@
 // q8_0: the torch operators of the per-32 block types x Q8_0 activations (torch.ops.draftwise_q8_0.linear; q8_1:
 // the same kernel with a min term; q4c: its 4-bit codes form; q5m: codes, fifth-bit plane and min term, q8_0.h)
 // and their scalar path.
-// Owns: argument checks, the activation quantization per group of 32 (one scalar implementation serves every path,
-// so its bits cannot differ between them), which cpuid features each ISA unit needs (dispatch.h's rule picks the
-// path); the thread split is block_op.h's. Knows nothing of models or files; the layout and the arithmetic are
+// Owns: argument checks, the activation quantization per group of 32 (one scalar implementation serves every GEMV
+// path, so its bits cannot differ between them; the wide side's vector form is bitwise it), which cpuid features
+// each ISA unit needs (dispatch.h's rule picks the path) and handing path-'auto' calls from the kernel's switch width
+// on (and the `wide` ops' calls) to the wide side (gemm_q8_0.cpp); the thread split is block_op.h's. Knows nothing of models or files; the layout and the arithmetic are
 // defined in q8_0.h. The scalar path performs the exact float sequence of the SIMD paths.
 #include <torch/library.h>
 #include <ATen/ops/empty.h>
 #include <cmath>
 #include "block_op.h"
 #include "dispatch.h"
+#include "gemm_q8_0.h"
 #include "q8_0.h"
 
 namespace {
@@ -73,11 +75,14 @@ const T* optional_of(const std::optional<at::Tensor>& t, at::ScalarType dtype, i
     return t->data_ptr<T>();
 }
 
+}  // namespace
+
 // x [M, K] float32 -> y [M, N] float32; qw [NB, G, 8, 64] uint8 (bytes) or [NB, G, 4, 64] (codes, with lut [NB, 16]
-// uint8 and, for the fifth-bit plane, qh [NB, G, 8, 8]), d and m (or none) [NB, G, 16] float32
-at::Tensor linear(const at::Tensor& x, const at::Tensor& qw, const std::optional<at::Tensor>& qh,
-                  const std::optional<at::Tensor>& lut, const at::Tensor& d, const std::optional<at::Tensor>& m,
-                  const std::optional<at::Tensor>& bias, int64_t N, int64_t path) {
+// uint8 and, for the fifth-bit plane, qh [NB, G, 8, 8]), d and m (or none) [NB, G, 16] float32; `wide`: the wide
+// side (gemm_q8_0.cpp) whatever M is, else path 'auto' takes it from the kernel's switch width on (bitwise the same)
+at::Tensor dw_q80_linear(const at::Tensor& x, const at::Tensor& qw, const std::optional<at::Tensor>& qh,
+                         const std::optional<at::Tensor>& lut, const at::Tensor& d, const std::optional<at::Tensor>& m,
+                         const std::optional<at::Tensor>& bias, int64_t N, int64_t path, bool wide) {
     TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be [M, K] float32 contiguous");
     const int64_t M = x.size(0), K = x.size(1);
     TORCH_CHECK(K % 32 == 0, "K must be a multiple of 32");
@@ -89,8 +94,11 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& qw, const std::optional
     dwop::check_weight(d, at::kFloat, NB * G * 16, "d");
     const float* m_p = optional_of<float>(m, at::kFloat, NB * G * 16, "m");
     const float* bias_p = dwop::bias_of(bias, N);
+    wide = wide || (path == dwisa::AUTO && dw_q80_wide_takes(lut_p, m_p, M));
     path = dwisa::select(ISA, path);
     return dwop::output(x, N, [&](dwop::Scratch& s, float* yp) {
+        DwQ80 w{qw.data_ptr<uint8_t>(), d.data_ptr<float>(), m_p, bias_p, N, K, G, lut_p, qh_p};
+        if (wide) return dw_q80_wide(&w, x.data_ptr<float>(), M, K, N, yp);
         int8_t* qp = s.make<int8_t>({G, M, 32}, at::kChar);
         float* dxp = s.make<float>({G, M}, at::kFloat);
         int32_t* qop = s.make<int32_t>({G, M}, at::kInt);
@@ -98,13 +106,21 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& qw, const std::optional
         const float* xp = x.data_ptr<float>();
         dwop::over_rows(M, K, [&](int64_t r0, int64_t r1) { quantize_rows(xp, M, K, qp, dxp, qop, qsp, r0, r1); });
         const auto gemm = dwisa::pick(path, dw_q80_gemm_scalar, dw_q80_gemm_avx2, dw_q80_gemm_avx512);
-        DwQ80 w{qw.data_ptr<uint8_t>(), d.data_ptr<float>(), m_p, bias_p, N, K, G, lut_p, qh_p};
         DwQ80Act a{qp, dxp, qop, qsp, M};
         dwop::over_blocks(NB, [&](int64_t b0, int64_t b1) { gemm(&w, &a, yp, b0, b1); });
     });
 }
 
+namespace {
+
 std::vector<int64_t> paths() { return dwisa::available_paths(ISA); }
+
+// The GEMV's operator: path 'auto' takes the wide side from the switch width on.
+at::Tensor linear(const at::Tensor& x, const at::Tensor& qw, const std::optional<at::Tensor>& qh,
+                  const std::optional<at::Tensor>& lut, const at::Tensor& d, const std::optional<at::Tensor>& m,
+                  const std::optional<at::Tensor>& bias, int64_t N, int64_t path) {
+    return dw_q80_linear(x, qw, qh, lut, d, m, bias, N, path, false);
+}
 
 // A kernel's linear(x, <its packed buffers>, bias, N, path) and paths() schemas.
 void define(torch::Library& m, const std::string& packed) {
