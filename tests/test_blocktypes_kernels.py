@@ -193,6 +193,77 @@ def test_codes_compute_bitwise_what_bytes_compute_in_fewer_bytes(kind, machine):
     bias, x = torch.randn(N), torch.randn(9, K)
     for path in block_paths(cls.name):
         assert torch.equal(_on(cls(parts=parts, bias=bias), path)(x), _on(wide(parts=parts, bias=bias), path)(x)), path
-    assert cls.nbytes(N, K) == sum(t.numel() * t.element_size() for t in cls._pack(parts).values())
-    assert cls.nbytes(4096, 4096) * 8 / 4096**2 <= blocktypes.KERNELS[cls.name].bits + 0.01
-    assert cls.nbytes(N, K) < wide.nbytes(N, K)
+    assert cls.nbytes(N, K, kind=kind) == sum(t.numel() * t.element_size() for t in cls._pack(parts).values())
+    assert cls.nbytes(4096, 4096, kind=kind) * 8 / 4096**2 <= blocktypes.kernel_bits(kind) + 0.01
+    assert cls.nbytes(N, K, kind=kind) < wide.nbytes(N, K, kind=kind)
+
+
+# csrc/q8_0.h's scale forms: each 32-block type is held with its d (and m) as narrow as the file's (fp16, or SUB8:
+# an int8 per 32 times an fp16 per 256), bitwise the float32 scales it had before
+SCALED = sorted(t for t in TYPES if blocktypes.KERNELS[blocktypes.kernel_of(t)].scale_terms)
+FORM_DTYPES = {"f32": torch.float32, "f16": torch.float16, "sub8": torch.uint8}
+HELD_BITS = {"Q8_0": 8.5, "Q5_0": 8.5, "Q4_0": 4.5, "IQ4_NL": 4.5, "IQ4_XS": 4.3125, "Q4_1": 6.0, "Q5_1": 6.0,
+             "Q5_K": 5.625}  # bits per weight held (the file's: 8.5, 5.5, 4.5, 4.5, 4.25, 5.0, 6.0, 5.5)
+
+
+def _signed_blocks(kind: str, N: int, K: int, seed: int) -> np.ndarray:
+    """_random_blocks with signed scale fields too: some negative, some +0 and some -0 (the signs a narrowing
+    must keep: Q5_K's m = -(dmin * mn) is -0 where mn = 0)."""
+    raw = _random_blocks(kind, N, K, seed).reshape(-1, blocktypes.row(kind).block_bytes)
+    for at in TYPES[kind]:
+        h = raw[:, at:at + 2].copy().view(np.uint16)
+        h[1::3] |= 0x8000
+        h[::5], h[2::7] = 0x0000, 0x8000
+        raw[:, at:at + 2] = h.view(np.uint8)
+    return raw.reshape(N, -1)
+
+
+def _f32_form(cls, parts: dict, bias: torch.Tensor | None, path: str):
+    """The module holding `parts` with float32 scales (the layout before the narrow forms), on `path`."""
+    packed = getattr(ggml_blocks, f"pack_{cls.name}")(parts, "f32")
+    return _on(cls.from_state({**packed, "bias": bias}, parts["v"].shape[0]), path)
+
+
+@pytest.mark.parametrize("kind", SCALED)
+def test_the_narrow_scale_form_computes_bitwise_what_float32_scales_compute(kind, machine):
+    cls = _kernel(kind, machine)
+    N, K = 37, 512
+    parts = cls.parts_from_blocks(kind, _signed_blocks(kind, N, K, seed=6), N, K)
+    bias, x = torch.randn(N), torch.randn(13, K)
+    form = blocktypes.scale_form(kind)
+    for path in block_paths(cls.name):
+        narrow = _on(cls(parts=parts, bias=bias), path)
+        assert narrow.d.dtype == FORM_DTYPES[form], narrow.d.dtype
+        assert torch.equal(narrow(x), _f32_form(cls, parts, bias, path)(x)), path
+    packed = cls._pack(parts)
+    for name, t in packed.items():  # the parts back from the narrow form, bit for bit (signed zeros too)
+        if name in ("d", "m"):
+            back = ggml_blocks._unpack_scales(t)[:N]
+            assert torch.equal(back.view(torch.int32), parts[name].view(torch.int32)), name
+    held = sum(t.numel() * t.element_size() for t in packed.values())
+    assert held == cls.nbytes(N, K, kind=kind) == narrow.weight_bytes < cls.nbytes(N, K)
+    bits = cls.nbytes(4096, 4096, kind=kind) * 8 / 4096**2
+    assert abs(bits - blocktypes.kernel_bits(kind)) < 0.01 and abs(bits - HELD_BITS[kind]) < 0.01, bits
+
+
+@pytest.mark.parametrize("kind", ["Q5_K", "IQ4_XS", "Q4_0"])
+def test_an_inexact_narrowing_is_refused_and_a_planted_one_fails_the_check(kind, machine):
+    """pack refuses a form that would not hold the scales bitwise (f16 for SUB8's products; a SUB8 whose super
+    is not its factor), and the check above catches a narrowing that rounds: d rounded to bf16 (planted, through
+    the float32 form) computes other bits."""
+    cls = _kernel(kind, machine)
+    N, K = 37, 512
+    parts = cls.parts_from_blocks(kind, _signed_blocks(kind, N, K, seed=7), N, K)
+    pack = getattr(ggml_blocks, f"pack_{cls.name}")
+    if blocktypes.scale_form(kind) == "sub8":
+        with pytest.raises(ValueError, match="fp16"):
+            pack(parts, "f16")
+        with pytest.raises(ValueError, match="sub \\*"):
+            pack({**parts, "d_super": parts["d_super"] * 2}, "sub8")
+    else:
+        with pytest.raises(ValueError, match="sub8"):
+            pack(parts, "sub8")
+    x, path = torch.randn(13, K), block_paths(cls.name)[-1]
+    want = _f32_form(cls, parts, None, path)(x)
+    rounded = {**parts, "d": parts["d"].bfloat16().float()}
+    assert not torch.equal(_f32_form(cls, rounded, None, path)(x), want)

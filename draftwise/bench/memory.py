@@ -7,8 +7,9 @@ safetensors header, or the GGUF's key-values and tensor table — never by loadi
              elsewhere auto's cached choice for these shapes here, measured first if there is none), each linear's
              stored layout (kernels/linear.py `nbytes`: q4x8 4.75 bits per weight, kernels/q4x8.py packed_bytes;
              torch int4 4.5; int8 8 + a scale per row; dense 16 or 32; a SplitLinear both; a faithful plan: the
-             kernel of each tensor's stored type by its kernels/blocktypes.py row — Q4_K q4x8, Q6_K q6k 6.625, Q8_0 / Q5_0
-             q8_0 9, Q4_0 / IQ4 q4c 5, Q4_1 / Q5_1 / Q5_K q5m 7 — or fp32 where none holds it or it
+             kernel of each tensor's stored type by its kernels/blocktypes.py row, its scales in the type's scale
+             form — Q4_K q4x8, Q6_K q6k 6.625, Q8_0 / Q5_0 q8_0 8.5, Q4_0 / IQ4_NL q4c 4.5, IQ4_XS q4c 4.3125,
+             Q4_1 / Q5_1 q5m 6, Q5_K q5m 5.625 — or fp32 where none holds it or it
              cannot take the shape), the embedding table as load_model keeps it (q4x8 packed for 4-bit plans,
              shared with a tied head; a faithful plan's non-Q4_K table as the file stores it; else dense), norms
              in the activation dtype — the bytes the loaded model holds (tests/test_bench_memory.py checks them
@@ -180,12 +181,13 @@ def weight_bytes(s: Shapes, plan) -> int:
     total, head = 0, []
     for path, name in linears.items():
         N, K = specs[name]
+        kind = None  # the GGUF type a kernel is built from, its scale form (kernels/blocktypes.py scale_form)
         if plan.faithful:  # kernel_linear: the stored type's kernel where it takes the shape, else exact fp32
-            kernel = faithful_kernel(types[name])
+            kernel, kind = faithful_kernel(types[name]), types[name]
             impls = [kernel if LINEARS[kernel].supports(N, K) else EXACT_DENSE]
         else:
             impls = quant.plan_impls(plan, N, K)
-        total += sum(LINEARS[i].nbytes(N, K, f"{path}.bias" in specs) for i in impls)
+        total += sum(LINEARS[i].nbytes(N, K, f"{path}.bias" in specs, kind) for i in impls)
         head = impls if path == "lm_head" else head
     biases = {f"{path}.bias" for path in linears}
     for name, shape in specs.items():

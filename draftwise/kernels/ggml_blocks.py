@@ -1,12 +1,14 @@
 """GGUF block types other than Q4_K, read exactly and packed for our kernels: Q6_K and Q3_K for csrc/q6k.h; Q8_0 and
-Q5_0 for csrc/q8_0.h (values exact in int8, group scales exact in float32), Q4_0, IQ4_NL and IQ4_XS for its 4-bit
+Q5_0 for csrc/q8_0.h (values exact in int8, group scales held exactly in the narrowest of its scale forms: the fp16
+the file stores, or SUB8's int8 per group times an fp16 per 256 for IQ4_XS and Q5_K), Q4_0, IQ4_NL and IQ4_XS for its 4-bit
 codes form (the q4c kernel: a 16-entry table), Q4_1, Q5_1 and Q5_K for its codes, fifth-bit plane and min-term form
 (the q5m kernel: w = d * v + m per 32; q8_1 holds the same parts as bytes), plus simple quantizers that build the same layouts from
 float weights (tests, `make_linear`, a dense checkpoint pinned to these kernels). Which type goes to which kernel
 is kernels/blocktypes.py's table; here are the block layouts.
 
 Owns: the ggml block layouts of these types (parsing raw bytes into integer values and scales, as ggml's
-dequantize_row_* reads them), the packing into the kernels' 16-column layouts, and `dequantize_*` (the float weight
+dequantize_row_* reads them), the packing into the kernels' 16-column layouts (for csrc/q8_0.h, the choice of
+scale form: `_pack_scales`), and `dequantize_*` (the float weight
 the parts represent, what the kernels compute with). The linear modules are kernels/linear.py's Q6KLinear and
 Q80Linear; which tensor gets which is models/quant.py's. Knows nothing of files, models or torch ops.
 """
@@ -134,6 +136,70 @@ def q6k_bytes(N: int, K: int) -> int:
     return NB * (K // 32) * (256 + 128 + 32) + NB * (K // QK_K) * COLS * 4
 
 
+# ---- the per-32 scales of csrc/q8_0.h in its three scale forms ------------------------------------------------
+
+SUB8_BYTES = 160  # SUB8: per 16 columns and 8 groups, int8 sub [8, 16] then fp16 super [16]
+
+
+def _fp16_exact(t: torch.Tensor) -> bool:  # t float32: every value an fp16, bit for bit (signed zeros too)
+    return torch.equal(t.half().float().view(torch.int32), t.view(torch.int32))
+
+
+def _pack_scales(parts: dict[str, torch.Tensor], names: tuple[str, ...], N: int,
+                 scales: str | None) -> dict[str, torch.Tensor]:
+    """The parts' per-32 scale terms `names` (d [N, G] float32, and m) -> csrc/q8_0.h's buffers in one scale form
+    for all of them: `scales` "f32" ([NB, G, 16] float32), "f16" ([NB, G, 16] float16) or "sub8" ([NB, G / 8, 160]
+    uint8, from the parts' `<name>_sub` [N, G] int8 and `<name>_super` [N, G / 8] float32 with name = sub * super);
+    None: the narrowest exact one (sub8 where the parts carry subs, else f16 where every value is an fp16, else
+    f32). ValueError when the form asked for would not hold the values bitwise."""
+    if scales is None:
+        scales = ("sub8" if all(f"{n}_sub" in parts for n in names)
+                  else "f16" if all(_fp16_exact(parts[n].float()) for n in names) else "f32")
+    G, NB = parts[names[0]].shape[1], -(-N // COLS)
+    out = {}
+    for n in names:
+        d = parts[n].float()
+        if scales == "f32":
+            out[n] = _pad(d, N).view(NB, COLS, G).transpose(1, 2).contiguous()
+        elif scales == "f16":
+            if not _fp16_exact(d):
+                raise ValueError(f"{n}: values that are not fp16 cannot take the f16 scale form")
+            out[n] = _pad(d, N).view(NB, COLS, G).transpose(1, 2).contiguous().half()
+        elif scales == "sub8":
+            if f"{n}_sub" not in parts or f"{n}_super" not in parts:
+                raise ValueError(f"{n}: sub8 takes the parts' {n}_sub and {n}_super")
+            sub, sup = parts[f"{n}_sub"], parts[f"{n}_super"].float()
+            if G % 8 or sub.shape != (N, G) or sup.shape != (N, G // 8) or not _fp16_exact(sup):
+                raise ValueError(f"{n}: sub8 takes {n}_sub [N, G] int8 and {n}_super [N, G / 8] fp16 values, G % 8 == 0")
+            if not torch.equal((sub.float() * sup.repeat_interleave(8, 1)).view(torch.int32), d.view(torch.int32)):
+                raise ValueError(f"{n} is not bitwise {n}_sub * {n}_super")
+            S = G // 8
+            subp = _pad(sub.to(torch.int8), N).view(NB, COLS, S, 8).permute(0, 2, 3, 1).reshape(NB, S, 128)
+            supp = _pad(sup.half(), N).view(NB, COLS, S).transpose(1, 2).contiguous().view(torch.uint8)
+            out[n] = torch.cat([subp.view(torch.uint8), supp], dim=2).contiguous()
+        else:
+            raise ValueError(f"unknown scale form {scales!r} (f32, f16, sub8)")
+    return out
+
+
+def _unpack_scales(t: torch.Tensor) -> torch.Tensor:
+    """A packed scale term of nb blocks in any form ([nb, G, 16] float32 / float16, [nb, G / 8, 160] uint8) -> its
+    values [nb * 16, G] float32, bitwise what the kernels form."""
+    nb = t.shape[0]
+    if t.dtype == torch.uint8:
+        S = t.shape[1]
+        sub = t[..., :128].contiguous().view(torch.int8).view(nb, S, 8, COLS).float()
+        sup = t[..., 128:].contiguous().view(torch.float16).float().view(nb, S, 1, COLS)
+        t = (sub * sup).reshape(nb, S * 8, COLS)
+    return t.float().permute(0, 2, 1).reshape(nb * COLS, -1)
+
+
+def scale_bytes(N: int, K: int, scales: str) -> int:
+    """Bytes of one packed scale term (d, or m) of a [N, K] weight in a scale form (blocktypes.SCALE_BITS)."""
+    NB, G = -(-N // COLS), K // 32
+    return NB * G // 8 * SUB8_BYTES if scales == "sub8" else NB * G * COLS * (2 if scales == "f16" else 4)
+
+
 # ---- Q8_0 and Q5_0 ------------------------------------------------------------------------------------------
 
 def q8_0_from_blocks(blocks, N: int, K: int) -> dict[str, torch.Tensor]:
@@ -178,25 +244,25 @@ def dequantize_q8_0(parts: dict[str, torch.Tensor]) -> torch.Tensor:
     return (parts["d"][..., None] * v.reshape(N, K // 32, 32).float()).reshape(N, K)
 
 
-def pack_q8_0(parts: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Q8_0 parts -> csrc/q8_0.h's layout: qw [NB, G, 8, 64] uint8 (v + 128), d [NB, G, 16] float32. A value of
-    -128 (which ggml's quantizers never write) is refused: the AVX2 path's signed product cannot take it."""
-    v, d = parts["v"], parts["d"]
+def pack_q8_0(parts: dict[str, torch.Tensor], scales: str | None = None) -> dict[str, torch.Tensor]:
+    """Q8_0 parts -> csrc/q8_0.h's layout: qw [NB, G, 8, 64] uint8 (v + 128), d in the scale form `scales`
+    (_pack_scales; None: the narrowest exact). A value of -128 (which ggml's quantizers never write) is refused:
+    the AVX2 path's signed product cannot take it."""
+    v = parts["v"]
     N, K = v.shape
     if bool((v == -128).any()):
         raise ValueError("a Q8_0 value of -128: the q8_0 kernel takes -127..127")
     G, NB = K // 32, -(-N // COLS)
     u = (_pad(v, N).to(torch.int16) + 128).to(torch.uint8)
     qw = u.view(NB, COLS, G, 8, 4).permute(0, 2, 3, 1, 4).contiguous().view(NB, G, 8, 64)
-    dp = _pad(d.float(), N).view(NB, COLS, G).transpose(1, 2).contiguous()
-    return {"qw": qw, "d": dp}
+    return {"qw": qw, **_pack_scales(parts, ("d",), N, scales)}
 
 
-def q8_0_bytes(N: int, K: int) -> int:
-    """Bytes of pack_q8_0's output: 8 bits per weight plus a float32 per 32 (9 bits per weight; the file's Q8_0:
-    8.5, Q5_0: 5.5)."""
+def q8_0_bytes(N: int, K: int, scales: str = "f32") -> int:
+    """Bytes of pack_q8_0's output: 8 bits per weight plus the scales in `scales` (float32: 9 bits per weight;
+    fp16, Q8_0 and Q5_0: 8.5, the file's Q8_0 8.5, Q5_0 5.5)."""
     NB = -(-N // COLS)
-    return NB * (K // 32) * (512 + COLS * 4)
+    return NB * (K // 32) * 512 + scale_bytes(N, K, scales)
 
 
 def unpack_q6k(packed: dict[str, torch.Tensor], b0: int, b1: int) -> dict[str, torch.Tensor]:
@@ -216,10 +282,10 @@ def unpack_q6k(packed: dict[str, torch.Tensor], b0: int, b1: int) -> dict[str, t
 
 def unpack_q8_0(packed: dict[str, torch.Tensor], b0: int, b1: int) -> dict[str, torch.Tensor]:
     """pack_q8_0's buffers -> the parts of the 16-column blocks [b0, b1), the inverse of pack_q8_0."""
-    qw, d = packed["qw"][b0:b1], packed["d"][b0:b1]
+    qw = packed["qw"][b0:b1]
     nb, G = qw.shape[:2]
     v = (qw.view(nb, G, 8, COLS, 4).to(torch.int16) - 128).to(torch.int8)
-    return {"v": v.permute(0, 3, 1, 2, 4).reshape(nb * COLS, G * 32), "d": d.permute(0, 2, 1).reshape(nb * COLS, G)}
+    return {"v": v.permute(0, 3, 1, 2, 4).reshape(nb * COLS, G * 32), "d": _unpack_scales(packed["d"][b0:b1])}
 
 
 # ---- the other 32-value types on q8_0, and the types with a min on q8_1 ------------------------------------------
@@ -264,7 +330,8 @@ def iq4_xs_from_blocks(blocks, N: int, K: int) -> dict[str, torch.Tensor]:
     """A GGUF IQ4_XS tensor's raw bytes -> q8_0 parts, exactly ggml's dequantize_row_iq4_xs: per 256 values d fp16,
     a uint16 of the 8 sub-blocks' top 2 scale bits (sub-block i at bits 2i), 4 bytes of their low 4 bits (sub-block
     i in nibble i % 2 of byte i / 2) and 8 x 16 bytes of nibbles indexing IQ4_NL_VALUES; the group scale
-    d * (scale - 32) is exact in float32 (an fp16 times a 6-bit integer)."""
+    d * (scale - 32) is exact in float32 (an fp16 times a 6-bit integer), and its factors are parts too (d_sub
+    [N, K / 32] int8 = scale - 32, d_super [N, K / 256] = d: the SUB8 scale form)."""
     raw = _raw(blocks, N, K, "IQ4_XS")
     nb = raw.shape[0]
     hi = raw[:, 2].to(torch.int32) | (raw[:, 3].to(torch.int32) << 8)  # [blocks]
@@ -272,7 +339,8 @@ def iq4_xs_from_blocks(blocks, N: int, K: int) -> dict[str, torch.Tensor]:
     ls = lo | (((hi[:, None] >> (2 * torch.arange(8))) & 3) << 4)  # [blocks, 8] in 0..63
     d = _fp16(raw, 0)[:, None] * (ls - 32).float()  # [blocks, 8]
     v = torch.tensor(IQ4_NL_VALUES, dtype=torch.int8)[_nibbles(raw[:, 8:].reshape(nb, 8, 16)).long()]
-    return {"v": v.reshape(N, K), "d": d.reshape(N, K // 32)}
+    return {"v": v.reshape(N, K), "d": d.reshape(N, K // 32),
+            "d_sub": (ls - 32).to(torch.int8).reshape(N, K // 32), "d_super": _fp16(raw, 0).reshape(N, K // QK_K)}
 
 
 def q4_1_from_blocks(blocks, N: int, K: int) -> dict[str, torch.Tensor]:
@@ -303,7 +371,9 @@ def _k_scales(sb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def q5k_from_blocks(blocks, N: int, K: int) -> dict[str, torch.Tensor]:
     """A GGUF Q5_K tensor's raw bytes -> q8_1 parts v (0..31), d = d * sc and m = -(dmin * mn) per sub-block of 32,
-    exactly ggml's dequantize_row_q5_K (both products of an fp16 and a 6-bit integer: exact in float32). Block: d,
+    exactly ggml's dequantize_row_q5_K (both products of an fp16 and a 6-bit integer: exact in float32), and their
+    factors (d_sub = sc, d_super = d; m_sub = mn, m_super = -dmin, [N, K / 32] int8 and [N, K / 256]: the SUB8
+    scale form; (-dmin) * mn is bitwise -(dmin * mn), signed zeros included). Block: d,
     dmin fp16, 12 bytes of scales and mins (as Q4_K), qh[32] (bit i of byte l: sub-block i's value l, fifth bit),
     qs[128] (chunk j of 32 bytes: sub-block 2j in the low nibbles, 2j + 1 in the high)."""
     raw = _raw(blocks, N, K, "Q5_K")
@@ -315,7 +385,9 @@ def q5k_from_blocks(blocks, N: int, K: int) -> dict[str, torch.Tensor]:
     v = (low | top).to(torch.int8)
     d = _fp16(raw, 0)[:, None] * sc.float()
     m = -(_fp16(raw, 2)[:, None] * mn.float())
-    return {"v": v.reshape(N, K), "d": d.reshape(N, K // 32), "m": m.reshape(N, K // 32)}
+    return {"v": v.reshape(N, K), "d": d.reshape(N, K // 32), "m": m.reshape(N, K // 32),
+            "d_sub": sc.to(torch.int8).reshape(N, K // 32), "d_super": _fp16(raw, 0).reshape(N, K // QK_K),
+            "m_sub": mn.to(torch.int8).reshape(N, K // 32), "m_super": (-_fp16(raw, 2)).reshape(N, K // QK_K)}
 
 
 def quantize_q8_1(weight: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -338,23 +410,23 @@ def dequantize_q8_1(parts: dict[str, torch.Tensor]) -> torch.Tensor:
     return (parts["d"][..., None] * v.reshape(N, K // 32, 32).float() + parts["m"][..., None]).reshape(N, K)
 
 
-def pack_q8_1(parts: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """q8_1 parts -> csrc/q8_0.h's layout with the min term: qw, d as pack_q8_0, m [NB, G, 16] float32."""
-    out = pack_q8_0(parts)
-    N, G = parts["m"].shape
-    out["m"] = _pad(parts["m"].float(), N).view(-1, COLS, G).transpose(1, 2).contiguous()
-    return out
+def pack_q8_1(parts: dict[str, torch.Tensor], scales: str | None = None) -> dict[str, torch.Tensor]:
+    """q8_1 parts -> csrc/q8_0.h's layout with the min term: qw as pack_q8_0, d and m in one scale form
+    (_pack_scales)."""
+    out = pack_q8_0({"v": parts["v"], "d": parts["d"]}, "f32")
+    return {"qw": out["qw"], **_pack_scales(parts, ("d", "m"), parts["v"].shape[0], scales)}
 
 
 def unpack_q8_1(packed: dict[str, torch.Tensor], b0: int, b1: int) -> dict[str, torch.Tensor]:
     """pack_q8_1's buffers -> the parts of the 16-column blocks [b0, b1)."""
     parts = unpack_q8_0(packed, b0, b1)
-    return {**parts, "m": packed["m"][b0:b1].permute(0, 2, 1).reshape(parts["d"].shape)}
+    return {**parts, "m": _unpack_scales(packed["m"][b0:b1])}
 
 
-def q8_1_bytes(N: int, K: int) -> int:
-    """Bytes of pack_q8_1's output: q8_0's plus a float32 min per 32 (10 bits per weight)."""
-    return q8_0_bytes(N, K) + -(-N // COLS) * (K // 32) * COLS * 4
+def q8_1_bytes(N: int, K: int, scales: str = "f32") -> int:
+    """Bytes of pack_q8_1's output: q8_0's plus the min per 32 in the same scale form (float32: 10 bits per
+    weight)."""
+    return q8_0_bytes(N, K, scales) + scale_bytes(N, K, scales)
 
 
 
@@ -384,11 +456,11 @@ def _line_codes(qs: torch.Tensor) -> torch.Tensor:
     return torch.cat([qs & 15, qs >> 4], dim=2)
 
 
-def pack_q4c(parts: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def pack_q4c(parts: dict[str, torch.Tensor], scales: str | None = None) -> dict[str, torch.Tensor]:
     """q8_0 parts whose values take at most 16 distinct values (Q4_0: -8..7, IQ4_NL / IQ4_XS: the IQ4 table) ->
     csrc/q8_0.h's codes form: qs [NB, G, 4, 64] uint8 (codes into the table), lut [NB, 16] uint8 (the tensor's
-    values + 128, in increasing order, repeated per block), d [NB, G, 16] float32."""
-    v, d = parts["v"], parts["d"]
+    values + 128, in increasing order, repeated per block), d in the scale form `scales` (_pack_scales)."""
+    v = parts["v"]
     N = v.shape[0]
     u = v.to(torch.int64) + 128
     present = torch.bincount(u.reshape(-1), minlength=256).nonzero().reshape(-1)
@@ -399,16 +471,16 @@ def pack_q4c(parts: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     code[present] = torch.arange(len(present), dtype=torch.uint8)
     NB = -(-N // COLS)
     return {"qs": _code_lines(_chunks(code[u], N)), "lut": table.to(torch.uint8).expand(NB, 16).contiguous(),
-            "d": _pad(d.float(), N).view(NB, COLS, -1).transpose(1, 2).contiguous()}
+            **_pack_scales(parts, ("d",), N, scales)}
 
 
 def unpack_q4c(packed: dict[str, torch.Tensor], b0: int, b1: int) -> dict[str, torch.Tensor]:
     """pack_q4c's buffers -> the q8_0 parts of the 16-column blocks [b0, b1)."""
-    qs, lut, d = packed["qs"][b0:b1], packed["lut"][b0:b1], packed["d"][b0:b1]
+    qs, lut = packed["qs"][b0:b1], packed["lut"][b0:b1]
     codes = _line_codes(qs).long()  # [nb, G, 8, 64]
     nb = qs.shape[0]
     u = torch.gather(lut.long().view(nb, 1, 1, 16).expand(*codes.shape[:3], 16), 3, codes)
-    return {"v": (_unchunk(u) - 128).to(torch.int8), "d": d.permute(0, 2, 1).reshape(nb * COLS, -1)}
+    return {"v": (_unchunk(u) - 128).to(torch.int8), "d": _unpack_scales(packed["d"][b0:b1])}
 
 
 def quantize_q4c(weight: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -427,18 +499,18 @@ def quantize_q4c(weight: torch.Tensor) -> dict[str, torch.Tensor]:
 dequantize_q4c = dequantize_q8_0
 
 
-def q4c_bytes(N: int, K: int) -> int:
-    """Bytes of pack_q4c's output: 4 bits per weight plus a float32 per 32 (5 bits per weight; the file's Q4_0 /
-    IQ4_NL: 4.5, IQ4_XS: 4.25), and the 16-byte table per 16 columns."""
+def q4c_bytes(N: int, K: int, scales: str = "f32") -> int:
+    """Bytes of pack_q4c's output: 4 bits per weight plus the scales (float32: 5 bits per weight; fp16, Q4_0 and
+    IQ4_NL: 4.5, as the file; sub8, IQ4_XS: 4.3125, the file 4.25), and the 16-byte table per 16 columns."""
     NB = -(-N // COLS)
-    return NB * (K // 32) * (256 + COLS * 4) + NB * 16
+    return NB * (K // 32) * 256 + scale_bytes(N, K, scales) + NB * 16
 
 
-def pack_q5m(parts: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def pack_q5m(parts: dict[str, torch.Tensor], scales: str | None = None) -> dict[str, torch.Tensor]:
     """q8_1 parts (v in 0..31) -> csrc/q8_0.h's codes form with the fifth-bit plane and the min term: qs [NB, G, 4, 64]
     (the low 4 bits), qh [NB, G, 8, 8] uint8 (the fifth bits, chunk c's 64 as a little-endian uint64), lut [NB, 16]
-    (128 + 0..15), d and m [NB, G, 16] float32."""
-    v, d, m = parts["v"], parts["d"], parts["m"]
+    (128 + 0..15), d and m in one scale form `scales` (_pack_scales)."""
+    v = parts["v"]
     N = v.shape[0]
     if bool(((v < 0) | (v > 31)).any()):
         raise ValueError("q5m holds values 0..31")
@@ -446,9 +518,9 @@ def pack_q5m(parts: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     NB, G = u.shape[:2]
     weights = (1 << torch.arange(8, dtype=torch.int32)).view(1, 1, 1, 1, 8)
     qh = ((u >> 4).view(NB, G, 8, 8, 8).to(torch.int32) * weights).sum(-1).to(torch.uint8)
-    side = lambda t: _pad(t.float(), N).view(NB, COLS, G).transpose(1, 2).contiguous()  # noqa: E731
     return {"qs": _code_lines(u & 15), "qh": qh.contiguous(),
-            "lut": (torch.arange(16, dtype=torch.uint8) + 128).expand(NB, 16).contiguous(), "d": side(d), "m": side(m)}
+            "lut": (torch.arange(16, dtype=torch.uint8) + 128).expand(NB, 16).contiguous(),
+            **_pack_scales(parts, ("d", "m"), N, scales)}
 
 
 def unpack_q5m(packed: dict[str, torch.Tensor], b0: int, b1: int) -> dict[str, torch.Tensor]:
@@ -457,19 +529,20 @@ def unpack_q5m(packed: dict[str, torch.Tensor], b0: int, b1: int) -> dict[str, t
     nb, G = qs.shape[:2]
     low = torch.gather(lut.long().view(nb, 1, 1, 16).expand(nb, G, 8, 16), 3, _line_codes(qs).long()) - 128
     fifth = ((qh.view(nb, G, 8, 8, 1) >> torch.arange(8, dtype=torch.uint8)) & 1).view(nb, G, 8, 64).long() << 4
-    side = lambda t: t.permute(0, 2, 1).reshape(nb * COLS, G)  # noqa: E731
-    return {"v": _unchunk(low + fifth).to(torch.int8), "d": side(packed["d"][b0:b1]), "m": side(packed["m"][b0:b1])}
+    return {"v": _unchunk(low + fifth).to(torch.int8), "d": _unpack_scales(packed["d"][b0:b1]),
+            "m": _unpack_scales(packed["m"][b0:b1])}
 
 
 quantize_q5m = quantize_q8_1
 dequantize_q5m = dequantize_q8_1
 
 
-def q5m_bytes(N: int, K: int) -> int:
-    """Bytes of pack_q5m's output: 5 bits per weight plus a float32 scale and min per 32 (7 bits per weight; the
-    file's Q5_1: 6, Q5_K: 5.5, Q4_1: 5), and the 16-byte table per 16 columns."""
+def q5m_bytes(N: int, K: int, scales: str = "f32") -> int:
+    """Bytes of pack_q5m's output: 5 bits per weight plus a scale and a min per 32 in one scale form (float32: 7
+    bits per weight; fp16, Q4_1 and Q5_1: 6, the file's 5 and 6; sub8, Q5_K: 5.625, the file 5.5), and the 16-byte
+    table per 16 columns."""
     NB = -(-N // COLS)
-    return NB * (K // 32) * (256 + 64 + 2 * COLS * 4) + NB * 16
+    return NB * (K // 32) * (256 + 64) + 2 * scale_bytes(N, K, scales) + NB * 16
 
 
 FROM_BLOCKS = {"Q6_K": q6k_from_blocks, "Q8_0": q8_0_from_blocks, "Q5_0": q5_0_from_blocks, "Q4_0": q4_0_from_blocks,

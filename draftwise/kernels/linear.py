@@ -85,8 +85,10 @@ class LinearImpl(nn.Module):
         return True
 
     @classmethod
-    def nbytes(cls, N: int, K: int, bias: bool = False) -> int:
-        """Bytes this implementation's module holds for a weight [N, K] (and a bias [N]): its stored layout."""
+    def nbytes(cls, N: int, K: int, bias: bool = False, kind: str | None = None) -> int:
+        """Bytes this implementation's module holds for a weight [N, K] (and a bias [N]): its stored layout; `kind`
+        the GGUF type it was built from (from_blocks) where the layout depends on it (the 32-block kernels' scale
+        forms), None for a float weight's quantization."""
         raise NotImplementedError(cls.name)
 
     @property
@@ -152,7 +154,7 @@ class DenseF32(LinearImpl):
         self.register_buffer("bias", _bias(bias, self.storage))
 
     @classmethod
-    def nbytes(cls, N: int, K: int, bias: bool = False) -> int:
+    def nbytes(cls, N: int, K: int, bias: bool = False, kind: str | None = None) -> int:
         size = torch.finfo(cls.storage).bits // 8
         return size * N * K + (size * N if bias else 0)
 
@@ -223,7 +225,8 @@ class TorchInt4(LinearImpl):
         self.register_buffer("bias", _bias(bias, torch.bfloat16))
 
     @classmethod
-    def nbytes(cls, N: int, K: int, bias: bool = False) -> int:  # nibbles + bf16 scale and zero per 32
+    # nibbles + bf16 scale and zero per 32
+    def nbytes(cls, N: int, K: int, bias: bool = False, kind: str | None = None) -> int:
         return N * K // 2 + (K // cls.GROUP) * N * 2 * 2 + (2 * N if bias else 0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [..., K] -> [..., N]
@@ -260,7 +263,8 @@ class TorchInt8(LinearImpl):
         self.register_buffer("bias", _bias(bias, torch.bfloat16))
 
     @classmethod
-    def nbytes(cls, N: int, K: int, bias: bool = False) -> int:  # int8 weights + a bf16 scale per row
+    # int8 weights + a bf16 scale per row
+    def nbytes(cls, N: int, K: int, bias: bool = False, kind: str | None = None) -> int:
         return N * K + 2 * N + (2 * N if bias else 0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [..., K] -> [..., N]
@@ -301,7 +305,8 @@ class FbgemmDynamicInt8(LinearImpl):
             self._packed = torch.ops.quantized.linear_prepack(qw, _bias(bias, torch.float32))
 
     @classmethod
-    def nbytes(cls, N: int, K: int, bias: bool = False) -> int:  # int8 weights + a float32 scale per row
+    # int8 weights + a float32 scale per row
+    def nbytes(cls, N: int, K: int, bias: bool = False, kind: str | None = None) -> int:
         return N * K + 4 * N + (4 * N if bias else 0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [..., K] -> [..., N]
@@ -355,7 +360,8 @@ class Q4x8Linear(LinearImpl):
         return K % q4x8_format.GROUP == 0
 
     @classmethod
-    def nbytes(cls, N: int, K: int, bias: bool = False) -> int:  # kernels/q4x8.py packed_bytes: 4.75 bits/weight
+    # kernels/q4x8.py packed_bytes: 4.75 bits/weight
+    def nbytes(cls, N: int, K: int, bias: bool = False, kind: str | None = None) -> int:
         return q4x8_format.packed_bytes(N, K) + (4 * N if bias else 0)
 
     @classmethod
@@ -481,8 +487,16 @@ class _BlockLinear(LinearImpl):
         return K % cls.K_BLOCK == 0
 
     @classmethod
-    def nbytes(cls, N: int, K: int, bias: bool = False) -> int:
-        return getattr(ggml_blocks, f"{cls.name}_bytes")(N, K) + (4 * N if bias else 0)
+    def nbytes(cls, N: int, K: int, bias: bool = False, kind: str | None = None) -> int:
+        layout = getattr(ggml_blocks, f"{cls.name}_bytes")
+        if blocktypes.KERNELS[cls.name].scale_terms:  # csrc/q8_0.h's kernels: the scales in the type's form
+            return layout(N, K, blocktypes.scale_form(kind)) + (4 * N if bias else 0)
+        return layout(N, K) + (4 * N if bias else 0)
+
+    @property
+    def weight_bytes(self) -> int:
+        """What one call streams from memory: the packed buffers as held (their scale form is the parts')."""
+        return sum(self._buffers[n].numel() * self._buffers[n].element_size() for n in self.PACKED)
 
     @classmethod
     def _quantize(cls, weight: torch.Tensor) -> dict:
@@ -617,9 +631,9 @@ class _BlockLinear(LinearImpl):
     @classmethod
     def concat(cls, parts: list[_BlockLinear]) -> _BlockLinear | None:
         """Bitwise torch.cat of the parts' outputs when every part but the last fills its 16-column blocks (as
-        Q4x8Linear.concat); None otherwise."""
-        if len({(p.in_features, p.path) for p in parts}) != 1:
-            return None
+        Q4x8Linear.concat) and the parts hold their scales in one form; None otherwise."""
+        if len({(p.in_features, p.path, *(p._buffers[n].dtype for n in cls.PACKED)) for p in parts}) != 1:
+            return None  # (the dtypes: csrc/q8_0.h's scale forms differ between parts)
         if any(p.out_features % ggml_blocks.COLS for p in parts[:-1]):
             return None
         tensors = {n: cat_rows([getattr(p, n) for p in parts]) for n in cls.PACKED}
@@ -685,7 +699,8 @@ class Q81Linear(_BlockLinear):
 
 class Q4CLinear(_BlockLinear):
     """Ours: GGUF Q4_0, IQ4_NL and IQ4_XS weights held exactly as 4-bit codes into a 16-entry table of int8 values with
-    a float32 scale per 32 (5 bits per weight; kernels/ggml_blocks.py pack_q4c, csrc/q8_0.h's codes form) x int8
+    a scale per 32 (fp16 as stored: 4.5 bits per weight; IQ4_XS: an int8 per 32 times an fp16 per 256, 4.3125;
+    a float weight's quantization: float32, 5; kernels/ggml_blocks.py pack_q4c, csrc/q8_0.h's codes form) x int8
     activations per row and 32 K values (GGUF's Q8_0, as llama.cpp pairs these types): bitwise what q8_0 computes
     with the same blocks held as bytes; AVX-512 VNNI / AVX2 / scalar, bitwise the same. Q4CLinear(weight [N, K],
     bias) quantizes a float weight as ggml's Q4_0; `from_blocks` takes the types' blocks as they are."""
@@ -699,7 +714,8 @@ class Q4CLinear(_BlockLinear):
 
 class Q5MLinear(_BlockLinear):
     """Ours: GGUF Q4_1, Q5_1 and Q5_K weights held exactly as 5-bit values (4-bit codes plus a fifth-bit plane) with
-    a float32 scale and min per 32, w = d * v + m (7 bits per weight; kernels/ggml_blocks.py pack_q5m, csrc/q8_0.h)
+    a scale and min per 32, w = d * v + m (fp16 as stored: 6 bits per weight; Q5_K: int8s per 32 times fp16s per
+    256, 5.625; a float weight's quantization: float32, 7; kernels/ggml_blocks.py pack_q5m, csrc/q8_0.h)
     x int8 activations per row and 32 K values with their sums (GGUF's Q8_1): bitwise what q8_1 computes with the
     same blocks held as bytes; AVX-512 VNNI / AVX2 / scalar, bitwise the same. Q5MLinear(weight [N, K], bias)
     quantizes a float weight as ggml's Q5_1; `from_blocks` takes the types' blocks as they are."""
@@ -727,7 +743,7 @@ class _FloatLinear(_BlockLinear):
     ELEMENT: ClassVar[torch.dtype] = torch.float16
 
     @classmethod
-    def nbytes(cls, N: int, K: int, bias: bool = False) -> int:
+    def nbytes(cls, N: int, K: int, bias: bool = False, kind: str | None = None) -> int:
         return -(-N // ggml_blocks.COLS) * ggml_blocks.COLS * K * 2 + (4 * N if bias else 0)
 
     @classmethod

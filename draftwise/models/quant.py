@@ -27,13 +27,14 @@ from draftwise.kernels import blocktypes, linear
 from draftwise.kernels.linear import SplitLinear, derived_split, impl_for, make_linear
 from draftwise.kernels.plan import EXACT_DENSE, KernelPlan, faithful_kernel
 
-PREPARED_FORMAT_VERSION = 7  # bump when a prepared module's stored tensors change; cached copies are then rebuilt
+PREPARED_FORMAT_VERSION = 8  # bump when a prepared module's stored tensors change; cached copies are then rebuilt
 # (2: the embedding table in q4x8's packed form, shared with a tied head; torch int4 linears prepared too;
 # 3: a q4x8 step + dense prefill split stores only the q4x8 half, the dense one is derived at load;
 # 4: one registry: implementations stored under their --weights names, with K; 5: faithful plans, q6k / q8_0
 # linears and the GGUF-rows embedding; 6: merge groups' buffers stored back to back, `storage_order`, so a merged
 # q/k/v or gate/up is a view of the mapped file; 7: the block-type table's kernels for Q3_K, Q4_0, Q4_1, Q5_1,
-# Q5_K, IQ4_NL and IQ4_XS, which a faithful plan's file of version 6 held in fp32). Bump sources.CONVERSION_VERSION with it:
+# Q5_K, IQ4_NL and IQ4_XS, which a faithful plan's file of version 6 held in fp32; 8: the 32-block kernels' d and m
+# in the types' own scale forms, fp16 or SUB8, not float32: csrc/q8_0.h). Bump sources.CONVERSION_VERSION with it:
 # the converted folder is rebuilt, so the old prepared files leave the disk.
 
 

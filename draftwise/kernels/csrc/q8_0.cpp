@@ -17,7 +17,7 @@
 namespace {
 
 // What q8_0_avx2.cpp and q8_0_avx512.cpp are compiled for (kernels/blocktypes.py's units for q8_0).
-constexpr dwisa::Isa ISA{"q8_0", {0, dwisa::F_AVX2 | dwisa::F_FMA,
+constexpr dwisa::Isa ISA{"q8_0", {0, dwisa::F_AVX2 | dwisa::F_FMA | dwisa::F_F16C,
                                   dwisa::F_AVX512F | dwisa::F_AVX512BW | dwisa::F_AVX512VL | dwisa::F_AVX512VNNI}};
 
 // x [M, K] -> q [G, M, 32], dx [G, M], qoff [G, M], qsum [G, M] for rows [r0, r1) (q8_0.h)
@@ -54,10 +54,10 @@ extern "C" void dw_q80_gemm_scalar(const DwQ80* w, const DwQ80Act* a, float* out
             int32_t isum = 0;
             for (int c = 0; c < 8; ++c)
                 for (int t = 0; t < 4; ++t) isum += ((int32_t)dw_q80_byte(w, b, g, c, j, t) - 128) * xq[c * 4 + t];
-            const float t = (float)isum * w->d[(b * G + g) * 16 + j];
+            const float t = (float)isum * dw_q80_scale(w, w->d, b, g, j);
             acc = std::fma(t, a->dx[g * M + m], acc);
             if (w->m) {
-                const float u = (float)a->qsum[g * M + m] * w->m[(b * G + g) * 16 + j];
+                const float u = (float)a->qsum[g * M + m] * dw_q80_scale(w, w->m, b, g, j);
                 acc = std::fma(u, a->dx[g * M + m], acc);
             }
         }
@@ -75,29 +75,52 @@ const T* optional_of(const std::optional<at::Tensor>& t, at::ScalarType dtype, i
     return t->data_ptr<T>();
 }
 
-}  // namespace
+// The scale form of d (q8_0.h) from its dtype: float32 F32, float16 F16, uint8 SUB8; d checked for NB blocks of G
+// groups in that form (and m, when given, for the same form).
+DwQ80Scales scales_of(const at::Tensor& d, const std::optional<at::Tensor>& m, int64_t NB, int64_t G) {
+    const at::ScalarType t = d.scalar_type();
+    TORCH_CHECK(t == at::kFloat || t == at::kHalf || t == at::kByte, "d must be float32, float16 or uint8 (SUB8)");
+    TORCH_CHECK(!m.has_value() || !m->defined() || m->scalar_type() == t, "m must have d's scale form (dtype)");
+    const DwQ80Scales s = t == at::kFloat ? DW_Q80_F32 : t == at::kHalf ? DW_Q80_F16 : DW_Q80_SUB8;
+    TORCH_CHECK(s != DW_Q80_SUB8 || G % 8 == 0, "SUB8 scales need K a multiple of 256");
+    const int64_t numel = s == DW_Q80_SUB8 ? NB * (G / 8) * 160 : NB * G * 16;
+    dwop::check_weight(d, t, numel, "d");
+    if (m.has_value() && m->defined()) dwop::check_weight(*m, t, numel, "m");
+    return s;
+}
 
-// x [M, K] float32 -> y [M, N] float32; qw [NB, G, 8, 64] uint8 (bytes) or [NB, G, 4, 64] (codes, with lut [NB, 16]
-// uint8 and, for the fifth-bit plane, qh [NB, G, 8, 8]), d and m (or none) [NB, G, 16] float32; `wide`: the wide
-// side (gemm_q8_0.cpp) whatever M is, else path 'auto' takes it from the kernel's switch width on (bitwise the same)
-at::Tensor dw_q80_linear(const at::Tensor& x, const at::Tensor& qw, const std::optional<at::Tensor>& qh,
-                         const std::optional<at::Tensor>& lut, const at::Tensor& d, const std::optional<at::Tensor>& m,
-                         const std::optional<at::Tensor>& bias, int64_t N, int64_t path, bool wide) {
-    TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be [M, K] float32 contiguous");
-    const int64_t M = x.size(0), K = x.size(1);
+// The checked weights of one call (q8_0.h's DwQ80) from the op's buffers, for K = 32 G: qw [NB, G, 8, 64] uint8
+// (bytes) or [NB, G, 4, 64] (codes, with lut [NB, 16] uint8 and, for the fifth-bit plane, qh [NB, G, 8, 8]), d and m
+// (or none) in one scale form ([NB, G, 16] float32 or float16, or SUB8's [NB, G / 8, 160] uint8), bias [N] or none.
+// The one place a DwQ80 is built from tensors (the GEMV and the wide side, gemm_q8_0.cpp, take it opaque).
+DwQ80 weights_of(const at::Tensor& qw, const std::optional<at::Tensor>& qh, const std::optional<at::Tensor>& lut,
+                 const at::Tensor& d, const std::optional<at::Tensor>& m, const std::optional<at::Tensor>& bias,
+                 int64_t N, int64_t K) {
     TORCH_CHECK(K % 32 == 0, "K must be a multiple of 32");
     const int64_t G = K / 32, NB = (N + 15) / 16;
     const uint8_t* lut_p = optional_of<uint8_t>(lut, at::kByte, NB * 16, "lut");
     const uint8_t* qh_p = optional_of<uint8_t>(qh, at::kByte, NB * G * 64, "qh");
     TORCH_CHECK(lut_p || !qh_p, "a fifth-bit plane goes with codes (lut)");
     dwop::check_weight(qw, at::kByte, NB * G * (lut_p ? 256 : 512), "qw");
-    dwop::check_weight(d, at::kFloat, NB * G * 16, "d");
-    const float* m_p = optional_of<float>(m, at::kFloat, NB * G * 16, "m");
-    const float* bias_p = dwop::bias_of(bias, N);
-    wide = wide || (path == dwisa::AUTO && dw_q80_wide_takes(lut_p, m_p, M));
+    const DwQ80Scales scales = scales_of(d, m, NB, G);
+    const void* m_p = m.has_value() && m->defined() ? m->data_ptr() : nullptr;
+    return DwQ80{qw.data_ptr<uint8_t>(), d.data_ptr(), m_p, dwop::bias_of(bias, N), N, K, G, lut_p, qh_p, scales};
+}
+
+}  // namespace
+
+// x [M, K] float32 -> y [M, N] float32, the weights as weights_of takes them; `wide`: the wide side
+// (gemm_q8_0.cpp) whatever M is, else path 'auto' takes it from the kernel's switch width on (bitwise the same)
+at::Tensor dw_q80_linear(const at::Tensor& x, const at::Tensor& qw, const std::optional<at::Tensor>& qh,
+                         const std::optional<at::Tensor>& lut, const at::Tensor& d, const std::optional<at::Tensor>& m,
+                         const std::optional<at::Tensor>& bias, int64_t N, int64_t path, bool wide) {
+    TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be [M, K] float32 contiguous");
+    const int64_t M = x.size(0), K = x.size(1);
+    const DwQ80 w = weights_of(qw, qh, lut, d, m, bias, N, K);
+    const int64_t G = w.G, NB = (N + 15) / 16;
+    wide = wide || (path == dwisa::AUTO && dw_q80_wide_takes(w.lut != nullptr, w.m != nullptr, M));
     path = dwisa::select(ISA, path);
     return dwop::output(x, N, [&](dwop::Scratch& s, float* yp) {
-        DwQ80 w{qw.data_ptr<uint8_t>(), d.data_ptr<float>(), m_p, bias_p, N, K, G, lut_p, qh_p};
         if (wide) return dw_q80_wide(&w, x.data_ptr<float>(), M, K, N, yp);
         int8_t* qp = s.make<int8_t>({G, M, 32}, at::kChar);
         float* dxp = s.make<float>({G, M}, at::kFloat);

@@ -12,7 +12,7 @@
 //
 // Weights W [N, K], K a multiple of 32, N padded to NB = ceil(N / 16) blocks of 16 output columns.
 //   w[n, k] = d[n, g] * v[n, k], v integer in -127..127 (Q8_0: its int8; Q5_0: its 5-bit value - 16), g = k / 32,
-//   d fp16 in the file, float32 here (exact); with a min term (q8_1, q5m):
+//   d fp16 in the file (exact in every scale form below); with a min term (q8_1, q5m):
 //   w[n, k] = d[n, g] * v[n, k] + m[n, g], v in 0..31 (Q4_1 / Q5_1: their values, Q5_K: q), d and m exact float32
 //   (Q4_1 / Q5_1: d and m; Q5_K: d * sc and -(dmin * mn), products of an fp16 and a 6-bit integer).
 //   Every form yields, per chunk c (0..7) of group g of block b, 64 bytes u = v + 128: byte i for column
@@ -22,7 +22,14 @@
 //     of chunk L + 4 in its high nibble; u = lut[b][code] (lut [NB, 16] uint8: the block's values + 128);
 //   codes + plane (lut set, qh set): as codes, plus 16 where bit i of chunk c's little-endian uint64 in
 //     qh [NB, G, 8, 8] is set (the fifth bit; lut then holds 128 + 0..15).
-//   d [NB, G, 16] float32; m [NB, G, 16] float32 or null (no min term).
+//   d and m (m null: no min term) in one of three scale forms, the same for both, each giving bitwise the same
+//   float32 per (n, g) (scales below; the form is a storage choice and changes no bit of any output):
+//   F32:  [NB, G, 16] float32, as they are (a float weight's quantization, kernels/ggml_blocks.py quantize_*);
+//   F16:  [NB, G, 16] fp16, widened exactly (Q8_0, Q5_0, Q4_0, IQ4_NL, Q4_1, Q5_1: their fp16 d and m);
+//   SUB8: [NB, G / 8, 160] bytes (G a multiple of 8): per block and 8 groups (256 K values), 128 int8 sub[8][16]
+//     (group g % 8, column) then 16 fp16 super[16] (column); the scale = (float) sub * (float) super, exact: an
+//     fp16's 11-bit significand times an integer of at most 7 bits fits float32's 24 (IQ4_XS: d = d * (ls - 32);
+//     Q5_K: d = d * sc, m = (-dmin) * mn, bitwise the float -(dmin * mn), signed zeros included).
 // Activations X [M, K] quantized per row and group of 32 (symmetric int8): amax = max |x| over the group,
 //   dx = amax / 127, q = round_half_even(x * (127 / amax)) (0 where amax = 0); stored q [G, M, 32], dx [G, M] and
 //   qoff [G, M] int32 = -128 * (sum of the group's 32 q), which turns the offset weights' sum into the true one,
@@ -37,18 +44,51 @@
 // as codes computes bitwise what it computes held as bytes).
 #pragma once
 #include <stdint.h>
+#if defined(__AVX2__)
+#include "intrin.h"
+#endif
+#include "f16.h"  // dwelem::to_float (scalar) and load16 / load8 (VCVTPH2PS on the SIMD paths): fp16 -> float32, exact
 
 extern "C" {
 
 struct DwQ80 {
     const uint8_t* qw;  // bytes [NB, G, 8, 64], or codes [NB, G, 4, 64] when lut is set
-    const float* d;     // [NB, G, 16]
-    const float* m;     // [NB, G, 16] or null: the min term (q8_1)
+    const void* d;      // the group scales, in the form `scales` ([NB, G, 16] float32 / fp16, or SUB8 bytes)
+    const void* m;      // the mins, in the same form, or null: no min term (q8_1, q5m)
     const float* bias;  // [N] or null
     int64_t N, K, G;
     const uint8_t* lut;  // [NB, 16] or null: qw holds bytes
     const uint8_t* qh;   // [NB, G, 8, 8] or null: no fifth-bit plane (only with lut)
+    int32_t scales;      // DwQ80Scales: the form of d and m
 };
+
+enum DwQ80Scales { DW_Q80_F32 = 0, DW_Q80_F16 = 1, DW_Q80_SUB8 = 2 };  // the three scale forms above
+
+// Where the scales of group g of block b lie in s (d or m) of form `scales`: F32 / F16: its 16 values; SUB8: the
+// 160 bytes of its 8 groups (sub of group g at + (g % 8) * 16, super at + 128).
+static inline const uint8_t* dw_q80_scales_at(const void* s, int32_t scales, int64_t G, int64_t b, int64_t g) {
+    const uint8_t* p = (const uint8_t*)s;
+    if (scales == DW_Q80_SUB8) return p + (b * (G / 8) + g / 8) * 160;
+    return p + (b * G + g) * 16 * (scales == DW_Q80_F32 ? 4 : 2);
+}
+
+// The float32 scale of column j (0..15), group g of block b (the scalar path's reading; the SIMD paths form the
+// same 16 or 8 at a time, q8_0_avx512.cpp / q8_0_avx2.cpp).
+static inline float dw_q80_scale(const DwQ80* w, const void* s, int64_t b, int64_t g, int j) {
+    const uint8_t* p = dw_q80_scales_at(s, w->scales, w->G, b, g);
+    uint16_t h;
+    if (w->scales == DW_Q80_F32) {
+        float f;
+        __builtin_memcpy(&f, p + j * 4, 4);
+        return f;
+    }
+    if (w->scales == DW_Q80_F16) {
+        __builtin_memcpy(&h, p + j * 2, 2);
+        return dwelem::to_float(h);
+    }
+    __builtin_memcpy(&h, p + 128 + j * 2, 2);
+    return (float)(int8_t)p[(g % 8) * 16 + j] * dwelem::to_float(h);
+}
 
 // The byte u = v + 128 of column j (0..15), K value 4 c + t of group g of block b, whichever form (the scalar path's
 // reading; the SIMD paths compute the same bytes 64 at a time).
@@ -80,14 +120,22 @@ namespace {
 namespace dwq80 {
 
 enum Form { BYTES, CODES, CODES_PLANE };  // the three weight forms above
+enum Scales { F32 = DW_Q80_F32, F16 = DW_Q80_F16, SUB8 = DW_Q80_SUB8 };  // the three scale forms above
 
-// f.template operator()<MIN, F>() for the weights' min term and form: each ISA unit's one dispatch.
+template <bool MIN, Form F, class Fn>
+inline void by_scales(const DwQ80* w, Fn& f) {
+    if (w->scales == DW_Q80_F16) f.template operator()<MIN, F, F16>();
+    else if (w->scales == DW_Q80_SUB8) f.template operator()<MIN, F, SUB8>();
+    else f.template operator()<MIN, F, F32>();
+}
+
+// f.template operator()<MIN, F, S>() for the weights' min term, form and scale form: each ISA unit's one dispatch.
 template <class Fn>
 inline void by_form(const DwQ80* w, Fn&& f) {
     const bool min = w->m != nullptr;
-    if (!w->lut) min ? f.template operator()<true, BYTES>() : f.template operator()<false, BYTES>();
-    else if (!w->qh) min ? f.template operator()<true, CODES>() : f.template operator()<false, CODES>();
-    else min ? f.template operator()<true, CODES_PLANE>() : f.template operator()<false, CODES_PLANE>();
+    if (!w->lut) min ? by_scales<true, BYTES>(w, f) : by_scales<false, BYTES>(w, f);
+    else if (!w->qh) min ? by_scales<true, CODES>(w, f) : by_scales<false, CODES>(w, f);
+    else min ? by_scales<true, CODES_PLANE>(w, f) : by_scales<false, CODES_PLANE>(w, f);
 }
 
 }  // namespace dwq80

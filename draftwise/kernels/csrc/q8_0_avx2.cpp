@@ -4,15 +4,26 @@
 // Owns only this path's inner loop over one tile and the unpacking of each weight form (q8_0.h: bytes; 4-bit codes
 // through the block's table with VPSHUFB; the fifth-bit plane expanded to a byte mask); the walk over blocks, the
 // halves, tiles and stores: rows_avx2.h. Knows nothing of torch, threads or when it runs. Compiled with -mavx2
-// -mfma and called only after a run-time cpuid check. Includes no C++ library header.
-#include "q8_0.h"
+// -mfma (F16C by the pragma below) and called only after a run-time cpuid check. Includes no C++ library header.
+#pragma GCC target("f16c")  // VCVTPH2PS for the F16 / SUB8 scale forms (every AVX2 CPU has it, dispatch.h checks it)
 #include "rows_avx2.h"
+#include "q8_0.h"
 
 namespace {
 
 using dwrows::load_i32;
 
-using dwq80::Form, dwq80::BYTES, dwq80::CODES, dwq80::CODES_PLANE;
+using dwq80::Form, dwq80::BYTES, dwq80::CODES, dwq80::CODES_PLANE, dwq80::Scales, dwq80::F32, dwq80::F16, dwq80::SUB8;
+
+// Group g's 8 float32 scales of half h of block b from s (d or m) in form S (q8_0.h; as q8_0_avx512.cpp's scales16).
+template <Scales S>
+inline __m256 scales8(const DwQ80* w, const void* s, int64_t b, int h, int64_t g) {
+    const uint8_t* p = dw_q80_scales_at(s, S, w->G, b, g);
+    if constexpr (S == F32) return _mm256_loadu_ps((const float*)p + h * 8);
+    if constexpr (S == F16) return dwelem::load8((const uint16_t*)p + h * 8);
+    const __m128i sub = _mm_loadl_epi64((const __m128i*)(p + (g % 8) * 16 + h * 8));
+    return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sub)), dwelem::load8((const uint16_t*)(p + 128) + h * 8));
+}
 
 // 32 bits (byte i's bit at bit i) -> 16 in each byte whose bit is set, 0 elsewhere.
 inline __m256i fifth_bits(uint32_t bits) {
@@ -47,13 +58,11 @@ inline void chunks(const DwQ80* w, int64_t b, int h, int64_t g, const __m256i& l
 }
 
 // Rows [m0, m0 + MT) of one half (h = 0: columns 0-7, h = 1: columns 8-15) of the 16-column block b.
-template <int MT, bool MIN, Form F>
+template <int MT, bool MIN, Form F, Scales S>
 [[gnu::noinline]] void half_rows(const DwQ80* w, const DwQ80Act* a, float* out, int64_t b, int h, int64_t m0, bool prefetch) {
     const int64_t G = w->G, M = a->M;
     constexpr int64_t stride = F == BYTES ? 512 : 256;  // weight bytes per group
     const uint8_t* P = w->qw + b * G * stride;
-    const float* D = w->d + b * G * 16 + h * 8;
-    const float* MN = MIN ? w->m + b * G * 16 + h * 8 : nullptr;
     const __m256i flip = _mm256_set1_epi8((char)0x80), ones = _mm256_set1_epi16(1);
     const __m256i lut = F == BYTES ? _mm256_setzero_si256()
                                    : _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)(w->lut + b * 16)));
@@ -76,8 +85,8 @@ template <int MT, bool MIN, Form F>
             }
         });
         const float* DX = a->dx + g * M + m0;
-        dwrows::fma_rows(acc, DX, isum, _mm256_loadu_ps(D + g * 16));
-        if constexpr (MIN) dwrows::fma_rows(acc, DX, a->qsum + g * M + m0, _mm256_loadu_ps(MN + g * 16));
+        dwrows::fma_rows(acc, DX, isum, scales8<S>(w, w->d, b, h, g));
+        if constexpr (MIN) dwrows::fma_rows(acc, DX, a->qsum + g * M + m0, scales8<S>(w, w->m, b, h, g));
     }
     dwrows::store8(acc, w->bias, out, w->N, b, h, m0);
 }
@@ -85,9 +94,9 @@ template <int MT, bool MIN, Form F>
 }  // namespace
 
 extern "C" void dw_q80_gemm_avx2(const DwQ80* w, const DwQ80Act* a, float* out, int64_t b0, int64_t b1) {
-    dwq80::by_form(w, [&]<bool MIN, Form F>() {
+    dwq80::by_form(w, [&]<bool MIN, Form F, Scales S>() {
         dwrows::gemv8x2<4>(a->M, w->N, b0, b1, [&]<int MT>(int64_t b, int h, int64_t m0, bool pf) {
-            half_rows<MT, MIN, F>(w, a, out, b, h, m0, pf);
+            half_rows<MT, MIN, F, S>(w, a, out, b, h, m0, pf);
         });
     });
 }
