@@ -4,7 +4,9 @@ values) are read bitwise as the `gguf` package's dequantizer reads them; the ker
 int8 activations it quantizes (a float kernel: the float32 activations, bitwise its one FMA chain per output)
 (against a float64 reference of the gguf-dequantized weight times the same quantized activations: only the float
 steps' rounding remains), every ISA path bitwise the scalar one; every row bitwise that row alone at widths 1..96
-and thread counts 1 and 2 on every path, and a planted width-dependent reduction fails that check. The types and
+and thread counts 1 and 2 on every path, and a planted width-dependent reduction fails that check; the 32-block
+types' narrow scale forms (csrc/q8_0.h) compute bitwise what float32 scales compute, and a rounding narrowing
+fails that. The types and
 kernels come from the table, so a new row is tested here by adding it to TYPES' parameter list. No timing
 asserted. A few minutes on 2 busy cores."""
 from __future__ import annotations

@@ -1,7 +1,8 @@
 // F16 (IEEE half) for the float kernel family (float.h): how one, 8 (AVX2) or 16 (AVX-512) stored 16-bit values
 // become float32, exactly (every half is a float32; VCVTPH2PS and the scalar conversion agree bit for bit, NaNs
-// quieted as the instruction quiets them). Included by the family's units compiled for this type; each sees the
-// conversion of its own ISA, after float.h (and intrin.h on the SIMD paths). Knows nothing else.
+// quieted as the instruction quiets them). Included by the family's units compiled for this type, and by q8_0.h
+// (its F16 and SUB8 scale forms); each sees the conversion of its own ISA, after intrin.h on the SIMD paths.
+// Knows nothing else.
 #pragma once
 
 namespace {
