@@ -34,8 +34,11 @@ PREPARED_FORMAT_VERSION = 8  # bump when a prepared module's stored tensors chan
 # linears and the GGUF-rows embedding; 6: merge groups' buffers stored back to back, `storage_order`, so a merged
 # q/k/v or gate/up is a view of the mapped file; 7: the block-type table's kernels for Q3_K, Q4_0, Q4_1, Q5_1,
 # Q5_K, IQ4_NL and IQ4_XS, which a faithful plan's file of version 6 held in fp32; 8: the 32-block kernels' d and m
-# in the types' own scale forms, fp16 or SUB8, not float32: csrc/q8_0.h). Bump sources.CONVERSION_VERSION with it:
-# the converted folder is rebuilt, so the old prepared files leave the disk.
+# in the types' own scale forms, fp16 or SUB8, not float32: csrc/q8_0.h; from 8 on a faithful file's key names
+# each stored type's kernel and scale form too, models/sources.py prepared_path: version 7's files held Q5_K on
+# q8_1 or q5m under one key). Bump sources.CONVERSION_VERSION with it:
+# the converted folder is rebuilt, so the old prepared files leave the disk (not done for 5-8: their old files
+# stay on disk until the folder is rebuilt).
 
 
 def kernel_linear(plan: KernelPlan, N: int, K: int, weight=None, bias=None, parts: dict | None = None,

@@ -203,7 +203,8 @@ def _ensure_fp32_cache(folder: Path, gguf_path: Path, progress: bool) -> None:
 
 def prepared_path(ckpt: Checkpoint, plan, embed_dtype: torch.dtype) -> Path:
     """Where a converted GGUF's prepared weights for a plan live (written or not): keyed by the GGUF's sha256,
-    PREPARED_FORMAT_VERSION, the plan's kernels and dtypes (and torch's version for its own int4 packing)."""
+    PREPARED_FORMAT_VERSION, the plan's kernels and dtypes (a faithful plan: each stored type's kernel and scale
+    form, kernels/blocktypes.py) and torch's version for its own int4 packing."""
     import hashlib
 
     from draftwise.models import quant
@@ -214,9 +215,9 @@ def prepared_path(ckpt: Checkpoint, plan, embed_dtype: torch.dtype) -> Path:
         what.append("faithful")
         from draftwise.kernels import blocktypes
 
-        floats = blocktypes.float_kernels(plan.stored_types)
-        if floats:  # float types on their own kernels (a prepared file from before a type's row held it in fp32)
-            what.append(floats)
+        # the kernel and scale form each stored type is held in: a prepared file from before a type's table row
+        # changed (a new kernel, a narrower scale form, a float type off fp32) is never read as the new one
+        what.append({t: [blocktypes.kernel_of(t), blocktypes.scale_form(t)] for t in sorted(plan.stored_types or {})})
     if "int4" in (plan.step, plan.prefill):  # torch's int4 packing is its own, and may change between versions
         what.append(torch.__version__)
     key = hashlib.sha256(json.dumps(what).encode()).hexdigest()[:16]
