@@ -1,5 +1,6 @@
 """Whole files of the types the block-type table newly holds (kernels/blocktypes.py): a tiny random GGUF whose
-projections are stored as Q4_1, Q5_1 and Q4_0 (the gguf package quantizes these; the embedding and head as Q8_0) loads under `auto` as the faithful plan with each tensor on its table row's kernel (no fp32 fallback
+projections are stored as Q4_1, Q5_1 and Q4_0 (the gguf package quantizes these; the embedding and head as Q8_0), or
+as Q2_K (a simple quantizer here), loads under `auto` as the faithful plan with each tensor on its table row's kernel (no fp32 fallback
 for a quantized tensor), says row-exact, and greedy speculation (ngram, suffix, a draft model) equals plain
 decoding bitwise. No download."""
 from __future__ import annotations
@@ -13,9 +14,28 @@ from draftwise.kernels.probe import probe
 from tests.tiny_checkpoints import Q4K_DIMS, write_tiny_gguf
 
 
+def _q2k(w):
+    """w [N, K] float32 (numpy, K % 256 == 0) -> Q2_K blocks [N, K / 256 * 84] uint8 (the gguf package has no Q2_K
+    quantizer): ggml_blocks.quantize_q6m's values, scales and mins in ggml's block layout, d and dmin rounded to fp16
+    (the blocks are valid Q2_K whatever their fidelity; the loader reads them back exactly)."""
+    import numpy as np
+    import torch
+
+    from draftwise.kernels import ggml_blocks
+
+    N, K = w.shape
+    p = ggml_blocks.quantize_q6m(torch.from_numpy(np.array(w, dtype=np.float32)))
+    nb = N * K // 256
+    q = (p["q"].reshape(nb, 2, 4, 32).to(torch.int32) - 32) << (2 * torch.arange(4, dtype=torch.int32)).view(1, 1, 4, 1)
+    scales = (p["sc"].to(torch.uint8) | (p["mn"].to(torch.uint8) << 4)).reshape(nb, 16)
+    half = lambda t: t.reshape(nb, 1).half().view(torch.uint8)  # noqa: E731
+    blocks = torch.cat([scales, q.sum(2).to(torch.uint8).reshape(nb, 64), half(p["d"]), half(p["dmin"])], 1)
+    return blocks.reshape(N, -1).numpy()
+
+
 def _requantized(src, dst, kinds: dict[str, str]) -> None:
     """`src` GGUF rewritten as `dst` with each 2-D float tensor whose name ends with a key of `kinds` quantized to
-    that ggml type by the gguf package (metadata and other tensors copied as they are)."""
+    that ggml type by the gguf package (Q2_K by _q2k; metadata and other tensors copied as they are)."""
     import gguf
     import numpy as np
 
@@ -32,8 +52,8 @@ def _requantized(src, dst, kinds: dict[str, str]) -> None:
         shape = tuple(int(d) for d in reversed(t.shape))  # [rows, K]
         kind = next((k for s, k in kinds.items() if t.name.endswith(s)), None)
         if kind and len(shape) == 2 and t.tensor_type == gguf.GGMLQuantizationType.F32:
-            qt = gguf.GGMLQuantizationType[kind]
-            writer.add_tensor(t.name, gguf.quants.quantize(np.asarray(t.data).reshape(shape), qt), raw_dtype=qt)
+            qt, w = gguf.GGMLQuantizationType[kind], np.asarray(t.data).reshape(shape)
+            writer.add_tensor(t.name, _q2k(w) if kind == "Q2_K" else gguf.quants.quantize(w, qt), raw_dtype=qt)
         else:
             writer.add_tensor(t.name, np.asarray(t.data).reshape(shape) if t.tensor_type ==
                               gguf.GGMLQuantizationType.F32 else np.asarray(t.data), raw_dtype=t.tensor_type)
@@ -83,6 +103,36 @@ def test_greedy_speculation_equals_plain(new_types_gguf, tmp_path, spec):
     prompts = [[5, 6, 7, 8, 5, 6, 7], [9, 10, 11, 9, 10], [12, 13, 14, 15, 16, 12, 13, 14]]
     params = [SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)] * len(prompts)
     assert run_engine(llm, spec, prompts, params) == run_engine(llm, None, prompts, params)
+
+
+@pytest.fixture(scope="module")
+def q2k_gguf(tmp_path_factory):
+    if "q6m" not in available(probe(bandwidth=False)):
+        pytest.skip("our kernels cannot run here (no C++ compiler)")
+    root = tmp_path_factory.mktemp("q2k")
+    write_tiny_gguf(root / "src.gguf", "qwen2", dims=Q4K_DIMS)
+    _requantized(root / "src.gguf", root / "m.gguf", {**{s: "Q2_K" for s in (
+        "attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_output.weight", "ffn_gate.weight", "ffn_up.weight",
+        "ffn_down.weight")}, "token_embd.weight": "Q8_0", "output.weight": "Q8_0"})
+    return root / "m.gguf"
+
+
+def test_a_q2_k_file_is_the_faithful_plan_on_q6m(q2k_gguf, tmp_path):
+    """Q2_K projections load on their row's kernel (q6m: no fp32 fallback), row-exact, and greedy speculation
+    (ngram, suffix) equals plain decoding bitwise."""
+    from draftwise.equivalence import run_engine
+
+    llm = LLM(str(q2k_gguf), max_num_seqs=3, max_model_len=160, k_max=4, cache_dir=str(tmp_path / "c"))
+    plan = llm.model.plan
+    assert plan.faithful and plan.row_exact and not plan.fallback_types, plan.describe()
+    assert "Q2_K->q6m" in plan.describe() and "SLOW PATH" not in plan.describe()
+    assert "q6m" in {getattr(type(m), "name", None) for m in llm.model.modules()}
+    prompts = [[5, 6, 7, 8, 5, 6, 7], [9, 10, 11, 9, 10], [12, 13, 14, 15, 16, 12, 13, 14]]
+    params = [SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)] * len(prompts)
+    plain = run_engine(llm, None, prompts, params)
+    for spec in ({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1},
+                 {"method": "suffix", "num_speculative_tokens": 4}):
+        assert run_engine(llm, spec, prompts, params) == plain, spec
 
 
 # the float types the table gives a kernel of their own: a file whose 2-D tensors are all stored as one of them

@@ -22,7 +22,7 @@ from draftwise.kernels.probe import probe
 # the types the table gives a block kernel, each with the byte offsets of its fp16 scale fields (d, and m / dmin;
 # none for a float type: its values are random finite numbers of the type)
 TYPES = {"Q8_0": (0,), "Q5_0": (0,), "Q4_0": (0,), "IQ4_NL": (0,), "IQ4_XS": (0,), "Q4_1": (0, 2), "Q5_1": (0, 2),
-         "Q5_K": (0, 2), "Q6_K": (208,), "Q3_K": (108,), "F16": (), "BF16": ()}
+         "Q5_K": (0, 2), "Q6_K": (208,), "Q3_K": (108,), "Q2_K": (80, 82), "F16": (), "BF16": ()}
 FLOATS = sorted(t for t in TYPES if not blocktypes.row(t).quantized)
 WIDTHS = range(1, 97)
 THREADS = [1, 2]
@@ -167,7 +167,7 @@ class _WidthDependent(torch.nn.Module):
         return self.lo(x[:, : self.K // 2].contiguous()) + self.hi(x[:, self.K // 2:].contiguous())
 
 
-@pytest.mark.parametrize("kind", ["Q4_1", "Q5_K", "F16", "BF16"])
+@pytest.mark.parametrize("kind", ["Q4_1", "Q5_K", "Q2_K", "F16", "BF16"])
 def test_a_planted_width_dependent_reduction_fails_the_check(kind, machine):
     cls = _kernel(kind, machine)
     N, K = 48, 512

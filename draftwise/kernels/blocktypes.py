@@ -79,6 +79,7 @@ KERNELS: dict[str, Kernel] = {k.name: k for k in (
                                          ("q4x8_avx512.cpp", AVX512_VNNI), ("gemm_q4x8_amx.cpp", AMX_INT8))),
     Kernel("q6k", "Q8_K", 6.625, True, (("q6k.cpp", MAIN), ("gemm_q6k.cpp", MAIN), ("q6k_avx2.cpp", AVX2),
                                          ("q6k_avx512.cpp", AVX512_VNNI), ("gemm_q6k_amx.cpp", AMX_INT8))),
+    Kernel("q6m", "Q8_K", 7.25, False, ()),  # csrc/q6k.h's min term: q6k's units serve it (q6k.cpp registers it)
     Kernel("q8_0", "Q8_0", 9.0, True, (("q8_0.cpp", MAIN), ("gemm_q8_0.cpp", MAIN), ("q8_0_avx2.cpp", AVX2),
                                         ("q8_0_avx512.cpp", AVX512_VNNI), ("gemm_q8_0_avx512.cpp", AVX512_VNNI)),
            scale_terms=1),
@@ -100,7 +101,7 @@ TYPES: dict[str, BlockType] = {t.name: t for t in (
     BlockType("Q5_1", 7, 32, 24, "q5m", scales="f16"),
     BlockType("Q8_0", 8, 32, 34, "q8_0", scales="f16"),
     BlockType("Q8_1", 9, 32, 40),
-    BlockType("Q2_K", 10, 256, 84),
+    BlockType("Q2_K", 10, 256, 84, "q6m"),  # q + 32 with d * sc per 16, and the min term: q6k's arithmetic
     BlockType("Q3_K", 11, 256, 110, "q6k"),  # q3 + 32 and a signed 6-bit scale per 16: exactly a Q6_K
     BlockType("Q4_K", 12, 256, 144, "q4x8"),
     BlockType("Q5_K", 13, 256, 176, "q5m", scales="sub8"),

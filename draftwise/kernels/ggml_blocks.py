@@ -1,4 +1,5 @@
-"""GGUF block types other than Q4_K, read exactly and packed for our kernels: Q6_K and Q3_K for csrc/q6k.h; Q8_0 and
+"""GGUF block types other than Q4_K, read exactly and packed for our kernels: Q6_K and Q3_K for csrc/q6k.h, Q2_K for
+its min-term form (the q6m kernel: w = d * sc * (q - 32) - dmin * m per 16); Q8_0 and
 Q5_0 for csrc/q8_0.h (values exact in int8, group scales held exactly in the narrowest of its scale forms: the fp16
 the file stores, or SUB8's int8 per group times an fp16 per 256 for IQ4_XS and Q5_K), Q4_0, IQ4_NL and IQ4_XS for its 4-bit
 codes form (the q4c kernel: a 16-entry table), Q4_1, Q5_1 and Q5_K for its codes, fifth-bit plane and min-term form
@@ -134,6 +135,74 @@ def q6k_bytes(N: int, K: int) -> int:
     64 (d): 6.625 bits per weight (the file's Q6_K: 6.5625)."""
     NB = -(-N // COLS)
     return NB * (K // 32) * (256 + 128 + 32) + NB * (K // QK_K) * COLS * 4
+
+
+# ---- Q2_K: q6k with a min term (the q6m kernel) ------------------------------------------------------------------
+
+def q2k_from_blocks(blocks, N: int, K: int) -> dict[str, torch.Tensor]:
+    """A GGUF Q2_K tensor's raw bytes -> q6m parts, exactly ggml's dequantize_row_q2_K: w = d * sc * q - dmin * m per
+    16 values, q in 0..3 held as q + 32 (Q6_K's offset), sc and m (4 bits each) as sc and mn, d and dmin [N, K / 256]
+    float32 (fp16 in the file: exact). Block (84 bytes): scales[16] (sub-block j: its scale in the low nibble, its
+    min in the high), qs[64] (half h of 128 values: byte 32 h + l holds values 128 h + 32 i + l in bits 2i..2i+1),
+    d, dmin fp16."""
+    raw = _raw(blocks, N, K, "Q2_K")
+    nb = raw.shape[0]
+    q = (raw[:, 16:80].reshape(nb, 2, 1, 32) >> (2 * torch.arange(4, dtype=torch.uint8)).view(1, 1, 4, 1)) & 3
+    scales = raw[:, 0:16]
+    return {"q": (q.reshape(N, K) + 32).contiguous(), "sc": (scales & 15).view(torch.int8).reshape(N, K // 16),
+            "d": _fp16(raw, 80).reshape(N, K // QK_K), "mn": (scales >> 4).view(torch.int8).reshape(N, K // 16),
+            "dmin": _fp16(raw, 82).reshape(N, K // QK_K)}
+
+
+def quantize_q6m(weight: torch.Tensor) -> dict[str, torch.Tensor]:
+    """fp32 weight [N, K] (K % 256 == 0) -> Q2_K-style q6m parts (a simple min-max quantizer per 16, 4-bit scales and
+    mins per super-block, 2-bit values; not llama.cpp's search)."""
+    N, K = weight.shape
+    if K % QK_K:
+        raise ValueError(f"Q2_K needs K divisible by {QK_K}, got K={K}")
+    w = weight.detach().float().view(N, K // 16, 16)
+    low = (-w.amin(-1)).clamp(min=0)  # [N, K/16]: the min to subtract
+    step = (w.amax(-1) + low) / 3.0
+    per = lambda t: t.view(N, K // QK_K, 16).amax(-1) / 15.0  # noqa: E731  [N, S]
+    d, dmin = per(step), per(low)
+    spread = lambda t: t.repeat_interleave(16, dim=1)  # noqa: E731
+    sc = torch.where(spread(d) > 0, (step / spread(d).clamp(min=1e-30)).round(), torch.zeros_like(step)).clamp(0, 15)
+    mn = torch.where(spread(dmin) > 0, (low / spread(dmin).clamp(min=1e-30)).round(), torch.zeros_like(low)).clamp(0, 15)
+    s_eff, m_eff = spread(d) * sc, spread(dmin) * mn
+    q = torch.where(s_eff[..., None] > 0, ((w + m_eff[..., None]) / s_eff[..., None].clamp(min=1e-30)).round(),
+                    torch.zeros_like(w)).clamp(0, 3)
+    return {"q": (q + 32).to(torch.uint8).view(N, K), "sc": sc.to(torch.int8), "d": d.contiguous(),
+            "mn": mn.to(torch.int8), "dmin": dmin.contiguous()}
+
+
+def dequantize_q6m(parts: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The weight [N, K] float32 the parts represent: (d * sc) * (q - 32) - dmin * mn, per 16 (gguf's order)."""
+    w = dequantize_q6k(parts)
+    N, K = w.shape
+    m = parts["dmin"].repeat_interleave(16, dim=1) * parts["mn"].float()  # [N, K/16]
+    return (w.view(N, K // 16, 16) - m[..., None]).view(N, K)
+
+
+def pack_q6m(parts: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """q6m parts -> csrc/q6k.h's layout with the min term: pack_q6k's, then mn [NB, G, 2, 16] int8 (as sc) and dmin
+    [NB, S, 16] float32 (as d)."""
+    out = pack_q6k(parts)
+    mins = pack_q6k({"q": parts["q"], "sc": parts["mn"], "d": parts["dmin"]})
+    return {**out, "mn": mins["sc"], "dmin": mins["d"]}
+
+
+def unpack_q6m(packed: dict[str, torch.Tensor], b0: int, b1: int) -> dict[str, torch.Tensor]:
+    """pack_q6m's buffers -> the q6m parts of the 16-column blocks [b0, b1)."""
+    parts = unpack_q6k(packed, b0, b1)
+    mins = unpack_q6k({**packed, "sc": packed["mn"], "d": packed["dmin"]}, b0, b1)
+    return {**parts, "mn": mins["sc"], "dmin": mins["d"]}
+
+
+def q6m_bytes(N: int, K: int) -> int:
+    """Bytes of pack_q6m's output: q6k's plus an int8 min per 16 and a float32 dmin per 256 (7.25 bits per weight;
+    the file's Q2_K: 2.625)."""
+    NB = -(-N // COLS)
+    return q6k_bytes(N, K) + NB * (K // 32) * 32 + NB * (K // QK_K) * COLS * 4
 
 
 # ---- the per-32 scales of csrc/q8_0.h in its three scale forms ------------------------------------------------
@@ -547,4 +616,4 @@ def q5m_bytes(N: int, K: int, scales: str = "f32") -> int:
 
 FROM_BLOCKS = {"Q6_K": q6k_from_blocks, "Q8_0": q8_0_from_blocks, "Q5_0": q5_0_from_blocks, "Q4_0": q4_0_from_blocks,
                "IQ4_NL": iq4_nl_from_blocks, "IQ4_XS": iq4_xs_from_blocks, "Q4_1": q4_1_from_blocks,
-               "Q5_1": q5_1_from_blocks, "Q5_K": q5k_from_blocks, "Q3_K": q3k_from_blocks}
+               "Q5_1": q5_1_from_blocks, "Q5_K": q5k_from_blocks, "Q3_K": q3k_from_blocks, "Q2_K": q2k_from_blocks}

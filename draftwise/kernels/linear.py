@@ -8,6 +8,7 @@ Owns, per implementation (one class each, registered under the name a user types
   int8_dynamic  fbgemm's dynamically quantized int8 (x86): a row depends on the other rows, never chosen
   q4x8          ours: int4 weights x int8 activations (kernels/q4x8.py builds the C++ operator and the format)
   q6k           ours: GGUF Q6_K weights held exactly x int8 activations per 256 (GGUF's Q8_K)
+  q6m           ours: GGUF Q2_K weights held exactly (q6k's layout plus a min per 16) x int8 activations per 256
   q8_0          ours: GGUF Q8_0 / Q5_0 weights held exactly x int8 activations per 32
   q8_1          ours: weights with a min per 32 held exactly as int8 (d * v + m) x int8 activations per 32
   q4c           ours: GGUF Q4_0 / IQ4_NL / IQ4_XS weights held exactly as 4-bit codes x int8 activations per 32
@@ -669,6 +670,23 @@ class Q6KLinear(_BlockLinear):
         return super()._call(x2)
 
 
+class Q6MLinear(_BlockLinear):
+    """Ours: GGUF Q2_K weights held exactly as Q6KLinear holds Q6_K (2-bit values as q6k's 6-bit ones, d * sc per 16)
+    plus a min term per 16, w = d * sc * (q - 32) - dmin * m (kernels/ggml_blocks.py pack_q6m, csrc/q6k.h) x int8
+    activations per row and 256 K values with their sums per 16 (GGUF's Q8_K, as llama.cpp's CPU dot product of
+    Q2_K); AVX-512 VNNI / AVX2 / scalar, bitwise the same; no wide kernel (the table's row: prompts run the GEMV's
+    tiles). Q6MLinear(weight [N, K], bias) quantizes a float weight as a simple Q2_K; `from_blocks` takes the
+    type's blocks as they are."""
+
+    name = "q6m"
+    description = "ours: GGUF Q2_K weights (exact) x int8 activations per 256, AVX-512 VNNI / AVX2"
+    tolerance = 0.4  # 2-bit min-max weights per 16 (measured 0.30-0.33 for Gaussian weights) plus int8 activations
+    # per 256 (~0.007)
+    PACKED = ("ql", "qh", "sc", "d", "mn", "dmin")
+    GGUF_TYPES = blocktypes.types_of("q6m")
+    K_BLOCK, K_PART = Q6KLinear.K_BLOCK, Q6KLinear.K_PART
+
+
 class Q80Linear(_BlockLinear):
     """Ours: GGUF Q8_0 or Q5_0 weights (any int8-per-32 parts: Q4_0 / IQ4 blocks too) held exactly as int8 per 32 with a scale (kernels/ggml_blocks.py,
     csrc/q8_0.h) x int8 activations per row and 32 K values (GGUF's Q8_0, as llama.cpp's CPU dot products of
@@ -835,8 +853,8 @@ def _runs_on_cuda(cls: type[LinearImpl]) -> bool:
     return _CUDA_SMOKE[cls.name]
 
 
-_IMPLS = (DenseF32, DenseBF16, TorchInt4, TorchInt8, FbgemmDynamicInt8, Q4x8Linear, Q6KLinear, Q80Linear, Q81Linear,
-          Q4CLinear, Q5MLinear, *FLOAT_LINEARS)
+_IMPLS = (DenseF32, DenseBF16, TorchInt4, TorchInt8, FbgemmDynamicInt8, Q4x8Linear, Q6KLinear, Q6MLinear, Q80Linear,
+          Q81Linear, Q4CLinear, Q5MLinear, *FLOAT_LINEARS)
 LINEARS: dict[str, type[LinearImpl]] = {c.name: c for c in _IMPLS}
 if len(LINEARS) != len(_IMPLS):  # one name means one thing: a table row may not take an implementation's name
     raise RuntimeError(f"two linear implementations share a name: {sorted(c.name for c in _IMPLS)}")

@@ -9,8 +9,8 @@ fused path), 3-8 ms sooner per forward of the 1.5B on 2 cores (docs/ARCHITECTURE
 Owns: building the flat weight list and the projections' kinds (`layer_weights`: one layer's entries in
 csrc/stack.cpp's Slot order, checked to be exactly SLOTS long, and its KINDS_PER_LAYER kind ids); whether it can run
 here is glue's `available` (one library). The layout itself is csrc/stack.cpp's alone: SLOTS, the entries per layer,
-the kinds per layer and the kinds' ids are read from the loaded library (`weights_per_layer`, `kinds_per_layer`,
-`linear_kinds`) the first time they are used, never written here. Each projection may be any of the row-exact
+the kinds per layer, the entries per projection and the kinds' ids are read from the loaded library
+(`weights_per_layer`, `kinds_per_layer`, `linear_entries`, `linear_kinds`) the first time they are used, never written here. Each projection may be any of the row-exact
 kernels the library runs (q4x8 and every block kernel of kernels/blocktypes.py: a faithful plan mixes them layer by layer), with q/k/v merged or as
 three calls. Knows nothing of models beyond those shapes: the decoder (models/transformer.py) decides when its
 layers qualify (those kernels on their auto path, gate/up merged, our glue and attention ops, no sandwich norms)
@@ -58,14 +58,21 @@ def kernel_of(m) -> LinearImpl | None:
     return m if type(m) in KERNELS.values() and m.path == "auto" and m.name in kind_ids() else None
 
 
+@functools.cache
+def linear_entries() -> int:
+    """Entries per projection in the flat list: csrc/stack.cpp's LINEAR, from the loaded library."""
+    library.load()
+    return int(torch.ops.draftwise_stack.linear_entries())
+
+
 def _linear(m: LinearImpl | None) -> list[torch.Tensor | None]:  # csrc/stack.cpp's LINEAR entries, by kind
+    n = linear_entries()
     if m is None:
-        return [None] * 6
+        return [None] * n
     b = m._buffers  # read directly, as the modules' forward does (a model's buffers may be swapped: hugepages.py)
-    if isinstance(m, Q4x8Linear):
-        return [b["packed"], b["sc"], b["mn"], b["d"], b["dmin"], b["bias"]]
-    packed = [b[n] for n in m.PACKED]  # a block kernel's buffers in its operator's order, then None, the bias last
-    return [*packed, *[None] * (5 - len(packed)), b["bias"]]
+    packed = ([b["packed"], b["sc"], b["mn"], b["d"], b["dmin"]] if isinstance(m, Q4x8Linear)
+              else [b[name] for name in m.PACKED])  # a block kernel's buffers in its operator's order
+    return [*packed, *[None] * (n - 1 - len(packed)), b["bias"]]  # then None, the bias last
 
 
 def layer_weights(in_norm: torch.Tensor, qkv: LinearImpl, k: LinearImpl | None, v: LinearImpl | None,

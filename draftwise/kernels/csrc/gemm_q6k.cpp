@@ -46,7 +46,7 @@ at::Tensor wide_amx(const at::Tensor& x, const at::Tensor& ql, const at::Tensor&
     int8_t* qp = s.make<int8_t>({Mp / 16, K / 64, 16, 64}, at::kChar);  // tile-major (gemm_q6k.h)
     float* dxp = s.make<float>({Mp, S}, at::kFloat);                     // padding rows never read
     dw_quantize_tiles(x.data_ptr<float>(), M, K, qp, dxp, nullptr);
-    DwQ6 w{ql.data_ptr<uint8_t>(), qh.data_ptr<uint8_t>(), sc.data_ptr<int8_t>(), d.data_ptr<float>(), bias_p, N, K, K / 32, S};
+    DwQ6 w{ql.data_ptr<uint8_t>(), qh.data_ptr<uint8_t>(), sc.data_ptr<int8_t>(), d.data_ptr<float>(), bias_p, N, K, K / 32, S, nullptr, nullptr};
     float* yp = y.data_ptr<float>();
     // Rows in chunks whose activations stay in a core's L2 while every block passes over them; each block's tiles
     // are rebuilt per chunk. A row's arithmetic is the same in every chunk: bits unchanged.
@@ -83,7 +83,7 @@ at::Tensor wide_vnni(const at::Tensor& x, const at::Tensor& ql, const at::Tensor
                                  dxp + c * S * chunk, qsp + c * S * chunk * 8, q16 + c * S * chunk * 16,
                                  qo + c * G * chunk * 2, 0, rows_of(c));
     });
-    DwQ6 w{ql.data_ptr<uint8_t>(), qh.data_ptr<uint8_t>(), sc.data_ptr<int8_t>(), d.data_ptr<float>(), bias_p, N, K, G, S};
+    DwQ6 w{ql.data_ptr<uint8_t>(), qh.data_ptr<uint8_t>(), sc.data_ptr<int8_t>(), d.data_ptr<float>(), bias_p, N, K, G, S, nullptr, nullptr};
     float* yp = y.data_ptr<float>();
     // each thread its blocks, chunk after chunk (one fork for the call)
     at::parallel_for(0, NB, 1, [&](int64_t b0, int64_t b1) {

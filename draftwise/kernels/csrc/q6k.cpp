@@ -1,4 +1,5 @@
-// q6k: the torch operator (torch.ops.draftwise_q6k.linear) and the scalar path of GGUF Q6_K x Q8_K.
+// q6k: the torch operators (torch.ops.draftwise_q6k.linear; draftwise_q6m.linear, the same with q6k.h's min term:
+// GGUF Q2_K) and the scalar path of GGUF Q6_K x Q8_K.
 // Owns: argument checks (dw_q6k_check, which the wide side gemm_q6k.cpp calls too), the activation quantization
 // (q4x8's Q8_K rows, plus the per-16 sums Q6_K's offset needs; the thread splits are block_op.h's) and which cpuid features each ISA unit needs (dispatch.h's rule picks the path). Knows nothing of models or files; the layout and the arithmetic are defined in q6k.h.
 // The scalar path performs the exact float sequence of the SIMD paths (std::fma), so it is their oracle.
@@ -26,7 +27,7 @@ extern "C" void dw_q6k_gemm_scalar(const DwQ6* w, const DwQ8K16* a, float* out, 
     dwop::scalar_cells(N, M, b0, b1, w->bias, out, [&](int64_t b, int j, int64_t m) {
         float acc = 0.0f;
         for (int64_t s = 0; s < S; ++s) {
-            int32_t isc = 0, imn = 0;
+            int32_t isc = 0, imn = 0, ib = 0;
             for (int64_t g = s * 8; g < s * 8 + 8; ++g) {
                 const uint8_t* L = w->ql + (b * G + g) * 256;
                 const uint8_t* H = w->qh + (b * G + g) * 128;
@@ -44,9 +45,11 @@ extern "C" void dw_q6k_gemm_scalar(const DwQ6* w, const DwQ8K16* a, float* out, 
                 const int16_t* qs = a->qsum16 + (s * M + m) * 16 + (g - s * 8) * 2;
                 isc += (int32_t)SC[j] * lo + (int32_t)SC[16 + j] * hi;
                 imn += (int32_t)SC[j] * qs[0] + (int32_t)SC[16 + j] * qs[1];
+                if (w->mn) ib += (int32_t)w->mn[(b * G + g) * 32 + j] * qs[0] + (int32_t)w->mn[(b * G + g) * 32 + 16 + j] * qs[1];
             }
             const float t = (float)(isc - 32 * imn) * w->d[(b * S + s) * 16 + j];
             acc = std::fma(t, a->dx[s * M + m], acc);
+            if (w->mn) acc = std::fma(-((float)ib * w->dmin[(b * S + s) * 16 + j]), a->dx[s * M + m], acc);
         }
         return acc;
     });
@@ -88,11 +91,16 @@ void dw_q6k_quantize_rows(int64_t path, const float* x, int64_t M, int64_t K, in
 
 namespace {
 
-// x [M, K] float32 -> y [M, N] float32
+// x [M, K] float32 -> y [M, N] float32; with mn and dmin (q6m) the min term (q6k.h)
 at::Tensor q6k_linear(const at::Tensor& x, const at::Tensor& ql, const at::Tensor& qh, const at::Tensor& sc,
-                      const at::Tensor& d, const std::optional<at::Tensor>& bias, int64_t N, int64_t path) {
+                      const at::Tensor& d, const at::Tensor* mn, const at::Tensor* dmin,
+                      const std::optional<at::Tensor>& bias, int64_t N, int64_t path) {
     const float* bias_p = dw_q6k_check(x, ql, qh, sc, d, bias, N);
     const int64_t M = x.size(0), K = x.size(1), G = K / 32, S = K / 256, NB = (N + 15) / 16;
+    if (mn) {
+        dwop::check_weight(*mn, at::kChar, NB * G * 32, "mn");
+        dwop::check_weight(*dmin, at::kFloat, NB * S * 16, "dmin");
+    }
     path = dwisa::select(ISA, path);
     return dwop::output(x, N, [&](dwop::Scratch& s, float* yp) {
         int8_t* qp = s.make<int8_t>({G, M, 32}, at::kChar);
@@ -105,7 +113,8 @@ at::Tensor q6k_linear(const at::Tensor& x, const at::Tensor& ql, const at::Tenso
             dw_q6k_quantize_rows(path, xp, M, K, qp, dxp, qsp, q16, qo, r0, r1);
         });
         const auto gemm = dwisa::pick(path, dw_q6k_gemm_scalar, dw_q6k_gemm_avx2, dw_q6k_gemm_avx512);
-        DwQ6 w{ql.data_ptr<uint8_t>(), qh.data_ptr<uint8_t>(), sc.data_ptr<int8_t>(), d.data_ptr<float>(), bias_p, N, K, G, S};
+        DwQ6 w{ql.data_ptr<uint8_t>(), qh.data_ptr<uint8_t>(), sc.data_ptr<int8_t>(), d.data_ptr<float>(), bias_p, N, K, G, S,
+               mn ? mn->data_ptr<int8_t>() : nullptr, mn ? dmin->data_ptr<float>() : nullptr};
         DwQ8K16 a{qp, dxp, q16, qo, M};
         dwop::over_blocks(NB, [&](int64_t b0, int64_t b1) { gemm(&w, &a, yp, b0, b1); });
     });
@@ -120,9 +129,29 @@ extern "C" void dw_q6k_gemm_avx2(const DwQ6*, const DwQ8K16*, float*, int64_t, i
 extern "C" void dw_q6k_gemm_avx512(const DwQ6*, const DwQ8K16*, float*, int64_t, int64_t) {}
 #endif
 
+// One library per kernel of kernels/blocktypes.py on these units, each linear's arguments its PACKED buffers in order.
 TORCH_LIBRARY(draftwise_q6k, m) {
     m.def("linear(Tensor x, Tensor ql, Tensor qh, Tensor sc, Tensor d, Tensor? bias, int N, int path) -> Tensor");
     m.def("paths() -> int[]", &paths);
 }
 
-TORCH_LIBRARY_IMPL(draftwise_q6k, CPU, m) { m.impl("linear", &q6k_linear); }
+TORCH_LIBRARY_IMPL(draftwise_q6k, CPU, m) {
+    m.impl("linear", [](const at::Tensor& x, const at::Tensor& ql, const at::Tensor& qh, const at::Tensor& sc,
+                        const at::Tensor& d, const std::optional<at::Tensor>& bias, int64_t N, int64_t path) {
+        return q6k_linear(x, ql, qh, sc, d, nullptr, nullptr, bias, N, path);
+    });
+}
+
+TORCH_LIBRARY(draftwise_q6m, m) {
+    m.def("linear(Tensor x, Tensor ql, Tensor qh, Tensor sc, Tensor d, Tensor mn, Tensor dmin, Tensor? bias, int N, "
+          "int path) -> Tensor");
+    m.def("paths() -> int[]", &paths);
+}
+
+TORCH_LIBRARY_IMPL(draftwise_q6m, CPU, m) {
+    m.impl("linear", [](const at::Tensor& x, const at::Tensor& ql, const at::Tensor& qh, const at::Tensor& sc,
+                        const at::Tensor& d, const at::Tensor& mn, const at::Tensor& dmin,
+                        const std::optional<at::Tensor>& bias, int64_t N, int64_t path) {
+        return q6k_linear(x, ql, qh, sc, d, &mn, &dmin, bias, N, path);
+    });
+}

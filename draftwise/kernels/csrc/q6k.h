@@ -24,6 +24,13 @@
 //   (the AVX-512 path starts each isum_j at qoff16_j = -32 * qsum16_j and multiplies by sc_j: the same exact tot)
 //   then in super-block order, one rounding per operation, identically in every path:
 //   t = (float) tot * d[n, s];  acc = fma(t, dx[s, m], acc);  y = acc + bias.
+// With a min term (the "q6m" kernel: GGUF Q2_K, w = d * sc_j * q - dmin * m_j, held as q + 32 with d and sc_j as
+// above), two more buffers: mn [NB, G, 2, 16] int8 (m_j, laid out as sc) and dmin [NB, S, 16] float32 (fp16 in the
+// file: exact), and per super-block one more exact integer and one more float step right after t's:
+//   B = sum_j m_j * qsum16_j            int32, exact: |B| <= 16 * 128 * 2,032 = 4,161,536
+//   u = (float) B * dmin[n, s];  acc = fma(-u, dx[s, m], acc)   (fnmadd: bitwise fma(u', dx, acc) for u' = (float)
+//   B * (-dmin), rounding being symmetric in sign)
+// With mn null there is no min term: the Q6_K / Q3_K sequence above, the same code (a template parameter).
 // Every integer sum is exact and the float steps are the same sequence, so a row never depends on M, on other rows
 // or on the path (scalar, AVX2, AVX-512 agree bitwise).
 #pragma once
@@ -38,6 +45,8 @@ struct DwQ6 {
     const float* d;     // [NB, S, 16]
     const float* bias;  // [N] or null
     int64_t N, K, G, S;
+    const int8_t* mn;    // [NB, G, 2, 16] or null: the min term (q6m)
+    const float* dmin;   // [NB, S, 16] (with mn)
 };
 
 struct DwQ8K16 {
@@ -57,10 +66,18 @@ void dw_q6k_gemm_avx512(const DwQ6* w, const DwQ8K16* a, float* out, int64_t b0,
 
 #if defined(__AVX512BW__)
 #include "intrin.h"
+#endif
 
 namespace {
 namespace dwq6k {
 
+// f.template operator()<MIN>() for the weights' min term: each ISA unit's one dispatch.
+template <class Fn>
+inline void by_min(const DwQ6* w, Fn&& f) {
+    w->mn ? f.template operator()<true>() : f.template operator()<false>();
+}
+
+#if defined(__AVX512BW__)
 // Chunk c (0-3) of a group's weights as the 6-bit values q (0..63, one per byte, the layout of ql's chunk): wl the
 // K values 4c..4c+3 of the 16 columns (ql's low nibbles), wh the values 16 + 4c.. (its high nibbles), each with its
 // top 2 bits from hv, the group's qh pair c / 2. For the AVX-512 GEMV (q6k_avx512.cpp) and the AMX side's B tiles
@@ -73,8 +90,8 @@ inline void unpack_chunk(__m512i raw, __m512i hv, int c, __m512i& wl, __m512i& w
     wl = _mm512_or_si512(_mm512_and_si512(raw, low4), hl);
     wh = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(raw, 4), low4), hh);
 }
+#endif
 
 }  // namespace dwq6k
 }  // namespace
-#endif
 

@@ -2,7 +2,7 @@
 // 0..63 x s8 activation pairs, |pair| <= 2 * 63 * 127 = 16002) summed over two chunks in int16 (<= 32004, no
 // saturation), then _mm256_madd_epi16 by the column's (sc, sc) to int32; the -32 offset as one _mm256_madd_epi16 of
 // (sc_lo, sc_hi) pairs by the row's (qsum16_lo, qsum16_hi) per group. The exact totals meet d and dx in q6k.h's
-// float steps. Owns only this path's arithmetic; knows nothing of torch, threads or when it runs. Compiled with
+// float steps (with the min term, one more madd per group and float step per super-block). Owns only this path's arithmetic; knows nothing of torch, threads or when it runs. Compiled with
 // -mavx2 -mfma and called only after a run-time cpuid check. Includes no C++ library header.
 #include "q6k.h"
 #include "rows_avx2.h"
@@ -27,8 +27,9 @@ inline __m256i sc_pair(const int8_t* lo, const int8_t* hi) {
     return _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(_mm_cvtsi64_si128(a), _mm_cvtsi64_si128(b)));
 }
 
-// Rows [m0, m0 + MT) of one half (h = 0: columns 0-7, h = 1: columns 8-15) of the 16-column block b.
-template <int MT>
+// Rows [m0, m0 + MT) of one half (h = 0: columns 0-7, h = 1: columns 8-15) of the 16-column block b; MIN: with
+// q6k.h's min term (B per super-block after the group loop: one _mm256_madd_epi16 of (m_lo, m_hi) pairs per group).
+template <int MT, bool MIN>
 [[gnu::noinline]] void half_rows(const DwQ6* w, const DwQ8K16* a, float* out, int64_t b, int h, int64_t m0, bool prefetch) {
     const int64_t G = w->G, S = w->S, N = w->N, M = a->M;
     const uint8_t* L = w->ql + b * G * 256 + h * 32;
@@ -82,6 +83,18 @@ template <int MT>
         __m256i tot[MT];
         for (int m = 0; m < MT; ++m) tot[m] = _mm256_sub_epi32(isc[m], _mm256_slli_epi32(imn[m], 5));
         dwrows::fma_rows(acc, a->dx + s * M + m0, tot, _mm256_loadu_ps(D + s * 16));
+        if constexpr (MIN) {
+            const int8_t* MN = w->mn + b * G * 32 + h * 8;
+            __m256i ib[MT];
+            for (int m = 0; m < MT; ++m) ib[m] = _mm256_setzero_si256();
+            for (int64_t g = s * 8; g < s * 8 + 8; ++g) {
+                const __m256i mnp = sc_pair(MN + g * 32, MN + g * 32 + 16);
+                const int16_t* QS = a->qsum16 + (s * M + m0) * 16 + (g - s * 8) * 2;
+                for (int m = 0; m < MT; ++m)
+                    ib[m] = _mm256_add_epi32(ib[m], _mm256_madd_epi16(mnp, _mm256_set1_epi32(load_i32(QS + m * 16))));
+            }
+            dwrows::fnma_rows(acc, a->dx + s * M + m0, ib, _mm256_loadu_ps(w->dmin + b * S * 16 + h * 8 + s * 16));
+        }
     }
     dwrows::store8(acc, w->bias, out, N, b, h, m0);
 }
@@ -91,7 +104,9 @@ constexpr int MAX_TILE = 4;
 }  // namespace
 
 extern "C" void dw_q6k_gemm_avx2(const DwQ6* w, const DwQ8K16* a, float* out, int64_t b0, int64_t b1) {
-    dwrows::gemv8x2<MAX_TILE>(a->M, w->N, b0, b1, [&]<int MT>(int64_t b, int h, int64_t m0, bool pf) {
-        half_rows<MT>(w, a, out, b, h, m0, pf);
+    dwq6k::by_min(w, [&]<bool MIN>() {
+        dwrows::gemv8x2<MAX_TILE>(a->M, w->N, b0, b1, [&]<int MT>(int64_t b, int h, int64_t m0, bool pf) {
+            half_rows<MT, MIN>(w, a, out, b, h, m0, pf);
+        });
     });
 }

@@ -11,9 +11,16 @@ namespace {
 
 using dwrows::dpbusd_b;
 
+// (m_lo, m_hi) of the 16 columns as int16 pairs, from a group's two rows of 16 int8 mins (mn [.., 2, 16])
+inline __m512i mn_pairs(const int8_t* p) {
+    const __m128i lo = _mm_loadu_si128((const __m128i*)p), hi = _mm_loadu_si128((const __m128i*)(p + 16));
+    return _mm512_cvtepi8_epi16(_mm256_set_m128i(_mm_unpackhi_epi8(lo, hi), _mm_unpacklo_epi8(lo, hi)));
+}
+
 // Rows [m0, m0 + MT) of one 16-column block b: per group, 8 VPDPBUSD per row into two sub-block sums, two VPMULLD
-// by the sub-blocks' scales into the super-block's int32; per super-block the float steps of q6k.h.
-template <int MT>
+// by the sub-blocks' scales into the super-block's int32; per super-block the float steps of q6k.h. MIN: with its
+// min term (B after the group loop: one VPDPWSSD of (m_lo, m_hi) pairs by the row's (qsum16_lo, qsum16_hi) a group).
+template <int MT, bool MIN>
 [[gnu::noinline]] void block_rows(const DwQ6* w, const DwQ8K16* a, float* out, int64_t b, int64_t m0, bool prefetch) {
     const int64_t G = w->G, S = w->S, N = w->N, M = a->M;
     const uint8_t* L = w->ql + b * G * 256;
@@ -70,6 +77,21 @@ template <int MT>
                                                                    _mm512_mullo_epi32(hi[m], sch)));
         }
         dwrows::fma_rows(acc, a->dx + s * M + m0, isc, _mm512_loadu_ps(D + s * 16));
+        if constexpr (MIN) {
+            const int8_t* MN = w->mn + b * G * 32;
+            __m512i ib[MT];
+#pragma GCC unroll 8
+            for (int m = 0; m < MT; ++m) ib[m] = _mm512_setzero_si512();
+#pragma GCC unroll 1
+            for (int64_t g = s * 8; g < s * 8 + 8; ++g) {
+                const __m512i mnp = mn_pairs(MN + g * 32);
+                const int16_t* QS = a->qsum16 + (s * M + m0) * 16 + (g - s * 8) * 2;
+#pragma GCC unroll 8
+                for (int m = 0; m < MT; ++m)
+                    ib[m] = _mm512_dpwssd_epi32(ib[m], mnp, _mm512_set1_epi32(*(const dwrows::i32_alias*)(QS + m * 16)));
+            }
+            dwrows::fnma_rows(acc, a->dx + s * M + m0, ib, _mm512_loadu_ps(w->dmin + b * S * 16 + s * 16));
+        }
     }
     dwrows::store16(acc, w->bias, out, N, b, m0);
 }
@@ -80,7 +102,9 @@ constexpr int MAX_TILE = 8;
 }  // namespace
 
 extern "C" void dw_q6k_gemm_avx512(const DwQ6* w, const DwQ8K16* a, float* out, int64_t b0, int64_t b1) {
-    dwrows::gemv16<MAX_TILE>(a->M, b0, b1, [&]<int MT>(int64_t b, int64_t m0, bool pf) {
-        block_rows<MT>(w, a, out, b, m0, pf);
+    dwq6k::by_min(w, [&]<bool MIN>() {
+        dwrows::gemv16<MAX_TILE>(a->M, b0, b1, [&]<int MT>(int64_t b, int64_t m0, bool pf) {
+            block_rows<MT, MIN>(w, a, out, b, m0, pf);
+        });
     });
 }

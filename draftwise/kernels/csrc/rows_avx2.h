@@ -5,7 +5,7 @@
 // Owns: gemv8x2 (blocks [b0, b1), each block's halves h = 0 (columns 0-7) and h = 1 (8-15, skipped past N), each
 // half's rows in rows.h's balanced tiles; the next block prefetched while the first tile of half 0 computes),
 // store8 (a tile's 8 outputs per row plus the bias; a short half through a scalar tail, the same additions),
-// load_i32, and fma_rows (the float step the types end a super-block or group with). A type supplies `Rows`: a
+// load_i32, and fma_rows / fnma_rows (the float step the types end a super-block or group with). A type supplies `Rows`: a
 // template lambda <int MT>(b, h, m0, prefetch) computing rows [m0, m0 + MT) of half h of block b into MT __m256
 // accumulators and handing them to store8. Knows nothing of any type's layout or arithmetic; includes no C++
 // library header.
@@ -59,6 +59,12 @@ inline __m256 to_lanes(int32_t s) { return _mm256_set1_ps((float)s); }
 template <int MT, class S>
 inline void fma_rows(__m256 (&acc)[MT], const float* dx, const S* s, __m256 v) {
     for (int m = 0; m < MT; ++m) acc[m] = _mm256_fmadd_ps(_mm256_mul_ps(to_lanes(s[m]), v), _mm256_set1_ps(dx[m]), acc[m]);
+}
+
+// acc[m] = fma(-((float) s[m] * v), dx[m], acc[m]): the same step subtracting (a min term's, q6k.h).
+template <int MT, class S>
+inline void fnma_rows(__m256 (&acc)[MT], const float* dx, const S* s, __m256 v) {
+    for (int m = 0; m < MT; ++m) acc[m] = _mm256_fnmadd_ps(_mm256_mul_ps(to_lanes(s[m]), v), _mm256_set1_ps(dx[m]), acc[m]);
 }
 
 }  // namespace dwrows

@@ -4,7 +4,7 @@
 //
 // Owns: gemv16 (blocks [b0, b1), each one's rows in rows.h's balanced tiles, the next block prefetched while a
 // block's first tile computes), store16 (the 16 outputs of each tile row plus the bias, a short last block masked),
-// dpbusd_b, and fma_rows (the float step the types end a super-block or group with). A type supplies `Rows`: a
+// dpbusd_b, and fma_rows / fnma_rows (the float step the types end a super-block or group with). A type supplies `Rows`: a
 // template lambda <int MT>(b, m0, prefetch) computing rows [m0, m0 + MT) of block b into MT __m512 accumulators and
 // handing them to store16. Knows nothing of any type's layout or arithmetic; includes no C++ library header.
 #pragma once
@@ -52,6 +52,13 @@ template <int MT, class S>
 inline void fma_rows(__m512 (&acc)[MT], const float* dx, const S* s, __m512 v) {
 #pragma GCC unroll 12
     for (int m = 0; m < MT; ++m) acc[m] = _mm512_fmadd_ps(_mm512_mul_ps(to_lanes(s[m]), v), _mm512_set1_ps(dx[m]), acc[m]);
+}
+
+// acc[m] = fma(-((float) s[m] * v), dx[m], acc[m]): the same step subtracting (a min term's, q6k.h).
+template <int MT, class S>
+inline void fnma_rows(__m512 (&acc)[MT], const float* dx, const S* s, __m512 v) {
+#pragma GCC unroll 12
+    for (int m = 0; m < MT; ++m) acc[m] = _mm512_fnmadd_ps(_mm512_mul_ps(to_lanes(s[m]), v), _mm512_set1_ps(dx[m]), acc[m]);
 }
 
 }  // namespace dwrows

@@ -29,15 +29,16 @@
 namespace {
 
 // The flat list's layout, the one definition of it: kernels/stack.py reads the count (weights_per_layer, SLOTS
-// there) and builds each layer's entries in this order; every offset follows from the one before it.
+// there; the entries per projection: linear_entries) and builds each layer's entries in this order; every offset follows from the one before it.
 // A projection's entries, by its kind (its module's buffers; unused entries None, the bias always last):
-//   q4x8: packed, sc, mn, d, dmin, bias;  every other kind (a block kernel): its linear op's packed buffers in
-//   order (kernels/linear.py PACKED: q6k ql, qh, sc, d; q8_0 qw, d; ...), None up to 5, the bias
-constexpr int64_t LINEAR = 6;
+//   q4x8: packed, sc, mn, d, dmin, None, bias;  every other kind (a block kernel): its linear op's packed buffers in
+//   order (kernels/linear.py PACKED: q6k ql, qh, sc, d; q8_0 qw, d; ...; q6m's six the most), None up to 6, the bias
+constexpr int64_t LINEAR = 7;
+constexpr int64_t BIAS = LINEAR - 1;  // a projection's bias entry
 
-enum Kind : int64_t { ABSENT = -1, Q4X8 = 0, Q6K = 1, NUM_KINDS = 6 };  // ids past Q6K: the block kernels below
+enum Kind : int64_t { ABSENT = -1, Q4X8 = 0, Q6K = 1, NUM_KINDS = 7 };  // ids past Q6K: the block kernels below
 // kernels/linear.py's registry names; a kind past Q6K calls draftwise_<name>::linear with its packed buffers
-const char* const KIND_NAMES[NUM_KINDS] = {"q4x8", "q6k", "q8_0", "q8_1", "q4c", "q5m"};
+const char* const KIND_NAMES[NUM_KINDS] = {"q4x8", "q6k", "q8_0", "q8_1", "q4c", "q5m", "q6m"};
 
 enum Proj : int64_t { P_QKV = 0, P_K, P_V, P_O, P_GATE_UP, P_DOWN, KINDS_PER_LAYER };
 
@@ -122,7 +123,7 @@ at::Tensor block_linear(const c10::OperatorHandle& h, const c10::List<OptT>& w, 
     stack.reserve(packed + 4);
     stack.emplace_back(x2);
     for (int64_t i = 0; i < packed; ++i) stack.emplace_back(w_at(w, at_ + i));
-    stack.emplace_back(opt(w, at_ + 5));
+    stack.emplace_back(opt(w, at_ + BIAS));
     stack.emplace_back(N);
     stack.emplace_back((int64_t)-1);
     h.callBoxed(&stack);
@@ -139,14 +140,14 @@ at::Tensor linear(const c10::List<OptT>& w, int64_t at_, int64_t kind, const at:
     switch (kind) {
         case Q4X8:
             y = o.linear.call(x2, w_at(w, at_), w_at(w, at_ + 1), w_at(w, at_ + 2), w_at(w, at_ + 3), w_at(w, at_ + 4),
-                              opt(w, at_ + 5), N, -1);
+                              opt(w, at_ + BIAS), N, -1);
             break;
         case Q6K:  // Q6KLinear's path 'auto': wide calls take the AMX GEMM (rows bitwise the GEMV's), as in linear.py
             if (x2.size(0) > 1 && o.q6k_wide_takes.call(x2.size(0))) {
-                y = o.q6k_wide.call(x2, w_at(w, at_), w_at(w, at_ + 1), w_at(w, at_ + 2), w_at(w, at_ + 3), opt(w, at_ + 5), N);
+                y = o.q6k_wide.call(x2, w_at(w, at_), w_at(w, at_ + 1), w_at(w, at_ + 2), w_at(w, at_ + 3), opt(w, at_ + BIAS), N);
                 break;
             }
-            y = o.q6k.call(x2, w_at(w, at_), w_at(w, at_ + 1), w_at(w, at_ + 2), w_at(w, at_ + 3), opt(w, at_ + 5), N, -1);
+            y = o.q6k.call(x2, w_at(w, at_), w_at(w, at_ + 1), w_at(w, at_ + 2), w_at(w, at_ + 3), opt(w, at_ + BIAS), N, -1);
             break;
         default:
             TORCH_CHECK(kind > Q6K && kind < NUM_KINDS, "stack: projection kind ", kind, " at weight ", at_,
@@ -228,6 +229,7 @@ TORCH_LIBRARY(draftwise_stack, m) {
           "float[] qk_norm, float scale, Tensor? ancestors, int[] kinds) -> Tensor");
     m.def("weights_per_layer() -> int", []() -> int64_t { return WEIGHTS_PER_LAYER; });
     m.def("kinds_per_layer() -> int", []() -> int64_t { return KINDS_PER_LAYER; });
+    m.def("linear_entries() -> int", []() -> int64_t { return LINEAR; });
     m.def("linear_kinds() -> str[]", []() {  // Kind ids 0.. in order: kernels/stack.py maps modules to them
         return std::vector<std::string>(KIND_NAMES, KIND_NAMES + NUM_KINDS);
     });
