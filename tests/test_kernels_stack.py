@@ -191,8 +191,9 @@ def mixed_model(family: str, layout: list[dict] = MIXED):
 @pytest.mark.parametrize("family", ["qwen2", "llama", "qwen3"])
 def test_layers_mixing_q4x8_q6k_and_q8_0_are_bitwise_the_python_loop(family, calls):
     """Layer 0 as the 1.5B's faithful layers (q/k/v three calls: v in q6k), layer 1 as the 0.5B's (merged q8_0),
-    layer 2 every kind in one layer, layer 3 a Q5_K_M file's (merged q8_1, q6k down), layer 4 the compact forms (q4c, q5m), layer 5 a Q2_K file's (q6m): all in the one call, bitwise
-    the Python loop (qwen2: q/k/v bias; qwen3: q/k norms)."""
+    layer 2 every kind in one layer, layer 3 a Q5_K_M file's (merged q8_1, q6k down), layer 4 the compact forms
+    (q4c, q5m), layer 5 a Q2_K file's (q6m): all in the one call, bitwise the Python loop (qwen2: q/k/v bias;
+    qwen3: q/k norms)."""
     model = mixed_model(family)
     attn = [layer.self_attn for layer in model.model.layers]
     assert attn[0].qkv_proj is None and attn[1].qkv_proj is not None and attn[2].qkv_proj is None

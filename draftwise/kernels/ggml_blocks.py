@@ -167,7 +167,8 @@ def quantize_q6m(weight: torch.Tensor) -> dict[str, torch.Tensor]:
     d, dmin = per(step), per(low)
     spread = lambda t: t.repeat_interleave(16, dim=1)  # noqa: E731
     sc = torch.where(spread(d) > 0, (step / spread(d).clamp(min=1e-30)).round(), torch.zeros_like(step)).clamp(0, 15)
-    mn = torch.where(spread(dmin) > 0, (low / spread(dmin).clamp(min=1e-30)).round(), torch.zeros_like(low)).clamp(0, 15)
+    mn = torch.where(spread(dmin) > 0, (low / spread(dmin).clamp(min=1e-30)).round(),
+                     torch.zeros_like(low)).clamp(0, 15)
     s_eff, m_eff = spread(d) * sc, spread(dmin) * mn
     q = torch.where(s_eff[..., None] > 0, ((w + m_eff[..., None]) / s_eff[..., None].clamp(min=1e-30)).round(),
                     torch.zeros_like(w)).clamp(0, 3)

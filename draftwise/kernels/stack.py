@@ -10,7 +10,8 @@ Owns: building the flat weight list and the projections' kinds (`layer_weights`:
 csrc/stack.cpp's Slot order, checked to be exactly SLOTS long, and its KINDS_PER_LAYER kind ids); whether it can run
 here is glue's `available` (one library). The layout itself is csrc/stack.cpp's alone: SLOTS, the entries per layer,
 the kinds per layer, the entries per projection and the kinds' ids are read from the loaded library
-(`weights_per_layer`, `kinds_per_layer`, `linear_entries`, `linear_kinds`) the first time they are used, never written here. Each projection may be any of the row-exact
+(`weights_per_layer`, `kinds_per_layer`, `linear_entries`, `linear_kinds`) the first time they are used, never
+written here. Each projection may be any of the row-exact
 kernels the library runs (q4x8 and every block kernel of kernels/blocktypes.py: a faithful plan mixes them layer by layer), with q/k/v merged or as
 three calls. Knows nothing of models beyond those shapes: the decoder (models/transformer.py) decides when its
 layers qualify (those kernels on their auto path, gate/up merged, our glue and attention ops, no sandwich norms)

@@ -45,7 +45,8 @@ extern "C" void dw_q6k_gemm_scalar(const DwQ6* w, const DwQ8K16* a, float* out, 
                 const int16_t* qs = a->qsum16 + (s * M + m) * 16 + (g - s * 8) * 2;
                 isc += (int32_t)SC[j] * lo + (int32_t)SC[16 + j] * hi;
                 imn += (int32_t)SC[j] * qs[0] + (int32_t)SC[16 + j] * qs[1];
-                if (w->mn) ib += (int32_t)w->mn[(b * G + g) * 32 + j] * qs[0] + (int32_t)w->mn[(b * G + g) * 32 + 16 + j] * qs[1];
+                const int8_t* MN = w->mn ? w->mn + (b * G + g) * 32 : nullptr;
+                if (MN) ib += (int32_t)MN[j] * qs[0] + (int32_t)MN[16 + j] * qs[1];
             }
             const float t = (float)(isc - 32 * imn) * w->d[(b * S + s) * 16 + j];
             acc = std::fma(t, a->dx[s * M + m], acc);

@@ -1,4 +1,5 @@
-// q6k: GGUF Q6_K weights x int8 activations (GGUF's Q8_K), the plain-C interface shared by the ISA units.
+// q6k: GGUF Q6_K weights (and Q3_K; as the "q6m" kernel, with a min term, Q2_K) x int8 activations (GGUF's Q8_K),
+// the plain-C interface shared by the ISA units.
 //
 // Owns: the packed Q6_K layout and the arithmetic every path performs, described here once, and (for units compiled
 // with AVX-512) the one rebuild of a chunk's 6-bit values from ql and qh. Knows nothing of torch

@@ -2,7 +2,8 @@
 // 0..63 x s8 activation pairs, |pair| <= 2 * 63 * 127 = 16002) summed over two chunks in int16 (<= 32004, no
 // saturation), then _mm256_madd_epi16 by the column's (sc, sc) to int32; the -32 offset as one _mm256_madd_epi16 of
 // (sc_lo, sc_hi) pairs by the row's (qsum16_lo, qsum16_hi) per group. The exact totals meet d and dx in q6k.h's
-// float steps (with the min term, one more madd per group and float step per super-block). Owns only this path's arithmetic; knows nothing of torch, threads or when it runs. Compiled with
+// float steps (with the min term, one more madd per group and float step per super-block). Owns only this path's
+// arithmetic; knows nothing of torch, threads or when it runs. Compiled with
 // -mavx2 -mfma and called only after a run-time cpuid check. Includes no C++ library header.
 #include "q6k.h"
 #include "rows_avx2.h"

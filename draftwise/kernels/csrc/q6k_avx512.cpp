@@ -88,7 +88,8 @@ template <int MT, bool MIN>
                 const int16_t* QS = a->qsum16 + (s * M + m0) * 16 + (g - s * 8) * 2;
 #pragma GCC unroll 8
                 for (int m = 0; m < MT; ++m)
-                    ib[m] = _mm512_dpwssd_epi32(ib[m], mnp, _mm512_set1_epi32(*(const dwrows::i32_alias*)(QS + m * 16)));
+                    ib[m] = _mm512_dpwssd_epi32(ib[m], mnp,
+                                                _mm512_set1_epi32(*(const dwrows::i32_alias*)(QS + m * 16)));
             }
             dwrows::fnma_rows(acc, a->dx + s * M + m0, ib, _mm512_loadu_ps(w->dmin + b * S * 16 + s * 16));
         }

@@ -29,7 +29,8 @@
 namespace {
 
 // The flat list's layout, the one definition of it: kernels/stack.py reads the count (weights_per_layer, SLOTS
-// there; the entries per projection: linear_entries) and builds each layer's entries in this order; every offset follows from the one before it.
+// there; the entries per projection: linear_entries) and builds each layer's entries in this order; every offset
+// follows from the one before it.
 // A projection's entries, by its kind (its module's buffers; unused entries None, the bias always last):
 //   q4x8: packed, sc, mn, d, dmin, None, bias;  every other kind (a block kernel): its linear op's packed buffers in
 //   order (kernels/linear.py PACKED: q6k ql, qh, sc, d; q8_0 qw, d; ...; q6m's six the most), None up to 6, the bias
