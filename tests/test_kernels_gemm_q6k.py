@@ -4,8 +4,10 @@ row each computes is bitwise the row the Q6_K GEMV computes, at every width 1..5
 the packaged models' Q6_K tensors (attn_v, ffn_down, the heads: K = hidden or intermediate size), on every packaged
 projection shape, against each GEMV ISA path (scalar, AVX2, AVX-512); 'auto' hands wide calls to it only from the
 measured width on, to the VNNI side under a $DRAFTWISE_MAX_ISA=avx512 cap and to none below it; and the check used
-here catches a planted kernel whose reduction order depends on the width. No timing asserts. Skipped where the CPU
-has neither side: there 'auto' never leaves the GEMV."""
+here catches a planted kernel whose reduction order depends on the width. q6m (GGUF Q2_K: q6k.h's min term) has the
+VNNI side alone, also on AMX CPUs (the tiles carry no min term): its rows are the q6m GEMV's at widths 1..96 and past
+the chunk, on 1 and 2 threads, on every GEMV path, through its own switch, and its planted reduction fails too. No
+timing asserts. Skipped where the CPU has neither side: there 'auto' never leaves the GEMV."""
 from __future__ import annotations
 
 import json
@@ -17,7 +19,7 @@ import pytest
 import torch
 
 from draftwise.kernels import ggml_blocks
-from draftwise.kernels.linear import Q6KLinear, block_paths
+from draftwise.kernels.linear import Q6KLinear, Q6MLinear, block_paths
 from tests.harness import KS, SHAPES, WIDTHS, first_inexact_width, ops, side, threads, wide_x  # noqa: F401 (fixtures)
 
 WIDE_KIND = "q6k"  # the `ops` fixture's kernel
@@ -158,3 +160,112 @@ def test_a_planted_width_dependent_reduction_fails_the_check(ops, side):
     assert first_inexact_width(lambda xs: _wide(ops, lin, xs, side), x, ref, range(1, 65)) is None
     assert first_inexact_width(planted, x, ref, range(1, 65)) == 33
     assert torch.allclose(planted(x), ref, rtol=1e-4, atol=1e-4)  # close (same integers): only exactness tells
+
+
+# q6m (GGUF Q2_K): the VNNI side with the min term; WIDTHS_Q6M reach past a 48-row chunk (csrc/gemm_wide.h) and beyond
+WIDTHS_Q6M = [*range(1, 97), 143, 144, 145, 191, 200]
+
+
+@pytest.fixture(scope="module")
+def q6m_ops(ops):  # ops: skipped where q6k has no wide side (q6m's is the same VNNI side)
+    lib = torch.ops.draftwise_q6m
+    assert lib.wide_available() and lib.wide_kind() == "vnni"  # never "amx": the AMX tiles carry no min term
+    return lib
+
+
+def _q6m_linear(N: int, K: int, seed: int, path: str = "avx512", bias: bool = True) -> Q6MLinear:
+    """Random q6m parts: q6k's 6-bit values and int8 scales over the whole range, Q2_K's 4-bit mins and its dmin."""
+    g = torch.Generator().manual_seed(seed)
+    parts = {"q": torch.randint(0, 64, (N, K), generator=g, dtype=torch.uint8),
+             "sc": torch.randint(-128, 128, (N, K // 16), generator=g).to(torch.int8),
+             "d": torch.rand(N, K // 256, generator=g) * 1e-3,
+             "mn": torch.randint(0, 16, (N, K // 16), generator=g).to(torch.int8),
+             "dmin": torch.rand(N, K // 256, generator=g) * 1e-3}
+    return Q6MLinear(bias=torch.randn(N, generator=g) if bias else None, parts=parts, path=path)
+
+
+def _q6m_wide(ops, lin: Q6MLinear, x: torch.Tensor) -> torch.Tensor:  # x [M, K] -> [M, N]
+    b = lin._buffers
+    return ops.wide(x.contiguous(), b["ql"], b["qh"], b["sc"], b["d"], b["mn"], b["dmin"], b["bias"],
+                    lin.out_features)
+
+
+@pytest.mark.parametrize("K", [1536, 8960])
+def test_q6m_wide_rows_are_the_gemv_rows_at_every_width_and_thread_count(q6m_ops, threads, K):
+    lin = _q6m_linear(40, K, seed=K)
+    x = wide_x(max(WIDTHS_Q6M), K, seed=K + 1)
+    ref = lin(x)  # the AVX-512 GEMV (with its min term)
+    for i in (0, 1, 47, 48, 199):
+        assert torch.equal(lin(x[i:i + 1]), ref[i:i + 1])
+    for n in (1, 2):
+        threads(n)
+        assert first_inexact_width(lambda xs: _q6m_wide(q6m_ops, lin, xs), x, ref, WIDTHS_Q6M) is None, (K, n)
+
+
+def test_q6m_wide_rows_are_every_gemv_paths_rows(q6m_ops):
+    x = wide_x(64, 1536, seed=7)
+    for path in block_paths("q6m"):
+        lin = _q6m_linear(40, 1536, seed=8, path=path, bias=False)
+        ref = lin(x)
+        assert first_inexact_width(lambda xs: _q6m_wide(q6m_ops, lin, xs), x, ref, range(1, 65)) is None, path
+
+
+def test_q6m_auto_takes_the_wide_side_from_its_own_switch_and_stays_exact(q6m_ops, ops):
+    """Q6MLinear's path 'auto' (the linear op hands it over: csrc/q6k.cpp) switches at q6m's wide_min_rows, which is
+    not q6k's; the rows do not change across it."""
+    auto, gemv = _q6m_linear(40, 1536, seed=9, path="auto"), _q6m_linear(40, 1536, seed=9, path="avx512")
+    x = wide_x(96, 1536, seed=10)
+    ref = gemv(x)
+    before, before_q6k = q6m_ops.wide_min_rows(), ops.wide_min_rows()
+    try:
+        ops.set_wide_min_rows(2 ** 40)
+        for at in (2, 33):
+            q6m_ops.set_wide_min_rows(at)
+            assert q6m_ops.wide_takes(at) and not q6m_ops.wide_takes(at - 1) and not ops.wide_takes(at)
+            assert first_inexact_width(auto, x, ref, range(1, 97)) is None, at
+    finally:
+        q6m_ops.set_wide_min_rows(before)
+        ops.set_wide_min_rows(before_q6k)
+    b = gemv._buffers
+    with pytest.raises(RuntimeError, match="mn: bad shape"):
+        q6m_ops.wide(x, b["ql"], b["qh"], b["sc"], b["d"], b["mn"][:1], b["dmin"], None, 40)
+
+
+def test_q6m_wide_side_is_vnni_only_and_obeys_the_isa_cap(q6m_ops):
+    """No cap (an AMX CPU included) and an avx512 cap: the VNNI side; avx2: none (a fresh process: read once)."""
+    code = ("import json, torch; from draftwise.kernels import q4x8; q4x8.load(); o = torch.ops.draftwise_q6m; "
+            "print(json.dumps([o.wide_available(), o.wide_min_rows(), o.wide_takes(4096), o.wide_kind()]))")
+
+    def run(**env):
+        out = subprocess.run([sys.executable, "-c", code], env={**os.environ, **env}, capture_output=True, text=True,
+                             timeout=600, check=True).stdout.strip().splitlines()[-1]
+        return json.loads(out)
+
+    assert run(DRAFTWISE_WIDE_MIN_ROWS="48") == [True, 48, True, "vnni"]
+    assert run(DRAFTWISE_MAX_ISA="avx512", DRAFTWISE_WIDE_MIN_ROWS="48") == [True, 48, True, "vnni"]
+    capped = run(DRAFTWISE_MAX_ISA="avx2", DRAFTWISE_WIDE_MIN_ROWS="48")
+    assert capped[0] is False and capped[2] is False and capped[3] == "none"
+
+
+def test_q6m_planted_width_dependent_reduction_fails_the_check(q6m_ops):
+    """q6m's super-blocks summed in reverse from 33 rows on (same exact integers, another float order) is caught."""
+    N, K = 40, 1536
+    S = K // 256
+    g = torch.Generator().manual_seed(11)
+    parts = ggml_blocks.quantize_q6m(torch.randn(N, K, generator=g) * 0.05)
+    per16 = lambda t: t.view(N, S, 16).flip(1).reshape(N, -1)  # noqa: E731
+    rev = {"q": parts["q"].view(N, S, 256).flip(1).reshape(N, K), "sc": per16(parts["sc"]),
+           "mn": per16(parts["mn"]), "d": parts["d"].flip(1), "dmin": parts["dmin"].flip(1)}
+    assert set(rev) == set(parts)
+    lin, lin_rev = Q6MLinear(parts=parts), Q6MLinear(parts={k: v.contiguous() for k, v in rev.items()})
+    x = wide_x(64, K, seed=12)
+    ref = torch.cat([lin(x[i:i + 1]) for i in range(64)])
+
+    def planted(xs):
+        if xs.shape[0] <= 32:
+            return _q6m_wide(q6m_ops, lin, xs)
+        return _q6m_wide(q6m_ops, lin_rev, xs.view(-1, S, 256).flip(1).reshape(-1, K))
+
+    assert first_inexact_width(lambda xs: _q6m_wide(q6m_ops, lin, xs), x, ref, range(1, 65)) is None
+    assert first_inexact_width(planted, x, ref, range(1, 65)) == 33
+    assert torch.allclose(planted(x), ref, rtol=1e-4, atol=1e-4)

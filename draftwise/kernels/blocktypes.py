@@ -79,7 +79,8 @@ KERNELS: dict[str, Kernel] = {k.name: k for k in (
                                          ("q4x8_avx512.cpp", AVX512_VNNI), ("gemm_q4x8_amx.cpp", AMX_INT8))),
     Kernel("q6k", "Q8_K", 6.625, True, (("q6k.cpp", MAIN), ("gemm_q6k.cpp", MAIN), ("q6k_avx2.cpp", AVX2),
                                          ("q6k_avx512.cpp", AVX512_VNNI), ("gemm_q6k_amx.cpp", AMX_INT8))),
-    Kernel("q6m", "Q8_K", 7.25, False, ()),  # csrc/q6k.h's min term: q6k's units serve it (q6k.cpp registers it)
+    # csrc/q6k.h's min term: q6k's units serve it (q6k.cpp registers it); wide: gemm_q6k.cpp's VNNI side only
+    Kernel("q6m", "Q8_K", 7.25, True, ()),
     Kernel("q8_0", "Q8_0", 9.0, True, (("q8_0.cpp", MAIN), ("gemm_q8_0.cpp", MAIN), ("q8_0_avx2.cpp", AVX2),
                                         ("q8_0_avx512.cpp", AVX512_VNNI), ("gemm_q8_0_avx512.cpp", AVX512_VNNI)),
            scale_terms=1),

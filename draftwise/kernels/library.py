@@ -8,9 +8,9 @@ and atomic publish are kernels/cbuild.py's, which the probe's streaming read is 
 per process (`load`: the q4x8, q6k, q8_0 (and every block type's), attention, glue and layer-loop ops), the ISA
 path names and ids every op selects by (csrc/dispatch.h's one rule; `PATHS` is filled from the library when it is
 loaded), and the wide side's switch: `wide_min_rows` measures once per build and CPU from how many rows 'auto'
-calls of each kernel with a wide side (blocktypes' `wide`: q4x8, q6k, and the per-32 family q8_0, q8_1, q4c, q5m)
+calls of each kernel with a wide side (blocktypes' `wide`: q4x8, q6k, q6m, and the per-32 family q8_0, q8_1, q4c, q5m)
 take it (csrc/gemm_q4x8*.cpp, gemm_q6k*.cpp: the AMX GEMM, or on an AVX-512 VNNI CPU without AMX the GEMV's
-register tile blocked over rows; csrc/gemm_q8_0*.cpp: the latter only): bitwise the GEMVs' rows.
+register tile blocked over rows; q6m and csrc/gemm_q8_0*.cpp: the latter only): bitwise the GEMVs' rows.
 
 Which C++ units a block type brings is its row's in kernels/blocktypes.py (`units`); the library compiles the
 units of every row with a kernel, plus the ops that are no block type's (attention, glue, layer loop).
@@ -236,8 +236,10 @@ def _probe_args(kind: str, N: int, K: int, gen: torch.Generator) -> tuple:
     scale = lambda *shape: torch.rand(shape, generator=gen) * 0.01 + 0.001  # noqa: E731
     if kind == "q4x8":
         return byte(NB, G, 4, 64), byte(NB, G, 16), byte(NB, G, 16), scale(NB, S, 16), scale(NB, S, 16), None, N
-    if kind == "q6k":
-        return byte(NB, G, 4, 64), byte(NB, G, 2, 64), byte(NB, G, 2, 16).view(torch.int8), scale(NB, S, 16), None, N
+    if kind in ("q6k", "q6m"):  # q6m: q6k's buffers and the min term's mn, dmin
+        q6k = byte(NB, G, 4, 64), byte(NB, G, 2, 64), byte(NB, G, 2, 16).view(torch.int8), scale(NB, S, 16)
+        mins = (byte(NB, G, 2, 16).view(torch.int8), scale(NB, S, 16)) if kind == "q6m" else ()
+        return *q6k, *mins, None, N
     # csrc/q8_0.h's forms: bytes (q8_0, with a min q8_1), codes through a table (q4c), codes and a plane (q5m)
     packed = {"q8_0": (byte(NB, G, 8, 64), scale(NB, G, 16)),
               "q8_1": (byte(NB, G, 8, 64), scale(NB, G, 16), scale(NB, G, 16)),

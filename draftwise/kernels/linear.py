@@ -674,9 +674,10 @@ class Q6MLinear(_BlockLinear):
     """Ours: GGUF Q2_K weights held exactly as Q6KLinear holds Q6_K (2-bit values as q6k's 6-bit ones, d * sc per 16)
     plus a min term per 16, w = d * sc * (q - 32) - dmin * m (kernels/ggml_blocks.py pack_q6m, csrc/q6k.h) x int8
     activations per row and 256 K values with their sums per 16 (GGUF's Q8_K, as llama.cpp's CPU dot product of
-    Q2_K); AVX-512 VNNI / AVX2 / scalar, bitwise the same; no wide kernel (the table's row: prompts run the GEMV's
-    tiles). Q6MLinear(weight [N, K], bias) quantizes a float weight as a simple Q2_K; `from_blocks` takes the
-    type's blocks as they are."""
+    Q2_K); AVX-512 VNNI / AVX2 / scalar, bitwise the same; path 'auto' calls of many rows take the wide side
+    (csrc/gemm_q6k.cpp: q6k's VNNI side with the min term; the q6m linear op hands them over; the same rows).
+    Q6MLinear(weight [N, K], bias) quantizes a float weight as a simple Q2_K; `from_blocks` takes the type's blocks
+    as they are."""
 
     name = "q6m"
     description = "ours: GGUF Q2_K weights (exact) x int8 activations per 256, AVX-512 VNNI / AVX2"

@@ -1,4 +1,4 @@
-// q6k wide side, torch-facing: the operator draftwise_q6k::wide (the AMX GEMM for Q6_K weights; on an AVX-512 VNNI
+// q6k and q6m wide sides, torch-facing: the operator draftwise_q6k::wide (the AMX GEMM for Q6_K weights; on an AVX-512 VNNI
 // CPU without AMX the AVX-512 GEMV over row chunks, also callable alone as wide_vnni), the smallest row count from
 // which path-'auto' callers hand a call to it (set from Python, which measures it: kernels/library.py wide_min_rows),
 // and the C++ entry points (dw_q6k_wide_takes, dw_q6k_wide) a C++ caller (the layer loop) uses the same way.
@@ -6,7 +6,8 @@
 // the activations the GEMV's (gemm_q4x8.cpp's tile-major copy for AMX, gemm_q6k.h's DwQ8Tiles; q6k.cpp's
 // dw_q6k_quantize_rows per chunk for VNNI), the switch, chunk sizes and which side runs gemm_wide.h's. Knows nothing
 // of models; the arithmetic is q6k.h's, the tile loop gemm_q6k_amx.cpp's. Every row is bitwise the Q6_K GEMV's row
-// (tests/test_kernels_gemm_q6k.py), so which side serves a call changes speed only.
+// (tests/test_kernels_gemm_q6k.py), so which side serves a call changes speed only. q6m (Q2_K) has the VNNI side
+// alone (draftwise_q6m::wide, with the GEMV's min term), its own switch, and q6k.cpp's linear hands 'auto' calls to it.
 #include <torch/library.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -63,8 +64,9 @@ at::Tensor wide_amx(const at::Tensor& x, const at::Tensor& ql, const at::Tensor&
 // The VNNI side (gemm_wide.h): rows in chunks of DW_VNNI_CHUNK_ROWS, each quantized into its own GEMV layout by the
 // GEMV's quantizer (q6k.cpp's dw_q6k_quantize_rows, AVX-512 path), then the AVX-512 GEMV's kernel over every block
 // of the chunk. Each row is the GEMV's row: the same values and the same kernel, whose rows never depend on M.
+// With mn and dmin (q6m: GGUF Q2_K) the GEMV's min term rides along: the same kernel, its MIN instantiation.
 at::Tensor wide_vnni(const at::Tensor& x, const at::Tensor& ql, const at::Tensor& qh, const at::Tensor& sc,
-                     const at::Tensor& d, const float* bias_p, int64_t N) {
+                     const at::Tensor& d, const at::Tensor* mn, const at::Tensor* dmin, const float* bias_p, int64_t N) {
     const int64_t M = x.size(0), K = x.size(1), G = K / 32, S = K / 256, NB = (N + 15) / 16;
     at::Tensor y = at::empty({M, N}, x.options());
     if (M == 0) return y;
@@ -83,7 +85,8 @@ at::Tensor wide_vnni(const at::Tensor& x, const at::Tensor& ql, const at::Tensor
                                  dxp + c * S * chunk, qsp + c * S * chunk * 8, q16 + c * S * chunk * 16,
                                  qo + c * G * chunk * 2, 0, rows_of(c));
     });
-    DwQ6 w{ql.data_ptr<uint8_t>(), qh.data_ptr<uint8_t>(), sc.data_ptr<int8_t>(), d.data_ptr<float>(), bias_p, N, K, G, S, nullptr, nullptr};
+    DwQ6 w{ql.data_ptr<uint8_t>(), qh.data_ptr<uint8_t>(), sc.data_ptr<int8_t>(), d.data_ptr<float>(), bias_p, N, K, G, S,
+           mn ? mn->data_ptr<int8_t>() : nullptr, mn ? dmin->data_ptr<float>() : nullptr};
     float* yp = y.data_ptr<float>();
     // each thread its blocks, chunk after chunk (one fork for the call)
     at::parallel_for(0, NB, 1, [&](int64_t b0, int64_t b1) {
@@ -105,7 +108,7 @@ at::Tensor dw_q6k_wide(const at::Tensor& x, const at::Tensor& ql, const at::Tens
     TORCH_CHECK(side != DwWideSide::NONE, "q6k wide: this CPU has neither AMX int8 tiles nor AVX-512 VNNI (or a "
                 "$DRAFTWISE_MAX_ISA cap is below them)");
     const float* bias_p = dw_q6k_check(x, ql, qh, sc, d, bias, N);  // q6k.cpp: the GEMV's checks
-    return side == DwWideSide::AMX ? wide_amx(x, ql, qh, sc, d, bias_p, N) : wide_vnni(x, ql, qh, sc, d, bias_p, N);
+    return side == DwWideSide::AMX ? wide_amx(x, ql, qh, sc, d, bias_p, N) : wide_vnni(x, ql, qh, sc, d, nullptr, nullptr, bias_p, N);
 }
 
 namespace {
@@ -115,7 +118,7 @@ at::Tensor wide_vnni_op(const at::Tensor& x, const at::Tensor& ql, const at::Ten
                         const at::Tensor& d, const std::optional<at::Tensor>& bias, int64_t N) {
     TORCH_CHECK(dw_wide_side() != DwWideSide::NONE, "q6k wide_vnni: this CPU has no AVX-512 VNNI (or a "
                 "$DRAFTWISE_MAX_ISA cap is below it)");
-    return wide_vnni(x, ql, qh, sc, d, dw_q6k_check(x, ql, qh, sc, d, bias, N), N);
+    return wide_vnni(x, ql, qh, sc, d, nullptr, nullptr, dw_q6k_check(x, ql, qh, sc, d, bias, N), N);
 }
 
 bool wide_takes(int64_t M) { return dw_q6k_wide_takes(M); }
@@ -132,4 +135,46 @@ TORCH_LIBRARY_FRAGMENT(draftwise_q6k, m) {
 TORCH_LIBRARY_IMPL(draftwise_q6k, CPU, m) {
     m.impl("wide", &dw_q6k_wide);
     m.impl("wide_vnni", &wide_vnni_op);
+}
+
+// q6m (GGUF Q2_K: q6k.h's min term): the VNNI side only, on AMX CPUs too (gemm_q6k_amx.cpp's tiles carry no min
+// term); its own switch, measured like q6k's.
+namespace {
+
+DwWideSwitch q6m_switch;  // from how many rows path-'auto' q6m calls come here
+
+DwWideSide q6m_side() { return dw_wide_side() == DwWideSide::NONE ? DwWideSide::NONE : DwWideSide::VNNI; }
+
+bool q6m_wide_takes(int64_t M) { return dw_q6m_wide_takes(M); }
+
+}  // namespace
+
+bool dw_q6m_wide_takes(int64_t M) { return q6m_switch.takes(M) && q6m_side() != DwWideSide::NONE; }
+
+// x [M, K] float32 -> y [M, N] float32; the weights as draftwise_q6m::linear takes them (q6k's, plus mn
+// [NB, G, 2, 16] int8 and dmin [NB, S, 16] float32)
+at::Tensor dw_q6m_wide(const at::Tensor& x, const at::Tensor& ql, const at::Tensor& qh, const at::Tensor& sc,
+                       const at::Tensor& d, const at::Tensor& mn, const at::Tensor& dmin,
+                       const std::optional<at::Tensor>& bias, int64_t N) {
+    TORCH_CHECK(q6m_side() != DwWideSide::NONE, "q6m wide: this CPU has no AVX-512 VNNI (or a $DRAFTWISE_MAX_ISA "
+                "cap is below it)");
+    const float* bias_p = dw_q6k_check(x, ql, qh, sc, d, bias, N);
+    const int64_t G = x.size(1) / 32, S = x.size(1) / 256, NB = (N + 15) / 16;
+    dwop::check_weight(mn, at::kChar, NB * G * 32, "mn");
+    dwop::check_weight(dmin, at::kFloat, NB * S * 16, "dmin");
+    return wide_vnni(x, ql, qh, sc, d, &mn, &dmin, bias_p, N);
+}
+
+TORCH_LIBRARY_FRAGMENT(draftwise_q6m, m) {
+    m.def("wide(Tensor x, Tensor ql, Tensor qh, Tensor sc, Tensor d, Tensor mn, Tensor dmin, Tensor? bias, int N) "
+          "-> Tensor");
+    m.def("wide_vnni(Tensor x, Tensor ql, Tensor qh, Tensor sc, Tensor d, Tensor mn, Tensor dmin, Tensor? bias, "
+          "int N) -> Tensor");  // the same side: the schema q6k's tests call
+    m.def("wide_takes(int rows) -> bool", &q6m_wide_takes);
+    dw_def_wide_ops<q6m_switch, q6m_side>(m);
+}
+
+TORCH_LIBRARY_IMPL(draftwise_q6m, CPU, m) {
+    m.impl("wide", &dw_q6m_wide);
+    m.impl("wide_vnni", &dw_q6m_wide);
 }

@@ -90,6 +90,13 @@ const float* dw_q4x8_check(const at::Tensor& x, const at::Tensor& packed, const 
 void dw_q6k_quantize_rows(int64_t path, const float* x, int64_t M, int64_t K, int8_t* q, float* dx, int16_t* qsum,
                           int16_t* qsum16, int32_t* qoff16, int64_t r0, int64_t r1);
 
+// q6m (GGUF Q2_K): whether a path-'auto' linear of M rows takes the VNNI side, and that side (q6k's VNNI side with
+// the min term; x [M, K] float32 -> [M, N]). Defined in gemm_q6k.cpp; q6k.cpp's q6m linear calls them.
+bool dw_q6m_wide_takes(int64_t M);
+at::Tensor dw_q6m_wide(const at::Tensor& x, const at::Tensor& ql, const at::Tensor& qh, const at::Tensor& sc,
+                       const at::Tensor& d, const at::Tensor& mn, const at::Tensor& dmin,
+                       const std::optional<at::Tensor>& bias, int64_t N);
+
 // The wide side this process runs (gemm_q4x8.cpp decides, for both kinds): AMX int8 tiles; else, on an AVX-512 VNNI
 // CPU (or with AMX capped off by $DRAFTWISE_MAX_ISA=avx512), the AVX-512 GEMV's register tile over chunks of
 // DW_VNNI_CHUNK_ROWS rows (each chunk's activations stay in L1/L2 while every 16-column block passes over them);

@@ -153,6 +153,9 @@ TORCH_LIBRARY_IMPL(draftwise_q6m, CPU, m) {
     m.impl("linear", [](const at::Tensor& x, const at::Tensor& ql, const at::Tensor& qh, const at::Tensor& sc,
                         const at::Tensor& d, const at::Tensor& mn, const at::Tensor& dmin,
                         const std::optional<at::Tensor>& bias, int64_t N, int64_t path) {
+        // path 'auto' takes the wide side (gemm_q6k.cpp, bitwise the same rows) from the kernel's switch width on
+        if (path == dwisa::AUTO && x.dim() == 2 && x.size(0) > 1 && dw_q6m_wide_takes(x.size(0)))
+            return dw_q6m_wide(x, ql, qh, sc, d, mn, dmin, bias, N);
         return q6k_linear(x, ql, qh, sc, d, &mn, &dmin, bias, N, path);
     });
 }
