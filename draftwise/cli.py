@@ -132,6 +132,12 @@ def cmd_kernels(args) -> int:
             print(q4x8.format_prefill_table(q4x8.prefill_table(autotune.shapes_from_config(cfg))))
         except q4x8.KernelBuildError as e:
             print(f"q4x8 prefill table: the kernel cannot run here ({e})")
+        try:  # every kernel's wide side and switch width (kernels/blocktypes.py's rows with one)
+            from draftwise.kernels import library
+
+            print(library.format_wide_sides(library.wide_sides()))
+        except q4x8.KernelBuildError as e:
+            print(f"wide sides: the kernels cannot run here ({e})")
     busy = [v for v in (result.get("busy_before"), result.get("busy_cores")) if v is not None]
     print(f"{'read from the cache; ' if result.get('cached') else ''}timed {result.get('measured_at', '?')}"
           + (f" with {max(busy):.1f} other cores busy" if busy else "")

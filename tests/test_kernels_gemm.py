@@ -200,3 +200,26 @@ def test_chunked_prefill_is_the_whole_prefill_across_the_switch(ops):
                 assert torch.equal(x[0, :, :40], y[0, :, :40]), cut
     finally:
         ops.set_wide_min_rows(before)
+
+
+def test_the_wide_sides_report_lists_every_kernel_with_a_wide_side(ops):
+    """`draftwise kernels` prints every blocktypes row with `wide` (not q4x8's alone), each with its side and its
+    switch's width as the library holds them."""
+    from draftwise.kernels import blocktypes
+
+    rows = library.wide_sides()
+    assert [r["kernel"] for r in rows] == [k.name for k in blocktypes.KERNELS.values() if k.wide]
+    assert {"q4x8", "q6k", "q6m", "q8_0"} <= {r["kernel"] for r in rows}
+    q6m = torch.ops.draftwise_q6m
+    before = q6m.wide_min_rows()
+    try:
+        q6m.set_wide_min_rows(40)
+        by = {r["kernel"]: r for r in library.wide_sides()}
+        assert by["q6m"] == {"kernel": "q6m", "side": "vnni", "from_rows": 40}
+        assert by["q4x8"]["side"] == ops.wide_kind()
+        text = library.format_wide_sides(list(by.values()))
+        assert "q6m    AVX-512 VNNI row chunks  from 40 rows" in text
+        q6m.set_wide_min_rows(2 ** 62)
+        assert {r["kernel"]: r for r in library.wide_sides()}["q6m"]["from_rows"] is None
+    finally:
+        q6m.set_wide_min_rows(before)

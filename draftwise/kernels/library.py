@@ -7,9 +7,9 @@ output kept in build.log next to the library: warnings are printed, only errors 
 and atomic publish are kernels/cbuild.py's, which the probe's streaming read is built by too), loading it once
 per process (`load`: the q4x8, q6k, q8_0 (and every block type's), attention, glue and layer-loop ops), the ISA
 path names and ids every op selects by (csrc/dispatch.h's one rule; `PATHS` is filled from the library when it is
-loaded), and the wide side's switch: `wide_min_rows` measures once per build and CPU from how many rows 'auto'
-calls of each kernel with a wide side (blocktypes' `wide`: q4x8, q6k, q6m, and the per-32 family q8_0, q8_1, q4c, q5m)
-take it (csrc/gemm_q4x8*.cpp, gemm_q6k*.cpp: the AMX GEMM, or on an AVX-512 VNNI CPU without AMX the GEMV's
+loaded), and the wide side's switch (`wide_sides` lists every kernel's, as `draftwise kernels` prints it):
+`wide_min_rows` measures once per build and CPU from how many rows 'auto' calls of each kernel with a wide side
+(blocktypes' `wide`: q4x8, q6k, q6m, and the per-32 family q8_0, q8_1, q4c, q5m) take it (csrc/gemm_q4x8*.cpp, gemm_q6k*.cpp: the AMX GEMM, or on an AVX-512 VNNI CPU without AMX the GEMV's
 register tile blocked over rows; q6m and csrc/gemm_q8_0*.cpp: the latter only): bitwise the GEMVs' rows.
 
 Which C++ units a block type brings is its row's in kernels/blocktypes.py (`units`); the library compiles the
@@ -225,6 +225,31 @@ def wide_min_rows(ops, where: Path, kind: str = "q4x8") -> int:
     except OSError:
         pass
     return rows
+
+
+def wide_sides() -> list[dict]:
+    """Every kernel row of kernels/blocktypes.py with a wide side (`wide`), as this process runs it (loads the
+    library): {"kernel", "side" ("amx", "vnni" or "none": the op's wide_kind), "from_rows" (the switch's width,
+    None where 'auto' never takes it)}."""
+    load()
+    out = []
+    for k in blocktypes.KERNELS.values():
+        if k.wide:
+            ops = getattr(torch.ops, f"draftwise_{k.name}")
+            on = ops.wide_available() and ops.wide_min_rows() < 2 ** 62
+            out.append({"kernel": k.name, "side": str(ops.wide_kind()), "from_rows": int(ops.wide_min_rows()) if on
+                        else None})
+    return out
+
+
+def format_wide_sides(rows: list[dict]) -> str:
+    """wide_sides() as the lines `draftwise kernels` prints."""
+    names = {"amx": "AMX GEMM", "vnni": "AVX-512 VNNI row chunks", "none": "none here"}
+    lines = ["wide (prompt) sides, bitwise the GEMVs' rows ('auto' takes each from its measured width on):"]
+    for r in rows:
+        lines.append(f"  {r['kernel']:6s} {names.get(r['side'], r['side']):24s} "
+                     f"{'from ' + str(r['from_rows']) + ' rows' if r['from_rows'] is not None else 'never (GEMV)'}")
+    return "\n".join(lines)
 
 
 def _probe_args(kind: str, N: int, K: int, gen: torch.Generator) -> tuple:
