@@ -98,13 +98,29 @@ def test_the_switch_file_is_kept_per_cpu_and_clock_and_remeasured_otherwise(ops,
     monkeypatch.delenv(library.WIDE_ENV, raising=False)
     monkeypatch.setattr(library, "busy_meter", lambda: lambda: 0.0)  # quiet (a busy probe: the test below)
     kept = tmp_path / f"wide_{ops.wide_kind()}.txt"
-    key = f"{probe(bandwidth=False)['cpu']}|{os.cpu_count()}"
-    kept.write_text(f"{key}|{library.WIDE_PROBE_CLOCK}\n77")
+    key = library.wide_probe_key(probe(bandwidth=False)["cpu"])
+    kept.write_text(f"{key}\n77")
     assert library.wide_min_rows(ops, tmp_path) == 77
-    kept.write_text(f"{key}\n77")  # no clock in the key: measured by the old probe
-    rows = library.wide_min_rows(ops, tmp_path)
-    assert rows in library.WIDE_PROBE_WIDTHS or rows == 2 ** 62
-    assert kept.read_text() == f"{key}|{library.WIDE_PROBE_CLOCK}\n{rows}"
+    old = f"{probe(bandwidth=False)['cpu']}|{os.cpu_count()}"
+    for stale in (old, f"{old}|{library.WIDE_PROBE_CLOCK}"):  # no clock; no widths (the probe up to 256 rows)
+        kept.write_text(f"{stale}\n77")
+        rows = library.wide_min_rows(ops, tmp_path)
+        assert rows in library.WIDE_PROBE_WIDTHS or rows == 2 ** 62
+        assert kept.read_text() == f"{key}\n{rows}"
+
+
+def test_the_switch_is_the_smallest_width_the_wide_side_wins_from_up_to_the_widest_probed():
+    """The rule over the probed widths: from the smallest width at which the wide side wins at every wider one; never
+    where it loses at the widest. The widest probe outgrows a core's L2 (where a VNNI side's row chunks pay: a prompt's
+    calls), so a side that only ties while the activations fit in L2 still serves prompts. Planted: the old widths,
+    up to 256 rows, give 'never' for that side."""
+    widths = library.WIDE_PROBE_WIDTHS
+    assert widths == tuple(sorted(widths)) and widths[-1] * 2048 > 1 << 20  # the widest: past a 1 MiB L2
+    tie_in_l2 = [False, True, False, True, False] + [True] * (len(widths) - 5)  # noise up to 256 rows, wins beyond
+    assert library.switch_width(widths, tie_in_l2) == widths[5]
+    assert library.switch_width(widths, [True] * len(widths)) == widths[0]
+    assert library.switch_width(widths, [True] * (len(widths) - 1) + [False]) == 2 ** 62
+    assert library.switch_width(widths[:5], tie_in_l2[:5]) == 2 ** 62  # the probe before: no width past L2
 
 
 def test_a_width_measured_on_a_busy_machine_is_provisional_and_measured_again_when_quiet(ops, tmp_path, monkeypatch):
@@ -115,7 +131,7 @@ def test_a_width_measured_on_a_busy_machine_is_provisional_and_measured_again_wh
 
     monkeypatch.delenv(library.WIDE_ENV, raising=False)
     kept = tmp_path / f"wide_{ops.wide_kind()}.txt"
-    key = f"{probe(bandwidth=False)['cpu']}|{os.cpu_count()}|{library.WIDE_PROBE_CLOCK}"
+    key = library.wide_probe_key(probe(bandwidth=False)["cpu"])
     widths = iter([2 ** 62, 64])  # busy: 'never'; quiet: 64
     monkeypatch.setattr(library, "_probe_wide", lambda ops, kind="q4x8": next(widths))
     load = {"cores": 1.5}

@@ -174,10 +174,14 @@ def load() -> object:
 
 
 WIDE_ENV = "DRAFTWISE_WIDE_MIN_ROWS"  # an integer: 'auto' calls of at least this many rows take the wide kernel; 0: never
-WIDE_PROBE_WIDTHS = (16, 32, 64, 128, 256)  # the row counts the probe times (the AMX tile loop takes 32 rows a pass)
+# the row counts the probe times (the AMX tile loop takes 32 rows a pass); the widest one's activations (1024 x 2048
+# bytes) outgrow a core's L2, where the VNNI sides' row chunks pay and a prompt's calls are: probed only up to 256
+# rows (L2-resident), a noisy tie made q4x8's VNNI side 'never' on a Zen 4, and its 4k prompts ran the GEMV
+WIDE_PROBE_WIDTHS = (16, 32, 64, 128, 256, 1024)
 WIDE_PROBE_SHAPE = (2048, 2048)  # N, K of the probe's weight: a mid-sized projection, K 8 super-blocks
 WIDE_PROBE_REPEATS = 7  # interleaved timings per kernel and width; the best of each is compared
 WIDE_PROBE_CLOCK = "thread-cpu"  # part of the kept file's key: a file measured by another clock is measured again
+# (the widths are part of it too: a file measured over other widths is measured again)
 WIDE_PROVISIONAL = "|provisional"  # appended to the key of a width measured while other processes were busy
 
 
@@ -206,7 +210,7 @@ def wide_min_rows(ops, where: Path, kind: str = "q4x8") -> int:
     from draftwise.kernels.probe import probe  # same layer; imported here: only a first load with a wide side needs it
     side = ops.wide_kind()  # "amx" or "vnni" (csrc/gemm_wide.h): one file each, so a capped process keeps its own
     cache = where / f"wide{'' if kind == 'q4x8' else '_' + kind}_{side}.txt"
-    key = f"{probe(bandwidth=False)['cpu']}|{os.cpu_count()}|{WIDE_PROBE_CLOCK}"
+    key = wide_probe_key(probe(bandwidth=False)["cpu"])
     try:
         saved_key, saved = cache.read_text().rsplit("\n", 1)
         if saved_key == key or (saved_key == key + WIDE_PROVISIONAL and is_busy(busy_now())):
@@ -300,8 +304,19 @@ def _probe_wide(ops, kind: str = "q4x8") -> int:
             faster.append(best["wide"] < best["gemv"])
     finally:
         torch.set_num_threads(before)
+    return switch_width(WIDE_PROBE_WIDTHS, faster)
+
+
+def wide_probe_key(cpu: str) -> str:
+    """The key a kept switch width is valid under: the CPU, its logical core count, the probe's clock and widths."""
+    return f"{cpu}|{os.cpu_count()}|{WIDE_PROBE_CLOCK}|{','.join(map(str, WIDE_PROBE_WIDTHS))}"
+
+
+def switch_width(widths: tuple[int, ...], faster: list[bool]) -> int:
+    """The smallest of the probed `widths` (ascending) from which the wide kernel was faster at every larger one
+    too (`faster[i]`: at widths[i]); 2 ** 62 (never) where it lost at the widest."""
     rows = 2 ** 62
-    for M, ok in reversed(list(zip(WIDE_PROBE_WIDTHS, faster))):
+    for M, ok in reversed(list(zip(widths, faster))):
         if not ok:
             break
         rows = M
