@@ -280,3 +280,20 @@ def first_inexact_width(fn, x: torch.Tensor, ref: torch.Tensor, widths) -> int |
         if not torch.equal(fn(x[:W]), ref[:W]):
             return W
     return None
+
+
+def wide_state(kernel: str, **env: str) -> list:
+    """A kernel's wide side as a fresh process with `env` sees it (the ISA cap and the width override are read once
+    per process): [wide_available, wide_min_rows, wide_takes(4096), wide_kind] of torch.ops.draftwise_<kernel>."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    code = ("import json, torch; from draftwise.kernels import library; library.load(); "
+            f"o = torch.ops.draftwise_{kernel}; "
+            "print(json.dumps([o.wide_available(), o.wide_min_rows(), o.wide_takes(4096), o.wide_kind()]))")
+    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, **env}, capture_output=True, text=True,
+                         timeout=600, check=True).stdout.strip().splitlines()[-1]
+    return json.loads(out)
+

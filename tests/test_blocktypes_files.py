@@ -63,18 +63,22 @@ def _requantized(src, dst, kinds: dict[str, str]) -> None:
     writer.close()
 
 
+def _tiny_file(tmp_path_factory, kernel: str, kinds: dict[str, str]):
+    """The tiny qwen2 GGUF requantized per `kinds` (_requantized), skipped where `kernel` cannot run here."""
+    if kernel not in available(probe(bandwidth=False)):
+        pytest.skip("our kernels cannot run here (no C++ compiler)")
+    root = tmp_path_factory.mktemp(kernel)
+    write_tiny_gguf(root / "src.gguf", "qwen2", dims=Q4K_DIMS)
+    _requantized(root / "src.gguf", root / "m.gguf", kinds)
+    return root / "m.gguf"
+
+
 @pytest.fixture(scope="module")
 def new_types_gguf(tmp_path_factory):
-    if "q8_1" not in available(probe(bandwidth=False)):
-        pytest.skip("our kernels cannot run here (no C++ compiler)")
-    root = tmp_path_factory.mktemp("newtypes")
-    write_tiny_gguf(root / "src.gguf", "qwen2", dims=Q4K_DIMS)
-    _requantized(root / "src.gguf", root / "m.gguf", {"attn_q.weight": "Q4_1", "attn_k.weight": "Q4_1",
-                                                      "attn_v.weight": "Q4_1", "attn_output.weight": "Q5_1",
-                                                      "ffn_gate.weight": "Q5_1", "ffn_up.weight": "Q5_1",
-                                                      "ffn_down.weight": "Q4_0", "token_embd.weight": "Q8_0",
-                                                      "output.weight": "Q8_0"})
-    return root / "m.gguf"
+    return _tiny_file(tmp_path_factory, "q8_1", {
+        "attn_q.weight": "Q4_1", "attn_k.weight": "Q4_1", "attn_v.weight": "Q4_1", "attn_output.weight": "Q5_1",
+        "ffn_gate.weight": "Q5_1", "ffn_up.weight": "Q5_1", "ffn_down.weight": "Q4_0", "token_embd.weight": "Q8_0",
+        "output.weight": "Q8_0"})
 
 
 def test_every_quantized_tensor_is_on_its_rows_kernel(new_types_gguf, tmp_path):
@@ -107,14 +111,9 @@ def test_greedy_speculation_equals_plain(new_types_gguf, tmp_path, spec):
 
 @pytest.fixture(scope="module")
 def q2k_gguf(tmp_path_factory):
-    if "q6m" not in available(probe(bandwidth=False)):
-        pytest.skip("our kernels cannot run here (no C++ compiler)")
-    root = tmp_path_factory.mktemp("q2k")
-    write_tiny_gguf(root / "src.gguf", "qwen2", dims=Q4K_DIMS)
-    _requantized(root / "src.gguf", root / "m.gguf", {**{s: "Q2_K" for s in (
+    return _tiny_file(tmp_path_factory, "q6m", {**{s: "Q2_K" for s in (
         "attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_output.weight", "ffn_gate.weight", "ffn_up.weight",
         "ffn_down.weight")}, "token_embd.weight": "Q8_0", "output.weight": "Q8_0"})
-    return root / "m.gguf"
 
 
 def test_a_q2_k_file_is_the_faithful_plan_on_q6m(q2k_gguf, tmp_path):

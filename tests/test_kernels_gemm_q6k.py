@@ -10,17 +10,12 @@ the chunk, on 1 and 2 threads, on every GEMV path, through its own switch, and i
 timing asserts. Skipped where the CPU has neither side: there 'auto' never leaves the GEMV."""
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
 from draftwise.kernels import ggml_blocks
 from draftwise.kernels.linear import Q6KLinear, Q6MLinear, block_paths
-from tests.harness import KS, SHAPES, WIDTHS, first_inexact_width, ops, side, threads, wide_x  # noqa: F401 (fixtures)
+from tests.harness import KS, SHAPES, WIDTHS, first_inexact_width, ops, side, threads, wide_state, wide_x  # noqa: F401 (fixtures)
 
 WIDE_KIND = "q6k"  # the `ops` fixture's kernel
 
@@ -123,13 +118,8 @@ def test_bad_arguments_are_clear_errors(ops):
 def test_an_isa_cap_or_the_override_keeps_auto_off_the_wide_kernel(ops):
     """DRAFTWISE_MAX_ISA=avx512 is a CPU without AMX (a Zen 4): the VNNI side; avx2 (a Zen 3): no wide side (in a
     fresh process: read once); DRAFTWISE_WIDE_MIN_ROWS sets the width without measuring (0: never), as for q4x8."""
-    code = ("import json, torch; from draftwise.kernels import q4x8; q4x8.load(); o = torch.ops.draftwise_q6k; "
-            "print(json.dumps([o.wide_available(), o.wide_min_rows(), o.wide_takes(4096), o.wide_kind()]))")
-
     def run(**env):
-        out = subprocess.run([sys.executable, "-c", code], env={**os.environ, **env}, capture_output=True, text=True,
-                             timeout=600, check=True).stdout.strip().splitlines()[-1]
-        return json.loads(out)
+        return wide_state("q6k", **env)
 
     assert run(DRAFTWISE_MAX_ISA="avx512", DRAFTWISE_WIDE_MIN_ROWS="48") == [True, 48, True, "vnni"]
     capped = run(DRAFTWISE_MAX_ISA="avx2")
@@ -233,13 +223,8 @@ def test_q6m_auto_takes_the_wide_side_from_its_own_switch_and_stays_exact(q6m_op
 
 def test_q6m_wide_side_is_vnni_only_and_obeys_the_isa_cap(q6m_ops):
     """No cap (an AMX CPU included) and an avx512 cap: the VNNI side; avx2: none (a fresh process: read once)."""
-    code = ("import json, torch; from draftwise.kernels import q4x8; q4x8.load(); o = torch.ops.draftwise_q6m; "
-            "print(json.dumps([o.wide_available(), o.wide_min_rows(), o.wide_takes(4096), o.wide_kind()]))")
-
     def run(**env):
-        out = subprocess.run([sys.executable, "-c", code], env={**os.environ, **env}, capture_output=True, text=True,
-                             timeout=600, check=True).stdout.strip().splitlines()[-1]
-        return json.loads(out)
+        return wide_state("q6m", **env)
 
     assert run(DRAFTWISE_WIDE_MIN_ROWS="48") == [True, 48, True, "vnni"]
     assert run(DRAFTWISE_MAX_ISA="avx512", DRAFTWISE_WIDE_MIN_ROWS="48") == [True, 48, True, "vnni"]

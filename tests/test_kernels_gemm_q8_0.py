@@ -8,18 +8,13 @@ $DRAFTWISE_MAX_ISA=avx2 cap; and the check used here catches a planted kernel wh
 No timing asserts. Skipped where the CPU has no AVX-512 VNNI: there 'auto' never leaves the GEMV."""
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
 from draftwise.kernels import blocktypes, ggml_blocks, library
 from draftwise.kernels.linear import LINEARS, available, block_paths
 from draftwise.kernels.probe import probe
-from tests.harness import SHAPES, first_inexact_width, threads, wide_x  # noqa: F401 (fixture)
+from tests.harness import SHAPES, first_inexact_width, threads, wide_state, wide_x  # noqa: F401 (fixture)
 
 KINDS = ("q8_0", "q8_1", "q4c", "q5m")  # bytes; bytes + min; codes; codes + plane + min (csrc/q8_0.h)
 WIDTHS = (*range(1, 97), 143, 144, 145, 191, 200)  # every width to two chunks, then a third chunk's edges and a tail
@@ -129,14 +124,8 @@ def test_bad_arguments_are_clear_errors(kind):
 def test_an_isa_cap_or_the_override_keeps_auto_off_the_wide_side(kind):
     """DRAFTWISE_MAX_ISA=avx512 (a Zen 4, and an AMX CPU capped): the VNNI side; avx2 (a Zen 3): no wide side (in a
     fresh process: read once); DRAFTWISE_WIDE_MIN_ROWS sets the width without measuring (0: never)."""
-    code = ("import json, torch; from draftwise.kernels import library; library.load(); "
-            f"o = torch.ops.draftwise_{kind}; "
-            "print(json.dumps([o.wide_available(), o.wide_min_rows(), o.wide_takes(4096), o.wide_kind()]))")
-
     def run(**env):
-        out = subprocess.run([sys.executable, "-c", code], env={**os.environ, **env}, capture_output=True, text=True,
-                             timeout=600, check=True).stdout.strip().splitlines()[-1]
-        return json.loads(out)
+        return wide_state(kind, **env)
 
     assert run(DRAFTWISE_MAX_ISA="avx512", DRAFTWISE_WIDE_MIN_ROWS="48") == [True, 48, True, "vnni"]
     capped = run(DRAFTWISE_MAX_ISA="avx2", DRAFTWISE_WIDE_MIN_ROWS="48")
