@@ -143,26 +143,20 @@ namespace {
 
 DwWideSwitch q6m_switch;  // from how many rows path-'auto' q6m calls come here
 
-DwWideSide q6m_side() { return dw_wide_side() == DwWideSide::NONE ? DwWideSide::NONE : DwWideSide::VNNI; }
-
 bool q6m_wide_takes(int64_t M) { return dw_q6m_wide_takes(M); }
 
 }  // namespace
 
-bool dw_q6m_wide_takes(int64_t M) { return q6m_switch.takes(M) && q6m_side() != DwWideSide::NONE; }
+bool dw_q6m_wide_takes(int64_t M) { return q6m_switch.takes(M) && dw_vnni_only_side() != DwWideSide::NONE; }
 
 // x [M, K] float32 -> y [M, N] float32; the weights as draftwise_q6m::linear takes them (q6k's, plus mn
 // [NB, G, 2, 16] int8 and dmin [NB, S, 16] float32)
 at::Tensor dw_q6m_wide(const at::Tensor& x, const at::Tensor& ql, const at::Tensor& qh, const at::Tensor& sc,
                        const at::Tensor& d, const at::Tensor& mn, const at::Tensor& dmin,
                        const std::optional<at::Tensor>& bias, int64_t N) {
-    TORCH_CHECK(q6m_side() != DwWideSide::NONE, "q6m wide: this CPU has no AVX-512 VNNI (or a $DRAFTWISE_MAX_ISA "
+    TORCH_CHECK(dw_vnni_only_side() != DwWideSide::NONE, "q6m wide: this CPU has no AVX-512 VNNI (or a $DRAFTWISE_MAX_ISA "
                 "cap is below it)");
-    const float* bias_p = dw_q6k_check(x, ql, qh, sc, d, bias, N);
-    const int64_t G = x.size(1) / 32, S = x.size(1) / 256, NB = (N + 15) / 16;
-    dwop::check_weight(mn, at::kChar, NB * G * 32, "mn");
-    dwop::check_weight(dmin, at::kFloat, NB * S * 16, "dmin");
-    return wide_vnni(x, ql, qh, sc, d, &mn, &dmin, bias_p, N);
+    return wide_vnni(x, ql, qh, sc, d, &mn, &dmin, dw_q6k_check(x, ql, qh, sc, d, bias, N, &mn, &dmin), N);
 }
 
 TORCH_LIBRARY_FRAGMENT(draftwise_q6m, m) {
@@ -171,7 +165,7 @@ TORCH_LIBRARY_FRAGMENT(draftwise_q6m, m) {
     m.def("wide_vnni(Tensor x, Tensor ql, Tensor qh, Tensor sc, Tensor d, Tensor mn, Tensor dmin, Tensor? bias, "
           "int N) -> Tensor");  // the same side: the schema q6k's tests call
     m.def("wide_takes(int rows) -> bool", &q6m_wide_takes);
-    dw_def_wide_ops<q6m_switch, q6m_side>(m);
+    dw_def_wide_ops<q6m_switch, dw_vnni_only_side>(m);
 }
 
 TORCH_LIBRARY_IMPL(draftwise_q6m, CPU, m) {

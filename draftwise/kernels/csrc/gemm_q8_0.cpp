@@ -38,17 +38,14 @@ DwWideSwitch& switch_of(bool codes, bool min) {
     return codes ? (min ? q5m_switch : q4c_switch) : (min ? q8_1_switch : q8_0_switch);
 }
 
-// The family's wide side: the VNNI one wherever gemm_wide.h finds a wide side (AMX CPUs have AVX-512 VNNI).
-DwWideSide side() { return dw_wide_side() == DwWideSide::NONE ? DwWideSide::NONE : DwWideSide::VNNI; }
-
 }  // namespace
 
 bool dw_q80_wide_takes(bool codes, bool min, int64_t M) {
-    return switch_of(codes, min).takes(M) && side() != DwWideSide::NONE;
+    return switch_of(codes, min).takes(M) && dw_vnni_only_side() != DwWideSide::NONE;
 }
 
 void dw_q80_wide(const DwQ80* w, const float* x, int64_t M, int64_t K, int64_t N, float* y) {
-    TORCH_CHECK(side() != DwWideSide::NONE, "q8_0 wide: this CPU has no AVX-512 VNNI (or a $DRAFTWISE_MAX_ISA cap "
+    TORCH_CHECK(dw_vnni_only_side() != DwWideSide::NONE, "q8_0 wide: this CPU has no AVX-512 VNNI (or a $DRAFTWISE_MAX_ISA cap "
                 "is below it)");
     const int64_t G = K / 32, NB = (N + 15) / 16;
     const int64_t chunk = DW_VNNI_CHUNK_ROWS, chunks = (M + chunk - 1) / chunk;
@@ -105,8 +102,8 @@ at::Tensor wide_q5m(const at::Tensor& x, const at::Tensor& qs, const at::Tensor&
 template <DwWideSwitch& SW>
 void define(torch::Library& m, const std::string& packed) {
     m.def(("wide(Tensor x, Tensor " + packed + ", Tensor? bias, int N) -> Tensor").c_str());
-    m.def("wide_takes(int rows) -> bool", [](int64_t rows) { return SW.takes(rows) && side() != DwWideSide::NONE; });
-    dw_def_wide_ops<SW, side>(m);
+    m.def("wide_takes(int rows) -> bool", [](int64_t rows) { return SW.takes(rows) && dw_vnni_only_side() != DwWideSide::NONE; });
+    dw_def_wide_ops<SW, dw_vnni_only_side>(m);
 }
 
 }  // namespace

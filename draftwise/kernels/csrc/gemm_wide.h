@@ -76,9 +76,11 @@ inline uint8_t* dw_thread_scratch(int64_t bytes) {
 }
 
 // draftwise_q6k::linear's argument checks (x [M, K] float32 contiguous, K a multiple of 256, the weight buffers'
-// dtypes and sizes for N columns); returns the bias pointer (null without one). Defined in q6k.cpp.
+// dtypes and sizes for N columns; with mn and dmin, q6m's min-term buffers too); returns the bias pointer (null
+// without one). Defined in q6k.cpp.
 const float* dw_q6k_check(const at::Tensor& x, const at::Tensor& ql, const at::Tensor& qh, const at::Tensor& sc,
-                          const at::Tensor& d, const std::optional<at::Tensor>& bias, int64_t N);
+                          const at::Tensor& d, const std::optional<at::Tensor>& bias, int64_t N,
+                          const at::Tensor* mn = nullptr, const at::Tensor* dmin = nullptr);
 
 // draftwise_q4x8::linear's argument checks (x [M, K] float32 contiguous, K a multiple of 32, the packed buffers'
 // dtypes and sizes for N columns); returns the bias pointer (null without one). Defined in q4x8.cpp.
@@ -104,6 +106,12 @@ at::Tensor dw_q6m_wide(const at::Tensor& x, const at::Tensor& ql, const at::Tens
 enum class DwWideSide { NONE, VNNI, AMX };
 DwWideSide dw_wide_side();
 const char* dw_wide_side_name(DwWideSide side);  // "none", "vnni", "amx"
+
+// The side of a kind whose only wide side is the VNNI one (the per-32 family, gemm_q8_0.cpp; q6m, gemm_q6k.cpp: the
+// AMX tiles carry neither): VNNI wherever dw_wide_side finds a wide side (AMX CPUs have AVX-512 VNNI), else none.
+inline DwWideSide dw_vnni_only_side() {
+    return dw_wide_side() == DwWideSide::NONE ? DwWideSide::NONE : DwWideSide::VNNI;
+}
 constexpr int64_t DW_VNNI_CHUNK_ROWS = 48;  // 4 of the GEMV's 12-row tiles (measured: 24-48 best at K 1536-8960)
 
 // The operators every wide kind's library defines beside its own wide (and wide_vnni where it has two sides: the

@@ -57,7 +57,8 @@ extern "C" void dw_q6k_gemm_scalar(const DwQ6* w, const DwQ8K16* a, float* out, 
 }
 
 const float* dw_q6k_check(const at::Tensor& x, const at::Tensor& ql, const at::Tensor& qh, const at::Tensor& sc,
-                          const at::Tensor& d, const std::optional<at::Tensor>& bias, int64_t N) {
+                          const at::Tensor& d, const std::optional<at::Tensor>& bias, int64_t N, const at::Tensor* mn,
+                          const at::Tensor* dmin) {
     TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be [M, K] float32 contiguous");
     const int64_t K = x.size(1);
     TORCH_CHECK(K % 256 == 0, "Q6_K needs K a multiple of 256");
@@ -67,6 +68,10 @@ const float* dw_q6k_check(const at::Tensor& x, const at::Tensor& ql, const at::T
     dwop::check_weight(qh, at::kByte, NB * G * 128, "qh");
     dwop::check_weight(sc, at::kChar, NB * G * 32, "sc");
     dwop::check_weight(d, at::kFloat, NB * S * 16, "d");
+    if (mn) {  // q6m's min term (q6k.h)
+        dwop::check_weight(*mn, at::kChar, NB * G * 32, "mn");
+        dwop::check_weight(*dmin, at::kFloat, NB * S * 16, "dmin");
+    }
     return dwop::bias_of(bias, N);
 }
 
@@ -96,12 +101,8 @@ namespace {
 at::Tensor q6k_linear(const at::Tensor& x, const at::Tensor& ql, const at::Tensor& qh, const at::Tensor& sc,
                       const at::Tensor& d, const at::Tensor* mn, const at::Tensor* dmin,
                       const std::optional<at::Tensor>& bias, int64_t N, int64_t path) {
-    const float* bias_p = dw_q6k_check(x, ql, qh, sc, d, bias, N);
+    const float* bias_p = dw_q6k_check(x, ql, qh, sc, d, bias, N, mn, dmin);
     const int64_t M = x.size(0), K = x.size(1), G = K / 32, S = K / 256, NB = (N + 15) / 16;
-    if (mn) {
-        dwop::check_weight(*mn, at::kChar, NB * G * 32, "mn");
-        dwop::check_weight(*dmin, at::kFloat, NB * S * 16, "dmin");
-    }
     path = dwisa::select(ISA, path);
     return dwop::output(x, N, [&](dwop::Scratch& s, float* yp) {
         int8_t* qp = s.make<int8_t>({G, M, 32}, at::kChar);
