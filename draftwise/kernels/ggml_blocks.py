@@ -115,7 +115,7 @@ def pack_q6k(parts: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     d [NB, S, 16] float32."""
     q, sc, d = parts["q"], parts["sc"], parts["d"]
     N, K = q.shape
-    G, S = K // 32, K // QK_K
+    G = K // 32
     NB = -(-N // COLS)
     qp = _pad(q, N).view(NB, COLS, G, 2, 4, 4).permute(0, 2, 4, 1, 5, 3)  # [b, g, c, col, t, half]
     low, top = qp & 15, (qp >> 4).to(torch.uint8)
@@ -125,9 +125,22 @@ def pack_q6k(parts: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     for r in range(2):
         for h in range(2):
             qh |= tp[:, :, :, r, :, :, h] << (4 * r + 2 * h)
+    return {"ql": ql, "qh": qh.view(NB, G, 2, 64), **_pack_q6k_scales(sc, d, N)}
+
+
+def _pack_q6k_scales(sc: torch.Tensor, d: torch.Tensor, N: int) -> dict[str, torch.Tensor]:
+    """sc [N, K / 16] int8, d [N, K / 256] -> csrc/q6k.h's sc [NB, G, 2, 16] int8 and d [NB, S, 16] float32 (q6m's
+    mn and dmin take the same layout)."""
+    NB, G, S = -(-N // COLS), sc.shape[1] // 2, d.shape[1]
     scp = _pad(sc, N).view(NB, COLS, G, 2).permute(0, 2, 3, 1).contiguous()
     dp = _pad(d.float(), N).view(NB, COLS, S).transpose(1, 2).contiguous()
-    return {"ql": ql, "qh": qh.view(NB, G, 2, 64), "sc": scp, "d": dp}
+    return {"sc": scp, "d": dp}
+
+
+def _unpack_q6k_scales(sc: torch.Tensor, d: torch.Tensor) -> dict[str, torch.Tensor]:
+    """_pack_q6k_scales's sc and d of nb blocks -> sc [nb * 16, K / 16] int8, d [nb * 16, K / 256] float32."""
+    nb = sc.shape[0]
+    return {"sc": sc.permute(0, 3, 1, 2).reshape(nb * COLS, -1), "d": d.permute(0, 2, 1).reshape(nb * COLS, -1)}
 
 
 def q6k_bytes(N: int, K: int) -> int:
@@ -187,16 +200,14 @@ def dequantize_q6m(parts: dict[str, torch.Tensor]) -> torch.Tensor:
 def pack_q6m(parts: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """q6m parts -> csrc/q6k.h's layout with the min term: pack_q6k's, then mn [NB, G, 2, 16] int8 (as sc) and dmin
     [NB, S, 16] float32 (as d)."""
-    out = pack_q6k(parts)
-    mins = pack_q6k({"q": parts["q"], "sc": parts["mn"], "d": parts["dmin"]})
-    return {**out, "mn": mins["sc"], "dmin": mins["d"]}
+    mins = _pack_q6k_scales(parts["mn"], parts["dmin"], parts["q"].shape[0])
+    return {**pack_q6k(parts), "mn": mins["sc"], "dmin": mins["d"]}
 
 
 def unpack_q6m(packed: dict[str, torch.Tensor], b0: int, b1: int) -> dict[str, torch.Tensor]:
     """pack_q6m's buffers -> the q6m parts of the 16-column blocks [b0, b1)."""
-    parts = unpack_q6k(packed, b0, b1)
-    mins = unpack_q6k({**packed, "sc": packed["mn"], "d": packed["dmin"]}, b0, b1)
-    return {**parts, "mn": mins["sc"], "dmin": mins["d"]}
+    mins = _unpack_q6k_scales(packed["mn"][b0:b1], packed["dmin"][b0:b1])
+    return {**unpack_q6k(packed, b0, b1), "mn": mins["sc"], "dmin": mins["d"]}
 
 
 def q6m_bytes(N: int, K: int) -> int:
@@ -346,8 +357,7 @@ def unpack_q6k(packed: dict[str, torch.Tensor], b0: int, b1: int) -> dict[str, t
     halves = [((lo >> (4 * h)) & 15) | (((hi >> (shift + 2 * h)) & 3) << 4) for h in range(2)]
     q = torch.stack(halves, dim=-1)  # [b, g, c, col, t, half]
     q = q.permute(0, 3, 1, 5, 2, 4).reshape(nb * COLS, G * 32)  # K index 32 g + 16 half + 4 c + t
-    return {"q": q, "sc": sc.permute(0, 3, 1, 2).reshape(nb * COLS, G * 2),
-            "d": d.permute(0, 2, 1).reshape(nb * COLS, -1)}
+    return {"q": q, **_unpack_q6k_scales(sc, d)}
 
 
 def unpack_q8_0(packed: dict[str, torch.Tensor], b0: int, b1: int) -> dict[str, torch.Tensor]:
