@@ -114,3 +114,47 @@ def test_the_prepared_files_key_follows_each_stored_types_row(monkeypatch, tmp_p
     assert len(set(keys)) == 3, keys
     assert prepared_path(ckpt, KernelPlan("q4x8", "q4x8", "float32", faithful=True, stored_types={"Q6_K": 1}),
                          torch.float32) not in keys
+
+
+def test_writing_a_prepared_file_removes_the_ones_no_key_reaches(monkeypatch, tmp_path):
+    """The old prepared files leave the disk: a folder holding files of an older format, of a table row since
+    moved (Q5_K on another kernel), without a record (format <= 8) and a dead writer's partial file keeps only the
+    current one, a live writer's partial file and the lock. Planted: a file recorded under the current key inputs
+    must stay, and moving the row back makes the moved file's record current again."""
+    import dataclasses
+    import json
+    import os
+    from types import SimpleNamespace
+
+    from draftwise.models import quant
+    from draftwise.models import safetensors as st
+    from draftwise.models.sources import drop_unreachable, prepared_key_inputs, unreachable
+
+    sha = "1" * 64
+    ckpt = SimpleNamespace(info={"sha256": sha, "converted_path": str(tmp_path)})
+    plan = KernelPlan("q4x8", "q4x8", "float32", faithful=True, stored_types={"Q5_K": 196, "Q6_K": 28})
+    now = prepared_key_inputs(ckpt, plan, torch.float32)
+
+    def write(name, what):
+        meta = {"format": "draftwise-prepared"} | ({"key_inputs": json.dumps(what)} if what is not None else {})
+        t = torch.zeros(2)
+        st.write_tensors(tmp_path / name, [("x", (2,), torch.float32)], [("x", t)], meta)
+
+    write("prepared-current.safetensors", now)
+    write("prepared-format.safetensors", [sha, quant.PREPARED_FORMAT_VERSION - 1] + now[2:])
+    write("prepared-other-gguf.safetensors", ["2" * 64] + now[1:])
+    write("prepared-unrecorded.safetensors", None)
+    moved = json.loads(json.dumps(now))
+    moved[-1]["Q5_K"][0] = "q8_1"  # recorded while Q5_K's row named another kernel
+    write("prepared-moved.safetensors", moved)
+    for name in (f"prepared-x.safetensors.tmp-{os.getpid()}", "prepared-y.safetensors.tmp-999999999",
+                 "prepared-current.safetensors.lock"):
+        (tmp_path / name).write_bytes(b"")
+    monkeypatch.setitem(blocktypes.TYPES, "Q5_K", dataclasses.replace(blocktypes.TYPES["Q5_K"], kernel="q8_1"))
+    assert not unreachable(moved, sha)  # the planted move back: its record is current again
+    monkeypatch.undo()
+    gone = {p.name for p in drop_unreachable(tmp_path, sha)}
+    assert gone == {"prepared-format.safetensors", "prepared-other-gguf.safetensors", "prepared-unrecorded.safetensors",
+                    "prepared-moved.safetensors", "prepared-y.safetensors.tmp-999999999"}, gone
+    assert {p.name for p in tmp_path.iterdir()} == {"prepared-current.safetensors", "prepared-current.safetensors.lock",
+                                                     f"prepared-x.safetensors.tmp-{os.getpid()}"}

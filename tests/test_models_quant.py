@@ -4,6 +4,7 @@ implementation's documented tolerance of fp32; `weights="auto"` takes what an in
 timing asserts); the GGUF-direct path maps Q4_K blocks exactly; the prepared cache round-trips."""
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -16,7 +17,8 @@ from draftwise.kernels.linear import LINEARS, Q4x8Linear
 from draftwise.kernels.plan import resolve_plan
 from draftwise.kernels.probe import probe
 from draftwise.kv_cache import KVCache
-from draftwise.models import quant
+from draftwise.models import quant, sources
+from draftwise.models import safetensors as st
 from draftwise.sampling import SamplingParams
 from tests.harness import PROMPTS, VOCAB, fixed_tune, tiny_tokenizer
 from tests.tiny_checkpoints import Q4K_DIMS, write_tiny_gguf
@@ -121,6 +123,8 @@ def test_auto_takes_what_the_timing_table_says(step, prefill, dtype, tiny_gguf_p
     # every kernel plan, torch int4 included, is built from the GGUF into the prepared cache: no dense copy on disk
     files = {p.name for p in Path(info["converted_path"]).iterdir()}
     assert not {f for f in files if f.startswith("model.")} and any(f.startswith("prepared-") for f in files)
+    for f in Path(info["converted_path"]).glob("prepared-*.safetensors"):  # each records a key this code reaches
+        assert not sources.unreachable(json.loads(st.read_metadata(f)["key_inputs"]), info["sha256"]), f
     assert ("Q4x8Embedding" in kinds) == bool({step, prefill} & set(quant.COMPACT_EMBEDDING_KERNELS))
     if step == "q4x8" and prefill in ("fp32", "bf16"):  # the dense half is derived from the q4x8 one, not stored
         from safetensors import safe_open

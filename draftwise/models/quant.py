@@ -37,8 +37,8 @@ PREPARED_FORMAT_VERSION = 8  # bump when a prepared module's stored tensors chan
 # in the types' own scale forms, fp16 or SUB8, not float32: csrc/q8_0.h; from 8 on a faithful file's key names
 # each stored type's kernel and scale form too, models/sources.py prepared_path: version 7's files held Q5_K on
 # q8_1 or q5m under one key). Bump sources.CONVERSION_VERSION with it:
-# the converted folder is rebuilt, so the old prepared files leave the disk (not done for 5-8: their old files
-# stay on disk until the folder is rebuilt).
+# the converted folder is rebuilt, so the old prepared files leave the disk (not done for 5-8: a new prepared
+# file's writer removes the folder's files it can no longer reach instead, sources.drop_unreachable).
 
 
 def kernel_linear(plan: KernelPlan, N: int, K: int, weight=None, bias=None, parts: dict | None = None,

@@ -6,7 +6,9 @@ draftwise_config.json) under cache_dir/converted/<sha256[:16]>/; its tensors are
 load asks for: prepared kernel weights (prepared-<key>.safetensors, e.g. q4x8's packed blocks and, for 4-bit
 plans, the embedding table packed too — every plan `auto` can pick, so the defaults never write a dense copy), or
 a dense float32 (model.safetensors, then in the manifest) or bfloat16 copy, only when dense or legacy formats are
-asked for. Later loads read those caches. draftwise_config.json, written last, holds the manifest: each file's size,
+asked for. Later loads read those caches; a prepared file records what it is keyed by, and writing a new one removes
+the folder's prepared files no load of this code can ask for (an older format, a type moved to another kernel).
+draftwise_config.json, written last, holds the manifest: each file's size,
 sha256 and mtime. Every load checks the sizes; a file whose mtime changed is hashed again; a mismatch means
 the cache is corrupt and is converted again. Every cache write is fsynced before its rename. The hub is used
 only when online (huggingface_hub).
@@ -16,7 +18,9 @@ the decoder consumes tensors.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import hashlib
 import json
 import os
 import shutil
@@ -201,12 +205,11 @@ def _ensure_fp32_cache(folder: Path, gguf_path: Path, progress: bool) -> None:
         catalog.write_text_durably(meta_path, json.dumps(meta, indent=1))
 
 
-def prepared_path(ckpt: Checkpoint, plan, embed_dtype: torch.dtype) -> Path:
-    """Where a converted GGUF's prepared weights for a plan live (written or not): keyed by the GGUF's sha256,
-    PREPARED_FORMAT_VERSION, the plan's kernels and dtypes (a faithful plan: each stored type's kernel and scale
-    form, kernels/blocktypes.py) and torch's version for its own int4 packing."""
-    import hashlib
-
+def prepared_key_inputs(ckpt: Checkpoint, plan, embed_dtype: torch.dtype) -> list:
+    """What a converted GGUF's prepared file for a plan is keyed by: the GGUF's sha256, PREPARED_FORMAT_VERSION,
+    the plan's kernels and dtypes (a faithful plan: each stored type's kernel and scale form, kernels/blocktypes.py)
+    and torch's version for its own int4 packing. Recorded in the file, so a later load can tell the files it can no
+    longer reach (`unreachable`)."""
     from draftwise.models import quant
 
     dtype = getattr(torch, plan.dtype)
@@ -220,8 +223,64 @@ def prepared_path(ckpt: Checkpoint, plan, embed_dtype: torch.dtype) -> Path:
         what.append({t: [blocktypes.kernel_of(t), blocktypes.scale_form(t)] for t in sorted(plan.stored_types or {})})
     if "int4" in (plan.step, plan.prefill):  # torch's int4 packing is its own, and may change between versions
         what.append(torch.__version__)
-    key = hashlib.sha256(json.dumps(what).encode()).hexdigest()[:16]
+    return what
+
+
+def prepared_path(ckpt: Checkpoint, plan, embed_dtype: torch.dtype) -> Path:
+    """Where a converted GGUF's prepared weights for a plan live (written or not): named by a hash of
+    `prepared_key_inputs`."""
+    key = hashlib.sha256(json.dumps(prepared_key_inputs(ckpt, plan, embed_dtype)).encode()).hexdigest()[:16]
     return Path(ckpt.info["converted_path"]) / f"prepared-{key}.safetensors"
+
+
+def unreachable(what: list | None, sha256: str) -> bool:
+    """Whether a prepared file recorded with key inputs `what` (None: written before the record, format <= 8) can
+    no longer be asked for by this code: another GGUF, another PREPARED_FORMAT_VERSION, a stored type whose table
+    row now names another kernel or scale form, or torch int4 packed by another torch."""
+    from draftwise.kernels import blocktypes
+    from draftwise.models import quant
+
+    if not isinstance(what, list) or len(what) < 6 or what[0] != sha256 or what[1] != quant.PREPARED_FORMAT_VERSION:
+        return True
+    rows = next((w for w in what[6:] if isinstance(w, dict)), {})
+    if any(blocktypes.kernel_of(t) != form[0] or blocktypes.scale_form(t) != form[1] for t, form in rows.items()):
+        return True
+    return "int4" in what[2:4] and what[-1] != torch.__version__
+
+
+def drop_unreachable(folder: Path, sha256: str) -> list[Path]:
+    """Remove a converted folder's prepared files that `unreachable` says no load will read again, and the partial
+    files of writers no longer running; returns what was removed. Called after each new prepared file is written,
+    so a format bump or a new table row does not leave the old files filling the disk (a reader that has one mapped
+    keeps its pages: the name goes, the inode stays until unmapped)."""
+    gone = []
+    for path in sorted(folder.glob("prepared-*.safetensors*")):
+        if ".tmp-" in path.name:
+            pid = path.name.rsplit(".tmp-", 1)[1]
+            stale = not pid.isdigit() or not _running(int(pid))
+        elif path.name.endswith(".safetensors"):
+            try:
+                raw = st.read_metadata(path).get("key_inputs")
+                stale = unreachable(json.loads(raw) if raw else None, sha256)
+            except (OSError, ValueError, ConfigError):
+                stale = False  # unreadable now (being written, another filesystem's error): leave it
+        else:
+            continue  # the .lock files
+        if stale:
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
+                gone.append(path)
+    return gone
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _prepared(ckpt: Checkpoint, plan, embed_dtype: torch.dtype,
@@ -229,6 +288,7 @@ def _prepared(ckpt: Checkpoint, plan, embed_dtype: torch.dtype,
     from draftwise.models import quant
 
     dtype = getattr(torch, plan.dtype)
+    what = prepared_key_inputs(ckpt, plan, embed_dtype)
     path = prepared_path(ckpt, plan, embed_dtype)
     if not st.is_complete(path):
         with catalog.file_lock(path.with_name(path.name + ".lock")):
@@ -252,8 +312,10 @@ def _prepared(ckpt: Checkpoint, plan, embed_dtype: torch.dtype,
                 tensors = [(n, by_name[n]) for n in quant.storage_order(list(by_name), owners)]
                 st.write_tensors(tmp, [(name, tuple(t.shape), t.dtype) for name, t in tensors], tensors,
                                  {"format": "draftwise-prepared", "source_sha256": ckpt.info["sha256"],
-                                  "linears": json.dumps(kinds)})
+                                  "linears": json.dumps(kinds), "key_inputs": json.dumps(what)})
                 catalog.replace_durably(tmp, path)
+                for old in drop_unreachable(path.parent, ckpt.info["sha256"]):
+                    print(f"removed {old.name}: no longer read (older format or kernel table)", file=sys.stderr)
                 return iter(built)  # built once: hand the modules over as they are
     kinds = json.loads(st.read_metadata(path)["linears"])
     return _prepared_from_cache(path, kinds)
