@@ -89,6 +89,51 @@ def test_one_build_routine_publishes_a_whole_library_or_nothing(tmp_path):
     assert cbuild.cache_key([b"a", b"b"]) == cbuild.cache_key([b"ab"]) != cbuild.cache_key([b"a", b"c"])
 
 
+def test_a_build_runs_no_more_compilers_at_once_than_its_jobs(tmp_path, monkeypatch):
+    """build_shared compiles `build_jobs` units at a time (all ~30 at once took ~15 GiB): a logging compiler over
+    six units sees at most DRAFTWISE_BUILD_JOBS=2 running together, and every unit built; planted, 6 jobs lets
+    more than two overlap (the measure can fail). A bad value is a clear error."""
+    import shutil
+    import sys
+
+    from draftwise.kernels import cbuild
+
+    cc = os.environ.get("CC") or "cc"
+    if shutil.which(cc) is None:
+        pytest.skip("no C compiler here")
+    events = tmp_path / "events"
+    fake = tmp_path / "cc.py"  # logs its start and end, holds the slot a moment, then compiles for real
+    fake.write_text(f"import os, subprocess, sys, time\n"
+                    f"log = open({str(events)!r}, 'a')\nlog.write('+\\n'); log.flush(); time.sleep(0.3)\n"
+                    f"r = subprocess.run([{cc!r}, *sys.argv[1:]]).returncode\nlog.write('-\\n'); log.flush()\n"
+                    f"sys.exit(r)\n")
+    wrapper = tmp_path / "cc"
+    wrapper.write_text(f"#!/bin/sh\nexec {sys.executable} {fake} \"$@\"\n")
+    wrapper.chmod(0o755)
+
+    def most_at_once(jobs: str) -> int:
+        events.write_text("")
+        monkeypatch.setenv("DRAFTWISE_BUILD_JOBS", jobs)
+        units = []
+        for i in range(6):
+            (tmp_path / f"u{i}.c").write_text(f"int draftwise_u{i}(void) {{ return {i}; }}\n")
+            units.append((tmp_path / f"u{i}.c", ["-fPIC"], f"u{i}.o"))
+        cbuild.build_shared(str(wrapper), units, [], tmp_path / f"j{jobs}" / "lib.so")
+        now = peak = 0
+        for e in events.read_text().split():
+            now += 1 if e == "+" else -1
+            peak = max(peak, now)
+        return peak
+
+    assert most_at_once("2") <= 2
+    assert most_at_once("6") > 2  # planted: the same count over unbounded jobs
+    monkeypatch.setenv("DRAFTWISE_BUILD_JOBS", "zero")
+    with pytest.raises(cbuild.BuildError, match="DRAFTWISE_BUILD_JOBS"):
+        cbuild.build_jobs(4)
+    monkeypatch.delenv("DRAFTWISE_BUILD_JOBS")
+    assert 1 <= cbuild.build_jobs(30) <= 30 and cbuild.build_jobs(1) == 1
+
+
 # ---- every implementation vs the fp32 reference -----------------------------------------------------------
 
 def device_probe(device: str, machine: dict) -> dict:
