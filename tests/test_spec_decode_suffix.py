@@ -5,6 +5,7 @@ against a brute-force reading of the target's argmax; the suffix trie's counts, 
 first) and scopes; sampled requests get chains; the config's keys and errors. Tiny random models; no timing."""
 from __future__ import annotations
 
+import gc
 import random
 
 import pytest
@@ -13,7 +14,7 @@ import torch
 from draftwise.config import ConfigError, parse_spec_config
 from draftwise.sampling import SamplingParams
 from draftwise.spec_decode.proposer import EMPTY_DRAFT_IDS, Draft, NoProposer
-from draftwise.spec_decode.suffix import SuffixCache, SuffixProposer, SuffixTrie, grow_tree
+from draftwise.spec_decode.suffix import ROOT, SuffixCache, SuffixProposer, SuffixTrie, grow_tree
 from draftwise.spec_decode.tree import ancestor_masks, depths, path_rows
 from draftwise.spec_decode.verify import tree_greedy_verify, verify
 from tests.harness import engine_run, one_torch_thread  # noqa: F401 (a fixture)
@@ -191,21 +192,44 @@ def test_trie_counts_every_substring_up_to_its_depth_and_removes_them():
         for s in range(len(seq) - n + 1):
             sub = seq[s : s + n]
             want = sum(seq[i : i + n] == sub for i in range(len(seq) - n + 1))
-            assert trie.walk(sub)[0] == want
+            assert trie.count(sub) == want
     assert trie.walk([1, 2, 1, 2]) is None  # deeper than 3
     trie.start()
     trie.extend([7, 1])
     assert trie.walk([2, 7]) is None  # sequences never join
     trie.remove([7, 1])
     trie.remove(seq)
-    assert trie.root[1] == {} and trie.num_nodes == 0
+    assert trie.kids[ROOT] == {} and trie.num_nodes == 0
+    slots = len(trie.counts)
+    trie.start()
+    trie.extend(seq)  # removed nodes' ids are reused: the trie's lists do not grow with turnover
+    assert len(trie.counts) == slots and trie.count([1, 2]) == 2
+
+
+def test_a_trie_adds_nothing_the_cyclic_garbage_collector_walks():
+    """Tries grow by a node per token per depth; nodes the collector tracks made every full collection walk them all
+    (each batch of the bench paid one, 100-250 ms, unpriced). However large the trie, the tracked objects it adds
+    stay the same few (its own lists)."""
+    def tracked_after(tokens: int) -> int:
+        gc.collect()
+        before = len(gc.get_objects())
+        trie = SuffixTrie(24)
+        trie.extend(list(range(tokens)) + list(range(tokens // 2)))
+        trie.start()
+        trie.extend([tokens + 1] * 8)
+        grown = len(gc.get_objects()) - before
+        assert trie.num_nodes > 10 * tokens  # the trie really holds a node per token per depth
+        return grown
+
+    small, large = tracked_after(50), tracked_after(2000)
+    assert large == small and large <= 8
 
 
 def test_match_is_the_longest_continued_suffix():
     trie = SuffixTrie(8)
     trie.extend([5, 1, 2, 3, 9, 1, 2, 3, 4, 7, 2, 3])
     node, m = trie.match([0, 7, 1, 2, 3])  # "1 2 3" was continued (by 9 and by 4); "7 1 2 3" never occurred
-    assert m == 3 and sorted(node[1]) == [4, 9]
+    assert m == 3 and sorted(trie.kids[node]) == [4, 9]
     assert trie.match([42]) == (None, 0)
 
 
@@ -215,14 +239,14 @@ def test_grown_trees_put_parents_first_and_prune_by_probability():
         trie.start()
         trie.extend(seq)
     node, m = trie.match([9, 1, 2])
-    tokens, parents, probs = grow_tree(node, 10, 10, 0.0)
+    tokens, parents, probs = grow_tree(trie, node, 10, 10, 0.0)
     assert tokens[:2] == [3, 4] and probs[0] == pytest.approx(0.75) and probs[1] == pytest.approx(0.5)
     assert all(p <= i for i, p in enumerate(parents))
     assert probs == sorted(probs, reverse=True)
-    tokens, parents, probs = grow_tree(node, 10, 10, 0.3)  # 5 (0.25) and 6 (0.25) pruned
+    tokens, parents, probs = grow_tree(trie, node, 10, 10, 0.3)  # 5 (0.25) and 6 (0.25) pruned
     assert tokens == [3, 4] and parents == [0, 1]
-    assert grow_tree(node, 10, 1, 0.0)[0] == [3, 6]  # depth 1: siblings only
-    assert grow_tree(node, 10, 10, 0.0, chain=True)[1] == [0, 1]  # a chain: the most likely child each time
+    assert grow_tree(trie, node, 10, 1, 0.0)[0] == [3, 6]  # depth 1: siblings only
+    assert grow_tree(trie, node, 10, 10, 0.0, chain=True)[1] == [0, 1]  # a chain: the most likely child each time
 
 
 def test_cache_evicts_oldest_first_by_requests_and_bytes():
@@ -230,7 +254,7 @@ def test_cache_evicts_oldest_first_by_requests_and_bytes():
     for i in range(3):
         cache.add("", [100 + i, 1, 2])
     assert [e[1][0] for e in cache.entries] == [101, 102]
-    assert cache.trie("").walk([100]) is None and cache.trie("").walk([101, 1])[0] == 1
+    assert cache.trie("").walk([100]) is None and cache.trie("").count([101, 1]) == 1
     small = SuffixCache(4, max_requests=100, max_bytes=cache.nbytes)  # room for about two outputs' nodes
     for i in range(5):
         small.add("a", [200 + i, 1, 2])

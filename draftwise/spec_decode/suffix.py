@@ -34,36 +34,45 @@ import torch
 from draftwise.spec_decode.proposer import EMPTY_DRAFT_IDS, Draft
 from draftwise.spec_decode.tree import MAX_TREE_ROWS, is_chain
 
-# A trie node is a list [count, children]: children maps a token id to its node (lists: cheaper than objects here).
-COUNT, CHILDREN = 0, 1
-
-
-def _node() -> list:
-    return [0, {}]
+ROOT = 0  # a trie's root node id
 
 
 class SuffixTrie:
-    """Every substring of up to max_depth tokens of the sequences added, with its number of occurrences."""
+    """Every substring of up to max_depth tokens of the sequences added, with its number of occurrences.
+
+    Nodes are integer ids (ROOT = 0): `counts[n]` its occurrences, `kids[n]` a dict token -> child id. Dicts that
+    hold only ints are not tracked by Python's cyclic garbage collector, so a trie of a million nodes adds two
+    tracked lists, not two million tracked containers that every full collection walks (a node as a [count,
+    children] list did: a full collection a batch, 100-250 ms each on the bench's tries, none of them priced)."""
 
     def __init__(self, max_depth: int):
         self.max_depth = max_depth
-        self.root = _node()
-        self.num_nodes = 0
-        self._open: list[list] = []  # the nodes of the current sequence's suffixes shorter than max_depth
+        self.counts: list[int] = [0]  # node id -> occurrences
+        self.kids: list[dict[int, int]] = [{}]  # node id -> {token id: child id}
+        self._free: list[int] = []  # ids of removed nodes, reused first
+        self.num_nodes = 0  # nodes besides the root
+        self._open: list[int] = []  # the nodes of the current sequence's suffixes shorter than max_depth
 
     def start(self) -> None:
         """A new sequence begins: substrings never span two sequences."""
         self._open = []
 
+    def _new(self) -> int:
+        self.num_nodes += 1
+        if self._free:
+            return self._free.pop()
+        self.counts.append(0)
+        self.kids.append({})
+        return len(self.counts) - 1
+
     def append(self, token: int) -> None:
         """The current sequence grows by one token: each of its suffixes (up to max_depth) gains an occurrence."""
-        grown = []
-        for parent in (self.root, *self._open):
-            child = parent[CHILDREN].get(token)
+        grown, counts, kids = [], self.counts, self.kids
+        for parent in (ROOT, *self._open):
+            child = kids[parent].get(token)
             if child is None:
-                child = parent[CHILDREN][token] = _node()
-                self.num_nodes += 1
-            child[COUNT] += 1
+                child = kids[parent][token] = self._new()
+            counts[child] += 1
             grown.append(child)
         self._open = grown[: self.max_depth - 1]
 
@@ -75,17 +84,27 @@ class SuffixTrie:
         """Take out a sequence added before (start + extend): the same occurrences, counted down; empty nodes go."""
         D = self.max_depth
         for s in range(len(tokens)):
-            node = self.root
+            node = ROOT
             for t in tokens[s : s + D]:
-                child = node[CHILDREN][t]
-                child[COUNT] -= 1
-                if child[COUNT] == 0:
-                    del node[CHILDREN][t]
-                    self.num_nodes -= _size(child)
+                child = self.kids[node][t]
+                self.counts[child] -= 1
+                if self.counts[child] == 0:
+                    del self.kids[node][t]
+                    self._release(child)
                     break
                 node = child
 
-    def match(self, context: list[int]) -> tuple[list | None, int]:
+    def _release(self, node: int) -> None:
+        """Free `node` and everything under it (their ids are reused)."""
+        stack = [node]
+        while stack:
+            n = stack.pop()
+            stack.extend(self.kids[n].values())
+            self.kids[n], self.counts[n] = {}, 0
+            self._free.append(n)
+            self.num_nodes -= 1
+
+    def match(self, context: list[int]) -> tuple[int | None, int]:
         """The node of the longest suffix of `context` (at most max_depth - 1 tokens) that occurs followed by some
         token, and its length; (None, 0) when none does. "Occurs and is continued" shrinks with the suffix's length,
         so a binary search over the length finds it."""
@@ -93,51 +112,48 @@ class SuffixTrie:
         while lo <= hi:
             m = (lo + hi) // 2
             node = self.walk(context[len(context) - m :])
-            if node is not None and node[CHILDREN]:
+            if node is not None and self.kids[node]:
                 best, lo = (node, m), m + 1
             else:
                 hi = m - 1
         return best
 
-    def walk(self, tokens) -> list | None:
+    def walk(self, tokens) -> int | None:
         """The node of `tokens` (a path from the root), or None."""
-        node = self.root
+        node = ROOT
         for t in tokens:
-            node = node[CHILDREN].get(t)
+            node = self.kids[node].get(t)
             if node is None:
                 return None
         return node
 
-
-def _size(node: list) -> int:
-    stack, n = [node], 0
-    while stack:
-        x = stack.pop()
-        n += 1
-        stack.extend(x[CHILDREN].values())
-    return n
+    def count(self, tokens) -> int:
+        """Occurrences of `tokens` (0: none, or deeper than max_depth)."""
+        node = self.walk(tokens)
+        return 0 if node is None else self.counts[node]
 
 
-def grow_tree(node: list, max_nodes: int, max_depth: int, min_prob: float,
+def grow_tree(trie: SuffixTrie, node: int, max_nodes: int, max_depth: int, min_prob: float,
               chain: bool = False) -> tuple[list[int], list[int], list[float]]:
-    """Best-first from a matched node: (tokens, parents, probabilities) of up to max_nodes nodes in the order they
-    were taken (parents first: parents[i] is the chunk row of node i's parent, 0 = the root, node i sits in row
-    i + 1), no deeper than max_depth, each with probability >= min_prob. A child's probability is its parent's times
-    its count over its siblings' total, so it never exceeds its parent's and every prefix of the order is a tree.
-    chain: only the most likely child each time (a chain)."""
+    """Best-first from a matched node of `trie`: (tokens, parents, probabilities) of up to max_nodes nodes in the
+    order they were taken (parents first: parents[i] is the chunk row of node i's parent, 0 = the root, node i sits
+    in row i + 1), no deeper than max_depth, each with probability >= min_prob. A child's probability is its
+    parent's times its count over its siblings' total, so it never exceeds its parent's and every prefix of the
+    order is a tree. chain: only the most likely child each time (a chain)."""
     tokens, parents, probs = [], [], []
     heap: list = []
     tick = 0
+    counts, kids = trie.counts, trie.kids
 
     def push_children(trie_node, p_parent, row, depth):
         nonlocal tick
-        children = trie_node[CHILDREN]
+        children = kids[trie_node]
         if depth >= max_depth or not children:
             return
-        total = sum(c[COUNT] for c in children.values())
-        ranked = sorted(children.items(), key=lambda kv: -kv[1][COUNT])
+        total = sum(counts[c] for c in children.values())
+        ranked = sorted(children.items(), key=lambda kv: -counts[kv[1]])
         for tok, child in ranked[:1] if chain else ranked:
-            p = p_parent * child[COUNT] / total
+            p = p_parent * counts[child] / total
             if p < min_prob:
                 break
             heapq.heappush(heap, (-p, tick, tok, row, depth + 1, child))
@@ -153,7 +169,7 @@ def grow_tree(node: list, max_nodes: int, max_depth: int, min_prob: float,
     return tokens, parents, probs
 
 
-NODE_BYTES = 300  # what one trie node holds in CPython (a 2-list, a dict, a count; measured ~290), for the cache's byte bound
+NODE_BYTES = 270  # what one trie node holds in CPython (its dict of children, its count, its slots in the two lists; measured ~267), for the cache's byte bound
 
 
 class SuffixCache:
@@ -185,7 +201,7 @@ class SuffixCache:
         scope, tokens = self.entries.popleft()
         trie = self.tries[scope]
         trie.remove(tokens)
-        if not trie.root[CHILDREN]:
+        if not trie.kids[ROOT]:
             del self.tries[scope]
 
     def trie(self, scope: str) -> SuffixTrie | None:
@@ -256,7 +272,7 @@ class SuffixProposer:
             for length in {m, min(m, balance)}:
                 at = node if length == m else trie.walk(context[len(context) - length :])
                 depth = min(int(self.max_spec_factor * length), self.max_depth - length)
-                grown = grow_tree(at, min(k, MAX_TREE_ROWS - 1), depth, self.min_token_prob, chain)
+                grown = grow_tree(trie, at, min(k, MAX_TREE_ROWS - 1), depth, self.min_token_prob, chain)
                 if sum(grown[2]) > best_score:
                     best, best_score = grown, sum(grown[2])
         tokens, parents, probs = best
