@@ -548,6 +548,27 @@ def test_the_draft_s_cost_follows_the_measured_proposing_time():
     assert abs(lookup.draft_time([3]) - 0.002) < 0.0002
 
 
+def test_a_model_free_proposer_s_lookups_are_priced_per_guessing_row():
+    """A proposer without a model (n-gram, suffix) looks each guessing row up on its own: its measured seconds are
+    learned per guessing row and charged once per row that guesses. On a planted grid where a 4 ms lookup pays for
+    one row alone (20 -> 27 tokens/s) but not for eight (8 rows' lookups, 32 ms, against a 50 ms plain step), the
+    batch of eight stays plain; priced once per step whatever the rows (the old EWMA), all eight would guess."""
+    grid = _grid(lambda b, w: 0.050 + 0.001 * b * (w - 1))
+    p = AdaptiveK(4, grid)
+    for _ in range(80):  # what the engine reports: one row's lookup
+        p.observe_step(1, 2, grid.cost(1, 2), 0.004, [1])
+    assert abs(p.draft_time([1] * 8) - 8 * p.draft_time([1])) < 1e-12 and p.draft_time([0, 0]) == 0.0
+    rows = [_Req(f"r{i}") for i in range(8)]
+    p.engine_alpha = 0.5
+    assert p.choose_batch(rows[:1], [4])[0] > 0  # one row alone: the lookup pays
+    lows = [0.5] * 8
+    assert p.batch_rate([1] * 8, lows) < p.batch_rate([0] * 8, lows)
+    assert p.choose_batch(rows, [4] * 8) == [0] * 8
+    for _ in range(80):  # four rows' lookups (4 x 4 ms) teach the same seconds a row
+        p.observe_step(4, 2, grid.cost(4, 2), 0.016, [1, 1, 1, 1])
+    assert abs(p.propose_row_s - 0.004) < 0.0002
+
+
 def test_no_probe_where_even_the_hoped_for_acceptance_cannot_pay_the_catch_up():
     """A draft model's probe reads the request's whole unseen context (prompt + every plain step's token): where that
     catch-up, spread over what is left, makes guessing lose even at PROBE_ALPHA (a short answer after a long prompt),

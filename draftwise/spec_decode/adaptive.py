@@ -19,7 +19,8 @@ steps: one reported wider than its ragged cell) prices 1 + max_i k_i instead. A 
 that does costs one token, not the widest row's width, so mixed k (a likely row guessing, an unlikely one plain)
 can pay where one padded step would not. draft(k):
 guess j is one draft forward over the B_j rows guessing >= j tokens, Σ_j draft_grid(B_j, 1), scaled online by the
-measured proposing time (a proposer without a model: what its lookups measure). The draft's costs also follow the
+measured proposing time (a proposer without a model: what its lookups measure, per guessing row, times the rows
+guessing: a step's lookups are one per row). The draft's costs also follow the
 target grid's load factor (both models run on the same cores: when the target's steps take 3x what its grid was
 timed at, so do the draft's forwards), so a batch that decoded plainly for a while, the draft idle, still prices a
 restart's draft forwards and catch-up at today's load; the draft's own scale learns only how the two differ.
@@ -82,7 +83,7 @@ PROBE_K = 2  # guesses of a probe
 SWEEPS = 2  # the search's per-row passes after the shared-K one (each row at every k, the others held)
 PROBE_ALPHA = 0.9  # the acceptance a probe looks for: a row whose guessing would not pay even at it is not probed
 COLD_PROBE_ALPHA = 1.0  # ... before the engine has any acceptance of its own (every guess accepted)
-DRAFT_EWMA = 0.1  # per guessing step: the draft's scale (or a model-free proposer's seconds) toward the measured
+DRAFT_EWMA = 0.1  # per guessing step: the draft's scale (or a model-free proposer's seconds a row) toward the measured
 DRAFT_RATIO_RANGE = (0.25, 4.0)  # one step's measured / predicted proposing time, as the draft's scale reads it
 CATCH_UP_TOKENS = 128  # a typical prompt: `catch_up_cost` (seconds a token) is the catch-up of this many, per token
 LENGTH_MIX = 0.25  # a finished request's share in its kinds' typical output lengths and the engine's (`remaining`)
@@ -176,7 +177,7 @@ class AdaptiveK:
         self._catch_up = catch_up_cost if catch_up_cost is not None or self.draft_grid is not None else 0.0
         self.padded = False  # the engine pads verification to the widest row (token trees); ragged otherwise
         self.draft_scale = 1.0  # measured / predicted proposing time of guessing steps, beyond the load factor (EWMA)
-        self.propose_s = 0.0  # a model-free proposer's seconds per guessing step (EWMA)
+        self.propose_row_s = 0.0  # a model-free proposer's seconds per guessing row of a step (EWMA)
         self.engine_alpha: float | None = None  # α of the last few finished requests; None before the first
         self.req_counts: dict[str, tuple[float, float]] = {}
         self.k_histogram: dict[int, int] = {}
@@ -243,8 +244,8 @@ class AdaptiveK:
             t = sum(self.draft_grid.cost(sum(k >= j for k in k_per_seq), 1) for j in range(1, K + 1))
         elif self.draft_steps is not None:
             t = self.draft_steps.get(K, self.draft_steps[max(self.draft_steps)])
-        else:
-            return self.propose_s
+        else:  # a proposer without a model looks up each guessing row on its own
+            return self.propose_row_s * sum(k > 0 for k in k_per_seq)
         return t * self.draft_factor
 
     def batch_rate(self, k_per_seq: list[int], alphas: list[float], behind: list[int] | None = None,
@@ -432,8 +433,9 @@ class AdaptiveK:
                 self.padded = width > ragged
         if not any(k_per_seq) or not propose_s > 0:
             return
-        if self.draft_grid is None and self.draft_steps is None:
-            self.propose_s = (1 - DRAFT_EWMA) * self.propose_s + DRAFT_EWMA * propose_s
+        if self.draft_grid is None and self.draft_steps is None:  # per guessing row: 8 rows' lookups cost 8 rows'
+            per_row = propose_s / sum(k > 0 for k in k_per_seq)
+            self.propose_row_s = (1 - DRAFT_EWMA) * self.propose_row_s + DRAFT_EWMA * per_row
             return
         predicted = (self.draft_time(k_per_seq) / self.draft_scale + self._unseen * self.target.scale)
         if predicted > 0:  # one step moves the scale by at most DRAFT_RATIO_RANGE (a prompt's catch-up is an outlier)
