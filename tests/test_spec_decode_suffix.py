@@ -199,7 +199,7 @@ def test_trie_counts_every_substring_up_to_its_depth_and_removes_them():
     assert trie.walk([2, 7]) is None  # sequences never join
     trie.remove([7, 1])
     trie.remove(seq)
-    assert trie.kids[ROOT] == {} and trie.num_nodes == 0
+    assert trie.children(ROOT) == {} and trie.edges == {} and trie.num_nodes == 0
     slots = len(trie.counts)
     trie.start()
     trie.extend(seq)  # removed nodes' ids are reused: the trie's lists do not grow with turnover
@@ -210,26 +210,32 @@ def test_a_trie_adds_nothing_the_cyclic_garbage_collector_walks():
     """Tries grow by a node per token per depth; nodes the collector tracks made every full collection walk them all
     (each batch of the bench paid one, 100-250 ms, unpriced). However large the trie, the tracked objects it adds
     stay the same few (its own lists)."""
-    def tracked_after(tokens: int) -> int:
+    def tracked_after(tokens: int) -> tuple[int, int]:
+        """(tracked objects the trie added, collections that ran while it grew)"""
+        runs = []
         gc.collect()
         before = len(gc.get_objects())
-        trie = SuffixTrie(24)
-        trie.extend(list(range(tokens)) + list(range(tokens // 2)))
-        trie.start()
-        trie.extend([tokens + 1] * 8)
-        grown = len(gc.get_objects()) - before
+        gc.callbacks.append(lambda phase, info: runs.append(phase == "start"))
+        try:
+            trie = SuffixTrie(24)
+            trie.extend(list(range(tokens)) + list(range(tokens // 2)))
+            trie.start()
+            trie.extend([tokens + 1] * 8)
+        finally:
+            gc.callbacks.pop()
         assert trie.num_nodes > 10 * tokens  # the trie really holds a node per token per depth
-        return grown
+        return len(gc.get_objects()) - before, sum(runs)
 
-    small, large = tracked_after(50), tracked_after(2000)
+    (small, _), (large, collections) = tracked_after(50), tracked_after(2000)
     assert large == small and large <= 8
+    assert collections == 0  # no object per node: 30000 nodes never fill even the youngest generation
 
 
 def test_match_is_the_longest_continued_suffix():
     trie = SuffixTrie(8)
     trie.extend([5, 1, 2, 3, 9, 1, 2, 3, 4, 7, 2, 3])
     node, m = trie.match([0, 7, 1, 2, 3])  # "1 2 3" was continued (by 9 and by 4); "7 1 2 3" never occurred
-    assert m == 3 and sorted(trie.kids[node]) == [4, 9]
+    assert m == 3 and sorted(trie.children(node)) == [4, 9]
     assert trie.match([42]) == (None, 0)
 
 

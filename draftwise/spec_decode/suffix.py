@@ -35,20 +35,25 @@ from draftwise.spec_decode.proposer import EMPTY_DRAFT_IDS, Draft
 from draftwise.spec_decode.tree import MAX_TREE_ROWS, is_chain
 
 ROOT = 0  # a trie's root node id
+NONE = -1  # no node (a leaf's first child, the last sibling)
 
 
 class SuffixTrie:
     """Every substring of up to max_depth tokens of the sequences added, with its number of occurrences.
 
-    Nodes are integer ids (ROOT = 0): `counts[n]` its occurrences, `kids[n]` a dict token -> child id. Dicts that
-    hold only ints are not tracked by Python's cyclic garbage collector, so a trie of a million nodes adds two
-    tracked lists, not two million tracked containers that every full collection walks (a node as a [count,
-    children] list did: a full collection a batch, 100-250 ms each on the bench's tries, none of them priced)."""
+    Nodes are integer ids (ROOT = 0) into lists of ints: `counts[n]` its occurrences, `tokens[n]` the token on its
+    edge, `first[n]` its first child and `sibling[n]` the next child of its parent (NONE ends a chain); one dict
+    maps (parent id << 32 | token) to the child. A node allocates no Python object of its own, so a trie of a
+    million nodes gives the cyclic garbage collector nothing to count or walk (a node as a [count, children] list
+    did: a full collection a batch, 100-250 ms each on the bench's tries, none of them priced)."""
 
     def __init__(self, max_depth: int):
         self.max_depth = max_depth
         self.counts: list[int] = [0]  # node id -> occurrences
-        self.kids: list[dict[int, int]] = [{}]  # node id -> {token id: child id}
+        self.tokens: list[int] = [-1]  # node id -> the token on the edge from its parent
+        self.first: list[int] = [NONE]  # node id -> its first child (NONE: a leaf)
+        self.sibling: list[int] = [NONE]  # node id -> its parent's next child
+        self.edges: dict[int, int] = {}  # parent id << 32 | token -> child id
         self._free: list[int] = []  # ids of removed nodes, reused first
         self.num_nodes = 0  # nodes besides the root
         self._open: list[int] = []  # the nodes of the current sequence's suffixes shorter than max_depth
@@ -57,21 +62,29 @@ class SuffixTrie:
         """A new sequence begins: substrings never span two sequences."""
         self._open = []
 
-    def _new(self) -> int:
+    def _new(self, parent: int, token: int) -> int:
+        """A child of `parent` on `token`, first in its parent's chain."""
         self.num_nodes += 1
         if self._free:
-            return self._free.pop()
-        self.counts.append(0)
-        self.kids.append({})
-        return len(self.counts) - 1
+            n = self._free.pop()
+            self.tokens[n], self.first[n], self.sibling[n] = token, NONE, self.first[parent]
+        else:
+            n = len(self.counts)
+            self.counts.append(0)
+            self.tokens.append(token)
+            self.first.append(NONE)
+            self.sibling.append(self.first[parent])
+        self.first[parent] = n
+        self.edges[parent << 32 | token] = n
+        return n
 
     def append(self, token: int) -> None:
         """The current sequence grows by one token: each of its suffixes (up to max_depth) gains an occurrence."""
-        grown, counts, kids = [], self.counts, self.kids
+        grown, counts, edges = [], self.counts, self.edges
         for parent in (ROOT, *self._open):
-            child = kids[parent].get(token)
+            child = edges.get(parent << 32 | token)
             if child is None:
-                child = kids[parent][token] = self._new()
+                child = self._new(parent, token)
             counts[child] += 1
             grown.append(child)
         self._open = grown[: self.max_depth - 1]
@@ -86,23 +99,41 @@ class SuffixTrie:
         for s in range(len(tokens)):
             node = ROOT
             for t in tokens[s : s + D]:
-                child = self.kids[node][t]
+                child = self.edges[node << 32 | t]
                 self.counts[child] -= 1
                 if self.counts[child] == 0:
-                    del self.kids[node][t]
-                    self._release(child)
+                    self._unlink(node, child)
                     break
                 node = child
 
-    def _release(self, node: int) -> None:
-        """Free `node` and everything under it (their ids are reused)."""
-        stack = [node]
+    def _unlink(self, parent: int, node: int) -> None:
+        """Take `node` out of its parent's chain, then free it and everything under it (their ids are reused)."""
+        if self.first[parent] == node:
+            self.first[parent] = self.sibling[node]
+        else:
+            c = self.first[parent]
+            while self.sibling[c] != node:
+                c = self.sibling[c]
+            self.sibling[c] = self.sibling[node]
+        stack = [(parent, node)]
         while stack:
-            n = stack.pop()
-            stack.extend(self.kids[n].values())
-            self.kids[n], self.counts[n] = {}, 0
+            p, n = stack.pop()
+            del self.edges[p << 32 | self.tokens[n]]
+            c = self.first[n]
+            while c != NONE:
+                stack.append((n, c))
+                c = self.sibling[c]
+            self.counts[n], self.first[n], self.sibling[n] = 0, NONE, NONE
             self._free.append(n)
             self.num_nodes -= 1
+
+    def children(self, node: int) -> dict[int, int]:
+        """{token: child id} of `node` (a new dict: for callers that look, not for the hot path)."""
+        out, c = {}, self.first[node]
+        while c != NONE:
+            out[self.tokens[c]] = c
+            c = self.sibling[c]
+        return out
 
     def match(self, context: list[int]) -> tuple[int | None, int]:
         """The node of the longest suffix of `context` (at most max_depth - 1 tokens) that occurs followed by some
@@ -112,7 +143,7 @@ class SuffixTrie:
         while lo <= hi:
             m = (lo + hi) // 2
             node = self.walk(context[len(context) - m :])
-            if node is not None and self.kids[node]:
+            if node is not None and self.first[node] != NONE:
                 best, lo = (node, m), m + 1
             else:
                 hi = m - 1
@@ -120,9 +151,9 @@ class SuffixTrie:
 
     def walk(self, tokens) -> int | None:
         """The node of `tokens` (a path from the root), or None."""
-        node = ROOT
+        node, edges = ROOT, self.edges
         for t in tokens:
-            node = self.kids[node].get(t)
+            node = edges.get(node << 32 | t)
             if node is None:
                 return None
         return node
@@ -143,15 +174,19 @@ def grow_tree(trie: SuffixTrie, node: int, max_nodes: int, max_depth: int, min_p
     tokens, parents, probs = [], [], []
     heap: list = []
     tick = 0
-    counts, kids = trie.counts, trie.kids
+    counts, toks, first, sibling = trie.counts, trie.tokens, trie.first, trie.sibling
 
     def push_children(trie_node, p_parent, row, depth):
         nonlocal tick
-        children = kids[trie_node]
-        if depth >= max_depth or not children:
+        if depth >= max_depth or first[trie_node] == NONE:
             return
-        total = sum(counts[c] for c in children.values())
-        ranked = sorted(children.items(), key=lambda kv: -counts[kv[1]])
+        children, c = [], first[trie_node]
+        while c != NONE:
+            children.append((toks[c], c))
+            c = sibling[c]
+        children.reverse()  # the chain holds the newest child first: oldest first, ties keep that order
+        total = sum(counts[c] for _, c in children)
+        ranked = sorted(children, key=lambda kv: -counts[kv[1]])
         for tok, child in ranked[:1] if chain else ranked:
             p = p_parent * counts[child] / total
             if p < min_prob:
@@ -169,7 +204,7 @@ def grow_tree(trie: SuffixTrie, node: int, max_nodes: int, max_depth: int, min_p
     return tokens, parents, probs
 
 
-NODE_BYTES = 270  # what one trie node holds in CPython (its dict of children, its count, its slots in the two lists; measured ~267), for the cache's byte bound
+NODE_BYTES = 150  # what one trie node holds in CPython (its int in each of four lists, its edge in the dict; measured ~143), for the cache's byte bound
 
 
 class SuffixCache:
@@ -201,7 +236,7 @@ class SuffixCache:
         scope, tokens = self.entries.popleft()
         trie = self.tries[scope]
         trie.remove(tokens)
-        if not trie.kids[ROOT]:
+        if trie.first[ROOT] == NONE:
             del self.tries[scope]
 
     def trie(self, scope: str) -> SuffixTrie | None:
