@@ -77,6 +77,9 @@ FLOAT_UNITS = (("float.cpp", MAIN), ("float_avx2.cpp", AVX2), ("float_avx512.cpp
 KERNELS: dict[str, Kernel] = {k.name: k for k in (
     Kernel("q4x8", "Q8_K", 4.75, True, (("q4x8.cpp", MAIN), ("gemm_q4x8.cpp", MAIN), ("q4x8_avx2.cpp", AVX2),
                                          ("q4x8_avx512.cpp", AVX512_VNNI), ("gemm_q4x8_amx.cpp", AMX_INT8))),
+    # csrc/q4x8.h's fifth-bit plane: q4x8's units serve it (q4x8.cpp registers it); wide: gemm_q4x8.cpp's VNNI side
+    # only (no AMX tiles for the plane: no AMX CPU here to test them)
+    Kernel("q5x8", "Q8_K", 5.75, True, ()),
     Kernel("q6k", "Q8_K", 6.625, True, (("q6k.cpp", MAIN), ("gemm_q6k.cpp", MAIN), ("q6k_avx2.cpp", AVX2),
                                          ("q6k_avx512.cpp", AVX512_VNNI), ("gemm_q6k_amx.cpp", AMX_INT8))),
     # csrc/q6k.h's min term: q6k's units serve it (q6k.cpp registers it); wide: gemm_q6k.cpp's VNNI side only
@@ -105,7 +108,7 @@ TYPES: dict[str, BlockType] = {t.name: t for t in (
     BlockType("Q2_K", 10, 256, 84, "q6m"),  # q + 32 with d * sc per 16, and the min term: q6k's arithmetic
     BlockType("Q3_K", 11, 256, 110, "q6k"),  # q3 + 32 and a signed 6-bit scale per 16: exactly a Q6_K
     BlockType("Q4_K", 12, 256, 144, "q4x8"),
-    BlockType("Q5_K", 13, 256, 176, "q5m", scales="sub8"),
+    BlockType("Q5_K", 13, 256, 176, "q5x8"),  # Q4_K's scales and mins, q in 0..31: q4x8 with a fifth-bit plane
     BlockType("Q6_K", 14, 256, 210, "q6k"),
     BlockType("Q8_K", 15, 256, 292),
     BlockType("IQ2_XXS", 16, 256, 66),
@@ -155,7 +158,8 @@ def faithful_kernels() -> dict[str, str]:
 
 def block_kernels() -> tuple[str, ...]:
     """The kernels built straight from a tensor's raw blocks (kernels/linear.py `from_blocks`): every kernel but
-    q4x8, which takes Q4_K through its own exact parts (kernels/q4x8.py q4k_from_blocks)."""
+    q4x8, which takes Q4_K through its own exact parts (kernels/q4x8.py q4k_from_blocks; q5x8, on q4x8's units, is a
+    block kernel)."""
     return tuple(k for k in KERNELS if k != "q4x8")
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from draftwise.kernels import blocktypes
+from draftwise.kernels import q4x8 as q4x8_format
 
 COLS = 16  # output columns per packed block (as q4x8)
 QK_K = 256  # K values per K-quant super-block
@@ -449,27 +450,6 @@ def _k_scales(sb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return sc, mn
 
 
-def q5k_from_blocks(blocks, N: int, K: int) -> dict[str, torch.Tensor]:
-    """A GGUF Q5_K tensor's raw bytes -> q8_1 parts v (0..31), d = d * sc and m = -(dmin * mn) per sub-block of 32,
-    exactly ggml's dequantize_row_q5_K (both products of an fp16 and a 6-bit integer: exact in float32), and their
-    factors (d_sub = sc, d_super = d; m_sub = mn, m_super = -dmin, [N, K / 32] int8 and [N, K / 256]: the SUB8
-    scale form; (-dmin) * mn is bitwise -(dmin * mn), signed zeros included). Block: d,
-    dmin fp16, 12 bytes of scales and mins (as Q4_K), qh[32] (bit i of byte l: sub-block i's value l, fifth bit),
-    qs[128] (chunk j of 32 bytes: sub-block 2j in the low nibbles, 2j + 1 in the high)."""
-    raw = _raw(blocks, N, K, "Q5_K")
-    nb = raw.shape[0]
-    sc, mn = _k_scales(raw[:, 4:16])
-    qs = raw[:, 48:176].reshape(nb, 4, 32)
-    low = torch.stack([qs & 15, qs >> 4], dim=2).reshape(nb, 8, 32)
-    top = ((raw[:, 16:48].reshape(nb, 1, 32) >> torch.arange(8, dtype=torch.uint8).view(1, 8, 1)) & 1) << 4
-    v = (low | top).to(torch.int8)
-    d = _fp16(raw, 0)[:, None] * sc.float()
-    m = -(_fp16(raw, 2)[:, None] * mn.float())
-    return {"v": v.reshape(N, K), "d": d.reshape(N, K // 32), "m": m.reshape(N, K // 32),
-            "d_sub": sc.to(torch.int8).reshape(N, K // 32), "d_super": _fp16(raw, 0).reshape(N, K // QK_K),
-            "m_sub": mn.to(torch.int8).reshape(N, K // 32), "m_super": (-_fp16(raw, 2)).reshape(N, K // QK_K)}
-
-
 def quantize_q8_1(weight: torch.Tensor) -> dict[str, torch.Tensor]:
     """fp32 weight [N, K] (K % 32 == 0) -> q8_1 parts as ggml quantizes Q5_1: per 32, m = min, d = (max - min) / 31,
     v = round((w - m) / d) in 0..31."""
@@ -623,6 +603,67 @@ def q5m_bytes(N: int, K: int, scales: str = "f32") -> int:
     table per 16 columns."""
     NB = -(-N // COLS)
     return NB * (K // 32) * (256 + 64) + 2 * scale_bytes(N, K, scales) + NB * 16
+
+
+# ---- Q5_K: q4x8's arithmetic with a fifth-bit plane (the q5x8 kernel) ------------------------------------------
+
+def q5k_from_blocks(blocks, N: int, K: int) -> dict[str, torch.Tensor]:
+    """A GGUF Q5_K tensor's raw bytes -> q5x8 parts, exactly ggml's dequantize_row_q5_K: w = d * sc * q - dmin * mn per
+    sub-block of 32, q [N, K] uint8 in 0..31, sc and mn [N, K / 32] uint8 (6 bits), d and dmin [N, K / 256] float32
+    (fp16 in the file: exact). Block (176 bytes): d, dmin fp16, 12 bytes of scales and mins (as Q4_K), qh[32] (bit i
+    of byte l: sub-block i's value l, fifth bit), qs[128] (chunk j of 32 bytes: sub-block 2j in the low nibbles,
+    2j + 1 in the high)."""
+    raw = _raw(blocks, N, K, "Q5_K")
+    nb = raw.shape[0]
+    sc, mn = _k_scales(raw[:, 4:16])
+    qs = raw[:, 48:176].reshape(nb, 4, 32)
+    low = torch.stack([qs & 15, qs >> 4], dim=2).reshape(nb, 8, 32)
+    top = ((raw[:, 16:48].reshape(nb, 1, 32) >> torch.arange(8, dtype=torch.uint8).view(1, 8, 1)) & 1) << 4
+    return q4x8_format.q4k_parts((low | top).reshape(N, K), _fp16(raw, 0).reshape(N, K // QK_K),
+                                 _fp16(raw, 2).reshape(N, K // QK_K), sc.reshape(N, K // 32), mn.reshape(N, K // 32))
+
+
+def quantize_q5x8(weight: torch.Tensor) -> dict[str, torch.Tensor]:
+    """fp32 weight [N, K] (K % 32 == 0) -> Q5_K-style q5x8 parts (q4x8's quantizer with 5-bit values)."""
+    return q4x8_format.quantize_q4(weight, bits=5)
+
+
+dequantize_q5x8 = q4x8_format.dequantize_q4  # w = (d * sc) * q - dmin * mn per 32, gguf's order
+
+
+def _plane_order(t: torch.Tensor, N: int) -> torch.Tensor:
+    """[N, K] per-value bytes -> csrc/q4x8.h's packed order [NB, G, 4 (chunk), 2 (half), 64 (byte)]: byte j of chunk
+    c's half h is column 16 b + j / 4, K value 32 g + 16 h + 4 c + j % 4 (rows padded with zeros)."""
+    G, NB = t.shape[1] // 32, -(-N // COLS)
+    return _pad(t, N).view(NB, COLS, G, 2, 4, 4).permute(0, 2, 4, 3, 1, 5).reshape(NB, G, 4, 2, 64)
+
+
+def pack_q5x8(parts: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """q5x8 parts -> csrc/q4x8.h's layout with the plane: q4x8's buffers of the low 4 bits (q4x8.pack), and qh
+    [NB, G, 4, 2, 8] uint8, per chunk and half a little-endian 64-bit mask of the values' fifth bits."""
+    q = parts["q"]
+    NB, G = -(-q.shape[0] // COLS), q.shape[1] // 32
+    bits = _plane_order(q >> 4, q.shape[0]).reshape(NB, G, 4, 2, 8, 8).to(torch.int32)  # [..., byte, bit]
+    qh = (bits << torch.arange(8, dtype=torch.int32)).sum(-1).to(torch.uint8)
+    low = q4x8_format.pack({**parts, "q": q & 15})
+    return {"packed": low["packed"], "qh": qh.contiguous(), **{k: low[k] for k in ("sc", "mn", "d", "dmin")}}
+
+
+def unpack_q5x8(packed: dict[str, torch.Tensor], b0: int, b1: int) -> dict[str, torch.Tensor]:
+    """pack_q5x8's buffers -> the q5x8 parts of the 16-column blocks [b0, b1)."""
+    nib, qh = packed["packed"][b0:b1], packed["qh"][b0:b1]
+    nb, G = nib.shape[:2]
+    halves = torch.stack([nib & 15, nib >> 4], dim=3)  # [b, g, c, half, 64]
+    fifth = (qh.view(nb, G, 4, 2, 8, 1) >> torch.arange(8, dtype=torch.uint8)) & 1  # [b, g, c, half, 8, 8]
+    v = halves | (fifth.view(nb, G, 4, 2, 64) << 4)
+    q = v.view(nb, G, 4, 2, COLS, 4).permute(0, 4, 1, 3, 2, 5).reshape(nb * COLS, G * 32)
+    cols = lambda t: t[b0:b1].transpose(1, 2).reshape(nb * COLS, -1)  # noqa: E731  [NB, X, 16] -> [NB * 16, X]
+    return {"q": q.contiguous(), **{k: cols(packed[k]).contiguous() for k in ("sc", "mn", "d", "dmin")}}
+
+
+def q5x8_bytes(N: int, K: int) -> int:
+    """Bytes of pack_q5x8's output: q4x8's (4.75 bits per weight) plus the plane's 1 (5.75; the file's Q5_K: 5.5)."""
+    return q4x8_format.packed_bytes(N, K) + -(-N // COLS) * (K // 32) * 64
 
 
 FROM_BLOCKS = {"Q6_K": q6k_from_blocks, "Q8_0": q8_0_from_blocks, "Q5_0": q5_0_from_blocks, "Q4_0": q4_0_from_blocks,

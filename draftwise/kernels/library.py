@@ -9,8 +9,8 @@ per process (`load`: the q4x8, q6k, q8_0 (and every block type's), attention, gl
 path names and ids every op selects by (csrc/dispatch.h's one rule; `PATHS` is filled from the library when it is
 loaded), and the wide side's switch (`wide_sides` lists every kernel's, as `draftwise kernels` prints it):
 `wide_min_rows` measures once per build and CPU from how many rows 'auto' calls of each kernel with a wide side
-(blocktypes' `wide`: q4x8, q6k, q6m, and the per-32 family q8_0, q8_1, q4c, q5m) take it (csrc/gemm_q4x8*.cpp, gemm_q6k*.cpp: the AMX GEMM, or on an AVX-512 VNNI CPU without AMX the GEMV's
-register tile blocked over rows; q6m and csrc/gemm_q8_0*.cpp: the latter only): bitwise the GEMVs' rows.
+(blocktypes' `wide`: q4x8, q5x8, q6k, q6m, and the per-32 family q8_0, q8_1, q4c, q5m) take it (csrc/gemm_q4x8*.cpp, gemm_q6k*.cpp: the AMX GEMM, or on an AVX-512 VNNI CPU without AMX the GEMV's
+register tile blocked over rows; q5x8, q6m and csrc/gemm_q8_0*.cpp: the latter only): bitwise the GEMVs' rows.
 
 Which C++ units a block type brings is its row's in kernels/blocktypes.py (`units`); the library compiles the
 units of every row with a kernel, plus the ops that are no block type's (attention, glue, layer loop).
@@ -263,8 +263,9 @@ def _probe_args(kind: str, N: int, K: int, gen: torch.Generator) -> tuple:
     NB, G, S = -(-N // 16), K // 32, K // 256
     byte = lambda *shape: torch.randint(0, 256, shape, generator=gen, dtype=torch.uint8)  # noqa: E731
     scale = lambda *shape: torch.rand(shape, generator=gen) * 0.01 + 0.001  # noqa: E731
-    if kind == "q4x8":
-        return byte(NB, G, 4, 64), byte(NB, G, 16), byte(NB, G, 16), scale(NB, S, 16), scale(NB, S, 16), None, N
+    if kind in ("q4x8", "q5x8"):  # q5x8: q4x8's buffers and the fifth-bit plane qh, second
+        plane = (byte(NB, G, 4, 2, 8),) if kind == "q5x8" else ()
+        return byte(NB, G, 4, 64), *plane, byte(NB, G, 16), byte(NB, G, 16), scale(NB, S, 16), scale(NB, S, 16), None, N
     if kind in ("q6k", "q6m"):  # q6m: q6k's buffers and the min term's mn, dmin
         q6k = byte(NB, G, 4, 64), byte(NB, G, 2, 64), byte(NB, G, 2, 16).view(torch.int8), scale(NB, S, 16)
         mins = (byte(NB, G, 2, 16).view(torch.int8), scale(NB, S, 16)) if kind == "q6m" else ()

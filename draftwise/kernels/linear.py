@@ -7,12 +7,13 @@ Owns, per implementation (one class each, registered under the name a user types
   int8          torch's weight-only int8 per output channel, bf16 activations
   int8_dynamic  fbgemm's dynamically quantized int8 (x86): a row depends on the other rows, never chosen
   q4x8          ours: int4 weights x int8 activations (kernels/q4x8.py builds the C++ operator and the format)
+  q5x8          ours: GGUF Q5_K weights held exactly (q4x8's layout plus a fifth-bit plane) x int8 activations per 256
   q6k           ours: GGUF Q6_K weights held exactly x int8 activations per 256 (GGUF's Q8_K)
   q6m           ours: GGUF Q2_K weights held exactly (q6k's layout plus a min per 16) x int8 activations per 256
   q8_0          ours: GGUF Q8_0 / Q5_0 weights held exactly x int8 activations per 32
   q8_1          ours: weights with a min per 32 held exactly as int8 (d * v + m) x int8 activations per 32
   q4c           ours: GGUF Q4_0 / IQ4_NL / IQ4_XS weights held exactly as 4-bit codes x int8 activations per 32
-  q5m           ours: GGUF Q4_1 / Q5_1 / Q5_K weights held exactly as 5-bit values with a min x int8 activations per 32
+  q5m           ours: GGUF Q4_1 / Q5_1 weights held exactly as 5-bit values with a min x int8 activations per 32
   f16, ...      ours, one per float row of kernels/blocktypes.py: GGUF F16 (...) weights held as stored (16 bits) x
                 float32 activations, one fp32 FMA chain per output (csrc/float.h)
 and what each declares as class attributes: `devices` it runs on, `dtype` its activations are computed in (the
@@ -649,6 +650,23 @@ class _BlockLinear(LinearImpl):
         return f"in_features={self.in_features}, out_features={self.out_features}, path={self.path}"
 
 
+class Q5X8Linear(_BlockLinear):
+    """Ours: GGUF Q5_K weights held exactly as q4x8 holds Q4_K (csrc/q4x8.h: the low 4 bits packed as q4x8's nibbles,
+    6-bit sub-scales and mins, fp32 d and dmin per 256) plus a fifth-bit plane (qh, 1 bit per weight: 5.75 bits held),
+    w = d * sc * q - dmin * mn with q in 0..31 (kernels/ggml_blocks.py pack_q5x8) x int8 activations per row and 256 K
+    values (GGUF's Q8_K, as llama.cpp's CPU dot product of Q5_K); AVX-512 VNNI / AVX2 / scalar, bitwise the same; path
+    'auto' calls of many rows take the wide side (csrc/gemm_q4x8.cpp: the AVX-512 GEMV's tile over row chunks; no AMX
+    side; the q5x8 linear op hands them over; the same rows). Q5X8Linear(weight [N, K], bias) quantizes a float
+    weight Q5_K-style (kernels/q4x8.py quantize_q4 with 5 bits); `from_blocks` takes the type's blocks as they are."""
+
+    name = "q5x8"
+    description = "ours: GGUF Q5_K weights (exact) x int8 activations per 256, AVX-512 VNNI / AVX2"
+    tolerance = 0.06  # 5-bit min-max weights per 32 (~0.04 for Gaussian weights) plus int8 activations per 256
+    PACKED = ("packed", "qh", "sc", "mn", "d", "dmin")
+    GGUF_TYPES = blocktypes.types_of("q5x8")
+    K_PART = "q"
+
+
 class Q6KLinear(_BlockLinear):
     """Ours: GGUF Q6_K weights held exactly (kernels/ggml_blocks.py, csrc/q6k.h) x int8 activations per row and
     256 K values (GGUF's Q8_K, as llama.cpp's CPU dot product of Q6_K); AVX-512 VNNI / AVX2 / scalar, bitwise
@@ -732,15 +750,15 @@ class Q4CLinear(_BlockLinear):
 
 
 class Q5MLinear(_BlockLinear):
-    """Ours: GGUF Q4_1, Q5_1 and Q5_K weights held exactly as 5-bit values (4-bit codes plus a fifth-bit plane) with
-    a scale and min per 32, w = d * v + m (fp16 as stored: 6 bits per weight; Q5_K: int8s per 32 times fp16s per
-    256, 5.625; a float weight's quantization: float32, 7; kernels/ggml_blocks.py pack_q5m, csrc/q8_0.h)
+    """Ours: GGUF Q4_1 and Q5_1 weights held exactly as 5-bit values (4-bit codes plus a fifth-bit plane) with
+    a scale and min per 32, w = d * v + m (fp16 as stored: 6 bits per weight; parts with int8s per 32 times fp16s per
+    256: 5.625; a float weight's quantization: float32, 7; kernels/ggml_blocks.py pack_q5m, csrc/q8_0.h)
     x int8 activations per row and 32 K values with their sums (GGUF's Q8_1): bitwise what q8_1 computes with the
     same blocks held as bytes; AVX-512 VNNI / AVX2 / scalar, bitwise the same. Q5MLinear(weight [N, K], bias)
     quantizes a float weight as ggml's Q5_1; `from_blocks` takes the types' blocks as they are."""
 
     name = "q5m"
-    description = "ours: GGUF Q4_1 / Q5_1 / Q5_K weights (exact, 5-bit) x int8 activations per 32, AVX-512 VNNI / AVX2"
+    description = "ours: GGUF Q4_1 / Q5_1 weights (exact, 5-bit) x int8 activations per 32, AVX-512 VNNI / AVX2"
     tolerance = Q81Linear.tolerance
     PACKED = ("qs", "qh", "lut", "d", "m")
     GGUF_TYPES = blocktypes.types_of("q5m")
@@ -854,7 +872,7 @@ def _runs_on_cuda(cls: type[LinearImpl]) -> bool:
     return _CUDA_SMOKE[cls.name]
 
 
-_IMPLS = (DenseF32, DenseBF16, TorchInt4, TorchInt8, FbgemmDynamicInt8, Q4x8Linear, Q6KLinear, Q6MLinear, Q80Linear,
+_IMPLS = (DenseF32, DenseBF16, TorchInt4, TorchInt8, FbgemmDynamicInt8, Q4x8Linear, Q5X8Linear, Q6KLinear, Q6MLinear, Q80Linear,
           Q81Linear, Q4CLinear, Q5MLinear, *FLOAT_LINEARS)
 LINEARS: dict[str, type[LinearImpl]] = {c.name: c for c in _IMPLS}
 if len(LINEARS) != len(_IMPLS):  # one name means one thing: a table row may not take an implementation's name

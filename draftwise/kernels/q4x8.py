@@ -88,15 +88,15 @@ def format_prefill_table(rows: list[dict]) -> str:
 
 # ---- weights -------------------------------------------------------------------------------------------------
 
-def quantize_q4(weight: torch.Tensor) -> dict[str, torch.Tensor]:
+def quantize_q4(weight: torch.Tensor, bits: int = 4) -> dict[str, torch.Tensor]:
     """fp32 weight [N, K] -> Q4_K-style parts: q [N, K] uint8 (0..15), sc/mn [N, G] uint8, d/dmin [N, S] float32,
     with w ~= d * sc * q - dmin * mn per group of 32 (the group's range min(w, 0)..max(w), like Q4_K, but with
-    8-bit sub-scales where Q4_K has 6)."""
+    8-bit sub-scales where Q4_K has 6). bits=5: q in 0..31, Q5_K-style (the q5x8 kernel's parts)."""
     N, K = weight.shape
     if K % GROUP:
         raise ValueError(f"q4x8 needs K divisible by {GROUP}, got K={K}")
     if N > QUANT_CHUNK_ROWS:  # rows are independent: bound the float32 temporaries (an LM head is 150k rows)
-        chunks = [quantize_q4(weight[i:i + QUANT_CHUNK_ROWS]) for i in range(0, N, QUANT_CHUNK_ROWS)]
+        chunks = [quantize_q4(weight[i:i + QUANT_CHUNK_ROWS], bits) for i in range(0, N, QUANT_CHUNK_ROWS)]
         return {k: torch.cat([c[k] for c in chunks]) for k in chunks[0]}
     w = weight.detach().float()
     G = K // GROUP
@@ -104,7 +104,8 @@ def quantize_q4(weight: torch.Tensor) -> dict[str, torch.Tensor]:
     wg = w.view(N, G, GROUP)
     lo = wg.amin(-1).clamp(max=0.0)  # [N, G]
     hi = wg.amax(-1)
-    scale = (hi - lo) / 15.0  # [N, G] >= 0
+    top = (1 << bits) - 1
+    scale = (hi - lo) / float(top)  # [N, G] >= 0
     minv = -lo  # [N, G] >= 0
 
     def split(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # v [N, G] >= 0 -> d [N, S], code [N, G]
@@ -120,7 +121,7 @@ def quantize_q4(weight: torch.Tensor) -> dict[str, torch.Tensor]:
     s_eff, m_eff = effective_scale_min(d, sc, dmin, mn)  # [N, G] each, exactly as the kernel computes them
     q = torch.where(s_eff[..., None] > 0, ((wg + m_eff[..., None]) / s_eff[..., None].clamp(min=1e-30)).round(),
                     torch.zeros_like(wg))
-    q = q.clamp(0, 15).to(torch.uint8).view(N, K)
+    q = q.clamp(0, top).to(torch.uint8).view(N, K)
     return {"q": q, "sc": sc, "mn": mn, "d": d, "dmin": dmin}
 
 

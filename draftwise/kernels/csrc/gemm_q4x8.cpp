@@ -1,5 +1,7 @@
 // q4x8 wide side, torch-facing: the operator draftwise_q4x8::wide (the AMX GEMM) and the rule by which
-// draftwise_q4x8::linear with path 'auto' hands a call of many rows to it (q4x8.cpp calls dw_wide_takes).
+// draftwise_q4x8::linear with path 'auto' hands a call of many rows to it (q4x8.cpp calls dw_wide_takes); q5x8 (q4x8.h's
+// fifth-bit plane: GGUF Q5_K) has the VNNI side alone (draftwise_q5x8::wide; the AMX tiles carry no plane: not
+// written, as no AMX CPU was at hand to test one) and its own switch.
 // Owns: whether this process may run AMX (cpuid AMX-TILE + AMX-INT8 + the AVX-512 the epilogue uses, no
 // $DRAFTWISE_MAX_ISA cap, and the kernel's permission for tile data: arch_prctl(ARCH_REQ_XCOMP_PERM,
 // XFEATURE_XTILEDATA), asked once per process), the smallest row count it takes (gemm_wide.h's switch, set from
@@ -31,6 +33,7 @@ bool amx() {
 
 
 DwWideSwitch wide_switch;  // from how many rows path-'auto' calls come here (gemm_wide.h)
+DwWideSwitch q5x8_switch;  // the same for q5x8
 
 }  // namespace
 
@@ -50,8 +53,12 @@ const char* dw_wide_side_name(DwWideSide side) {
     return side == DwWideSide::AMX ? "amx" : side == DwWideSide::VNNI ? "vnni" : "none";
 }
 
-// draftwise_q4x8::linear with path 'auto' serves a call of M rows here when this is true.
-bool dw_wide_takes(int64_t M) { return wide_switch.takes(M) && dw_wide_side() != DwWideSide::NONE; }
+// draftwise_q4x8::linear (draftwise_q5x8::linear: `plane`) with path 'auto' serves a call of M rows here when this is
+// true.
+bool dw_wide_takes(int64_t M, bool plane) {
+    return plane ? q5x8_switch.takes(M) && dw_vnni_only_side() != DwWideSide::NONE
+                 : wide_switch.takes(M) && dw_wide_side() != DwWideSide::NONE;
+}
 
 void dw_quantize_tiles(const float* x, int64_t M, int64_t K, int8_t* q, float* dx, int16_t* qsum) {
     const int64_t Kp = (K + 63) / 64 * 64, S = (K / 32 + 7) / 8, Mp = (M + 31) / 32 * 32;
@@ -107,9 +114,9 @@ at::Tensor wide_amx(const at::Tensor& x, const at::Tensor& packed, const at::Ten
 // then the AVX-512 GEMV's kernel (dw_gemm_avx512: 12 rows x 16 columns in zmm accumulators per weight unpack) over
 // every 16-column block of the chunk: a chunk's activations stay in L1/L2 while the blocks pass over them instead of
 // a whole prompt's streaming from memory once per block. Each row is the GEMV's row: the same values and the same
-// kernel, whose rows never depend on M.
+// kernel, whose rows never depend on M. With qh: q5x8's (the GEMV's kernel with the plane).
 at::Tensor wide_vnni(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& sc, const at::Tensor& mn,
-                     const at::Tensor& d, const at::Tensor& dmin, const float* bias, int64_t N) {
+                     const at::Tensor& d, const at::Tensor& dmin, const float* bias, int64_t N, const uint8_t* qh) {
     const int64_t M = x.size(0), K = x.size(1), G = K / 32, S = (G + 7) / 8, NB = (N + 15) / 16;
     at::Tensor y = at::empty({M, N}, x.options());
     if (M == 0) return y;
@@ -128,7 +135,7 @@ at::Tensor wide_vnni(const at::Tensor& x, const at::Tensor& packed, const at::Te
                               qsp + c * S * chunk * 8, 0, rows_of(c));
     });
     DwQ4 w{packed.data_ptr<uint8_t>(), sc.data_ptr<uint8_t>(), mn.data_ptr<uint8_t>(), d.data_ptr<float>(),
-           dmin.data_ptr<float>(), bias, N, K, G, S};
+           dmin.data_ptr<float>(), bias, N, K, G, S, qh};
     float* yp = y.data_ptr<float>();
     auto run = [&](int64_t c, int64_t b0, int64_t b1) {
         DwQ8 a{qp + c * G * chunk * 32, dxp + c * S * chunk, qsp + c * S * chunk * 8, rows_of(c)};
@@ -143,25 +150,35 @@ at::Tensor wide_vnni(const at::Tensor& x, const at::Tensor& packed, const at::Te
 
 }  // namespace
 
-// x [M, K] float32 contiguous -> y [M, N]; the weight buffers as q4x8.cpp's linear takes them (it checked them).
+// x [M, K] float32 contiguous -> y [M, N]; the weight buffers as q4x8.cpp's linear takes them (it checked them); with
+// qh (q5x8) the VNNI side, whatever dw_wide_side says.
 at::Tensor dw_q4x8_wide(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& sc, const at::Tensor& mn,
-                        const at::Tensor& d, const at::Tensor& dmin, const float* bias, int64_t N) {
-    const DwWideSide kind = dw_wide_side();
-    TORCH_CHECK(kind != DwWideSide::NONE, "q4x8 wide: this CPU has neither AMX int8 tiles nor AVX-512 VNNI (or a "
-                "$DRAFTWISE_MAX_ISA cap is below them)");
-    return kind == DwWideSide::AMX ? wide_amx(x, packed, sc, mn, d, dmin, bias, N) : wide_vnni(x, packed, sc, mn, d, dmin, bias, N);
+                        const at::Tensor& d, const at::Tensor& dmin, const float* bias, int64_t N, const uint8_t* qh) {
+    const DwWideSide kind = qh ? dw_vnni_only_side() : dw_wide_side();
+    TORCH_CHECK(kind != DwWideSide::NONE, qh ? "q5x8" : "q4x8", " wide: this CPU has neither AMX int8 tiles nor "
+                "AVX-512 VNNI (or a $DRAFTWISE_MAX_ISA cap is below them)");
+    return kind == DwWideSide::AMX ? wide_amx(x, packed, sc, mn, d, dmin, bias, N)
+                                   : wide_vnni(x, packed, sc, mn, d, dmin, bias, N, qh);
 }
 
 at::Tensor dw_q4x8_linear_checked(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& sc,
                                   const at::Tensor& mn, const at::Tensor& d, const at::Tensor& dmin,
-                                  const std::optional<at::Tensor>& bias, int64_t N, int64_t path, bool wide);
+                                  const std::optional<at::Tensor>& bias, int64_t N, int64_t path, bool wide,
+                                  const at::Tensor* qh);
 
 namespace {
 
 // The wide kernel on its own (tests, benchmarks): the argument checks are linear's.
 at::Tensor wide(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& sc, const at::Tensor& mn,
                 const at::Tensor& d, const at::Tensor& dmin, const std::optional<at::Tensor>& bias, int64_t N) {
-    return dw_q4x8_linear_checked(x, packed, sc, mn, d, dmin, bias, N, -1, true);
+    return dw_q4x8_linear_checked(x, packed, sc, mn, d, dmin, bias, N, -1, true, nullptr);
+}
+
+// q5x8's wide kernel (its VNNI side; also registered as wide_vnni, the name the kinds with two sides test)
+at::Tensor q5x8_wide(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& qh, const at::Tensor& sc,
+                     const at::Tensor& mn, const at::Tensor& d, const at::Tensor& dmin,
+                     const std::optional<at::Tensor>& bias, int64_t N) {
+    return dw_q4x8_linear_checked(x, packed, sc, mn, d, dmin, bias, N, -1, true, &qh);
 }
 
 // The VNNI side on its own, also where AMX runs (tests: both sides' rows are the GEMV's)
@@ -169,7 +186,7 @@ at::Tensor wide_vnni_op(const at::Tensor& x, const at::Tensor& packed, const at:
                         const at::Tensor& d, const at::Tensor& dmin, const std::optional<at::Tensor>& bias, int64_t N) {
     TORCH_CHECK(dw_wide_side() != DwWideSide::NONE, "q4x8 wide_vnni: this CPU has no AVX-512 VNNI (or a $DRAFTWISE_MAX_ISA "
                 "cap is below it)");
-    return wide_vnni(x, packed, sc, mn, d, dmin, dw_q4x8_check(x, packed, sc, mn, d, dmin, bias, N), N);
+    return wide_vnni(x, packed, sc, mn, d, dmin, dw_q4x8_check(x, packed, sc, mn, d, dmin, bias, N), N, nullptr);
 }
 
 }  // namespace
@@ -183,4 +200,17 @@ TORCH_LIBRARY_FRAGMENT(draftwise_q4x8, m) {
 TORCH_LIBRARY_IMPL(draftwise_q4x8, CPU, m) {
     m.impl("wide", &wide);
     m.impl("wide_vnni", &wide_vnni_op);
+}
+
+TORCH_LIBRARY_FRAGMENT(draftwise_q5x8, m) {
+    m.def("wide(Tensor x, Tensor packed, Tensor qh, Tensor sc, Tensor mn, Tensor d, Tensor dmin, Tensor? bias, int N) "
+          "-> Tensor");
+    m.def("wide_vnni(Tensor x, Tensor packed, Tensor qh, Tensor sc, Tensor mn, Tensor d, Tensor dmin, Tensor? bias, "
+          "int N) -> Tensor");
+    dw_def_wide_ops<q5x8_switch, dw_vnni_only_side>(m);
+}
+
+TORCH_LIBRARY_IMPL(draftwise_q5x8, CPU, m) {
+    m.impl("wide", &q5x8_wide);
+    m.impl("wide_vnni", &q5x8_wide);
 }

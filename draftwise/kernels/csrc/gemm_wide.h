@@ -83,9 +83,11 @@ const float* dw_q6k_check(const at::Tensor& x, const at::Tensor& ql, const at::T
                           const at::Tensor* mn = nullptr, const at::Tensor* dmin = nullptr);
 
 // draftwise_q4x8::linear's argument checks (x [M, K] float32 contiguous, K a multiple of 32, the packed buffers'
-// dtypes and sizes for N columns); returns the bias pointer (null without one). Defined in q4x8.cpp.
+// dtypes and sizes for N columns; with qh, q5x8's plane too); returns the bias pointer (null without one). Defined in
+// q4x8.cpp.
 const float* dw_q4x8_check(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& sc, const at::Tensor& mn,
-                           const at::Tensor& d, const at::Tensor& dmin, const std::optional<at::Tensor>& bias, int64_t N);
+                           const at::Tensor& d, const at::Tensor& dmin, const std::optional<at::Tensor>& bias, int64_t N,
+                           const at::Tensor* qh = nullptr);
 
 // Q6_K's activations for rows [r0, r1) of x [M, K] on ISA path `path` (dispatch.h ids): q [G, M, 32], dx [S, M],
 // qsum [S, M, 8] (q4x8's Q8_K rows), qsum16 [S, M, 16] and qoff16 [G, M, 2] (q6k.h's DwQ8K16). Defined in q6k.cpp.
@@ -107,8 +109,8 @@ enum class DwWideSide { NONE, VNNI, AMX };
 DwWideSide dw_wide_side();
 const char* dw_wide_side_name(DwWideSide side);  // "none", "vnni", "amx"
 
-// The side of a kind whose only wide side is the VNNI one (the per-32 family, gemm_q8_0.cpp; q6m, gemm_q6k.cpp: the
-// AMX tiles carry neither): VNNI wherever dw_wide_side finds a wide side (AMX CPUs have AVX-512 VNNI), else none.
+// The side of a kind whose only wide side is the VNNI one (the per-32 family, gemm_q8_0.cpp; q6m, gemm_q6k.cpp; q5x8,
+// gemm_q4x8.cpp: the AMX tiles carry none of them): VNNI wherever dw_wide_side finds a wide side (AMX CPUs have AVX-512 VNNI), else none.
 inline DwWideSide dw_vnni_only_side() {
     return dw_wide_side() == DwWideSide::NONE ? DwWideSide::NONE : DwWideSide::VNNI;
 }

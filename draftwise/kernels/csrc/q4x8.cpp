@@ -1,5 +1,6 @@
-// q4x8: the torch operator (torch.ops.draftwise_q4x8.*) and the scalar path; also the library-wide ops that name
-// the ISA paths (path_names, path_id: dispatch.h's names, for kernels/library.py).
+// q4x8: the torch operators (torch.ops.draftwise_q4x8.*; draftwise_q5x8.linear, the same with q4x8.h's fifth-bit
+// plane: GGUF Q5_K) and the scalar path; also the library-wide ops that name the ISA paths (path_names, path_id:
+// dispatch.h's names, for kernels/library.py).
 // Owns: argument checks (dw_q4x8_check: the wide side's too; the thread splits over rows and output-column blocks are
 // block_op.h's, torch's thread count) and which cpuid features each q4x8 ISA unit needs (ISA below; dispatch.h's rule picks the
 // path: cpuid at run time, or the caller's explicit choice for tests). Knows nothing of models or of how weights were quantized; the layout and the
@@ -52,12 +53,15 @@ extern "C" void dw_gemm_scalar(const DwQ4* w, const DwQ8* a, float* out, int64_t
             int32_t isc = 0, imn = 0;
             for (int64_t g = s * 8; g < s * 8 + 8 && g < G; ++g) {
                 const uint8_t* P = w->packed + (b * G + g) * 256;
+                const uint8_t* H = w->qh ? w->qh + (b * G + g) * 64 : nullptr;  // q5x8's plane (q4x8.h)
                 const int8_t* xq = a->q + (g * M + m) * 32;
                 int32_t isum = 0;
                 for (int c = 0; c < 4; ++c)
                     for (int t = 0; t < 4; ++t) {
-                        const uint8_t byte = P[c * 64 + j * 4 + t];
-                        isum += (int32_t)(byte & 15) * xq[c * 4 + t] + (int32_t)(byte >> 4) * xq[16 + c * 4 + t];
+                        const int i = j * 4 + t;  // the byte of chunk c, and its bit in the chunk's two masks
+                        const int32_t lo = (P[c * 64 + i] & 15) | (H ? ((H[c * 16 + i / 8] >> (i % 8)) & 1) << 4 : 0);
+                        const int32_t hi = (P[c * 64 + i] >> 4) | (H ? ((H[c * 16 + 8 + i / 8] >> (i % 8)) & 1) << 4 : 0);
+                        isum += lo * xq[c * 4 + t] + hi * xq[16 + c * 4 + t];
                     }
                 isc += (int32_t)w->sc[(b * G + g) * 16 + j] * isum;
                 imn += (int32_t)w->mn[(b * G + g) * 16 + j] * a->qsum[(s * M + m) * 8 + g % 8];
@@ -70,13 +74,15 @@ extern "C" void dw_gemm_scalar(const DwQ4* w, const DwQ8* a, float* out, int64_t
     });
 }
 
-// The wide side (gemm_q4x8.cpp): whether 'auto' hands M rows to it, and the kernel (bitwise the same rows).
-bool dw_wide_takes(int64_t M);
+// The wide side (gemm_q4x8.cpp): whether 'auto' hands M rows to it (q5x8, with qh: its own switch), and the kernel
+// (bitwise the same rows).
+bool dw_wide_takes(int64_t M, bool plane);
 at::Tensor dw_q4x8_wide(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& sc, const at::Tensor& mn,
-                        const at::Tensor& d, const at::Tensor& dmin, const float* bias, int64_t N);
+                        const at::Tensor& d, const at::Tensor& dmin, const float* bias, int64_t N, const uint8_t* qh);
 
 const float* dw_q4x8_check(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& sc, const at::Tensor& mn,
-                           const at::Tensor& d, const at::Tensor& dmin, const std::optional<at::Tensor>& bias, int64_t N) {
+                           const at::Tensor& d, const at::Tensor& dmin, const std::optional<at::Tensor>& bias, int64_t N,
+                           const at::Tensor* qh) {
     TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be [M, K] float32 contiguous");
     const int64_t K = x.size(1);
     TORCH_CHECK(K % 32 == 0, "K must be a multiple of 32");
@@ -86,17 +92,20 @@ const float* dw_q4x8_check(const at::Tensor& x, const at::Tensor& packed, const 
     dwop::check_weight(mn, at::kByte, NB * G * 16, "mn");
     dwop::check_weight(d, at::kFloat, NB * S * 16, "d");
     dwop::check_weight(dmin, at::kFloat, NB * S * 16, "dmin");
+    if (qh) dwop::check_weight(*qh, at::kByte, NB * G * 64, "qh");  // q5x8's plane
     return dwop::bias_of(bias, N);
 }
 
-// x [M, K] float32 -> y [M, N] float32; `wide`: the wide kernel whatever M is (draftwise_q4x8::wide)
+// x [M, K] float32 -> y [M, N] float32; `wide`: the wide kernel whatever M is (draftwise_q4x8::wide); with qh, q5x8
 at::Tensor dw_q4x8_linear_checked(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& sc,
                                   const at::Tensor& mn, const at::Tensor& d, const at::Tensor& dmin,
-                                  const std::optional<at::Tensor>& bias, int64_t N, int64_t path, bool wide) {
-    const float* bias_p = dw_q4x8_check(x, packed, sc, mn, d, dmin, bias, N);
+                                  const std::optional<at::Tensor>& bias, int64_t N, int64_t path, bool wide,
+                                  const at::Tensor* qh) {
+    const float* bias_p = dw_q4x8_check(x, packed, sc, mn, d, dmin, bias, N, qh);
     const int64_t M = x.size(0), K = x.size(1), G = K / 32, S = (G + 7) / 8, NB = (N + 15) / 16;
-    if (wide || (path == dwisa::AUTO && dw_wide_takes(x.size(0))))
-        return dw_q4x8_wide(x, packed, sc, mn, d, dmin, bias_p, N);
+    const uint8_t* qh_p = qh ? qh->data_ptr<uint8_t>() : nullptr;
+    if (wide || (path == dwisa::AUTO && dw_wide_takes(x.size(0), qh != nullptr)))
+        return dw_q4x8_wide(x, packed, sc, mn, d, dmin, bias_p, N, qh_p);
     path = dwisa::select(ISA, path);
     return dwop::output(x, N, [&](dwop::Scratch& s, float* yp) {
         int8_t* qp = s.make<int8_t>({G, M, 32}, at::kChar);
@@ -107,7 +116,7 @@ at::Tensor dw_q4x8_linear_checked(const at::Tensor& x, const at::Tensor& packed,
         const auto gemm = dwisa::pick(path, dw_gemm_scalar, dw_gemm_avx2, dw_gemm_avx512);
         dwop::over_rows(M, K, [&](int64_t r0, int64_t r1) { quant(xp, M, K, qp, dxp, qsp, r0, r1); });
         DwQ4 w{packed.data_ptr<uint8_t>(), sc.data_ptr<uint8_t>(), mn.data_ptr<uint8_t>(), d.data_ptr<float>(),
-               dmin.data_ptr<float>(), bias_p, N, K, G, S};
+               dmin.data_ptr<float>(), bias_p, N, K, G, S, qh_p};
         DwQ8 a{qp, dxp, qsp, M};
         dwop::over_blocks(NB, [&](int64_t b0, int64_t b1) { gemm(&w, &a, yp, b0, b1); });
     });
@@ -118,7 +127,14 @@ namespace {
 at::Tensor q4x8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& sc, const at::Tensor& mn,
                        const at::Tensor& d, const at::Tensor& dmin, const std::optional<at::Tensor>& bias, int64_t N,
                        int64_t path) {
-    return dw_q4x8_linear_checked(x, packed, sc, mn, d, dmin, bias, N, path, false);
+    return dw_q4x8_linear_checked(x, packed, sc, mn, d, dmin, bias, N, path, false, nullptr);
+}
+
+// q5x8 (GGUF Q5_K): q4x8's buffers plus the fifth-bit plane qh, in kernels/linear.py's PACKED order
+at::Tensor q5x8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& qh, const at::Tensor& sc,
+                       const at::Tensor& mn, const at::Tensor& d, const at::Tensor& dmin,
+                       const std::optional<at::Tensor>& bias, int64_t N, int64_t path) {
+    return dw_q4x8_linear_checked(x, packed, sc, mn, d, dmin, bias, N, path, false, &qh);
 }
 
 std::vector<int64_t> paths() { return dwisa::available_paths(ISA); }
@@ -145,3 +161,11 @@ TORCH_LIBRARY(draftwise_q4x8, m) {
 }
 
 TORCH_LIBRARY_IMPL(draftwise_q4x8, CPU, m) { m.impl("linear", &q4x8_linear); }
+
+TORCH_LIBRARY(draftwise_q5x8, m) {
+    m.def("linear(Tensor x, Tensor packed, Tensor qh, Tensor sc, Tensor mn, Tensor d, Tensor dmin, Tensor? bias, int N, "
+          "int path) -> Tensor");
+    m.def("paths() -> int[]", &paths);
+}
+
+TORCH_LIBRARY_IMPL(draftwise_q5x8, CPU, m) { m.impl("linear", &q5x8_linear); }

@@ -1,4 +1,5 @@
-// q4x8: int4 weights x int8 activations, the plain-C interface shared by the ISA translation units.
+// q4x8: int4 weights x int8 activations, the plain-C interface shared by the ISA translation units; with a fifth-bit
+// plane (qh set) the same arithmetic holds GGUF Q5_K exactly: the q5x8 kernel (kernels/blocktypes.py).
 //
 // Owns: the packed weight layout and the per-row activation quantization, described here once.
 // Knows nothing of torch (the ISA units include only this header and intrin.h, so no inline
@@ -12,6 +13,13 @@
 //     n = 16 b + j / 4 and t = j % 4, q[n, 32 g + 4 c + t] in its low nibble and
 //     q[n, 32 g + 16 + 4 c + t] in its high nibble (so one 64-byte chunk is 16 columns x 4 K values).
 //   sc, mn [NB, G, 16] uint8; d, dmin [NB, S, 16] float32.
+// q5x8 (GGUF Q5_K: w = d * sc * q - dmin * mn with q in 0..31): the same buffers hold q's low 4 bits, and
+//   qh [NB, G, 4, 2, 8] uint8 its fifth bits: the 8 bytes [b, g, c, half] are a little-endian 64-bit mask whose bit j
+//   is the fifth bit of the value in byte j of chunk c's low (half 0) or high (half 1) nibbles, so q = nibble | 16 *
+//   bit (AVX-512: a masked byte add of 16 under that mask; AVX2: the mask's 32 bits of one 8-column half spread to
+//   bytes). Everything below holds with q in 0..31: |isum_g| <= 32 * 31 * 127 = 125,984, |isc| <= 8 * 255 * 125,984 =
+//   257,007,360 < 2^31; VPDPBUSD's unsigned side takes 0..31; AVX2's int16 sums are taken per 2 chunks (4 maddubs,
+//   |lane| <= 4 * 2 * 31 * 127 = 31,496 < 32767) where q4x8's take all 4 chunks.
 // Activations X [M, K] quantized per row per super-block of 256 K values (symmetric int8, like GGUF's Q8_K;
 // a short last super-block covers its 32 (G - 8 s) values):
 //   amax = max |x| over the super-block, dx[s, m] = amax / 127, q = round_half_even(x * (127 / amax))
@@ -42,6 +50,7 @@ struct DwQ4 {
     const float* dmin;      // [NB, S, 16]
     const float* bias;      // [N] or null
     int64_t N, K, G, S;
+    const uint8_t* qh = nullptr;  // [NB, G, 4, 2, 8]: q5x8's fifth-bit plane; null for q4x8
 };
 
 struct DwQ8 {
@@ -84,6 +93,13 @@ inline void rows(const float* x, int64_t M, int64_t K, int8_t* q, float* dx, int
             dx[s * M + r] = amax / 127.0f;
         }
     }
+}
+
+// Whether the q5x8 fifth-bit plane is present, as a template argument: f.template operator()<true or false>()
+// (the SIMD units instantiate their tile loops per value, so q4x8's loop carries no test of qh).
+template <class Fn>
+inline void by_plane(const DwQ4* w, Fn&& f) {
+    w->qh ? f.template operator()<true>() : f.template operator()<false>();
 }
 
 }  // namespace dwq8k

@@ -34,13 +34,14 @@ inline __m512i mn_pair(const uint8_t* MN, int64_t g, int64_t G) {
     return _mm512_cvtepu8_epi16(_mm256_set_m128i(_mm_unpackhi_epi8(a, b), _mm_unpacklo_epi8(a, b)));
 }
 
-// Rows [m0, m0 + MT) of one 16-column block b; weights are unpacked once per group for all MT rows.
+// Rows [m0, m0 + MT) of one 16-column block b; weights are unpacked once per group for all MT rows. H5 (q5x8): each
+// chunk's nibbles get their fifth bits from qh (q4x8.h), a masked byte add of 16 per 64 values (KMOVQ + VPADDB).
 // Per group and row: 8 VPDPBUSD (isum), one VPMULLD by sc and one add (isc, int32 over the super-block); per
 // super-block and row: 4 VPDPWSSD for the min term, then the float steps of q4x8.h.
 // With `prefetch`, the next block's weights are requested from memory while this one computes, so a
 // compute-bound call (many rows) overlaps its memory traffic instead of stalling on it (q4x8_prefetch.h: the
 // packed nibbles into L2, and why).
-template <int MT>
+template <int MT, bool H5>
 [[gnu::noinline]] void block_rows(const DwQ4* w, const DwQ8* a, float* out, int64_t b, int64_t m0, bool prefetch) {
     const int64_t G = w->G, S = w->S, N = w->N, M = a->M;
     const uint8_t* P = w->packed + b * G * 256;
@@ -48,7 +49,8 @@ template <int MT>
     const uint8_t* MN = w->mn + b * G * 16;
     const float* D = w->d + b * S * 16;
     const float* DM = w->dmin + b * S * 16;
-    const __m512i low4 = _mm512_set1_epi8(0x0F);
+    const uint8_t* QH = H5 ? w->qh + b * G * 64 : nullptr;
+    const __m512i low4 = _mm512_set1_epi8(0x0F), fifth = _mm512_set1_epi8(16);
     __m512 acc[MT];
 #pragma GCC unroll 12
     for (int m = 0; m < MT; ++m) acc[m] = _mm512_setzero_ps();
@@ -68,8 +70,15 @@ template <int MT>
 #pragma GCC unroll 4
             for (int c = 0; c < 4; ++c) {
                 const __m512i raw = _mm512_loadu_si512((const void*)(P + g * 256 + c * 64));
-                const __m512i wl = _mm512_and_si512(raw, low4);
-                const __m512i wh = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low4);
+                __m512i wl = _mm512_and_si512(raw, low4);
+                __m512i wh = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low4);
+                if constexpr (H5) {
+                    unsigned long long bl, bh;
+                    __builtin_memcpy(&bl, QH + g * 64 + c * 16, 8);
+                    __builtin_memcpy(&bh, QH + g * 64 + c * 16 + 8, 8);
+                    wl = _mm512_mask_add_epi8(wl, _cvtu64_mask64(bl), wl, fifth);
+                    wh = _mm512_mask_add_epi8(wh, _cvtu64_mask64(bh), wh, fifth);
+                }
 #pragma GCC unroll 12
                 for (int m = 0; m < MT; ++m) {
                     isum[m] = dpbusd_b(isum[m], wl, xg + m * 32 + 4 * c);
@@ -107,8 +116,10 @@ constexpr int MAX_TILE = 12;
 }  // namespace
 
 extern "C" void dw_gemm_avx512(const DwQ4* w, const DwQ8* a, float* out, int64_t b0, int64_t b1) {
-    dwrows::gemv16<MAX_TILE>(a->M, b0, b1, [&]<int MT>(int64_t b, int64_t m0, bool pf) {
-        block_rows<MT>(w, a, out, b, m0, pf);
+    dwq8k::by_plane(w, [&]<bool H5>() {
+        dwrows::gemv16<MAX_TILE>(a->M, b0, b1, [&]<int MT>(int64_t b, int64_t m0, bool pf) {
+            block_rows<MT, H5>(w, a, out, b, m0, pf);
+        });
     });
 }
 
