@@ -75,8 +75,10 @@ def test_describe_says_what_a_type_is_held_in():
         t.name for t in blocktypes.TYPES.values() if t.quantized and t.kernel is None))
     assert blocktypes.describe("F32").endswith("dense")
     assert blocktypes.describe("F16") == "F16: 16.00 bits stored -> f16 (F32 activations, 16.00 bits)"
-    # a 32-block type is held with its scales in its own form (csrc/q8_0.h): Q5_K's SUB8, Q4_0's fp16
-    assert blocktypes.describe("Q5_K").startswith("Q5_K: 5.50 bits stored -> q5m (Q8_1 activations, 5.62 bits")
+    # a 32-block type is held with its scales in its own form (csrc/q8_0.h): IQ4_XS's SUB8, Q4_0's fp16
+    assert blocktypes.describe("IQ4_XS").startswith("IQ4_XS: 4.25 bits stored -> q4c (Q8_0 activations, 4.31 bits")
+    # Q5_K on q4x8's arithmetic with a fifth-bit plane (csrc/q4x8.h)
+    assert blocktypes.describe("Q5_K") == "Q5_K: 5.50 bits stored -> q5x8 (Q8_K activations, 5.75 bits, wide kernel)"
     assert blocktypes.describe("Q4_0").startswith("Q4_0: 4.50 bits stored -> q4c (Q8_0 activations, 4.50 bits")
 
 
@@ -98,8 +100,8 @@ def test_auto_is_the_faithful_plan_for_a_float_type_with_a_kernel():
 
 def test_the_prepared_files_key_follows_each_stored_types_row(monkeypatch, tmp_path):
     """A faithful plan's prepared file is keyed by the kernel and scale form each stored type is held in, so a
-    file prepared before a row changed (Q5_K on q8_1 before q5m; float32 scales before SUB8) is not read as the
-    new layout. Planted: the row of Q5_K moved to another kernel, then to another scale form: both new keys."""
+    file prepared before a row changed (Q5_K on q8_1, then q5m with SUB8 scales, now q5x8) is not read as the
+    new layout. Planted: the row of Q5_K moved back to q5m, then to another scale form there: both new keys."""
     import dataclasses
     from types import SimpleNamespace
 
@@ -108,7 +110,7 @@ def test_the_prepared_files_key_follows_each_stored_types_row(monkeypatch, tmp_p
     ckpt = SimpleNamespace(info={"sha256": "0" * 64, "converted_path": str(tmp_path)})
     plan = KernelPlan("q4x8", "q4x8", "float32", faithful=True, stored_types={"Q5_K": 196, "Q6_K": 28})
     keys = [prepared_path(ckpt, plan, torch.float32)]
-    for change in ({"kernel": "q8_1"}, {"scales": "f32"}):
+    for change in ({"kernel": "q5m", "scales": "sub8"}, {"scales": "f32"}):
         monkeypatch.setitem(blocktypes.TYPES, "Q5_K", dataclasses.replace(blocktypes.TYPES["Q5_K"], **change))
         keys.append(prepared_path(ckpt, plan, torch.float32))
     assert len(set(keys)) == 3, keys

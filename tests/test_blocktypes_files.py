@@ -1,6 +1,6 @@
 """Whole files of the types the block-type table newly holds (kernels/blocktypes.py): a tiny random GGUF whose
 projections are stored as Q4_1, Q5_1 and Q4_0 (the gguf package quantizes these; the embedding and head as Q8_0), or
-as Q2_K (a simple quantizer here), loads under `auto` as the faithful plan with each tensor on its table row's kernel (no fp32 fallback
+as Q2_K or Q5_K (simple quantizers here), loads under `auto` as the faithful plan with each tensor on its table row's kernel (no fp32 fallback
 for a quantized tensor), says row-exact, and greedy speculation (ngram, suffix, a draft model) equals plain
 decoding bitwise. No download."""
 from __future__ import annotations
@@ -33,9 +33,34 @@ def _q2k(w):
     return blocks.reshape(N, -1).numpy()
 
 
+def _q5k(w):
+    """w [N, K] float32 (numpy, K % 256 == 0) -> Q5_K blocks [N, K / 256 * 176] uint8 (the gguf package has no Q5_K
+    quantizer): ggml_blocks.quantize_q5x8's values with its 8-bit sub-scales and mins cut to Q5_K's 6 bits (d and
+    dmin times 4, rounded to fp16), in ggml's block layout (valid Q5_K whatever their fidelity; read back exactly)."""
+    import numpy as np
+    import torch
+
+    from draftwise.kernels import ggml_blocks
+
+    N, K = w.shape
+    p = ggml_blocks.quantize_q5x8(torch.from_numpy(np.array(w, dtype=np.float32)))
+    nb = N * K // 256
+    sc, mn = (((t.to(torch.int32) + 2) >> 2).clamp(max=63).reshape(nb, 8) for t in (p["sc"], p["mn"]))
+    lo6 = lambda t: (t[:, :4] & 63) | ((t[:, 4:] >> 4) << 6)  # noqa: E731  bytes 0-3 (sc) and 4-7 (mn)
+    scales = torch.cat([lo6(sc), lo6(mn), (sc[:, 4:] & 15) | ((mn[:, 4:] & 15) << 4)], 1).to(torch.uint8)
+    q = p["q"].to(torch.int32).reshape(nb, 8, 32)  # [block, sub-block, l]
+    qh = ((q >> 4) << torch.arange(8, dtype=torch.int32).view(1, 8, 1)).sum(1).to(torch.uint8)  # [block, 32]
+    qs = ((q[:, 0::2] & 15) | ((q[:, 1::2] & 15) << 4)).to(torch.uint8).reshape(nb, 128)
+    half = lambda t: (t * 4).reshape(nb, 1).half().view(torch.uint8)  # noqa: E731
+    return torch.cat([half(p["d"]), half(p["dmin"]), scales, qh, qs], 1).reshape(N, -1).numpy()
+
+
+QUANTIZERS = {"Q2_K": _q2k, "Q5_K": _q5k}  # the types the gguf package cannot quantize
+
+
 def _requantized(src, dst, kinds: dict[str, str]) -> None:
     """`src` GGUF rewritten as `dst` with each 2-D float tensor whose name ends with a key of `kinds` quantized to
-    that ggml type by the gguf package (Q2_K by _q2k; metadata and other tensors copied as they are)."""
+    that ggml type by the gguf package (Q2_K, Q5_K by QUANTIZERS; metadata and other tensors copied as they are)."""
     import gguf
     import numpy as np
 
@@ -53,7 +78,8 @@ def _requantized(src, dst, kinds: dict[str, str]) -> None:
         kind = next((k for s, k in kinds.items() if t.name.endswith(s)), None)
         if kind and len(shape) == 2 and t.tensor_type == gguf.GGMLQuantizationType.F32:
             qt, w = gguf.GGMLQuantizationType[kind], np.asarray(t.data).reshape(shape)
-            writer.add_tensor(t.name, _q2k(w) if kind == "Q2_K" else gguf.quants.quantize(w, qt), raw_dtype=qt)
+            writer.add_tensor(t.name, QUANTIZERS[kind](w) if kind in QUANTIZERS else gguf.quants.quantize(w, qt),
+                              raw_dtype=qt)
         else:
             writer.add_tensor(t.name, np.asarray(t.data).reshape(shape) if t.tensor_type ==
                               gguf.GGMLQuantizationType.F32 else np.asarray(t.data), raw_dtype=t.tensor_type)
@@ -109,23 +135,30 @@ def test_greedy_speculation_equals_plain(new_types_gguf, tmp_path, spec):
     assert run_engine(llm, spec, prompts, params) == run_engine(llm, None, prompts, params)
 
 
-@pytest.fixture(scope="module")
-def q2k_gguf(tmp_path_factory):
-    return _tiny_file(tmp_path_factory, "q6m", {**{s: "Q2_K" for s in (
+# whole files of one K-quant type on its own kernel (the projections; embedding and head Q8_0)
+KQUANT_FILES = ["Q2_K", "Q5_K"]
+
+
+@pytest.fixture(scope="module", params=KQUANT_FILES)
+def kquant_gguf(request, tmp_path_factory):
+    kind = request.param
+    return kind, _tiny_file(tmp_path_factory, blocktypes.kernel_of(kind), {**{s: kind for s in (
         "attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_output.weight", "ffn_gate.weight", "ffn_up.weight",
         "ffn_down.weight")}, "token_embd.weight": "Q8_0", "output.weight": "Q8_0"})
 
 
-def test_a_q2_k_file_is_the_faithful_plan_on_q6m(q2k_gguf, tmp_path):
-    """Q2_K projections load on their row's kernel (q6m: no fp32 fallback), row-exact, and greedy speculation
-    (ngram, suffix) equals plain decoding bitwise."""
+def test_a_k_quant_file_is_the_faithful_plan_on_its_rows_kernel(kquant_gguf, tmp_path):
+    """Q2_K (q6m) and Q5_K (q5x8) projections load on their row's kernel (no fp32 fallback), row-exact, and greedy
+    speculation (ngram, suffix) equals plain decoding bitwise."""
     from draftwise.equivalence import run_engine
 
-    llm = LLM(str(q2k_gguf), max_num_seqs=3, max_model_len=160, k_max=4, cache_dir=str(tmp_path / "c"))
+    kind, path = kquant_gguf
+    kernel = blocktypes.kernel_of(kind)
+    llm = LLM(str(path), max_num_seqs=3, max_model_len=160, k_max=4, cache_dir=str(tmp_path / "c"))
     plan = llm.model.plan
     assert plan.faithful and plan.row_exact and not plan.fallback_types, plan.describe()
-    assert "Q2_K->q6m" in plan.describe() and "SLOW PATH" not in plan.describe()
-    assert "q6m" in {getattr(type(m), "name", None) for m in llm.model.modules()}
+    assert f"{kind}->{kernel}" in plan.describe() and "SLOW PATH" not in plan.describe()
+    assert kernel in {getattr(type(m), "name", None) for m in llm.model.modules()}
     prompts = [[5, 6, 7, 8, 5, 6, 7], [9, 10, 11, 9, 10], [12, 13, 14, 15, 16, 12, 13, 14]]
     params = [SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)] * len(prompts)
     plain = run_engine(llm, None, prompts, params)

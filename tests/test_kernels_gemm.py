@@ -4,7 +4,10 @@ too): every row each computes is bitwise the row the GEMV computes, at every wid
 every projection shape of the packaged models (random weights of those shapes; the LM heads on their first rows),
 against each GEMV ISA path; 'auto' hands wide calls to it only from the measured width on, to the VNNI side under a
 $DRAFTWISE_MAX_ISA=avx512 cap and to none below it; and the check used here catches a planted kernel whose reduction
-order depends on the width. No timing asserts. Skipped where the CPU has neither: there 'auto' never leaves the GEMV."""
+order depends on the width. q5x8 (GGUF Q5_K: csrc/q4x8.h's fifth-bit plane) has the VNNI side alone, also on AMX
+CPUs (the tiles carry no plane): its rows are the q5x8 GEMV's at widths 1..96 and past the chunk, on 1 and 2
+threads, on every GEMV path, through its own switch, and a planted reduction fails there too. No timing asserts.
+Skipped where the CPU has neither: there 'auto' never leaves the GEMV."""
 from __future__ import annotations
 
 import json
@@ -16,8 +19,9 @@ import pytest
 import torch
 
 from draftwise.kernels import library, q4x8
-from draftwise.kernels.linear import Q4x8Linear
-from tests.harness import KS, SHAPES, WIDTHS, first_inexact_width, ops, side, threads, wide_x  # noqa: F401 (fixtures)
+from draftwise.kernels.linear import Q4x8Linear, Q5X8Linear, block_paths
+from tests.harness import (KS, SHAPES, WIDTHS, first_inexact_width, ops, side, threads, wide_state,  # noqa: F401
+                           wide_x)
 
 WIDE_KIND = "q4x8"  # the `ops` fixture's kernel
 
@@ -239,3 +243,113 @@ def test_the_wide_sides_report_lists_every_kernel_with_a_wide_side(ops):
         assert {r["kernel"]: r for r in library.wide_sides()}["q6m"]["from_rows"] is None
     finally:
         q6m.set_wide_min_rows(before)
+
+
+# q5x8 (GGUF Q5_K): the VNNI side with the fifth-bit plane; WIDTHS_Q5X8 reach past a 48-row chunk (csrc/gemm_wide.h)
+WIDTHS_Q5X8 = [*range(1, 97), 143, 144, 145, 191, 200]
+
+
+@pytest.fixture(scope="module")
+def q5x8_ops(ops):  # ops: skipped where q4x8 has no wide side (q5x8's is q4x8's VNNI side)
+    lib = torch.ops.draftwise_q5x8
+    assert lib.wide_available() and lib.wide_kind() == "vnni"  # never "amx": the AMX tiles carry no plane
+    return lib
+
+
+def _q5x8_linear(N: int, K: int, seed: int, path: str = "avx512", bias: bool = True) -> Q5X8Linear:
+    """Random q5x8 parts over their whole ranges: 5-bit values, 8-bit sub-scales and mins (Q5_K's are 6-bit), and
+    a group at the extreme (every value 31, sc 255: |isum| and |isc| at their bounds, csrc/q4x8.h)."""
+    g = torch.Generator().manual_seed(seed)
+    G = K // 32
+    parts = {"q": torch.randint(0, 32, (N, K), generator=g, dtype=torch.uint8),
+             "sc": torch.randint(0, 256, (N, G), generator=g, dtype=torch.uint8),
+             "mn": torch.randint(0, 256, (N, G), generator=g, dtype=torch.uint8),
+             "d": torch.rand(N, -(-G // 8), generator=g) * 1e-4, "dmin": torch.rand(N, -(-G // 8), generator=g) * 1e-4}
+    parts["q"][0, :256], parts["sc"][0, :8] = 31, 255
+    return Q5X8Linear(bias=torch.randn(N, generator=g) if bias else None, parts=parts, path=path)
+
+
+def _q5x8_wide(ops, lin: Q5X8Linear, x: torch.Tensor) -> torch.Tensor:  # x [M, K] -> [M, N]
+    b = lin._buffers
+    return ops.wide(x.contiguous(), *(b[n] for n in Q5X8Linear.PACKED), b["bias"], lin.out_features)
+
+
+@pytest.mark.parametrize("K", [1536, 8960])
+def test_q5x8_wide_rows_are_the_gemv_rows_at_every_width_and_thread_count(q5x8_ops, threads, K):
+    lin = _q5x8_linear(40, K, seed=K)
+    x = wide_x(max(WIDTHS_Q5X8), K, seed=K + 1)
+    x[3] = 1.0  # a row of int8 127s: with the extreme group, the integer sums' bounds
+    ref = lin(x)  # the AVX-512 GEMV
+    for i in (0, 1, 3, 47, 48, 199):
+        assert torch.equal(lin(x[i:i + 1]), ref[i:i + 1])
+    for n in (1, 2):
+        threads(n)
+        assert first_inexact_width(lambda xs: _q5x8_wide(q5x8_ops, lin, xs), x, ref, WIDTHS_Q5X8) is None, (K, n)
+
+
+def test_q5x8_wide_rows_are_every_gemv_paths_rows(q5x8_ops):
+    x = wide_x(64, 1536, seed=7)
+    x[3] = -1.0
+    for path in block_paths("q5x8"):
+        lin = _q5x8_linear(40, 1536, seed=8, path=path, bias=False)
+        ref = lin(x)
+        assert first_inexact_width(lambda xs: _q5x8_wide(q5x8_ops, lin, xs), x, ref, range(1, 65)) is None, path
+
+
+def test_q5x8_auto_takes_the_wide_side_from_its_own_switch_and_stays_exact(q5x8_ops, ops):
+    """Q5X8Linear's path 'auto' (the linear op hands it over: csrc/q4x8.cpp) switches at q5x8's wide_min_rows, which
+    is not q4x8's; the rows do not change across it; a plane of the wrong size is refused."""
+    auto, gemv = _q5x8_linear(40, 1536, seed=9, path="auto"), _q5x8_linear(40, 1536, seed=9, path="avx512")
+    x = wide_x(96, 1536, seed=10)
+    ref = gemv(x)
+    before, before_q4x8 = q5x8_ops.wide_min_rows(), ops.wide_min_rows()
+    try:
+        ops.set_wide_min_rows(2 ** 40)
+        for at in (2, 33):
+            q5x8_ops.set_wide_min_rows(at)
+            assert q5x8_ops.wide_takes(at) and not q5x8_ops.wide_takes(at - 1)
+            assert first_inexact_width(auto, x, ref, range(1, 97)) is None, at
+    finally:
+        q5x8_ops.set_wide_min_rows(before)
+        ops.set_wide_min_rows(before_q4x8)
+    b = gemv._buffers
+    with pytest.raises(RuntimeError, match="qh: bad shape"):
+        q5x8_ops.wide(x, b["packed"], b["qh"][:1], b["sc"], b["mn"], b["d"], b["dmin"], None, 40)
+
+
+def test_q5x8_wide_side_is_vnni_only_and_obeys_the_isa_cap(q5x8_ops):
+    """No cap (an AMX CPU included) and an avx512 cap: the VNNI side; avx2: none (a fresh process: read once)."""
+    assert wide_state("q5x8", DRAFTWISE_WIDE_MIN_ROWS="48") == [True, 48, True, "vnni"]
+    assert wide_state("q5x8", DRAFTWISE_MAX_ISA="avx512", DRAFTWISE_WIDE_MIN_ROWS="48") == [True, 48, True, "vnni"]
+    assert wide_state("q5x8", DRAFTWISE_MAX_ISA="avx2")[0] is False
+
+
+def test_a_planted_width_dependent_reduction_fails_the_q5x8_check(q5x8_ops):
+    """The q5x8 wide side's rows from 33 rows on summed in reverse super-block order (planted: the same exact
+    integer terms, another float order) are caught."""
+    N, K = 40, 1536
+    lin = _q5x8_linear(N, K, seed=11)
+    parts = _q5x8_parts(lin)
+    S = K // 256
+    rev = {"q": parts["q"].view(N, S, 256).flip(1).reshape(N, K), "sc": parts["sc"].view(N, S, 8).flip(1).reshape(N, -1),
+           "mn": parts["mn"].view(N, S, 8).flip(1).reshape(N, -1), "d": parts["d"].flip(1), "dmin": parts["dmin"].flip(1)}
+    lin_rev = Q5X8Linear(bias=lin.bias, parts={k: v.contiguous() for k, v in rev.items()})
+    x = wide_x(64, K, seed=12)
+    ref = lin(x)
+
+    def planted(xs):
+        if xs.shape[0] <= 32:
+            return _q5x8_wide(q5x8_ops, lin, xs)
+        return _q5x8_wide(q5x8_ops, lin_rev, xs.view(-1, S, 256).flip(1).reshape(-1, K))
+
+    assert first_inexact_width(lambda xs: _q5x8_wide(q5x8_ops, lin, xs), x, ref, range(1, 65)) is None
+    assert first_inexact_width(planted, x, ref, range(1, 65)) == 33
+    assert torch.allclose(planted(x), ref, rtol=1e-4, atol=1e-4)  # close (same integers): only exactness tells
+
+
+def _q5x8_parts(lin: Q5X8Linear) -> dict:
+    """The q5x8 parts a module holds (kernels/ggml_blocks.py unpack_q5x8), its N rows."""
+    from draftwise.kernels import ggml_blocks
+
+    parts = ggml_blocks.unpack_q5x8(lin._buffers, 0, -(-lin.out_features // 16))
+    return {k: v[:lin.out_features] for k, v in parts.items()}

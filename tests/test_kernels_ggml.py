@@ -10,20 +10,21 @@ import pytest
 import torch
 
 from draftwise.kernels import autotune, ggml_blocks
-from draftwise.kernels.linear import (LINEARS, Q4CLinear, Q5MLinear, Q6KLinear, Q80Linear, Q81Linear, available, block_paths,
-                                     merge)
+from draftwise.kernels.linear import (LINEARS, Q4CLinear, Q5MLinear, Q5X8Linear, Q6KLinear, Q80Linear, Q81Linear, available,
+                                     block_paths, merge)
 from draftwise.kernels.probe import probe
 
 WIDTHS = range(1, 97)  # 8 sequences x 12 tokens: every step width the engine runs
 THREADS = [1, 2]
-KERNELS = {"q6k": Q6KLinear, "q8_0": Q80Linear, "q8_1": Q81Linear, "q4c": Q4CLinear, "q5m": Q5MLinear}
+KERNELS = {"q6k": Q6KLinear, "q8_0": Q80Linear, "q8_1": Q81Linear, "q4c": Q4CLinear, "q5m": Q5MLinear, "q5x8": Q5X8Linear}
 # (N, K) of the packaged models' tensors stored in these types (models/gguf.py types of the two Qwen GGUFs), the
 # LM heads cut to their first 1024 rows (the same K and layout; rows only repeat the work)
 PACKAGED = {
     "q6k": [(256, 1536), (1536, 8960), (896, 4864), (1024, 1536)],  # 1.5B attn_v, ffn_down, 0.5B ffn_down, head
     "q8_0": [(896, 896), (128, 896), (4864, 896), (896, 4864), (1024, 896)],  # 0.5B q/o, k/v, gate/up, down, head
     "q8_1": [(256, 1536), (1536, 8960)],  # the 1.5B's shapes a Q5_K_M file stores in Q5_K: attn_k, ffn_down
-    "q5m": [(256, 1536), (1536, 8960)],  # the same Q5_K tensors held as the table holds them now
+    "q5m": [(256, 1536), (1536, 8960)],  # the same shapes in a Q5_1 file
+    "q5x8": [(256, 1536), (1536, 8960)],  # the same Q5_K tensors held as the table holds them now
     "q4c": [(256, 1536), (8960, 1536)],  # a Q4_0 / IQ4_XS file's attn_k, ffn_gate
 }
 

@@ -720,9 +720,9 @@ class Q80Linear(_BlockLinear):
 
 
 class Q81Linear(_BlockLinear):
-    """Ours: weights with a min per 32 (GGUF Q4_1, Q5_1, Q5_K parts; the table holds those types on q5m) held exactly as int8 per 32 with a scale and a min, w = d * v + m
+    """Ours: weights with a min per 32 (GGUF Q4_1, Q5_1 parts; the table holds those types on q5m) held exactly as int8 per 32 with a scale and a min, w = d * v + m
     (kernels/ggml_blocks.py, csrc/q8_0.h's min term) x int8 activations per row and 32 K values with their sums
-    (GGUF's Q8_1, as llama.cpp pairs Q4_1 / Q5_1; finer than the Q8_K it pairs with Q5_K); AVX-512 VNNI / AVX2 /
+    (GGUF's Q8_1, as llama.cpp pairs Q4_1 / Q5_1); AVX-512 VNNI / AVX2 /
     scalar, bitwise the same. Q81Linear(weight [N, K], bias) quantizes a float weight as ggml's Q5_1;
     `from_blocks` takes the types' blocks as they are."""
 

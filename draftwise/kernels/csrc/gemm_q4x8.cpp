@@ -207,6 +207,7 @@ TORCH_LIBRARY_FRAGMENT(draftwise_q5x8, m) {
           "-> Tensor");
     m.def("wide_vnni(Tensor x, Tensor packed, Tensor qh, Tensor sc, Tensor mn, Tensor d, Tensor dmin, Tensor? bias, "
           "int N) -> Tensor");
+    m.def("wide_takes(int rows) -> bool", [](int64_t M) { return dw_wide_takes(M, true); });
     dw_def_wide_ops<q5x8_switch, dw_vnni_only_side>(m);
 }
 
