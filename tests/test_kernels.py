@@ -251,14 +251,18 @@ def test_q4x8_short_last_super_block(paths, K):
         assert torch.equal(Q4x8Linear.from_parts(parts, bias, path=paths[-1])(x[:M]), ys[paths[-1]][:M])
 
 
-def test_q4x8_integer_terms_do_not_overflow(paths):
+@pytest.mark.parametrize("top", [15, 31])
+def test_q4x8_integer_terms_do_not_overflow(paths, top):
     """The extremes of q4x8.h's integer terms: q = 15, sc = mn = 255 and activations all +-127 give per group
     isum = +-60960 and qsum = +-4064, per super-block isc = sc * isum summed = +-124,358,400 (int32; AVX2 sums
     int16 lanes of +-30480 before its madd) and imn = +-8,290,560 (VPDPWSSD pairs +-2,072,640). Any wrap in int16 or
-    int32 would be far off the exact K * (255 * 15 - 255) * x; a short last super-block (K = 864) is included."""
+    int32 would be far off the exact K * (255 * 15 - 255) * x; a short last super-block (K = 864) is included.
+    top = 31: q5x8 (the fifth-bit plane), isum +-125,984, isc +-257,007,360, AVX2's int16 lanes +-31,496 (its sums
+    taken every 2 chunks)."""
     N, K = 32, 864
     G, S = K // 32, -(-K // 256)
-    parts = {"q": torch.full((N, K), 15, dtype=torch.uint8), "sc": torch.full((N, G), 255, dtype=torch.uint8),
+    cls = {15: Q4x8Linear, 31: LINEARS["q5x8"]}[top]
+    parts = {"q": torch.full((N, K), top, dtype=torch.uint8), "sc": torch.full((N, G), 255, dtype=torch.uint8),
              "mn": torch.full((N, G), 255, dtype=torch.uint8), "d": torch.ones(N, S), "dmin": torch.ones(N, S)}
     parts["mn"][N // 2:] = 0  # half the columns without the min term: the scale term alone at its extreme
     x = torch.ones(5, K)  # [5, K]: q = +127 everywhere
@@ -267,11 +271,11 @@ def test_q4x8_integer_terms_do_not_overflow(paths):
     x[3] *= 3e4  # the scale cancels: still q = 127
     x[4, :256] = -1e-3  # per super-block scales differ within the row
     exact = x.double() @ q4x8.dequantize_q4(parts).double().T  # [5, N]
-    assert float(exact.abs().max()) == K * 255 * 15 * 3e4  # the weights really are at the extremes
+    assert float(exact.abs().max()) == K * 255 * top * 3e4  # the weights really are at the extremes
     for p in paths:
-        y = Q4x8Linear.from_parts(parts, path=p)(x)
+        y = cls(parts=parts, path=p)(x)
         assert float((y.double() - exact).abs().max() / exact.abs().max()) < 1e-6, p
-        assert torch.equal(y, Q4x8Linear.from_parts(parts, path="scalar")(x)), p
+        assert torch.equal(y, cls(parts=parts, path="scalar")(x)), p
 
 
 def test_q4x8_forced_avx2_path_matches_reference(paths):

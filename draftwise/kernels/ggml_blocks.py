@@ -1,8 +1,9 @@
-"""GGUF block types other than Q4_K, read exactly and packed for our kernels: Q6_K and Q3_K for csrc/q6k.h, Q2_K for
+"""GGUF block types other than Q4_K, read exactly and packed for our kernels: Q5_K for csrc/q4x8.h with its fifth-bit
+plane (the q5x8 kernel: q4x8's parts and packing, kernels/q4x8.py, plus the plane); Q6_K and Q3_K for csrc/q6k.h, Q2_K for
 its min-term form (the q6m kernel: w = d * sc * (q - 32) - dmin * m per 16); Q8_0 and
 Q5_0 for csrc/q8_0.h (values exact in int8, group scales held exactly in the narrowest of its scale forms: the fp16
-the file stores, or SUB8's int8 per group times an fp16 per 256 for IQ4_XS and Q5_K), Q4_0, IQ4_NL and IQ4_XS for its 4-bit
-codes form (the q4c kernel: a 16-entry table), Q4_1, Q5_1 and Q5_K for its codes, fifth-bit plane and min-term form
+the file stores, or SUB8's int8 per group times an fp16 per 256 for IQ4_XS), Q4_0, IQ4_NL and IQ4_XS for its 4-bit
+codes form (the q4c kernel: a 16-entry table), Q4_1 and Q5_1 for its codes, fifth-bit plane and min-term form
 (the q5m kernel: w = d * v + m per 32; q8_1 holds the same parts as bytes), plus simple quantizers that build the same layouts from
 float weights (tests, `make_linear`, a dense checkpoint pinned to these kernels). Which type goes to which kernel
 is kernels/blocktypes.py's table; here are the block layouts.
