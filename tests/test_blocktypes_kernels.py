@@ -114,6 +114,26 @@ def test_every_path_is_the_dequantized_weight_times_the_quantized_activations(ki
     assert err < 1e-5, err  # float32 steps over exact integer sums: only their rounding remains
 
 
+@pytest.mark.parametrize("kind", ["Q8_0", "Q4_0", "Q4_1"])  # csrc/q8_0.h's bytes; codes; codes, plane and min
+def test_a_nan_activation_is_quantized_alike_on_every_path(kind, machine):
+    """The per-32 activation quantizer's two forms (q8_0.cpp's scalar one, the scalar and AVX2 GEMVs'; the vector one
+    of the AVX-512 GEMV and the wide side) pass a NaN value over as fmax does (the group's scale from the rest): a
+    row with NaNs gives every path, and path 'auto' at the wide side's widths, the scalar path's output (NaN where
+    it is NaN, else bitwise)."""
+    cls = _kernel(kind, machine)
+    N, K = 40, 512
+    raw = _random_blocks(kind, N, K, seed=6)
+    x = torch.randn(20, K)
+    x[1, 5] = x[3, 40] = x[3, 300] = float("nan")
+    x[4, 32:64] = float("nan")  # a whole group
+    ref = _on(cls.from_blocks(kind, raw, N, K), "scalar")(x)
+    assert ref[0].isfinite().all()
+    for p in [*block_paths(cls.name), "auto"]:
+        y = _on(cls.from_blocks(kind, raw, N, K), p)(x)
+        assert torch.equal(y.isnan(), ref.isnan()), p
+        assert torch.equal(torch.nan_to_num(y, nan=0.0), torch.nan_to_num(ref, nan=0.0)), p
+
+
 def _fma32(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
     """float32 fma(a, b, c) elementwise, exactly (one rounding), from float64: a * b is exact in float64, s = a * b
     + c rounds once more, e (TwoSum) is what that rounding lost; rounding s to float32 is then the one rounding of

@@ -21,9 +21,6 @@
 #include "gemm_q8_0.h"
 #include "gemm_wide.h"
 
-extern "C" void dw_q80_quantize_rows_avx512(const float* x, int64_t M, int64_t K, int8_t* q, float* dx,
-                                            int32_t* qoff, int32_t* qsum, int64_t r0, int64_t r1);
-
 #ifndef DW_HAVE_X86
 extern "C" void dw_q80_quantize_rows_avx512(const float*, int64_t, int64_t, int8_t*, float*, int32_t*, int32_t*,
                                             int64_t, int64_t) {}

@@ -1,14 +1,17 @@
 // q8_0: the torch operators of the per-32 block types x Q8_0 activations (torch.ops.draftwise_q8_0.linear; q8_1:
 // the same kernel with a min term; q4c: its 4-bit codes form; q5m: codes, fifth-bit plane and min term, q8_0.h)
 // and their scalar path.
-// Owns: argument checks, the activation quantization per group of 32 (one scalar implementation serves every GEMV
-// path, so its bits cannot differ between them; the wide side's vector form is bitwise it), which cpuid features
+// Owns: argument checks, the activation quantization per group of 32 (its scalar form, the scalar and AVX2 GEMVs';
+// the AVX-512 GEMV and the wide side take its vector form, gemm_q8_0_avx512.cpp, bitwise it), which cpuid features
 // each ISA unit needs (dispatch.h's rule picks the path) and handing path-'auto' calls from the kernel's switch width
 // on (and the `wide` ops' calls) to the wide side (gemm_q8_0.cpp); the thread split is block_op.h's. Knows nothing of models or files; the layout and the arithmetic are
 // defined in q8_0.h. The scalar path performs the exact float sequence of the SIMD paths.
 #include <torch/library.h>
 #include <ATen/ops/empty.h>
 #include <cmath>
+#if defined(__x86_64__)
+#include <xmmintrin.h>
+#endif
 #include "block_op.h"
 #include "dispatch.h"
 #include "gemm_q8_0.h"
@@ -20,20 +23,36 @@ namespace {
 constexpr dwisa::Isa ISA{"q8_0", {0, dwisa::F_AVX2 | dwisa::F_FMA | dwisa::F_F16C,
                                   dwisa::F_AVX512F | dwisa::F_AVX512BW | dwisa::F_AVX512VL | dwisa::F_AVX512VNNI}};
 
+// x rounded to an int32 in the current rounding mode (round half to even), as (int32_t) nearbyint(x) and the SIMD
+// conversions (CVTPS2DQ) give it, NaN included (INT32_MIN); on x86-64 one CVTSS2SI, where nearbyintf is a library
+// call (the baseline ISA has no ROUNDSS) that cost a one-row call at K = 8960 ~30 us on a Zen 4.
+inline int32_t round_even(float x) {
+#if defined(__x86_64__)
+    return _mm_cvtss_si32(_mm_set_ss(x));
+#else
+    return (int32_t)std::nearbyint(x);
+#endif
+}
+
+}  // namespace
+
 // x [M, K] -> q [G, M, 32], dx [G, M], qoff [G, M], qsum [G, M] for rows [r0, r1) (q8_0.h)
-void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* q, float* dx, int32_t* qoff, int32_t* qsum,
-                   int64_t r0, int64_t r1) {
+extern "C" void dw_q80_quantize_rows_scalar(const float* x, int64_t M, int64_t K, int8_t* q, float* dx,
+                                            int32_t* qoff, int32_t* qsum, int64_t r0, int64_t r1) {
     const int64_t G = K / 32;
     for (int64_t r = r0; r < r1; ++r)
         for (int64_t g = 0; g < G; ++g) {
             const float* p = x + r * K + g * 32;
             float amax = 0.0f;
-            for (int i = 0; i < 32; ++i) amax = std::fmax(amax, std::fabs(p[i]));
+            for (int i = 0; i < 32; ++i) {  // fmax(amax, |x|), NaN ignored, as a compare (inlined; fmaxf is a call)
+                const float a = std::fabs(p[i]);
+                amax = a > amax ? a : amax;
+            }
             const float id = amax > 0.0f ? 127.0f / amax : 0.0f;
             int8_t* o = q + (g * M + r) * 32;
             int32_t sum = 0;
             for (int i = 0; i < 32; ++i) {
-                const int32_t v = (int32_t)std::nearbyint(p[i] * id);
+                const int32_t v = round_even(p[i] * id);
                 o[i] = (int8_t)v;
                 sum += v;
             }
@@ -42,8 +61,6 @@ void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* q, float* dx, i
             qsum[g * M + r] = sum;
         }
 }
-
-}  // namespace
 
 extern "C" void dw_q80_gemm_scalar(const DwQ80* w, const DwQ80Act* a, float* out, int64_t b0, int64_t b1) {
     const int64_t G = w->G, M = a->M;
@@ -127,7 +144,9 @@ at::Tensor dw_q80_linear(const at::Tensor& x, const at::Tensor& qw, const std::o
         int32_t* qop = s.make<int32_t>({G, M}, at::kInt);
         int32_t* qsp = s.make<int32_t>({G, M}, at::kInt);
         const float* xp = x.data_ptr<float>();
-        dwop::over_rows(M, K, [&](int64_t r0, int64_t r1) { quantize_rows(xp, M, K, qp, dxp, qop, qsp, r0, r1); });
+        const auto quantize = dwisa::pick(path, dw_q80_quantize_rows_scalar, dw_q80_quantize_rows_scalar,
+                                          dw_q80_quantize_rows_avx512);
+        dwop::over_rows(M, K, [&](int64_t r0, int64_t r1) { quantize(xp, M, K, qp, dxp, qop, qsp, r0, r1); });
         const auto gemm = dwisa::pick(path, dw_q80_gemm_scalar, dw_q80_gemm_avx2, dw_q80_gemm_avx512);
         DwQ80Act a{qp, dxp, qop, qsp, M};
         dwop::over_blocks(NB, [&](int64_t b0, int64_t b1) { gemm(&w, &a, yp, b0, b1); });

@@ -109,6 +109,14 @@ struct DwQ80Act {
     int64_t M;
 };
 
+// x [M, K] -> q [G, M, 32], dx [G, M], qoff [G, M], qsum [G, M] for rows [r0, r1): the activation quantization
+// above, the scalar form (q8_0.cpp: the scalar and AVX2 GEMVs') and the AVX-512 one (gemm_q8_0_avx512.cpp: the
+// AVX-512 GEMV's and the wide side's), bitwise the same
+void dw_q80_quantize_rows_scalar(const float* x, int64_t M, int64_t K, int8_t* q, float* dx, int32_t* qoff,
+                                 int32_t* qsum, int64_t r0, int64_t r1);
+void dw_q80_quantize_rows_avx512(const float* x, int64_t M, int64_t K, int8_t* q, float* dx, int32_t* qoff,
+                                 int32_t* qsum, int64_t r0, int64_t r1);
+
 // out [M, N] float32 for the 16-column blocks [b0, b1), all M rows
 void dw_q80_gemm_scalar(const DwQ80* w, const DwQ80Act* a, float* out, int64_t b0, int64_t b1);
 void dw_q80_gemm_avx2(const DwQ80* w, const DwQ80Act* a, float* out, int64_t b0, int64_t b1);
