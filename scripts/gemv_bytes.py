@@ -54,11 +54,15 @@ def make(kind: str, N: int, K: int, seed: int) -> torch.nn.Module:
     raise ValueError(f"unknown kernel {kind!r}")
 
 
-def time_shape(kind: str, N: int, K: int, passes: int, threads: int) -> dict:
-    """Seconds per call (wall, and the calling thread's CPU at 1 thread), best pass of `passes` over the copies."""
+def copies(kind: str, N: int, K: int) -> list[torch.nn.Module]:
+    """Enough random [N, K] weights on `kind` to hold MIN_BYTES together (at least 2)."""
     first = make(kind, N, K, 0)
-    nbytes = first.weight_bytes
-    mods = [first] + [make(kind, N, K, i) for i in range(1, max(2, -(-MIN_BYTES // nbytes)))]
+    return [first] + [make(kind, N, K, i) for i in range(1, max(2, -(-MIN_BYTES // first.weight_bytes)))]
+
+
+def time_calls(mods: list[torch.nn.Module], passes: int, threads: int) -> dict:
+    """Seconds per call (wall, and the calling thread's CPU at 1 thread), best pass of `passes` over the copies."""
+    nbytes, K = mods[0].weight_bytes, mods[0].in_features
     x = torch.randn(1, K)
     torch.set_num_threads(threads)
     for m in mods:
@@ -87,12 +91,14 @@ def main() -> None:
     args = ap.parse_args()
     library.load()
     rows = []
-    for t in (int(s) for s in args.threads.split(",")):
-        stream = measure_stream_bandwidth(threads=t)
-        for kind in args.kernels.split(","):
-            for name in args.shapes.split(","):
-                r = time_shape(kind, *SHAPES[name], args.passes, t)
-                rows.append({"kernel": kind, "shape": name, "threads": t, "stream_gbs": stream, **r})
+    threads = [int(s) for s in args.threads.split(",")]
+    stream = {t: measure_stream_bandwidth(threads=t) for t in threads}
+    for kind in args.kernels.split(","):
+        for name in args.shapes.split(","):
+            mods = copies(kind, *SHAPES[name])
+            for t in threads:
+                r = time_calls(mods, args.passes, t)
+                rows.append({"kernel": kind, "shape": name, "threads": t, "stream_gbs": stream[t], **r})
     if args.json:
         print(json.dumps(rows))
         return
