@@ -23,7 +23,8 @@ from draftwise.kernels.linear import LINEARS
 from draftwise.kernels.probe import measure_stream_bandwidth
 
 SHAPES = {"qkv 2048x1536": (2048, 1536), "o 1536x1536": (1536, 1536), "gate|up 17920x1536": (17920, 1536),
-          "down 1536x8960": (1536, 8960)}
+          "down 1536x8960": (1536, 8960), "16x1536": (16, 1536), "16x8960": (16, 8960)}  # the last two: one block,
+# with --copies 2 cache-resident: the call is its activation quantization and the op's fixed cost
 MIN_BYTES = 96 << 20  # every shape's copies together: past the L3, so each call reads DRAM
 
 
@@ -54,10 +55,11 @@ def make(kind: str, N: int, K: int, seed: int) -> torch.nn.Module:
     raise ValueError(f"unknown kernel {kind!r}")
 
 
-def copies(kind: str, N: int, K: int) -> list[torch.nn.Module]:
-    """Enough random [N, K] weights on `kind` to hold MIN_BYTES together (at least 2)."""
+def copies(kind: str, N: int, K: int, count: int | None = None) -> list[torch.nn.Module]:
+    """`count` random [N, K] weights on `kind`, default enough to hold MIN_BYTES together (at least 2)."""
     first = make(kind, N, K, 0)
-    return [first] + [make(kind, N, K, i) for i in range(1, max(2, -(-MIN_BYTES // first.weight_bytes)))]
+    count = count or max(2, -(-MIN_BYTES // first.weight_bytes))
+    return [first] + [make(kind, N, K, i) for i in range(1, count)]
 
 
 def time_calls(mods: list[torch.nn.Module], passes: int, threads: int) -> dict:
@@ -87,6 +89,7 @@ def main() -> None:
     ap.add_argument("--threads", default="1,2")
     ap.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated names of SHAPES")
     ap.add_argument("--passes", type=int, default=20)
+    ap.add_argument("--copies", type=int, default=None, help="copies of each weight (default: >= 96 MiB of them)")
     ap.add_argument("--json", action="store_true", help="one JSON line instead of the table")
     args = ap.parse_args()
     library.load()
@@ -95,7 +98,7 @@ def main() -> None:
     stream = {t: measure_stream_bandwidth(threads=t) for t in threads}
     for kind in args.kernels.split(","):
         for name in args.shapes.split(","):
-            mods = copies(kind, *SHAPES[name])
+            mods = copies(kind, *SHAPES[name], args.copies)
             for t in threads:
                 r = time_calls(mods, args.passes, t)
                 rows.append({"kernel": kind, "shape": name, "threads": t, "stream_gbs": stream[t], **r})
