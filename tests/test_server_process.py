@@ -238,3 +238,67 @@ def test_server_nice_never_raises_a_priority():
 
     with pytest.raises(ConfigError, match="--server-nice must be >= 0"):
         lower_priority(-1)
+
+
+def test_an_idle_engine_admits_requests_sent_together_in_one_step(monkeypatch):
+    """serve_engine, idle, takes the requests that arrive a few ms apart (as the server tokenizes concurrent
+    clients one after another) before its first step, so they are prefilled together; planted: without the
+    admission window the first step runs the first request alone (the waves of the sixth session's server runs)."""
+    from types import SimpleNamespace
+
+    from draftwise.server import engine_host
+
+    class Done(BaseException):  # ends the loop from inside step (serve_engine catches Exception only)
+        pass
+
+    class Conn:  # commands become readable at their offsets (s) from the first recv
+        def __init__(self, offsets):
+            self.cmds = [(o, ("add", engine_host.AddCommand(f"r{i}", [1, 2, 3], SamplingParams(max_tokens=1))))
+                         for i, o in enumerate(offsets)]
+            self.t0 = None
+
+        def _ready(self):
+            return self.cmds and time.perf_counter() - self.t0 >= self.cmds[0][0]
+
+        def poll(self, timeout=0.0):
+            end = time.perf_counter() + timeout
+            while not self._ready() and time.perf_counter() < end:
+                time.sleep(0.0002)
+            return bool(self._ready())
+
+        def recv(self):
+            if self.t0 is None:
+                self.t0 = time.perf_counter()
+            while not self._ready():
+                time.sleep(0.0002)
+            return self.cmds.pop(0)[1]
+
+        def send(self, msg):
+            pass
+
+    class LLM:
+        def __init__(self):
+            self.pending, self.batches = [], []
+
+        def has_unfinished(self):
+            return bool(self.pending)
+
+        def new_request(self, prompt, params):
+            return SimpleNamespace(), None
+
+        def add_request(self, req):
+            self.pending.append(req)
+
+        def step(self):
+            self.batches.append(len(self.pending))
+            raise Done
+
+    def first_step(window):
+        monkeypatch.setattr(engine_host, "ADMIT_WINDOW_S", window)
+        llm = LLM()
+        with pytest.raises(Done):
+            engine_host.serve_engine(llm, Conn([0.0, 0.003, 0.006, 0.009]))
+        return llm.batches[0]
+
+    assert first_step(engine_host.ADMIT_WINDOW_S) == 4
+    assert first_step(0.0) < 4  # planted: no window (the first step starts before the last request is in)

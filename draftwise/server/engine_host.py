@@ -1,11 +1,12 @@
 """The engine's side of the server: who owns the LLM, how it is stepped, and the pipe it talks over.
 
 `serve_engine(llm, conn)` is the step loop: it takes commands from `conn` (a multiprocessing Connection) between
-steps (blocking on it when idle), steps the LLM while there is work, and sends ONE message per step with every
-request's new token ids, finish, logprobs and the step's speculation figures, plus a snapshot of the engine's
-counters for /metrics. It owns the LLM, its grammar states (structured outputs are compiled and advanced here) and
-its suffix caches; it knows nothing of HTTP, text deltas or admission. Detokenization for the response happens on
-the other side (runner.py); this side detokenizes only requests with stop strings (the engine must stop at one).
+steps (blocking on it when idle, then a few ms more for requests sent together: ADMIT_WINDOW_S), steps the LLM
+while there is work, and sends ONE message per step with every request's new token ids, finish, logprobs and the
+step's speculation figures, plus a snapshot of the engine's counters for /metrics. It owns the LLM, its grammar
+states (structured outputs are compiled and advanced here) and its suffix caches; it knows nothing of HTTP, text
+deltas or admission. Detokenization for the response happens on the other side (runner.py); this side detokenizes
+only requests with stop strings (the engine must stop at one).
 
 Two hosts run that loop: `EngineProcess(factory)` in a child process that builds the LLM itself (what `draftwise
 serve` uses: the engine never shares a GIL with the event loop), and `EngineThread(llm)` on a thread of this
@@ -170,6 +171,15 @@ class EngineFront:
 
 
 # ---- the step loop (the engine's side) --------------------------------------------------------------------------
+# An idle engine, woken by a command, waits up to ADMIT_WINDOW_S for the next one after each arrival (no longer than
+# ADMIT_WINDOW_MAX_S in all) before its first step, so clients that send together are prefilled together: the
+# server tokenizes requests one after another, a few ms apart, and a step started on the first alone put the rest
+# a whole prefill behind it (waves of 1 + 3 or 2 + 2 at 4 clients, by chance, PERFORMANCE.md's sixth-session
+# entry). A busy engine never waits: what arrived during a step is admitted before the next.
+ADMIT_WINDOW_S = 0.005
+ADMIT_WINDOW_MAX_S = 0.025
+
+
 def serve_engine(llm, conn) -> None:
     """Step `llm` for the server at the other end of `conn` until told to stop or the pipe closes."""
     live: dict[str, object] = {}  # request id -> engine.Request
@@ -183,13 +193,15 @@ def serve_engine(llm, conn) -> None:
         try:
             if idle or conn.poll():
                 cmd, aborted = conn.recv(), False
+                until = time.perf_counter() + ADMIT_WINDOW_MAX_S if idle else None  # the idle engine's window
                 while True:
                     if cmd[0] == "stop":
                         conn.send(("stopped",))
                         return
                     _handle(llm, conn, live, cmd)
                     aborted = aborted or cmd[0] == "abort"
-                    if not conn.poll():
+                    wait = 0.0 if until is None else max(0.0, min(ADMIT_WINDOW_S, until - time.perf_counter()))
+                    if not conn.poll(wait):
                         break
                     cmd = conn.recv()
                 if aborted:  # slots freed with no step to follow: /metrics should see it now
