@@ -172,7 +172,8 @@ def test_one_definition_of_the_bytes_a_decode_step_reads(tiny_gguf_path, tiny_ll
     """The step bytes the comparison scripts print (scripts/compare.py, scripts/moe_vs_llamacpp.py): on an F32 file
     loaded under the fp32 plan (every tensor held as stored) the file's count and the loaded model's agree to the
     byte, untied head and tied (the embedding table read whole as the head, plus one row); a mixture's stacked
-    experts count for top-k / experts on both sides, which then differ by the routers' float64 copies alone; a
+    experts count for top-k / experts on both sides and then agree too where the routers' forward is fused (a step
+    reads their float32 weights), or differ by the routers' float64 copies alone where it is not; a
     q4x8 step kernel with a dense prefill half (SplitLinear) reads what the all-q4x8 plan reads, its step half.
     Planted (below): the file's count without its norms, or without the tied head, or the plan's with both halves
     of a SplitLinear, each misses."""
@@ -203,8 +204,12 @@ def test_one_definition_of_the_bytes_a_decode_step_reads(tiny_gguf_path, tiny_ll
     experts = sum(int(t.n_bytes) for t in g.reader.tensors if "_exps" in t.name)
     assert stored.parts["experts"] == experts * g.config.num_experts_per_tok / g.config.num_experts > 0
     model, _, _ = load_model(str(moe), cache_dir=cache, weights="fp32")
-    routers = sum(m.weight.nbytes for m in model.modules() if isinstance(m, Router))
-    assert memory.plan_step_bytes(model) == stored.total + routers
+    routers = [m for m in model.modules() if isinstance(m, Router)]
+    assert routers and len({m.fused for m in routers}) == 1
+    copies = 0 if routers[0].fused else sum(m.weight.nbytes for m in routers)
+    assert memory.plan_step_bytes(model) == stored.total + copies
+    model.use_fused_glue(not routers[0].fused)  # the other way: the float64 copies come and go
+    assert memory.plan_step_bytes(model) == stored.total + sum(m.weight.nbytes for m in routers) - copies
 
     if not all(LINEARS[n].available(probe(bandwidth=False)) for n in ("q4x8", "fp32")):
         return

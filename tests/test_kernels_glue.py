@@ -3,8 +3,8 @@
 activation bitwise), every ISA path of the row loops bitwise the portable one, their row-exactness
 (a row's result is bitwise the same alone, inside any batch, from a strided slice, at any thread count), and the
 decoder's use of them (fused == reference within the norm's tolerance for every family; merged + fused
-verification rows are bitwise single steps). Tiny tensors; no timing asserts. The first run builds the C++
-extension once (shared with q4x8)."""
+verification rows are bitwise single steps), and a mixture's router logits (the exact sums) and routing (torch's
+within ulps). Tiny tensors; no timing asserts. The first run builds the C++ extension once (shared with q4x8)."""
 from __future__ import annotations
 
 import pytest
@@ -205,6 +205,47 @@ def test_every_op_is_row_exact(threads):
     for lo, hi in ((0, 1), (37, 38), (99, 100), (10, 19), (50, 100)):
         for part, whole in zip(ops(slice(lo, hi)), full):
             assert torch.equal(part, whole[lo:hi])
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_router_logits_are_the_exact_sums_and_row_exact(threads):
+    """router_logits: each logit within a few float64 ulps of the exact sum (float64 products of float32 values are
+    exact; math.fsum of them is the exact sum rounded once), and each row's logits bitwise the same alone (a decode
+    step) and inside any batch (a verification's rows), at 1 and 2 threads."""
+    import math
+
+    torch.set_num_threads(threads)
+    g = torch.Generator().manual_seed(11)
+    M, E, H = 16, 40, 300  # H not a multiple of 8: the lanes' tail
+    x, w = torch.randn(M, H, generator=g), torch.randn(E, H, generator=g)
+    got = glue.router_logits(x, w)
+    assert got.dtype == torch.float64 and got.shape == (M, E)
+    prods = x.double()[:, None, :] * w.double()[None]  # [M, E, H], exact
+    exact = torch.tensor([[math.fsum(prods[m, e].tolist()) for e in range(E)] for m in range(M)], dtype=torch.float64)
+    scale = prods.abs().sum(-1)  # a sum's rounding error is bounded by ulps of the sum of |terms|
+    assert ((got - exact).abs() <= 4 * H * 2.0 ** -53 * scale).all()
+    for lo, hi in ((0, 1), (7, 8), (15, 16), (3, 12)):
+        assert torch.equal(glue.router_logits(x[lo:hi], w), got[lo:hi])
+
+
+@pytest.mark.parametrize("norm", [False, True])
+def test_route_is_the_torch_routing_within_ulps_and_row_exact(norm):
+    """route: the experts torch's softmax / topk / sort pick (random logits: no ties), the weights within a few
+    float32 ulps of torch's, and each row bitwise the same alone and inside any batch."""
+    g = torch.Generator().manual_seed(12)
+    M, E, k = 40, 64, 8
+    logits = torch.randn(M, E, generator=g, dtype=torch.float64) * 3
+    experts, weights = glue.route(logits, k, norm)
+    probs = torch.softmax(logits.to(torch.float32), dim=-1)
+    w, e = torch.topk(probs, k, dim=-1)
+    if norm:
+        w = w / w.sum(dim=-1, keepdim=True)
+    e, order = e.sort(dim=-1)
+    assert torch.equal(experts, e)
+    assert torch.allclose(weights, w.gather(-1, order), rtol=4e-7, atol=0)
+    for lo, hi in ((0, 1), (13, 14), (39, 40), (5, 14)):
+        part = glue.route(logits[lo:hi], k, norm)
+        assert torch.equal(part[0], experts[lo:hi]) and torch.equal(part[1], weights[lo:hi])
 
 
 # ---- the decoder's use of the ops ------------------------------------------------------------------------

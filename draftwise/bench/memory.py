@@ -41,7 +41,7 @@ and scripts/moe_vs_llamacpp.py print: bytes / streaming-read bandwidth): every w
 biases, norms, routers) once, a mixture's experts for their top-k share, the output head whole (a tied head: the
 embedding table) and one embedding row; the K/V cache left out. `file_step_bytes`: as a GGUF stores them (what
 llama.cpp reads); `plan_step_bytes`: as a loaded model holds them (each linear's stored layout, a SplitLinear's step
-half, a router's float64 copy), from the model it is given.
+half, a router's float64 copy where its forward is not fused), from the model it is given.
 """
 from __future__ import annotations
 
@@ -264,7 +264,8 @@ def file_step_bytes(path: str | Path) -> StepBytes:
 def plan_step_bytes(model) -> float:
     """The step bytes of a loaded Decoder (models/transformer.py) as it holds them: a kernel linear's stored layout
     (LinearImpl.weight_bytes) and bias, a SplitLinear's step half (the one a decode step runs), a plain torch
-    Linear's weight and bias, a Router's float64 copy (what its forward reads), each SparseMoE's experts for top-k
+    Linear's weight and bias, a Router's weight (fused: the float32 weight; else its float64 copy: what its
+    forward reads for a step's rows), each SparseMoE's experts for top-k
     / experts, the embedding (nn.Embedding or a prepared table) for one row, every other module's own
     parameters and buffers (norms)."""
     import torch
@@ -286,8 +287,8 @@ def plan_step_bytes(model) -> float:
             return m.weight_bytes + (bias.nbytes if isinstance(bias, torch.Tensor) else 0)
         if isinstance(m, SplitLinear):
             return walk(m.step)
-        if isinstance(m, Router):
-            return 2 * m.weight.nbytes  # float32 -> its float64 copy
+        if isinstance(m, Router):  # fused: a step's few rows read the float32 weight; else its float64 copy
+            return m.weight.nbytes if m.fused else 2 * m.weight.nbytes
         if isinstance(m, SparseMoE):
             rest = sum(walk(c) for name, c in m.named_children() if name != "experts")
             return rest + sum(walk(e) for e in m.experts) * m.top_k / m.num_experts

@@ -1,6 +1,7 @@
 """The decoder's per-layer glue as single C++ calls (csrc/glue.cpp, built into the one library, kernels/library.py): RMSNorm, the
 residual add fused with the norm after it, RoPE on q and k (after the optional per-head q/k norm; `rope_qk_cache`
-also stores k and v into the layer's KV cache), and the gated activation act(gate) * up. The torch reference
+also stores k and v into the layer's KV cache), the gated activation act(gate) * up, and a mixture's router logits
+(exact float32 products summed in double: `router_logits`) and its softmax / top-k routing (`route`). The torch reference
 takes ~77 top-level calls per layer (180 aten events), which with the Python around them cost ~15 of the ~38 ms
 of a one-token step of the 1.5B; with these ops (and merged projections) a layer makes ~23.
 
@@ -82,6 +83,19 @@ def rope_qk_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.
     (`KVCache.reserve`, `KVCache.extend`). Returns the rotated q, contiguous [..., Hq * D]."""
     return torch.ops.draftwise_glue.rope_qk_cache(q, k, v, cos, sin, head_dim, q_norm, k_norm, eps, offset, keys,
                                                   values, tables, positions)
+
+
+def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [M, H] float32, weight [E, H] float32 -> [M, E] float64: sum_h x[m, h] * weight[e, h], every product exact
+    in double and summed in a fixed order (csrc/glue.cpp), the same for any M and thread split."""
+    return torch.ops.draftwise_glue.router_logits(x, weight)
+
+
+def route(logits: torch.Tensor, k: int, norm: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [M, E] float64 (a router's) -> (experts [M, k] int64 ascending, weights [M, k] float32): the float32
+    softmax, its k largest (ties: the lower expert), divided by their sum where `norm`, sorted by expert
+    (csrc/glue.cpp; within a few ulps of torch's softmax / topk / sort, the same for any M)."""
+    return torch.ops.draftwise_glue.route(logits, k, norm)
 
 
 def glu(gate: torch.Tensor, up: torch.Tensor | None, activation: str) -> torch.Tensor:

@@ -10,8 +10,8 @@ linear. Parameter names equal HF transformers' names
 so a checkpoint's tensors load as they are. After loading, `merge_projections` puts each layer's q/k/v and
 gate/up into one module each where that is bitwise the separate calls (kernels/linear.py, merge: q4x8),
 and `use_fused_glue` routes the glue between the matmuls (RMSNorm, residual add + norm, q/k norm + RoPE + the
-K/V cache write, act(gate) * up) through kernels/glue.py's C++ ops for float32 on CPU; the torch code here is
-their reference and what other dtypes and devices run. Both keep the decoder row-exact. Where every layer
+K/V cache write, act(gate) * up, a step's router logits) through kernels/glue.py's C++ ops for float32 on CPU;
+the torch code here is their reference and what other dtypes and devices run. Both keep the decoder row-exact. Where every layer
 qualifies (q4x8 / q6k / q8_0 projections, gate/up merged, fused glue, our attention op, no sandwich norms), `forward` runs all layers in
 one C++ call (kernels/stack.py: the same ops in the same order, bitwise this file's loop; `Decoder.stack = False`
 keeps the loop).
@@ -286,14 +286,24 @@ class Router(nn.Module):
     gate), a value is the float32 nearest the exact result unless that lies within ~1e-16 of a rounding boundary,
     so a row's routing does not depend on the rows beside it (a float32 GEMM's blocking may change with the row
     count, an elementwise sigmoid rounds its vectorised body and its scalar tail differently, and the last bit of
-    a logit can move a top-k choice)."""
+    a logit can move a top-k choice).
+    Fused (Decoder.use_fused_glue), a call of at most FUSED_MAX_ROWS rows (a decode or verification step) runs
+    kernels/glue.py's router_logits instead: the same exact products, summed in one fixed order for any row count
+    and thread split, read from the float32 weight (half the bytes of the float64 copy, which a step streams
+    every layer); longer calls (prompts) keep the float64 matmul (their value differs from the op's only in the
+    summation order, below the float32 rounding as above)."""
+
+    fused = False  # Decoder.use_fused_glue: few-row calls through the C++ router_logits
+    FUSED_MAX_ROWS = 16
 
     def __init__(self, out: int, dim: int):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out, dim))
-        self._weight64: torch.Tensor | None = None  # float64 copy of weight, made at the first call
+        self._weight64: torch.Tensor | None = None  # float64 copy of weight, made at the first unfused call
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [M, hidden] -> [M, out] float64
+        if self.fused and x.shape[0] <= self.FUSED_MAX_ROWS and x.dtype == torch.float32:
+            return glue.router_logits(x, self.weight)
         w = self._weight64
         if w is None or w.device != self.weight.device:
             w = self._weight64 = self.weight.detach().to(torch.float64)
@@ -352,8 +362,13 @@ class SparseMoE(nn.Module):
         return sum(m.merge_projections(merge) for m in mlps) > 0
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # x [M, hidden]
-        """(experts [M, k] int64 in ascending order, weights [M, k] float32) of each row."""
-        probs = torch.softmax(self.gate(x).to(torch.float32), dim=-1)  # [M, E] float32, as transformers
+        """(experts [M, k] int64 in ascending order, weights [M, k] float32) of each row. Fused
+        (Decoder.use_fused_glue), after the router: kernels/glue.py's route, one C++ call of the same steps (its
+        float32 softmax within a few ulps of torch's), for any M."""
+        logits = self.gate(x)  # [M, E] float64
+        if self.gate.fused:
+            return glue.route(logits, self.top_k, self.norm_topk_prob)
+        probs = torch.softmax(logits.to(torch.float32), dim=-1)  # [M, E] float32, as transformers
         weights, experts = torch.topk(probs, self.top_k, dim=-1)  # [M, k], largest first
         if self.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
@@ -539,7 +554,7 @@ class Decoder(nn.Module):
         RMSNorm's summation (glue.NORM_TOLERANCE) and silu's exp (glue.GLU_TOLERANCE)."""
         on = bool(enable) and self.dtype == torch.float32 and self.device.type == "cpu" and glue.available()
         for m in self.modules():
-            if isinstance(m, (RMSNorm, Attention, MLP, DecoderLayer, Decoder)):
+            if isinstance(m, (RMSNorm, Attention, MLP, DecoderLayer, Decoder, Router)):
                 m.fused = on
         return on
 

@@ -1,8 +1,8 @@
 // The decoder's per-layer glue as torch operators (torch.ops.draftwise_glue.*): RMSNorm (alone and fused with
 // the residual add before it), RoPE on q and k (with the per-head q/k norm of qwen3 / gemma3 first; optionally
-// storing k and v into the layer's KV cache), and the gated activation act(gate) * up. One call each instead of
-// the 5-15 small aten calls of the torch reference, which for a one-token decode step cost more than their
-// arithmetic (kernels/glue.py is the Python side).
+// storing k and v into the layer's KV cache), the gated activation act(gate) * up, and a mixture's router
+// logits. One call each instead of the 5-15 small aten calls of the torch reference, which for a one-token
+// decode step cost more than their arithmetic (kernels/glue.py is the Python side).
 //
 // Owns: the float sequence of each op, fixed here and the same for every row whatever M is, whichever rows
 // share the call and however at::parallel_for splits rows among threads (each row is computed by one thread,
@@ -20,6 +20,10 @@
 //   glu: silu: glue.h's silu_mul (our Cephes exp in one pass over gate and up, long rows split across threads;
 //     measured against at::silu + mul_ on the 1.5B's 8960 columns, 2 threads: 0.7x at 1 row, 0.9x at 9 rows),
 //     within glue.GLU_TOLERANCE of the reference; gelu tanh: at::gelu then mul_, bitwise.
+//   router_logits: a mixture's router, float32 x and weight, exact products summed in double in a fixed order
+//     (transformer.py Router's reference: a float64 matmul, whose summation order is the BLAS's).
+//   route: softmax, top-k, renormalisation and the sort by expert of a mixture's routing in one call (transformers'
+//     float32 softmax with libm's expf and a plain sum, so within a few ulps of torch's vectorised one).
 // The row loops of rms_norm, add_rms_norm, the q/k norm and silu_mul run on the best ISA path of glue.h this CPU
 // has (dispatch.h's rule; ISA below says what each glue unit needs), unless a test chose one with use_path; all
 // paths are bitwise the portable oracle (glue_kernel.h), so the choice changes speed only.
@@ -30,6 +34,7 @@
 #include <ATen/ops/gelu.h>
 #include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <cstring>
 #include <tuple>
 #include <vector>
@@ -322,6 +327,90 @@ at::Tensor glu(const at::Tensor& gate, const std::optional<at::Tensor>& up, int6
     return out;
 }
 
+// A mixture's router logits, exact products summed in double: logits[m, e] = sum_h (double)x[m, h] * (double)w[e, h]
+// (each product exact: 24-bit mantissas), summed in 8 lanes l = h mod 8 in h order and the lanes combined
+// ((a0 + a1) + (a2 + a3)) + ((a4 + a5) + (a6 + a7)) — norm_row's sum of squares, with the router's row for the
+// second factor. One fixed sequence per (row, expert), whatever M is or which thread runs it (split over experts,
+// ROUTER_GRAIN per task), so a row's logits are row-exact. Reads the float32 weight itself (the torch reference
+// multiplies a float64 copy, twice the bytes a decode step streams). x [M, H] float32, w [E, H] float32 ->
+// [M, E] float64. The portable loop only (-O3 vectorises it at the baseline width): a decode step's 1-16 rows are
+// bound by the weight's bytes, not the multiplies (transformer.py Router runs longer prompts through torch).
+constexpr int64_t ROUTER_GRAIN = 32;  // experts per parallel task: 128 experts over 2 threads, 2 tasks each
+
+double dot_exact(const float* x, const float* w, int64_t n) {
+    double acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        for (int j = 0; j < 8; ++j) acc[j] = acc[j] + (double)x[i + j] * (double)w[i + j];
+    for (; i < n; ++i) acc[i & 7] = acc[i & 7] + (double)x[i] * (double)w[i];
+    return ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+}
+
+at::Tensor router_logits(const at::Tensor& x_in, const at::Tensor& w_in) {
+    check_f32_cpu(x_in, "x");
+    check_f32_cpu(w_in, "weight");
+    TORCH_CHECK(x_in.dim() == 2 && w_in.dim() == 2 && x_in.size(1) == w_in.size(1),
+                "router_logits: x [M, H] and weight [E, H]");
+    const at::Tensor x = x_in.contiguous(), w = w_in.contiguous();
+    const int64_t M = x.size(0), E = w.size(0), H = x.size(1);
+    at::Tensor y = at::empty({M, E}, x.options().dtype(at::kDouble));
+    const float* xp = x.data_ptr<float>();
+    const float* wp = w.data_ptr<float>();
+    double* yp = y.data_ptr<double>();
+    at::parallel_for(0, E, ROUTER_GRAIN, [&](int64_t e0, int64_t e1) {
+        for (int64_t e = e0; e < e1; ++e)  // an expert's row read once for all M rows (in cache after the first)
+            for (int64_t m = 0; m < M; ++m) yp[m * E + e] = dot_exact(xp + m * H, wp + e * H, H);
+    });
+    return y;
+}
+
+// A mixture's routing of each row from its router logits (transformer.py SparseMoE.route's definition, done here in
+// one call where the torch reference takes ~8): logits [M, E] float64 (router_logits or the reference's matmul)
+// rounded to float32; p = softmax in float32: m = the max, e_i = expf(l_i - m), s = the e_i summed in expert
+// order, p_i = e_i / s; the k largest p (ties: the lower expert first); with `norm` each divided by their sum
+// (summed largest first); returned by ascending expert: experts [M, k] int64, weights [M, k] float32. Each row is
+// one fixed sequence of its own logits (row-exact for any M and thread split).
+std::tuple<at::Tensor, at::Tensor> route(const at::Tensor& logits_in, int64_t k, bool norm) {
+    TORCH_CHECK(logits_in.device().is_cpu() && logits_in.scalar_type() == at::kDouble && logits_in.dim() == 2,
+                "route: logits must be [M, E] float64 on the CPU");
+    const at::Tensor logits = logits_in.contiguous();
+    const int64_t M = logits.size(0), E = logits.size(1);
+    TORCH_CHECK(k >= 1 && k <= E, "route: k must be in [1, ", E, "]");
+    at::Tensor experts = at::empty({M, k}, logits.options().dtype(at::kLong));
+    at::Tensor weights = at::empty({M, k}, logits.options().dtype(at::kFloat));
+    const double* lp = logits.data_ptr<double>();
+    int64_t* ep = experts.data_ptr<int64_t>();
+    float* wp = weights.data_ptr<float>();
+    at::parallel_for(0, M, ROW_GRAIN, [&](int64_t m0, int64_t m1) {
+        std::vector<float> p(E);
+        std::vector<int64_t> idx(E);
+        for (int64_t m = m0; m < m1; ++m) {
+            const double* l = lp + m * E;
+            float mx = (float)l[0];
+            for (int64_t e = 1; e < E; ++e) mx = std::max(mx, (float)l[e]);
+            float s = 0.0f;
+            for (int64_t e = 0; e < E; ++e) {
+                p[e] = std::exp((float)l[e] - mx);
+                s = s + p[e];
+            }
+            for (int64_t e = 0; e < E; ++e) p[e] = p[e] / s;
+            for (int64_t e = 0; e < E; ++e) idx[e] = e;
+            // the k largest, largest first, ties to the lower expert
+            std::partial_sort(idx.begin(), idx.begin() + k, idx.end(),
+                              [&](int64_t a, int64_t b) { return p[a] > p[b] || (p[a] == p[b] && a < b); });
+            float t = 0.0f;
+            if (norm)
+                for (int64_t j = 0; j < k; ++j) t = t + p[idx[j]];
+            std::sort(idx.begin(), idx.begin() + k);
+            for (int64_t j = 0; j < k; ++j) {
+                ep[m * k + j] = idx[j];
+                wp[m * k + j] = norm ? p[idx[j]] / t : p[idx[j]];
+            }
+        }
+    });
+    return {experts, weights};
+}
+
 }  // namespace
 
 TORCH_LIBRARY(draftwise_glue, m) {
@@ -333,6 +422,8 @@ TORCH_LIBRARY(draftwise_glue, m) {
           "Tensor? k_norm, float eps, float offset, Tensor(a!) keys, Tensor(b!) values, Tensor tables, "
           "Tensor positions) -> Tensor");
     m.def("glu(Tensor gate, Tensor? up, int kind) -> Tensor");
+    m.def("router_logits(Tensor x, Tensor weight) -> Tensor");
+    m.def("route(Tensor logits, int k, bool norm) -> (Tensor, Tensor)");
     m.def("paths() -> int[]", &paths);
     m.def("use_path(int path) -> int", &use_path);
 }
@@ -343,4 +434,6 @@ TORCH_LIBRARY_IMPL(draftwise_glue, CPU, m) {
     m.impl("rope_qk", &rope_qk);
     m.impl("rope_qk_cache", &rope_qk_cache);
     m.impl("glu", &glu);
+    m.impl("router_logits", &router_logits);
+    m.impl("route", &route);
 }
