@@ -116,6 +116,10 @@ def test_the_prepared_files_key_follows_each_stored_types_row(monkeypatch, tmp_p
     assert len(set(keys)) == 3, keys
     assert prepared_path(ckpt, KernelPlan("q4x8", "q4x8", "float32", faithful=True, stored_types={"Q6_K": 1}),
                          torch.float32) not in keys
+    q3k_m = KernelPlan("q4x8", "q4x8", "float32", faithful=True, stored_types={"Q3_K": 113, "Q4_K": 81})
+    now = prepared_path(ckpt, q3k_m, torch.float32)
+    monkeypatch.setitem(blocktypes.TYPES, "Q3_K", dataclasses.replace(blocktypes.TYPES["Q3_K"], kernel="q6k"))
+    assert prepared_path(ckpt, q3k_m, torch.float32) != now  # a file prepared with Q3_K on q6k (before q3k)
 
 
 def test_writing_a_prepared_file_removes_the_ones_no_key_reaches(monkeypatch, tmp_path):

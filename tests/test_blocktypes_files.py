@@ -1,6 +1,6 @@
 """Whole files of the types the block-type table newly holds (kernels/blocktypes.py): a tiny random GGUF whose
 projections are stored as Q4_1, Q5_1 and Q4_0 (the gguf package quantizes these; the embedding and head as Q8_0), or
-as Q2_K or Q5_K (simple quantizers here), loads under `auto` as the faithful plan with each tensor on its table row's kernel (no fp32 fallback
+as Q2_K, Q3_K or Q5_K (simple quantizers here), loads under `auto` as the faithful plan with each tensor on its table row's kernel (no fp32 fallback
 for a quantized tensor), says row-exact, and greedy speculation (ngram, suffix, a draft model) equals plain
 decoding bitwise. No download."""
 from __future__ import annotations
@@ -55,7 +55,30 @@ def _q5k(w):
     return torch.cat([half(p["d"]), half(p["dmin"]), scales, qh, qs], 1).reshape(N, -1).numpy()
 
 
-QUANTIZERS = {"Q2_K": _q2k, "Q5_K": _q5k}  # the types the gguf package cannot quantize
+def _q3k(w):
+    """w [N, K] float32 (numpy, K % 256 == 0) -> Q3_K blocks [N, K / 256 * 110] uint8 (the gguf package has no Q3_K
+    quantizer): ggml_blocks.quantize_q3k's values and scales in ggml's block layout (q3k_from_blocks' docstring), d
+    rounded to fp16."""
+    import numpy as np
+    import torch
+
+    from draftwise.kernels import ggml_blocks
+
+    N, K = w.shape
+    p = ggml_blocks.quantize_q3k(torch.from_numpy(np.array(w, dtype=np.float32)))
+    nb = N * K // 256
+    q = p["q"].reshape(nb, 256).to(torch.int32)
+    hmask = ((q >> 2).view(nb, 8, 32) << torch.arange(8, dtype=torch.int32).view(1, 8, 1)).sum(1)  # [nb, 32]
+    qs = ((q & 3).view(nb, 2, 4, 32) << (2 * torch.arange(4, dtype=torch.int32)).view(1, 1, 4, 1)).sum(2)
+    s = p["sc"].reshape(nb, 16).to(torch.int32) + 32  # 6 bits
+    low = (s[:, :8] & 15) | ((s[:, 8:] & 15) << 4)
+    top = ((s >> 4).view(nb, 4, 4) << (2 * torch.arange(4, dtype=torch.int32)).view(1, 4, 1)).sum(1)  # scale 4j + i
+    d = p["d"].reshape(nb, 1).half().view(torch.uint8)
+    parts = [t.to(torch.uint8) for t in (hmask, qs.reshape(nb, 64), low, top)]
+    return torch.cat([*parts, d], 1).reshape(N, -1).numpy()
+
+
+QUANTIZERS = {"Q2_K": _q2k, "Q3_K": _q3k, "Q5_K": _q5k}  # the types the gguf package cannot quantize
 
 
 def _requantized(src, dst, kinds: dict[str, str]) -> None:
@@ -135,8 +158,26 @@ def test_greedy_speculation_equals_plain(new_types_gguf, tmp_path, spec):
     assert run_engine(llm, spec, prompts, params) == run_engine(llm, None, prompts, params)
 
 
+def test_q3k_writes_blocks_the_gguf_package_reads_back_exactly():
+    """_q3k's blocks (the test file's Q3_K) dequantize, by the gguf package, to what its parts represent."""
+    import numpy as np
+    import torch
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    from draftwise.kernels import ggml_blocks
+
+    w = np.random.default_rng(0).standard_normal((4, 512)).astype(np.float32)
+    raw = _q3k(w)
+    parts = ggml_blocks.q3k_from_blocks(raw, 4, 512)
+    ref = torch.from_numpy(dequantize(raw, GGMLQuantizationType.Q3_K).reshape(4, 512).astype(np.float32))
+    assert torch.equal(ggml_blocks.dequantize_q3k(parts), ref)
+    p = ggml_blocks.quantize_q3k(torch.from_numpy(w))
+    assert torch.equal(parts["q"], p["q"]) and torch.equal(parts["sc"], p["sc"])
+
+
 # whole files of one K-quant type on its own kernel (the projections; embedding and head Q8_0)
-KQUANT_FILES = ["Q2_K", "Q5_K"]
+KQUANT_FILES = ["Q2_K", "Q3_K", "Q5_K"]
 
 
 @pytest.fixture(scope="module", params=KQUANT_FILES)
@@ -148,8 +189,8 @@ def kquant_gguf(request, tmp_path_factory):
 
 
 def test_a_k_quant_file_is_the_faithful_plan_on_its_rows_kernel(kquant_gguf, tmp_path):
-    """Q2_K (q6m) and Q5_K (q5x8) projections load on their row's kernel (no fp32 fallback), row-exact, and greedy
-    speculation (ngram, suffix) equals plain decoding bitwise."""
+    """Q2_K (q6m), Q3_K (q3k) and Q5_K (q5x8) projections load on their row's kernel (no fp32 fallback),
+    row-exact, and greedy speculation (ngram, suffix) equals plain decoding bitwise."""
     from draftwise.equivalence import run_engine
 
     kind, path = kquant_gguf

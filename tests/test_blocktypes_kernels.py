@@ -187,7 +187,7 @@ class _WidthDependent(torch.nn.Module):
         return self.lo(x[:, : self.K // 2].contiguous()) + self.hi(x[:, self.K // 2:].contiguous())
 
 
-@pytest.mark.parametrize("kind", ["Q4_1", "Q5_K", "Q2_K", "F16", "BF16"])
+@pytest.mark.parametrize("kind", ["Q4_1", "Q5_K", "Q2_K", "Q3_K", "F16", "BF16"])
 def test_a_planted_width_dependent_reduction_fails_the_check(kind, machine):
     cls = _kernel(kind, machine)
     N, K = 48, 512

@@ -6,15 +6,17 @@ projection shape, against each GEMV ISA path (scalar, AVX2, AVX-512); 'auto' han
 measured width on, to the VNNI side under a $DRAFTWISE_MAX_ISA=avx512 cap and to none below it; and the check used
 here catches a planted kernel whose reduction order depends on the width. q6m (GGUF Q2_K: q6k.h's min term) has the
 VNNI side alone, also on AMX CPUs (the tiles carry no min term): its rows are the q6m GEMV's at widths 1..96 and past
-the chunk, on 1 and 2 threads, on every GEMV path, through its own switch, and its planted reduction fails too. No
-timing asserts. Skipped where the CPU has neither side: there 'auto' never leaves the GEMV."""
+the chunk, on 1 and 2 threads, on every GEMV path, through its own switch, and its planted reduction fails too. q3k
+(GGUF Q3_K in q6k.h's 3-bit planes) computes bitwise what q6k computes holding the same blocks as Q6_K values
+q3 + 32 (the exact tot is one integer), on every GEMV path, width 1..96 and thread count, and on its VNNI side
+(also on AMX CPUs: q6k's tiles are built from Q6_K's planes), through its own switch. No timing asserts. Skipped where the CPU has neither side: there 'auto' never leaves the GEMV."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 from draftwise.kernels import ggml_blocks
-from draftwise.kernels.linear import Q6KLinear, Q6MLinear, block_paths
+from draftwise.kernels.linear import Q3KLinear, Q6KLinear, Q6MLinear, block_paths
 from tests.harness import KS, SHAPES, WIDTHS, first_inexact_width, ops, side, threads, wide_state, wide_x  # noqa: F401 (fixtures)
 
 WIDE_KIND = "q6k"  # the `ops` fixture's kernel
@@ -200,22 +202,29 @@ def test_q6m_wide_rows_are_every_gemv_paths_rows(q6m_ops):
         assert first_inexact_width(lambda xs: _q6m_wide(q6m_ops, lin, xs), x, ref, range(1, 65)) is None, path
 
 
+def _own_switch_keeps_rows(lib, ops, auto, gemv) -> torch.Tensor:
+    """`auto` (a path-'auto' linear of `lib`'s kernel, 40 x 1536) takes the wide side at `lib`'s own wide_min_rows, not
+    q6k's, and its rows at widths 1..96 are `gemv`'s across the switch; returns the x used [96, 1536]."""
+    x = wide_x(96, 1536, seed=10)
+    ref = gemv(x)
+    before, before_q6k = lib.wide_min_rows(), ops.wide_min_rows()
+    try:
+        ops.set_wide_min_rows(2 ** 40)
+        for at in (2, 33):
+            lib.set_wide_min_rows(at)
+            assert lib.wide_takes(at) and not lib.wide_takes(at - 1) and not ops.wide_takes(at)
+            assert first_inexact_width(auto, x, ref, range(1, 97)) is None, at
+    finally:
+        lib.set_wide_min_rows(before)
+        ops.set_wide_min_rows(before_q6k)
+    return x
+
+
 def test_q6m_auto_takes_the_wide_side_from_its_own_switch_and_stays_exact(q6m_ops, ops):
     """Q6MLinear's path 'auto' (the linear op hands it over: csrc/q6k.cpp) switches at q6m's wide_min_rows, which is
     not q6k's; the rows do not change across it."""
     auto, gemv = _q6m_linear(40, 1536, seed=9, path="auto"), _q6m_linear(40, 1536, seed=9, path="avx512")
-    x = wide_x(96, 1536, seed=10)
-    ref = gemv(x)
-    before, before_q6k = q6m_ops.wide_min_rows(), ops.wide_min_rows()
-    try:
-        ops.set_wide_min_rows(2 ** 40)
-        for at in (2, 33):
-            q6m_ops.set_wide_min_rows(at)
-            assert q6m_ops.wide_takes(at) and not q6m_ops.wide_takes(at - 1) and not ops.wide_takes(at)
-            assert first_inexact_width(auto, x, ref, range(1, 97)) is None, at
-    finally:
-        q6m_ops.set_wide_min_rows(before)
-        ops.set_wide_min_rows(before_q6k)
+    x = _own_switch_keeps_rows(q6m_ops, ops, auto, gemv)
     b = gemv._buffers
     with pytest.raises(RuntimeError, match="mn: bad shape"):
         q6m_ops.wide(x, b["ql"], b["qh"], b["sc"], b["d"], b["mn"][:1], b["dmin"], None, 40)
@@ -254,3 +263,78 @@ def test_q6m_planted_width_dependent_reduction_fails_the_check(q6m_ops):
     assert first_inexact_width(lambda xs: _q6m_wide(q6m_ops, lin, xs), x, ref, range(1, 65)) is None
     assert first_inexact_width(planted, x, ref, range(1, 65)) == 33
     assert torch.allclose(planted(x), ref, rtol=1e-4, atol=1e-4)
+
+
+# q3k (GGUF Q3_K at its own width): bitwise q6k holding the same blocks as Q6_K values
+
+def _q3k_pair(N: int, K: int, seed: int, path: str = "avx512", bias: bool = True) -> tuple[Q3KLinear, Q6KLinear]:
+    """Random Q3_K blocks (any bytes, a finite fp16 d) on q3k, and the same parts held as q6k held them before q3k:
+    q3 + 32 = q + 28 in Q6_K's planes, the same sc and d. Row 0's first sub-block reaches q3 = -4 at scale -32."""
+    g = torch.Generator().manual_seed(seed)
+    raw = torch.randint(0, 256, (N * K // 256, 110), generator=g, dtype=torch.uint8)
+    raw[:, 108:110] = (torch.rand(raw.shape[0], generator=g) * 0.01 + 0.001).half().view(torch.uint8).view(-1, 2)
+    raw[0, 0:32], raw[0, 32:64], raw[0, 96] = 0, 0, raw[0, 96] & 0xF0  # values 0..15 of row 0: q = 0, scale 0 (- 32)
+    raw[0, 104] &= 0xFC
+    parts = ggml_blocks.q3k_from_blocks(raw.numpy(), N, K)
+    b = torch.randn(N, generator=g) if bias else None
+    return (Q3KLinear(bias=b, parts=parts, path=path),
+            Q6KLinear(bias=b, parts={**parts, "q": parts["q"] + 28}, path=path))
+
+
+def test_q3k_holds_q3_k_in_3_bit_planes_at_the_extremes():
+    q3, q6 = _q3k_pair(40, 512, seed=1)
+    q = ggml_blocks.unpack_q3k(q3._buffers, 0, 3)["q"]
+    assert q.min() == 0 and q.max() == 7 and q[0, :16].eq(0).all() and q3._buffers["sc"][0, 0, 0, 0] == -32
+    assert tuple(q3._buffers["ql"].shape) == (3, 16, 2, 64) and tuple(q3._buffers["qh"].shape) == (3, 16, 1, 64)
+    assert q3.weight_bytes * 6.625 == q6.weight_bytes * 3.625  # 3.625 bits per weight held, q6k's 6.625
+
+
+@pytest.mark.parametrize("K", [512, 1536])
+def test_q3k_is_bitwise_what_q6k_computed_on_every_path_width_and_thread_count(threads, K):
+    """Each GEMV path of q3k against the same path of q6k holding q3 + 32, at every width 1..96 and on 1 and 2
+    threads: the outputs are bitwise equal (KL of a Q3_K file therefore unchanged), and q3k's rows are each row alone."""
+    x = wide_x(96, K, seed=K + 2)
+    for path in block_paths("q3k"):
+        q3, q6 = _q3k_pair(40, K, seed=K, path=path)
+        alone = torch.cat([q3(x[i:i + 1]) for i in range(96)])
+        for n in (1, 2):
+            threads(n)
+            assert first_inexact_width(q3, x, q6(x), range(1, 97)) is None, (path, n)
+            assert first_inexact_width(q3, x, alone, range(1, 97)) is None, (path, n)
+
+
+@pytest.fixture(scope="module")
+def q3k_ops(ops):  # ops: skipped where q6k has no wide side (q3k's is the same VNNI side)
+    lib = torch.ops.draftwise_q3k
+    assert lib.wide_available() and lib.wide_kind() == "vnni"  # never "amx": the tiles are built from Q6_K's planes
+    return lib
+
+
+def _q3k_wide(ops, lin: Q3KLinear, x: torch.Tensor) -> torch.Tensor:  # x [M, K] -> [M, N]
+    b = lin._buffers
+    return ops.wide(x.contiguous(), b["ql"], b["qh"], b["sc"], b["d"], b["bias"], lin.out_features)
+
+
+@pytest.mark.parametrize("K", [1536, 8960])
+def test_q3k_wide_rows_are_the_gemv_rows_and_q6k_s_at_every_width_and_thread_count(q3k_ops, threads, K):
+    q3, q6 = _q3k_pair(40, K, seed=K)
+    x = wide_x(max(WIDTHS_Q6M), K, seed=K + 1)
+    ref = q3(x)  # the AVX-512 GEMV
+    assert torch.equal(ref, q6(x))
+    for n in (1, 2):
+        threads(n)
+        assert first_inexact_width(lambda xs: _q3k_wide(q3k_ops, q3, xs), x, ref, WIDTHS_Q6M) is None, (K, n)
+
+
+def test_q3k_auto_takes_the_wide_side_from_its_own_switch_and_stays_exact(q3k_ops, ops):
+    auto, gemv = _q3k_pair(40, 1536, seed=9, path="auto")[0], _q3k_pair(40, 1536, seed=9)[0]
+    x = _own_switch_keeps_rows(q3k_ops, ops, auto, gemv)
+    b = gemv._buffers
+    with pytest.raises(RuntimeError, match="qh: bad shape"):  # Q6_K's 2-row high plane is not q3k's
+        q3k_ops.wide(x, b["ql"], torch.cat([b["qh"], b["qh"]], 2), b["sc"], b["d"], None, 40)
+
+
+def test_q3k_wide_side_is_vnni_only_and_obeys_the_isa_cap(q3k_ops):
+    assert wide_state("q3k", DRAFTWISE_WIDE_MIN_ROWS="48") == [True, 48, True, "vnni"]
+    capped = wide_state("q3k", DRAFTWISE_MAX_ISA="avx2", DRAFTWISE_WIDE_MIN_ROWS="48")
+    assert capped[0] is False and capped[2] is False and capped[3] == "none"

@@ -165,7 +165,8 @@ MIXED = [
     {"q_proj": "q4c", "k_proj": "q4c", "v_proj": "q4c", "o_proj": "q5m", "gate_proj": "q5m", "up_proj": "q5m",
      "down_proj": "q4c"},  # the compact forms: Q4_0 / IQ4 as q4c, Q4_1 / Q5_1 as q5m
     {"q_proj": "q6m", "k_proj": "q6m", "v_proj": "q6m", "o_proj": "q6m", "gate_proj": "q6m", "up_proj": "q6m",
-     "down_proj": "q6k"},  # a Q2_K file's layer: Q2_K as q6m (six packed buffers: a projection's widest entry)
+     "down_proj": "q3k"},  # a Q2_K file's layer: Q2_K as q6m (six packed buffers: a projection's widest entry),
+    # its Q3_K down_proj as q3k
 ]
 
 
@@ -193,7 +194,7 @@ def mixed_model(family: str, layout: list[dict] = MIXED):
 def test_layers_mixing_q4x8_q6k_and_q8_0_are_bitwise_the_python_loop(family, calls):
     """Layer 0 as the 1.5B's faithful layers (q/k/v three calls: v in q6k), layer 1 as the 0.5B's (merged q8_0),
     layer 2 every kind in one layer, layer 3 a Q5_K_M file's (q5x8, q6k down; q/k/v merged q8_1), layer 4 the compact forms
-    (q4c, q5m), layer 5 a Q2_K file's (q6m): all in the one call, bitwise the Python loop (qwen2: q/k/v bias;
+    (q4c, q5m), layer 5 a Q2_K file's (q6m, q3k down): all in the one call, bitwise the Python loop (qwen2: q/k/v bias;
     qwen3: q/k norms)."""
     model = mixed_model(family)
     attn = [layer.self_attn for layer in model.model.layers]
@@ -204,7 +205,7 @@ def test_layers_mixing_q4x8_q6k_and_q8_0_are_bitwise_the_python_loop(family, cal
     assert kinds[6:9] == [ids["q8_0"], stack_op.ABSENT, stack_op.ABSENT]
     assert kinds[18:24] == [ids["q8_1"], stack_op.ABSENT, stack_op.ABSENT, ids["q5x8"], ids["q5x8"], ids["q6k"]]
     assert kinds[24:30] == [ids["q4c"], stack_op.ABSENT, stack_op.ABSENT, ids["q5m"], ids["q5m"], ids["q4c"]]
-    assert kinds[30:36] == [ids["q6m"], stack_op.ABSENT, stack_op.ABSENT, ids["q6m"], ids["q6m"], ids["q6k"]]
+    assert kinds[30:36] == [ids["q6m"], stack_op.ABSENT, stack_op.ABSENT, ids["q6m"], ids["q6m"], ids["q3k"]]
     one_call = run(model, True)
     assert len(calls) == 3
     for a, b in zip(one_call, run(model, False)):

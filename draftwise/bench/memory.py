@@ -8,8 +8,8 @@ safetensors header, or the GGUF's key-values and tensor table — never by loadi
              stored layout (kernels/linear.py `nbytes`: q4x8 4.75 bits per weight, kernels/q4x8.py packed_bytes;
              torch int4 4.5; int8 8 + a scale per row; dense 16 or 32; a SplitLinear both; a faithful plan: the
              kernel of each tensor's stored type by its kernels/blocktypes.py row, its scales in the type's scale
-             form — Q4_K q4x8, Q6_K q6k 6.625, Q2_K q6m 7.25, Q8_0 / Q5_0 q8_0 8.5, Q4_0 / IQ4_NL q4c 4.5, IQ4_XS q4c 4.3125,
-             Q4_1 / Q5_1 q5m 6, Q5_K q5x8 5.75 — or fp32 where none holds it or it
+             form — Q4_K q4x8, Q6_K q6k 6.625, Q3_K q3k 3.625, Q2_K q6m 7.25, Q8_0 / Q5_0 q8_0 8.5, Q4_0 / IQ4_NL q4c 4.5,
+             IQ4_XS q4c 4.3125, Q4_1 / Q5_1 q5m 6, Q5_K q5x8 5.75 — or fp32 where none holds it or it
              cannot take the shape), the embedding table as load_model keeps it (q4x8 packed for 4-bit plans,
              shared with a tied head; a faithful plan's non-Q4_K table as the file stores it; else dense), norms
              in the activation dtype — the bytes the loaded model holds (tests/test_bench_memory.py checks them

@@ -84,6 +84,9 @@ KERNELS: dict[str, Kernel] = {k.name: k for k in (
                                          ("q6k_avx512.cpp", AVX512_VNNI), ("gemm_q6k_amx.cpp", AMX_INT8))),
     # csrc/q6k.h's min term: q6k's units serve it (q6k.cpp registers it); wide: gemm_q6k.cpp's VNNI side only
     Kernel("q6m", "Q8_K", 7.25, True, ()),
+    # csrc/q6k.h's 3-bit planes (Q3_K at its own width): q6k's units serve it (q6k.cpp registers it); wide:
+    # gemm_q6k.cpp's VNNI side only (on AMX CPUs too: q6k's AMX tiles are built from Q6_K's planes)
+    Kernel("q3k", "Q8_K", 3.625, True, ()),
     Kernel("q8_0", "Q8_0", 9.0, True, (("q8_0.cpp", MAIN), ("gemm_q8_0.cpp", MAIN), ("q8_0_avx2.cpp", AVX2),
                                         ("q8_0_avx512.cpp", AVX512_VNNI), ("gemm_q8_0_avx512.cpp", AVX512_VNNI)),
            scale_terms=1),
@@ -106,7 +109,7 @@ TYPES: dict[str, BlockType] = {t.name: t for t in (
     BlockType("Q8_0", 8, 32, 34, "q8_0", scales="f16"),
     BlockType("Q8_1", 9, 32, 40),
     BlockType("Q2_K", 10, 256, 84, "q6m"),  # q + 32 with d * sc per 16, and the min term: q6k's arithmetic
-    BlockType("Q3_K", 11, 256, 110, "q6k"),  # q3 + 32 and a signed 6-bit scale per 16: exactly a Q6_K
+    BlockType("Q3_K", 11, 256, 110, "q3k"),  # q3 + 4 in 3-bit planes, a signed 6-bit scale per 16: q6k's arithmetic
     BlockType("Q4_K", 12, 256, 144, "q4x8"),
     BlockType("Q5_K", 13, 256, 176, "q5x8"),  # Q4_K's scales and mins, q in 0..31: q4x8 with a fifth-bit plane
     BlockType("Q6_K", 14, 256, 210, "q6k"),

@@ -1,5 +1,6 @@
 """GGUF block types other than Q4_K, read exactly and packed for our kernels: Q5_K for csrc/q4x8.h with its fifth-bit
-plane (the q5x8 kernel: q4x8's parts and packing, kernels/q4x8.py, plus the plane); Q6_K and Q3_K for csrc/q6k.h, Q2_K for
+plane (the q5x8 kernel: q4x8's parts and packing, kernels/q4x8.py, plus the plane); Q6_K and Q3_K for csrc/q6k.h (each
+in its own value planes: kernels q6k and q3k), Q2_K for
 its min-term form (the q6m kernel: w = d * sc * (q - 32) - dmin * m per 16); Q8_0 and
 Q5_0 for csrc/q8_0.h (values exact in int8, group scales held exactly in the narrowest of its scale forms: the fp16
 the file stores, or SUB8's int8 per group times an fp16 per 256 for IQ4_XS), Q4_0, IQ4_NL and IQ4_XS for its 4-bit
@@ -71,63 +72,134 @@ def q6k_from_blocks(blocks, N: int, K: int) -> dict[str, torch.Tensor]:
 
 
 def q3k_from_blocks(blocks, N: int, K: int) -> dict[str, torch.Tensor]:
-    """A GGUF Q3_K tensor's raw bytes -> q6k parts, exactly ggml's dequantize_row_q3_K: w = d * (scale - 32) * q3 per
-    16 values, q3 in -4..3 held as q = q3 + 32 (Q6_K's offset), the signed 6-bit scale as sc. Block (110 bytes):
-    hmask[32] (bit j of byte l: value 32 j + l's high bit, q3 = low 2 bits - 4 where it is 0), qs[64] (half h of
+    """A GGUF Q3_K tensor's raw bytes -> q3k parts, exactly ggml's dequantize_row_q3_K: w = d * (scale - 32) * q3 per
+    16 values, q3 = low 2 bits - 4 where the high bit is 0, held as q = low | high << 2 (0..7, w = d * sc * (q - 4):
+    csrc/q6k.h's 3-bit planes), the signed 6-bit scale as sc. Block (110 bytes):
+    hmask[32] (bit j of byte l: value 32 j + l's high bit), qs[64] (half h of
     128 values: byte 32 h + l holds values 128 h + 32 j + l in bits 2j..2j+1), 12 bytes of 16 6-bit scales (low
     nibbles of bytes 0-7 for scales 0-7, their high nibbles 8-15, the top 2 bits from bytes 8-11), d fp16."""
     raw = _raw(blocks, N, K, "Q3_K")
     nb = raw.shape[0]
     low = (raw[:, 32:96].reshape(nb, 2, 1, 32) >> (2 * torch.arange(4, dtype=torch.uint8)).view(1, 1, 4, 1)) & 3
     high = (raw[:, 0:32].reshape(nb, 1, 32) >> torch.arange(8, dtype=torch.uint8).view(1, 8, 1)) & 1
-    q = low.reshape(nb, 256).to(torch.int16) - 4 * (1 - high.reshape(nb, 256).to(torch.int16)) + 32
+    q = low.reshape(nb, 256) | (high.reshape(nb, 256) << 2)
     ls = raw[:, 96:104].reshape(nb, 1, 8) >> torch.tensor([0, 4], dtype=torch.uint8).view(1, 2, 1)
     hs = raw[:, 104:108].reshape(nb, 1, 4) >> (2 * torch.arange(4, dtype=torch.uint8)).view(1, 4, 1)
     sc = ((ls.reshape(nb, 16) & 15) | ((hs.reshape(nb, 16) & 3) << 4)).to(torch.int16) - 32
     d = raw[:, 108:110].contiguous().view(torch.float16).float().reshape(N, K // QK_K)
-    return {"q": q.to(torch.uint8).reshape(N, K), "sc": sc.to(torch.int8).reshape(N, K // 16), "d": d}
+    return {"q": q.reshape(N, K).contiguous(), "sc": sc.to(torch.int8).reshape(N, K // 16), "d": d}
+
+
+# csrc/q6k.h's layouts by kernel: (low bits, high bits) of the two value planes; the offset is 2^(bits - 1)
+PLANES = {"q6k": (4, 2), "q3k": (2, 1)}
+SCALE_TOP = {"q6k": 127, "q3k": 31}  # the largest scale the simple quantizers write (Q3_K's field: 6 bits, sc + 32)
+
+
+def _offset(kernel: str) -> int:
+    return 1 << (sum(PLANES[kernel]) - 1)
+
+
+def _quantize_planes(weight: torch.Tensor, kernel: str) -> dict[str, torch.Tensor]:
+    """fp32 weight [N, K] (K % 256 == 0) -> `kernel`'s parts (a simple max-abs quantizer per 16, not llama.cpp's
+    search): q unsigned with offset OFF (q - OFF in -OFF..OFF - 1), sc int8 per 16, d per 256."""
+    N, K = weight.shape
+    if K % QK_K:
+        raise ValueError(f"{kernel} needs K divisible by {QK_K}, got K={K}")
+    off, top = _offset(kernel), SCALE_TOP[kernel]
+    w = weight.detach().float().view(N, K // 16, 16)
+    scale = w.abs().amax(-1) / (off - 1.0)  # [N, K/16]
+    d = scale.view(N, K // QK_K, 16).abs().amax(-1) / float(top)  # [N, S]
+    dg = d.repeat_interleave(16, dim=1)
+    sc = torch.where(dg > 0, (scale / dg.clamp(min=1e-30)).round(), torch.zeros_like(scale)).clamp(-top, top)
+    s_eff = dg * sc
+    q = torch.where(s_eff[..., None] > 0, (w / s_eff[..., None].clamp(min=1e-30)).round(), torch.zeros_like(w))
+    q = (q.clamp(-off, off - 1) + off).to(torch.uint8).view(N, K)
+    return {"q": q, "sc": sc.to(torch.int8), "d": d.contiguous()}
 
 
 def quantize_q6k(weight: torch.Tensor) -> dict[str, torch.Tensor]:
     """fp32 weight [N, K] (K % 256 == 0) -> Q6_K-style parts (a simple max-abs quantizer, not llama.cpp's search)."""
-    N, K = weight.shape
-    if K % QK_K:
-        raise ValueError(f"Q6_K needs K divisible by {QK_K}, got K={K}")
-    w = weight.detach().float().view(N, K // 16, 16)
-    scale = w.abs().amax(-1) / 31.0  # [N, K/16]
-    d = scale.view(N, K // QK_K, 16).abs().amax(-1) / 127.0  # [N, S]
-    dg = d.repeat_interleave(16, dim=1)
-    sc = torch.where(dg > 0, (scale / dg.clamp(min=1e-30)).round(), torch.zeros_like(scale)).clamp(-127, 127)
-    s_eff = dg * sc
-    q = torch.where(s_eff[..., None] > 0, (w / s_eff[..., None].clamp(min=1e-30)).round(), torch.zeros_like(w))
-    q = (q.clamp(-32, 31) + 32).to(torch.uint8).view(N, K)
-    return {"q": q, "sc": sc.to(torch.int8), "d": d.contiguous()}
+    return _quantize_planes(weight, "q6k")
+
+
+def quantize_q3k(weight: torch.Tensor) -> dict[str, torch.Tensor]:
+    """fp32 weight [N, K] (K % 256 == 0) -> Q3_K-style parts (3-bit values, q - 4 in -4..3, scales in Q3_K's range
+    0..31; a simple max-abs quantizer)."""
+    return _quantize_planes(weight, "q3k")
+
+
+def _dequantize_planes(parts: dict[str, torch.Tensor], off: int) -> torch.Tensor:
+    q = parts["q"]
+    N, K = q.shape
+    s = parts["d"].repeat_interleave(16, dim=1) * parts["sc"].float()  # [N, K/16]
+    return (s[..., None] * (q.reshape(N, K // 16, 16).float() - off)).reshape(N, K)
 
 
 def dequantize_q6k(parts: dict[str, torch.Tensor]) -> torch.Tensor:
     """The weight [N, K] float32 the parts represent: (d * sc) * (q - 32)."""
-    q = parts["q"]
+    return _dequantize_planes(parts, _offset("q6k"))
+
+
+def dequantize_q3k(parts: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The weight [N, K] float32 q3k parts represent: (d * sc) * (q - 4)."""
+    return _dequantize_planes(parts, _offset("q3k"))
+
+
+def _pack_planes(parts: dict[str, torch.Tensor], kernel: str) -> dict[str, torch.Tensor]:
+    """Parts -> csrc/q6k.h's layout of `kernel`'s planes: ql [NB, G, LB, 64], qh [NB, G, HB, 64] uint8 (value v = 2 c +
+    half of a chunk in byte row v * B / 8 at bit (v * B) % 8 of a plane of B bits), sc [NB, G, 2, 16] int8, d
+    [NB, S, 16] float32."""
+    q, sc, d = parts["q"], parts["sc"], parts["d"]
     N, K = q.shape
-    s = parts["d"].repeat_interleave(16, dim=1) * parts["sc"].float()  # [N, K/16]
-    return (s[..., None] * (q.reshape(N, K // 16, 16).float() - 32)).reshape(N, K)
+    G, NB = K // 32, -(-N // COLS)
+    # [b, g, c, half, col, t] -> [b, g, v = 2 c + half, byte i = 4 col + t]
+    qv = _pad(q, N).view(NB, COLS, G, 2, 4, 4).permute(0, 2, 4, 3, 1, 5).reshape(NB, G, 8, 64)
+    planes, start = {}, 0
+    for name, B in zip(("ql", "qh"), PLANES[kernel]):
+        per = 8 // B  # values per byte
+        bits = ((qv >> start) & ((1 << B) - 1)).view(NB, G, B, per, 64)
+        plane = torch.zeros(NB, G, B, 64, dtype=torch.uint8)
+        for slot in range(per):
+            plane |= bits[:, :, :, slot] << (B * slot)
+        planes[name], start = plane, start + B
+    return {**planes, **_pack_q6k_scales(sc, d, N)}
+
+
+def _unpack_planes(packed: dict[str, torch.Tensor], b0: int, b1: int, kernel: str) -> dict[str, torch.Tensor]:
+    """_pack_planes's buffers -> the parts of the 16-column blocks [b0, b1) (rows 16 b0 .. 16 b1)."""
+    nb, G = packed["ql"][b0:b1].shape[:2]
+    q, start = torch.zeros(nb, G, 8, 64, dtype=torch.uint8), 0
+    for name, B in zip(("ql", "qh"), PLANES[kernel]):
+        per = 8 // B
+        plane = packed[name][b0:b1]
+        bits = torch.stack([(plane >> (B * slot)) & ((1 << B) - 1) for slot in range(per)], dim=3)  # [b, g, B, per, 64]
+        q |= bits.reshape(nb, G, 8, 64) << start
+        start += B
+    q = q.view(nb, G, 4, 2, COLS, 4).permute(0, 4, 1, 3, 2, 5).reshape(nb * COLS, G * 32)  # K: 32 g + 16 half + 4 c + t
+    return {"q": q, **_unpack_q6k_scales(packed["sc"][b0:b1], packed["d"][b0:b1])}
 
 
 def pack_q6k(parts: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Q6_K parts -> csrc/q6k.h's layout: ql [NB, G, 4, 64], qh [NB, G, 2, 64] uint8, sc [NB, G, 2, 16] int8,
     d [NB, S, 16] float32."""
-    q, sc, d = parts["q"], parts["sc"], parts["d"]
-    N, K = q.shape
-    G = K // 32
+    return _pack_planes(parts, "q6k")
+
+
+def pack_q3k(parts: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """q3k parts -> csrc/q6k.h's 3-bit layout: ql [NB, G, 2, 64], qh [NB, G, 1, 64] uint8, sc and d as q6k's."""
+    return _pack_planes(parts, "q3k")
+
+
+def unpack_q3k(packed: dict[str, torch.Tensor], b0: int, b1: int) -> dict[str, torch.Tensor]:
+    """pack_q3k's buffers -> the parts of the 16-column blocks [b0, b1)."""
+    return _unpack_planes(packed, b0, b1, "q3k")
+
+
+def q3k_bytes(N: int, K: int) -> int:
+    """Bytes of pack_q3k's output: per 16 columns and 32 K values 128 (ql) + 64 (qh) + 32 (sc), per 256 K values
+    64 (d): 3.625 bits per weight (the file's Q3_K: 3.4375)."""
     NB = -(-N // COLS)
-    qp = _pad(q, N).view(NB, COLS, G, 2, 4, 4).permute(0, 2, 4, 1, 5, 3)  # [b, g, c, col, t, half]
-    low, top = qp & 15, (qp >> 4).to(torch.uint8)
-    ql = (low[..., 0] | (low[..., 1] << 4)).contiguous().view(NB, G, 4, 64)
-    tp = top.reshape(NB, G, 2, 2, COLS, 4, 2)  # [b, g, pair, chunk in pair, col, t, half]
-    qh = torch.zeros(NB, G, 2, COLS, 4, dtype=torch.uint8)
-    for r in range(2):
-        for h in range(2):
-            qh |= tp[:, :, :, r, :, :, h] << (4 * r + 2 * h)
-    return {"ql": ql, "qh": qh.view(NB, G, 2, 64), **_pack_q6k_scales(sc, d, N)}
+    return NB * (K // 32) * (128 + 64 + 32) + NB * (K // QK_K) * COLS * 4
 
 
 def _pack_q6k_scales(sc: torch.Tensor, d: torch.Tensor, N: int) -> dict[str, torch.Tensor]:
@@ -351,15 +423,7 @@ def q8_0_bytes(N: int, K: int, scales: str = "f32") -> int:
 def unpack_q6k(packed: dict[str, torch.Tensor], b0: int, b1: int) -> dict[str, torch.Tensor]:
     """pack_q6k's buffers -> the parts of the 16-column blocks [b0, b1) (rows 16 b0 .. 16 b1), the inverse of
     pack_q6k: dequantize_q6k of them is those rows' weights."""
-    ql, qh, sc, d = (packed[k][b0:b1] for k in ("ql", "qh", "sc", "d"))
-    nb, G = ql.shape[:2]
-    lo = ql.view(nb, G, 4, COLS, 4)
-    hi = qh.view(nb, G, 2, 1, COLS, 4).expand(nb, G, 2, 2, COLS, 4).reshape(nb, G, 4, COLS, 4)
-    shift = (4 * (torch.arange(4) % 2)).view(1, 1, 4, 1, 1).to(torch.uint8)  # chunk c = 2 p + r: bits 4 r + 2 half
-    halves = [((lo >> (4 * h)) & 15) | (((hi >> (shift + 2 * h)) & 3) << 4) for h in range(2)]
-    q = torch.stack(halves, dim=-1)  # [b, g, c, col, t, half]
-    q = q.permute(0, 3, 1, 5, 2, 4).reshape(nb * COLS, G * 32)  # K index 32 g + 16 half + 4 c + t
-    return {"q": q, **_unpack_q6k_scales(sc, d)}
+    return _unpack_planes(packed, b0, b1, "q6k")
 
 
 def unpack_q8_0(packed: dict[str, torch.Tensor], b0: int, b1: int) -> dict[str, torch.Tensor]:

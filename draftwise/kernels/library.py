@@ -266,8 +266,9 @@ def _probe_args(kind: str, N: int, K: int, gen: torch.Generator) -> tuple:
     if kind in ("q4x8", "q5x8"):  # q5x8: q4x8's buffers and the fifth-bit plane qh, second
         plane = (byte(NB, G, 4, 2, 8),) if kind == "q5x8" else ()
         return byte(NB, G, 4, 64), *plane, byte(NB, G, 16), byte(NB, G, 16), scale(NB, S, 16), scale(NB, S, 16), None, N
-    if kind in ("q6k", "q6m"):  # q6m: q6k's buffers and the min term's mn, dmin
-        q6k = byte(NB, G, 4, 64), byte(NB, G, 2, 64), byte(NB, G, 2, 16).view(torch.int8), scale(NB, S, 16)
+    if kind in ("q6k", "q6m", "q3k"):  # q6m: q6k's buffers and the min term's mn, dmin; q3k: 3-bit planes
+        lb, hb = (2, 1) if kind == "q3k" else (4, 2)
+        q6k = byte(NB, G, lb, 64), byte(NB, G, hb, 64), byte(NB, G, 2, 16).view(torch.int8), scale(NB, S, 16)
         mins = (byte(NB, G, 2, 16).view(torch.int8), scale(NB, S, 16)) if kind == "q6m" else ()
         return *q6k, *mins, None, N
     # csrc/q8_0.h's forms: bytes (q8_0, with a min q8_1), codes through a table (q4c), codes and a plane (q5m)

@@ -10,6 +10,7 @@ Owns, per implementation (one class each, registered under the name a user types
   q5x8          ours: GGUF Q5_K weights held exactly (q4x8's layout plus a fifth-bit plane) x int8 activations per 256
   q6k           ours: GGUF Q6_K weights held exactly x int8 activations per 256 (GGUF's Q8_K)
   q6m           ours: GGUF Q2_K weights held exactly (q6k's layout plus a min per 16) x int8 activations per 256
+  q3k           ours: GGUF Q3_K weights held exactly (q6k's arithmetic over 3-bit planes) x int8 activations per 256
   q8_0          ours: GGUF Q8_0 / Q5_0 weights held exactly x int8 activations per 32
   q8_1          ours: weights with a min per 32 held exactly as int8 (d * v + m) x int8 activations per 32
   q4c           ours: GGUF Q4_0 / IQ4_NL / IQ4_XS weights held exactly as 4-bit codes x int8 activations per 32
@@ -706,6 +707,23 @@ class Q6MLinear(_BlockLinear):
     K_BLOCK, K_PART = Q6KLinear.K_BLOCK, Q6KLinear.K_PART
 
 
+class Q3KLinear(_BlockLinear):
+    """Ours: GGUF Q3_K weights held exactly at their own width (kernels/ggml_blocks.py pack_q3k: a 2-bit and a 1-bit
+    plane, q - 4 with q6k's int8 scale per 16 and float32 d per 256; csrc/q6k.h, q6k's code over these planes) x int8
+    activations per row and 256 K values (GGUF's Q8_K, as llama.cpp's CPU dot product of Q3_K); AVX-512 VNNI /
+    AVX2 / scalar, bitwise the same, and bitwise what q6k computed holding Q3_K as Q6_K values; path 'auto' calls of
+    many rows take the wide side (csrc/gemm_q6k.cpp: the VNNI side, also on AMX CPUs; the q3k linear op hands them
+    over; the same rows). Q3KLinear(weight [N, K], bias) quantizes a float weight as a simple 3-bit max-abs
+    Q3_K; `from_blocks` takes the type's blocks as they are."""
+
+    name = "q3k"
+    description = "ours: GGUF Q3_K weights (exact) x int8 activations per 256, AVX-512 VNNI / AVX2"
+    tolerance = 0.25  # 3-bit max-abs weights per 16 (steps of amax / 3) plus int8 activations per 256 (~0.007)
+    PACKED = ("ql", "qh", "sc", "d")
+    GGUF_TYPES = blocktypes.types_of("q3k")
+    K_BLOCK, K_PART = Q6KLinear.K_BLOCK, Q6KLinear.K_PART
+
+
 class Q80Linear(_BlockLinear):
     """Ours: GGUF Q8_0 or Q5_0 weights (any int8-per-32 parts: Q4_0 / IQ4 blocks too) held exactly as int8 per 32 with a scale (kernels/ggml_blocks.py,
     csrc/q8_0.h) x int8 activations per row and 32 K values (GGUF's Q8_0, as llama.cpp's CPU dot products of
@@ -872,7 +890,8 @@ def _runs_on_cuda(cls: type[LinearImpl]) -> bool:
     return _CUDA_SMOKE[cls.name]
 
 
-_IMPLS = (DenseF32, DenseBF16, TorchInt4, TorchInt8, FbgemmDynamicInt8, Q4x8Linear, Q5X8Linear, Q6KLinear, Q6MLinear, Q80Linear,
+_IMPLS = (DenseF32, DenseBF16, TorchInt4, TorchInt8, FbgemmDynamicInt8, Q4x8Linear, Q5X8Linear, Q6KLinear, Q6MLinear,
+          Q3KLinear, Q80Linear,
           Q81Linear, Q4CLinear, Q5MLinear, *FLOAT_LINEARS)
 LINEARS: dict[str, type[LinearImpl]] = {c.name: c for c in _IMPLS}
 if len(LINEARS) != len(_IMPLS):  # one name means one thing: a table row may not take an implementation's name

@@ -9,7 +9,7 @@ STEP_MAX_TOKENS tokens per sequence, the prefill kernel above); a kernel that ca
 falls back to the dense implementation of its activation dtype (linear.impl_for, the autotuner's rule too).
 q4x8 takes a GGUF Q4_K tensor's blocks exactly (kernels/q4x8.py, q4k_from_blocks); under a named plan other GGUF
 types are dequantized and quantized to the plan's format. A faithful plan (kernels/plan.py) gives each tensor the
-kernel of its stored type instead, built from its blocks (kernels/blocktypes.py's table: Q6_K / Q3_K -> q6k,
+kernel of its stored type instead, built from its blocks (kernels/blocktypes.py's table: Q6_K -> q6k, Q3_K -> q3k,
 Q2_K -> q6m, Q5_K -> q5x8, Q8_0 / Q5_0 -> q8_0, Q4_0 / IQ4 -> q4c, Q4_1 / Q5_1 -> q5m, a float type with a row (F16, BF16) -> its float
 kernel, others -> fp32 over the exactly dequantized weight),
 and keeps the embedding table as stored (`GGUFRowsEmbedding` for types other than Q4_K). `type_census` counts a

@@ -47,7 +47,7 @@ at::Tensor wide_amx(const at::Tensor& x, const at::Tensor& ql, const at::Tensor&
     int8_t* qp = s.make<int8_t>({Mp / 16, K / 64, 16, 64}, at::kChar);  // tile-major (gemm_q6k.h)
     float* dxp = s.make<float>({Mp, S}, at::kFloat);                     // padding rows never read
     dw_quantize_tiles(x.data_ptr<float>(), M, K, qp, dxp, nullptr);
-    DwQ6 w{ql.data_ptr<uint8_t>(), qh.data_ptr<uint8_t>(), sc.data_ptr<int8_t>(), d.data_ptr<float>(), bias_p, N, K, K / 32, S, nullptr, nullptr};
+    DwQ6 w{ql.data_ptr<uint8_t>(), qh.data_ptr<uint8_t>(), sc.data_ptr<int8_t>(), d.data_ptr<float>(), bias_p, N, K, K / 32, S, nullptr, nullptr, 6};
     float* yp = y.data_ptr<float>();
     // Rows in chunks whose activations stay in a core's L2 while every block passes over them; each block's tiles
     // are rebuilt per chunk. A row's arithmetic is the same in every chunk: bits unchanged.
@@ -64,34 +64,35 @@ at::Tensor wide_amx(const at::Tensor& x, const at::Tensor& ql, const at::Tensor&
 // The VNNI side (gemm_wide.h): rows in chunks of DW_VNNI_CHUNK_ROWS, each quantized into its own GEMV layout by the
 // GEMV's quantizer (q6k.cpp's dw_q6k_quantize_rows, AVX-512 path), then the AVX-512 GEMV's kernel over every block
 // of the chunk. Each row is the GEMV's row: the same values and the same kernel, whose rows never depend on M.
-// With mn and dmin (q6m: GGUF Q2_K) the GEMV's min term rides along: the same kernel, its MIN instantiation.
+// With mn and dmin (q6m: GGUF Q2_K) the GEMV's min term rides along: the same kernel, its MIN instantiation; with
+// value_bits 3 (q3k: GGUF Q3_K) its 3-bit planes.
 at::Tensor wide_vnni(const at::Tensor& x, const at::Tensor& ql, const at::Tensor& qh, const at::Tensor& sc,
-                     const at::Tensor& d, const at::Tensor* mn, const at::Tensor* dmin, const float* bias_p, int64_t N) {
+                     const at::Tensor& d, const at::Tensor* mn, const at::Tensor* dmin, const float* bias_p, int64_t N,
+                     int64_t value_bits = 6) {
     const int64_t M = x.size(0), K = x.size(1), G = K / 32, S = K / 256, NB = (N + 15) / 16;
     at::Tensor y = at::empty({M, N}, x.options());
     if (M == 0) return y;
     const int64_t chunk = DW_VNNI_CHUNK_ROWS, chunks = (M + chunk - 1) / chunk;
-    dwop::Scratch s(x);  // chunk c: q [G, Mc, 32], dx [S, Mc], qsum [S, Mc, 8], qsum16 [S, Mc, 16], qoff16 [G, Mc, 2]
+    dwop::Scratch s(x);  // chunk c: q [G, Mc, 32], dx [S, Mc], qsum [S, Mc, 8], qsum16 [S, Mc, 16]
     int8_t* qp = s.make<int8_t>({chunks, G, chunk, 32}, at::kChar);
     float* dxp = s.make<float>({chunks, S, chunk}, at::kFloat);
     int16_t* qsp = s.make<int16_t>({chunks, S, chunk, 8}, at::kShort);
     int16_t* q16 = s.make<int16_t>({chunks, S, chunk, 16}, at::kShort);
-    int32_t* qo = s.make<int32_t>({chunks, G, chunk, 2}, at::kInt);
     const float* xp = x.data_ptr<float>();
     auto rows_of = [&](int64_t c) { return std::min(chunk, M - c * chunk); };
     at::parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) {
         for (int64_t c = c0; c < c1; ++c)
             dw_q6k_quantize_rows(dwisa::AVX512, xp + c * chunk * K, rows_of(c), K, qp + c * G * chunk * 32,
-                                 dxp + c * S * chunk, qsp + c * S * chunk * 8, q16 + c * S * chunk * 16,
-                                 qo + c * G * chunk * 2, 0, rows_of(c));
+                                 dxp + c * S * chunk, qsp + c * S * chunk * 8, q16 + c * S * chunk * 16, 0,
+                                 rows_of(c));
     });
     DwQ6 w{ql.data_ptr<uint8_t>(), qh.data_ptr<uint8_t>(), sc.data_ptr<int8_t>(), d.data_ptr<float>(), bias_p, N, K, G, S,
-           mn ? mn->data_ptr<int8_t>() : nullptr, mn ? dmin->data_ptr<float>() : nullptr};
+           mn ? mn->data_ptr<int8_t>() : nullptr, mn ? dmin->data_ptr<float>() : nullptr, value_bits};
     float* yp = y.data_ptr<float>();
     // each thread its blocks, chunk after chunk (one fork for the call)
     at::parallel_for(0, NB, 1, [&](int64_t b0, int64_t b1) {
         for (int64_t c = 0; c < chunks; ++c) {
-            DwQ8K16 a{qp + c * G * chunk * 32, dxp + c * S * chunk, q16 + c * S * chunk * 16, qo + c * G * chunk * 2, rows_of(c)};
+            DwQ8K16 a{qp + c * G * chunk * 32, dxp + c * S * chunk, q16 + c * S * chunk * 16, rows_of(c)};
             dw_q6k_gemm_avx512(&w, &a, yp + c * chunk * N, b0, b1);
         }
     });
@@ -137,26 +138,44 @@ TORCH_LIBRARY_IMPL(draftwise_q6k, CPU, m) {
     m.impl("wide_vnni", &wide_vnni_op);
 }
 
-// q6m (GGUF Q2_K: q6k.h's min term): the VNNI side only, on AMX CPUs too (gemm_q6k_amx.cpp's tiles carry no min
-// term); its own switch, measured like q6k's.
+// q6m (GGUF Q2_K: q6k.h's min term) and q3k (GGUF Q3_K: its 3-bit planes): the VNNI side only, on AMX CPUs too
+// (gemm_q6k_amx.cpp's tiles are built from Q6_K's planes and carry no min term: an AMX CPU's Q2_K and Q3_K prompts
+// run on this side, not on tiles); each its own switch, measured like q6k's.
 namespace {
 
-DwWideSwitch q6m_switch;  // from how many rows path-'auto' q6m calls come here
+DwWideSwitch q6m_switch, q3k_switch;  // from how many rows path-'auto' q6m / q3k calls come here
 
-bool q6m_wide_takes(int64_t M) { return dw_q6m_wide_takes(M); }
+template <DwWideSwitch& SW>
+bool vnni_only_takes(int64_t M) { return SW.takes(M) && dw_vnni_only_side() != DwWideSide::NONE; }
+
+// `kernel`'s VNNI side, checked: with mn and dmin q6m's min term, value_bits its planes (q6k.h)
+at::Tensor vnni_only(const char* kernel, const at::Tensor& x, const at::Tensor& ql, const at::Tensor& qh,
+                     const at::Tensor& sc, const at::Tensor& d, const at::Tensor* mn, const at::Tensor* dmin,
+                     const std::optional<at::Tensor>& bias, int64_t N, int64_t value_bits) {
+    TORCH_CHECK(dw_vnni_only_side() != DwWideSide::NONE, kernel, " wide: this CPU has no AVX-512 VNNI (or a "
+                "$DRAFTWISE_MAX_ISA cap is below it)");
+    const float* bias_p = dw_q6k_check(x, ql, qh, sc, d, bias, N, mn, dmin, value_bits);
+    return wide_vnni(x, ql, qh, sc, d, mn, dmin, bias_p, N, value_bits);
+}
 
 }  // namespace
 
-bool dw_q6m_wide_takes(int64_t M) { return q6m_switch.takes(M) && dw_vnni_only_side() != DwWideSide::NONE; }
+bool dw_q6m_wide_takes(int64_t M) { return vnni_only_takes<q6m_switch>(M); }
+bool dw_q3k_wide_takes(int64_t M) { return vnni_only_takes<q3k_switch>(M); }
 
 // x [M, K] float32 -> y [M, N] float32; the weights as draftwise_q6m::linear takes them (q6k's, plus mn
 // [NB, G, 2, 16] int8 and dmin [NB, S, 16] float32)
 at::Tensor dw_q6m_wide(const at::Tensor& x, const at::Tensor& ql, const at::Tensor& qh, const at::Tensor& sc,
                        const at::Tensor& d, const at::Tensor& mn, const at::Tensor& dmin,
                        const std::optional<at::Tensor>& bias, int64_t N) {
-    TORCH_CHECK(dw_vnni_only_side() != DwWideSide::NONE, "q6m wide: this CPU has no AVX-512 VNNI (or a $DRAFTWISE_MAX_ISA "
-                "cap is below it)");
-    return wide_vnni(x, ql, qh, sc, d, &mn, &dmin, dw_q6k_check(x, ql, qh, sc, d, bias, N, &mn, &dmin), N);
+    return vnni_only("q6m", x, ql, qh, sc, d, &mn, &dmin, bias, N, 6);
+}
+
+// x [M, K] float32 -> y [M, N] float32; the weights as draftwise_q3k::linear takes them (ql [NB, G, 2, 64], qh
+// [NB, G, 1, 64] uint8, sc and d as q6k's)
+at::Tensor dw_q3k_wide(const at::Tensor& x, const at::Tensor& ql, const at::Tensor& qh, const at::Tensor& sc,
+                       const at::Tensor& d, const std::optional<at::Tensor>& bias, int64_t N) {
+    return vnni_only("q3k", x, ql, qh, sc, d, nullptr, nullptr, bias, N, 3);
 }
 
 TORCH_LIBRARY_FRAGMENT(draftwise_q6m, m) {
@@ -164,11 +183,25 @@ TORCH_LIBRARY_FRAGMENT(draftwise_q6m, m) {
           "-> Tensor");
     m.def("wide_vnni(Tensor x, Tensor ql, Tensor qh, Tensor sc, Tensor d, Tensor mn, Tensor dmin, Tensor? bias, "
           "int N) -> Tensor");  // the same side: the schema q6k's tests call
-    m.def("wide_takes(int rows) -> bool", &q6m_wide_takes);
+    m.def("wide_takes(int rows) -> bool", &vnni_only_takes<q6m_switch>);
     dw_def_wide_ops<q6m_switch, dw_vnni_only_side>(m);
 }
 
 TORCH_LIBRARY_IMPL(draftwise_q6m, CPU, m) {
     m.impl("wide", &dw_q6m_wide);
     m.impl("wide_vnni", &dw_q6m_wide);
+}
+
+// q3k's: q6k's schemas (wide_vnni the same side), its own switch
+TORCH_LIBRARY_FRAGMENT(draftwise_q3k, m) {
+    for (const char* op : {"wide", "wide_vnni"}) {
+        const std::string schema = std::string(op) + "(Tensor x, Tensor ql, Tensor qh, Tensor sc, Tensor d, Tensor? bias, int N) -> Tensor";
+        m.def(schema.c_str());
+    }
+    m.def("wide_takes(int rows) -> bool", &vnni_only_takes<q3k_switch>);
+    dw_def_wide_ops<q3k_switch, dw_vnni_only_side>(m);
+}
+
+TORCH_LIBRARY_IMPL(draftwise_q3k, CPU, m) {
+    for (const char* op : {"wide", "wide_vnni"}) m.impl(op, &dw_q3k_wide);
 }

@@ -25,7 +25,7 @@ inline void split(__m512i q, __m512i scl, uint8_t* lo, uint8_t* hi) {
 }
 
 // Block b's weights as B tiles: step j (groups 2j, 2j + 1) at scratch + 2048 j: lo tile, then hi tile (gemm_q6k.h).
-// The 6-bit q of chunk c are rebuilt as the AVX-512 GEMV does (q6k.h's dwq6k::unpack_chunk).
+// The 6-bit q of chunk c are rebuilt as the AVX-512 GEMV does (q6k.h's dwq6k::values over Q6_K's planes).
 void prepare(const DwQ6* w, int64_t b, int64_t steps, uint8_t* scratch) {
     const int64_t G = w->G;
     const uint8_t* L = w->ql + b * G * 256;
@@ -37,15 +37,13 @@ void prepare(const DwQ6* w, int64_t b, int64_t steps, uint8_t* scratch) {
         for (int h = 0; h < 2; ++h) {
             const int64_t g = 2 * j + h;
             const __m512i scl = dwamx::sc_lanes(SC + g * 32), sch = dwamx::sc_lanes(SC + g * 32 + 16);
-            const __m512i h0 = _mm512_loadu_si512((const void*)(H + g * 128));
-            const __m512i h1 = _mm512_loadu_si512((const void*)(H + g * 128 + 64));
-            for (int c = 0; c < 4; ++c) {  // chunk c: low nibbles = K values 4c..4c+3 of the group, high = 16 + 4c..
-                const __m512i raw = _mm512_loadu_si512((const void*)(L + g * 256 + c * 64));
-                __m512i wl, wh;
-                dwq6k::unpack_chunk(raw, c < 2 ? h0 : h1, c, wl, wh);
-                split(wl, scl, lo + (h * 8 + c) * 64, hi + (h * 8 + c) * 64);
-                split(wh, sch, lo + (h * 8 + 4 + c) * 64, hi + (h * 8 + 4 + c) * 64);
-            }
+            dwq6k::each_chunk([&]<int C>() {  // chunk C: K values 4C..4C+3 of the group (half 0), 16 + 4C.. (half 1)
+                using P = dwq6k::Q6Planes;
+                split(dwq6k::values<P, 2 * C, __m512i>(L + g * 256, H + g * 128), scl, lo + (h * 8 + C) * 64,
+                      hi + (h * 8 + C) * 64);
+                split(dwq6k::values<P, 2 * C + 1, __m512i>(L + g * 256, H + g * 128), sch, lo + (h * 8 + 4 + C) * 64,
+                      hi + (h * 8 + 4 + C) * 64);
+            });
         }
     }
 }

@@ -80,7 +80,7 @@ inline uint8_t* dw_thread_scratch(int64_t bytes) {
 // without one). Defined in q6k.cpp.
 const float* dw_q6k_check(const at::Tensor& x, const at::Tensor& ql, const at::Tensor& qh, const at::Tensor& sc,
                           const at::Tensor& d, const std::optional<at::Tensor>& bias, int64_t N,
-                          const at::Tensor* mn = nullptr, const at::Tensor* dmin = nullptr);
+                          const at::Tensor* mn = nullptr, const at::Tensor* dmin = nullptr, int64_t value_bits = 6);
 
 // draftwise_q4x8::linear's argument checks (x [M, K] float32 contiguous, K a multiple of 32, the packed buffers'
 // dtypes and sizes for N columns; with qh, q5x8's plane too); returns the bias pointer (null without one). Defined in
@@ -90,9 +90,9 @@ const float* dw_q4x8_check(const at::Tensor& x, const at::Tensor& packed, const 
                            const at::Tensor* qh = nullptr);
 
 // Q6_K's activations for rows [r0, r1) of x [M, K] on ISA path `path` (dispatch.h ids): q [G, M, 32], dx [S, M],
-// qsum [S, M, 8] (q4x8's Q8_K rows), qsum16 [S, M, 16] and qoff16 [G, M, 2] (q6k.h's DwQ8K16). Defined in q6k.cpp.
+// qsum [S, M, 8] (q4x8's Q8_K rows) and qsum16 [S, M, 16] (q6k.h's DwQ8K16). Defined in q6k.cpp.
 void dw_q6k_quantize_rows(int64_t path, const float* x, int64_t M, int64_t K, int8_t* q, float* dx, int16_t* qsum,
-                          int16_t* qsum16, int32_t* qoff16, int64_t r0, int64_t r1);
+                          int16_t* qsum16, int64_t r0, int64_t r1);
 
 // q6m (GGUF Q2_K): whether a path-'auto' linear of M rows takes the VNNI side, and that side (q6k's VNNI side with
 // the min term; x [M, K] float32 -> [M, N]). Defined in gemm_q6k.cpp; q6k.cpp's q6m linear calls them.
@@ -100,6 +100,12 @@ bool dw_q6m_wide_takes(int64_t M);
 at::Tensor dw_q6m_wide(const at::Tensor& x, const at::Tensor& ql, const at::Tensor& qh, const at::Tensor& sc,
                        const at::Tensor& d, const at::Tensor& mn, const at::Tensor& dmin,
                        const std::optional<at::Tensor>& bias, int64_t N);
+
+// q3k (GGUF Q3_K on q6k.h's 3-bit planes): the same pair for its VNNI side (x [M, K] float32 -> [M, N]; the weights
+// as draftwise_q3k::linear takes them). Defined in gemm_q6k.cpp; q6k.cpp's q3k linear calls them.
+bool dw_q3k_wide_takes(int64_t M);
+at::Tensor dw_q3k_wide(const at::Tensor& x, const at::Tensor& ql, const at::Tensor& qh, const at::Tensor& sc,
+                       const at::Tensor& d, const std::optional<at::Tensor>& bias, int64_t N);
 
 // The wide side this process runs (gemm_q4x8.cpp decides, for both kinds): AMX int8 tiles; else, on an AVX-512 VNNI
 // CPU (or with AMX capped off by $DRAFTWISE_MAX_ISA=avx512), the AVX-512 GEMV's register tile over chunks of

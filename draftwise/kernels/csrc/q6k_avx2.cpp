@@ -1,6 +1,7 @@
-// q6k, AVX2 path (AVX2 + FMA): the 6-bit weights rebuilt per 32-byte half chunk, _mm256_maddubs_epi16 (u8 weight
-// 0..63 x s8 activation pairs, |pair| <= 2 * 63 * 127 = 16002) summed over two chunks in int16 (<= 32004, no
-// saturation), then _mm256_madd_epi16 by the column's (sc, sc) to int32; the -32 offset as one _mm256_madd_epi16 of
+// q6k, AVX2 path (AVX2 + FMA): the 6-bit (q3k: 3-bit) weights rebuilt per 32-byte half chunk from q6k.h's planes,
+// _mm256_maddubs_epi16 (u8 weight 0..63 x s8 activation pairs, |pair| <= 2 * 63 * 127 = 16002) summed over two
+// chunks in int16 (<= 32004, no saturation), then _mm256_madd_epi16 by the column's (sc, sc) to int32; the -OFF
+// offset as one _mm256_madd_epi16 of
 // (sc_lo, sc_hi) pairs by the row's (qsum16_lo, qsum16_hi) per group. The exact totals meet d and dx in q6k.h's
 // float steps (with the min term, one more madd per group and float step per super-block). Owns only this path's
 // arithmetic; knows nothing of torch, threads or when it runs. Compiled with
@@ -28,16 +29,16 @@ inline __m256i sc_pair(const int8_t* lo, const int8_t* hi) {
     return _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(_mm_cvtsi64_si128(a), _mm_cvtsi64_si128(b)));
 }
 
-// Rows [m0, m0 + MT) of one half (h = 0: columns 0-7, h = 1: columns 8-15) of the 16-column block b; MIN: with
-// q6k.h's min term (B per super-block after the group loop: one _mm256_madd_epi16 of (m_lo, m_hi) pairs per group).
-template <int MT, bool MIN>
+// Rows [m0, m0 + MT) of one half (h = 0: columns 0-7, h = 1: columns 8-15) of the 16-column block b, its values in
+// q6k.h's planes P; MIN: with q6k.h's min term (B per super-block after the group loop: one _mm256_madd_epi16 of
+// (m_lo, m_hi) pairs per group).
+template <int MT, class P, bool MIN>
 [[gnu::noinline]] void half_rows(const DwQ6* w, const DwQ8K16* a, float* out, int64_t b, int h, int64_t m0, bool prefetch) {
     const int64_t G = w->G, S = w->S, N = w->N, M = a->M;
-    const uint8_t* L = w->ql + b * G * 256 + h * 32;
-    const uint8_t* H = w->qh + b * G * 128 + h * 32;
+    const uint8_t* L = w->ql + b * G * P::LOW + h * 32;
+    const uint8_t* H = w->qh + b * G * P::HIGH + h * 32;
     const int8_t* SC = w->sc + b * G * 32 + h * 8;
     const float* D = w->d + b * S * 16 + h * 8;
-    const __m256i low4 = _mm256_set1_epi8(0x0F), top2 = _mm256_set1_epi8(0x30);
     __m256 acc[MT];
     for (int m = 0; m < MT; ++m) acc[m] = _mm256_setzero_ps();
     for (int64_t s = 0; s < S; ++s) {
@@ -45,21 +46,16 @@ template <int MT, bool MIN>
         for (int m = 0; m < MT; ++m) isc[m] = imn[m] = _mm256_setzero_si256();
         for (int64_t g = s * 8; g < s * 8 + 8; ++g) {
             if (prefetch) {
-                const char* nl = (const char*)(L - h * 32 + G * 256 + g * 256);
-                for (int c = 0; c < 4; ++c) _mm_prefetch(nl + 64 * c, _MM_HINT_T1);
-                _mm_prefetch((const char*)(H - h * 32 + G * 128 + g * 128), _MM_HINT_T1);
-                _mm_prefetch((const char*)(H - h * 32 + G * 128 + g * 128 + 64), _MM_HINT_T1);
+                const char* nl = (const char*)(L - h * 32 + G * P::LOW + g * P::LOW);
+                const char* nh = (const char*)(H - h * 32 + G * P::HIGH + g * P::HIGH);
+                for (int r = 0; r < P::LB; ++r) _mm_prefetch(nl + 64 * r, _MM_HINT_T1);
+                for (int r = 0; r < P::HB; ++r) _mm_prefetch(nh + 64 * r, _MM_HINT_T1);
             }
             __m256i wl[4], wh[4];
-            for (int c = 0; c < 4; ++c) {
-                const __m256i raw = _mm256_loadu_si256((const __m256i*)(L + g * 256 + c * 64));
-                const __m256i hv = _mm256_loadu_si256((const __m256i*)(H + g * 128 + (c / 2) * 64));
-                const __m256i hl = (c & 1) ? _mm256_and_si256(hv, top2) : _mm256_and_si256(_mm256_slli_epi16(hv, 4), top2);
-                const __m256i hh = (c & 1) ? _mm256_and_si256(_mm256_srli_epi16(hv, 2), top2)
-                                           : _mm256_and_si256(_mm256_slli_epi16(hv, 2), top2);
-                wl[c] = _mm256_or_si256(_mm256_and_si256(raw, low4), hl);
-                wh[c] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(raw, 4), low4), hh);
-            }
+            dwq6k::each_chunk([&]<int C>() {
+                wl[C] = dwq6k::values<P, 2 * C, __m256i>(L + g * P::LOW, H + g * P::HIGH);
+                wh[C] = dwq6k::values<P, 2 * C + 1, __m256i>(L + g * P::LOW, H + g * P::HIGH);
+            });
             const __m256i scl = sc_twice(SC + g * 32), sch = sc_twice(SC + g * 32 + 16);
             const __m256i scp = sc_pair(SC + g * 32, SC + g * 32 + 16);
             const int8_t* xg = a->q + (g * M + m0) * 32;
@@ -82,7 +78,7 @@ template <int MT, bool MIN>
             }
         }
         __m256i tot[MT];
-        for (int m = 0; m < MT; ++m) tot[m] = _mm256_sub_epi32(isc[m], _mm256_slli_epi32(imn[m], 5));
+        for (int m = 0; m < MT; ++m) tot[m] = _mm256_sub_epi32(isc[m], _mm256_slli_epi32(imn[m], P::SHIFT));
         dwrows::fma_rows(acc, a->dx + s * M + m0, tot, _mm256_loadu_ps(D + s * 16));
         if constexpr (MIN) {
             const int8_t* MN = w->mn + b * G * 32 + h * 8;
@@ -105,9 +101,9 @@ constexpr int MAX_TILE = 4;
 }  // namespace
 
 extern "C" void dw_q6k_gemm_avx2(const DwQ6* w, const DwQ8K16* a, float* out, int64_t b0, int64_t b1) {
-    dwq6k::by_min(w, [&]<bool MIN>() {
+    dwq6k::by_layout(w, [&]<class P, bool MIN>() {
         dwrows::gemv8x2<MAX_TILE>(a->M, w->N, b0, b1, [&]<int MT>(int64_t b, int h, int64_t m0, bool pf) {
-            half_rows<MT, MIN>(w, a, out, b, h, m0, pf);
+            half_rows<MT, P, MIN>(w, a, out, b, h, m0, pf);
         });
     });
 }

@@ -1,7 +1,7 @@
-// q6k, AVX-512 path (F + BW + VNNI): the 6-bit weights rebuilt per 64-byte chunk from their low nibbles and top
-// 2 bits (three logic ops and a shift each), VPDPBUSD on 16 columns x 4 K values with the activation operand an
-// embedded broadcast; each sub-block's sum starts at the row's qoff16 (the -32 offset) and meets its int8 scale in
-// one VPMULLD. Owns only this path's arithmetic (layout and float sequence: q6k.h); knows nothing of torch,
+// q6k, AVX-512 path (F + BW + VNNI): the 6-bit (q3k: 3-bit) weights rebuilt per 64-byte chunk from q6k.h's two
+// planes (two shifts and three logic ops each), VPDPBUSD on 16 columns x 4 K values with the activation operand an
+// embedded broadcast; each sub-block's sum starts at -OFF times the row's qsum16 (the offset) and meets its int8
+// scale in one VPMULLD. Owns only this path's arithmetic (layout and float sequence: q6k.h); knows nothing of torch,
 // threads or when it runs (q6k.cpp and dispatch.h decide). Compiled with -mavx512f -mavx512bw -mavx512vl
 // -mavx512vnni and called only after a run-time cpuid check. Includes no C++ library header.
 #include "q6k.h"
@@ -17,14 +17,15 @@ inline __m512i mn_pairs(const int8_t* p) {
     return _mm512_cvtepi8_epi16(_mm256_set_m128i(_mm_unpackhi_epi8(lo, hi), _mm_unpacklo_epi8(lo, hi)));
 }
 
-// Rows [m0, m0 + MT) of one 16-column block b: per group, 8 VPDPBUSD per row into two sub-block sums, two VPMULLD
-// by the sub-blocks' scales into the super-block's int32; per super-block the float steps of q6k.h. MIN: with its
-// min term (B after the group loop: one VPDPWSSD of (m_lo, m_hi) pairs by the row's (qsum16_lo, qsum16_hi) a group).
-template <int MT, bool MIN>
+// Rows [m0, m0 + MT) of one 16-column block b, its values in q6k.h's planes P: per group, 8 VPDPBUSD per row into
+// two sub-block sums, two VPMULLD by the sub-blocks' scales into the super-block's int32; per super-block the float
+// steps of q6k.h. MIN: with its min term (B after the group loop: one VPDPWSSD of (m_lo, m_hi) pairs by the row's
+// (qsum16_lo, qsum16_hi) a group).
+template <int MT, class P, bool MIN>
 [[gnu::noinline]] void block_rows(const DwQ6* w, const DwQ8K16* a, float* out, int64_t b, int64_t m0, bool prefetch) {
     const int64_t G = w->G, S = w->S, N = w->N, M = a->M;
-    const uint8_t* L = w->ql + b * G * 256;
-    const uint8_t* H = w->qh + b * G * 128;
+    const uint8_t* L = w->ql + b * G * P::LOW;
+    const uint8_t* H = w->qh + b * G * P::HIGH;
     const int8_t* SC = w->sc + b * G * 32;
     const float* D = w->d + b * S * 16;
     __m512 acc[MT];
@@ -38,37 +39,31 @@ template <int MT, bool MIN>
 #pragma GCC unroll 1
         for (int64_t g = s * 8; g < s * 8 + 8; ++g) {
             if (prefetch) {
-                const char* nl = (const char*)(L + G * 256 + g * 256);
-                const char* nh = (const char*)(H + G * 128 + g * 128);
-                _mm_prefetch(nl, _MM_HINT_T1);
-                _mm_prefetch(nl + 64, _MM_HINT_T1);
-                _mm_prefetch(nl + 128, _MM_HINT_T1);
-                _mm_prefetch(nl + 192, _MM_HINT_T1);
-                _mm_prefetch(nh, _MM_HINT_T1);
-                _mm_prefetch(nh + 64, _MM_HINT_T1);
+                const char* nl = (const char*)(L + G * P::LOW + g * P::LOW);
+                const char* nh = (const char*)(H + G * P::HIGH + g * P::HIGH);
+#pragma GCC unroll 4
+                for (int r = 0; r < P::LB; ++r) _mm_prefetch(nl + 64 * r, _MM_HINT_T1);
+#pragma GCC unroll 2
+                for (int r = 0; r < P::HB; ++r) _mm_prefetch(nh + 64 * r, _MM_HINT_T1);
                 _mm_prefetch((const char*)(SC + G * 32 + g * 32), _MM_HINT_T0);
             }
             __m512i lo[MT], hi[MT];
-            const int32_t* qo = a->qoff16 + (g * M + m0) * 2;
+            const int16_t* qs = a->qsum16 + (s * M + m0) * 16 + (g - s * 8) * 2;
 #pragma GCC unroll 8
             for (int m = 0; m < MT; ++m) {
-                lo[m] = _mm512_set1_epi32(qo[2 * m]);
-                hi[m] = _mm512_set1_epi32(qo[2 * m + 1]);
+                lo[m] = _mm512_set1_epi32(-P::OFF * qs[16 * m]);
+                hi[m] = _mm512_set1_epi32(-P::OFF * qs[16 * m + 1]);
             }
             const int8_t* xg = a->q + (g * M + m0) * 32;
-            const __m512i h0 = _mm512_loadu_si512((const void*)(H + g * 128));
-            const __m512i h1 = _mm512_loadu_si512((const void*)(H + g * 128 + 64));
-#pragma GCC unroll 4
-            for (int c = 0; c < 4; ++c) {
-                const __m512i raw = _mm512_loadu_si512((const void*)(L + g * 256 + c * 64));
-                __m512i wl, wh;
-                dwq6k::unpack_chunk(raw, c < 2 ? h0 : h1, c, wl, wh);
+            dwq6k::each_chunk([&]<int C>() {
+                const __m512i wl = dwq6k::values<P, 2 * C, __m512i>(L + g * P::LOW, H + g * P::HIGH);
+                const __m512i wh = dwq6k::values<P, 2 * C + 1, __m512i>(L + g * P::LOW, H + g * P::HIGH);
 #pragma GCC unroll 8
                 for (int m = 0; m < MT; ++m) {
-                    lo[m] = dpbusd_b(lo[m], wl, xg + m * 32 + 4 * c);
-                    hi[m] = dpbusd_b(hi[m], wh, xg + m * 32 + 16 + 4 * c);
+                    lo[m] = dpbusd_b(lo[m], wl, xg + m * 32 + 4 * C);
+                    hi[m] = dpbusd_b(hi[m], wh, xg + m * 32 + 16 + 4 * C);
                 }
-            }
+            });
             const __m512i scl = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(SC + g * 32)));
             const __m512i sch = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(SC + g * 32 + 16)));
 #pragma GCC unroll 8
@@ -103,9 +98,9 @@ constexpr int MAX_TILE = 8;
 }  // namespace
 
 extern "C" void dw_q6k_gemm_avx512(const DwQ6* w, const DwQ8K16* a, float* out, int64_t b0, int64_t b1) {
-    dwq6k::by_min(w, [&]<bool MIN>() {
+    dwq6k::by_layout(w, [&]<class P, bool MIN>() {
         dwrows::gemv16<MAX_TILE>(a->M, b0, b1, [&]<int MT>(int64_t b, int64_t m0, bool pf) {
-            block_rows<MT, MIN>(w, a, out, b, m0, pf);
+            block_rows<MT, P, MIN>(w, a, out, b, m0, pf);
         });
     });
 }

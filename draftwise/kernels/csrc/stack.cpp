@@ -37,9 +37,9 @@ namespace {
 constexpr int64_t LINEAR = 7;
 constexpr int64_t BIAS = LINEAR - 1;  // a projection's bias entry
 
-enum Kind : int64_t { ABSENT = -1, Q4X8 = 0, Q6K = 1, NUM_KINDS = 8 };  // ids past Q6K: the block kernels below
+enum Kind : int64_t { ABSENT = -1, Q4X8 = 0, Q6K = 1, NUM_KINDS = 9 };  // ids past Q6K: the block kernels below
 // kernels/linear.py's registry names; a kind past Q6K calls draftwise_<name>::linear with its packed buffers
-const char* const KIND_NAMES[NUM_KINDS] = {"q4x8", "q6k", "q8_0", "q8_1", "q4c", "q5m", "q6m", "q5x8"};
+const char* const KIND_NAMES[NUM_KINDS] = {"q4x8", "q6k", "q8_0", "q8_1", "q4c", "q5m", "q6m", "q5x8", "q3k"};
 
 enum Proj : int64_t { P_QKV = 0, P_K, P_V, P_O, P_GATE_UP, P_DOWN, KINDS_PER_LAYER };
 
