@@ -282,6 +282,17 @@ def first_inexact_width(fn, x: torch.Tensor, ref: torch.Tensor, widths) -> int |
     return None
 
 
+def assert_wide_is_gemv(lin, wide, x: torch.Tensor, widths, threads, spot) -> None:
+    """A wide side against its GEMV: `lin` (the GEMV) on x [M, K] is each row alone at the `spot` rows, and
+    wide(x[:W]) is bitwise the GEMV's rows for every W in `widths`, on 1 and 2 threads (`threads`: the fixture)."""
+    ref = lin(x)
+    for i in spot:
+        assert torch.equal(lin(x[i:i + 1]), ref[i:i + 1]), i
+    for n in (1, 2):
+        threads(n)
+        assert first_inexact_width(wide, x, ref, widths) is None, n
+
+
 def wide_state(kernel: str, **env: str) -> list:
     """A kernel's wide side as a fresh process with `env` sees it (the ISA cap and the width override are read once
     per process): [wide_available, wide_min_rows, wide_takes(4096), wide_kind] of torch.ops.draftwise_<kernel>."""

@@ -20,8 +20,8 @@ import torch
 
 from draftwise.kernels import library, q4x8
 from draftwise.kernels.linear import Q4x8Linear, Q5X8Linear, block_paths
-from tests.harness import (KS, SHAPES, WIDTHS, first_inexact_width, ops, side, threads, wide_state,  # noqa: F401
-                           wide_x)
+from tests.harness import (KS, SHAPES, WIDTHS, assert_wide_is_gemv, first_inexact_width, ops, side,  # noqa: F401
+                           threads, wide_state, wide_x)
 
 WIDE_KIND = "q4x8"  # the `ops` fixture's kernel
 
@@ -43,14 +43,9 @@ def test_wide_rows_are_the_gemv_rows_at_every_width_and_thread_count(ops, side, 
     """Every width 1..512 on a 40-column weight (two whole 16-column blocks and a partial one) of each K the
     packaged models have, on 1 and 2 threads, against the GEMV's rows (which are themselves each row alone:
     spot-checked here, tested at length in test_kernels.py)."""
-    lin = _linear(40, K, seed=K)
-    x = wide_x(max(WIDTHS), K, seed=K + 1)
-    ref = lin(x)  # [512, 40], the AVX-512 GEMV
-    for i in (0, 1, 31, 32, 255, 511):
-        assert torch.equal(lin(x[i:i + 1]), ref[i:i + 1])
-    for n in (1, 2):
-        threads(n)
-        assert first_inexact_width(lambda xs: _wide(ops, lin, xs, side), x, ref, WIDTHS) is None, (K, n)
+    lin = _linear(40, K, seed=K)  # the AVX-512 GEMV
+    assert_wide_is_gemv(lin, lambda xs: _wide(ops, lin, xs, side), wide_x(max(WIDTHS), K, seed=K + 1), WIDTHS,
+                        threads, spot=(0, 1, 31, 32, 255, 511))
 
 
 @pytest.mark.parametrize("model", sorted(SHAPES))
@@ -276,15 +271,11 @@ def _q5x8_wide(ops, lin: Q5X8Linear, x: torch.Tensor) -> torch.Tensor:  # x [M, 
 
 @pytest.mark.parametrize("K", [1536, 8960])
 def test_q5x8_wide_rows_are_the_gemv_rows_at_every_width_and_thread_count(q5x8_ops, threads, K):
-    lin = _q5x8_linear(40, K, seed=K)
+    lin = _q5x8_linear(40, K, seed=K)  # the AVX-512 GEMV
     x = wide_x(max(WIDTHS_Q5X8), K, seed=K + 1)
     x[3] = 1.0  # a row of int8 127s: with the extreme group, the integer sums' bounds
-    ref = lin(x)  # the AVX-512 GEMV
-    for i in (0, 1, 3, 47, 48, 199):
-        assert torch.equal(lin(x[i:i + 1]), ref[i:i + 1])
-    for n in (1, 2):
-        threads(n)
-        assert first_inexact_width(lambda xs: _q5x8_wide(q5x8_ops, lin, xs), x, ref, WIDTHS_Q5X8) is None, (K, n)
+    assert_wide_is_gemv(lin, lambda xs: _q5x8_wide(q5x8_ops, lin, xs), x, WIDTHS_Q5X8, threads,
+                        spot=(0, 1, 3, 47, 48, 199))
 
 
 def test_q5x8_wide_rows_are_every_gemv_paths_rows(q5x8_ops):

@@ -17,7 +17,8 @@ import torch
 
 from draftwise.kernels import ggml_blocks
 from draftwise.kernels.linear import Q3KLinear, Q6KLinear, Q6MLinear, block_paths
-from tests.harness import KS, SHAPES, WIDTHS, first_inexact_width, ops, side, threads, wide_state, wide_x  # noqa: F401 (fixtures)
+from tests.harness import (KS, SHAPES, WIDTHS, assert_wide_is_gemv, first_inexact_width, ops, side,  # noqa: F401
+                           threads, wide_state, wide_x)  # (fixtures)
 
 WIDE_KIND = "q6k"  # the `ops` fixture's kernel
 
@@ -53,14 +54,9 @@ def test_the_test_weights_reach_the_scale_and_weight_extremes():
 def test_wide_rows_are_the_gemv_rows_at_every_width_and_thread_count(ops, side, threads, K):
     """Every width 1..512 on a 40-column weight (two whole 16-column blocks and a partial one) of each K, on 1 and
     2 threads, against the GEMV's rows (themselves each row alone: spot-checked here)."""
-    lin = _linear(40, K, seed=K)
-    x = wide_x(max(WIDTHS), K, seed=K + 1)
-    ref = lin(x)  # [512, 40], the AVX-512 GEMV
-    for i in (0, 1, 31, 32, 255, 511):
-        assert torch.equal(lin(x[i:i + 1]), ref[i:i + 1])
-    for n in (1, 2):
-        threads(n)
-        assert first_inexact_width(lambda xs: _wide(ops, lin, xs, side), x, ref, WIDTHS) is None, (K, n)
+    lin = _linear(40, K, seed=K)  # the AVX-512 GEMV
+    assert_wide_is_gemv(lin, lambda xs: _wide(ops, lin, xs, side), wide_x(max(WIDTHS), K, seed=K + 1), WIDTHS,
+                        threads, spot=(0, 1, 31, 32, 255, 511))
 
 
 @pytest.mark.parametrize("model", sorted(SHAPES))
@@ -184,14 +180,9 @@ def _q6m_wide(ops, lin: Q6MLinear, x: torch.Tensor) -> torch.Tensor:  # x [M, K]
 
 @pytest.mark.parametrize("K", [1536, 8960])
 def test_q6m_wide_rows_are_the_gemv_rows_at_every_width_and_thread_count(q6m_ops, threads, K):
-    lin = _q6m_linear(40, K, seed=K)
-    x = wide_x(max(WIDTHS_Q6M), K, seed=K + 1)
-    ref = lin(x)  # the AVX-512 GEMV (with its min term)
-    for i in (0, 1, 47, 48, 199):
-        assert torch.equal(lin(x[i:i + 1]), ref[i:i + 1])
-    for n in (1, 2):
-        threads(n)
-        assert first_inexact_width(lambda xs: _q6m_wide(q6m_ops, lin, xs), x, ref, WIDTHS_Q6M) is None, (K, n)
+    lin = _q6m_linear(40, K, seed=K)  # the AVX-512 GEMV (with its min term)
+    assert_wide_is_gemv(lin, lambda xs: _q6m_wide(q6m_ops, lin, xs), wide_x(max(WIDTHS_Q6M), K, seed=K + 1),
+                        WIDTHS_Q6M, threads, spot=(0, 1, 47, 48, 199))
 
 
 def test_q6m_wide_rows_are_every_gemv_paths_rows(q6m_ops):

@@ -14,7 +14,7 @@ import torch
 from draftwise.kernels import blocktypes, ggml_blocks, library
 from draftwise.kernels.linear import LINEARS, available, block_paths
 from draftwise.kernels.probe import probe
-from tests.harness import SHAPES, first_inexact_width, threads, wide_state, wide_x  # noqa: F401 (fixture)
+from tests.harness import SHAPES, assert_wide_is_gemv, first_inexact_width, threads, wide_state, wide_x  # noqa: F401
 
 KINDS = ("q8_0", "q8_1", "q4c", "q5m")  # bytes; bytes + min; codes; codes + plane + min (csrc/q8_0.h)
 WIDTHS = (*range(1, 97), 143, 144, 145, 191, 200)  # every width to two chunks, then a third chunk's edges and a tail
@@ -59,14 +59,9 @@ def test_every_kernel_of_the_family_reads_wide_in_the_table():
 def test_wide_rows_are_the_gemv_rows_at_every_width_and_thread_count(kind, threads):
     """A 40-column weight (two whole 16-column blocks and a partial one), against the GEMV's rows (each row alone:
     spot-checked here), on 1 and 2 threads."""
-    lin = _linear(kind, 40, K, seed=1)
-    x = wide_x(max(WIDTHS), K, seed=2)
-    ref = lin(x)  # [200, 40], the AVX-512 GEMV
-    for i in (0, 1, 47, 48, 199):
-        assert torch.equal(lin(x[i:i + 1]), ref[i:i + 1])
-    for n in (1, 2):
-        threads(n)
-        assert first_inexact_width(lambda xs: _wide(lin, xs), x, ref, WIDTHS) is None, (kind, n)
+    lin = _linear(kind, 40, K, seed=1)  # the AVX-512 GEMV
+    assert_wide_is_gemv(lin, lambda xs: _wide(lin, xs), wide_x(max(WIDTHS), K, seed=2), WIDTHS, threads,
+                        spot=(0, 1, 47, 48, 199))
 
 
 def test_wide_rows_are_the_gemv_rows_on_every_projection_shape(kind, threads):
