@@ -174,7 +174,7 @@ class EngineFront:
 # An idle engine, woken by a command, waits up to ADMIT_WINDOW_S for the next one after each arrival (no longer than
 # ADMIT_WINDOW_MAX_S in all) before its first step, so clients that send together are prefilled together: the
 # server tokenizes requests one after another, a few ms apart, and a step started on the first alone put the rest
-# a whole prefill behind it (waves of 1 + 3 or 2 + 2 at 4 clients, by chance, PERFORMANCE.md's sixth-session
+# a whole prefill behind it (waves of 1 + 3 or 2 + 2 at 4 clients, by chance, PERFORMANCE.md's fifth-session
 # entry). A busy engine never waits: what arrived during a step is admitted before the next.
 ADMIT_WINDOW_S = 0.005
 ADMIT_WINDOW_MAX_S = 0.025
