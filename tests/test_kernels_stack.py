@@ -129,26 +129,36 @@ def test_a_bad_weight_list_is_a_clear_error():
     model = q4x8_model("qwen2")
     c = model.config
     cache = KVCache(c.num_layers, 1, c.num_kv_heads, 8, c.head_dim, model.dtype)
-    weights, kinds = model._stack_weights(1)
+    weights, kinds, ffn, experts, mixtures, act = model._stack_weights(1)
     assert len(weights) == c.num_layers * stack_op.SLOTS and len(kinds) == c.num_layers * 6
+    assert ffn == [64, 0, 0] * c.num_layers and experts == [None] * c.num_layers and mixtures == []
     assert torch.ops.draftwise_stack.weights_per_layer() == stack_op.SLOTS  # the C++ layout's size
     angles = model.angles("full_attention", torch.tensor([[0]]))
     args = (cache.keys, cache.values, [angles[0]] * c.num_layers, [angles[1]] * c.num_layers, torch.tensor([[0]]),
-            torch.tensor([[0]]), [1], [0] * c.num_layers, (4, 2, 8, 64, 0), (1e-6, 0.0), (0.0, 0.0), 8 ** -0.5)
+            torch.tensor([[0]]), [1], [0] * c.num_layers, (4, 2, 8, act), (1e-6, 0.0), (0.0, 0.0), 8 ** -0.5)
     x = torch.zeros(1, 1, c.hidden_size)
     with pytest.raises(RuntimeError, match="weights for 2 layers"):
-        stack_op.layers(x, weights[:-1], kinds, *args)
+        stack_op.layers(x, weights[:-1], kinds, ffn, experts, *args)
     with pytest.raises(RuntimeError, match="projection kinds for 2 layers"):
-        stack_op.layers(x, weights, kinds[:-1], *args)
+        stack_op.layers(x, weights, kinds[:-1], ffn, experts, *args)
     bad = len(stack_op.kind_ids())  # one past the last kind the library has
     with pytest.raises(RuntimeError, match=f"has kind {bad}"):
-        stack_op.layers(x, weights, [bad] + kinds[1:], *args)
+        stack_op.layers(x, weights, [bad] + kinds[1:], ffn, experts, *args)
     with pytest.raises(RuntimeError, match="k_proj and v_proj come together"):
-        stack_op.layers(x, weights, kinds[:1] + [0] + kinds[2:], *args)
+        stack_op.layers(x, weights, kinds[:1] + [0] + kinds[2:], ffn, experts, *args)
     missing = list(weights)
     missing[stack_op.SLOTS + 1] = None  # layer 1's packed q/k/v nibbles
     with pytest.raises(RuntimeError, match=f"weight {stack_op.SLOTS + 1} .* is missing"):
-        stack_op.layers(x, missing, kinds, *args)
+        stack_op.layers(x, missing, kinds, ffn, experts, *args)
+    with pytest.raises(RuntimeError, match="ffn entries"):
+        stack_op.layers(x, weights, kinds, ffn[:-1], experts, *args)
+    with pytest.raises(RuntimeError, match="neither an MLP nor experts"):
+        stack_op.layers(x, weights, kinds, [0, 0, 0] + ffn[3:], experts, *args)
+    with pytest.raises(RuntimeError, match="routes to experts but has no ExpertSet"):
+        stack_op.layers(x, weights, kinds, [64, 4, 1] + ffn[3:], experts, *args)
+    absent = [stack_op.ABSENT] * 2
+    with pytest.raises(RuntimeError, match="projection 4 has kind -1"):  # a dense MLP needs its gate/up and down
+        stack_op.layers(x, weights, kinds[:4] + absent + kinds[6:], ffn, experts, *args)
 
 
 # per layer, each projection's kernel: what faithful plans mix (the 1.5B: v_proj and down_proj in Q6_K on half
@@ -199,7 +209,7 @@ def test_layers_mixing_q4x8_q6k_and_q8_0_are_bitwise_the_python_loop(family, cal
     model = mixed_model(family)
     attn = [layer.self_attn for layer in model.model.layers]
     assert attn[0].qkv_proj is None and attn[1].qkv_proj is not None and attn[2].qkv_proj is None
-    _, kinds = model._stack_weights(1)
+    kinds = model._stack_weights(1)[1]
     ids = stack_op.kind_ids()
     assert kinds[:6] == [ids["q4x8"], ids["q4x8"], ids["q6k"], ids["q4x8"], ids["q4x8"], ids["q6k"]]
     assert kinds[6:9] == [ids["q8_0"], stack_op.ABSENT, stack_op.ABSENT]

@@ -396,3 +396,130 @@ def test_grouped_experts_split_over_threads_changes_no_bit(quantized_moe, tmp_pa
             assert torch.equal(outs[1], loop), M
     finally:
         torch.set_num_threads(threads)
+
+
+# ---- mixture layers in the one-call layer loop (kernels/stack.py) -------------------------------------------------
+
+Q4K_M_TYPES = {"ffn_gate_exps": "Q4_K", "ffn_up_exps": "Q4_K", "ffn_down_exps": "Q6_K", "ffn_gate_shexp": "Q4_K",
+               "ffn_up_shexp": "Q4_K", "ffn_down_shexp": "Q6_K", "ffn_gate": "Q4_K", "ffn_up": "Q4_K",
+               "ffn_down": "Q6_K", "attn_q": "Q4_K", "attn_k": "Q4_K", "attn_v": "Q6_K", "attn_output": "Q4_K"}
+
+
+@pytest.fixture(scope="module")
+def stackable_moe(tmp_path_factory):
+    """family -> a GGUF in the Q4_K_M mix (experts, shared expert, dense MLP and attention in Q4_K / Q6_K), 3 layers
+    (qwen3_moe: layer 1 dense), top-4 of 8 (a row's sum has 4 terms, so its order matters): every layer can run in
+    the one-call layer loop."""
+    from draftwise.kernels import stack as stack_op
+    from tests.tiny_checkpoints import MOE_Q4K_DIMS
+
+    if not stack_op.available():
+        pytest.skip("our C++ kernels do not build here")
+    root = tmp_path_factory.mktemp("stackmoe")
+    out = {}
+    for family in ("qwen3_moe", "qwen2_moe", "mixtral"):
+        out[family] = root / f"{family}.gguf"
+        write_tiny_moe_gguf(out[family], family, seed=6, dims={**MOE_Q4K_DIMS, "layers": 3, "top_k": 4},
+                            types=Q4K_M_TYPES)
+    return out
+
+
+def _steps(model) -> list[torch.Tensor]:
+    """Two prompts (15 and 9 tokens, padded: the Python loop), a decode step of both, a verification of 5 and 3
+    tokens (10 rows), a token tree of 4 rows and a decode step of one: the logits of each, every layer's K/V and each
+    step's experts_touched."""
+    c = model.config
+    cache = KVCache(c.num_layers, 2, c.num_kv_heads, 64, c.head_dim, model.dtype)
+    slots = torch.tensor([0, 1])
+    ids = torch.randint(3, c.vocab_size, (2, 30), generator=torch.Generator().manual_seed(4))
+    out, touched = [], []
+
+    def step(*args, **kwargs):
+        out.append(model(*args, **kwargs))
+        touched.append(model.experts_touched())
+
+    step(ids[:, :15], torch.arange(15)[None].expand(2, 15), cache, slots, num_tokens=[15, 9])
+    lens = torch.tensor([15, 9])[:, None]
+    step(ids[:, 15:16], lens, cache, slots, num_tokens=[1, 1])
+    step(ids[:, 16:21], lens + 1 + torch.arange(5)[None], cache, slots, num_tokens=[5, 3])
+    cache.truncate(0, 18)  # the first sequence kept 2 of its 5 guesses
+    tree = torch.tensor([[0b1, 0b11, 0b101, 0b1001]])  # a root and three children
+    step(ids[:1, 21:25], 18 + torch.arange(4)[None], cache, slots[:1], num_tokens=[4], ancestors=tree,
+         rope_positions=torch.tensor([[18, 19, 19, 19]]))
+    cache.truncate(0, 19)
+    step(ids[:1, 25:26], torch.tensor([[19]]), cache, slots[:1], num_tokens=[1])
+    held = [cache.gather(s, cache.lengths[s]) for s in (0, 1)]
+    return out + [t for keys, values in held for t in keys + values], touched
+
+
+@pytest.fixture
+def stacked_calls(monkeypatch):
+    """The row counts of the forwards that went through the one-call layer loop."""
+    from draftwise.kernels import stack as stack_op
+
+    seen = []
+    real = stack_op.layers
+
+    def spy(x, *args, **kwargs):
+        seen.append(x.shape[0] * x.shape[1])
+        return real(x, *args, **kwargs)
+
+    monkeypatch.setattr(stack_op, "layers", spy)
+    return seen
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe", "mixtral"])
+def test_mixture_layers_in_the_one_call_loop_are_bitwise_the_python_loop(stackable_moe, family, tmp_path,
+                                                                        stacked_calls):
+    """A mixture layer in the one C++ call (router logits, route, the ExpertSet, qwen2_moe's gated shared expert,
+    the residual add) gives bitwise the Python loop's logits and K/V at decode, verification and token-tree widths,
+    and the same experts_touched; prompts (more rows than the router's few-row op takes) keep the Python loop."""
+    from draftwise.models.transformer import Decoder
+
+    model, _, _ = load_model(str(stackable_moe[family]), weights="auto", cache_dir=str(tmp_path / "c"))
+    assert model.plan.faithful
+    mixtures = [layer.mlp for layer in model.model.layers if isinstance(layer.mlp, SparseMoE)]
+    assert len(mixtures) == (2 if family == "qwen3_moe" else 3) and mixtures[0].top_k == 4
+    assert mixtures[0].shared == (family == "qwen2_moe")
+    one_call, touched_one = _steps(model)
+    assert stacked_calls == [2, 10, 4, 1]  # every step; not the prompts' 30 rows
+    model.stack = False
+    loop, touched_loop = _steps(model)
+    assert len(stacked_calls) == 4
+    assert touched_one == touched_loop and any(n > 4 for n in touched_one[2])
+    for a, b in zip(one_call, loop):
+        assert torch.equal(a, b)
+    assert Decoder.stack is True
+
+
+@pytest.mark.parametrize("plant", ["no renormalisation", "shared expert skipped", "routed by another layer"])
+def test_the_mixture_comparison_catches_a_changed_layer(stackable_moe, plant, tmp_path, monkeypatch):
+    """Planted in the one call's arguments: the top-k weights left unnormalised (qwen3_moe renormalises), the
+    shared expert left out (qwen2_moe), layer 0 routed by layer 2's router: each changes the logits, so the
+    equality above is not vacuous about routing, the shared expert or which layer's router runs."""
+    from draftwise.kernels import stack as stack_op
+
+    family = "qwen2_moe" if plant == "shared expert skipped" else "qwen3_moe"
+    model, _, _ = load_model(str(stackable_moe[family]), weights="auto", cache_dir=str(tmp_path / "c"))
+    model.stack = False
+    loop, _ = _steps(model)
+    model.stack = True
+    real = stack_op.layers
+    n = stack_op.SLOTS
+    router = n - 2  # csrc/stack.cpp's Slot order ends with ROUTER, SHARED_GATE
+
+    def planted(x, weights, kinds, ffn, experts, *rest):
+        weights, ffn = list(weights), list(ffn)
+        if plant == "no renormalisation":
+            ffn[2] = 0  # layer 0's norm_topk
+        elif plant == "shared expert skipped":
+            ffn[0] = 0  # layer 0's shared expert width: none
+            kinds = list(kinds)
+            kinds[4] = kinds[5] = stack_op.ABSENT
+        else:
+            weights[router] = weights[2 * n + router]
+        return real(x, weights, kinds, ffn, experts, *rest)
+
+    monkeypatch.setattr(stack_op, "layers", planted)
+    wrong, _ = _steps(model)
+    assert not all(torch.equal(a, b) for a, b in zip(wrong[1:4], loop[1:4]))

@@ -340,8 +340,9 @@ def write_tiny_moe_gguf(path: Path, family: str, seed: int = 0, dims: dict | Non
 
     def store(stem: str, gname: str, value: np.ndarray, hf_names: list[str], heads: int | None = None) -> None:
         """value [..., out, in] in HF row order; writes it in `stem`'s type and puts back into `weights` what the
-        file holds (the dequantized blocks) under hf_names (one per expert, or one)."""
-        kind = types.get(stem, "F32")
+        file holds (the dequantized blocks) under hf_names (one per expert, or one). A bias stays F32 (as
+        llama.cpp's files keep it)."""
+        kind = types.get(stem, "F32") if value.ndim >= 2 else "F32"
         if kind in ("Q4_K", "Q6_K"):
             qtype = getattr(gguf.GGMLQuantizationType, kind)
             *lead, N, K = value.shape

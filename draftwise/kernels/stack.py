@@ -1,21 +1,25 @@
 """The decoder's layer loop as one C++ call (csrc/stack.cpp, built into the one library, kernels/library.py).
 
 A forward makes ~11 op calls per layer (norm, q/k/v projection, RoPE + K/V write, attention, o projection,
-add + norm, gate/up projection, activation, down projection, residual add), and the Python between them (module
+add + norm, gate/up projection, activation, down projection, residual add; a mixture layer: router logits, route,
+its experts' one call (kernels/experts.py), the shared expert's gate and MLP), and the Python between them (module
 dispatch, argument parsing, views) kept the second core idle. `layers` makes those same calls, on the same
 registered operators with the same arguments, from C++: its result is bitwise the Python loop's (transformer.py's
 fused path), 3-8 ms sooner per forward of the 1.5B on 2 cores (docs/ARCHITECTURE.md, Kernels).
 
 Owns: building the flat weight list and the projections' kinds (`layer_weights`: one layer's entries in
-csrc/stack.cpp's Slot order, checked to be exactly SLOTS long, and its KINDS_PER_LAYER kind ids); whether it can run
+csrc/stack.cpp's Slot order, checked to be exactly SLOTS long, its KINDS_PER_LAYER kind ids and its feed-forward
+shape in FfnField order); whether it can run
 here is glue's `available` (one library). The layout itself is csrc/stack.cpp's alone: SLOTS, the entries per layer,
 the kinds per layer, the entries per projection and the kinds' ids are read from the loaded library
 (`weights_per_layer`, `kinds_per_layer`, `linear_entries`, `linear_kinds`) the first time they are used, never
 written here. Each projection may be any of the row-exact
 kernels the library runs (q4x8 and every block kernel of kernels/blocktypes.py: a faithful plan mixes them layer by layer), with q/k/v merged or as
-three calls. Knows nothing of models beyond those shapes: the decoder (models/transformer.py) decides when its
-layers qualify (those kernels on their auto path, gate/up merged, our glue and attention ops, no sandwich norms)
-and keeps its Python loop for everything else.
+three calls. A mixture layer passes its router's weight, its ExpertSet (kernels/experts.py `grouped`) and, for
+qwen2_moe, its shared expert as the layer's MLP with the shared gate's weight. Knows nothing of models beyond those
+shapes: the decoder (models/transformer.py) decides when its layers qualify (those kernels on their auto path,
+gate/up merged, our glue and attention ops, no sandwich norms; a mixture's experts grouped and its router on the
+few-row op) and keeps its Python loop for everything else.
 """
 from __future__ import annotations
 
@@ -78,12 +82,17 @@ def _linear(m: LinearImpl | None) -> list[torch.Tensor | None]:  # csrc/stack.cp
 
 def layer_weights(in_norm: torch.Tensor, qkv: LinearImpl, k: LinearImpl | None, v: LinearImpl | None,
                   q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, o: LinearImpl, post_norm: torch.Tensor,
-                  gate_up: LinearImpl, down: LinearImpl) -> tuple[list[torch.Tensor | None], list[int]]:
+                  gate_up: LinearImpl | None, down: LinearImpl | None, intermediate: int,
+                  router: torch.Tensor | None = None, top_k: int = 0, norm_topk: bool = False,
+                  shared_gate: torch.Tensor | None = None) -> tuple[list[torch.Tensor | None], list[int], list[int]]:
     """One layer's SLOTS entries (norm weights [hidden] / [head_dim] float32, projections as kernel_of modules:
-    `qkv` the merged q|k|v with `k`, `v` None, or q_proj with k_proj and v_proj) and its projections' kind ids in
-    csrc/stack.cpp's Proj order (qkv, k, v, o, gate_up, down)."""
+    `qkv` the merged q|k|v with `k`, `v` None, or q_proj with k_proj and v_proj), its projections' kind ids in
+    csrc/stack.cpp's Proj order (qkv, k, v, o, gate_up, down) and its feed-forward shape (FfnField: intermediate,
+    top_k, norm_topk). A dense layer: `gate_up` / `down` its MLP of width `intermediate`. A mixture layer: `router`
+    [experts, hidden] float32 and its `top_k` / `norm_topk`; `gate_up` / `down` its shared expert's (width
+    `intermediate`) with `shared_gate` [1, hidden] float32, or None and 0 where it has none."""
     w = [in_norm, *_linear(qkv), *_linear(k), *_linear(v), q_norm, k_norm, *_linear(o), post_norm,
-         *_linear(gate_up), *_linear(down)]
+         *_linear(gate_up), *_linear(down), router, shared_gate]
     if len(w) != slots_per_layer():
         raise RuntimeError(f"stack.layer_weights built {len(w)} entries for a layer, but csrc/stack.cpp's Slot layout "
                            f"takes {slots_per_layer()} (weights_per_layer): layer_weights no longer follows that "
@@ -92,13 +101,18 @@ def layer_weights(in_norm: torch.Tensor, qkv: LinearImpl, k: LinearImpl | None, 
     kinds = [ABSENT if m is None else ids[m.name] for m in (qkv, k, v, o, gate_up, down)]
     if len(kinds) != int(torch.ops.draftwise_stack.kinds_per_layer()):
         raise RuntimeError("stack.layer_weights: csrc/stack.cpp's Proj order changed; follow it here")
-    return w, kinds
+    ffn = [int(intermediate), int(top_k), int(bool(norm_topk))]
+    if len(ffn) != int(torch.ops.draftwise_stack.ffn_per_layer()):
+        raise RuntimeError("stack.layer_weights: csrc/stack.cpp's FfnField order changed; follow it here")
+    return w, kinds, ffn
 
 
 def layers(
     x: torch.Tensor,  # [B, T, hidden] float32
     weights: list[torch.Tensor | None],  # SLOTS per layer (layer_weights)
     kinds: list[int],  # KINDS_PER_LAYER per layer: each projection's kernel (layer_weights)
+    ffn: list[int],  # FFN_PER_LAYER per layer: intermediate, top_k (0: dense), norm_topk (layer_weights)
+    experts: list[object | None],  # per layer: a mixture's ExpertSet (kernels/experts.py grouped), None if dense
     keys: list[torch.Tensor],  # per layer: the KV cache's pool [P, H_kv, BS, D], written in place
     values: list[torch.Tensor],
     cos: list[torch.Tensor],  # per layer: RoPE angles [B * T, D / 2] (Decoder.angles)
@@ -107,12 +121,15 @@ def layers(
     positions: torch.Tensor,  # [B, T] int64
     num_tokens: list[int],  # real tokens per row: the row-exact attention
     windows: list[int],  # per layer: sliding window, 0 for none
-    dims: tuple[int, int, int, int, int],  # num_heads, num_kv_heads, head_dim, intermediate, activation (glue)
+    dims: tuple[int, int, int, int],  # num_heads, num_kv_heads, head_dim, activation (glue)
     norm: tuple[float, float],  # eps, weight offset of the layer norms
     qk_norm: tuple[float, float],  # eps, weight offset of the q/k norms (ignored without them)
     scale: float,  # attention softmax scale
     ancestors: torch.Tensor | None = None,  # [B, T] int64 token-tree masks (kernels/attention.py attend_tree)
-) -> torch.Tensor:  # [B, T, hidden]: x after every layer; K/V of every layer stored at positions
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """x after every layer [B, T, hidden] (K/V of every layer stored at positions) and, per mixture layer in order,
+    its rows' experts [B * T, k] int64."""
     return torch.ops.draftwise_stack.layers(x, weights, keys, values, cos, sin, tables, positions, num_tokens,
                                             windows, list(dims), list(norm), list(qk_norm), float(scale),
-                                            None if ancestors is None else ancestors.contiguous(), kinds)
+                                            None if ancestors is None else ancestors.contiguous(), kinds, ffn,
+                                            experts)

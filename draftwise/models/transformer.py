@@ -12,7 +12,8 @@ gate/up into one module each where that is bitwise the separate calls (kernels/l
 and `use_fused_glue` routes the glue between the matmuls (RMSNorm, residual add + norm, q/k norm + RoPE + the
 K/V cache write, act(gate) * up, a step's router logits) through kernels/glue.py's C++ ops for float32 on CPU;
 the torch code here is their reference and what other dtypes and devices run. Both keep the decoder row-exact. Where every layer
-qualifies (q4x8 / q6k / q8_0 projections, gate/up merged, fused glue, our attention op, no sandwich norms), `forward` runs all layers in
+qualifies (q4x8 / q6k / q8_0 projections, gate/up merged, fused glue, our attention op, no sandwich norms; mixture
+layers grouped, in calls of at most Router.FUSED_MAX_ROWS rows), `forward` runs all layers in
 one C++ call (kernels/stack.py: the same ops in the same order, bitwise this file's loop; `Decoder.stack = False`
 keeps the loop).
 
@@ -321,7 +322,9 @@ class SparseMoE(nn.Module):
     expert linears): which other rows share its experts changes no bit of it. Where the experts qualify
     (kernels/experts.py `grouped`: merged gate/up and down of the table's block kernels, fused glue) the dispatch
     is one C++ call per layer (csrc/experts.cpp: each routed expert's kernels once over all its rows, the wide
-    kernels for a prompt's rows), bitwise the loop below (`SparseMoE.grouped = False` keeps the loop)."""
+    kernels for a prompt's rows), bitwise the loop below (`SparseMoE.grouped = False` keeps the loop). A step of at
+    most Router.FUSED_MAX_ROWS rows runs the grouped path's same ops inside the one-call layer loop
+    (Decoder._stack_weights: kernels/stack.py), which hands back each layer's experts for `touched`."""
 
     grouped = True  # False: always the Python loop over experts (tests compare the two)
 
@@ -349,9 +352,12 @@ class SparseMoE(nn.Module):
 
     def _grouped_op(self) -> object | None:
         """The grouped-experts handle over the current expert modules, or None where they do not qualify."""
-        # a plan swaps every expert's modules, and kernels/hugepages.py every buffer: the ends tell (cheaply)
-        key = tuple((m.fused, *(_first_buffer(p) for p in (m.gate_up_proj, m.down_proj)))
-                    for m in (self.experts[0], self.experts[-1]))
+        # a plan swaps every expert's modules, and kernels/hugepages.py every buffer: the ends tell (cheaply: read
+        # every step by Decoder._stack_weights, so through the modules' dicts, not ModuleList's indexing)
+        experts = self.experts._modules
+        ends = (experts["0"], experts[str(len(experts) - 1)])
+        key = tuple((m.fused, _first_buffer(m._modules.get("gate_up_proj")), _first_buffer(m._modules["down_proj"]))
+                    for m in ends)
         if key != self._experts_key:
             self._experts_op, self._experts_key = experts_op.grouped(list(self.experts)), key
         return self._experts_op
@@ -645,19 +651,21 @@ class Decoder(nn.Module):
         masks = {kind: None if num_tokens is not None else self._mask(kind, positions, kv_len)
                  for kind in self._rope_tables}
         one_call = self.fused and num_tokens is not None and attention_op.usable(x, cache.keys[0])
-        stacked = self._stack_weights(token_ids.shape[1]) if one_call else None
+        stacked = self._stack_weights(token_ids.shape[1], token_ids.numel()) if one_call else None
         if stacked is not None:  # every layer in one C++ call: bitwise the loop below (kernels/stack.py)
-            weights, kinds = stacked
+            weights, kinds, ffn, experts, mixtures, act = stacked
             layer = self.model.layers[0]
             attn, norm = layer.self_attn, layer.input_layernorm
             qk = (attn.q_norm.eps, attn.q_norm.weight_offset) if attn.qk_norm else (0.0, 0.0)
             cos = [ropes[kind][0] for kind in cfg.layer_types]
             sin = [ropes[kind][1] for kind in cfg.layer_types]
             windows = [int(m.self_attn.window or 0) for m in self.model.layers]
-            dims = (attn.num_heads, attn.num_kv_heads, attn.head_dim, layer.mlp.intermediate,
-                    glue.ACTIVATIONS[layer.mlp.act_name])
-            x = stack_op.layers(x, weights, kinds, cache.keys, cache.values, cos, sin, tables, positions, num_tokens, windows,
-                                dims, (norm.eps, norm.weight_offset), qk, attn.scale, ancestors)
+            dims = (attn.num_heads, attn.num_kv_heads, attn.head_dim, act)
+            x, routed = stack_op.layers(x, weights, kinds, ffn, experts, cache.keys, cache.values, cos, sin, tables,
+                                        positions, num_tokens, windows, dims, (norm.eps, norm.weight_offset), qk,
+                                        attn.scale, ancestors)
+            for mixture, chosen in zip(mixtures, routed):  # what each mixture layer read (SparseMoE.touched)
+                mixture._last = chosen
         else:
             for i, layer in enumerate(self.model.layers):
                 kind = cfg.layer_types[i]
@@ -670,35 +678,75 @@ class Decoder(nn.Module):
             x = x[:, -1:]
         return (self.lm_head if head is None else head)(self.model.norm(x))
 
-    def _stack_weights(self, tokens: int) -> tuple[list[torch.Tensor | None], list[int]] | None:
-        """kernels/stack.py's flat weight list and projection kinds when every layer can run in its one C++ call
-        for a forward with `tokens` tokens per sequence (projections by kernels the loop runs: q4x8, q6k, q8_0;
-        q/k/v merged or separate, gate/up merged; our attention op and glue; no sandwich norms), else None: the
-        Python loop runs. Read from the modules at every call (~50 us: their
-        `_modules` / `_parameters` dicts directly, not nn.Module's slow attribute lookup), so a module or buffer
-        swapped after loading is never missed."""
+    def _stack_weights(self, tokens: int, rows: int = 1) -> tuple | None:
+        """kernels/stack.py's arguments when every layer can run in its one C++ call for a forward with `tokens`
+        tokens per sequence and `rows` rows in all (B * T), else None: the Python loop runs. Returns (the flat
+        weight list, the projections' kinds, each layer's feed-forward shape, each layer's ExpertSet or None, the
+        mixture layers in order, the activation's glue id). Qualify: projections by kernels the loop runs (q4x8 and
+        the table's block kernels; q/k/v merged or separate, gate/up merged), our attention op and glue, no sandwich
+        norms; a mixture layer where its experts are grouped (kernels/experts.py) and its router takes the few-row
+        op (rows <= Router.FUSED_MAX_ROWS: decode and verification; prompts keep the Python loop, whose router is a
+        float64 matmul there), its shared expert (qwen2_moe) as a dense MLP would. Read from the modules at every
+        call (~50-80 us: their `_modules` / `_parameters` dicts directly, not nn.Module's slow attribute lookup), so a
+        module or buffer swapped after loading is never missed."""
         if self.stack is False or not stack_op.available() or not len(self.model.layers):
             return None
-        weights, kinds = [], []
+        weights, kinds, ffn, experts, mixtures, acts = [], [], [], [], [], set()
         for layer in self.model.layers:
             mods = layer._modules
             attn, mlp = mods["self_attn"], mods["mlp"]
-            a, m = attn._modules, mlp._modules
-            if layer.sandwich or m.get("gate_up_proj") is None or attn.qk_norm_full:
+            a = attn._modules
+            if layer.sandwich or attn.qk_norm_full:
                 return None
+            router = shared_gate = experts_set = None
+            top_k = 0
+            if isinstance(mlp, SparseMoE):
+                if not (mlp.grouped and mlp.gate.fused and rows <= Router.FUSED_MAX_ROWS):
+                    return None
+                experts_set = mlp._grouped_op()
+                if experts_set is None:
+                    return None
+                router, top_k = mlp.gate._parameters["weight"], mlp.top_k
+                acts.add(mlp.experts._modules["0"].act_name)  # (the ExpertSet holds it; the loop's glu too)
+                dense = mlp._modules["shared_expert"] if mlp.shared else None
+                if dense is not None:
+                    gate = mlp._modules["shared_expert_gate"]
+                    if not gate.fused:
+                        return None
+                    shared_gate = gate._parameters["weight"]
+            else:
+                dense = mlp
+            if dense is not None:
+                m = dense._modules
+                if m.get("gate_up_proj") is None:
+                    return None
+                gate_up, down = _stackable(m["gate_up_proj"], tokens), _stackable(m["down_proj"], tokens)
+                if gate_up is None or down is None:
+                    return None
+                acts.add(dense.act_name)
+            else:
+                gate_up = down = None
             qkv = ("qkv_proj",) if a.get("qkv_proj") is not None else ("q_proj", "k_proj", "v_proj")
-            projections = [_stackable(a[n], tokens) for n in qkv] + [
-                _stackable(p, tokens) for p in (a["o_proj"], m["gate_up_proj"], m["down_proj"])]
+            projections = [_stackable(a[n], tokens) for n in qkv] + [_stackable(a["o_proj"], tokens)]
             if None in projections:
                 return None
-            *qkv, o, gate_up, down = projections
+            *qkv, o = projections
             q, k, v = qkv if len(qkv) == 3 else (qkv[0], None, None)
             qn, kn = (a["q_norm"]._parameters["weight"], a["k_norm"]._parameters["weight"]) if attn.qk_norm else (None, None)
-            w, kind = stack_op.layer_weights(mods["input_layernorm"]._parameters["weight"], q, k, v, qn, kn, o,
-                                             mods["post_attention_layernorm"]._parameters["weight"], gate_up, down)
+            w, kind, shape = stack_op.layer_weights(
+                mods["input_layernorm"]._parameters["weight"], q, k, v, qn, kn, o,
+                mods["post_attention_layernorm"]._parameters["weight"], gate_up, down,
+                dense.intermediate if dense is not None else 0, router, top_k,
+                top_k and mlp.norm_topk_prob, shared_gate)
             weights += w
             kinds += kind
-        return weights, kinds
+            ffn += shape
+            experts.append(experts_set)
+            if experts_set is not None:
+                mixtures.append(mlp)
+        if len(acts) != 1:
+            return None
+        return weights, kinds, ffn, experts, mixtures, glue.ACTIVATIONS[acts.pop()]
 
     def _mask(self, kind: str, positions: torch.Tensor, kv_len: int) -> torch.Tensor | None:
         window = self.config.sliding_window if kind == "sliding_attention" else None

@@ -24,8 +24,7 @@
 // the call), and a row's sum is s = p_0, s = s + p_j for its experts j in ascending order, each p_j = y_j * w_j
 // rounded to float32 (no contraction: -ffp-contract=off): bitwise SparseMoE's loop (slots summed in expert order),
 // whichever other rows share its experts.
-#pragma GCC diagnostic ignored "-Wstringop-overflow"  // torch's custom-class templates, instantiated here (not ours)
-#include <torch/custom_class.h>
+#include "experts.h"  // the class's declaration (csrc/stack.cpp runs it too)
 #include <torch/library.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -37,13 +36,8 @@
 #include <string>
 #include <vector>
 
+namespace draftwise_experts {
 namespace {
-
-struct KindOps {
-    c10::OperatorHandle linear;
-    std::optional<c10::OperatorHandle> wide, wide_takes;
-    size_t buffers;  // packed buffers per linear, in the operator's argument order
-};
 
 KindOps ops_of(const std::string& kind, size_t buffers) {
     auto& d = c10::Dispatcher::singleton();
@@ -85,111 +79,105 @@ at::Tensor run_linear(const KindOps& k, const at::Tensor* bufs, const at::Tensor
 // step of up to 16 tokens; past that the experts' uneven row counts are better balanced by the kernels' own split
 constexpr int64_t SPLIT_MAX_ROWS = 16;
 
-struct ExpertSet : torch::CustomClassHolder {
-    // gate_up: per expert, gu_buffers tensors of a merged gate | up linear [2 I, H] of kind gu_kind; down: per
-    // expert, down_buffers tensors of a [H, I] linear of kind down_kind; act: glue.py ACTIVATIONS' id
-    ExpertSet(std::string gu_kind, int64_t gu_buffers, std::vector<at::Tensor> gu, int64_t gu_N, std::string down_kind,
-              int64_t down_buffers, std::vector<at::Tensor> down, int64_t down_N, int64_t act, int64_t path)
-        : gu_(ops_of(gu_kind, gu_buffers)), down_(ops_of(down_kind, down_buffers)), gu_w(std::move(gu)),
-          down_w(std::move(down)), gu_N(gu_N), down_N(down_N), act(act), path(path),
-          glu(c10::Dispatcher::singleton().findSchemaOrThrow("draftwise_glue::glu", "")) {
-        TORCH_CHECK(gu_buffers > 0 && down_buffers > 0, "ExpertSet: buffers per linear must be >= 1");
-        E = (int64_t)gu_w.size() / gu_buffers;
-        TORCH_CHECK(E >= 1 && (int64_t)gu_w.size() == E * gu_buffers && (int64_t)down_w.size() == E * down_buffers,
-                    "ExpertSet: ", gu_w.size(), " gate/up and ", down_w.size(), " down buffers for ", gu_buffers, " and ",
-                    down_buffers, " per expert");
-        TORCH_CHECK(gu_N % 2 == 0, "ExpertSet: gate | up has an even width");
-    }
+}  // namespace
 
-    // x [M, H] float32, experts [M, k] int64 ascending per row, weights [M, k] float32 -> out [M, down_N]
-    at::Tensor run(const at::Tensor& x_in, const at::Tensor& experts_in, const at::Tensor& weights_in) {
-        TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat, "x must be [M, H] float32");
-        TORCH_CHECK(experts_in.dim() == 2 && experts_in.size(0) == x_in.size(0) && experts_in.scalar_type() == at::kLong,
-                    "experts must be [M, k] int64");
-        TORCH_CHECK(weights_in.sizes() == experts_in.sizes() && weights_in.scalar_type() == at::kFloat,
-                    "weights must be [M, k] float32");
-        const at::Tensor x = x_in.contiguous(), ex = experts_in.contiguous(), wt = weights_in.contiguous();
-        const int64_t M = x.size(0), H = x.size(1), k = ex.size(1);
-        const int64_t* ep = ex.data_ptr<int64_t>();
-        const float* wp = wt.data_ptr<float>();
-        // rows of each expert, ascending; a row lists an expert at most once (top-k of distinct indices)
-        std::vector<std::vector<int64_t>> rows(E);
-        for (int64_t m = 0; m < M; ++m)
-            for (int64_t j = 0; j < k; ++j) {
-                const int64_t e = ep[m * k + j];
-                TORCH_CHECK(e >= 0 && e < E, "expert index ", e, " out of range [0, ", E, ")");
-                TORCH_CHECK(j == 0 || ep[m * k + j - 1] < e, "a row's experts must be ascending and distinct");
-                rows[e].push_back(m * k + j);  // slot: row m's j-th expert
-            }
-        std::vector<int64_t> active;  // experts with rows, ascending
-        int64_t most = 0;
-        for (int64_t e = 0; e < E; ++e)
-            if (!rows[e].empty()) {
-                active.push_back(e);
-                most = std::max(most, (int64_t)rows[e].size());
-            }
-        const int64_t A = (int64_t)active.size();
-        const float* xp = x.data_ptr<float>();
-        at::Tensor out = at::empty({M, down_N}, x.options());
-        float* op = out.data_ptr<float>();
-        std::vector<uint8_t> started(M, 0);
-        // expert active[i]'s outputs y [n, down_N] for its rows
-        auto expert = [&](int64_t i) -> at::Tensor {
-            const int64_t e = active[i];
-            const auto& slots = rows[e];
-            const int64_t n = (int64_t)slots.size();
-            at::Tensor xe = at::empty({n, H}, x.options());  // this expert's rows, gathered
-            float* xep = xe.data_ptr<float>();
-            for (int64_t r = 0; r < n; ++r) std::memcpy(xep + r * H, xp + slots[r] / k * H, H * sizeof(float));
-            at::Tensor gu = run_linear(gu_, &gu_w[e * gu_.buffers], xe, gu_N, path);  // [n, 2 I]
-            at::Tensor h = glu.typed<at::Tensor(const at::Tensor&, const std::optional<at::Tensor>&, int64_t)>()
-                               .call(gu, std::nullopt, act);  // [n, I]
-            at::Tensor y = run_linear(down_, &down_w[e * down_.buffers], h.contiguous(), down_N, path);  // [n, H]
-            TORCH_CHECK(y.is_contiguous() && y.size(0) == n && y.size(1) == down_N, "expert output shape");
-            return y;
-        };
-        // each row's weighted product of expert active[i] (y [n, down_N]) into its sum; called in ascending i
-        auto add = [&](int64_t i, const at::Tensor& y) {
-            const auto& slots = rows[active[i]];
-            const int64_t n = (int64_t)slots.size();
-            const float* yp = y.data_ptr<float>();
-            for (int64_t r = 0; r < n; ++r) {
-                const int64_t m = slots[r] / k;
-                const float w = wp[slots[r]];
-                float* o = op + m * down_N;
-                const float* yr = yp + r * down_N;
-                if (!started[m]) {  // the row's first (lowest) expert: s = p_0
-                    for (int64_t c = 0; c < down_N; ++c) o[c] = yr[c] * w;
-                    started[m] = 1;
-                } else {  // s = s + p_j, with p_j rounded first
-                    for (int64_t c = 0; c < down_N; ++c) {
-                        const float p = yr[c] * w;
-                        o[c] = o[c] + p;
-                    }
+ExpertSet::ExpertSet(std::string gu_kind, int64_t gu_buffers, std::vector<at::Tensor> gu, int64_t gu_width,
+                     std::string down_kind, int64_t down_buffers, std::vector<at::Tensor> down, int64_t down_width,
+                     int64_t activation, int64_t kernel_path)
+    : gu_(ops_of(gu_kind, gu_buffers)), down_(ops_of(down_kind, down_buffers)), gu_w(std::move(gu)),
+      down_w(std::move(down)), gu_N(gu_width), down_N(down_width), act(activation), path(kernel_path),
+      glu(c10::Dispatcher::singleton().findSchemaOrThrow("draftwise_glue::glu", "")) {
+    TORCH_CHECK(gu_buffers > 0 && down_buffers > 0, "ExpertSet: buffers per linear must be >= 1");
+    E = (int64_t)gu_w.size() / gu_buffers;
+    TORCH_CHECK(E >= 1 && (int64_t)gu_w.size() == E * gu_buffers && (int64_t)down_w.size() == E * down_buffers,
+                "ExpertSet: ", gu_w.size(), " gate/up and ", down_w.size(), " down buffers for ", gu_buffers, " and ",
+                down_buffers, " per expert");
+    TORCH_CHECK(gu_N % 2 == 0, "ExpertSet: gate | up has an even width");
+}
+
+// x [M, H] float32, experts [M, k] int64 ascending per row, weights [M, k] float32 -> out [M, down_N]
+at::Tensor ExpertSet::run(const at::Tensor& x_in, const at::Tensor& experts_in, const at::Tensor& weights_in) {
+    TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat, "x must be [M, H] float32");
+    TORCH_CHECK(experts_in.dim() == 2 && experts_in.size(0) == x_in.size(0) && experts_in.scalar_type() == at::kLong,
+                "experts must be [M, k] int64");
+    TORCH_CHECK(weights_in.sizes() == experts_in.sizes() && weights_in.scalar_type() == at::kFloat,
+                "weights must be [M, k] float32");
+    const at::Tensor x = x_in.contiguous(), ex = experts_in.contiguous(), wt = weights_in.contiguous();
+    const int64_t M = x.size(0), H = x.size(1), k = ex.size(1);
+    const int64_t* ep = ex.data_ptr<int64_t>();
+    const float* wp = wt.data_ptr<float>();
+    // rows of each expert, ascending; a row lists an expert at most once (top-k of distinct indices)
+    std::vector<std::vector<int64_t>> rows(E);
+    for (int64_t m = 0; m < M; ++m)
+        for (int64_t j = 0; j < k; ++j) {
+            const int64_t e = ep[m * k + j];
+            TORCH_CHECK(e >= 0 && e < E, "expert index ", e, " out of range [0, ", E, ")");
+            TORCH_CHECK(j == 0 || ep[m * k + j - 1] < e, "a row's experts must be ascending and distinct");
+            rows[e].push_back(m * k + j);  // slot: row m's j-th expert
+        }
+    std::vector<int64_t> active;  // experts with rows, ascending
+    int64_t most = 0;
+    for (int64_t e = 0; e < E; ++e)
+        if (!rows[e].empty()) {
+            active.push_back(e);
+            most = std::max(most, (int64_t)rows[e].size());
+        }
+    const int64_t A = (int64_t)active.size();
+    const float* xp = x.data_ptr<float>();
+    at::Tensor out = at::empty({M, down_N}, x.options());
+    float* op = out.data_ptr<float>();
+    std::vector<uint8_t> started(M, 0);
+    // expert active[i]'s outputs y [n, down_N] for its rows
+    auto expert = [&](int64_t i) -> at::Tensor {
+        const int64_t e = active[i];
+        const auto& slots = rows[e];
+        const int64_t n = (int64_t)slots.size();
+        at::Tensor xe = at::empty({n, H}, x.options());  // this expert's rows, gathered
+        float* xep = xe.data_ptr<float>();
+        for (int64_t r = 0; r < n; ++r) std::memcpy(xep + r * H, xp + slots[r] / k * H, H * sizeof(float));
+        at::Tensor gu = run_linear(gu_, &gu_w[e * gu_.buffers], xe, gu_N, path);  // [n, 2 I]
+        at::Tensor h = glu.typed<at::Tensor(const at::Tensor&, const std::optional<at::Tensor>&, int64_t)>()
+                           .call(gu, std::nullopt, act);  // [n, I]
+        at::Tensor y = run_linear(down_, &down_w[e * down_.buffers], h.contiguous(), down_N, path);  // [n, H]
+        TORCH_CHECK(y.is_contiguous() && y.size(0) == n && y.size(1) == down_N, "expert output shape");
+        return y;
+    };
+    // each row's weighted product of expert active[i] (y [n, down_N]) into its sum; called in ascending i
+    auto add = [&](int64_t i, const at::Tensor& y) {
+        const auto& slots = rows[active[i]];
+        const int64_t n = (int64_t)slots.size();
+        const float* yp = y.data_ptr<float>();
+        for (int64_t r = 0; r < n; ++r) {
+            const int64_t m = slots[r] / k;
+            const float w = wp[slots[r]];
+            float* o = op + m * down_N;
+            const float* yr = yp + r * down_N;
+            if (!started[m]) {  // the row's first (lowest) expert: s = p_0
+                for (int64_t c = 0; c < down_N; ++c) o[c] = yr[c] * w;
+                started[m] = 1;
+            } else {  // s = s + p_j, with p_j rounded first
+                for (int64_t c = 0; c < down_N; ++c) {
+                    const float p = yr[c] * w;
+                    o[c] = o[c] + p;
                 }
             }
-        };
-        if (most <= SPLIT_MAX_ROWS && A > 1 && at::get_num_threads() > 1 && !at::in_parallel_region()) {
-            std::vector<at::Tensor> ys(A);  // every expert's outputs, kept until all are done (a few rows each)
-            at::parallel_for(0, A, 1, [&](int64_t i0, int64_t i1) {
-                for (int64_t i = i0; i < i1; ++i) ys[i] = expert(i);
-            });
-            for (int64_t i = 0; i < A; ++i) add(i, ys[i]);
-        } else {  // one expert's outputs at a time (a prompt's would be [rows x k, H] held at once)
-            for (int64_t i = 0; i < A; ++i) add(i, expert(i));
         }
-        return out;
+    };
+    if (most <= SPLIT_MAX_ROWS && A > 1 && at::get_num_threads() > 1 && !at::in_parallel_region()) {
+        std::vector<at::Tensor> ys(A);  // every expert's outputs, kept until all are done (a few rows each)
+        at::parallel_for(0, A, 1, [&](int64_t i0, int64_t i1) {
+            for (int64_t i = i0; i < i1; ++i) ys[i] = expert(i);
+        });
+        for (int64_t i = 0; i < A; ++i) add(i, ys[i]);
+    } else {  // one expert's outputs at a time (a prompt's would be [rows x k, H] held at once)
+        for (int64_t i = 0; i < A; ++i) add(i, expert(i));
     }
+    return out;
+}
 
-    int64_t num_experts() const { return E; }
+}  // namespace draftwise_experts
 
-    KindOps gu_, down_;
-    std::vector<at::Tensor> gu_w, down_w;
-    int64_t gu_N, down_N, act, path, E = 0;
-    c10::OperatorHandle glu;
-};
-
-}  // namespace
+using draftwise_experts::ExpertSet;
 
 TORCH_LIBRARY(draftwise_experts, m) {
     m.class_<ExpertSet>("ExpertSet")

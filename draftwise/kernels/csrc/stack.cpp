@@ -1,6 +1,8 @@
 // The decoder's layer loop as one torch operator (torch.ops.draftwise_stack.layers): every layer of a
 // pre-norm decoder whose projections are our row-exact kernels (q4x8, q6k, q8_0, q8_1: each projection its own, as a
-// faithful plan mixes them) and whose glue and attention are our ops, in one call from Python.
+// faithful plan mixes them) and whose glue and attention are our ops, in one call from Python. A layer's
+// feed-forward part is a dense MLP or a mixture of experts (transformer.py SparseMoE's grouped path: router logits,
+// route, the layer's ExpertSet (csrc/experts.h), then qwen2_moe's sigmoid-gated shared expert where it has one).
 //
 // Owns: the order of the per-layer calls, which is transformer.py's fused path (DecoderLayer / Attention / MLP
 // with merged q/k/v and gate/up, `num_tokens` given) call for call, on the same registered operators
@@ -10,17 +12,23 @@
 // is the Python between those calls (module dispatch, argument parsing, views), during which the other core sat
 // idle: 3-8 ms of a 1- or 9-row forward of the 1.5B on 2 cores (docs/ARCHITECTURE.md, Kernels).
 // Knows nothing of how the weights were made, of the KV cache's lengths (the caller's KVCache.extend), of the
-// embedding, the final norm or the LM head (Python, before and after).
+// embedding, the final norm or the LM head (Python, before and after), nor of when a mixture's router may take the
+// few-row router_logits op (the caller sends a mixture layer here only for calls its Python path would run that op
+// on: transformer.py Router.FUSED_MAX_ROWS).
 //
 // The weights arrive as one flat list, WEIGHTS_PER_LAYER entries per layer in Slot order (defined below, only here;
 // kernels/stack.py builds the list and takes the count from weights_per_layer()); optional entries (biases, q/k
 // norms, a kind's unused entries, the separate k / v projections of a merged q|k|v) may be None. Each projection's
 // kernel arrives in `kinds`, KINDS_PER_LAYER per layer in Proj order (Kind ids; kernels/stack.py reads the names
-// from linear_kinds()).
+// from linear_kinds()). Each layer's feed-forward shape arrives in `ffn`, FFN_PER_LAYER per layer (FfnField), and a
+// mixture layer's experts in `experts` (one entry per layer: its ExpertSet, None for a dense layer).
+#include "experts.h"
 #include <torch/library.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/add.h>
+#include <ATen/ops/mul.h>
+#include <ATen/ops/sigmoid.h>
 #include <optional>
 #include <string>
 #include <tuple>
@@ -52,10 +60,16 @@ enum Slot : int64_t {
     K_NORM = Q_NORM + 1,
     O = K_NORM + 1,                   // o_proj
     POST_NORM = O + LINEAR,           // post_attention_layernorm.weight (the pre-MLP norm)
-    GATE_UP = POST_NORM + 1,          // the merged gate|up projection
-    DOWN = GATE_UP + LINEAR,          // down_proj
-    WEIGHTS_PER_LAYER = DOWN + LINEAR,
+    GATE_UP = POST_NORM + 1,          // the dense MLP's merged gate|up projection, or a mixture's shared expert's
+    DOWN = GATE_UP + LINEAR,          // (kinds ABSENT where a mixture has none); then its down_proj
+    ROUTER = DOWN + LINEAR,           // a mixture's router weight [experts, hidden] float32 (mlp.gate), else None
+    SHARED_GATE = ROUTER + 1,         // its shared expert's gate weight [1, hidden] float32, else None
+    WEIGHTS_PER_LAYER = SHARED_GATE + 1,
 };
+
+// A layer's feed-forward shape in `ffn`: the width of its dense MLP or of its mixture's shared expert (0: none),
+// the mixture's experts per row (0: a dense layer) and whether their weights are renormalised (norm_topk_prob).
+enum FfnField : int64_t { F_INTERMEDIATE = 0, F_TOP_K, F_NORM_TOPK, FFN_PER_LAYER };
 
 using OptT = std::optional<at::Tensor>;
 using LinearFn = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
@@ -72,6 +86,8 @@ using RopeCacheFn = at::Tensor(const at::Tensor&, const at::Tensor&, const at::T
                                const at::Tensor&, int64_t, const OptT&, const OptT&, double, double,
                                const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&);
 using GluFn = at::Tensor(const at::Tensor&, const OptT&, int64_t);
+using RouterFn = at::Tensor(const at::Tensor&, const at::Tensor&);
+using RouteFn = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, int64_t, bool);
 using AttnFn = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                           const at::Tensor&, at::IntArrayRef, double, int64_t, int64_t);
 using TreeFn = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
@@ -100,6 +116,8 @@ struct Ops {  // the registered operators, resolved once (all live in this libra
     c10::TypedOperatorHandle<AddNormFn> add_rms_norm = op<AddNormFn>("draftwise_glue::add_rms_norm");
     c10::TypedOperatorHandle<RopeCacheFn> rope_qk_cache = op<RopeCacheFn>("draftwise_glue::rope_qk_cache");
     c10::TypedOperatorHandle<GluFn> glu = op<GluFn>("draftwise_glue::glu");
+    c10::TypedOperatorHandle<RouterFn> router_logits = op<RouterFn>("draftwise_glue::router_logits");
+    c10::TypedOperatorHandle<RouteFn> route = op<RouteFn>("draftwise_glue::route");
     c10::TypedOperatorHandle<AttnFn> attend = op<AttnFn>("draftwise_attn::decode");
     c10::TypedOperatorHandle<TreeFn> attend_tree = op<TreeFn>("draftwise_attn::tree");
 };
@@ -131,10 +149,9 @@ at::Tensor block_linear(const c10::OperatorHandle& h, const c10::List<OptT>& w, 
     return stack[0].toTensor();
 }
 
-// Q4x8Linear.forward / Q6KLinear / Q80Linear / Q81Linear (_BlockLinear.forward), path auto: x [B, T, K] -> [B, T, N]
-// (x.reshape(-1, K) is contiguous float32 at every call site here)
-at::Tensor linear(const c10::List<OptT>& w, int64_t at_, int64_t kind, const at::Tensor& x, int64_t N) {
-    const at::Tensor x2 = x.reshape({-1, x.size(-1)});
+// Q4x8Linear.forward / Q6KLinear / Q80Linear / Q81Linear (_BlockLinear.forward), path auto, on rows:
+// x2 [M, K] contiguous float32 -> [M, N]
+at::Tensor linear_rows(const c10::List<OptT>& w, int64_t at_, int64_t kind, const at::Tensor& x2, int64_t N) {
     TORCH_CHECK(x2.is_contiguous() && x2.scalar_type() == at::kFloat, "stack: a projection's input must be float32");
     const Ops& o = ops();
     at::Tensor y;
@@ -155,42 +172,86 @@ at::Tensor linear(const c10::List<OptT>& w, int64_t at_, int64_t kind, const at:
                         " is not one of 0..", NUM_KINDS - 1);
             y = block_linear(o.blocks[kind - Q6K - 1], w, at_, x2, N);
     }
-    return y.view({x.size(0), x.size(1), N});
+    return y;
+}
+
+// the same on x [B, T, K] -> [B, T, N] (x.reshape(-1, K) is contiguous float32 at every call site here)
+at::Tensor linear(const c10::List<OptT>& w, int64_t at_, int64_t kind, const at::Tensor& x, int64_t N) {
+    return linear_rows(w, at_, kind, x.reshape({-1, x.size(-1)}), N).view({x.size(0), x.size(1), N});
+}
+
+// A mixture layer's output for its normed input hn [B, T, hidden] (transformer.py SparseMoE.forward, grouped and
+// fused, at most Router.FUSED_MAX_ROWS rows): router logits [M, E] float64, route -> each row's experts [M, k]
+// ascending (appended to `routed`) and weights [M, k], the ExpertSet's run, then the shared expert's
+// sigmoid(gate logits) (float64, rounded to float32) times its MLP, added; -> [B, T, hidden]
+at::Tensor mixture(const c10::List<OptT>& w, int64_t base, const int64_t* kind, const int64_t* ffn,
+                   draftwise_experts::ExpertSet& experts, const at::Tensor& hn, int64_t act,
+                   std::vector<at::Tensor>& routed) {
+    const Ops& o = ops();
+    const int64_t B = hn.size(0), T = hn.size(1), hidden = hn.size(2);
+    const at::Tensor rows = hn.reshape({B * T, hidden});  // [M, hidden]
+    auto [chosen, weights] = o.route.call(o.router_logits.call(rows, w_at(w, base + ROUTER)), ffn[F_TOP_K],
+                                          ffn[F_NORM_TOPK] != 0);
+    routed.push_back(chosen);
+    at::Tensor out = experts.run(rows, chosen, weights);  // [M, hidden]
+    if (ffn[F_INTERMEDIATE] > 0) {  // the shared expert
+        const at::Tensor scale = at::sigmoid(o.router_logits.call(rows, w_at(w, base + SHARED_GATE))).to(at::kFloat);
+        const at::Tensor gu = linear_rows(w, base + GATE_UP, kind[P_GATE_UP], rows, 2 * ffn[F_INTERMEDIATE]);
+        const at::Tensor sh = linear_rows(w, base + DOWN, kind[P_DOWN], o.glu.call(gu, OptT(), act), hidden);
+        out = at::add(out, at::mul(scale, sh));
+    }
+    return out.view({B, T, hidden});
 }
 
 // x [B, T, hidden] float32 -> x after every layer. weights: WEIGHTS_PER_LAYER entries per layer (Slot);
 // keys / values: each layer's page pool [P, Hkv, BS, D]; cos / sin: each layer's RoPE angles [B * T, D / 2];
 // tables [B, pages per sequence] (each sequence's pages, kv_cache.py), positions [B, T] int64; num_tokens [B]: real tokens per row (the row-exact attention);
-// windows: each layer's sliding window (0: none); dims = (num_heads, num_kv_heads, head_dim, intermediate,
-// activation: 0 silu / 1 gelu tanh); norm = (eps, offset) of the layer norms; qk_norm = (eps, offset) of the
+// windows: each layer's sliding window (0: none); dims = (num_heads, num_kv_heads, head_dim, activation: 0 silu /
+// 1 gelu tanh); norm = (eps, offset) of the layer norms; qk_norm = (eps, offset) of the
 // q / k norms; scale: the attention's softmax scale; ancestors: a token tree's [B, T] masks (draftwise_attn::tree),
 // or none (the chunk is causal); kinds: KINDS_PER_LAYER per layer (Proj order), each projection's Kind (P_K and
-// P_V ABSENT where q/k/v are merged).
-at::Tensor layers(const at::Tensor& x_in, const c10::List<OptT>& weights, at::TensorList keys, at::TensorList values,
+// P_V ABSENT where q/k/v are merged; P_GATE_UP and P_DOWN ABSENT in a mixture layer without a shared expert);
+// ffn: FFN_PER_LAYER per layer (FfnField); experts: per layer, a mixture's ExpertSet or None.
+// Returns x after every layer and, for each mixture layer in order, its rows' experts [B * T, k] int64 (what the
+// step read: transformer.py SparseMoE.touched).
+std::tuple<at::Tensor, std::vector<at::Tensor>> layers(const at::Tensor& x_in, const c10::List<OptT>& weights, at::TensorList keys, at::TensorList values,
                   at::TensorList cos, at::TensorList sin, const at::Tensor& tables, const at::Tensor& positions,
                   at::IntArrayRef num_tokens, at::IntArrayRef windows, at::IntArrayRef dims, at::ArrayRef<double> norm,
-                  at::ArrayRef<double> qk_norm, double scale, const OptT& ancestors, at::IntArrayRef kinds) {
+                  at::ArrayRef<double> qk_norm, double scale, const OptT& ancestors, at::IntArrayRef kinds,
+                  at::IntArrayRef ffn, const c10::List<c10::IValue>& experts) {
     const int64_t L = (int64_t)keys.size();
     TORCH_CHECK(x_in.dim() == 3 && x_in.scalar_type() == at::kFloat, "stack: x must be [B, T, hidden] float32");
     TORCH_CHECK((int64_t)weights.size() == L * WEIGHTS_PER_LAYER, "stack: ", weights.size(), " weights for ", L,
                 " layers (", WEIGHTS_PER_LAYER, " each)");
     TORCH_CHECK((int64_t)values.size() == L && (int64_t)cos.size() == L && (int64_t)sin.size() == L &&
                     (int64_t)windows.size() == L, "stack: keys, values, cos, sin and windows need one entry per layer");
-    TORCH_CHECK(dims.size() == 5 && norm.size() == 2 && qk_norm.size() == 2, "stack: dims (5), norm (2), qk_norm (2)");
+    TORCH_CHECK(dims.size() == 4 && norm.size() == 2 && qk_norm.size() == 2, "stack: dims (4), norm (2), qk_norm (2)");
     TORCH_CHECK((int64_t)kinds.size() == L * KINDS_PER_LAYER, "stack: ", kinds.size(), " projection kinds for ", L,
                 " layers (", KINDS_PER_LAYER, " each)");
+    TORCH_CHECK((int64_t)ffn.size() == L * FFN_PER_LAYER && (int64_t)experts.size() == L, "stack: ", ffn.size(),
+                " ffn entries and ", experts.size(), " expert sets for ", L, " layers (", FFN_PER_LAYER, " and 1 each)");
+    std::vector<draftwise_experts::ExpertSet*> sets(L, nullptr);  // held by `experts` for the call
     for (int64_t l = 0; l < L; ++l) {
         const int64_t* k = kinds.data() + l * KINDS_PER_LAYER;
+        const int64_t* f = ffn.data() + l * FFN_PER_LAYER;
         TORCH_CHECK((k[P_K] == ABSENT) == (k[P_V] == ABSENT), "stack: layer ", l, ": k_proj and v_proj come together");
-        for (int64_t p = 0; p < KINDS_PER_LAYER; ++p)
-            TORCH_CHECK((k[p] == ABSENT && (p == P_K || p == P_V)) || (k[p] >= 0 && k[p] < NUM_KINDS), "stack: layer ",
-                        l, ": projection ", p, " has kind ", k[p]);
+        const bool moe = f[F_TOP_K] > 0, mlp = f[F_INTERMEDIATE] > 0;  // a mixture; a dense MLP or shared expert
+        TORCH_CHECK(moe || mlp, "stack: layer ", l, " has neither an MLP nor experts");
+        TORCH_CHECK(moe == experts.get(l).isCustomClass(), "stack: layer ", l, (moe ? " routes to experts but has no "
+                    "ExpertSet" : " is dense but has an expert set"));
+        if (moe) sets[l] = experts.get(l).toCustomClass<draftwise_experts::ExpertSet>().get();
+        for (int64_t p = 0; p < KINDS_PER_LAYER; ++p) {
+            const bool may_lack = p == P_K || p == P_V || (!mlp && (p == P_GATE_UP || p == P_DOWN));
+            TORCH_CHECK((k[p] == ABSENT && may_lack) || (k[p] >= 0 && k[p] < NUM_KINDS), "stack: layer ", l,
+                        ": projection ", p, " has kind ", k[p]);
+        }
     }
-    const int64_t H = dims[0], Hkv = dims[1], D = dims[2], I = dims[3], act = dims[4];
+    const int64_t H = dims[0], Hkv = dims[1], D = dims[2], act = dims[3];
     const int64_t B = x_in.size(0), T = x_in.size(1), hidden = x_in.size(2);
     const int64_t Nq = H * D, Nkv = Hkv * D;
     const Ops& o = ops();
     at::Tensor x = x_in;
+    std::vector<at::Tensor> routed;  // each mixture layer's experts
     for (int64_t l = 0; l < L; ++l) {
         const int64_t base = l * WEIGHTS_PER_LAYER;
         const int64_t* kind = kinds.data() + l * KINDS_PER_LAYER;
@@ -215,11 +276,17 @@ at::Tensor layers(const at::Tensor& x_in, const c10::List<OptT>& weights, at::Te
         const at::Tensor a = linear(weights, base + O, kind[P_O], att.transpose(1, 2).reshape({B, T, -1}), hidden);
         // DecoderLayer.forward (fused): x, h = add_rms_norm(x, a); x = x + mlp(h)
         auto [xs, hn] = o.add_rms_norm.call(x, a, w_at(weights, base + POST_NORM), norm[0], norm[1]);
-        const at::Tensor gu = linear(weights, base + GATE_UP, kind[P_GATE_UP], hn, 2 * I);
-        const at::Tensor m = linear(weights, base + DOWN, kind[P_DOWN], o.glu.call(gu, OptT(), act), hidden);
+        const int64_t* f = ffn.data() + l * FFN_PER_LAYER;
+        at::Tensor m;
+        if (sets[l] != nullptr) {
+            m = mixture(weights, base, kind, f, *sets[l], hn, act, routed);
+        } else {
+            const at::Tensor gu = linear(weights, base + GATE_UP, kind[P_GATE_UP], hn, 2 * f[F_INTERMEDIATE]);
+            m = linear(weights, base + DOWN, kind[P_DOWN], o.glu.call(gu, OptT(), act), hidden);
+        }
         x = at::add(xs, m);
     }
-    return x;
+    return {x, routed};
 }
 
 }  // namespace
@@ -227,8 +294,9 @@ at::Tensor layers(const at::Tensor& x_in, const c10::List<OptT>& weights, at::Te
 TORCH_LIBRARY(draftwise_stack, m) {
     m.def("layers(Tensor x, Tensor?[] weights, Tensor(a!)[] keys, Tensor(b!)[] values, Tensor[] cos, Tensor[] sin, "
           "Tensor tables, Tensor positions, int[] num_tokens, int[] windows, int[] dims, float[] norm, "
-          "float[] qk_norm, float scale, Tensor? ancestors, int[] kinds) -> Tensor");
+          "float[] qk_norm, float scale, Tensor? ancestors, int[] kinds, int[] ffn, Any[] experts) -> (Tensor, Tensor[])");
     m.def("weights_per_layer() -> int", []() -> int64_t { return WEIGHTS_PER_LAYER; });
+    m.def("ffn_per_layer() -> int", []() -> int64_t { return FFN_PER_LAYER; });
     m.def("kinds_per_layer() -> int", []() -> int64_t { return KINDS_PER_LAYER; });
     m.def("linear_entries() -> int", []() -> int64_t { return LINEAR; });
     m.def("linear_kinds() -> str[]", []() {  // Kind ids 0.. in order: kernels/stack.py maps modules to them
