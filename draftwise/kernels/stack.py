@@ -12,7 +12,7 @@ csrc/stack.cpp's Slot order, checked to be exactly SLOTS long, its KINDS_PER_LAY
 shape in FfnField order); whether it can run
 here is glue's `available` (one library). The layout itself is csrc/stack.cpp's alone: SLOTS, the entries per layer,
 the kinds per layer, the entries per projection and the kinds' ids are read from the loaded library
-(`weights_per_layer`, `kinds_per_layer`, `linear_entries`, `linear_kinds`) the first time they are used, never
+(`weights_per_layer`, `kinds_per_layer`, `ffn_per_layer`, `linear_entries`, `linear_kinds`) the first time they are used, never
 written here. Each projection may be any of the row-exact
 kernels the library runs (q4x8 and every block kernel of kernels/blocktypes.py: a faithful plan mixes them layer by layer), with q/k/v merged or as
 three calls. A mixture layer passes its router's weight, its ExpertSet (kernels/experts.py `grouped`) and, for
@@ -33,6 +33,7 @@ from draftwise.kernels.glue import available  # noqa: F401 (one library: built a
 
 # the projections' kernels the library's loop calls, by registry name (csrc/stack.cpp's Kind: linear_kinds())
 KERNELS = {name: LINEARS[name] for name in ("q4x8", *blocktypes.block_kernels())}
+_KERNEL_TYPES = frozenset(KERNELS.values())  # (kernel_of runs for every projection of every step)
 ABSENT = -1  # csrc/stack.cpp's Kind for k_proj / v_proj where q/k/v are merged
 
 
@@ -60,7 +61,21 @@ def kind_ids() -> dict[str, int]:
 def kernel_of(m) -> LinearImpl | None:
     """`m` itself when the library's loop can call it: one of KERNELS on its auto path (the kernel picked by cpuid,
     as the Python loop calls it); else None."""
-    return m if type(m) in KERNELS.values() and m.path == "auto" and m.name in kind_ids() else None
+    return m if type(m) in _KERNEL_TYPES and m.path == "auto" and m.name in kind_ids() else None
+
+
+@functools.cache
+def kinds_per_layer() -> int:
+    """Kind ids per layer: csrc/stack.cpp's KINDS_PER_LAYER, from the loaded library."""
+    library.load()
+    return int(torch.ops.draftwise_stack.kinds_per_layer())
+
+
+@functools.cache
+def ffn_per_layer() -> int:
+    """Feed-forward shape entries per layer: csrc/stack.cpp's FFN_PER_LAYER, from the loaded library."""
+    library.load()
+    return int(torch.ops.draftwise_stack.ffn_per_layer())
 
 
 @functools.cache
@@ -99,10 +114,10 @@ def layer_weights(in_norm: torch.Tensor, qkv: LinearImpl, k: LinearImpl | None, 
                            f"layout; make it build csrc/stack.cpp's Slot order")
     ids = kind_ids()
     kinds = [ABSENT if m is None else ids[m.name] for m in (qkv, k, v, o, gate_up, down)]
-    if len(kinds) != int(torch.ops.draftwise_stack.kinds_per_layer()):
+    if len(kinds) != kinds_per_layer():
         raise RuntimeError("stack.layer_weights: csrc/stack.cpp's Proj order changed; follow it here")
     ffn = [int(intermediate), int(top_k), int(bool(norm_topk))]
-    if len(ffn) != int(torch.ops.draftwise_stack.ffn_per_layer()):
+    if len(ffn) != ffn_per_layer():
         raise RuntimeError("stack.layer_weights: csrc/stack.cpp's FfnField order changed; follow it here")
     return w, kinds, ffn
 
