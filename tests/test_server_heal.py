@@ -169,10 +169,10 @@ def test_a_killed_engine_is_restarted_and_every_request_finishes_exactly(referen
     engine.join(10)
 
 
-def _prompt_alone(req):
+def _prompt_alone(req, more=0):
     """Planted fault: replay from the prompt alone (the output the client already has is generated again)."""
     return runner_mod.AddCommand(req.request_id, req.prompt_ids, req.params, req.speculate, req.cache_scope,
-                                 req.arrival_time)
+                                 req.arrival_time, more=more)
 
 
 @pytest.mark.parametrize("fault", ["replay_from_prompt_alone", "no_restart"])

@@ -302,3 +302,108 @@ def test_an_idle_engine_admits_requests_sent_together_in_one_step(monkeypatch):
 
     assert first_step(engine_host.ADMIT_WINDOW_S) == 4
     assert first_step(0.0) < 4  # planted: no window (the first step starts before the last request is in)
+
+
+def test_an_idle_engine_waits_for_the_requests_an_add_announces(monkeypatch):
+    """An add says how many requests the server was still reading or tokenizing when it sent it
+    (AddCommand.more): an idle engine waits for them before its first step, even when they come further apart
+    than the admission window (4.5-12 ms between adds on a loaded machine: 1 + 3 waves), and no longer than
+    ADMIT_ANNOUNCED_MAX_S when one never comes. On a virtual clock (the loop reads time.perf_counter and
+    conn.poll's timeouts): what is asserted is the order of events, not a duration. Planted: adds that announce
+    nothing (the old protocol) start the first step with the first request alone."""
+    from types import SimpleNamespace
+
+    from draftwise.server import engine_host
+
+    class Done(BaseException):  # ends the loop from inside step (serve_engine catches Exception only)
+        pass
+
+    clock = SimpleNamespace(now=0.0)
+    monkeypatch.setattr(engine_host, "time", SimpleNamespace(perf_counter=lambda: clock.now))
+
+    class Conn:  # commands arrive at their virtual times (s); waiting advances the clock
+        def __init__(self, arrivals):
+            self.cmds = [(t, ("add", engine_host.AddCommand(f"r{i}", [1, 2, 3], SamplingParams(max_tokens=1),
+                                                           more=more)))
+                         for i, (t, more) in enumerate(arrivals)]
+
+        def poll(self, timeout=0.0):
+            if self.cmds and self.cmds[0][0] <= clock.now + timeout:
+                clock.now = max(clock.now, self.cmds[0][0])
+                return True
+            clock.now += timeout
+            return False
+
+        def recv(self):
+            t, cmd = self.cmds.pop(0)
+            clock.now = max(clock.now, t)
+            return cmd
+
+        def send(self, msg):
+            pass
+
+    class LLM:
+        def __init__(self):
+            self.pending, self.first_step = [], None
+
+        def has_unfinished(self):
+            return bool(self.pending)
+
+        def new_request(self, prompt, params):
+            return SimpleNamespace(), None
+
+        def add_request(self, req):
+            self.pending.append(req)
+
+        def step(self):
+            self.first_step = (len(self.pending), clock.now)
+            raise Done
+
+    def first_step(arrivals):
+        clock.now = 0.0
+        llm = LLM()
+        with pytest.raises(Done):
+            engine_host.serve_engine(llm, Conn(arrivals))
+        return llm.first_step
+
+    apart = [0.0, 0.012, 0.030, 0.042]  # each gap beyond ADMIT_WINDOW_S, the last beyond ADMIT_WINDOW_MAX_S
+    assert apart[-1] > engine_host.ADMIT_WINDOW_MAX_S and apart[-1] < engine_host.ADMIT_ANNOUNCED_MAX_S
+    admitted, at = first_step(list(zip(apart, [3, 2, 1, 0])))
+    assert admitted == 4
+    assert at <= apart[-1] + engine_host.ADMIT_WINDOW_S  # the last announced one in: no waiting past the window
+    assert first_step(list(zip(apart, [0, 0, 0, 0])))[0] == 1  # planted: nothing announced -> a 1 + 3 wave
+    admitted, at = first_step([(0.0, 1)])  # announced, never sent (it failed validation): the bound
+    assert admitted == 1 and at == pytest.approx(engine_host.ADMIT_ANNOUNCED_MAX_S)
+
+
+def test_an_add_announces_the_requests_still_being_prepared():
+    """EngineRunner: an add sent while other requests are inside `preparing()` (the route reading and tokenizing
+    them) says how many (AddCommand.more), at most the engine's slots left after it; one sent with none left
+    announces none. Planted: counting the request itself, or ignoring the slots, is caught by the exact values."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from draftwise.server.metrics import ServerMetrics
+    from draftwise.server.runner import EngineRunner
+
+    front = SimpleNamespace(max_num_seqs=3)
+    runner = EngineRunner(SimpleNamespace(front=front, conn=None), ServerMetrics("m", 3))
+    runner._ready = runner._reading = True  # as start() leaves them (no engine pipe is read here)
+    sent = []
+    runner._send = sent.append
+
+    def shadow(i):
+        return SimpleNamespace(request_id=f"r{i}", prompt_ids=[1, 2], params=SamplingParams(max_tokens=1),
+                               speculate=True, cache_scope="", arrival_time=0.0, output_ids=[])
+
+    async def main():
+        with runner.preparing():  # r0's own preparation is over before it is queued
+            pass
+        with runner.preparing(), runner.preparing(), runner.preparing():  # three more still being read
+            runner.enqueue((shadow(0), None, None))
+            with runner.preparing():  # a fourth: one more than the slots left after r1
+                runner.enqueue((shadow(1), None, None))
+        runner.enqueue((shadow(2), None, None))
+
+    asyncio.run(main())
+    assert [(cmd.request_id, cmd.more) for _, cmd in sent] == [("r0", 2), ("r1", 1), ("r2", 0)]

@@ -185,9 +185,10 @@ class _Ctx:
             if refusal.status == 429 and hold > 0:
                 await asyncio.sleep(hold)
             raise refusal
-        body = await _read_body(request, self.max_body_bytes)
-        scope = cache_scope(authorization, self.scope_mode)
-        prepared, req, choice = await loop.run_in_executor(self.pool, self.prepare, body, chat, scope)
+        with self.runner.preparing():  # announced to the engine by the adds sent meanwhile (AddCommand.more)
+            body = await _read_body(request, self.max_body_bytes)
+            scope = cache_scope(authorization, self.scope_mode)
+            prepared, req, choice = await loop.run_in_executor(self.pool, self.prepare, body, chat, scope)
         return await self.generate(request, prepared, req, chat, deadline, choice, key)
 
     def prepare(self, body: bytes, chat: bool, scope: str = ""):

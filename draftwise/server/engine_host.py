@@ -1,7 +1,8 @@
 """The engine's side of the server: who owns the LLM, how it is stepped, and the pipe it talks over.
 
 `serve_engine(llm, conn)` is the step loop: it takes commands from `conn` (a multiprocessing Connection) between
-steps (blocking on it when idle, then a few ms more for requests sent together: ADMIT_WINDOW_S), steps the LLM
+steps (blocking on it when idle, then a few ms more for requests sent together, longer for those an add says are
+still on their way: `admit_wait`), steps the LLM
 while there is work, and sends ONE message per step with every request's new token ids, finish, logprobs and the
 step's speculation figures, plus a snapshot of the engine's counters for /metrics. It owns the LLM, its grammar
 states (structured outputs are compiled and advanced here) and its suffix caches; it knows nothing of HTTP, text
@@ -65,6 +66,9 @@ class AddCommand:
     cache_scope: str = ""
     arrival_time: float = 0.0  # perf_counter() when the server built it (CLOCK_MONOTONIC: one clock for both sides)
     output_ids: list[int] = field(default_factory=list)  # a replay: the tokens already emitted (counted as output)
+    # requests the server was still reading or tokenizing when it sent this one (at most the slots left): an idle
+    # engine waits for them (ADMIT_ANNOUNCED_MAX_S at most) so they share its first prefill
+    more: int = 0
 
 
 @dataclass
@@ -175,9 +179,15 @@ class EngineFront:
 # ADMIT_WINDOW_MAX_S in all) before its first step, so clients that send together are prefilled together: the
 # server tokenizes requests one after another, a few ms apart, and a step started on the first alone put the rest
 # a whole prefill behind it (waves of 1 + 3 or 2 + 2 at 4 clients, by chance, PERFORMANCE.md's fifth-session
-# entry). A busy engine never waits: what arrived during a step is admitted before the next.
+# entry). On a loaded machine the server's requests come further apart than that window (4.5-12 ms between
+# adds at load average 3-6, the seventh session's step records: 1 + 3 waves again), so each add also says how many
+# requests the server was still reading or tokenizing when it sent it (AddCommand.more): while the last add
+# announced more, the idle engine waits for them, ADMIT_ANNOUNCED_MAX_S at most from the first command (a request
+# that fails validation never comes: the bound). A busy engine never waits: what arrived during a step is
+# admitted before the next.
 ADMIT_WINDOW_S = 0.005
 ADMIT_WINDOW_MAX_S = 0.025
+ADMIT_ANNOUNCED_MAX_S = 0.1
 
 
 def serve_engine(llm, conn) -> None:
@@ -192,15 +202,17 @@ def serve_engine(llm, conn) -> None:
             last_end = None
         try:
             if idle or conn.poll():
-                cmd, aborted = conn.recv(), False
-                until = time.perf_counter() + ADMIT_WINDOW_MAX_S if idle else None  # the idle engine's window
+                cmd, aborted, announced = conn.recv(), False, 0
+                woken = time.perf_counter() if idle else None  # the idle engine's window starts
                 while True:
                     if cmd[0] == "stop":
                         conn.send(("stopped",))
                         return
                     _handle(llm, conn, live, cmd)
                     aborted = aborted or cmd[0] == "abort"
-                    wait = 0.0 if until is None else max(0.0, min(ADMIT_WINDOW_S, until - time.perf_counter()))
+                    if cmd[0] == "add":
+                        announced = cmd[1].more
+                    wait = 0.0 if woken is None else admit_wait(time.perf_counter() - woken, announced)
                     if not conn.poll(wait):
                         break
                     cmd = conn.recv()
@@ -229,6 +241,15 @@ def serve_engine(llm, conn) -> None:
         failures = 0
         last_end = time.perf_counter()
         _send(conn, ("step", last_end - t0, gap, [it.pack() for it in _items(outputs, live)], snap.next()))
+
+
+def admit_wait(since_woken_s: float, announced: int) -> float:
+    """Seconds an engine woken from idle `since_woken_s` ago waits for the next command before its first step:
+    while the last add announced `announced` > 0 requests still on their way, up to ADMIT_ANNOUNCED_MAX_S from
+    waking; else ADMIT_WINDOW_S after each arrival, up to ADMIT_WINDOW_MAX_S from waking."""
+    if announced > 0:
+        return max(0.0, ADMIT_ANNOUNCED_MAX_S - since_woken_s)
+    return max(0.0, min(ADMIT_WINDOW_S, ADMIT_WINDOW_MAX_S - since_woken_s))
 
 
 def _send(conn, msg) -> None:

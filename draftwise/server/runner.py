@@ -40,6 +40,7 @@ import sys
 import threading
 import time
 from collections import deque
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 from draftwise.config import ConfigError
@@ -139,6 +140,7 @@ class EngineRunner:
         # stays empty, so the order requests start in is this one's
         self.admission = FairAdmission(self.front.max_num_seqs, max_waiting, max_queued_per_key, max_running_per_key)
         self._in_flight = 0  # submitted, no terminal Event yet
+        self._preparing = 0  # HTTP requests being read or tokenized, not yet queued (`preparing`; AddCommand.more)
         self._closed = False  # the engine has stopped: nothing more is accepted
         self._stopping = False  # stop() was called: the engine's end is expected
         self._down_message = "the engine is not running"
@@ -215,6 +217,19 @@ class EngineRunner:
         """Queue a request for the engine; its first Event says admitted or error. `speculate=False` decodes it
         plainly; `provenance=True` puts each step's token provenance on its Events."""
         return self.enqueue(self.prepare(prompt, params, speculate, provenance))
+
+    @contextmanager
+    def preparing(self):
+        """Around a route's reading and tokenizing of one request (before `enqueue`): while it lasts, the adds sent
+        to the engine announce it (AddCommand.more), so an idle engine waits for it instead of prefilling the
+        requests before it without it (engine_host.admit_wait)."""
+        with self._lock:
+            self._preparing += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._preparing -= 1
 
     def prepare(self, prompt, params, speculate: bool = True, provenance: bool = False, scope: str = "") -> tuple:
         """Tokenize and build the request's shadow (any thread: the server runs this in its worker pool); `scope`:
@@ -357,7 +372,8 @@ class EngineRunner:
                 sink = nxt[1]
                 req = sink.request
                 self._sinks[req.request_id] = sink
-                cmd = _add_command(req)
+                # the requests still being prepared that the engine will have room for: it waits for those
+                cmd = _add_command(req, more=min(self._preparing, self.front.max_num_seqs - len(self._sinks)))
             self._send(("add", cmd))
 
     # ---- the engine's messages (on the event loop) ---------------------------------------------------
@@ -709,10 +725,11 @@ def _put_all(items: list) -> None:
         q.put_nowait(event)
 
 
-def _add_command(req) -> AddCommand:
-    """What the engine gets for a request: a replay carries the output its client already has."""
+def _add_command(req, more: int = 0) -> AddCommand:
+    """What the engine gets for a request: a replay carries the output its client already has; `more`: the
+    requests on their way after it (AddCommand.more)."""
     return AddCommand(req.request_id, req.prompt_ids, req.params, req.speculate, req.cache_scope, req.arrival_time,
-                      list(req.output_ids))
+                      list(req.output_ids), more)
 
 
 def _busy(refusal) -> APIError:
