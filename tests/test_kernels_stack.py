@@ -129,7 +129,7 @@ def test_a_bad_weight_list_is_a_clear_error():
     model = q4x8_model("qwen2")
     c = model.config
     cache = KVCache(c.num_layers, 1, c.num_kv_heads, 8, c.head_dim, model.dtype)
-    weights, kinds, ffn, experts, mixtures, act = model._stack_weights(1)
+    weights, kinds, ffn, experts, mixtures, (*_, act), *_ = model._stack_weights(1)
     assert len(weights) == c.num_layers * stack_op.SLOTS and len(kinds) == c.num_layers * 6
     assert ffn == [64, 0, 0] * c.num_layers and experts == [None] * c.num_layers and mixtures == []
     assert torch.ops.draftwise_stack.weights_per_layer() == stack_op.SLOTS  # the C++ layout's size
@@ -209,7 +209,7 @@ def test_layers_mixing_q4x8_q6k_and_q8_0_are_bitwise_the_python_loop(family, cal
     model = mixed_model(family)
     attn = [layer.self_attn for layer in model.model.layers]
     assert attn[0].qkv_proj is None and attn[1].qkv_proj is not None and attn[2].qkv_proj is None
-    kinds = model._stack_weights(1)[1]
+    kinds = model._stack_weights(1).kinds
     ids = stack_op.kind_ids()
     assert kinds[:6] == [ids["q4x8"], ids["q4x8"], ids["q6k"], ids["q4x8"], ids["q4x8"], ids["q6k"]]
     assert kinds[6:9] == [ids["q8_0"], stack_op.ABSENT, stack_op.ABSENT]
@@ -241,3 +241,26 @@ def test_the_comparison_catches_a_projection_run_by_another_kinds_kernel(calls, 
     except RuntimeError:
         return
     assert not torch.equal(wrong[0], loop[0])
+
+
+@pytest.mark.parametrize("how", ["module", "buffer"])
+def test_what_is_rebound_after_a_forward_is_what_the_next_one_runs(how, calls, monkeypatch):
+    """Decoder._stack_for keeps a step's flat list for the next step; a module rebound (setattr) or a buffer
+    rebound (register_buffer, as kernels/hugepages.py moves them; torch's registration hooks see both) after a
+    forward makes the next one build it again: bitwise the Python loop over the changed model. Planted: with
+    `changed` a no-op (no invalidation), the stale list runs and the comparison catches it."""
+    for planted in (False, True):
+        model = q4x8_model("qwen2")
+        run(model, True)  # the lists built and kept
+        with monkeypatch.context() as m:
+            if planted:
+                m.setattr(stack_op, "changed", lambda *_: None)
+            attn = model.model.layers[0].self_attn
+            if how == "module":
+                attn.o_proj = model.model.layers[1].self_attn.o_proj
+            else:
+                attn.o_proj.register_buffer("d", attn.o_proj._buffers["d"] * 2)
+            one_call = run(model, True)
+        loop = run(model, False)
+        same = all(torch.equal(a, b) for a, b in zip(one_call, loop))
+        assert same != planted, planted

@@ -109,7 +109,8 @@ def place_in_huge_pages(module: nn.Module, min_bytes: int = MIN_BYTES, mode: str
             if kind == "param":
                 owner._parameters[name].data = moved
             else:
-                owner._buffers[name] = moved
+                # (register_buffer, not the dict: torch's registration hooks see it, kernels/stack.py generation)
+                owner.register_buffer(name, moved, persistent=name not in owner._non_persistent_buffers_set)
         report["moved_bytes"] += sizes[ptr]
         report["storages"] += 1
     with _lock:

@@ -13,7 +13,9 @@ shape in FfnField order); whether it can run
 here is glue's `available` (one library). The layout itself is csrc/stack.cpp's alone: SLOTS, the entries per layer,
 the kinds per layer, the entries per projection and the kinds' ids are read from the loaded library
 (`weights_per_layer`, `kinds_per_layer`, `ffn_per_layer`, `linear_entries`, `linear_kinds`) the first time they are used, never
-written here. Each projection may be any of the row-exact
+written here; and `generation()`, a count of every (re)binding of a module, parameter or buffer anywhere (torch's
+global registration hooks: setattr, register_buffer (kernels/hugepages.py's moves), add_module; code that writes a
+module's dicts directly calls `changed`), by which a caller that keeps a built list knows it may be stale. Each projection may be any of the row-exact
 kernels the library runs (q4x8 and every block kernel of kernels/blocktypes.py: a faithful plan mixes them layer by layer), with q/k/v merged or as
 three calls. A mixture layer passes its router's weight, its ExpertSet (kernels/experts.py `grouped`) and, for
 qwen2_moe, its shared expert as the layer's MLP with the shared gate's weight. Knows nothing of models beyond those
@@ -35,6 +37,32 @@ from draftwise.kernels.glue import available  # noqa: F401 (one library: built a
 KERNELS = {name: LINEARS[name] for name in ("q4x8", *blocktypes.block_kernels())}
 _KERNEL_TYPES = frozenset(KERNELS.values())  # (kernel_of runs for every projection of every step)
 ABSENT = -1  # csrc/stack.cpp's Kind for k_proj / v_proj where q/k/v are merged
+
+_generation = 0  # changed() calls so far
+
+
+def generation() -> int:
+    """How many times a module, parameter or buffer has been (re)bound anywhere in this process: a flat list built
+    at one generation may hold modules or buffers a model no longer has at a later one."""
+    return _generation
+
+
+def changed(*_) -> None:
+    """A module, parameter or buffer was (re)bound: every flat list built before is stale. Called by torch's global
+    registration hooks (setattr, register_buffer, register_parameter, add_module anywhere); code that rebinds in a
+    module's dicts directly must call it."""
+    global _generation
+    _generation += 1
+
+
+def _registered(module, name, value) -> None:  # torch's hook signature; None leaves the value as it is
+    changed()  # (looked up at each call: a test may replace it)
+
+
+for _register in (torch.nn.modules.module.register_module_module_registration_hook,
+                  torch.nn.modules.module.register_module_buffer_registration_hook,
+                  torch.nn.modules.module.register_module_parameter_registration_hook):
+    _register(_registered)
 
 
 @functools.cache

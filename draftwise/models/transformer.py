@@ -28,7 +28,7 @@ one C++ call per layer (kernels/attention.py) or, without it, one SDPA call per 
 from __future__ import annotations
 
 import math
-from typing import Iterable
+from typing import Iterable, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -480,6 +480,7 @@ class Decoder(nn.Module):
         self._angles_table: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # kind -> cos, sin [n, D/2]
         self.act_dtype: torch.dtype | None = None  # activations (and the KV cache); None: the embedding's dtype
         self._plan: KernelPlan | None = None  # the kernels it was built with (kernels/plan.py); None: its nn.Linears
+        self._stack_built: dict[tuple, StackArgs | None] = {}  # _stack_for's lists by what they depend on
 
     # ---- construction -------------------------------------------------------------------------
     @classmethod
@@ -651,20 +652,15 @@ class Decoder(nn.Module):
         masks = {kind: None if num_tokens is not None else self._mask(kind, positions, kv_len)
                  for kind in self._rope_tables}
         one_call = self.fused and num_tokens is not None and attention_op.usable(x, cache.keys[0])
-        stacked = self._stack_weights(token_ids.shape[1], token_ids.numel()) if one_call else None
+        stacked = self._stack_for(token_ids.shape[1], token_ids.numel()) if one_call else None
         if stacked is not None:  # every layer in one C++ call: bitwise the loop below (kernels/stack.py)
-            weights, kinds, ffn, experts, mixtures, act = stacked
-            layer = self.model.layers[0]
-            attn, norm = layer.self_attn, layer.input_layernorm
-            qk = (attn.q_norm.eps, attn.q_norm.weight_offset) if attn.qk_norm else (0.0, 0.0)
+            a = stacked
             cos = [ropes[kind][0] for kind in cfg.layer_types]
             sin = [ropes[kind][1] for kind in cfg.layer_types]
-            windows = [int(m.self_attn.window or 0) for m in self.model.layers]
-            dims = (attn.num_heads, attn.num_kv_heads, attn.head_dim, act)
-            x, routed = stack_op.layers(x, weights, kinds, ffn, experts, cache.keys, cache.values, cos, sin, tables,
-                                        positions, num_tokens, windows, dims, (norm.eps, norm.weight_offset), qk,
-                                        attn.scale, ancestors)
-            for mixture, chosen in zip(mixtures, routed):  # what each mixture layer read (SparseMoE.touched)
+            x, routed = stack_op.layers(x, a.weights, a.kinds, a.ffn, a.experts, cache.keys, cache.values, cos, sin,
+                                        tables, positions, num_tokens, a.windows, a.dims, a.norm, a.qk_norm, a.scale,
+                                        ancestors)
+            for mixture, chosen in zip(a.mixtures, routed):  # what each mixture layer read (SparseMoE.touched)
                 mixture._last = chosen
         else:
             for i, layer in enumerate(self.model.layers):
@@ -678,11 +674,26 @@ class Decoder(nn.Module):
             x = x[:, -1:]
         return (self.lm_head if head is None else head)(self.model.norm(x))
 
-    def _stack_weights(self, tokens: int, rows: int = 1) -> tuple | None:
+    def _stack_for(self, tokens: int, rows: int) -> StackArgs | None:
+        """_stack_weights(tokens, rows), built again only when what it read may have changed: a module, parameter or
+        buffer rebound anywhere since (kernels/stack.py generation: torch's registration hooks),
+        the switches it reads (Decoder.stack, the fused glue, SparseMoE.grouped), the tokens per sequence (a split
+        linear's half) or the rows' side of Router.FUSED_MAX_ROWS. The walk over every layer's modules costs
+        ~60 us hot and ~300 us a decode step (the step's weights have evicted those objects from the caches: the
+        4-layer MoE file, 1 thread); a step reuses the lists of the step before."""
+        key = (tokens, rows <= Router.FUSED_MAX_ROWS, stack_op.generation(), self.stack, self.fused,
+               SparseMoE.grouped)
+        built = self._stack_built
+        if key in built:
+            return built[key]
+        if len(built) >= 8 or any(k[2] != key[2] for k in built):  # stale lists, or a prompt's many chunk widths
+            built.clear()
+        result = built[key] = self._stack_weights(tokens, rows)
+        return result
+
+    def _stack_weights(self, tokens: int, rows: int = 1) -> StackArgs | None:
         """kernels/stack.py's arguments when every layer can run in its one C++ call for a forward with `tokens`
-        tokens per sequence and `rows` rows in all (B * T), else None: the Python loop runs. Returns (the flat
-        weight list, the projections' kinds, each layer's feed-forward shape, each layer's ExpertSet or None, the
-        mixture layers in order, the activation's glue id). Qualify: projections by kernels the loop runs (q4x8 and
+        tokens per sequence and `rows` rows in all (B * T), else None: the Python loop runs. Qualify: projections by kernels the loop runs (q4x8 and
         the table's block kernels; q/k/v merged or separate, gate/up merged), our attention op and glue, no sandwich
         norms; a mixture layer where its experts are grouped (kernels/experts.py) and its router takes the few-row
         op (rows <= Router.FUSED_MAX_ROWS: decode and verification; prompts keep the Python loop, whose router is a
@@ -746,7 +757,13 @@ class Decoder(nn.Module):
                 mixtures.append(mlp)
         if len(acts) != 1:
             return None
-        return weights, kinds, ffn, experts, mixtures, glue.ACTIVATIONS[acts.pop()]
+        first = self.model.layers._modules["0"]._modules
+        attn, norm = first["self_attn"], first["input_layernorm"]
+        qk = (attn.q_norm.eps, attn.q_norm.weight_offset) if attn.qk_norm else (0.0, 0.0)
+        return StackArgs(weights, kinds, ffn, experts, mixtures,
+                         (attn.num_heads, attn.num_kv_heads, attn.head_dim, glue.ACTIVATIONS[acts.pop()]),
+                         (norm.eps, norm.weight_offset), qk, attn.scale,
+                         [int(layer._modules["self_attn"].window or 0) for layer in self.model.layers])
 
     def _mask(self, kind: str, positions: torch.Tensor, kv_len: int) -> torch.Tensor | None:
         window = self.config.sliding_window if kind == "sliding_attention" else None
@@ -759,6 +776,20 @@ class Decoder(nn.Module):
         if window is not None:
             mask = mask & (key_pos > q_pos - window)
         return mask  # [B, 1, T, kv_len]
+
+
+class StackArgs(NamedTuple):
+    """Decoder._stack_weights' answer: kernels/stack.py layers' arguments that come from the modules."""
+    weights: list  # SLOTS per layer (stack.layer_weights)
+    kinds: list[int]  # KINDS_PER_LAYER per layer
+    ffn: list[int]  # FFN_PER_LAYER per layer
+    experts: list  # per layer: a mixture's ExpertSet, or None
+    mixtures: list  # the SparseMoE layers, in order (the call returns their experts)
+    dims: tuple[int, int, int, int]  # num_heads, num_kv_heads, head_dim, activation (glue id)
+    norm: tuple[float, float]  # eps, weight offset of the layer norms
+    qk_norm: tuple[float, float]  # of the q/k norms ((0, 0) without them)
+    scale: float  # attention softmax scale
+    windows: list[int]  # per layer: sliding window, 0 for none
 
 
 def _stackable(m: nn.Module, tokens: int) -> nn.Module | None:
