@@ -290,6 +290,15 @@ struct LaneSteps {
         return fold(sum);
     }
 
+    // every query's acc += p_j v_j over its keys, block by block of 16 in position order (values below), the
+    // step attend_block takes after the softmax; a path may supply its own with the same float operations
+    template <class E>
+    static void block_values(const Block<E>& blk, int64_t D, int64_t sc) {
+        for_spans(blk, blk.q[0].Vh, [&](const E* vb, int64_t ab, int u, int lo, int hi) {
+            values(vb, sc, D, blk.s[u] + (ab - blk.start[u]), lo, hi, blk.acc[u]);
+        });
+    }
+
     // acc += p_j v_j for the query's keys lo..hi-1 of this block of 16, in j order; 8 vectors of dims at a time
     template <class E>
     static void values(const E* vb, int64_t sc, int64_t D, const float* p, int lo, int hi, float* accp) {
@@ -331,6 +340,8 @@ struct LaneSteps {
 //   Steps::template scores<NC>(a, blk, mx)   every query's s_j into blk.s[u] and its max into mx[u]; NC = head_dim / 16
 //                                            when head_dim is 128 or 64 (q held in registers), else 0 (any multiple of 16)
 //   Steps::softmax_weights(s, L, m) -> sum   s_j -> p_j in place, and their folded sum
+//   Steps::block_values(blk, D, sc)          every query's acc += p_j v_j over its keys (LaneSteps': values below
+//                                            per 16-key block and query, in position order)
 //   Steps::values(vb, sc, D, p, lo, hi, acc) acc += p_j v_j for block keys lo..hi-1, in j order
 // then o = acc / sum per query (an IEEE division per element: the same bits at any vector width).
 template <class Steps, class E>
@@ -348,9 +359,7 @@ void attend_block(const DwAttnArgs* a, int64_t i0, int n, float* scratch) {
     if (a->anc)
         for (int u = 0; u < blk.n; ++u) tree_scores(a, blk.q[u], blk.qf[u], blk.s[u], mx[u]);
     for (int u = 0; u < blk.n; ++u) total[u] = Steps::softmax_weights(blk.s[u], blk.q[u].L, mx[u]);
-    for_spans(blk, blk.q[0].Vh, [&](const E* vb, int64_t ab, int u, int lo, int hi) {
-        Steps::values(vb, sc, D, blk.s[u] + (ab - blk.start[u]), lo, hi, blk.acc[u]);
-    });
+    Steps::block_values(blk, D, sc);
     if (a->anc)
         for (int u = 0; u < blk.n; ++u) tree_values<Steps>(blk.q[u], D, blk.s[u], blk.acc[u]);
     for (int u = 0; u < blk.n; ++u) {
