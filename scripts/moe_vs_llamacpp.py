@@ -15,7 +15,8 @@ every child. A child, on the same token ids for both engines (seeded random ids 
   * prefill: a fresh --prefill-token prompt, timed from the first token in to the last token's logits (draftwise in
     the engine's chunks, engine.PREFILL_CHUNK_TOKENS; llama.cpp in its n_batch / n_ubatch of 512).
 draftwise runs the model as api.load_model builds it (weights auto = faithful for this file; the forwards are the
-engine's: one [1, T] forward per step, num_tokens given); llama.cpp with n_ctx = prefill + 256, mmap on, its
+engine's: one [1, T] forward per step, num_tokens given; the heap policy api.LLM sets once loaded, kernels/heap.py,
+so a prompt chunk's temporaries are reused rather than faulted in afresh); llama.cpp with n_ctx = prefill + 256, mmap on, its
 default KV cache (f16). Both at --threads threads. Not a test: a measurement for the lead to rerun on a quiet
 machine.
 
@@ -95,12 +96,14 @@ def child_draftwise(args) -> dict:
     from draftwise.api import load_model
     from draftwise.bench.memory import plan_step_bytes
     from draftwise.engine import PREFILL_CHUNK_TOKENS
+    from draftwise.kernels import heap
     from draftwise.kv_cache import KVCache
 
     torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
     model, _, _ = load_model(args.path, weights="auto", cache_dir=args.cache_dir)
     load_s = time.perf_counter() - t0
+    heap.keep_temporaries_on_heap()  # as api.LLM does once loaded: a prompt's temporaries reused, not faulted in afresh
     c = model.config
     V = c.vocab_size
     cap = max(args.prefill, args.context + args.decode, args.logit_prompt) + 16

@@ -141,10 +141,10 @@ at::Tensor wide_vnni(const at::Tensor& x, const at::Tensor& packed, const at::Te
         DwQ8 a{qp + c * G * chunk * 32, dxp + c * S * chunk, qsp + c * S * chunk * 8, rows_of(c)};
         dw_gemm_avx512(&w, &a, yp + c * chunk * N, b0, b1);
     };
-    // each thread its blocks, chunk after chunk (one fork for the call: a chunk costs a few microseconds per block)
-    at::parallel_for(0, NB, 1, [&](int64_t b0, int64_t b1) {
-        for (int64_t c = 0; c < chunks; ++c) run(c, b0, b1);
-    });
+    // each thread its blocks, a group of them at a time, chunk after chunk (one fork for the call: a chunk costs a
+    // few microseconds per block); a block's weights: the nibbles (and plane), sc and mn, d and dmin
+    const int64_t block_bytes = 16 * K * (qh ? 5 : 4) / 8 + G * 32 + S * 128;
+    at::parallel_for(0, NB, 1, [&](int64_t b0, int64_t b1) { dw_vnni_walk(b0, b1, chunks, block_bytes, run); });
     return y;
 }
 

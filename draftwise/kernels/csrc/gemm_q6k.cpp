@@ -89,12 +89,14 @@ at::Tensor wide_vnni(const at::Tensor& x, const at::Tensor& ql, const at::Tensor
     DwQ6 w{ql.data_ptr<uint8_t>(), qh.data_ptr<uint8_t>(), sc.data_ptr<int8_t>(), d.data_ptr<float>(), bias_p, N, K, G, S,
            mn ? mn->data_ptr<int8_t>() : nullptr, mn ? dmin->data_ptr<float>() : nullptr, value_bits};
     float* yp = y.data_ptr<float>();
-    // each thread its blocks, chunk after chunk (one fork for the call)
+    // each thread its blocks, a group of them at a time (gemm_wide.h), chunk after chunk (one fork for the call); a
+    // block's weights: its value planes, sc (and q6m's mn), d (and dmin)
+    const int64_t block_bytes = 16 * K * value_bits / 8 + G * 32 * (mn ? 2 : 1) + S * 64 * (mn ? 2 : 1);
     at::parallel_for(0, NB, 1, [&](int64_t b0, int64_t b1) {
-        for (int64_t c = 0; c < chunks; ++c) {
+        dw_vnni_walk(b0, b1, chunks, block_bytes, [&](int64_t c, int64_t g0, int64_t g1) {
             DwQ8K16 a{qp + c * G * chunk * 32, dxp + c * S * chunk, q16 + c * S * chunk * 16, rows_of(c)};
-            dw_q6k_gemm_avx512(&w, &a, yp + c * chunk * N, b0, b1);
-        }
+            dw_q6k_gemm_avx512(&w, &a, yp + c * chunk * N, g0, g1);
+        });
     });
     return y;
 }

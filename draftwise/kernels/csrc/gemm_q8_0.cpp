@@ -60,13 +60,15 @@ void dw_q80_wide(const DwQ80* w, const float* x, int64_t M, int64_t K, int64_t N
                                         qoff + o, qsum + o, 0, rows_of(c));
         }
     });
-    // each thread its blocks, chunk after chunk (one fork for the call)
+    // each thread its blocks, a group of them at a time (gemm_wide.h), chunk after chunk (one fork for the call); a
+    // block's weights at most a byte a value (q4c / q5m's codes less: smaller groups than fit) and its scales
+    const int64_t block_bytes = 16 * K + G * 128;
     at::parallel_for(0, NB, 1, [&](int64_t b0, int64_t b1) {
-        for (int64_t c = 0; c < chunks; ++c) {
+        dw_vnni_walk(b0, b1, chunks, block_bytes, [&](int64_t c, int64_t g0, int64_t g1) {
             const int64_t o = c * G * chunk;
             DwQ80Act a{q + o * 32, dx + o, qoff + o, qsum + o, rows_of(c)};
-            dw_q80_gemm_avx512(w, &a, y + c * chunk * N, b0, b1);
-        }
+            dw_q80_gemm_avx512(w, &a, y + c * chunk * N, g0, g1);
+        });
     });
 }
 
