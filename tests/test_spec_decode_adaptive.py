@@ -647,3 +647,43 @@ def test_rows_probe_together_so_a_batch_pays_few_wide_steps():
     assert all(n >= 3 for n in per_row)  # every row keeps probing
     assert len(wide) < sum(per_row)  # ... in shared steps
     assert all(k in (0, adaptive.PROBE_K) for ks in steps[20:] for k in ks)  # after the prior's first guesses
+
+
+def _decisions(monkeypatch, bound) -> tuple[list, int]:
+    """best_ks over seeded random batches (1..8 rows, acceptances, caps, behind / remaining, a draft model's grid or
+    a model-free proposer's seconds, padded or ragged) with `bound` as the search's skip test; and how many trials
+    the real bound would have skipped."""
+    monkeypatch.setattr(adaptive, "_guessing_bound", bound)
+    rng, out, skipped = random.Random(7), [], 0
+    draft = _grid(lambda b, w: 0.010 + 0.001 * b * w)
+    for trial in range(300):
+        B = rng.randint(1, 8)
+        p = AdaptiveK(8, ROW_BOUND, draft if trial % 2 else None)
+        p.propose_row_s = rng.choice([0.0, 0.002, 0.02])
+        p.padded = trial % 5 == 0
+        alphas = [rng.choice([rng.uniform(0.0, 0.5), rng.uniform(0.0, 0.99)]) for _ in range(B)]
+        caps = [rng.choice([0, 2, 8]) for _ in range(B)]
+        behind = [rng.choice([1, 1, 40, 300]) for _ in range(B)]
+        remaining = [rng.choice([1, 20, 200]) for _ in range(B)]
+        out.append(p.best_ks(alphas, caps, behind, remaining))
+        rate = p._rate_of(alphas, min(8, max(caps)), behind, remaining)
+        order = [i for i in range(B) if caps[i] > 0]
+        skipped += bool(order) and REAL_BOUND(order, caps, min(8, max(caps)), *rate.parts, p.draft_time) <= rate(
+            [0] * B)
+    return out, skipped
+
+
+REAL_BOUND = adaptive._guessing_bound
+
+
+def test_the_bound_that_skips_the_search_never_changes_a_decision(monkeypatch):
+    """best_ks skips its search where `_guessing_bound` says no guessing mix can beat plain (a wide batch of
+    unlikely rows: the step's decision then costs one bound, not the search): over random batches the decisions
+    are the same with the bound as with a bound that never skips; the bound does skip (a good share of the trials),
+    and a planted bound that skips wrongly (always 0) changes decisions, so this comparison can fail."""
+    never, _ = _decisions(monkeypatch, lambda *a: float("inf"))
+    real, skipped = _decisions(monkeypatch, REAL_BOUND)
+    assert real == never
+    assert 30 <= skipped < 300
+    planted, _ = _decisions(monkeypatch, lambda *a: 0.0)
+    assert planted != never

@@ -297,6 +297,8 @@ class AdaptiveK:
         plain = rate([0] * n)
         best, best_rate = [0] * n, float("-inf")  # the best guessing candidate (plain's rate compared at the end)
         order = sorted((i for i in range(n) if caps[i] > 0), key=lambda i: -alphas[i])
+        if not order or _guessing_bound(order, caps, k_top, e, verify, forward, cu, self.draft_time) <= plain:
+            return best, plain, plain  # no mix can beat plain (the bound's docstring): the search would find none
         for K in range(1, k_top + 1):
             ks, rows_at = [0] * n, [0] * (K + 1)  # rows_at[j]: rows guessing >= j tokens
             tokens, catch_up, draft, widest, guessed = float(n), 0.0, 0.0, 0, 0
@@ -486,3 +488,18 @@ class AdaptiveK:
 def _expected(alpha: float, k: int) -> float:
     """E(k) = (1 - α^(k+1)) / (1 - α): tokens a row emits when it guesses k (1 + the expected accepted)."""
     return k + 1.0 if alpha >= 1.0 else (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
+
+
+def _guessing_bound(order: list[int], caps: list[int], k_top: int, e: list[list[float]], verify: list[float],
+                    forward: list[float] | None, cu: list[float], draft_time) -> float:
+    """An upper bound on the rate of every mix in which some row guesses (best_ks's parts): at most every row's
+    tokens at its longest guess, over at least the cheapest guessing step (the cheapest width >= 2, one draft
+    forward of the cheapest row count or the cheapest one-row proposal, the cheapest first-guess catch-up). Where
+    it is no more than plain's rate the search cannot find a guessing mix that beats plain, so best_ks skips it:
+    a batch whose rows cannot pay (low acceptance on a wide batch) costs one bound per step, not the search."""
+    n = len(e)
+    tokens = n + sum(max(e[i][: min(k_top, caps[i]) + 1]) - 1.0 for i in order)
+    draft = (min(forward[1:]) if forward is not None
+             else min(draft_time([k] + [0] * (n - 1)) for k in range(1, k_top + 1)))
+    catch_up = min(cu[i] * min(e[i][1 : min(k_top, caps[i]) + 1]) for i in order)
+    return tokens / (min(verify[2 : k_top + 2]) + draft + catch_up)
