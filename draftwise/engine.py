@@ -385,7 +385,7 @@ class Engine:
             self.stats.add_times(t1 - t0, t2 - t1)
         self.stats.record_decision(sum(k > 0 for k in k_per_seq), len(reqs))
         if attempt == 1:  # the step's own cost corrects the policy's grid (no extra forward): a ragged step computed
-            # sum(1 + k) tokens, the cell of B rows with as many tokens (rounded up); a padded one B x the widest
+            # sum(1 + k) tokens, B rows of exactly as many tokens (a fractional width); a padded one B x the widest
             guesses = [d.num_tokens for d in drafts]
             trees = any(d.parents is not None for d in drafts)
             width = 1 + max(guesses) if trees else ragged_width(guesses)

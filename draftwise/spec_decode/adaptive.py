@@ -7,13 +7,19 @@ positions), a step in which row i guesses k_i tokens yields and costs
 
     E_i(k)  = (1 − α_i^(k+1)) / (1 − α_i)                       tokens row i emits (their eq. 1; E_i(0) = 1)
     time(k) = verify(B, w(k)) + draft(k) + Σ_i catch_up(behind_i − 1) · E_i(k_i) / remaining_i
-    w(k)    = ⌈Σ_i (1 + k_i) / B⌉                                  (ragged; a padded batch: 1 + max_i k_i)
+    w(k)    = Σ_i (1 + k_i) / B                                    (ragged; a padded batch: 1 + max_i k_i)
     rate(k) = Σ_i E_i(k_i) / time(k)
 
 verify(B, w): the target's step-cost grid (kernels/step_cost.py: B rows x w tokens, measured at load, corrected
-online from the engine's own steps), at the cell with as many tokens as the engine computes: its verification is
-ragged (every row its own 1 + k_i tokens, Σ_i (1 + k_i) in all), the cell of B rows with that many tokens rounded
-up, the cell the engine's observe_step reports, so the grid is corrected where it is read. A batch holding a token
+online from the engine's own steps), at the point with as many tokens as the engine computes: its verification is
+ragged (every row its own 1 + k_i tokens, Σ_i (1 + k_i) in all), B rows of a fractional width with exactly that
+many tokens (the grid is piecewise-linear in width, and its load-time cells are B rows x w tokens each), the point
+the engine's observe_step reports, so the grid is corrected where it is read. Rounded up to a whole width (as it was
+until the seventh session), the cell (B, 2) priced one row's guess among 8 rows as 8 more tokens, and, corrected
+from such steps (nearly free: 9 tokens cost what 8 do), priced 8 rows guessing one each (16 tokens: 1.5-1.6x a
+plain step on this machine's step records) as nearly free too: low-acceptance rows guessed at c = 4 and 8. Read
+at any width, a cell never costs less than a narrower one at the same B (an online residual saying so is load
+noise). A batch holding a token
 tree is still padded to its widest row: `padded` (set by a caller whose proposer grows trees, and learned from the
 steps: one reported wider than its ragged cell) prices 1 + max_i k_i instead. A row that does not guess beside one
 that does costs one token, not the widest row's width, so mixed k (a likely row guessing, an unlikely one plain)
@@ -47,7 +53,9 @@ at every other k, the others held, for up to SWEEPS sweeps while one improves. G
 the batch and stops when it predicts less than plain (KEEP_MARGIN): stopping is free, restarting is not. The
 shared-K pass adds rows in order, keeping Σ k_i (the ragged width) and the widest (the padded one) as it goes; in
 the per-row sweeps a smaller k saves verification tokens (ragged) as well as draft forwards and catch-up, a larger
-one fills the ragged cell's rounding up (tokens the step computes anyway) or rides along a padded widest row. A
+one rides along a padded widest row. Where an upper bound on every guessing mix's rate (each row's tokens at its
+longest guess over the cheapest guessing step: `_guessing_bound`) is no more than plain's, the search is skipped,
+with the same decision: a wide batch of unlikely rows costs one bound a step, not the search. A
 narrow batch makes width nearly free; a wide batch makes every token dear: the grid decides, the same rule at every
 load. The engine asks `choose_batch(reqs, caps)`; `choose(req)` is the same rule
 for a batch of one (the prefill's first guesses, per-request callers).
@@ -102,10 +110,13 @@ def length_kinds(req) -> tuple:
     return ("scope", req.cache_scope, shape), ("shape", shape)
 
 
-def ragged_width(guesses: list[int]) -> int:
-    """The step-cost grid width of a ragged verification whose B rows guess these many tokens: Σ(1 + k_i) tokens
-    priced as B rows of ⌈Σ(1 + k_i) / B⌉ = 1 + ⌈Σ k_i / B⌉ (what the engine reports to observe_step)."""
-    return 1 + -(-sum(guesses) // max(len(guesses), 1))
+def ragged_width(guesses: list[int]) -> float:
+    """The step-cost grid width of a ragged verification whose B rows guess these many tokens: its Σ(1 + k_i)
+    tokens as B rows of Σ(1 + k_i) / B = 1 + Σ k_i / B tokens each, a fractional width (the grid is piecewise-linear
+    in width, so this is the cost of exactly its tokens; what the engine reports to observe_step). Rounded up to a
+    whole width, one row's guess in a batch of 8 was priced as 8 more tokens, and the cell learned from such
+    steps priced 8 rows guessing one each as if they cost what one row's guess does."""
+    return 1 + sum(guesses) / max(len(guesses), 1)
 
 
 class KPolicy(Protocol):
@@ -223,9 +234,9 @@ class AdaptiveK:
         """Seconds per context token the proposer has not read, now (a CATCH_UP_TOKENS catch-up's, per token)."""
         return self.catch_up_time(CATCH_UP_TOKENS) / CATCH_UP_TOKENS
 
-    def verify_width(self, k_per_seq: list[int]) -> int:
-        """The grid width a step with these guesses is priced at: the ragged cell with as many tokens (rounded up),
-        as observe_step records it; a padded engine's widest row."""
+    def verify_width(self, k_per_seq: list[int]) -> float:
+        """The grid width a step with these guesses is priced at: the ragged width with exactly as many tokens
+        (fractional), as observe_step records it; a padded engine's widest row."""
         if self.padded:
             return 1 + max(k_per_seq, default=0)
         return ragged_width(k_per_seq)
@@ -260,10 +271,14 @@ class AdaptiveK:
     def _rate_of(self, alphas: list[float], k_top: int, behind: list[int] | None, remaining: list[int] | None):
         """rate(ks) for ks up to k_top, over costs read once per decision (the grids' lookups are the slow part);
         its `.parts` (E table, verify by width, draft forward by rows or None, catch-up per row) for best_ks.
-        verify[w] is the target's step of the n rows at width w; the width is verify_width's (ragged: 1 + ⌈Σk/n⌉)."""
+        verify[w] is the target's step of the n rows at whole width w, never less than at a narrower one (more
+        tokens never cost less: an online residual that says so is load noise); a fractional width (ragged:
+        1 + Σk/n) is read between its two whole widths (`_at`: exactly the grid's piecewise-linear value)."""
         n = len(alphas)
         e = [[_expected(a, k) for k in range(k_top + 1)] for a in alphas]  # E_i(k)
-        verify = [0.0] + [self.target.cost(n, w) for w in range(1, k_top + 2)]  # by the priced width
+        verify = [0.0]
+        for w in range(1, k_top + 2):  # by the priced width, non-decreasing
+            verify.append(max(self.target.cost(n, w), verify[-1]))
         forward = ([0.0] + [self.draft_grid.cost(b, 1) * self.draft_factor for b in range(1, n + 1)]
                    if self.draft_grid is not None else None)  # one draft forward of b rows (none for 0)
         cu = ([self.catch_up_time(behind[i] - 1) / max(remaining[i], 1) for i in range(n)]
@@ -271,14 +286,14 @@ class AdaptiveK:
 
         def rate(ks: list[int]) -> float:
             K = max(ks)
-            w = self.verify_width(ks)
+            w = _at(verify, self.verify_width(ks))
             if forward is not None:
                 draft = sum(forward[sum(k >= j for k in ks)] for j in range(1, K + 1))
             else:
                 draft = self.draft_time(ks)
             tokens = sum(e[i][k] for i, k in enumerate(ks))
             catch_up = sum(cu[i] * e[i][k] for i, k in enumerate(ks) if k)
-            return tokens / (verify[w] + draft + catch_up)
+            return tokens / (w + draft + catch_up)
 
         rate.parts = (e, verify, forward, cu)
         return rate
@@ -288,8 +303,9 @@ class AdaptiveK:
                 remaining: list[int] | None = None) -> tuple[list[int], float, float]:
         """(k per row, its rate, plain's rate): the search of the module docstring, without hysteresis or probes.
         The shared-K pass adds rows one at a time, updating the sums (no full re-evaluation per candidate): the
-        tokens, the catch-up, the draft's forwards by depth, Σk (the ragged width 1 + ⌈Σk/n⌉) and the widest row
-        (the padded width 1 + widest); both widths are at most 1 + K, inside `verify`."""
+        tokens, the catch-up, the draft's forwards by depth, Σk (the ragged width 1 + Σk/n) and the widest row
+        (the padded width 1 + widest); both widths are at most 1 + K, inside `verify`. Where `_guessing_bound` says
+        no mix can beat plain, the search is skipped (the same decision)."""
         n = len(alphas)
         k_top = min(self.k_max, max(caps, default=0))
         rate = self._rate_of(alphas, k_top, behind, remaining)
@@ -297,7 +313,10 @@ class AdaptiveK:
         plain = rate([0] * n)
         best, best_rate = [0] * n, float("-inf")  # the best guessing candidate (plain's rate compared at the end)
         order = sorted((i for i in range(n) if caps[i] > 0), key=lambda i: -alphas[i])
-        if not order or _guessing_bound(order, caps, k_top, e, verify, forward, cu, self.draft_time) <= plain:
+        if not order:
+            return best, plain, plain
+        cheapest = verify[2] if self.padded else _at(verify, 1 + 1 / n)  # a guessing step's least verification
+        if _guessing_bound(order, caps, k_top, e, cheapest, forward, cu, self.draft_time) <= plain:
             return best, plain, plain  # no mix can beat plain (the bound's docstring): the search would find none
         for K in range(1, k_top + 1):
             ks, rows_at = [0] * n, [0] * (K + 1)  # rows_at[j]: rows guessing >= j tokens
@@ -314,8 +333,8 @@ class AdaptiveK:
                         rows_at[j] += 1
                 else:
                     draft = self.draft_time(ks)
-                width = 1 + widest if self.padded else 1 + -(-guessed // n)
-                r = tokens / (verify[width] + draft + catch_up)
+                width = 1 + widest if self.padded else 1 + guessed / n
+                r = tokens / (_at(verify, width) + draft + catch_up)
                 if r > best_rate:
                     best, best_rate = list(ks), r
         # ragged, the step's width follows Σk: one guess at a time to the row it adds the most tokens to (row i's
@@ -490,10 +509,17 @@ def _expected(alpha: float, k: int) -> float:
     return k + 1.0 if alpha >= 1.0 else (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
 
 
-def _guessing_bound(order: list[int], caps: list[int], k_top: int, e: list[list[float]], verify: list[float],
+def _at(verify: list[float], width: float) -> float:
+    """verify (by whole width) read at a fractional width: linear between the two whole widths around it."""
+    w = int(width)
+    t = width - w
+    return verify[w] if t == 0 else verify[w] + t * (verify[w + 1] - verify[w])
+
+
+def _guessing_bound(order: list[int], caps: list[int], k_top: int, e: list[list[float]], cheapest: float,
                     forward: list[float] | None, cu: list[float], draft_time) -> float:
     """An upper bound on the rate of every mix in which some row guesses (best_ks's parts): at most every row's
-    tokens at its longest guess, over at least the cheapest guessing step (the cheapest width >= 2, one draft
+    tokens at its longest guess, over at least the cheapest guessing step (`cheapest` verification: one guess; one draft
     forward of the cheapest row count or the cheapest one-row proposal, the cheapest first-guess catch-up). Where
     it is no more than plain's rate the search cannot find a guessing mix that beats plain, so best_ks skips it:
     a batch whose rows cannot pay (low acceptance on a wide batch) costs one bound per step, not the search."""
@@ -502,4 +528,4 @@ def _guessing_bound(order: list[int], caps: list[int], k_top: int, e: list[list[
     draft = (min(forward[1:]) if forward is not None
              else min(draft_time([k] + [0] * (n - 1)) for k in range(1, k_top + 1)))
     catch_up = min(cu[i] * min(e[i][1 : min(k_top, caps[i]) + 1]) for i in order)
-    return tokens / (min(verify[2 : k_top + 2]) + draft + catch_up)
+    return tokens / (cheapest + draft + catch_up)

@@ -28,8 +28,9 @@ class NgramProposer:
         drafts = []
         for i, (slot, k) in enumerate(zip(slots, k_per_seq)):
             before = list(after[i]) if after else []
-            context = np.asarray(self.tokens[slot] + before, dtype=np.int64)
-            guess = lookup(context, self.min_n, self.max_n, k) if k > 0 else []
+            guess = []
+            if k > 0:  # a plain row costs no lookup (nor a copy of its context)
+                guess = lookup(np.asarray(self.tokens[slot] + before, dtype=np.int64), self.min_n, self.max_n, k)
             self._last[slot] = before + guess
             drafts.append(Draft(torch.tensor(guess, dtype=torch.int64) if guess else EMPTY_DRAFT_IDS))
         return drafts
