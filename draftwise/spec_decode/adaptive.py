@@ -21,7 +21,7 @@ plain step on this machine's step records) as nearly free too: low-acceptance ro
 at any width, a cell never costs less than a narrower one at the same B (an online residual saying so is load
 noise). A batch holding a token
 tree is still padded to its widest row: `padded` (set by a caller whose proposer grows trees, and learned from the
-steps: one reported wider than its ragged cell) prices 1 + max_i k_i instead. A row that does not guess beside one
+steps: one reported wider than its ragged width) prices 1 + max_i k_i instead. A row that does not guess beside one
 that does costs one token, not the widest row's width, so mixed k (a likely row guessing, an unlikely one plain)
 can pay where one padded step would not. draft(k):
 guess j is one draft forward over the B_j rows guessing >= j tokens, Σ_j draft_grid(B_j, 1), scaled online by the
@@ -446,7 +446,7 @@ class AdaptiveK:
     def observe_step(self, batch: int, width: int, step_s: float, propose_s: float, k_per_seq: list[int]) -> None:
         """A decode step of `batch` rows verified at `width` in step_s seconds after proposing k_per_seq in
         propose_s: the target's grid follows it; a guessing step moves the draft's scale (or seconds). A guessing
-        step of several rows reported wider than its ragged cell was padded (a token tree in the batch): the
+        step of several rows reported wider than its ragged width was padded (a token tree in the batch): the
         following decisions price the widest row (`padded`) until a step is reported ragged again."""
         self.target.observe(batch, width, step_s)
         if batch > 1 and any(k_per_seq) and len(k_per_seq) == batch:
