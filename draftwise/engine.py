@@ -250,8 +250,7 @@ class Engine:
             except Exception as e:  # noqa: BLE001
                 outputs.append(self._fail(r, e))
         reqs = begun
-        drafts, masks, asked = self._first_drafts(reqs)
-        asked = dict(zip((r.request_id for r in reqs), asked))
+        drafts, masks = self._first_drafts(reqs)
         try:
             rows = list(zip(reqs, drafts, masks, self._prefill_forward(reqs, drafts)))
         except Exception as e:  # noqa: BLE001 — which prompt caused it is unknown: each one alone
@@ -269,16 +268,14 @@ class Engine:
                     self.prefix_cache.count(len(r.prompt_ids), r.num_cached_tokens)
                     self.prefix_cache.store(r.prompt_ids, self.cache, r.slot)
                 # the last prompt token plays the pending token's part: the cache keeps the prompt + what is accepted
-                outputs.append(self._settle(r, d, row_logits, len(r.context_ids) - 1, mask, prefill=True,
-                                            asked=asked[r.request_id]))
+                outputs.append(self._settle(r, d, row_logits, len(r.context_ids) - 1, mask, prefill=True))
             except Exception as e:  # noqa: BLE001
                 outputs.append(self._fail(r, e))
         return outputs
 
-    def _first_drafts(self, reqs: list[Request]) -> tuple[list[Draft], list[torch.Tensor | None], list[int]]:
-        """Each new request's first draft, cut by its grammar, the masks of its rows (mask [k + 1, V]) and the
-        guesses the policy asked for. No guesses unless the prefill verifies them; a proposer that fails here leaves
-        the requests unguessed."""
+    def _first_drafts(self, reqs: list[Request]) -> tuple[list[Draft], list[torch.Tensor | None]]:
+        """Each new request's first draft, cut by its grammar, and the masks of its rows (mask [k + 1, V]).
+        No guesses unless the prefill verifies them; a proposer that fails here leaves the requests unguessed."""
         # the admitted prompts' first guesses as one batch decision (a draft model reads each prompt to guess)
         k_per_seq = (choose_batch(self.k_policy, reqs, [self._room(r, len(r.context_ids) - 1) for r in reqs])
                      if self.speculate_in_prefill else [0] * len(reqs))
@@ -287,9 +284,9 @@ class Engine:
             try:
                 drafts = self.proposer.propose([r.slot for r in reqs], k_per_seq)
             except Exception:  # noqa: BLE001 — guessing is optional; the first decode step guesses again
-                k_per_seq = [0] * len(reqs)
+                pass
         cut = [self._grammar_cut(r, _chain_prefix(d)) for r, d in zip(reqs, drafts)]
-        return [d for d, _ in cut], [m for _, m in cut], k_per_seq
+        return [d for d, _ in cut], [m for _, m in cut]
 
     def _prefill_forward(self, reqs: list[Request], drafts: list[Draft]) -> list[torch.Tensor]:
         """-> per request [1 + k, V]: the logits at its last prompt token and at each of its k guesses."""
@@ -376,7 +373,7 @@ class Engine:
         outputs = []
         for row, (r, d) in enumerate(zip(reqs, drafts)):
             try:  # 6.-8. verify, truncate, emit
-                outputs.append(self._settle(r, d, logits[row], base_lengths[row], masks[row], asked=k_per_seq[row]))
+                outputs.append(self._settle(r, d, logits[row], base_lengths[row], masks[row]))
             except Exception as e:  # noqa: BLE001 — this request's own verification or emission failed
                 outputs.append(self._fail(r, e))
         t2 = time.perf_counter()
@@ -453,10 +450,8 @@ class Engine:
 
     def _settle(self, r: Request, d: Draft, logits: torch.Tensor, base_length: int,  # logits [width, V]
                 mask: torch.Tensor | None = None,  # [k + 1, V] bool (structured outputs)
-                prefill: bool = False, asked: int = 0) -> StepOutput:
-        """Verify one sequence's draft (pure), roll its cache back to what was accepted, emit. `asked`: the guesses
-        the k policy asked for; the policy learns from them (a draft shorter than asked, or empty: an n-gram
-        without a match, a draft's early stop, a grammar's cut, missed the first guess it did not make)."""
+                prefill: bool = False) -> StepOutput:
+        """Verify one sequence's draft (pure), roll its cache back to what was accepted, emit."""
         k = d.num_tokens
         rows = self._masked(r, logits[: k + 1], mask)  # [k + 1, V]
         if r.params.adjusts_logits:  # penalties, bias, min_tokens: row i from the history through guess i (as q)
@@ -470,8 +465,8 @@ class Engine:
         if res.path is not None:
             self.cache.compact(r.slot, base_length, [0, *res.path])
         self.cache.truncate(r.slot, base_length + 1 + res.num_accepted)
-        if max(k, asked):  # the policy learns what its asking yielded: what the target agreed with, per guess asked
-            self.k_policy.observe(r, max(k, asked), res.num_accepted)
+        if k:
+            self.k_policy.observe(r, k, res.num_accepted)  # the policy learns what the target agreed with
         slot = r.slot
         emitted = self._emit(r, res.token_ids)  # 8. emit, up to a stop
         if r.params.logprobs is not None:  # the target's raw rows, the same bits with or without guesses

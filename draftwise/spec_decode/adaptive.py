@@ -128,8 +128,7 @@ class KPolicy(Protocol):
         """Guesses to ask the proposer for on this request's next step (0 = a plain step)."""
 
     def observe(self, req, k: int, num_accepted: int) -> None:
-        """The request's step was asked for k guesses (k >= 1) and the target kept the first num_accepted (a draft
-        with fewer guesses than asked, or none: the first guess it lacks counts as the first rejected one)."""
+        """The request's step guessed k tokens (k >= 1) and the target kept the first num_accepted."""
 
     def end(self, req) -> None:
         """The request finished; forget it."""
@@ -472,9 +471,7 @@ class AdaptiveK:
         return (accepted + weight * prior) / (reached + weight)
 
     def observe(self, req, k: int, num_accepted: int) -> None:
-        """Guesses reached: every accepted one and the first rejected (or the first the proposer did not make: an
-        n-gram without a match yields no token for its asking, and a row whose proposer keeps finding nothing stops
-        being priced as guessing at its prior); older evidence decays per guess."""
+        """Guesses reached: every accepted one and the first rejected; older evidence decays per guess."""
         self._behind[req.request_id] = 1
         reached = min(k, num_accepted + 1)
         own = self.req_counts.get(req.request_id, (0.0, 0.0))
