@@ -5,7 +5,8 @@ Owns: building the extension (JIT on first use, cached under ${DRAFTWISE_CACHE_D
 each unit is compiled with WARNINGS (-Wall -Wextra ...), torch's headers as system headers, and the compiler's
 output kept in build.log next to the library: warnings are printed, only errors fail the build; the compile, link
 and atomic publish are kernels/cbuild.py's, which the probe's streaming read is built by too), loading it once
-per process (`load`: the q4x8, q6k, q8_0 (and every block type's), attention, glue and layer-loop ops), the ISA
+per process (`load`: the q4x8, q6k, q8_0 (and every block type's), attention, glue, layer-loop and embedding-row
+ops), the ISA
 path names and ids every op selects by (csrc/dispatch.h's one rule; `PATHS` is filled from the library when it is
 loaded), and the wide side's switch (`wide_sides` lists every kernel's, as `draftwise kernels` prints it):
 `wide_min_rows` measures once per build and CPU from how many rows 'auto' calls of each kernel with a wide side
@@ -13,7 +14,8 @@ loaded), and the wide side's switch (`wide_sides` lists every kernel's, as `draf
 register tile blocked over rows; q5x8, q6m and csrc/gemm_q8_0*.cpp: the latter only): bitwise the GEMVs' rows.
 
 Which C++ units a block type brings is its row's in kernels/blocktypes.py (`units`); the library compiles the
-units of every row with a kernel, plus the ops that are no block type's (attention, glue, layer loop).
+units of every row with a kernel, plus the ops that are no block type's (attention, glue, layer loop, experts,
+embedding rows).
 Knows nothing of weight formats, checkpoints or decoders: the wide probe times the ops on random packed bytes
 (any bytes are a valid packed weight once its float scales are finite).
 """
@@ -94,7 +96,7 @@ def _units() -> list[tuple[str, list[str], str]]:
                    (f"{k.name}_" if k.element else "") + src.replace(".cpp", ".o"))
                   for src, isa in k.units if isa == blocktypes.MAIN or _X86]
     units += [(src, main_flags, src.replace(".cpp", ".o"))
-              for src in ("attention.cpp", "glue.cpp", "stack.cpp", "experts.cpp")]
+              for src in ("attention.cpp", "glue.cpp", "stack.cpp", "experts.cpp", "embed_rows.cpp")]
     if not _X86:
         return units
     return units + [(src, flags, src.replace(".cpp", ".o")) for src, flags in [

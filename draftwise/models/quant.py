@@ -12,7 +12,8 @@ types are dequantized and quantized to the plan's format. A faithful plan (kerne
 kernel of its stored type instead, built from its blocks (kernels/blocktypes.py's table: Q6_K -> q6k, Q3_K -> q3k,
 Q2_K -> q6m, Q5_K -> q5x8, Q8_0 / Q5_0 -> q8_0, Q4_0 / IQ4 -> q4c, Q4_1 / Q5_1 -> q5m, a float type with a row (F16, BF16) -> its float
 kernel, others -> fp32 over the exactly dequantized weight),
-and keeps the embedding table as stored (`GGUFRowsEmbedding` for types other than Q4_K). `type_census` counts a
+and keeps the embedding table as stored (`GGUFRowsEmbedding` for types other than Q4_K; its rows decoded by
+kernels/embed_rows.py's C++ op, or the `gguf` package's dequantizer for types the op does not decode). `type_census` counts a
 file's types for the plan. Knows nothing of the engine; of checkpoints it knows only the GGUFTensor handle (shape,
 type, dense(), blocks(), q4k_blocks()).
 """
@@ -23,7 +24,7 @@ from typing import Iterator
 import torch
 from torch import nn
 
-from draftwise.kernels import blocktypes, linear
+from draftwise.kernels import blocktypes, embed_rows, linear
 from draftwise.kernels.linear import SplitLinear, derived_split, impl_for, make_linear
 from draftwise.kernels.plan import EXACT_DENSE, KernelPlan, faithful_kernel
 
@@ -229,9 +230,11 @@ def prepared_weights(items: dict, cfg, plan: KernelPlan,
 
 class GGUFRowsEmbedding(nn.Module):
     """An embedding table [V, H] kept as the GGUF stores it: raw [V, row bytes] uint8 (the file's blocks, or a
-    float type's bytes), a looked-up row dequantized by the `gguf` package's own dequantizer, so every row is
-    bitwise the row of the dense float32 model (`--weights fp32`) and depends on its id alone (row-exact).
-    forward(ids [...] int64) -> [..., H] float32."""
+    float type's bytes), a looked-up row decoded bitwise as the `gguf` package's own dequantizer decodes it, so every
+    row is bitwise the row of the dense float32 model (`--weights fp32`) and depends on its id alone (row-exact):
+    by the C++ op of kernels/embed_rows.py for its DECODED_TYPES (Q6_K, Q8_0, F16, BF16, F32) where the library
+    loads, by `gguf.quants.dequantize` otherwise (its numpy overhead, ~46 us a Q6_K row of 2048, is what the op
+    removes). forward(ids [...] int64) -> [..., H] float32."""
 
     def __init__(self, raw: torch.Tensor, gguf_type: str, num_embeddings: int, embedding_dim: int):
         super().__init__()
@@ -241,17 +244,26 @@ class GGUFRowsEmbedding(nn.Module):
             raise ValueError(f"not the raw rows of a [{num_embeddings}, {embedding_dim}] table: {tuple(raw.shape)}")
         self.gguf_type, self.num_embeddings, self.embedding_dim = gguf_type, num_embeddings, embedding_dim
         self._qtype = GGMLQuantizationType[gguf_type]
+        self._op: bool | None = None  # the C++ op decodes the rows: decided at the first forward
         self.register_buffer("raw", raw)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:  # ids [...] -> [..., H] float32
+        flat = ids.reshape(-1).cpu()
+        if self._op is None:
+            self._op = self.gguf_type in embed_rows.DECODED_TYPES and embed_rows.available()
+        if self._op and self.raw.is_contiguous():
+            dense = embed_rows.rows(self.raw, flat.long(), self.gguf_type, self.embedding_dim)  # IndexError
+            return dense.reshape(*ids.shape, self.embedding_dim)
+        return self._gguf_rows(flat).reshape(*ids.shape, self.embedding_dim)
+
+    def _gguf_rows(self, flat: torch.Tensor) -> torch.Tensor:  # flat [n] int64 -> [n, H] float32, by gguf's numpy
         from gguf.quants import dequantize
 
-        flat = ids.reshape(-1).cpu()
         if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= self.num_embeddings):
             raise IndexError(f"token id out of range for an embedding of {self.num_embeddings} rows")
         rows = self.raw.index_select(0, flat).numpy()
         dense = dequantize(rows, self._qtype).reshape(len(flat), self.embedding_dim)
-        return torch.from_numpy(dense.astype("float32", copy=False)).reshape(*ids.shape, self.embedding_dim)
+        return torch.from_numpy(dense.astype("float32", copy=False))
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, {self.gguf_type} as stored"
