@@ -243,7 +243,8 @@ def test_server_nice_never_raises_a_priority():
 def test_an_idle_engine_admits_requests_sent_together_in_one_step(monkeypatch):
     """serve_engine, idle, takes the requests that arrive a few ms apart (as the server tokenizes concurrent
     clients one after another) before its first step, so they are prefilled together; planted: without the
-    admission window the first step runs the first request alone (the waves of the sixth session's server runs)."""
+    admission window the first step runs the first request alone (the fourth session's
+    server waves, PERFORMANCE.md)."""
     from types import SimpleNamespace
 
     from draftwise.server import engine_host

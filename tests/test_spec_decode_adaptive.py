@@ -693,7 +693,7 @@ def test_the_bound_that_skips_the_search_never_changes_a_decision(monkeypatch):
 
 def _token_cost(b: int, tokens: float) -> float:
     """A planted truth of a ragged step: what its tokens cost (B rows): one more token than the rows is free
-    (memory-bound), each beyond costs a tenth of a plain step (the seventh session's step records at c = 4: 8
+    (memory-bound), each beyond costs a tenth of a plain step (the sixth session's step records at c = 4: 8
     tokens at B = 4 cost 1.5-1.65x 4 tokens; at B = 1..4 a row's single guess cost nothing measurable)."""
     return 0.05 * (1 + 0.1 * max(0.0, tokens - b - 1))
 

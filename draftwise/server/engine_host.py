@@ -180,7 +180,7 @@ class EngineFront:
 # server tokenizes requests one after another, a few ms apart, and a step started on the first alone put the rest
 # a whole prefill behind it (waves of 1 + 3 or 2 + 2 at 4 clients, by chance, PERFORMANCE.md's fifth-session
 # entry). On a loaded machine the server's requests come further apart than that window (4.5-12 ms between
-# adds at load average 3-6, the seventh session's step records: 1 + 3 waves again), so each add also says how many
+# adds at load average 3-6, srv7's step records in the sixth session: 1 + 3 waves again), so each add also says how many
 # requests the server was still reading or tokenizing when it sent it (AddCommand.more): while the last add
 # announced more, the idle engine waits for them, ADMIT_ANNOUNCED_MAX_S at most from the first command (a request
 # that fails validation never comes: the bound). A busy engine never waits: what arrived during a step is

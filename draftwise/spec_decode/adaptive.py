@@ -15,7 +15,7 @@ online from the engine's own steps), at the point with as many tokens as the eng
 ragged (every row its own 1 + k_i tokens, Σ_i (1 + k_i) in all), B rows of a fractional width with exactly that
 many tokens (the grid is piecewise-linear in width, and its load-time cells are B rows x w tokens each), the point
 the engine's observe_step reports, so the grid is corrected where it is read. Rounded up to a whole width (as it was
-until the seventh session), the cell (B, 2) priced one row's guess among 8 rows as 8 more tokens, and, corrected
+before 2026-12-06's sixth session), the cell (B, 2) priced one row's guess among 8 rows as 8 more tokens, and, corrected
 from such steps (nearly free: 9 tokens cost what 8 do), priced 8 rows guessing one each (16 tokens: 1.5-1.6x a
 plain step on this machine's step records) as nearly free too: low-acceptance rows guessed at c = 4 and 8. Read
 at any width, a cell never costs less than a narrower one at the same B (an online residual saying so is load
