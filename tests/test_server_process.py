@@ -240,13 +240,34 @@ def test_server_nice_never_raises_a_priority():
         lower_priority(-1)
 
 
+class _StepOnceLLM:
+    """The LLM that serve_engine drives, as far as its admission goes: added requests pile up; the first step reports
+    how many (`on_step(n)`) and raises `stop` (a BaseException: serve_engine catches Exception only)."""
+
+    def __init__(self, on_step, stop):
+        self.pending, self.on_step, self.stop = [], on_step, stop
+
+    def has_unfinished(self):
+        return bool(self.pending)
+
+    def new_request(self, prompt, params):
+        from types import SimpleNamespace
+
+        return SimpleNamespace(), None  # a request the engine host sets its fields on
+
+    def add_request(self, req):
+        self.pending.append(req)
+
+    def step(self):
+        self.on_step(len(self.pending))
+        raise self.stop
+
+
 def test_an_idle_engine_admits_requests_sent_together_in_one_step(monkeypatch):
     """serve_engine, idle, takes the requests that arrive a few ms apart (as the server tokenizes concurrent
     clients one after another) before its first step, so they are prefilled together; planted: without the
     admission window the first step runs the first request alone (the fourth session's
     server waves, PERFORMANCE.md)."""
-    from types import SimpleNamespace
-
     from draftwise.server import engine_host
 
     class Done(BaseException):  # ends the loop from inside step (serve_engine catches Exception only)
@@ -277,29 +298,12 @@ def test_an_idle_engine_admits_requests_sent_together_in_one_step(monkeypatch):
         def send(self, msg):
             pass
 
-    class LLM:
-        def __init__(self):
-            self.pending, self.batches = [], []
-
-        def has_unfinished(self):
-            return bool(self.pending)
-
-        def new_request(self, prompt, params):
-            return SimpleNamespace(), None
-
-        def add_request(self, req):
-            self.pending.append(req)
-
-        def step(self):
-            self.batches.append(len(self.pending))
-            raise Done
-
     def first_step(window):
         monkeypatch.setattr(engine_host, "ADMIT_WINDOW_S", window)
-        llm = LLM()
+        batches = []
         with pytest.raises(Done):
-            engine_host.serve_engine(llm, Conn([0.0, 0.003, 0.006, 0.009]))
-        return llm.batches[0]
+            engine_host.serve_engine(_StepOnceLLM(batches.append, Done), Conn([0.0, 0.003, 0.006, 0.009]))
+        return batches[0]
 
     assert first_step(engine_host.ADMIT_WINDOW_S) == 4
     assert first_step(0.0) < 4  # planted: no window (the first step starts before the last request is in)
@@ -343,29 +347,12 @@ def test_an_idle_engine_waits_for_the_requests_an_add_announces(monkeypatch):
         def send(self, msg):
             pass
 
-    class LLM:
-        def __init__(self):
-            self.pending, self.first_step = [], None
-
-        def has_unfinished(self):
-            return bool(self.pending)
-
-        def new_request(self, prompt, params):
-            return SimpleNamespace(), None
-
-        def add_request(self, req):
-            self.pending.append(req)
-
-        def step(self):
-            self.first_step = (len(self.pending), clock.now)
-            raise Done
-
     def first_step(arrivals):
         clock.now = 0.0
-        llm = LLM()
+        steps = []
         with pytest.raises(Done):
-            engine_host.serve_engine(llm, Conn(arrivals))
-        return llm.first_step
+            engine_host.serve_engine(_StepOnceLLM(lambda n: steps.append((n, clock.now)), Done), Conn(arrivals))
+        return steps[0]
 
     apart = [0.0, 0.012, 0.030, 0.042]  # each gap beyond ADMIT_WINDOW_S, the last beyond ADMIT_WINDOW_MAX_S
     assert apart[-1] > engine_host.ADMIT_WINDOW_MAX_S and apart[-1] < engine_host.ADMIT_ANNOUNCED_MAX_S

@@ -33,19 +33,9 @@ _AMX_ID = 3
 ATTENTION_DTYPES = (torch.float32, torch.bfloat16)
 
 
-_available: bool | None = None
-
-
 def available() -> bool:
     """The op is built and loaded (built on first use; False, once and for all, where it cannot be)."""
-    global _available
-    if _available is None:
-        try:
-            library.load()
-            _available = True
-        except library.KernelBuildError:
-            _available = False
-    return _available
+    return library.loads()
 
 
 def usable(q: torch.Tensor, keys: torch.Tensor) -> bool:

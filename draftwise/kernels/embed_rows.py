@@ -18,11 +18,7 @@ DECODED_TYPES = frozenset({"Q6_K", "Q8_0", "F16", "BF16", "F32"})  # csrc/embed_
 
 def available() -> bool:
     """The op is built and loaded (built on first use; False, once and for all, where it cannot be)."""
-    try:
-        library.load()
-    except library.KernelBuildError:
-        return False
-    return True
+    return library.loads()
 
 
 def rows(raw: torch.Tensor, ids: torch.Tensor, gguf_type: str, H: int) -> torch.Tensor:

@@ -33,11 +33,7 @@ PATHS = library.PATHS  # ISA path name -> id, from the library (csrc/dispatch.h)
 
 def available() -> bool:
     """The ops are built and loaded (built on first use; False, once and for all, where they cannot be)."""
-    try:
-        library.load()
-    except library.KernelBuildError:
-        return False
-    return True
+    return library.loads()
 
 
 def cpu_paths() -> list[str]:

@@ -175,6 +175,16 @@ def load() -> object:
     return torch.ops.draftwise_q4x8
 
 
+def loads() -> bool:
+    """Whether the library builds and loads here (built on first use; False, once and for all, where it cannot be:
+    `load` keeps the first failure): what each op module's `available` answers."""
+    try:
+        load()
+    except KernelBuildError:
+        return False
+    return True
+
+
 WIDE_ENV = "DRAFTWISE_WIDE_MIN_ROWS"  # an integer: 'auto' calls of at least this many rows take the wide kernel; 0: never
 # the row counts the probe times (the AMX tile loop takes 32 rows a pass); the widest one's activations (1024 x 2048
 # bytes) outgrow a core's L2, where the VNNI sides' row chunks pay and a prompt's calls are: probed only up to 256

@@ -268,11 +268,7 @@ def _kernels_build() -> bool:
     """Whether our C++ kernels (kernels/blocktypes.py's KERNELS) build and load here: what a faithful plan runs."""
     from draftwise.kernels import library
 
-    try:
-        library.load()
-    except library.KernelBuildError:
-        return False
-    return True
+    return library.loads()
 
 
 def default_plan(dtype: str, device: str) -> KernelPlan:
