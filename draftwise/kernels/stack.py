@@ -66,11 +66,16 @@ for _register in (torch.nn.modules.module.register_module_module_registration_ho
 
 
 @functools.cache
-def slots_per_layer() -> int:
-    """Weights per layer in the flat list: csrc/stack.cpp's WEIGHTS_PER_LAYER, from the loaded library (built on
-    first use; KernelBuildError where it cannot be). Also readable as `SLOTS`."""
+def _layout_count(op: str) -> int:
+    """One count of csrc/stack.cpp's layout, by the name of the operator that returns it, from the loaded library
+    (built on first use; KernelBuildError where it cannot be)."""
     library.load()
-    return int(torch.ops.draftwise_stack.weights_per_layer())
+    return int(getattr(torch.ops.draftwise_stack, op)())
+
+
+def slots_per_layer() -> int:
+    """Weights per layer in the flat list: csrc/stack.cpp's WEIGHTS_PER_LAYER. Also readable as `SLOTS`."""
+    return _layout_count("weights_per_layer")
 
 
 def __getattr__(name: str) -> int:  # `stack.SLOTS`: the library's count, read once it is asked for
@@ -92,25 +97,19 @@ def kernel_of(m) -> LinearImpl | None:
     return m if type(m) in _KERNEL_TYPES and m.path == "auto" and m.name in kind_ids() else None
 
 
-@functools.cache
 def kinds_per_layer() -> int:
-    """Kind ids per layer: csrc/stack.cpp's KINDS_PER_LAYER, from the loaded library."""
-    library.load()
-    return int(torch.ops.draftwise_stack.kinds_per_layer())
+    """Kind ids per layer: csrc/stack.cpp's KINDS_PER_LAYER."""
+    return _layout_count("kinds_per_layer")
 
 
-@functools.cache
 def ffn_per_layer() -> int:
-    """Feed-forward shape entries per layer: csrc/stack.cpp's FFN_PER_LAYER, from the loaded library."""
-    library.load()
-    return int(torch.ops.draftwise_stack.ffn_per_layer())
+    """Feed-forward shape entries per layer: csrc/stack.cpp's FFN_PER_LAYER."""
+    return _layout_count("ffn_per_layer")
 
 
-@functools.cache
 def linear_entries() -> int:
-    """Entries per projection in the flat list: csrc/stack.cpp's LINEAR, from the loaded library."""
-    library.load()
-    return int(torch.ops.draftwise_stack.linear_entries())
+    """Entries per projection in the flat list: csrc/stack.cpp's LINEAR."""
+    return _layout_count("linear_entries")
 
 
 def _linear(m: LinearImpl | None) -> list[torch.Tensor | None]:  # csrc/stack.cpp's LINEAR entries, by kind

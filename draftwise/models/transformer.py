@@ -353,7 +353,7 @@ class SparseMoE(nn.Module):
     def _grouped_op(self) -> object | None:
         """The grouped-experts handle over the current expert modules, or None where they do not qualify."""
         # a plan swaps every expert's modules, and kernels/hugepages.py every buffer: the ends tell (cheaply: read
-        # every step by Decoder._stack_weights, so through the modules' dicts, not ModuleList's indexing)
+        # every forward of the Python loop, so through the modules' dicts, not ModuleList's indexing)
         experts = self.experts._modules
         ends = (experts["0"], experts[str(len(experts) - 1)])
         key = tuple((m.fused, _first_buffer(m._modules.get("gate_up_proj")), _first_buffer(m._modules["down_proj"]))

@@ -112,10 +112,10 @@ at::Tensor rows(const at::Tensor& raw, const at::Tensor& ids, const std::string&
             float* yr = y + j * H;
             switch (L.kind) {
                 case Kind::Q6_K:
-                    for (int64_t k = 0; k < H / 256; ++k) q6_k_block(b + k * 210, yr + k * 256);
+                    for (int64_t k = 0; k < H / L.values; ++k) q6_k_block(b + k * L.bytes, yr + k * L.values);
                     break;
                 case Kind::Q8_0:
-                    for (int64_t k = 0; k < H / 32; ++k) q8_0_block(b + k * 34, yr + k * 32);
+                    for (int64_t k = 0; k < H / L.values; ++k) q8_0_block(b + k * L.bytes, yr + k * L.values);
                     break;
                 case Kind::F16: f16_row(b, yr, H); break;
                 case Kind::BF16: bf16_row(b, yr, H); break;
