@@ -37,11 +37,18 @@ tokens still expected: max_tokens left, or fewer where finished requests of its 
 stop or EOS; `remaining`). A request's kind (`length_kinds`) is what the engine knows of it on arrival that predicts
 where it ends: its shape as its client set it (max_tokens' power-of-two bucket, stop strings and stop ids,
 ignore_eos, whether a grammar constrains it) within its cache scope (the server: its API key), else that shape in
-every scope; each kind's typical length is an EWMA of the lengths its requests finished with (at a stop, EOS or
+every scope; each kind keeps the last LENGTH_WINDOW lengths its requests finished with (at a stop, EOS or
 max_tokens: an aborted or failed request says nothing of where it would have ended), used from LENGTH_SAMPLES of
 them on, the engine's (every kind's finished requests) until then. A chat asking for 128 tokens that runs to them
 no longer prices a code completion's catch-up, nor a code completion that stops after 20 tokens a chat's; prompts
 that differ only in content (the bench's code/repeated and code/novel: one max_tokens, one stop list) share a kind.
+remaining is robust to such a mix: the catch-up a token is C / remaining, and over where the request may end (the
+kind's recent lengths L past its n tokens, equally likely) its expectation is C · E[1 / (L − n)], so remaining is
+their harmonic mean, which the short answers dominate (the mean over requests of seconds a token, what a user's
+TPOT averages, priced exactly); past every recent length, n more (Lindy: a request that has run n tokens is likely
+to run about n more). Until 2026-12-07 (first session) an EWMA of the lengths: code/repeated's 137 tokens priced
+the catch-up of code/novel answers that ended after 8-46 (0.91x plain at 4 server clients, one ~0.8 s step of the
+draft reading four prompts).
 catch_up(n): what a draft row's forward of 1 + n tokens costs beyond a width-1 forward (the draft reads them in
 the forward that yields its first guess), from the draft grid's cells at B = 1, PROMPT_WIDTHS
 included (StepCost.catch_up: a ~100-token catch-up runs the prompt kernels, a fraction of the per-token cost that
@@ -61,9 +68,13 @@ load. The engine asks `choose_batch(reqs, caps)`; `choose(req)` is the same rule
 for a batch of one (the prefill's first guesses, per-request callers).
 
 α is learned per request, older guesses decayed (DECAY per guess: a chat answer turns into code and back),
-behind PRIOR_GUESSES pseudo-guesses at the engine's α, which each finished request moves ENGINE_MIX of the way
-to its own: the last few requests set a new request's start, and no workload's long history outvotes a
-request's own evidence. While plain decoding wins for a row, a k = PROBE_K probe after EXPLORE_EVERY plain steps
+behind a prior (`prior_for`): the other running requests' own decayed guesses pooled, behind PRIOR_GUESSES
+pseudo-guesses at the engine's α, which each finished request moves ENGINE_MIX of the way to its own. The last few
+requests set a new request's start only until the running ones show theirs: the engine's α moves only as requests
+finish, so a batch of new requests (a new workload) priced every row at the previous workload's α (code/novel at
+c = 8 opened with every row guessing at code/repeated's 0.76) for as long as each row's own few guesses took to
+outweigh it; pooled, one step of the batch's guesses is the whole batch's evidence. No workload's long history
+outvotes a request's own evidence. While plain decoding wins for a row, a k = PROBE_K probe after EXPLORE_EVERY plain steps
 keeps its estimate from freezing, the gap doubling after each probe; a probe widens the whole padded step, so the
 rows whose probe is at least half due probe in that same step. A probe pays what a guess pays (the padded width,
 the draft's forwards and the proposer's whole catch-up: a draft model reads the prompt and every plain step's
@@ -94,8 +105,8 @@ COLD_PROBE_ALPHA = 1.0  # ... before the engine has any acceptance of its own (e
 DRAFT_EWMA = 0.1  # per guessing step: the draft's scale (or a model-free proposer's seconds a row) toward the measured
 DRAFT_RATIO_RANGE = (0.25, 4.0)  # one step's measured / predicted proposing time, as the draft's scale reads it
 CATCH_UP_TOKENS = 128  # a typical prompt: `catch_up_cost` (seconds a token) is the catch-up of this many, per token
-LENGTH_MIX = 0.25  # a finished request's share in its kinds' typical output lengths and the engine's (`remaining`)
-LENGTH_SAMPLES = 3  # finished requests of a kind before its own typical length is used (the engine's until then)
+LENGTH_WINDOW = 8  # finished requests' output lengths kept per kind and for the engine (the last few: `remaining`)
+LENGTH_SAMPLES = 3  # finished requests of a kind before its own lengths are used (the engine's until then)
 LENGTH_KINDS = 256  # kinds whose typical lengths are kept (the least recently finished one is forgotten first)
 FINISHED = ("stop", "length")  # the finish reasons whose output length is evidence (not "abort", not "error")
 
@@ -198,8 +209,9 @@ class AdaptiveK:
         self._behind: dict[str, int] = {}  # request -> context tokens its proposer has not seen
         self._plain_run: dict[str, int] = {}  # request -> plain steps since its last guess
         self._probe_gap: dict[str, int] = {}
-        self.typical_length: float | None = None  # output tokens of the last few finished requests, any kind (EWMA)
-        self._kind_lengths: dict[tuple, tuple[float, int]] = {}  # length kind -> (its typical length, requests)
+        self.lengths: list[int] = []  # output tokens of the last LENGTH_WINDOW finished requests, any kind
+        self._kind_lengths: dict[tuple, list[int]] = {}  # length kind -> its last LENGTH_WINDOW finished lengths
+        self._live = [0.0, 0.0]  # Σ over running requests of their own (decayed) guesses reached, accepted
 
     @classmethod
     def calibrate(cls, target, k_max: int, proposer=None, max_batch: int = 8, cache: bool = False) -> AdaptiveK:
@@ -414,25 +426,39 @@ class AdaptiveK:
         return [k > 0 for k in ks]
 
     def remaining(self, req) -> int:
-        """The output tokens a request is expected to produce still, which a catch-up is spread over: its
-        max_tokens left, or fewer where finished requests of its kind have been ending sooner (at a stop or EOS):
-        the typical output length less what it has, or half the typical length once it is past it, never more
-        than it may."""
+        """The output tokens a request is expected to produce still, which a catch-up is spread over (module
+        docstring: `remaining`): over the recent finished lengths of its kind (`recent_lengths`) that it has not
+        yet reached, the harmonic mean of what each would leave it, 1 / mean(1 / (L - n)): the catch-up per token is
+        C / remaining, and its expectation over where the request may end is C · E[1 / (L - n)], which a short
+        answer dominates (an arithmetic mean, or an EWMA, of lengths let a kind's long answers price the catch-up
+        of its short ones). Past every recent length: as many as it has produced (Lindy: a request that has run n
+        tokens is likely to run about n more). Max_tokens left where nothing finished yet; never more than it may."""
         n, left = len(req.output_ids), req.params.max_tokens - len(req.output_ids)
-        typical = self.expected_length(req)
-        if typical is None:
+        lengths = self.recent_lengths(req)
+        if not lengths:
             return max(left, 1)
-        expected = typical - n if n < typical else typical / 2
+        ahead = [length - n for length in lengths if length > n]
+        expected = len(ahead) / sum(1.0 / a for a in ahead) if ahead else n
         return max(1, min(left, round(expected)))
 
-    def expected_length(self, req) -> float | None:
-        """The output length requests like this one finish with: the narrowest of its kinds (`length_kinds`) with
-        LENGTH_SAMPLES finished requests, else the engine's typical length (None before any request finished)."""
+    def recent_lengths(self, req) -> list[int]:
+        """The output lengths requests like this one recently finished with: the narrowest of its kinds
+        (`length_kinds`) with LENGTH_SAMPLES finished requests, else the engine's (empty before any finished)."""
         for kind in length_kinds(req):
-            typical, count = self._kind_lengths.get(kind, (0.0, 0))
-            if count >= LENGTH_SAMPLES:
-                return typical
-        return self.typical_length
+            lengths = self._kind_lengths.get(kind, ())
+            if len(lengths) >= LENGTH_SAMPLES:
+                return list(lengths)
+        return list(self.lengths)
+
+    def expected_length(self, req) -> float | None:
+        """A request like this one's typical output length: the harmonic mean of `recent_lengths` (what
+        `remaining` spreads a catch-up over at the request's start); None before any request finished."""
+        return _harmonic(self.recent_lengths(req))
+
+    @property
+    def typical_length(self) -> float | None:
+        """The harmonic mean of the engine's last LENGTH_WINDOW finished output lengths (any kind)."""
+        return _harmonic(self.lengths)
 
     def choose(self, req) -> int:
         """The batch rule for one request alone (a prefill's first guesses): the batch decision's state is kept."""
@@ -464,11 +490,22 @@ class AdaptiveK:
             self.draft_scale = math.exp((1 - DRAFT_EWMA) * math.log(self.draft_scale) + DRAFT_EWMA * math.log(ratio))
 
     def acceptance(self, req) -> float:
-        """α for this request: its own decayed counts behind PRIOR_GUESSES pseudo-guesses at the engine's α
-        (one at 0.5 before any request has finished)."""
+        """α for this request: its own decayed counts behind the prior's pseudo-guesses (`prior_for`: the other
+        running requests' evidence and the engine's α)."""
         reached, accepted = self.req_counts.get(req.request_id, (0.0, 0.0))
-        prior, weight = (0.5, 1.0) if self.engine_alpha is None else (self.engine_alpha, PRIOR_GUESSES)
+        prior, weight = self.prior_for(req)
         return (accepted + weight * prior) / (reached + weight)
+
+    def prior_for(self, req) -> tuple[float, float]:
+        """(α, weight in guesses) a request's own evidence is added to: the other running requests' own (decayed)
+        guesses pooled, behind PRIOR_GUESSES pseudo-guesses at the engine's α (the last finished requests'), at
+        weight PRIOR_GUESSES; before any request finished, one pseudo-guess at 0.5 behind the pool, weight 1.
+        The requests running now are the workload now: the engine's α moves only as requests finish, so a
+        code/novel batch after code/repeated requests started every row at the α code/repeated finished with."""
+        reached, accepted = self.req_counts.get(req.request_id, (0.0, 0.0))
+        live_reached, live_accepted = max(self._live[0] - reached, 0.0), max(self._live[1] - accepted, 0.0)
+        alpha, weight = (0.5, 1.0) if self.engine_alpha is None else (self.engine_alpha, PRIOR_GUESSES)
+        return (live_accepted + weight * alpha) / (live_reached + weight), weight
 
     def observe(self, req, k: int, num_accepted: int) -> None:
         """Guesses reached: every accepted one and the first rejected; older evidence decays per guess."""
@@ -476,7 +513,8 @@ class AdaptiveK:
         reached = min(k, num_accepted + 1)
         own = self.req_counts.get(req.request_id, (0.0, 0.0))
         keep = DECAY ** reached
-        self.req_counts[req.request_id] = (own[0] * keep + reached, own[1] * keep + num_accepted)
+        new = self.req_counts[req.request_id] = (own[0] * keep + reached, own[1] * keep + num_accepted)
+        self._live = [self._live[0] + new[0] - own[0], self._live[1] + new[1] - own[1]]
 
     def end(self, req) -> None:
         """The request's own α (its recent guesses) moves the engine's, the prior of the next requests; where it
@@ -485,6 +523,9 @@ class AdaptiveK:
         if req.finish_reason in FINISHED:
             self._learn_length(req)
         reached, accepted = self.req_counts.get(req.request_id, (0.0, 0.0))
+        self._live = [self._live[0] - reached, self._live[1] - accepted]
+        if self.req_counts.keys() <= {req.request_id}:
+            self._live = [0.0, 0.0]  # no other running request has evidence: no float residue
         if reached:
             mix = ENGINE_MIX if self.engine_alpha is not None else 1.0
             self.engine_alpha = (1 - mix) * (self.engine_alpha or 0.0) + mix * accepted / reached
@@ -492,16 +533,19 @@ class AdaptiveK:
             d.pop(req.request_id, None)
 
     def _learn_length(self, req) -> None:
-        """A finished request's output length into the engine's typical length and each of its kinds'; past
-        LENGTH_KINDS kinds the least recently finished one is forgotten."""
+        """A finished request's output length into the engine's recent lengths and each of its kinds' (the last
+        LENGTH_WINDOW each); past LENGTH_KINDS kinds the least recently finished one is forgotten."""
         n = len(req.output_ids)
-        self.typical_length = n if self.typical_length is None else (
-            (1 - LENGTH_MIX) * self.typical_length + LENGTH_MIX * n)
+        self.lengths = (self.lengths + [n])[-LENGTH_WINDOW:]
         for kind in length_kinds(req):
-            typical, count = self._kind_lengths.pop(kind, (float(n), 0))
-            self._kind_lengths[kind] = ((1 - LENGTH_MIX) * typical + LENGTH_MIX * n, count + 1)
+            self._kind_lengths[kind] = (self._kind_lengths.pop(kind, []) + [n])[-LENGTH_WINDOW:]
         while len(self._kind_lengths) > LENGTH_KINDS:
             del self._kind_lengths[next(iter(self._kind_lengths))]
+
+
+def _harmonic(lengths: list[int]) -> float | None:
+    """1 / mean(1 / n) of output lengths (a zero-length output counted as 1); None for none."""
+    return len(lengths) / sum(1.0 / max(n, 1) for n in lengths) if lengths else None
 
 
 def _expected(alpha: float, k: int) -> float:
