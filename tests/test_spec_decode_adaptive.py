@@ -509,6 +509,39 @@ def test_the_grid_follows_the_load_online():
     assert all(RESID_RANGE[0] <= r <= RESID_RANGE[1] for r in g.resid.values())
 
 
+def _fresh(g: StepCost) -> StepCost:
+    """The same grid state (base, residuals, load factor) without anything remembered from earlier reads."""
+    f = StepCost(dict(g.base))
+    f.resid, f.scale = dict(g.resid), g.scale
+    return f
+
+
+def test_the_grid_read_between_observations_is_what_a_fresh_read_gives(monkeypatch):
+    """StepCost remembers its reads between observe() calls (a k policy reads the same cells many times a decision):
+    every read after a step's correction is bitwise what the same state read afresh gives, at measured and
+    interpolated cells, widths and batches, corrected or not. A planted observe that keeps the old reads is caught."""
+    def check(keep: bool) -> bool:
+        g = _grid(lambda b, w: 0.01 * b + 0.001 * w, batches=(1, 2, 4, 8), widths=(1, 2, 4, 8, 16))
+        cells = [(b, w) for b in (1, 3, 4, 8, 9) for w in (1, 1.5, 2, 3, 16, 40)]
+        same = True
+        for step in range(30):
+            for b, w in cells:
+                g.cost(b, w), g.predicted_base(b, w)  # remembered until the next observe
+            if keep:
+                memo = dict(g._memo)
+            g.observe(4 if step % 2 else 1, 1 + step % 5, (1 + step % 3) * g.predicted_base(4, 1))
+            if keep:
+                g._memo.update(memo)
+            f = _fresh(g)
+            same &= all(g.cost(b, w) == f.cost(b, w) and g.predicted_base(b, w) == f.predicted_base(b, w)
+                        and g.predicted_base(b, w, corrected=True) == f.predicted_base(b, w, corrected=True)
+                        for b, w in cells)
+        return same
+
+    assert check(keep=False)
+    assert not check(keep=True)
+
+
 def test_a_burst_during_measurement_does_not_make_a_cell_dearer_than_a_larger_one():
     """Load only adds time: a cell timed slower than a larger cell is repaired down to it (the envelope)."""
     base = {(b, w): 0.01 * b + 0.001 * w for b in (1, 2, 4, 8) for w in (1, 2, 4, 8, 16)}
@@ -691,6 +724,56 @@ def test_the_bound_that_skips_the_search_never_changes_a_decision(monkeypatch):
     assert 30 <= skipped < 300
     planted, _ = _decisions(monkeypatch, lambda *a: 0.0)
     assert planted != never
+
+
+# the server's c = 4 chat (2026-12-06's sixth session: no row guessed): a token past one a row costs, the draft's
+# forwards and a ~120-token prompt's catch-up (its draft never read it) from the draft's grid, the prior acceptance
+CHAT_TARGET = _grid(lambda b, w: 0.05 * (1 + 0.1 * max(0.0, b * w - b - 1)))
+CHAT_DRAFT = _grid(lambda b, w: 0.012 + 0.0005 * b * w, widths=(1, 2, 4, 8, 16, 64))
+
+
+def _loose_bound(order, caps, k_top, e, verify, forward, cu, draft_time, padded=False) -> float:
+    """The bound before 2026-12-07's first session (planted): every row's longest guess over one guess's step."""
+    n = len(e)
+    cheapest = verify[2] if padded else adaptive._at(verify, 1 + 1 / n)
+    tokens = n + sum(max(e[i][: min(k_top, caps[i]) + 1]) - 1.0 for i in order)
+    draft = (min(forward[1:]) if forward is not None
+             else min(draft_time([k] + [0] * (n - 1)) for k in range(1, k_top + 1)))
+    return tokens / (cheapest + draft + min(cu[i] * e[i][1] for i in order))
+
+
+def _priced(monkeypatch, alphas: list[float]) -> tuple[list[int], int]:
+    """best_ks on the chat batch: its ks and how many mixes it priced (rate evaluations: plain's and the answer's
+    are 2; the search prices dozens)."""
+    p = AdaptiveK(8, CHAT_TARGET, CHAT_DRAFT)
+    n = len(alphas)
+    priced = []
+    width = AdaptiveK.verify_width
+    with monkeypatch.context() as m:
+        m.setattr(AdaptiveK, "verify_width", lambda self, ks: (priced.append(ks), width(self, ks))[1])
+        ks, _, _ = p.best_ks(alphas, [8] * n, [120] * n, [100] * n)
+    return ks, len(priced)
+
+
+@pytest.mark.parametrize("batch", [4, 8])
+def test_a_batch_that_does_not_guess_is_decided_without_the_search(monkeypatch, batch):
+    """Speculation configured but unused must cost what plain decoding costs: where no row of a chat-like batch
+    guesses (the prior acceptance 0.3 / 0.5, each row behind its prompt), best_ks decides from `_guessing_bound`
+    alone, pricing no guessing mix. Before 2026-12-07's first session the bound (every row's longest guess over one
+    guess's step) never skipped there: the search, and the probe check's second one, ran every step (0.74 ms a
+    step at c = 4 chat, 1.5 ms at c = 8 on this machine's recorded decisions). The planted old bound is caught, and
+    the decision is the search's (a bound that never skips)."""
+    for alpha in (0.3, 0.5):
+        alphas = [alpha] * batch
+        ks, priced = _priced(monkeypatch, alphas)
+        monkeypatch.setattr(adaptive, "_guessing_bound", lambda *a: float("inf"))
+        searched, searched_priced = _priced(monkeypatch, alphas)
+        monkeypatch.setattr(adaptive, "_guessing_bound", _loose_bound)
+        _, loose_priced = _priced(monkeypatch, alphas)
+        monkeypatch.setattr(adaptive, "_guessing_bound", REAL_BOUND)
+        assert ks == searched == [0] * batch  # no row guesses (the search says so too)
+        assert priced <= 2 < searched_priced, (alpha, priced)
+        assert loose_priced > 2  # the planted loose bound searches: this test can fail
 
 
 def _token_cost(b: int, tokens: float) -> float:

@@ -56,6 +56,7 @@ PROMPT_WIDTHS = (64,)  # a draft's grid also times one row at a prompt's width: 
 # tokens decoded plainly before its first guess, ~100 tokens) runs the wide kernels, whose cost a token widths 1..16
 # do not tell (logits "last" grids only: a verification never runs one row that wide); past 64 the 16..64 slope
 # extrapolates (a 128-token cell would double what the draft's grid costs at load)
+MEMO_CELLS = 4096  # predicted_base answers kept between observations (then dropped all at once)
 VERSION = 2  # 2: the timed forwards carry spread-out token ids (1: token 0 everywhere)
 
 
@@ -73,6 +74,9 @@ class StepCost:
         self.scale = 1.0  # the load factor, EWMA of measured / predicted over every observed step
         self.resid: dict[tuple[int, int], float] = {}  # per measured cell, EWMA of what the scale leaves over
         self.observations = 0
+        # predicted_base's answers and each row's corrected cells since the last observe (which alone moves `resid`):
+        # a k policy reads the same cells many times a decision (its widths, each row's catch-up, the probe check)
+        self._memo: dict[tuple, float | list[float]] = {}  # (B, width, corrected) -> seconds; (B, corrected) -> cells
 
     @classmethod
     def from_widths(cls, cost: dict[int, float]) -> StepCost:
@@ -83,7 +87,14 @@ class StepCost:
     def predicted_base(self, batch: int, width: int, corrected: bool = False) -> float:
         """The measured base at (batch, width): piecewise-linear in width at each measured B, then in B
         (`corrected`: each measured cell times its residual)."""
-        return _interp(self.batches, [self._row(b, width, corrected) for b in self.batches], batch)
+        key = (batch, width, corrected)
+        hit = self._memo.get(key)
+        if hit is None:
+            if len(self._memo) >= MEMO_CELLS:  # a draft's grid goes unobserved while it idles: catch-ups vary
+                self._memo.clear()
+            hit = self._memo[key] = _interp(self.batches, [self._row(b, width, corrected) for b in self.batches],
+                                            batch)
+        return hit
 
     def cost(self, batch: int, width: int) -> float:
         """Seconds of one step of `batch` rows x `width` tokens now (the corrected base x the load factor)."""
@@ -107,8 +118,12 @@ class StepCost:
 
     def _row(self, b: int, width: int, corrected: bool = False) -> float:
         ws = self.widths[b]
-        return _interp(ws, [self.base[(b, w)] * (self.resid.get((b, w), 1.0) if corrected else 1.0) for w in ws],
-                       width)
+        key = (b, corrected)  # the measured cells of row b (times their residuals), also kept until an observe
+        cells = self._memo.get(key)
+        if cells is None:
+            cells = self._memo[key] = [self.base[(b, w)] * (self.resid.get((b, w), 1.0) if corrected else 1.0)
+                                       for w in ws]
+        return _interp(ws, cells, width)
 
     def _around(self, batch: int, width: int) -> list[tuple[tuple[int, int], float]]:
         """The measured cells around (batch, width) with their interpolation weights (the nearest beyond the edge)."""
@@ -121,6 +136,7 @@ class StepCost:
         base = self.predicted_base(batch, width)
         if not (seconds > 0 and base > 0 and math.isfinite(seconds)):
             return
+        self._memo.clear()  # the residuals move
         self.scale *= (seconds / (base * self.scale)) ** SCALE_EWMA  # a uniform load change: all of it here
         left = math.log(seconds / (base * self.scale))  # what the load factor does not explain at this cell
         around = self._around(batch, width)

@@ -60,9 +60,10 @@ at every other k, the others held, for up to SWEEPS sweeps while one improves. G
 the batch and stops when it predicts less than plain (KEEP_MARGIN): stopping is free, restarting is not. The
 shared-K pass adds rows in order, keeping Σ k_i (the ragged width) and the widest (the padded one) as it goes; in
 the per-row sweeps a smaller k saves verification tokens (ragged) as well as draft forwards and catch-up, a larger
-one rides along a padded widest row. Where an upper bound on every guessing mix's rate (each row's tokens at its
-longest guess over the cheapest guessing step: `_guessing_bound`) is no more than plain's, the search is skipped,
-with the same decision: a wide batch of unlikely rows costs one bound a step, not the search. A
+one rides along a padded widest row. Where an upper bound on every guessing mix's rate (for each total of guesses S,
+the S largest guess gains over the cheapest step that holds S guesses: `_guessing_bound`) is no more than plain's,
+the search is skipped, with the same decision: a batch of rows that cannot pay costs one bound a step, not the
+search. A
 narrow batch makes width nearly free; a wide batch makes every token dear: the grid decides, the same rule at every
 load. The engine asks `choose_batch(reqs, caps)`; `choose(req)` is the same rule
 for a batch of one (the prefill's first guesses, per-request callers).
@@ -327,8 +328,7 @@ class AdaptiveK:
         order = sorted((i for i in range(n) if caps[i] > 0), key=lambda i: -alphas[i])
         if not order:
             return best, plain, plain
-        cheapest = verify[2] if self.padded else _at(verify, 1 + 1 / n)  # a guessing step's least verification
-        if _guessing_bound(order, caps, k_top, e, cheapest, forward, cu, self.draft_time) <= plain:
+        if _guessing_bound(order, caps, k_top, e, verify, forward, cu, self.draft_time, self.padded) <= plain:
             return best, plain, plain  # no mix can beat plain (the bound's docstring): the search would find none
         for K in range(1, k_top + 1):
             ks, rows_at = [0] * n, [0] * (K + 1)  # rows_at[j]: rows guessing >= j tokens
@@ -560,16 +560,43 @@ def _at(verify: list[float], width: float) -> float:
     return verify[w] if t == 0 else verify[w] + t * (verify[w + 1] - verify[w])
 
 
-def _guessing_bound(order: list[int], caps: list[int], k_top: int, e: list[list[float]], cheapest: float,
-                    forward: list[float] | None, cu: list[float], draft_time) -> float:
-    """An upper bound on the rate of every mix in which some row guesses (best_ks's parts): at most every row's
-    tokens at its longest guess, over at least the cheapest guessing step (`cheapest` verification: one guess; one draft
-    forward of the cheapest row count or the cheapest one-row proposal, the cheapest first-guess catch-up). Where
-    it is no more than plain's rate the search cannot find a guessing mix that beats plain, so best_ks skips it:
-    a batch whose rows cannot pay (low acceptance on a wide batch) costs one bound per step, not the search."""
+def _guessing_bound(order: list[int], caps: list[int], k_top: int, e: list[list[float]], verify: list[float],
+                    forward: list[float] | None, cu: list[float], draft_time, padded: bool = False) -> float:
+    """An upper bound on the rate of every mix in which some row guesses (best_ks's parts), taken over the total
+    guesses S = Σ k_i = 1, 2, ...: at most the S largest guess gains of any rows (E_i(k + 1) − E_i(k), whichever rows
+    they belong to) over at least the cheapest step holding S guesses: verification at width 1 + S/n (padded: the
+    widest row holds at least ceil(S/n)), the draft's forwards of such a step (at least ceil(S/n) of them, the first over
+    at least the m rows that S guesses need, m from the largest caps; a proposer without a grid: its least proposal
+    of m rows), and the m smallest first-guess catch-ups. Where it is no more than plain's rate the search cannot
+    find a guessing mix that beats plain, so best_ks skips it with the same decision: a batch whose rows cannot pay
+    costs one bound a step (O(n k log nk)), not the search. (The bound read one guess's verification against every
+    row's longest guess before 2026-12-07's first session: at c = 4 chat the search ran every step, and with the
+    probe check's second search cost ~0.7 ms a step on this machine, speculation configured but unused.) A relative
+    slack of 1e-9 keeps summation order's rounding from ever skipping a mix that beats plain by less."""
     n = len(e)
-    tokens = n + sum(max(e[i][: min(k_top, caps[i]) + 1]) - 1.0 for i in order)
-    draft = (min(forward[1:]) if forward is not None
-             else min(draft_time([k] + [0] * (n - 1)) for k in range(1, k_top + 1)))
-    catch_up = min(cu[i] * min(e[i][1 : min(k_top, caps[i]) + 1]) for i in order)
-    return tokens / (cheapest + draft + catch_up)
+    gains = sorted((e[i][k + 1] - e[i][k] for i in order for k in range(min(k_top, caps[i]))), reverse=True)
+    tops = sorted((min(k_top, caps[i]) for i in order), reverse=True)  # guesses the m likeliest-capped rows hold
+    first = sorted(cu[i] * e[i][1] for i in order)  # each row's least catch-up if it guesses at all
+    if forward is not None:  # the least draft forward over at least m rows (the step's first), and over any rows
+        least_from = [0.0] * (n + 2)
+        least_from[n + 1] = float("inf")
+        for b in range(n, 0, -1):
+            least_from[b] = min(forward[b], least_from[b + 1])
+    else:
+        least_rows = [0.0] + [min(draft_time([k] * m + [0] * (n - m)) for k in range(1, k_top + 1))
+                              for m in range(1, n + 1)]
+    best, tokens, catch_up, rows, held = 0.0, float(n), 0.0, 0, 0
+    for s, gain in enumerate(gains, 1):
+        tokens += gain
+        while held < s:  # m: the fewest rows that hold s guesses
+            held += tops[rows]
+            catch_up += first[rows]
+            rows += 1
+        deepest = -(-s // n)  # the widest row guesses at least this many
+        width = verify[1 + deepest] if padded else _at(verify, 1 + s / n)
+        draft = (least_from[rows] + (deepest - 1) * least_from[1] if forward is not None else least_rows[rows])
+        cost = width + draft + catch_up
+        if cost <= 0:
+            return float("inf")
+        best = max(best, tokens / cost)
+    return best * (1 + 1e-9)
