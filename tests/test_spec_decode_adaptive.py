@@ -732,7 +732,7 @@ CHAT_TARGET = _grid(lambda b, w: 0.05 * (1 + 0.1 * max(0.0, b * w - b - 1)))
 CHAT_DRAFT = _grid(lambda b, w: 0.012 + 0.0005 * b * w, widths=(1, 2, 4, 8, 16, 64))
 
 
-def _loose_bound(order, caps, k_top, e, verify, forward, cu, draft_time, padded=False) -> float:
+def _loose_bound(order, caps, k_top, e, verify, forward, cu, draft_time, padded=False, *_) -> float:
     """The bound before 2026-12-07's first session (planted): every row's longest guess over one guess's step."""
     n = len(e)
     cheapest = verify[2] if padded else adaptive._at(verify, 1 + 1 / n)
