@@ -1,7 +1,8 @@
 """Ragged verification (engine.py `_verify_forward`): a decode step's forward computes each sequence's own 1 + k
 tokens, not B x the widest row's width, and keeps every row exact: a row's logits are bitwise those of plain steps
 at its positions, whatever the batch and the other rows' widths. Greedy speculation equals plain decoding at batch
-sizes 1..8 with a different k per row (0 included); a planted padding-to-widest step fails the cost test."""
+sizes 1..8 with a different k per row (0 included); a planted padding-to-widest step fails the cost test; an engine
+whose policy keeps every row plain runs plain decoding's forwards, call for call."""
 from __future__ import annotations
 
 import random
@@ -13,7 +14,9 @@ from draftwise.engine import Engine, Request
 from draftwise.sampling import SamplingParams
 from draftwise.spec_decode.draft_model import DraftModelProposer
 from draftwise.spec_decode.ngram import NgramProposer
+from draftwise.spec_decode.adaptive import AdaptiveK
 from draftwise.spec_decode.proposer import Draft, NoProposer
+from draftwise.spec_decode.suffix import SuffixProposer
 from tests.harness import engine_run, row_exact
 from tests.tiny_models import tiny_decoder
 
@@ -180,3 +183,57 @@ def test_a_whole_ragged_decode_step_costs_its_rows_tokens(target, noisy_draft, m
     run(target, proposer, 6, PROMPTS[:4], k_policy=MixedK(6))
     assert given == [sum(w) for w in widths]
     assert any(1 in w and max(w) > 2 for w in widths)  # rows that do not guess beside rows that do
+
+
+def _forwards(target, proposer, k, k_policy, monkeypatch) -> list[tuple]:
+    """Every target forward of a run over PROMPTS[:4]: its token ids, positions, slots, num_tokens and which other
+    arguments it was given (a tree's, logit_index, ...)."""
+    calls = []
+    original = target.forward
+
+    def recording(token_ids, positions, cache, slots, **kwargs):
+        calls.append((token_ids.tolist(), positions.tolist(), slots.tolist(), kwargs.get("num_tokens"),
+                      sorted(kwargs)))
+        return original(token_ids, positions, cache, slots, **kwargs)
+
+    with monkeypatch.context() as m:
+        m.setattr(target, "forward", recording)
+        run(target, proposer, k, PROMPTS[:4], k_policy=k_policy)
+    return calls
+
+
+def _never_pays(k: int) -> AdaptiveK:
+    """An auto policy over a grid on which any guess costs 1000x a plain step: it decides every step and keeps every
+    row plain (no probe either: none would pay at any acceptance)."""
+    return AdaptiveK(k, {w: 0.01 if w == 1 else 10.0 for w in range(1, k + 2)},
+                     {j: 10.0 for j in range(k + 1)})
+
+
+class _EmptyTrees(SuffixProposer):
+    """Planted: a proposer whose plain rows hand the engine an empty token tree (parents = ()) instead of an empty
+    chain, which sends the whole step down the padded tree path."""
+
+    def propose(self, slots, k_per_seq, after=None):
+        return [Draft(d.token_ids, d.probs, parents=d.parents if d.num_tokens else ()) for d in
+                super().propose(slots, k_per_seq, after)]
+
+
+@pytest.mark.parametrize("method", ["draft", "ngram", "suffix"])
+def test_speculation_that_does_not_guess_runs_plain_decodings_forwards(target, noisy_draft, method, monkeypatch):
+    """Speculation configured but unused costs what plain decoding costs: under an auto policy that keeps every row
+    plain, the target's forwards are plain decoding's, call for call (the same tokens, positions, slots and
+    arguments: a ragged step of one token a row, no padded or tree path), and so is the output."""
+    k = 6
+    plain = _forwards(target, NoProposer(), k, None, monkeypatch)
+    proposer = {"draft": lambda: DraftModelProposer(noisy_draft, num_slots=4, capacity=MAX_LEN + 16,
+                                                    target_vocab_size=VOCAB),
+                "ngram": lambda: NgramProposer(1, 3), "suffix": lambda: SuffixProposer()}[method]()
+    policy = _never_pays(k)
+    assert _forwards(target, proposer, k, policy, monkeypatch) == plain
+    assert policy.k_histogram.get(0, 0) > 0 and set(policy.k_histogram) == {0}  # it decided, every step plain
+
+
+def test_a_planted_empty_tree_at_k_0_fails_the_plain_forwards_test(target, monkeypatch):
+    k = 6
+    plain = _forwards(target, NoProposer(), k, None, monkeypatch)
+    assert _forwards(target, _EmptyTrees(), k, _never_pays(k), monkeypatch) != plain
