@@ -361,14 +361,14 @@ def test_grouped_experts_split_over_threads_changes_no_bit(quantized_moe, tmp_pa
     """csrc/experts.cpp splits a call whose experts have few rows each (a decode or verification step) over its
     experts, one thread running an expert's gate/up, activation and down whole: at 2 threads every row is bitwise
     what 1 thread (no split) and the Python loop give, for 1 row, a verification's 9 rows, and a prompt's 40 (past
-    the split's row limit: the kernels' own split). Planted: a split whose threads each sum their own experts'
+    the split's row limit: the kernels' own split), through the direct path's raw GEMVs and through the ops. Planted: a split whose threads each sum their own experts'
     products, the two halves added after (a per-thread reduction: another order of the row's sum), is caught."""
     from draftwise.kernels import experts as experts_op
 
     model, _, _ = load_model(str(quantized_moe), weights="auto", cache_dir=str(tmp_path / "c"))
     moe = model.model.layers[1].mlp
     op = moe._grouped_op()
-    assert op is not None
+    assert op is not None and op.direct()  # Q4_K gate/up, Q6_K down: the kinds with raw GEMVs
     H = moe.gate.weight.shape[1]
     g = torch.Generator().manual_seed(5)
     threads = torch.get_num_threads()
@@ -380,9 +380,14 @@ def test_grouped_experts_split_over_threads_changes_no_bit(quantized_moe, tmp_pa
             weights = torch.rand(M, 4, generator=g)
             with torch.inference_mode():
                 outs = []
-                for n in (2, 1, 2):
-                    torch.set_num_threads(n)
-                    outs.append(experts_op.run(op, x, chosen, weights))  # [M, H]
+                for direct in (True, False):  # the raw GEMVs (csrc/gemv_rows.h), then the ops
+                    before = torch.ops.draftwise_experts.use_direct(direct)
+                    try:
+                        for n in (2, 1, 2):
+                            torch.set_num_threads(n)
+                            outs.append(experts_op.run(op, x, chosen, weights))  # [M, H]
+                    finally:
+                        torch.ops.draftwise_experts.use_direct(before)
                 loop = torch.zeros_like(x)
                 for m in range(M):  # the Python loop's sum: a row's weighted products in ascending expert order
                     ys = [moe.experts[e](x[m:m + 1], tokens=M)[0] * weights[m, j]

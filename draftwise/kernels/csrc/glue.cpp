@@ -39,6 +39,7 @@
 #include <tuple>
 #include <vector>
 #include "dispatch.h"
+#include "gemv_rows.h"
 #include "glue_kernel.h"
 
 extern "C" void dw_glue_scalar(DwGlue* ops) { dwglue::Table<dwglue::Portable>::fill(ops); }
@@ -326,6 +327,18 @@ at::Tensor glu(const at::Tensor& gate, const std::optional<at::Tensor>& up, int6
     });
     return out;
 }
+
+}  // namespace
+
+// glu's silu path on raw pointers (gemv_rows.h): the op's chunks of one row, on the calling thread
+void dw_glu_silu_rows(const float* gu, int64_t R, int64_t I, float* out) {
+    const DwGlue k = ops();
+    for (int64_t r = 0; r < R; ++r)
+        for (int64_t c0 = 0; c0 < I; c0 += GLU_CHUNK)
+            k.silu_mul(gu + r * 2 * I + c0, gu + r * 2 * I + I + c0, out + r * I + c0, std::min(GLU_CHUNK, I - c0));
+}
+
+namespace {
 
 // A mixture's router logits, exact products summed in double: logits[m, e] = sum_h (double)x[m, h] * (double)w[e, h]
 // (each product exact: 24-bit mantissas), summed in 8 lanes l = h mod 8 in h order and the lanes combined

@@ -1,0 +1,27 @@
+// The block GEMVs' raw entry points for a C++ caller that runs many small linears on its own threads (csrc/experts.cpp:
+// a decode step's experts, each whole on one thread): the path-'auto' GEMV of an op (draftwise_q4x8 / q5x8 / q6k
+// ::linear, not their wide side) on raw pointers, on the calling thread, into the caller's scratch.
+//
+// Owns only the declarations; each is defined beside its op (q4x8.cpp, q6k.cpp, glue.cpp), which picks the ISA path
+// by its own rule (dispatch.h). Each output is bitwise the op's for the same rows: the same quantizer and GEMV
+// functions, every 16-column block by the calling thread (block_op.h's split over blocks changes no bit). No
+// argument checks: the caller checks the buffers once (dw_q4x8_check / dw_q6k_check, gemm_wide.h) and gives rows
+// the wide side would not take (dw_wide_takes / dw_q6k_wide_takes false: the op would run this GEMV too).
+#pragma once
+#include <stdint.h>
+#include "q4x8.h"
+#include "q6k.h"
+
+// Scratch bytes the quantized activations of M rows of K take (either kernel; 64-byte aligned pieces).
+int64_t dw_gemv_rows_scratch(int64_t M, int64_t K);
+
+// y [M, w->N] = x [M, w->K] (rows contiguous) times q4x8 / q5x8 weights w (bias included); `path` as the op's
+// argument (dispatch.h: AUTO the best here). scratch: dw_gemv_rows_scratch(M, K) bytes, 64-byte aligned.
+void dw_q4x8_gemv_rows(const DwQ4* w, const float* x, int64_t M, float* y, int64_t path, uint8_t* scratch);
+
+// The same for q6k / q3k / q6m weights (q6k.h's DwQ6, its value_bits and min term).
+void dw_q6k_gemv_rows(const DwQ6* w, const float* x, int64_t M, float* y, int64_t path, uint8_t* scratch);
+
+// draftwise_glue::glu(gu, None, 0) on raw pointers, the calling thread: gu [R, 2 I] contiguous (gate | up) -> out
+// [R, I] = silu(gate) * up, in the op's chunks (bitwise its output).
+void dw_glu_silu_rows(const float* gu, int64_t R, int64_t I, float* out);
