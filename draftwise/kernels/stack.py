@@ -170,8 +170,36 @@ def layers(
     ancestors: torch.Tensor | None = None,  # [B, T] int64 token-tree masks (kernels/attention.py attend_tree)
 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """x after every layer [B, T, hidden] (K/V of every layer stored at positions) and, per mixture layer in order,
-    its rows' experts [B * T, k] int64."""
+    its rows' experts [B * T, k] int64. Where `weights` is a WeightList, the model's arguments (weights .. scale)
+    are converted for the C++ call once and kept on it (WeightList)."""
+    small = (tuple(windows), tuple(dims), tuple(norm), tuple(qk_norm), float(scale))
+    held = getattr(weights, "packed", None)
+    if held is not None and held[0] is kinds and held[1] is ffn and held[2] is experts and held[3] == small:
+        return held[4].layers(x, keys, values, cos, sin, tables, positions, num_tokens,
+                              None if ancestors is None else ancestors.contiguous())
+    if isinstance(weights, WeightList):
+        library.load()
+        packed = torch.classes.draftwise_stack.Packed(weights, list(windows), list(dims), [float(v) for v in norm],
+                                                      [float(v) for v in qk_norm], float(scale), kinds, ffn, experts)
+        weights.packed = (kinds, ffn, experts, small, packed)
+        return packed.layers(x, keys, values, cos, sin, tables, positions, num_tokens,
+                             None if ancestors is None else ancestors.contiguous())
     return torch.ops.draftwise_stack.layers(x, weights, keys, values, cos, sin, tables, positions, num_tokens,
                                             windows, list(dims), list(norm), list(qk_norm), float(scale),
                                             None if ancestors is None else ancestors.contiguous(), kinds, ffn,
                                             experts)
+
+
+class WeightList(list):
+    """A model's flat weight list (layer_weights' entries, layer after layer) that keeps its C++ copy: `layers`
+    converts it with the other model arguments (csrc/stack.cpp Packed) at its first call and reuses that while the
+    same kinds, ffn and experts lists and the same small arguments come with it. Turning the ~170 entries into the
+    op's arguments at every call cost ~0.25 ms of a ~9 ms decode step of the 4-layer MoE file (1 thread), time the
+    other core idled. Build it whole, then leave it be (Decoder._stack_weights; its lists are rebuilt, never edited,
+    when the model changes); a plain list is converted at every call."""
+
+    __slots__ = ("packed",)
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.packed = None

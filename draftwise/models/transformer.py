@@ -702,7 +702,7 @@ class Decoder(nn.Module):
         module or buffer swapped after loading is never missed."""
         if self.stack is False or not stack_op.available() or not len(self.model.layers):
             return None
-        weights, kinds, ffn, experts, mixtures, acts = [], [], [], [], [], set()
+        weights, kinds, ffn, experts, mixtures, acts = stack_op.WeightList(), [], [], [], [], set()
         for layer in self.model.layers:
             mods = layer._modules
             attn, mlp = mods["self_attn"], mods["mlp"]
@@ -780,7 +780,7 @@ class Decoder(nn.Module):
 
 class StackArgs(NamedTuple):
     """Decoder._stack_weights' answer: kernels/stack.py layers' arguments that come from the modules."""
-    weights: list  # SLOTS per layer (stack.layer_weights)
+    weights: list  # SLOTS per layer (stack.layer_weights), a stack.WeightList (keeps its C++ copy)
     kinds: list[int]  # KINDS_PER_LAYER per layer
     ffn: list[int]  # FFN_PER_LAYER per layer
     experts: list  # per layer: a mixture's ExpertSet, or None
