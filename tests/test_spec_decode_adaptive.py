@@ -918,3 +918,36 @@ def test_the_running_rows_evidence_is_the_new_rows_prior_and_leaves_with_them():
     assert p._live == pytest.approx([reached_b, accepted_b])
     p.end(b)
     assert p._live == [0.0, 0.0]
+
+
+def test_a_draft_grid_timed_under_another_load_is_priced_at_the_load_ratio_timed_now(monkeypatch):
+    """A draft grid timed while other processes were busy (provisional, 3x the quiet target grid's load) is not
+    priced 3x: calibrate times both models now, together, and the draft's scale starts at their ratio, so the
+    policy guesses where the true costs say guessing pays (planted: the grids as loaded, the old rule, price a
+    draft forward 3x and keep every row plain; then the online scale, learned only from guessing steps, never
+    moves). Two quiet grids are taken as they are (no forward timed)."""
+    from types import SimpleNamespace
+
+    from draftwise.kernels import step_cost
+
+    def grid(per_token: float, width_step: float, provisional: bool = False) -> StepCost:
+        return StepCost({(b, w): per_token * (1 + 0.05 * (b - 1)) * (1 + width_step * (w - 1))
+                         for b in (1, 2, 4, 8) for w in (1, 2, 4, 8, 16, 64)}, provisional=provisional)
+
+    target_now, draft_now, busy = 0.040, 0.010, 3.0  # one (1, 1) forward of each, timed now
+    target = SimpleNamespace(grid=grid(target_now, 0.25), now=target_now)
+    draft = SimpleNamespace(grid=grid(busy * draft_now, 0.1, provisional=True), now=draft_now)
+    timed = []
+    monkeypatch.setattr(step_cost, "load_or_measure", lambda model, *a, **k: model.grid)
+    monkeypatch.setattr(step_cost, "measure_grid", lambda model, *a, **k: (timed.append(model), {(1, 1): model.now})[1])
+    policy = AdaptiveK.calibrate(target, 8, SimpleNamespace(model=draft))
+    assert policy.draft_time([1]) == pytest.approx(draft_now, rel=1e-6)
+    assert policy.catch_up_time(63) == pytest.approx(draft.grid.catch_up(63) / busy, rel=1e-6)
+    truth = AdaptiveK(8, target.grid, grid(draft_now, 0.1))  # the draft's cells in the target grid's units
+    alphas, caps = [0.9] * 4, [8] * 4
+    want = truth.best_ks(alphas, caps)[0]
+    assert any(want) and policy.best_ks(alphas, caps)[0] == want
+    assert not any(AdaptiveK(8, target.grid, draft.grid).best_ks(alphas, caps)[0])  # the old rule: all plain
+    timed.clear()
+    draft.grid = grid(busy * draft_now, 0.1)  # quiet (not provisional): as measured, nothing timed
+    assert AdaptiveK.calibrate(target, 8, SimpleNamespace(model=draft)).draft_scale == 1.0 and not timed

@@ -301,6 +301,14 @@ def load_or_measure(model, max_batch: int = GRID_BATCHES, max_width: int = GRID_
     return grid
 
 
+def load_now(model, grid: StepCost, logits: str = "all") -> float:
+    """How much dearer `model`'s one-row width-1 forward is now than `grid` (its grid, maybe cached from another
+    moment) says: measured (1, 1) / the grid's base (1, 1), a few forwards on a scratch cache. Two grids timed at
+    different loads (a provisional one: other processes busy while it was timed) have cells in different units;
+    the ratio of two models' load_now, timed together, is what one's cells cost in the other's."""
+    return measure_grid(model, 1, 1, logits)[(1, 1)] / grid.base[(1, 1)]
+
+
 def _covers(grid: StepCost, max_batch: int, max_width: int) -> bool:
     """(PROMPT_WIDTHS are in the cache key: an entry under a draft's key was measured with them, where they fit.)"""
     want_b = min(max_batch, MEASURED_BATCHES[-1])

@@ -217,13 +217,23 @@ class AdaptiveK:
     @classmethod
     def calibrate(cls, target, k_max: int, proposer=None, max_batch: int = 8, cache: bool = False) -> AdaptiveK:
         """A policy over `target`'s measured grid and, for a proposer with a draft model (`proposer.model`), the
-        draft's (kernels/step_cost.load_or_measure; `cache`: the per-machine cache of loaded checkpoints)."""
-        from draftwise.kernels.step_cost import GRID_WIDTHS, load_or_measure
+        draft's (kernels/step_cost.load_or_measure; `cache`: the per-machine cache of loaded checkpoints). Where
+        either grid is provisional (timed while other processes were busy, at another moment than the other), the
+        draft's scale starts at their load ratio timed now, together (step_cost.load_now): the draft factor
+        multiplies the draft's cells by the target's load factor, so a draft grid timed at 3x the target grid's load
+        priced the draft 3x (2026-12-07, first session: a draft forward at 0.99x a 4-row target step against 0.23-0.35x
+        measured, and no guessing step at all at c = 4, so the online scale, learned from guessing steps, never moved)."""
+        from draftwise.kernels.step_cost import GRID_WIDTHS, load_now, load_or_measure
 
         draft = getattr(proposer, "model", None)
-        return cls(k_max, load_or_measure(target, max_batch, GRID_WIDTHS, "all", cache=cache),
-                   load_or_measure(draft, max_batch, GRID_WIDTHS, "last", cache=cache)  # + PROMPT_WIDTHS cells
-                   if draft is not None else None)
+        policy = cls(k_max, load_or_measure(target, max_batch, GRID_WIDTHS, "all", cache=cache),
+                     load_or_measure(draft, max_batch, GRID_WIDTHS, "last", cache=cache)  # + PROMPT_WIDTHS cells
+                     if draft is not None else None)
+        if draft is not None and (policy.target.provisional or policy.draft_grid.provisional):
+            ratios = [(load_now(draft, policy.draft_grid, "last"), load_now(target, policy.target, "all"))
+                      for _ in range(2)]  # interleaved: a burst in one pass is the other's too
+            policy.draft_scale = min(d for d, _ in ratios) / min(t for _, t in ratios)
+        return policy
 
     @property
     def draft_factor(self) -> float:
