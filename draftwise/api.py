@@ -352,6 +352,7 @@ class LLM:
                 draft = getattr(proposer, "model", None)  # a draft model's forwards cost by its own grid
                 policy = AdaptiveK(spec_config.k_max, self.step_cost(self.model),
                                    self.step_cost(draft, "last") if draft is not None else None)
+                policy.align_draft(self.model, draft)  # grids timed at different loads: their ratio now
                 self._k_policies[spec_config] = policy
                 if hasattr(proposer, "step_cost"):  # a tree proposer sizes its trees by the same live grid
                     proposer.step_cost = policy.target

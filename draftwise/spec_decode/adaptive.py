@@ -223,17 +223,25 @@ class AdaptiveK:
         multiplies the draft's cells by the target's load factor, so a draft grid timed at 3x the target grid's load
         priced the draft 3x (2026-12-07, first session: a draft forward at 0.99x a 4-row target step against 0.23-0.35x
         measured, and no guessing step at all at c = 4, so the online scale, learned from guessing steps, never moved)."""
-        from draftwise.kernels.step_cost import GRID_WIDTHS, load_now, load_or_measure
+        from draftwise.kernels.step_cost import GRID_WIDTHS, load_or_measure
 
         draft = getattr(proposer, "model", None)
         policy = cls(k_max, load_or_measure(target, max_batch, GRID_WIDTHS, "all", cache=cache),
                      load_or_measure(draft, max_batch, GRID_WIDTHS, "last", cache=cache)  # + PROMPT_WIDTHS cells
                      if draft is not None else None)
-        if draft is not None and (policy.target.provisional or policy.draft_grid.provisional):
-            ratios = [(load_now(draft, policy.draft_grid, "last"), load_now(target, policy.target, "all"))
-                      for _ in range(2)]  # interleaved: a burst in one pass is the other's too
-            policy.draft_scale = min(d for d, _ in ratios) / min(t for _, t in ratios)
+        policy.align_draft(target, draft)
         return policy
+
+    def align_draft(self, target, draft) -> None:
+        """Where either grid is provisional, the draft's scale starts at the two models' load ratio timed now
+        (calibrate's docstring); nothing is timed otherwise, or without a draft grid."""
+        from draftwise.kernels.step_cost import load_now
+
+        if draft is None or self.draft_grid is None or not (self.target.provisional or self.draft_grid.provisional):
+            return
+        ratios = [(load_now(draft, self.draft_grid, "last"), load_now(target, self.target, "all"))
+                  for _ in range(2)]  # interleaved: a burst in one pass is the other's too
+        self.draft_scale = min(d for d, _ in ratios) / min(t for _, t in ratios)
 
     @property
     def draft_factor(self) -> float:
