@@ -264,3 +264,64 @@ def test_what_is_rebound_after_a_forward_is_what_the_next_one_runs(how, calls, m
         loop = run(model, False)
         same = all(torch.equal(a, b) for a, b in zip(one_call, loop))
         assert same != planted, planted
+
+
+def last_logits(model, stack: bool) -> list[torch.Tensor]:
+    """`run`'s three forwards (a ragged prompt, a decode step, a ragged verification) with last_only: each row's
+    last token's logits [B, 1, V]."""
+    model.stack = stack
+    c = model.config
+    cache = KVCache(c.num_layers, 2, c.num_kv_heads, 48, c.head_dim, model.dtype)
+    slots = torch.tensor([0, 1])
+    ids = torch.randint(0, c.vocab_size, (2, 30), generator=torch.Generator().manual_seed(5))
+    lens = torch.tensor([20, 13])[:, None]
+    return [model(ids[:, :20], torch.arange(20)[None].expand(2, 20), cache, slots, num_tokens=[20, 13],
+                  last_only=True),
+            model(ids[:, 20:21], lens, cache, slots, num_tokens=[1, 1], last_only=True),
+            model(ids[:, 21:30], lens + 1 + torch.arange(9)[None], cache, slots, num_tokens=[9, 4], last_only=True)]
+
+
+@pytest.fixture
+def heads(monkeypatch):
+    """The `head` each one-call forward passed (None: the norm and LM head ran in Python after it)."""
+    seen = []
+    real = stack_op.layers
+
+    def spy(*args):
+        seen.append(args[18] if len(args) > 18 else None)
+        return real(*args)
+
+    monkeypatch.setattr(stack_op, "layers", spy)
+    return seen
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+def test_the_last_token_norm_and_head_in_the_one_call_are_bitwise_python(family, heads):
+    """A last_only forward whose LM head is a loop kernel runs x[:, -1:], the final norm and the head inside the
+    one call (Packed.last): its logits are bitwise the Python loop's tail, at 1 and at 9 tokens a row."""
+    model = q4x8_model(family)
+    one_call = last_logits(model, True)
+    assert len(heads) == 3 and all(h is not None for h in heads)
+    loop = last_logits(model, False)
+    assert len(heads) == 3
+    for a, b in zip(one_call, loop):
+        assert a.shape[1] == 1 and torch.equal(a, b)
+
+
+def test_the_tail_comparison_catches_a_wrong_final_norm(heads, monkeypatch):
+    """The head run on a norm with another eps (a plausible wiring slip: the layer norms' eps) changes the
+    logits: the equality above is not vacuous."""
+    model = q4x8_model("qwen3")
+    loop = last_logits(model, False)
+    real = stack_op.layers
+
+    def wrong_eps(*args):
+        args = list(args)
+        if args[18] is not None:
+            w, module, eps, offset = args[18]
+            args[18] = (w, module, eps * 1e4 + 1e-3, offset)
+        return real(*args)
+
+    monkeypatch.setattr(stack_op, "layers", wrong_eps)
+    wrong = last_logits(model, True)
+    assert not torch.equal(wrong[1], loop[1])

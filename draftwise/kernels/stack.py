@@ -29,7 +29,7 @@ import functools
 
 import torch
 
-from draftwise.kernels import blocktypes, library
+from draftwise.kernels import blocktypes, glue, library
 from draftwise.kernels.linear import LINEARS, LinearImpl, Q4x8Linear
 from draftwise.kernels.glue import available  # noqa: F401 (one library: built and loaded, or not)
 
@@ -168,26 +168,38 @@ def layers(
     qk_norm: tuple[float, float],  # eps, weight offset of the q/k norms (ignored without them)
     scale: float,  # attention softmax scale
     ancestors: torch.Tensor | None = None,  # [B, T] int64 token-tree masks (kernels/attention.py attend_tree)
+    head: tuple | None = None,  # (final norm weight [hidden], LM head (a kernel_of module), norm eps, norm offset)
 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """x after every layer [B, T, hidden] (K/V of every layer stored at positions) and, per mixture layer in order,
-    its rows' experts [B * T, k] int64. Where `weights` is a WeightList, the model's arguments (weights .. scale)
-    are converted for the C++ call once and kept on it (WeightList)."""
-    small = (tuple(windows), tuple(dims), tuple(norm), tuple(qk_norm), float(scale))
+    its rows' experts [B * T, k] int64. With `head`: in place of x, the logits [B, 1, V] of each row's last token,
+    x[:, -1:] through the final RMSNorm (glue's op) and the head, as the decoder's last_only forward computes them.
+    Where `weights` is a WeightList, the model's arguments (weights .. scale, and the head) are converted for the C++
+    call once and kept on it (WeightList), and the norm and head run in that same call (csrc/stack.cpp Packed.last)."""
+    anc = None if ancestors is None else ancestors.contiguous()
     held = getattr(weights, "packed", None)
-    if held is not None and held[0] is kinds and held[1] is ffn and held[2] is experts and held[3] == small:
-        return held[4].layers(x, keys, values, cos, sin, tables, positions, num_tokens,
-                              None if ancestors is None else ancestors.contiguous())
-    if isinstance(weights, WeightList):
+    if held is not None and held[0] is kinds and held[1] is ffn and held[2] is experts and held[3] is windows \
+            and held[4] is dims and held[5] is norm and held[6] is qk_norm and held[7] == scale and held[8] is head:
+        packed = held[9]  # (the same objects: StackArgs reused step after step; any other call converts afresh)
+    elif isinstance(weights, WeightList):
         library.load()
         packed = torch.classes.draftwise_stack.Packed(weights, list(windows), list(dims), [float(v) for v in norm],
                                                       [float(v) for v in qk_norm], float(scale), kinds, ffn, experts)
-        weights.packed = (kinds, ffn, experts, small, packed)
-        return packed.layers(x, keys, values, cos, sin, tables, positions, num_tokens,
-                             None if ancestors is None else ancestors.contiguous())
-    return torch.ops.draftwise_stack.layers(x, weights, keys, values, cos, sin, tables, positions, num_tokens,
-                                            windows, list(dims), list(norm), list(qk_norm), float(scale),
-                                            None if ancestors is None else ancestors.contiguous(), kinds, ffn,
-                                            experts)
+        if head is not None:
+            w, module, eps, offset = head
+            packed.set_head([*_linear(module), w], kind_ids()[module.name], module.out_features, float(eps),
+                            float(offset))
+        weights.packed = (kinds, ffn, experts, windows, dims, norm, qk_norm, scale, head, packed)
+    else:
+        x, routed = torch.ops.draftwise_stack.layers(x, weights, keys, values, cos, sin, tables, positions, num_tokens,
+                                                     windows, list(dims), list(norm), list(qk_norm), float(scale), anc,
+                                                     kinds, ffn, experts)
+        if head is None:
+            return x, routed
+        w, module, eps, offset = head
+        return module(glue.rms_norm(x[:, -1:], w, eps, offset)), routed  # the decoder's last_only tail, as Python
+    if head is None:
+        return packed.layers(x, keys, values, cos, sin, tables, positions, num_tokens, anc)
+    return packed.last(x, keys, values, cos, sin, tables, positions, num_tokens, anc)
 
 
 class WeightList(list):

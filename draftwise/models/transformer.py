@@ -647,22 +647,31 @@ class Decoder(nn.Module):
             x = x.to(self.dtype)
         if cfg.embed_scale != 1.0:
             x = x * torch.tensor(cfg.embed_scale, dtype=x.dtype)
-        ropes = {kind: self.angles(kind, rope_at, rope_len) if self.fused else
-                 self.rope_for(kind, rope_at, x.dtype, rope_len) for kind in self._rope_tables}
-        masks = {kind: None if num_tokens is not None else self._mask(kind, positions, kv_len)
-                 for kind in self._rope_tables}
         one_call = self.fused and num_tokens is not None and attention_op.usable(x, cache.keys[0])
         stacked = self._stack_for(token_ids.shape[1], token_ids.numel()) if one_call else None
         if stacked is not None:  # every layer in one C++ call: bitwise the loop below (kernels/stack.py)
             a = stacked
-            cos = [ropes[kind][0] for kind in cfg.layer_types]
-            sin = [ropes[kind][1] for kind in cfg.layer_types]
+            angles = {kind: self.angles(kind, rope_at, rope_len) for kind in self._rope_tables}  # (no masks: row-exact)
+            if len(angles) == 1:
+                (cos1, sin1), = angles.values()
+                cos, sin = [cos1] * len(cfg.layer_types), [sin1] * len(cfg.layer_types)
+            else:
+                cos = [angles[kind][0] for kind in cfg.layer_types]
+                sin = [angles[kind][1] for kind in cfg.layer_types]
+            tail = a.head if last_only and logit_index is None and head is None else None  # norm + head there too
             x, routed = stack_op.layers(x, a.weights, a.kinds, a.ffn, a.experts, cache.keys, cache.values, cos, sin,
                                         tables, positions, num_tokens, a.windows, a.dims, a.norm, a.qk_norm, a.scale,
-                                        ancestors)
-            for mixture, chosen in zip(a.mixtures, routed):  # what each mixture layer read (SparseMoE.touched)
-                mixture._last = chosen
+                                        ancestors, tail)
+            for mixture, chosen in zip(a.mixtures, routed):  # what each mixture layer read (SparseMoE.touched);
+                _set_plain(mixture, "_last", chosen)  # a plain attribute: not through nn.Module.__setattr__'s checks
+            if tail is not None:  # x: the logits [B, 1, V] of each row's last token
+                cache.extend(slot_list, ends)
+                return x
         else:
+            ropes = {kind: self.angles(kind, rope_at, rope_len) if self.fused else
+                     self.rope_for(kind, rope_at, x.dtype, rope_len) for kind in self._rope_tables}
+            masks = {kind: None if num_tokens is not None else self._mask(kind, positions, kv_len)
+                     for kind in self._rope_tables}
             for i, layer in enumerate(self.model.layers):
                 kind = cfg.layer_types[i]
                 x = layer(x, ropes[kind], masks[kind], cache, i, tables, positions, kv_len, num_tokens, ancestors)
@@ -760,10 +769,14 @@ class Decoder(nn.Module):
         first = self.model.layers._modules["0"]._modules
         attn, norm = first["self_attn"], first["input_layernorm"]
         qk = (attn.q_norm.eps, attn.q_norm.weight_offset) if attn.qk_norm else (0.0, 0.0)
+        final, lm_head = self.model._modules["norm"], _stackable(self._modules["lm_head"], 1)
+        head = None  # the last_only tail (x[:, -1:], the final norm, lm_head) in the same call where both qualify
+        if isinstance(final, RMSNorm) and final.fused and lm_head is not None:
+            head = (final._parameters["weight"], lm_head, final.eps, final.weight_offset)
         return StackArgs(weights, kinds, ffn, experts, mixtures,
                          (attn.num_heads, attn.num_kv_heads, attn.head_dim, glue.ACTIVATIONS[acts.pop()]),
                          (norm.eps, norm.weight_offset), qk, attn.scale,
-                         [int(layer._modules["self_attn"].window or 0) for layer in self.model.layers])
+                         [int(layer._modules["self_attn"].window or 0) for layer in self.model.layers], head)
 
     def _mask(self, kind: str, positions: torch.Tensor, kv_len: int) -> torch.Tensor | None:
         window = self.config.sliding_window if kind == "sliding_attention" else None
@@ -790,6 +803,10 @@ class StackArgs(NamedTuple):
     qk_norm: tuple[float, float]  # of the q/k norms ((0, 0) without them)
     scale: float  # attention softmax scale
     windows: list[int]  # per layer: sliding window, 0 for none
+    head: tuple | None  # (final norm weight, lm_head's kernel module, eps, offset): kernels/stack.py layers' `head`
+
+
+_set_plain = object.__setattr__  # an attribute that is no parameter, buffer or module: what nn.Module's setattr ends in
 
 
 def _stackable(m: nn.Module, tokens: int) -> nn.Module | None:

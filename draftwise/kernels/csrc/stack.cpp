@@ -12,8 +12,9 @@
 // is the Python between those calls (module dispatch, argument parsing, views), during which the other core sat
 // idle: 3-8 ms of a 1- or 9-row forward of the 1.5B on 2 cores (docs/ARCHITECTURE.md, Kernels).
 // Knows nothing of how the weights were made, of the KV cache's lengths (the caller's KVCache.extend), of the
-// embedding, the final norm or the LM head (Python, before and after), nor of when a mixture's router may take the
-// few-row router_logits op (the caller sends a mixture layer here only for calls its Python path would run that op
+// embedding (Python, before), of the final norm and LM head beyond what Packed.set_head hands it (run_last: each
+// row's last token through them, in the same call), nor of when a mixture's router may take the few-row
+// router_logits op (the caller sends a mixture layer here only for calls its Python path would run that op
 // on: transformer.py Router.FUSED_MAX_ROWS).
 //
 // The weights arrive as one flat list, WEIGHTS_PER_LAYER entries per layer in Slot order (defined below, only here;
@@ -306,6 +307,12 @@ struct Packed : torch::CustomClassHolder {
         : weights(std::move(w)), windows(std::move(win)), dims(std::move(d)), kinds(std::move(k)), ffn(std::move(f)),
           norm(std::move(n)), qk_norm(std::move(qk)), scale(sc), experts(std::move(e)) {}
 
+    // The model's final norm and LM head (set_head), for `last`: a forward whose caller wants the logits of each
+    // row's last token only (transformer.py Decoder.forward's last_only: x[:, -1:], model.norm, lm_head).
+    c10::List<OptT> head;  // the head's LINEAR entries (its Kind's), then the final norm's weight [hidden]
+    int64_t head_kind = ABSENT, head_n = 0;
+    double head_eps = 0.0, head_off = 0.0;
+
     std::tuple<at::Tensor, std::vector<at::Tensor>> run(const at::Tensor& x, std::vector<at::Tensor> keys,
                                                         std::vector<at::Tensor> values, std::vector<at::Tensor> cos,
                                                         std::vector<at::Tensor> sin, const at::Tensor& tables,
@@ -313,6 +320,31 @@ struct Packed : torch::CustomClassHolder {
                                                         const OptT& ancestors) {
         return layers(x, weights, keys, values, cos, sin, tables, positions, num_tokens, windows, dims, norm, qk_norm,
                       scale, ancestors, kinds, ffn, experts);
+    }
+
+    void set_head(c10::List<OptT> w, int64_t kind, int64_t n, double eps, double off) {
+        TORCH_CHECK((int64_t)w.size() == LINEAR + 1, "stack: set_head takes the head's ", LINEAR,
+                    " entries and the final norm's weight, not ", w.size());
+        TORCH_CHECK(kind >= 0 && kind < NUM_KINDS && n > 0, "stack: set_head: kind ", kind, ", ", n, " outputs");
+        w_at(w, LINEAR);  // (the norm's weight must be there)
+        head = std::move(w);
+        head_kind = kind, head_n = n, head_eps = eps, head_off = off;
+    }
+
+    // run, then each row's last token through the final RMSNorm (glue rms_norm, eps / offset of set_head) and the
+    // head (its kernel as `linear` calls a projection): -> logits [B, 1, N] and run's experts. Python's
+    // x[:, -1:] -> norm -> lm_head, call for call on the same view, so bitwise; ~0.35 ms of Python and op dispatch
+    // sooner a decode step of the 4-layer MoE file (the step's weights evict those objects from the caches).
+    std::tuple<at::Tensor, std::vector<at::Tensor>> run_last(const at::Tensor& x, std::vector<at::Tensor> keys,
+                                                             std::vector<at::Tensor> values, std::vector<at::Tensor> cos,
+                                                             std::vector<at::Tensor> sin, const at::Tensor& tables,
+                                                             const at::Tensor& positions,
+                                                             std::vector<int64_t> num_tokens, const OptT& ancestors) {
+        TORCH_CHECK(head_kind != ABSENT, "stack: Packed.last before set_head");
+        auto [y, routed] = run(x, keys, values, cos, sin, tables, positions, num_tokens, ancestors);
+        const int64_t T = y.size(1);
+        const at::Tensor h = ops().rms_norm.call(y.slice(1, T - 1, T), w_at(head, LINEAR), head_eps, head_off);
+        return {linear(head, 0, head_kind, h, head_n), routed};
     }
 };
 
@@ -323,7 +355,9 @@ TORCH_LIBRARY(draftwise_stack, m) {
         .def(torch::init<c10::List<OptT>, std::vector<int64_t>, std::vector<int64_t>, std::vector<double>,
                          std::vector<double>, double, std::vector<int64_t>, std::vector<int64_t>,
                          c10::List<c10::IValue>>())
-        .def("layers", &Packed::run);
+        .def("layers", &Packed::run)
+        .def("set_head", &Packed::set_head)
+        .def("last", &Packed::run_last);
     m.def("layers(Tensor x, Tensor?[] weights, Tensor(a!)[] keys, Tensor(b!)[] values, Tensor[] cos, Tensor[] sin, "
           "Tensor tables, Tensor positions, int[] num_tokens, int[] windows, int[] dims, float[] norm, "
           "float[] qk_norm, float scale, Tensor? ancestors, int[] kinds, int[] ffn, Any[] experts) -> (Tensor, Tensor[])");
