@@ -267,8 +267,9 @@ def test_what_is_rebound_after_a_forward_is_what_the_next_one_runs(how, calls, m
 
 
 def last_logits(model, stack: bool) -> list[torch.Tensor]:
-    """`run`'s three forwards (a ragged prompt, a decode step, a ragged verification) with last_only: each row's
-    last token's logits [B, 1, V]."""
+    """`run`'s three forwards (a ragged prompt, a decode step, a ragged verification) with last_only (each row's
+    last token's logits [B, 1, V]), then the step and the verification again with a logit_index as the engine
+    passes it ([B] and [B, J])."""
     model.stack = stack
     c = model.config
     cache = KVCache(c.num_layers, 2, c.num_kv_heads, 48, c.head_dim, model.dtype)
@@ -278,7 +279,10 @@ def last_logits(model, stack: bool) -> list[torch.Tensor]:
     return [model(ids[:, :20], torch.arange(20)[None].expand(2, 20), cache, slots, num_tokens=[20, 13],
                   last_only=True),
             model(ids[:, 20:21], lens, cache, slots, num_tokens=[1, 1], last_only=True),
-            model(ids[:, 21:30], lens + 1 + torch.arange(9)[None], cache, slots, num_tokens=[9, 4], last_only=True)]
+            model(ids[:, 21:30], lens + 1 + torch.arange(9)[None], cache, slots, num_tokens=[9, 4], last_only=True),
+            model(ids[:, 21:22], lens + 1, cache, slots, num_tokens=[1, 1], logit_index=torch.tensor([0, 0])),
+            model(ids[:, 21:30], lens + 1 + torch.arange(9)[None], cache, slots, num_tokens=[9, 4],
+                  logit_index=torch.tensor([[8, 2, 5], [3, 0, 3]]))]  # the engine's rows (verification: 1 + k)
 
 
 @pytest.fixture
@@ -298,14 +302,16 @@ def heads(monkeypatch):
 @pytest.mark.parametrize("family", ["qwen2", "qwen3"])
 def test_the_last_token_norm_and_head_in_the_one_call_are_bitwise_python(family, heads):
     """A last_only forward whose LM head is a loop kernel runs x[:, -1:], the final norm and the head inside the
-    one call (Packed.last): its logits are bitwise the Python loop's tail, at 1 and at 9 tokens a row."""
+    one call (Packed.last), as does one with a logit_index (the engine's): its logits are bitwise the Python loop's
+    tail, at 1 and at 9 tokens a row."""
     model = q4x8_model(family)
     one_call = last_logits(model, True)
-    assert len(heads) == 3 and all(h is not None for h in heads)
+    assert len(heads) == 5 and all(h is not None for h in heads)
     loop = last_logits(model, False)
-    assert len(heads) == 3
+    assert len(heads) == 5
+    assert [a.shape[1] for a in one_call] == [1, 1, 1, 1, 3]
     for a, b in zip(one_call, loop):
-        assert a.shape[1] == 1 and torch.equal(a, b)
+        assert torch.equal(a, b)
 
 
 def test_the_tail_comparison_catches_a_wrong_final_norm(heads, monkeypatch):
@@ -324,4 +330,4 @@ def test_the_tail_comparison_catches_a_wrong_final_norm(heads, monkeypatch):
 
     monkeypatch.setattr(stack_op, "layers", wrong_eps)
     wrong = last_logits(model, True)
-    assert not torch.equal(wrong[1], loop[1])
+    assert not torch.equal(wrong[1], loop[1]) and not torch.equal(wrong[4], loop[4])

@@ -169,10 +169,12 @@ def layers(
     scale: float,  # attention softmax scale
     ancestors: torch.Tensor | None = None,  # [B, T] int64 token-tree masks (kernels/attention.py attend_tree)
     head: tuple | None = None,  # (final norm weight [hidden], LM head (a kernel_of module), norm eps, norm offset)
+    index: torch.Tensor | None = None,  # [B, J] int64, with head: these rows' logits instead of the last token's
 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """x after every layer [B, T, hidden] (K/V of every layer stored at positions) and, per mixture layer in order,
     its rows' experts [B * T, k] int64. With `head`: in place of x, the logits [B, 1, V] of each row's last token,
-    x[:, -1:] through the final RMSNorm (glue's op) and the head, as the decoder's last_only forward computes them.
+    x[:, -1:] through the final RMSNorm (glue's op) and the head, as the decoder's last_only forward computes them
+    (with `index`: [B, J, V], x[torch.arange(B)[:, None], index] through them: its logit_index).
     Where `weights` is a WeightList, the model's arguments (weights .. scale, and the head) are converted for the C++
     call once and kept on it (WeightList), and the norm and head run in that same call (csrc/stack.cpp Packed.last)."""
     anc = None if ancestors is None else ancestors.contiguous()
@@ -196,10 +198,11 @@ def layers(
         if head is None:
             return x, routed
         w, module, eps, offset = head
-        return module(glue.rms_norm(x[:, -1:], w, eps, offset)), routed  # the decoder's last_only tail, as Python
+        rows = x[:, -1:] if index is None else x[torch.arange(x.shape[0])[:, None], index]
+        return module(glue.rms_norm(rows, w, eps, offset)), routed  # the decoder's tail, as its Python runs it
     if head is None:
         return packed.layers(x, keys, values, cos, sin, tables, positions, num_tokens, anc)
-    return packed.last(x, keys, values, cos, sin, tables, positions, num_tokens, anc)
+    return packed.last(x, keys, values, cos, sin, tables, positions, num_tokens, anc, index)
 
 
 class WeightList(list):

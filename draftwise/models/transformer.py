@@ -658,13 +658,14 @@ class Decoder(nn.Module):
             else:
                 cos = [angles[kind][0] for kind in cfg.layer_types]
                 sin = [angles[kind][1] for kind in cfg.layer_types]
-            tail = a.head if last_only and logit_index is None and head is None else None  # norm + head there too
+            tail = a.head if (last_only or logit_index is not None) and head is None else None  # norm + head too
+            index = None if logit_index is None else logit_index if logit_index.dim() == 2 else logit_index[:, None]
             x, routed = stack_op.layers(x, a.weights, a.kinds, a.ffn, a.experts, cache.keys, cache.values, cos, sin,
                                         tables, positions, num_tokens, a.windows, a.dims, a.norm, a.qk_norm, a.scale,
-                                        ancestors, tail)
+                                        ancestors, tail, index)
             for mixture, chosen in zip(a.mixtures, routed):  # what each mixture layer read (SparseMoE.touched);
                 _set_plain(mixture, "_last", chosen)  # a plain attribute: not through nn.Module.__setattr__'s checks
-            if tail is not None:  # x: the logits [B, 1, V] of each row's last token
+            if tail is not None:  # x: the logits [B, 1, V] of each row's last token ([B, J, V]: logit_index's)
                 cache.extend(slot_list, ends)
                 return x
         else:

@@ -29,6 +29,8 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/add.h>
+#include <ATen/ops/arange.h>
+#include <ATen/ops/index.h>
 #include <ATen/ops/mul.h>
 #include <ATen/ops/sigmoid.h>
 #include <optional>
@@ -331,7 +333,7 @@ struct Packed : torch::CustomClassHolder {
         head_kind = kind, head_n = n, head_eps = eps, head_off = off;
     }
 
-    // run, then each row's last token through the final RMSNorm (glue rms_norm, eps / offset of set_head) and the
+    // run, then each row's last token (or its `index` [B, J] rows: logit_index) through the final RMSNorm (glue rms_norm, eps / offset of set_head) and the
     // head (its kernel as `linear` calls a projection): -> logits [B, 1, N] and run's experts. Python's
     // x[:, -1:] -> norm -> lm_head, call for call on the same view, so bitwise; ~0.35 ms of Python and op dispatch
     // sooner a decode step of the 4-layer MoE file (the step's weights evict those objects from the caches).
@@ -339,11 +341,20 @@ struct Packed : torch::CustomClassHolder {
                                                              std::vector<at::Tensor> values, std::vector<at::Tensor> cos,
                                                              std::vector<at::Tensor> sin, const at::Tensor& tables,
                                                              const at::Tensor& positions,
-                                                             std::vector<int64_t> num_tokens, const OptT& ancestors) {
+                                                             std::vector<int64_t> num_tokens, const OptT& ancestors,
+                                                             const OptT& index) {
         TORCH_CHECK(head_kind != ABSENT, "stack: Packed.last before set_head");
         auto [y, routed] = run(x, keys, values, cos, sin, tables, positions, num_tokens, ancestors);
-        const int64_t T = y.size(1);
-        const at::Tensor h = ops().rms_norm.call(y.slice(1, T - 1, T), w_at(head, LINEAR), head_eps, head_off);
+        const int64_t B = y.size(0), T = y.size(1);
+        at::Tensor rows;  // [B, J, hidden]: Python's x[torch.arange(B)[:, None], index], or x[:, -1:]
+        if (index.has_value()) {
+            TORCH_CHECK(index->dim() == 2 && index->size(0) == B, "stack: Packed.last's index must be [B, J]");
+            rows = at::index(y, {c10::optional<at::Tensor>(at::arange(B, index->options()).unsqueeze(1)),
+                                 c10::optional<at::Tensor>(*index)});
+        } else {
+            rows = y.slice(1, T - 1, T);
+        }
+        const at::Tensor h = ops().rms_norm.call(rows, w_at(head, LINEAR), head_eps, head_off);
         return {linear(head, 0, head_kind, h, head_n), routed};
     }
 };
