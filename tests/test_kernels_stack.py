@@ -46,16 +46,21 @@ def q4x8_model(family: str, prefill: str = "q4x8", seed: int = 0):
     return model
 
 
+def ragged_batch(model, stack: bool, seed: int):
+    """The two-row batch `run` and `last_logits` drive (with the loop chosen): a fresh cache of 48 positions, slots
+    [0, 1], 30 random ids a row (seeded) and the prompts' lengths [[20], [13]]."""
+    model.stack = stack
+    c = model.config
+    cache = KVCache(c.num_layers, 2, c.num_kv_heads, 48, c.head_dim, model.dtype)
+    ids = torch.randint(0, c.vocab_size, (2, 30), generator=torch.Generator().manual_seed(seed))
+    return cache, torch.tensor([0, 1]), ids, torch.tensor([20, 13])[:, None]
+
+
 def run(model, stack: bool) -> list[torch.Tensor]:
     """A ragged batch of two: prompts of 20 and 13 tokens (padded to 20), one decode step each, then a
     verification of 9 and 4 tokens (padded to 9). Returns the three forwards' logits and every layer's keys and
     values (padding included: both loops make the same calls on the same inputs)."""
-    model.stack = stack
-    c = model.config
-    cache = KVCache(c.num_layers, 2, c.num_kv_heads, 48, c.head_dim, model.dtype)
-    slots = torch.tensor([0, 1])
-    ids = torch.randint(0, c.vocab_size, (2, 30), generator=torch.Generator().manual_seed(3))
-    lens = torch.tensor([20, 13])[:, None]
+    cache, slots, ids, lens = ragged_batch(model, stack, seed=3)
     out = [model(ids[:, :20], torch.arange(20)[None].expand(2, 20), cache, slots, num_tokens=[20, 13]),
            model(ids[:, 20:21], lens, cache, slots, num_tokens=[1, 1]),
            model(ids[:, 21:30], lens + 1 + torch.arange(9)[None], cache, slots, num_tokens=[9, 4])]
@@ -270,12 +275,7 @@ def last_logits(model, stack: bool) -> list[torch.Tensor]:
     """`run`'s three forwards (a ragged prompt, a decode step, a ragged verification) with last_only (each row's
     last token's logits [B, 1, V]), then the step and the verification again with a logit_index as the engine
     passes it ([B] and [B, J])."""
-    model.stack = stack
-    c = model.config
-    cache = KVCache(c.num_layers, 2, c.num_kv_heads, 48, c.head_dim, model.dtype)
-    slots = torch.tensor([0, 1])
-    ids = torch.randint(0, c.vocab_size, (2, 30), generator=torch.Generator().manual_seed(5))
-    lens = torch.tensor([20, 13])[:, None]
+    cache, slots, ids, lens = ragged_batch(model, stack, seed=5)
     return [model(ids[:, :20], torch.arange(20)[None].expand(2, 20), cache, slots, num_tokens=[20, 13],
                   last_only=True),
             model(ids[:, 20:21], lens, cache, slots, num_tokens=[1, 1], last_only=True),
