@@ -43,7 +43,6 @@
 #include <ATen/ops/zeros.h>
 #include <algorithm>
 #include <atomic>
-#include <cstdlib>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -95,25 +94,6 @@ constexpr int64_t SPLIT_MAX_ROWS = 16;
 // tests that compare the two paths
 std::atomic<bool> direct_enabled{true};
 
-int64_t up64(int64_t n) { return (n + 63) / 64 * 64; }
-
-// The calling thread's scratch for the direct path, grown to the largest call seen (64-byte aligned); one per thread,
-// so the split's threads never share one.
-uint8_t* thread_scratch(int64_t bytes) {
-    struct Arena {
-        uint8_t* p = nullptr;
-        int64_t cap = 0;
-        ~Arena() { std::free(p); }
-    };
-    thread_local Arena a;
-    if (bytes > a.cap) {
-        std::free(a.p);
-        a.cap = up64(std::max<int64_t>(bytes, 2 * a.cap));
-        a.p = (uint8_t*)std::aligned_alloc(64, a.cap);
-        TORCH_CHECK(a.p != nullptr, "ExpertSet: no memory for ", a.cap, " bytes of scratch");
-    }
-    return a.p;
-}
 
 // the direct linears of kind `kind` over every expert's `buffers` tensors in `w` (K inputs, N outputs), checked as the
 // op checks them; empty where the kind has no raw GEMV or a buffer fails the op's checks (the op then says why)
@@ -250,8 +230,9 @@ at::Tensor ExpertSet::run(const at::Tensor& x_in, const at::Tensor& experts_in, 
         const DirectLinear &g = gu_direct[e], &d = down_direct[e];
         if (g.takes_wide(n, path) || d.takes_wide(n, path)) return false;
         // xe [n, H] (the rows gathered; one row is read where it is), gu [n, 2 I], h [n, I], then the quantized rows
-        const int64_t xb = n > 1 ? up64(n * H * 4) : 0, gb = up64(n * gu_N * 4), hb = up64(n * I * 4);
-        uint8_t* s = thread_scratch(xb + gb + hb + std::max(dw_gemv_rows_scratch(n, H), dw_gemv_rows_scratch(n, I)));
+        const int64_t xb = n > 1 ? dw_up64(n * H * 4) : 0, gb = dw_up64(n * gu_N * 4), hb = dw_up64(n * I * 4);
+        // the thread's scratch (gemm_wide.h; the split's threads never share one, and nothing this calls takes it)
+        uint8_t* s = dw_thread_scratch(xb + gb + hb + std::max(dw_gemv_rows_scratch(n, H), dw_gemv_rows_scratch(n, I)));
         const float* xe = xp + slots[0] / k * H;
         if (n > 1) {
             float* xg = (float*)s;

@@ -83,10 +83,11 @@ inline void dw_vnni_walk(int64_t b0, int64_t b1, int64_t chunks, int64_t block_b
         for (int64_t c = 0; c < chunks; ++c) run(c, g0, std::min(b1, g0 + group));
 }
 
-// This thread's scratch of at least `bytes`, 64-byte aligned (kept across calls)
+// This thread's scratch of at least `bytes`, 64-byte aligned (kept across calls; it only grows, so a smaller call
+// after a larger one neither shrinks it nor zero-fills it again when the larger size comes back)
 inline uint8_t* dw_thread_scratch(int64_t bytes) {
     thread_local std::vector<uint8_t> scratch;
-    scratch.resize(bytes + 64);
+    if ((int64_t)scratch.size() < bytes + 64) scratch.resize(bytes + 64);
     return scratch.data() + (64 - (uintptr_t)scratch.data() % 64) % 64;
 }
 

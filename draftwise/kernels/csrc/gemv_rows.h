@@ -12,8 +12,24 @@
 #include "q4x8.h"
 #include "q6k.h"
 
-// Scratch bytes the quantized activations of M rows of K take (either kernel; 64-byte aligned pieces).
-int64_t dw_gemv_rows_scratch(int64_t M, int64_t K);
+inline int64_t dw_up64(int64_t n) { return (n + 63) / 64 * 64; }
+
+// The scratch of M quantized rows of K (either kernel; G = K / 32 groups, S = (G + 7) / 8 superblocks): q [G, M, 32]
+// int8 at 0, dx [S, M] float32, qsum [S, M, 8] int16, qsum16 [S, M, 16] int16 (q6k's) at these byte offsets, each
+// piece 64-byte aligned; `bytes` in all.
+struct DwGemvScratch {
+    int64_t dx, qsum, qsum16, bytes;
+    DwGemvScratch(int64_t M, int64_t K) {
+        const int64_t G = K / 32, S = (G + 7) / 8;
+        dx = dw_up64(G * M * 32);
+        qsum = dx + dw_up64(S * M * 4);
+        qsum16 = qsum + dw_up64(S * M * 8 * 2);
+        bytes = qsum16 + dw_up64(S * M * 16 * 2);
+    }
+};
+
+// Scratch bytes the quantized activations of M rows of K take (DwGemvScratch's layout).
+inline int64_t dw_gemv_rows_scratch(int64_t M, int64_t K) { return DwGemvScratch(M, K).bytes; }
 
 // y [M, w->N] = x [M, w->K] (rows contiguous) times q4x8 / q5x8 weights w (bias included); `path` as the op's
 // argument (dispatch.h: AUTO the best here). scratch: dw_gemv_rows_scratch(M, K) bytes, 64-byte aligned.

@@ -123,26 +123,14 @@ at::Tensor dw_q4x8_linear_checked(const at::Tensor& x, const at::Tensor& packed,
     });
 }
 
-namespace {
-
-// gemv_rows.h's scratch: q [G, M, 32] int8, dx [S, M] float32, qsum [S, M, 8] int16, qsum16 [S, M, 16] int16 (q6k's),
-// each piece 64-byte aligned
-int64_t up64(int64_t n) { return (n + 63) / 64 * 64; }
-
-}  // namespace
-
-int64_t dw_gemv_rows_scratch(int64_t M, int64_t K) {
-    const int64_t G = K / 32, S = (G + 7) / 8;
-    return up64(G * M * 32) + up64(S * M * 4) + up64(S * M * 8 * 2) + up64(S * M * 16 * 2);
-}
-
 // dw_q4x8_linear_checked's GEMV path on the calling thread (gemv_rows.h)
 void dw_q4x8_gemv_rows(const DwQ4* w, const float* x, int64_t M, float* y, int64_t path, uint8_t* scratch) {
-    const int64_t K = w->K, G = w->G, S = w->S, NB = (w->N + 15) / 16;
+    const int64_t K = w->K, NB = (w->N + 15) / 16;
+    const DwGemvScratch at(M, K);
     path = dwisa::select(ISA, path);
     int8_t* qp = (int8_t*)scratch;
-    float* dxp = (float*)(scratch + up64(G * M * 32));
-    int16_t* qsp = (int16_t*)((uint8_t*)dxp + up64(S * M * 4));
+    float* dxp = (float*)(scratch + at.dx);
+    int16_t* qsp = (int16_t*)(scratch + at.qsum);
     dwisa::pick(path, dw_q8_rows_scalar, dw_q8_rows_avx2, dw_q8_rows_avx512)(x, M, K, qp, dxp, qsp, 0, M);
     DwQ8 a{qp, dxp, qsp, M};
     dwisa::pick(path, dw_gemm_scalar, dw_gemm_avx2, dw_gemm_avx512)(w, &a, y, 0, NB);
