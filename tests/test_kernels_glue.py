@@ -164,10 +164,14 @@ def test_every_isa_path_is_bitwise_the_portable_one():
     q, k = torch.randn(9, 4 * 40, generator=g), torch.randn(9, 2 * 40, generator=g)
     cos, sin = angles(9, 40)
     nw = torch.randn(40, generator=g)
+    router = torch.randn(33, n, generator=g)
+    router[:, ::7] = 0.0  # exact zeros and negative zeros among the products (a lane must never turn -0)
+    router[::2, ::11] = -0.0
 
     def ops():
         return [glue.rms_norm(x, w, 1e-6, 0.0), glue.rms_norm(x, w, 1e-6, 1.0), *glue.add_rms_norm(x, h, w, 1e-5, 0.0),
-                glue.glu(gu, None, "silu"), *glue.rope_qk(q, k, cos, sin, 40, nw, nw, 1e-6, 0.0)]
+                glue.glu(gu, None, "silu"), *glue.rope_qk(q, k, cos, sin, 40, nw, nw, 1e-6, 0.0),
+                glue.router_logits(x, router)]
 
     before = glue.use_path("scalar")
     try:

@@ -21,12 +21,12 @@
 //     measured against at::silu + mul_ on the 1.5B's 8960 columns, 2 threads: 0.7x at 1 row, 0.9x at 9 rows),
 //     within glue.GLU_TOLERANCE of the reference; gelu tanh: at::gelu then mul_, bitwise.
 //   router_logits: a mixture's router, float32 x and weight, exact products summed in double in a fixed order
-//     (transformer.py Router's reference: a float64 matmul, whose summation order is the BLAS's).
+//     (glue.h's dot; transformer.py Router's reference: a float64 matmul, whose summation order is the BLAS's).
 //   route: softmax, top-k, renormalisation and the sort by expert of a mixture's routing in one call (transformers'
 //     float32 softmax with libm's expf and a plain sum, so within a few ulps of torch's vectorised one).
-// The row loops of rms_norm, add_rms_norm, the q/k norm and silu_mul run on the best ISA path of glue.h this CPU
-// has (dispatch.h's rule; ISA below says what each glue unit needs), unless a test chose one with use_path; all
-// paths are bitwise the portable oracle (glue_kernel.h), so the choice changes speed only.
+// The row loops of rms_norm, add_rms_norm, the q/k norm, silu_mul and router_logits' dot run on the best ISA path
+// of glue.h this CPU has (dispatch.h's rule; ISA below says what each glue unit needs), unless a test chose one with
+// use_path; all paths are bitwise the portable oracle (glue_kernel.h), so the choice changes speed only.
 #include <torch/library.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -340,24 +340,15 @@ void dw_glu_silu_rows(const float* gu, int64_t R, int64_t I, float* out) {
 
 namespace {
 
-// A mixture's router logits, exact products summed in double: logits[m, e] = sum_h (double)x[m, h] * (double)w[e, h]
-// (each product exact: 24-bit mantissas), summed in 8 lanes l = h mod 8 in h order and the lanes combined
-// ((a0 + a1) + (a2 + a3)) + ((a4 + a5) + (a6 + a7)) — norm_row's sum of squares, with the router's row for the
-// second factor. One fixed sequence per (row, expert), whatever M is or which thread runs it (split over experts,
-// ROUTER_GRAIN per task), so a row's logits are row-exact. Reads the float32 weight itself (the torch reference
-// multiplies a float64 copy, twice the bytes a decode step streams). x [M, H] float32, w [E, H] float32 ->
-// [M, E] float64. The portable loop only (-O3 vectorises it at the baseline width): a decode step's 1-16 rows are
-// bound by the weight's bytes, not the multiplies (transformer.py Router runs longer prompts through torch).
+// A mixture's router logits, exact products summed in double: logits[m, e] = glue.h's dot(x[m], w[e]) (each product
+// exact: 24-bit mantissas; 8 lanes in h order, combined in one fixed order: norm_row's sum of squares with the
+// router's row for the second factor). One fixed sequence per (row, expert), whatever M is, whichever ISA path
+// (all bitwise the portable one) or thread runs it (split over experts, ROUTER_GRAIN per task), so a row's logits
+// are row-exact. Reads the float32 weight itself (the torch reference multiplies a float64 copy, twice the bytes a
+// decode step streams). x [M, H] float32, w [E, H] float32 -> [M, E] float64. A decode step's 1-16 rows are bound
+// by the weight's bytes; the AVX-512 path's 8 lanes a zmm (not the portable loop's 2 an xmm) keep it there
+// (transformer.py Router runs longer prompts through torch).
 constexpr int64_t ROUTER_GRAIN = 32;  // experts per parallel task: 128 experts over 2 threads, 2 tasks each
-
-double dot_exact(const float* x, const float* w, int64_t n) {
-    double acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-    int64_t i = 0;
-    for (; i + 8 <= n; i += 8)
-        for (int j = 0; j < 8; ++j) acc[j] = acc[j] + (double)x[i + j] * (double)w[i + j];
-    for (; i < n; ++i) acc[i & 7] = acc[i & 7] + (double)x[i] * (double)w[i];
-    return ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
-}
 
 at::Tensor router_logits(const at::Tensor& x_in, const at::Tensor& w_in) {
     check_f32_cpu(x_in, "x");
@@ -370,9 +361,10 @@ at::Tensor router_logits(const at::Tensor& x_in, const at::Tensor& w_in) {
     const float* xp = x.data_ptr<float>();
     const float* wp = w.data_ptr<float>();
     double* yp = y.data_ptr<double>();
+    const DwGlue k = ops();
     at::parallel_for(0, E, ROUTER_GRAIN, [&](int64_t e0, int64_t e1) {
         for (int64_t e = e0; e < e1; ++e)  // an expert's row read once for all M rows (in cache after the first)
-            for (int64_t m = 0; m < M; ++m) yp[m * E + e] = dot_exact(xp + m * H, wp + e * H, H);
+            for (int64_t m = 0; m < M; ++m) yp[m * E + e] = k.dot(xp + m * H, wp + e * H, H);
     });
     return y;
 }

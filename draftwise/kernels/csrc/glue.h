@@ -12,6 +12,8 @@
 //   r   = (float)(1 / sqrt(s / n + eps))   (double arithmetic, one rounding to float);
 //   y_i = w_i * (x_i * r), or with offset != 0 (gemma's 1 + w) (x_i * r) * (offset + w_i)   (float).
 // add_norm_row(x, h, w) -> s, y: s_i = x_i + h_i (float), then norm_row(s).
+// dot(x[n], w[n]) -> the products (double)x[i] * (double)w[i] (exact) summed as norm_row's squares are (8 lanes in i
+//   order, the same combination): norm_row's s is dot(x, x); a mixture's router logit is dot(row, expert's weights).
 // silu_mul(g[n], u[n]) -> out[n]: out_i = s_i * u_i, s_i = g_i / (1 + e_i), e_i = dw_exp(clamp(-g_i, -87, 88)),
 //   dw_exp the Cephes expf of cephes_exp.h (round-to-nearest n = x log2 e, two-step ln 2 reduction, degree-5
 //   polynomial, 2^n through the exponent bits); where -g_i > 88, s_i = g_i * 0 instead (silu is below 6e-37 in
@@ -27,6 +29,7 @@ struct DwGlue {
     void (*add_norm_row)(const float* x, const float* h, const float* w, float* s, float* y, int64_t n, double eps,
                          float offset);
     void (*silu_mul)(const float* g, const float* u, float* out, int64_t n);
+    double (*dot)(const float* x, const float* w, int64_t n);
 };
 
 // Fill `ops` with this path's functions (the AVX2 / AVX-512 units only exist on x86; call them after cpuid says so).

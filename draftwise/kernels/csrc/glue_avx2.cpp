@@ -1,8 +1,8 @@
 // The decoder glue's row loops, AVX2 path (AVX2-era CPUs such as AMD Zen 2/3 and Intel Haswell on), compiled with
 // -mavx2 (-ffp-contract=off: no fused multiply-adds) and called only after a run-time cpuid check. It performs
-// glue.h's float sequence exactly (bitwise glue_kernel.h, its oracle): the norm's 8 double lanes are two ymm
-// (lanes 0-3, 4-7), elementwise steps are 8 floats at a time with the oracle's own code for the tail, and the
-// Cephes exp is cephes_exp.h's. Owns only this path's row loops (dwglue::Table makes them a DwGlue); knows nothing of
+// glue.h's float sequence exactly (bitwise glue_kernel.h, its oracle): the 8 double lanes of dot (the norm's sum
+// of squares, the router's logits) are two ymm (lanes 0-3, 4-7), elementwise steps are 8 floats at a time with the
+// oracle's own code for the tail, and the Cephes exp is cephes_exp.h's. Owns only this path's row loops (dwglue::Table makes them a DwGlue); knows nothing of
 // torch, threads or when it runs (glue.cpp and dispatch.h decide). Includes no C++ library header.
 #include "intrin.h"
 #include "glue_kernel.h"
@@ -28,20 +28,20 @@ static void silu_mul(const float* g, const float* u, float* out, int64_t n) {
     for (; i < n; ++i) out[i] = dwglue::silu_mul1(g[i], u[i]);
 }
 
-static float inv_rms(const float* x, int64_t n, double eps) {
+static double dot(const float* x, const float* w, int64_t n) {
     __m256d a0 = _mm256_setzero_pd(), a1 = _mm256_setzero_pd();  // lanes 0-3, 4-7
     int64_t i = 0;
     for (; i + 8 <= n; i += 8) {
         const __m256d v0 = _mm256_cvtps_pd(_mm_loadu_ps(x + i)), v1 = _mm256_cvtps_pd(_mm_loadu_ps(x + i + 4));
-        a0 = _mm256_add_pd(a0, _mm256_mul_pd(v0, v0));
-        a1 = _mm256_add_pd(a1, _mm256_mul_pd(v1, v1));
+        const __m256d u0 = _mm256_cvtps_pd(_mm_loadu_ps(w + i)), u1 = _mm256_cvtps_pd(_mm_loadu_ps(w + i + 4));
+        a0 = _mm256_add_pd(a0, _mm256_mul_pd(v0, u0));
+        a1 = _mm256_add_pd(a1, _mm256_mul_pd(v1, u1));
     }
     double a[8];
     _mm256_storeu_pd(a, a0);
     _mm256_storeu_pd(a + 4, a1);
-    for (; i < n; ++i) a[i & 7] = a[i & 7] + (double)x[i] * (double)x[i];
-    const double s = ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7]));
-    return (float)(1.0 / __builtin_sqrt(s / (double)n + eps));
+    for (; i < n; ++i) a[i & 7] = a[i & 7] + (double)x[i] * (double)w[i];
+    return dwglue::lanes(a);
 }
 
 static void scale_row(const float* x, const float* w, float* y, int64_t n, float r, float offset) {

@@ -1,8 +1,9 @@
 // The decoder glue's row loops, AVX-512 path (F + DQ + VL), compiled with those -m flags and called only after a
 // run-time cpuid check. It performs glue.h's float sequence exactly (bitwise glue_kernel.h, its oracle): the
-// norm's 8 double lanes are one zmm, elementwise steps are 16 floats at a time with a masked tail, and the Cephes
-// exp is cephes_exp.h's. Owns only this path's row loops (dwglue::Table makes them a DwGlue); knows nothing of torch,
-// threads or when it runs (glue.cpp and dispatch.h decide). Includes no C++ library header.
+// 8 double lanes of dot (the norm's sum of squares, the router's logits) are one zmm, elementwise steps are 16
+// floats at a time with a masked tail, and the Cephes exp is cephes_exp.h's. Owns only this path's row loops
+// (dwglue::Table makes them a DwGlue); knows nothing of torch, threads or when it runs (glue.cpp and dispatch.h
+// decide). Includes no C++ library header.
 #include "intrin.h"
 #include "glue_kernel.h"
 
@@ -28,17 +29,19 @@ static void silu_mul(const float* g, const float* u, float* out, int64_t n) {
     }
 }
 
-static float inv_rms(const float* x, int64_t n, double eps) {
+static double dot(const float* x, const float* w, int64_t n) {
     __m512d acc = _mm512_setzero_pd();
-    for (int64_t i = 0; i < n; i += 8) {  // lane l holds i = l mod 8; a masked tail adds +0 (acc >= +0: unchanged)
+    // lane l holds i = l mod 8; a masked tail adds +0 * +0 = +0, which changes no lane (a lane starts at +0 and a
+    // round-to-nearest sum is -0 only when both terms are: no lane is ever -0)
+    for (int64_t i = 0; i < n; i += 8) {
         const __mmask8 k = n - i >= 8 ? (__mmask8)0xFF : (__mmask8)((1u << (n - i)) - 1u);
         const __m512d v = _mm512_cvtps_pd(_mm256_maskz_loadu_ps(k, x + i));
-        acc = _mm512_add_pd(acc, _mm512_mul_pd(v, v));
+        const __m512d u = _mm512_cvtps_pd(_mm256_maskz_loadu_ps(k, w + i));
+        acc = _mm512_add_pd(acc, _mm512_mul_pd(v, u));
     }
     double a[8];
     _mm512_storeu_pd(a, acc);
-    const double s = ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7]));
-    return (float)(1.0 / __builtin_sqrt(s / (double)n + eps));
+    return dwglue::lanes(a);
 }
 
 static void scale_row(const float* x, const float* w, float* y, int64_t n, float r, float offset) {

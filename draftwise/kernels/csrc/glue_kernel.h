@@ -1,9 +1,9 @@
-// The decoder glue's row loops, portable: the float sequence of glue.h written element by element (and the norm's
-// sum lane by lane), so -O3 may vectorize it at any width without reordering a float operation
+// The decoder glue's row loops, portable: the float sequence of glue.h written element by element (and dot's sum
+// lane by lane), so -O3 may vectorize it at any width without reordering a float operation
 // (-ffp-contract=off: no fused multiply-adds). The baseline path (compiled into glue.cpp without -m flags), the
 // oracle of the SIMD paths, and the source of their scalar tails; the exp is cephes_exp.h's.
-// Owns also how any path's loops make a DwGlue (Table: norm_row = scale_row after inv_rms, for every path), so the
-// SIMD units supply only their loops. Knows nothing of torch, threads or which path runs (glue.cpp
+// Owns also how any path's loops make a DwGlue (Table: norm_row = scale_row after rms_of(dot(x, x)), for every
+// path), so the SIMD units supply only their loops. Knows nothing of torch, threads or which path runs (glue.cpp
 // and dispatch.h decide). Internal linkage only and no C++ library header, so nothing compiled with AVX-512 flags
 // can be merged into code that runs on other CPUs.
 #pragma once
@@ -15,6 +15,10 @@ namespace {
 namespace dwglue {
 
 constexpr float EXP_LO = -87.0f, EXP_HI = 88.0f;  // 2^n stays a normal float: n in [-126, 127]
+
+// glue.h's combination of dot's 8 lanes, and norm_row's r = 1 / sqrt(mean(x^2) + eps) from the sum of squares
+inline double lanes(const double a[8]) { return ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7])); }
+inline float rms_of(double s, int64_t n, double eps) { return (float)(1.0 / __builtin_sqrt(s / (double)n + eps)); }
 
 inline float silu_mul1(float g, float u) {
     const float t0 = -g;
@@ -30,15 +34,14 @@ struct Portable {
         for (int64_t i = 0; i < n; ++i) out[i] = silu_mul1(g[i], u[i]);
     }
 
-    // 1 / sqrt(mean(x^2) + eps) as glue.h defines it
-    static float inv_rms(const float* x, int64_t n, double eps) {
+    // glue.h's dot: exact products summed in 8 lanes l = i mod 8, the lanes combined in one fixed order
+    static double dot(const float* x, const float* w, int64_t n) {
         double acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
         int64_t i = 0;
         for (; i + 8 <= n; i += 8)
-            for (int j = 0; j < 8; ++j) acc[j] = acc[j] + (double)x[i + j] * (double)x[i + j];
-        for (; i < n; ++i) acc[i & 7] = acc[i & 7] + (double)x[i] * (double)x[i];
-        const double s = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
-        return (float)(1.0 / __builtin_sqrt(s / (double)n + eps));
+            for (int j = 0; j < 8; ++j) acc[j] = acc[j] + (double)x[i + j] * (double)w[i + j];
+        for (; i < n; ++i) acc[i & 7] = acc[i & 7] + (double)x[i] * (double)w[i];
+        return lanes(acc);
     }
 
     static void scale_row(const float* x, const float* w, float* y, int64_t n, float r, float offset) {
@@ -53,15 +56,15 @@ struct Portable {
                              double eps, float offset);
 };
 
-// A path's DwGlue from its row loops, put together the same way for every path. P: static silu_mul, inv_rms,
-// scale_row and add_norm_row (the add, then the norm), each glue.h's sequence for its part (Portable; glue_avx2.cpp,
-// glue_avx512.cpp). norm is glue.h's norm, inline; norm_row is the table's entry, never inlined: the SIMD paths'
+// A path's DwGlue from its row loops, put together the same way for every path. P: static silu_mul, dot, scale_row
+// and add_norm_row (the add, then the norm; the norm's sum of squares is P::dot(x, x)), each glue.h's sequence for
+// its part (Portable; glue_avx2.cpp, glue_avx512.cpp). norm is glue.h's norm, inline; norm_row is the table's entry, never inlined: the SIMD paths'
 // add_norm_row calls it and the portable one takes norm in, as each did before this table existed (so the compiled
 // code is the same as then).
 template <class P>
 struct Table {
     static void norm(const float* x, const float* w, float* y, int64_t n, double eps, float offset) {
-        P::scale_row(x, w, y, n, P::inv_rms(x, n, eps), offset);
+        P::scale_row(x, w, y, n, rms_of(P::dot(x, x, n), n, eps), offset);
     }
     __attribute__((noinline)) static void norm_row(const float* x, const float* w, float* y, int64_t n, double eps,
                                                    float offset);
@@ -70,6 +73,7 @@ struct Table {
         ops->norm_row = norm_row;
         ops->add_norm_row = P::add_norm_row;
         ops->silu_mul = P::silu_mul;
+        ops->dot = P::dot;
     }
 };
 
