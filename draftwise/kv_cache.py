@@ -225,6 +225,8 @@ class KVCache:
             return sum(self.blocks_needed(s, n) + len(self._shared_in(s, n)) for s, n in zip(slots, ends))
 
         need = needed()
+        if need == 0:
+            return  # (most decode steps: every position lands in a block the slot already holds alone)
         if need > len(self._free) and self.reclaimer is not None:
             self.reclaimer.reclaim(need - len(self._free))
             need = needed()  # letting go may have left a block this forward writes with one holder: no copy
