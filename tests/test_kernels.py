@@ -66,7 +66,8 @@ def test_the_streaming_read_reads_every_word_and_measures_a_bandwidth():
 def test_one_build_routine_publishes_a_whole_library_or_nothing(tmp_path):
     """kernels/cbuild.py, which builds the kernel library and the probe's streaming read: a library whose units
     compile is published at its target with build.log beside it (every command); a unit that does not compile
-    raises BuildError naming its command and publishes nothing, no temporary folder left behind."""
+    raises BuildError naming its command and publishes nothing, no temporary folder left behind (only the lock
+    file that keeps a second builder of the same target waiting)."""
     import ctypes
     import shutil
 
@@ -85,7 +86,7 @@ def test_one_build_routine_publishes_a_whole_library_or_nothing(tmp_path):
     failed = tmp_path / "failed" / "no.so"
     with pytest.raises(cbuild.BuildError, match="compiling .*bad.c"):
         cbuild.build_shared(cc, [(good, ["-fPIC"], "good.o"), (bad, ["-fPIC"], "bad.o")], [], failed)
-    assert list(failed.parent.iterdir()) == []
+    assert [p.name for p in failed.parent.iterdir()] == ["no.so.lock"]
     assert cbuild.cache_key([b"a", b"b"]) == cbuild.cache_key([b"ab"]) != cbuild.cache_key([b"a", b"c"])
 
 
@@ -132,6 +133,38 @@ def test_a_build_runs_no_more_compilers_at_once_than_its_jobs(tmp_path, monkeypa
         cbuild.build_jobs(4)
     monkeypatch.delenv("DRAFTWISE_BUILD_JOBS")
     assert 1 <= cbuild.build_jobs(30) <= 30 and cbuild.build_jobs(1) == 1
+
+
+def test_processes_started_together_build_a_library_once(tmp_path):
+    """Three processes asking build_shared for the same missing target at once (four `draftwise serve` started
+    together each built the whole kernel library, ~5 min of two cores instead of ~1): one compiles, the others wait
+    on its lock and find the library built. The count can fail: without the lock each process compiles."""
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    cc = os.environ.get("CC") or "cc"
+    if shutil.which(cc) is None:
+        pytest.skip("no C compiler here")
+    events = tmp_path / "events"
+    fake = tmp_path / "cc.py"  # logs each compile, held a moment so the builders overlap
+    fake.write_text(f"import subprocess, sys, time\n"
+                    f"if '-c' in sys.argv: open({str(events)!r}, 'a').write('+\\n'); time.sleep(1.0)\n"
+                    f"sys.exit(subprocess.run([{cc!r}, *sys.argv[1:]]).returncode)\n")
+    wrapper = tmp_path / "cc"
+    wrapper.write_text(f"#!/bin/sh\nexec {sys.executable} {fake} \"$@\"\n")
+    wrapper.chmod(0o755)
+    (tmp_path / "u.c").write_text("int draftwise_u(void) { return 7; }\n")
+    target = tmp_path / "lib" / "u.so"
+    code = ("import sys; from pathlib import Path; from draftwise.kernels import cbuild; "
+            f"cbuild.build_shared({str(wrapper)!r}, [(Path({str(tmp_path / 'u.c')!r}), ['-fPIC'], 'u.o')], [], "
+            f"Path({str(target)!r}))")
+    root = Path(__file__).resolve().parents[1]
+    procs = [subprocess.Popen([sys.executable, "-c", code], cwd=root, env={**os.environ, "PYTHONPATH": str(root)})
+             for _ in range(3)]
+    assert [p.wait(timeout=120) for p in procs] == [0, 0, 0]
+    assert target.exists() and events.read_text().split() == ["+"]
 
 
 # ---- every implementation vs the fp32 reference -----------------------------------------------------------

@@ -6,12 +6,15 @@ the key itself (`cache_key`: a hash of what the build depends on, in the caller'
 (`build_shared`: the units compiled `build_jobs()` at a time into a temporary folder beside the target, linked with
 -shared, the
 commands and the compilers' output kept in build.log beside the target, the library moved into place atomically,
-so a concurrent builder sees nothing or a whole library). Knows nothing of torch, of what the libraries hold or of
+so a concurrent reader sees nothing or a whole library; one builder at a time per target, under a lock file beside
+it, so processes started together (four `draftwise serve`) build it once, not once each). Knows nothing of torch, of what the libraries hold or of
 which flags they need: the callers name the sources, flags and target, and decide what a failure means (the
 kernel library raises KernelBuildError; the probe goes without its streaming read).
 """
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import os
 import subprocess
@@ -66,12 +69,33 @@ def cache_key(parts: Iterable[bytes]) -> str:
     return h.hexdigest()[:16]
 
 
+@contextlib.contextmanager
+def _one_builder(target: Path):
+    """Held while this process builds `target`: an exclusive lock on `<target>.lock` beside it (released by the
+    kernel if the process dies), so a second process wanting the same library waits, then finds it built."""
+    with open(target.with_name(target.name + ".lock"), "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
 def build_shared(compiler: str, units: list[tuple[Path, list[str], str]], link: list[str], target: Path,
                  verbose: bool = False, timeout: float | None = None) -> str:
     """Compile `units` ((source, flags, object name) each, `build_jobs` at a time) and link them with `link` into
-    `target`; returns what the compilers and the linker printed (warnings: a build that prints them still succeeds);
-    raises BuildError where a unit or the link fails (or a unit runs past `timeout` seconds)."""
+    `target`; returns what the compilers and the linker printed (warnings: a build that prints them still succeeds;
+    "" where another process built `target` while this one waited for it); raises BuildError where a unit or the
+    link fails (or a unit runs past `timeout` seconds)."""
     target.parent.mkdir(parents=True, exist_ok=True)
+    with _one_builder(target):
+        if target.exists():
+            return ""
+        return _build(compiler, units, link, target, verbose, timeout)
+
+
+def _build(compiler: str, units: list[tuple[Path, list[str], str]], link: list[str], target: Path, verbose: bool,
+           timeout: float | None) -> str:
     jobs = build_jobs(len(units))
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         objs, running = [], []  # every unit's object, in the units' order; (command, process, start) now running
