@@ -90,6 +90,12 @@ def ceiling_line(path: str, threads: int, summary: dict) -> str:
     return line
 
 
+def capacity(args) -> int:
+    """Positions either engine's cache must hold: the longest of the three timed sequences, and some room (llama.cpp's
+    n_ctx was the prefill + 256 before: a decode of more than 192 tokens after the 64-token context overflowed it)."""
+    return max(args.prefill, args.context + args.decode, args.logit_prompt) + 16
+
+
 def child_draftwise(args) -> dict:
     import torch
 
@@ -106,7 +112,7 @@ def child_draftwise(args) -> dict:
     heap.keep_temporaries_on_heap()  # as api.LLM does once loaded: a prompt's temporaries reused, not faulted in afresh
     c = model.config
     V = c.vocab_size
-    cap = max(args.prefill, args.context + args.decode, args.logit_prompt) + 16
+    cap = capacity(args)
     cache = KVCache(c.num_layers, 1, c.num_kv_heads, cap, c.head_dim, model.dtype)
     slot = torch.tensor([0])
 
@@ -143,7 +149,7 @@ def child_llamacpp(args) -> dict:
     from llama_cpp import Llama
 
     t0 = time.perf_counter()
-    llm = Llama(model_path=args.path, n_ctx=args.prefill + 256, n_threads=args.threads, n_threads_batch=args.threads,
+    llm = Llama(model_path=args.path, n_ctx=capacity(args), n_threads=args.threads, n_threads_batch=args.threads,
                 n_batch=512, verbose=False)
     load_s = time.perf_counter() - t0
     V = llm.n_vocab()
