@@ -4,12 +4,12 @@ the kernel library (kernels/library.py) and the probe's streaming read (kernels/
 Owns the steps they share: a compiler's identity for a cache key (`compiler_version`: what `--version` prints),
 the key itself (`cache_key`: a hash of what the build depends on, in the caller's order), and the build
 (`build_shared`: the units compiled `build_jobs()` at a time into a temporary folder beside the target, linked with
--shared, the
-commands and the compilers' output kept in build.log beside the target, the library moved into place atomically,
-so a concurrent reader sees nothing or a whole library; one builder at a time per target, under a lock file beside
-it, so processes started together (four `draftwise serve`) build it once, not once each). Knows nothing of torch, of what the libraries hold or of
-which flags they need: the callers name the sources, flags and target, and decide what a failure means (the
-kernel library raises KernelBuildError; the probe goes without its streaming read).
+-shared, the commands and the compilers' output kept in build.log beside the target, the library moved into place
+atomically, so a concurrent reader sees nothing or a whole library; one builder at a time per target, under a lock
+file beside it, so processes started together (four `draftwise serve`) build it once, not once each). Knows nothing
+of torch, of what the libraries hold or of which flags they need: the callers name the sources, flags and target,
+and decide what a failure means (the kernel library raises KernelBuildError; the probe goes without its streaming
+read).
 """
 from __future__ import annotations
 

@@ -346,8 +346,10 @@ namespace {
 // (all bitwise the portable one) or thread runs it (split over experts, ROUTER_GRAIN per task), so a row's logits
 // are row-exact. Reads the float32 weight itself (the torch reference multiplies a float64 copy, twice the bytes a
 // decode step streams). x [M, H] float32, w [E, H] float32 -> [M, E] float64. A decode step's 1-16 rows are bound
-// by the weight's bytes; the AVX-512 path's 8 lanes a zmm (not the portable loop's 2 an xmm) keep it there
-// (transformer.py Router runs longer prompts through torch).
+// by the weight's bytes on every path (one row against a 128 x 2048 router out of cache: 46-96 us on the portable
+// and AVX-512 paths alike, Zen 4, 1-2 threads: docs/PERFORMANCE.md, 2026-12-07 second session, issue 46): the paths
+// share glue.h's dot so that the norm and the router have one lane loop each (transformer.py Router runs longer
+// prompts through torch).
 constexpr int64_t ROUTER_GRAIN = 32;  // experts per parallel task: 128 experts over 2 threads, 2 tasks each
 
 at::Tensor router_logits(const at::Tensor& x_in, const at::Tensor& w_in) {
