@@ -52,7 +52,7 @@ def install(rec: list, force_every: int) -> None:
         forced = False
         if force_every and len(reqs) == 4 and any(ks):
             state["n"] += 1
-            if state["n"] % force_every == 0:  # this step runs plain; the rows stay as far behind as a plain step leaves them
+            if state["n"] % force_every == 0:  # this step runs plain: its rows fall one more token behind
                 forced = True
                 for i, rid in enumerate(rids):
                     if ks[i]:
@@ -110,20 +110,22 @@ def summarize(rec: list) -> None:
     print(f"load average {st.median(r['load'] for r in rec):.1f}; ms per step, means")
     for (B, kind), rs in sorted(groups.items()):
         p = [r["pred"] if kind == "guess" else r["pred_plain"] for r in rs]
-        print(f"B={B} {kind:6s} n={len(rs):4d}  verify predicted {1e3 * st.mean(x['verify'] for x in p):6.1f} measured "
-              f"{1e3 * st.mean(r['verify_wall'] for r in rs):6.1f}  draft predicted {1e3 * st.mean(x['draft'] for x in p):5.1f} "
-              f"measured {1e3 * st.mean(sum(r['draft_fw']) for r in rs):5.1f}  tokens predicted "
+        ms = lambda xs: 1e3 * st.mean(xs)  # noqa: E731
+        print(f"B={B} {kind:6s} n={len(rs):4d}  verify predicted {ms(x['verify'] for x in p):6.1f} measured "
+              f"{ms(r['verify_wall'] for r in rs):6.1f}  draft predicted {ms(x['draft'] for x in p):5.1f} "
+              f"measured {ms(sum(r['draft_fw']) for r in rs):5.1f}  tokens predicted "
               f"{st.mean(x['tokens'] for x in p):.2f} measured {st.mean(sum(r['emitted']) for r in rs):.2f}  "
-              f"decode step {1e3 * st.mean(r['decode_wall'] for r in rs):6.1f}")
+              f"decode step {ms(r['decode_wall'] for r in rs):6.1f}")
     guess, forced = groups.get((4, "guess"), []), groups.get((4, "forced"), [])
     if guess and forced:
         rate = lambda rs: sum(sum(r["emitted"]) for r in rs) / sum(r["decode_wall"] for r in rs)  # noqa: E731
         pg = st.mean(r["pred"]["tokens"] / (r["pred"]["verify"] + r["pred"]["draft"]) for r in guess)
         pp = st.mean(r["pred_plain"]["tokens"] / r["pred_plain"]["verify"] for r in guess)
-        print(f"4 rows: a plain step priced {1e3 * st.mean(r['pred_plain']['verify'] for r in guess):.1f} ms at guessing "
-              f"decisions, forced plain steps took {1e3 * st.mean(r['decode_wall'] for r in forced):.1f} ms; guessing vs "
-              f"plain predicted {pg:.1f} vs {pp:.1f} tok/s ({pg / pp:.2f}x), measured {rate(guess):.1f} vs "
-              f"{rate(forced):.1f} ({rate(guess) / rate(forced):.2f}x)")
+        priced = 1e3 * st.mean(r["pred_plain"]["verify"] for r in guess)
+        took = 1e3 * st.mean(r["decode_wall"] for r in forced)
+        print(f"4 rows: a plain step priced {priced:.1f} ms at guessing decisions, forced plain steps took {took:.1f} "
+              f"ms; guessing vs plain predicted {pg:.1f} vs {pp:.1f} tok/s ({pg / pp:.2f}x), measured "
+              f"{rate(guess):.1f} vs {rate(forced):.1f} ({rate(guess) / rate(forced):.2f}x)")
 
 
 def main() -> None:
