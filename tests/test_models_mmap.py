@@ -1,9 +1,12 @@
 """Prepared weights mapped, not copied (models/safetensors.py map_tensors, models/quant.py storage_order,
-kernels/linear.py cat_rows): a model read back from its prepared cache holds views of the file's mapping — every
-kernel buffer, the merged q/k/v and gate/up included — and its logits are bitwise those of the same cache read
-into fresh memory and of the model built straight from the GGUF; what cannot be a view (an unaligned tensor, a
-concatenation of parts that are not back to back) is copied, bitwise. About 5 s."""
+kernels/linear.py cat_rows): a model read back from its prepared cache — on the load that writes it, too — holds
+views of the file's mapping, every kernel buffer, the merged q/k/v and gate/up included, and its logits are bitwise
+those of the same cache read into fresh memory and of the model built straight from the GGUF in memory; what cannot
+be a view (an unaligned tensor, a concatenation of parts that are not back to back) is copied, bitwise. The load
+that writes the file holds one prepared module at a time (models/safetensors.py Spill). About 5 s."""
 from __future__ import annotations
+
+import weakref
 
 import pytest
 import torch
@@ -39,25 +42,71 @@ def _kernel_buffers(model) -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize("weights", ["auto", "q4x8"])  # the faithful plan (q4x8 + q8_0 + stored rows), the 4-bit one
 def test_prepared_cache_is_mapped_and_bitwise_the_copied_load(mixed_gguf, tmp_path, monkeypatch, weights):
+    from draftwise.models.sources import Checkpoint
+
     cache = str(tmp_path / "cache")
-    built, _, info = load_model(str(mixed_gguf), weights=weights, cache_dir=cache)  # first load: built in memory
+    first, _, info = load_model(str(mixed_gguf), weights=weights, cache_dir=cache)  # writes the file, then maps it
     mapped, _, _ = load_model(str(mixed_gguf), weights=weights, cache_dir=cache)  # read back: mapped
     prepared = [str(p) for p in (tmp_path / "cache").rglob("prepared-*.safetensors")]
     assert len(prepared) == 1
-    buffers = _kernel_buffers(mapped)
-    assert any(".qkv_proj." in n for n in buffers) and any(".gate_up_proj." in n for n in buffers)
-    for name, t in buffers.items():  # merged modules too: views of the file, not concatenated copies
-        assert st.mapped_file(t) == prepared[0], name
-    assert all(st.mapped_file(t) is None for t in _kernel_buffers(built).values())
-    if weights == "auto":  # the table kept as stored: its raw rows are the file's
-        assert st.mapped_file(mapped.model.embed_tokens.raw) == prepared[0]
+    assert [p.name for p in (tmp_path / "cache").rglob("*.tmp-*")] == []  # neither the spill nor the temporary left
+    for model in (first, mapped):
+        buffers = _kernel_buffers(model)
+        assert any(".qkv_proj." in n for n in buffers) and any(".gate_up_proj." in n for n in buffers)
+        for name, t in buffers.items():  # merged modules too: views of the file, not concatenated copies
+            assert st.mapped_file(t) == prepared[0], name
+        if weights == "auto":  # the table kept as stored: its raw rows are the file's
+            assert st.mapped_file(model.model.embed_tokens.raw) == prepared[0]
 
+    with monkeypatch.context() as m:  # the modules built straight from the GGUF, in memory, no cache between
+        m.setattr(Checkpoint, "prepared", lambda self, plan, embed_dtype, progress=None: quant.prepared_weights(
+            self.gguf().items(), self.config, plan, False))
+        built, _, _ = load_model(str(mixed_gguf), weights=weights, cache_dir=cache)
+    assert all(st.mapped_file(t) is None for t in _kernel_buffers(built).values())
     monkeypatch.setattr(st, "map_tensors", lambda path: st.iter_tensors([path]))  # the copied load
     copied, _, _ = load_model(str(mixed_gguf), weights=weights, cache_dir=cache)
     assert all(st.mapped_file(t) is None for t in _kernel_buffers(copied).values())
     for ids in (list(range(3, 40)), [5]):
         want = _logits(built, ids)
-        assert torch.equal(_logits(mapped, ids), want) and torch.equal(_logits(copied, ids), want)
+        for model in (first, mapped, copied):
+            assert torch.equal(_logits(model, ids), want)
+
+
+def test_the_load_that_writes_the_prepared_file_holds_one_module_at_a_time(mixed_gguf, tmp_path, monkeypatch):
+    """A first load used to build every prepared module before writing any (a 4.84 GB mixture file peaked at 13.6 GB
+    RSS; a real 30B one would need ~50 GB): now each module is spilled and dropped as it is built, so when a module
+    is handed over at most the one before it (still being spilled) and the head a tied table shares are alive."""
+    real, alive, most = quant.prepared_weights, [], [0]
+
+    def counted(*args, **kwargs):
+        for name, value in real(*args, **kwargs):
+            if isinstance(value, torch.nn.Module):
+                most[0] = max(most[0], sum(ref() is not None for ref in alive))
+                alive.append(weakref.ref(value))
+            yield name, value
+
+    monkeypatch.setattr(quant, "prepared_weights", counted)
+    load_model(str(mixed_gguf), weights="auto", cache_dir=str(tmp_path / "cache"))
+    assert len(alive) >= 8 and most[0] <= 2, (len(alive), most[0])
+
+
+def test_a_spill_writes_the_tensors_in_the_order_asked_and_leaves_nothing(tmp_path):
+    parts = {"a": torch.arange(6, dtype=torch.int32).reshape(2, 3), "b": torch.tensor([7, 0], dtype=torch.uint8),
+             "c": torch.empty(0, 4, dtype=torch.float32), "d": torch.linspace(-1, 1, 5, dtype=torch.bfloat16)}
+    path = tmp_path / "out.safetensors"
+    with st.Spill(tmp_path / "out.spill") as spill:
+        for name, t in parts.items():
+            spill.add(name, t)
+        with pytest.raises(ValueError, match="added twice"):
+            spill.add("a", parts["a"])
+        with pytest.raises(ValueError, match="other tensors"):
+            spill.write(path, ["a", "b"])
+        spill.write(path, ["d", "b", "c", "a"], {"k": "v"})
+    assert [p.name for p in tmp_path.iterdir()] == ["out.safetensors"]
+    got = list(st.iter_tensors([path]))
+    assert [n for n, _ in got] == ["d", "b", "c", "a"] and st.read_metadata(path) == {"k": "v"}
+    for name, t in got:
+        assert t.dtype == parts[name].dtype and torch.equal(t, parts[name])
 
 
 def test_a_write_to_a_mapped_tensor_never_reaches_the_file(tmp_path):

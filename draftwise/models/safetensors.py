@@ -5,7 +5,8 @@ fields, mixtral's expert names onto the qwen MoE names the decoder uses, transfo
 tensors split per expert), reading
 possibly-sharded safetensors weights under HF names (`iter_tensors`: read into fresh memory; `map_tensors`: views
 of a private file mapping, for files whose bytes are used as they are), and writing a safetensors file tensor by
-tensor (the converted-GGUF cache is written this way, so a 6 GB float32 conversion never sits in memory at once).
+tensor (the converted-GGUF cache is written this way, so a 6 GB float32 conversion never sits in memory at once),
+or, where names and shapes are known only as tensors arrive, through a spill file (Spill: a prepared file's modules).
 
 It does not know GGUF, tokenizers or the hub; it yields tensors in their stored dtype and the decoder casts.
 """
@@ -405,3 +406,49 @@ def write_tensors(
     if next(expected, None) is not None:
         raise ValueError("fewer tensors than specs were written")
     return digest.hexdigest()
+
+
+class Spill:
+    """A safetensors file written from tensors whose names and shapes are known only as they arrive (a GGUF's
+    prepared modules, built one at a time): `add` appends a tensor's bytes to the spill file and keeps only its
+    name, shape, dtype and place, so the caller can drop it; `write` then writes the file in any order of those
+    names, reading one tensor back at a time. Peak memory is one tensor, not the file; the disk holds the data twice
+    until the spill file is removed (on leaving the `with`, written or not)."""
+
+    def __init__(self, spill_path: str | os.PathLike):
+        self.path = Path(spill_path)
+        self.specs: dict[str, tuple[tuple[int, ...], torch.dtype, int, int]] = {}  # name -> shape, dtype, at, size
+        self._out = open(self.path, "wb")
+
+    def __enter__(self) -> "Spill":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._out.close()
+        self.path.unlink(missing_ok=True)
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        if name in self.specs:
+            raise ValueError(f"tensor {name} added twice")
+        data = tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy().data
+        self.specs[name] = (tuple(tensor.shape), tensor.dtype, self._out.tell(), len(data))
+        self._out.write(data)
+
+    def write(self, path: str | os.PathLike, names: list[str], metadata: dict[str, str] | None = None) -> str:
+        """`path` with the tensors in `names`' order (every added name once); write_tensors' sha256."""
+        if sorted(names) != sorted(self.specs):
+            raise ValueError("the order names other tensors than were added")
+        self._out.flush()
+
+        def read_back() -> Iterator[tuple[str, torch.Tensor]]:
+            with open(self.path, "rb") as f:
+                for name in names:
+                    shape, dtype, at, size = self.specs[name]
+                    buf = bytearray(size)
+                    f.seek(at)
+                    if f.readinto(buf) != size:
+                        raise ValueError(f"the spill file {self.path} is short at {name}")
+                    flat = torch.frombuffer(buf, dtype=dtype) if size else torch.empty(0, dtype=dtype)
+                    yield name, flat.reshape(shape)
+
+        return write_tensors(path, [(n, self.specs[n][0], self.specs[n][1]) for n in names], read_back(), metadata)

@@ -285,9 +285,6 @@ def _running(pid: int) -> bool:
 
 def _prepared(ckpt: Checkpoint, plan, embed_dtype: torch.dtype,
               progress: bool) -> Iterator[tuple[str, torch.Tensor | torch.nn.Module]]:
-    from draftwise.models import quant
-
-    dtype = getattr(torch, plan.dtype)
     what = prepared_key_inputs(ckpt, plan, embed_dtype)
     path = prepared_path(ckpt, plan, embed_dtype)
     if not st.is_complete(path):
@@ -295,30 +292,40 @@ def _prepared(ckpt: Checkpoint, plan, embed_dtype: torch.dtype,
             if not st.is_complete(path):
                 print(f"preparing {ckpt.info.get('name')} for kernels {plan.label} once into {path} ...",
                       file=sys.stderr)
-                items = ckpt.gguf().items()
-                tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
-                built = list(quant.prepared_weights(items, ckpt.config, plan, progress))
-                tensors, kinds = [], {}
-                modules = {name: value for name, value in built if isinstance(value, torch.nn.Module)}
-                for name, value in built:
-                    if isinstance(value, torch.nn.Module):
-                        kinds[name], state = quant.module_state(value, modules)
-                        tensors += [(f"{name}.{n}", t) for n, t in state.items()]
-                    else:
-                        tensors.append((name, value.to(embed_dtype if name == "model.embed_tokens.weight" else dtype)))
-                owners = {f"{name}.{n}": name for name, value in built if isinstance(value, torch.nn.Module)
-                          for n in quant.module_state(value, modules)[1]}
-                by_name = dict(tensors)
-                tensors = [(n, by_name[n]) for n in quant.storage_order(list(by_name), owners)]
-                st.write_tensors(tmp, [(name, tuple(t.shape), t.dtype) for name, t in tensors], tensors,
-                                 {"format": "draftwise-prepared", "source_sha256": ckpt.info["sha256"],
-                                  "linears": json.dumps(kinds), "key_inputs": json.dumps(what)})
-                catalog.replace_durably(tmp, path)
+                _write_prepared(ckpt, plan, embed_dtype, progress, path, what)
                 for old in drop_unreachable(path.parent, ckpt.info["sha256"]):
                     print(f"removed {old.name}: no longer read (older format or kernel table)", file=sys.stderr)
-                return iter(built)  # built once: hand the modules over as they are
     kinds = json.loads(st.read_metadata(path)["linears"])
-    return _prepared_from_cache(path, kinds)
+    return _prepared_from_cache(path, kinds)  # the first load too: every load maps the same file
+
+
+def _write_prepared(ckpt: Checkpoint, plan, embed_dtype: torch.dtype, progress: bool, path: Path, what: list) -> None:
+    """The prepared file, one module at a time: each module's tensors are spilled as it is built and the module
+    dropped (a 128-expert layer's modules are ~0.4 GB; the whole of a 30B mixture's, ~18 GB, never sits in memory),
+    then written in storage order and moved in place."""
+    from draftwise.models import quant
+
+    dtype = getattr(torch, plan.dtype)
+    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+    kinds: dict[str, dict] = {}
+    owners: dict[str, str] = {}  # tensor name -> its module's name
+    tied: dict[str, torch.nn.Module] = {}  # the head a tied table may share its buffers with (module_state)
+    with st.Spill(path.with_name(f"{path.name}.spill.tmp-{os.getpid()}")) as spill:
+        for name, value in quant.prepared_weights(ckpt.gguf().items(), ckpt.config, plan, progress):
+            if not isinstance(value, torch.nn.Module):
+                spill.add(name, value.to(embed_dtype if name == f"{quant.EMBED}.weight" else dtype))
+                continue
+            kinds[name], state = quant.module_state(value, tied)
+            for leaf, t in state.items():
+                owners[f"{name}.{leaf}"] = name
+                spill.add(f"{name}.{leaf}", t)
+            if name == "lm_head":
+                tied[name] = value
+            del value, state
+        spill.write(tmp, quant.storage_order(list(spill.specs), owners),
+                    {"format": "draftwise-prepared", "source_sha256": ckpt.info["sha256"],
+                     "linears": json.dumps(kinds), "key_inputs": json.dumps(what)})
+    catalog.replace_durably(tmp, path)
 
 
 def _prepared_from_cache(path: Path, kinds: dict) -> Iterator[tuple[str, torch.Tensor | torch.nn.Module]]:
