@@ -951,3 +951,91 @@ def test_a_draft_grid_timed_under_another_load_is_priced_at_the_load_ratio_timed
     timed.clear()
     draft.grid = grid(busy * draft_now, 0.1)  # quiet (not provisional): as measured, nothing timed
     assert AdaptiveK.calibrate(target, 8, SimpleNamespace(model=draft)).draft_scale == 1.0 and not timed
+
+
+def _paired_run(monkeypatch, alpha: float, pair_every: int, dear: float = 1.3, steps: int = 600) -> tuple[float, int]:
+    """A batch of 4 decoding `steps` against a planted truth (a ragged step of w tokens a row: 38.5 ms x (1 + 0.33 (w -
+    1)), the engine's 4-row steps at c = 4; a guess 6 ms of proposing a row-token) over a load-time grid that got the
+    shape wrong: its plain cells `dear`x the truth, its guessing cells right (one timing after a load put (4, 2) /
+    (4, 1) anywhere in 1.24-1.61 on the Zen 4 VM, 2026-12-07 second session). Rows accept with `alpha`; the engine's
+    prior starts at 0.8 (another workload's). -> (realized tokens/s over the last two thirds / plain's, paired steps)."""
+    monkeypatch.setattr(adaptive, "PAIR_EVERY", pair_every)
+    truth = lambda w: 0.0385 * (1 + 0.33 * (w - 1))  # noqa: E731
+    p = AdaptiveK(4, _grid(lambda b, w: truth(w) * (dear if w == 1 else 1.0)), {k: 0.006 * k for k in range(5)})
+    p.engine_alpha = 0.8
+    rng = random.Random(0)
+    reqs = [_Req(f"r{i}", params=SamplingParams(max_tokens=100_000)) for i in range(4)]
+    tokens = seconds = 0.0
+    for step in range(steps):
+        ks = p.choose_batch(reqs, [4] * 4)
+        width, propose = adaptive.ragged_width(ks), p.draft_steps[max(ks)]
+        emitted = 0
+        for req, k in zip(reqs, ks):
+            accepted = 0
+            while accepted < k and rng.random() < alpha:
+                accepted += 1
+            if k:
+                p.observe(req, k, accepted)
+            emitted += accepted + 1
+        p.observe_step(4, width, truth(width), propose, ks)
+        if step >= steps // 3:
+            tokens, seconds = tokens + emitted, seconds + truth(width) + propose
+    return tokens / seconds / (4 / truth(1)), p.paired_steps
+
+
+def test_paired_plain_steps_price_plain_at_the_guessing_steps_load(monkeypatch):
+    """A speculating batch runs plain steps rarely, so its plain cell's price was the load-time grid's shape times the
+    load factor its guessing steps set: a grid timed with plain 1.3x too dear kept a batch guessing at 0.90x plain
+    (chat at c = 4 realized 0.88x where the policy predicted 1.08x). Every PAIR_EVERY-th close guessing decision now
+    runs plain (the gap doubling while those steps cost what they were priced at) and the plain cell, visited now and
+    then, keeps what it was taught (step_cost FRESH_STEPS): the batch stops guessing where it loses. Planted: no
+    paired steps (PAIR_EVERY 0), the old rule, must lose; where guessing pays, the paired steps cost < 1%."""
+    old, none = _paired_run(monkeypatch, 0.35, 0)
+    new, paired = _paired_run(monkeypatch, 0.35, 8)
+    assert none == 0 and old < 0.93, old
+    assert paired > 0 and new >= 0.98, new
+    pays_old, _ = _paired_run(monkeypatch, 0.7, 0)
+    pays_new, _ = _paired_run(monkeypatch, 0.7, 8)
+    assert pays_old > 1.1 and pays_new >= pays_old - 0.01, (pays_old, pays_new)
+
+
+def test_a_cell_visited_now_and_then_keeps_what_it_was_taught():
+    """Between visits closer than FRESH_STEPS a cell's residual holds (others relax back to the measured shape as
+    before): a plain cell taught 0.8x its base at every 16th step stays within 3% of it (relaxing every step, as
+    before, kept it 11% dearer: about half of what each visit taught, in log)."""
+    from draftwise.kernels.step_cost import FRESH_STEPS
+
+    g = _grid(lambda b, w: 0.04 * (1 + 0.3 * (w - 1)), batches=(4,), widths=(1, 2, 4))
+    for step in range(400):
+        if step % 16 == 0:
+            g.observe(4, 1, 0.8 * g.predicted_base(4, 1))  # the truth: plain at 0.8x its base
+        else:
+            g.observe(4, 2, g.predicted_base(4, 2))
+    assert abs(g.cost(4, 1) / g.cost(4, 2) - 0.8 / 1.3) < 0.03, g.cost(4, 1) / g.cost(4, 2)
+    for _ in range(FRESH_STEPS + 200):  # then never again: it relaxes back toward the grid's shape
+        g.observe(4, 2, g.predicted_base(4, 2))
+    assert g.cost(4, 1) / g.cost(4, 2) > 0.9 / 1.3
+
+
+def test_the_draft_s_forwards_are_priced_by_rows_as_they_run():
+    """A draft grid timed with the wrong shape by rows (a 4-row forward 1.3x dearer than the grid's ratio to a 1-row
+    one): steps of one row guessing and steps of four, mixed, teach each its own price. One scale for the draft
+    (the old rule, planted by not teaching the grid) can fit only their mix: it prices one of the two 10%+ off."""
+    truth = {1: 0.008, 4: 0.0104 * 1.3}  # seconds of one draft forward of b rows
+    grid = _grid(lambda b, w: 0.008 + 0.0008 * (b - 1) * w, batches=(1, 2, 4, 8), widths=(1, 2, 4))
+
+    def taught(teach: bool) -> AdaptiveK:
+        p = AdaptiveK(4, ROW_BOUND, _grid(lambda b, w: grid.cost(b, w), batches=(1, 2, 4, 8), widths=(1, 2, 4)))
+        if not teach:
+            p._teach_draft_grid = lambda ks, s: None
+        for t in range(300):
+            ks = [2] if t % 2 else [2, 2, 2, 2]
+            p.observe_step(len(ks), 3, ROW_BOUND.cost(len(ks), 3), 2 * truth[len(ks)], ks)
+        return p
+
+    new = taught(True)
+    assert abs(new.draft_time([2]) / (2 * truth[1]) - 1) < 0.05, new.draft_time([2]) / (2 * truth[1])
+    assert abs(new.draft_time([2] * 4) / (2 * truth[4]) - 1) < 0.05, new.draft_time([2] * 4) / (2 * truth[4])
+    old = taught(False)
+    off = [abs(old.draft_time(ks) / (2 * truth[len(ks)]) - 1) for ks in ([2], [2] * 4)]
+    assert max(off) > 0.1, off

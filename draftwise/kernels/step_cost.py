@@ -21,8 +21,10 @@ CELL_EWMA of what the scale leaves unexplained, shared among the measured cells 
 interpolation weights, so a width that got dearer (fewer threads under load make wide steps dearer than narrow
 ones) makes its neighbours dearer too, before the engine ever runs them. What a residual says grows stale while its
 cells go unvisited: every other cell's residual relaxes RESID_RELAX of the way (in log) back to the measured shape
-per observed step, so a width that a burst of load priced out of the engine's steps (a policy that stops
-speculating never runs it again) is tried again once the burst is old, and taught again if it is still dear.
+per observed step once it has gone FRESH_STEPS steps unvisited, so a width that a burst of load priced out of the
+engine's steps (a policy that stops speculating never runs it again) is tried again once the burst is old, and
+taught again if it is still dear, while a cell the engine visits now and then (the plain cell of a speculating batch:
+the policy's paired plain steps) keeps what it was taught between visits.
 Knows nothing of speculation, proposers or the engine: callers pass a decoder-like callable.
 """
 from __future__ import annotations
@@ -52,6 +54,7 @@ SCALE_EWMA = 0.1  # per observed step: the load factor's move toward measured / 
 CELL_EWMA = 0.2  # per observation of a cell: its residual's move
 RESID_RANGE = (0.25, 4.0)  # a residual explains at most this much of a cell (the rest is load, the scale's)
 RESID_RELAX = 0.01  # per observed step: an unvisited cell's residual's move back toward 1 (log; ~70 steps to halve)
+FRESH_STEPS = 64  # ... once it has gone this many observed steps unvisited (a cell visited now and then stays taught)
 PROMPT_WIDTHS = (64,)  # a draft's grid also times one row at a prompt's width: its catch-up (the prompt and the
 # tokens decoded plainly before its first guess, ~100 tokens) runs the wide kernels, whose cost a token widths 1..16
 # do not tell (logits "last" grids only: a verification never runs one row that wide); past 64 the 16..64 slope
@@ -74,6 +77,7 @@ class StepCost:
         self.scale = 1.0  # the load factor, EWMA of measured / predicted over every observed step
         self.resid: dict[tuple[int, int], float] = {}  # per measured cell, EWMA of what the scale leaves over
         self.observations = 0
+        self._visited: dict[tuple[int, int], int] = {}  # measured cell -> the observation that last visited it
         # predicted_base's answers and each row's corrected cells since the last observe (which alone moves `resid`):
         # a k policy reads the same cells many times a decision (its widths, each row's catch-up, the probe check)
         self._memo: dict[tuple, float | list[float]] = {}  # (B, width, corrected) -> seconds; (B, corrected) -> cells
@@ -141,10 +145,11 @@ class StepCost:
         left = math.log(seconds / (base * self.scale))  # what the load factor does not explain at this cell
         around = self._around(batch, width)
         visited = {cell for cell, _ in around}
-        for cell, r in self.resid.items():  # unvisited cells' residuals go stale: back toward the measured shape
-            if cell not in visited:
+        for cell, r in self.resid.items():  # long-unvisited cells' residuals go stale: back toward the measured shape
+            if cell not in visited and self.observations - self._visited.get(cell, -FRESH_STEPS) >= FRESH_STEPS:
                 self.resid[cell] = math.exp((1 - RESID_RELAX) * math.log(r))
         for cell, weight in around:
+            self._visited[cell] = self.observations
             a = CELL_EWMA * weight
             r = math.exp((1 - a) * math.log(self.resid.get(cell, 1.0)) + a * left)
             self.resid[cell] = min(max(r, RESID_RANGE[0]), RESID_RANGE[1])

@@ -25,7 +25,9 @@ steps: one reported wider than its ragged width) prices 1 + max_i k_i instead. A
 that does costs one token, not the widest row's width, so mixed k (a likely row guessing, an unlikely one plain)
 can pay where one padded step would not. draft(k):
 guess j is one draft forward over the B_j rows guessing >= j tokens, Σ_j draft_grid(B_j, 1), scaled online by the
-measured proposing time (a proposer without a model: what its lookups measure, per guessing row, times the rows
+measured proposing time, and the draft grid's own cells taught by it as the target's are (a step without catch-up:
+its seconds shared among its forwards by their prices, each observed at (B_j, 1)), so a 4-row forward is priced
+from 4-row steps, not from the scale 1-row steps set (a proposer without a model: what its lookups measure, per guessing row, times the rows
 guessing: a step's lookups are one per row). The draft's costs also follow the
 target grid's load factor (both models run on the same cores: when the target's steps take 3x what its grid was
 timed at, so do the draft's forwards), so a batch that decoded plainly for a while, the draft idle, still prices a
@@ -65,7 +67,14 @@ the S largest guess gains over the cheapest step that holds S guesses: `_guessin
 the search is skipped, with the same decision: a batch of rows that cannot pay costs one bound a step, not the
 search. A
 narrow batch makes width nearly free; a wide batch makes every token dear: the grid decides, the same rule at every
-load. The engine asks `choose_batch(reqs, caps)`; `choose(req)` is the same rule
+load. Paired plain steps: a batch that keeps guessing runs plain steps rarely, so a plain step's price was the
+load-time grid's shape times the load factor its guessing steps set, and one timing after a load does not give that
+shape on a busy VM ((4, 2) / (4, 1) anywhere in 1.24-1.61): chat at c = 4 (2026-12-07, second session) priced plain
+4-row steps at 44.7 ms against 37.5-39.4 measured and kept guessing at a predicted 1.08x that realized 0.88x. So every
+PAIR_EVERY-th close guessing decision (predicting less than PAIR_MARGIN over plain: a clear win is not flipped by
+a mispriced plain step) runs plain instead, its hysteresis kept; the plain cell learns its cost at the guessing
+steps' load and, visited now and then, keeps it (step_cost FRESH_STEPS). The gap doubles up to PAIR_MAX while
+paired steps cost within PAIR_TOL of their price and is PAIR_EVERY again when one does not. The engine asks `choose_batch(reqs, caps)`; `choose(req)` is the same rule
 for a batch of one (the prefill's first guesses, per-request callers).
 
 α is learned per request, older guesses decayed (DECAY per guess: a chat answer turns into code and back),
@@ -98,6 +107,10 @@ DECAY = 0.9  # per guess: how much of a request's older evidence is kept
 ENGINE_MIX = 0.5  # a finished request's share in the engine's α (the last few requests count)
 MARGIN = 1.1  # start guessing only when the model predicts >= 10% more tokens/s than plain decoding ...
 KEEP_MARGIN = 1.0  # ... and stop when it predicts less than plain (stopping is free, restarting costs a catch-up)
+PAIR_EVERY = 8  # close guessing decisions before a paired plain step (the plain step's cost at the same load) ...
+PAIR_MAX = 64  # ... the gap doubling up to this while paired steps take what the grid priced them at ...
+PAIR_TOL = 0.05  # ... within this (further off: the gap is PAIR_EVERY again)
+PAIR_MARGIN = 1.3  # a close decision: it predicts less than this over plain (a clear win needs no paired step)
 EXPLORE_EVERY = 16  # plain steps before a probe (then 32, 64, ...: the gap doubles after each probe)
 PROBE_K = 2  # guesses of a probe
 SWEEPS = 2  # the search's per-row passes after the shared-K one (each row at every k, the others held)
@@ -206,6 +219,10 @@ class AdaptiveK:
         self.k_histogram: dict[int, int] = {}
         self.last_decision: tuple[int, int] = (0, 0)  # (rows that guessed, rows) of the last batch decision
         self._guessing = False  # the last batch decision guessed: stopping is free, restarting is not
+        self._since_pair = 0  # close guessing decisions since the last paired plain step
+        self._pair_gap = PAIR_EVERY  # ... before the next
+        self._pair_pending = False  # the last decision was a paired plain step: its observed cost moves the gap
+        self.paired_steps = 0  # paired plain steps taken
         self._unseen = 0.0  # seconds (load time) of catch-up the last decision's guessing rows had the proposer do
         self._behind: dict[str, int] = {}  # request -> context tokens its proposer has not seen
         self._plain_run: dict[str, int] = {}  # request -> plain steps since its last guess
@@ -411,6 +428,9 @@ class AdaptiveK:
         ks, rate, plain = self.best_ks(alphas, caps, behind, remaining)
         if any(ks) and rate < (KEEP_MARGIN if guessing else MARGIN) * plain:
             ks = [0] * len(reqs)
+        paired = any(ks) and rate < PAIR_MARGIN * plain and self._pair_due()
+        if paired:  # this step runs plain, so the plain cell is priced at today's load too (module docstring)
+            ks = [0] * len(reqs)
         runs = [self._plain_run.get(rid, 0) + 1 if ks[i] == 0 else 0 for i, rid in enumerate(rids)]
         gaps = [self._probe_gap.get(rid, EXPLORE_EVERY) for rid in rids]
         # a probe widens the whole padded step: rows whose probe is at least half due take the same step; only rows
@@ -423,10 +443,20 @@ class AdaptiveK:
             self._plain_run[rid] = plain_run
             self._behind[rid] = behind[i] + 1 if ks[i] == 0 else behind[i]  # observe() resets it after a guess
             self.k_histogram[ks[i]] = self.k_histogram.get(ks[i], 0) + 1
-        self._guessing = any(ks)
+        self._guessing = any(ks) or paired  # a paired plain step keeps the guessing margin
         self.last_decision = (sum(k > 0 for k in ks), len(ks))
         self._unseen = sum(self._catch_up_base(behind[i] - 1) for i in range(len(ks)) if ks[i])  # read first
         return ks
+
+    def _pair_due(self) -> bool:
+        """Called at each guessing decision whose gain is close (below PAIR_MARGIN): whether this one runs plain
+        instead (the gap: PAIR_EVERY, doubling while paired steps confirm the price; PAIR_EVERY 0: never)."""
+        self._since_pair += 1
+        if not PAIR_EVERY or self._since_pair < self._pair_gap:
+            return False
+        self._since_pair, self._pair_pending = 0, True
+        self.paired_steps += 1
+        return True
 
     def _worth_probing(self, alphas: list[float], caps: list[int], behind: list[int], remaining: list[int],
                        runs: list[int], gaps: list[int]) -> list[bool]:
@@ -491,6 +521,10 @@ class AdaptiveK:
         propose_s: the target's grid follows it; a guessing step moves the draft's scale (or seconds). A guessing
         step of several rows reported wider than its ragged width was padded (a token tree in the batch): the
         following decisions price the widest row (`padded`) until a step is reported ragged again."""
+        if self._pair_pending and not any(k_per_seq):  # a paired plain step: was the plain cell priced right?
+            self._pair_pending = False
+            off = abs(math.log(step_s / self.target.cost(batch, width))) if step_s > 0 else math.inf
+            self._pair_gap = min(2 * self._pair_gap, PAIR_MAX) if off <= math.log1p(PAIR_TOL) else PAIR_EVERY
         self.target.observe(batch, width, step_s)
         if batch > 1 and any(k_per_seq) and len(k_per_seq) == batch:
             ragged = ragged_width(k_per_seq)
@@ -506,6 +540,22 @@ class AdaptiveK:
         if predicted > 0:  # one step moves the scale by at most DRAFT_RATIO_RANGE (a prompt's catch-up is an outlier)
             ratio = min(max(propose_s / predicted, DRAFT_RATIO_RANGE[0]), DRAFT_RATIO_RANGE[1])
             self.draft_scale = math.exp((1 - DRAFT_EWMA) * math.log(self.draft_scale) + DRAFT_EWMA * math.log(ratio))
+        if self.draft_grid is not None and self._unseen == 0:  # no catch-up in it: the step's forwards alone
+            self._teach_draft_grid(k_per_seq, propose_s)
+
+    def _teach_draft_grid(self, k_per_seq: list[int], propose_s: float) -> None:
+        """The draft's grid learns the shape of its forwards by rows as the target's does (StepCost.observe): a
+        step's proposing seconds shared among its forwards (guess j: the rows guessing >= j) by their prices, each
+        seen at its (rows, 1) cell in the grid's own units (the draft factor divided out). One draft scale for every
+        batch size priced a 4-row forward at 13.6 ms that took ~17 (chat at c = 4, its scale learned from 1- and
+        2-row steps; 2026-12-07, third session)."""
+        rows = [sum(k >= j for k in k_per_seq) for j in range(1, max(k_per_seq) + 1)]
+        prices = [self.draft_grid.cost(b, 1) for b in rows]
+        total, factor = sum(prices), self.draft_factor
+        if not (total > 0 and factor > 0):
+            return
+        for b, price in zip(rows, prices):
+            self.draft_grid.observe(b, 1, propose_s * price / total / factor)
 
     def acceptance(self, req) -> float:
         """α for this request: its own decayed counts behind the prior's pseudo-guesses (`prior_for`: the other
