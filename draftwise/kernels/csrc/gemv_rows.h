@@ -26,6 +26,16 @@ struct DwGemvScratch {
         qsum16 = qsum + dw_up64(S * M * 8 * 2);
         bytes = qsum16 + dw_up64(S * M * 16 * 2);
     }
+    // The arrays of a scratch `base` (64-byte aligned, `bytes` long) in this layout.
+    struct Arrays {
+        int8_t* q;
+        float* dx;
+        int16_t* qsum;
+        int16_t* qsum16;
+    };
+    Arrays in(uint8_t* base) const {
+        return {(int8_t*)base, (float*)(base + dx), (int16_t*)(base + qsum), (int16_t*)(base + qsum16)};
+    }
 };
 
 // Scratch bytes the quantized activations of M rows of K take (DwGemvScratch's layout).

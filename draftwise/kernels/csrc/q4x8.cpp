@@ -126,13 +126,10 @@ at::Tensor dw_q4x8_linear_checked(const at::Tensor& x, const at::Tensor& packed,
 // dw_q4x8_linear_checked's GEMV path on the calling thread (gemv_rows.h)
 void dw_q4x8_gemv_rows(const DwQ4* w, const float* x, int64_t M, float* y, int64_t path, uint8_t* scratch) {
     const int64_t K = w->K, NB = (w->N + 15) / 16;
-    const DwGemvScratch at(M, K);
+    const auto s = DwGemvScratch(M, K).in(scratch);
     path = dwisa::select(ISA, path);
-    int8_t* qp = (int8_t*)scratch;
-    float* dxp = (float*)(scratch + at.dx);
-    int16_t* qsp = (int16_t*)(scratch + at.qsum);
-    dwisa::pick(path, dw_q8_rows_scalar, dw_q8_rows_avx2, dw_q8_rows_avx512)(x, M, K, qp, dxp, qsp, 0, M);
-    DwQ8 a{qp, dxp, qsp, M};
+    dwisa::pick(path, dw_q8_rows_scalar, dw_q8_rows_avx2, dw_q8_rows_avx512)(x, M, K, s.q, s.dx, s.qsum, 0, M);
+    DwQ8 a{s.q, s.dx, s.qsum, M};
     dwisa::pick(path, dw_gemm_scalar, dw_gemm_avx2, dw_gemm_avx512)(w, &a, y, 0, NB);
 }
 

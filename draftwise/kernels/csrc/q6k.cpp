@@ -105,14 +105,10 @@ void dw_q6k_quantize_rows(int64_t path, const float* x, int64_t M, int64_t K, in
 // q6k_linear's GEMV on the calling thread (gemv_rows.h: the scratch laid out as DwGemvScratch)
 void dw_q6k_gemv_rows(const DwQ6* w, const float* x, int64_t M, float* y, int64_t path, uint8_t* scratch) {
     const int64_t K = w->K, NB = (w->N + 15) / 16;
-    const DwGemvScratch at(M, K);
+    const auto s = DwGemvScratch(M, K).in(scratch);
     path = dwisa::select(ISA, path);
-    int8_t* qp = (int8_t*)scratch;
-    float* dxp = (float*)(scratch + at.dx);
-    int16_t* qsp = (int16_t*)(scratch + at.qsum);
-    int16_t* q16 = (int16_t*)(scratch + at.qsum16);
-    dw_q6k_quantize_rows(path, x, M, K, qp, dxp, qsp, q16, 0, M);
-    DwQ8K16 a{qp, dxp, q16, M};
+    dw_q6k_quantize_rows(path, x, M, K, s.q, s.dx, s.qsum, s.qsum16, 0, M);
+    DwQ8K16 a{s.q, s.dx, s.qsum16, M};
     dwisa::pick(path, dw_q6k_gemm_scalar, dw_q6k_gemm_avx2, dw_q6k_gemm_avx512)(w, &a, y, 0, NB);
 }
 
