@@ -187,7 +187,10 @@ def weight_bytes(s: Shapes, plan) -> int:
             impls = [kernel if LINEARS[kernel].supports(N, K) else EXACT_DENSE]
         else:
             impls = quant.plan_impls(plan, N, K)
-        total += sum(LINEARS[i].nbytes(N, K, f"{path}.bias" in specs, kind) for i in impls)
+        bias = f"{path}.bias" in specs
+        total += sum(LINEARS[i].nbytes(N, K, bias, kind) for i in impls)
+        if bias and impls == ["q4x8", "fp32"]:  # one float32 bias serves both halves (linear.derived_split; merged:
+            total -= 4 * N  # the step's a view of the prefill parts' in the mapped file, linear.cat_rows)
         head = impls if path == "lm_head" else head
     biases = {f"{path}.bias" for path in linears}
     for name, shape in specs.items():
