@@ -27,8 +27,8 @@ can pay where one padded step would not. draft(k):
 guess j is one draft forward over the B_j rows guessing >= j tokens, Σ_j draft_grid(B_j, 1), scaled online by the
 measured proposing time, and the draft grid's own cells taught by it as the target's are (a step without catch-up:
 its seconds shared among its forwards by their prices, each observed at (B_j, 1)), so a 4-row forward is priced
-from 4-row steps, not from the scale 1-row steps set (a proposer without a model: what its lookups measure, per guessing row, times the rows
-guessing: a step's lookups are one per row). The draft's costs also follow the
+from 4-row steps, not from the scale 1-row steps set (a proposer without a model: what its lookups measure, per
+guessing row, times the rows guessing: a step's lookups are one per row). The draft's costs also follow the
 target grid's load factor (both models run on the same cores: when the target's steps take 3x what its grid was
 timed at, so do the draft's forwards), so a batch that decoded plainly for a while, the draft idle, still prices a
 restart's draft forwards and catch-up at today's load; the draft's own scale learns only how the two differ.
@@ -74,8 +74,9 @@ shape on a busy VM ((4, 2) / (4, 1) anywhere in 1.24-1.61): chat at c = 4 (2026-
 PAIR_EVERY-th close guessing decision (predicting less than PAIR_MARGIN over plain: a clear win is not flipped by
 a mispriced plain step) runs plain instead, its hysteresis kept; the plain cell learns its cost at the guessing
 steps' load and, visited now and then, keeps it (step_cost FRESH_STEPS). The gap doubles up to PAIR_MAX while
-paired steps cost within PAIR_TOL of their price and is PAIR_EVERY again when one does not. The engine asks `choose_batch(reqs, caps)`; `choose(req)` is the same rule
-for a batch of one (the prefill's first guesses, per-request callers).
+paired steps cost within PAIR_TOL of their price and is PAIR_EVERY again when one does not. The engine asks
+`choose_batch(reqs, caps)`; `choose(req)` is the same rule for a batch of one (the prefill's first guesses,
+per-request callers).
 
 α is learned per request, older guesses decayed (DECAY per guess: a chat answer turns into code and back),
 behind a prior (`prior_for`): the other running requests' own decayed guesses pooled, behind PRIOR_GUESSES
