@@ -46,7 +46,7 @@ def install(rec: list, force_every: int) -> None:
         e, verify_s, forward_s, _ = pol._rate_of(alphas, max(max(ks), 1), behind, remaining).parts
 
         def parts(kk):
-            d = sum(forward_s[sum(k >= j for k in kk)] for j in range(1, max(kk) + 1)) if forward_s else 0.0
+            d = sum(forward_s[b] for b in A.forward_rows(kk)) if forward_s else 0.0
             return dict(verify=A._at(verify_s, pol.verify_width(kk)), draft=d,
                         tokens=sum(e[i][k] for i, k in enumerate(kk)))
         forced = False

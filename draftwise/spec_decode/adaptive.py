@@ -126,6 +126,11 @@ LENGTH_KINDS = 256  # kinds whose typical lengths are kept (the least recently f
 FINISHED = ("stop", "length")  # the finish reasons whose output length is evidence (not "abort", not "error")
 
 
+def forward_rows(k_per_seq: list[int]) -> list[int]:
+    """The rows of each draft forward of a step: guess j is one forward over the rows guessing >= j tokens."""
+    return [sum(k >= j for k in k_per_seq) for j in range(1, max(k_per_seq, default=0) + 1)]
+
+
 def length_kinds(req) -> tuple:
     """The kinds a request's output length is learned under, narrowest first (module docstring): its shape as its
     client set it (max_tokens' power-of-two bucket, stop strings, stop ids, ignore_eos, constrained by a grammar)
@@ -301,7 +306,7 @@ class AdaptiveK:
         if K == 0:
             return 0.0
         if self.draft_grid is not None:
-            t = sum(self.draft_grid.cost(sum(k >= j for k in k_per_seq), 1) for j in range(1, K + 1))
+            t = sum(self.draft_grid.cost(b, 1) for b in forward_rows(k_per_seq))
         elif self.draft_steps is not None:
             t = self.draft_steps.get(K, self.draft_steps[max(self.draft_steps)])
         else:  # a proposer without a model looks up each guessing row on its own
@@ -334,10 +339,9 @@ class AdaptiveK:
               if behind is not None else [0.0] * n)
 
         def rate(ks: list[int]) -> float:
-            K = max(ks)
             w = _at(verify, self.verify_width(ks))
             if forward is not None:
-                draft = sum(forward[sum(k >= j for k in ks)] for j in range(1, K + 1))
+                draft = sum(forward[b] for b in forward_rows(ks))
             else:
                 draft = self.draft_time(ks)
             tokens = sum(e[i][k] for i, k in enumerate(ks))
@@ -550,7 +554,7 @@ class AdaptiveK:
         seen at its (rows, 1) cell in the grid's own units (the draft factor divided out). One draft scale for every
         batch size priced a 4-row forward at 13.6 ms that took ~17 (chat at c = 4, its scale learned from 1- and
         2-row steps; 2026-12-07, third session)."""
-        rows = [sum(k >= j for k in k_per_seq) for j in range(1, max(k_per_seq) + 1)]
+        rows = forward_rows(k_per_seq)
         prices = [self.draft_grid.cost(b, 1) for b in rows]
         total, factor = sum(prices), self.draft_factor
         if not (total > 0 and factor > 0):
