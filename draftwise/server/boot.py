@@ -95,10 +95,10 @@ class BootApp:
         except asyncio.CancelledError:
             raise
         except BaseException as e:  # noqa: BLE001 — the server cannot serve: say why, then exit
-            self.failed = e
             log.error("the engine could not start: %s", e)
             if self.server is not None:
                 self.server.should_exit = True
+            self.failed = e  # last: whoever sees it set sees the exit asked for too
             return
         log.info("the engine is ready %.1f s after the server started listening", time.monotonic() - self._t0)
         if self._on_ready is not None:
