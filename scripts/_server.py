@@ -2,7 +2,7 @@
 port, wait until /health answers, read /metrics (raw text, and the speculation counters and RSS parsed the way the
 bench lab parses them), stop it with SIGTERM (SIGKILL after a grace period).
 
-Used by bench_server.py, bench_concurrency.py, flood_server.py and heal_server.py; soak_server.py keeps its own for now (see
+Used by bench_server.py, bench_concurrency.py, bench_served_methods.py, flood_server.py and heal_server.py; soak_server.py keeps its own for now (see
 scripts/README.md). A script module, not part of the package: nothing under draftwise/ imports it. Its parsing comes
 from draftwise/bench/clients.py, so a script and `draftwise bench --endpoint` read the same counters.
 
