@@ -1039,3 +1039,25 @@ def test_the_draft_s_forwards_are_priced_by_rows_as_they_run():
     old = taught(False)
     off = [abs(old.draft_time(ks) / (2 * truth[len(ks)]) - 1) for ks in ([2], [2] * 4)]
     assert max(off) > 0.1, off
+
+
+def test_the_hot_paths_read_what_their_definitions_say():
+    """The decision's hot paths, each against its definition over random inputs: forward_rows (guess j is one draft
+    forward over the rows guessing >= j) counted in one pass, a grid's cell read from the two measured batch rows
+    around it (the others are not computed) equal to the interpolation over every row, bit for bit, corrected or
+    not, inside the grid and past its edges."""
+    rng = random.Random(3)
+    for _ in range(500):
+        ks = [rng.choice([0, 0, 1, 2, 3, 8, 16]) for _ in range(rng.randint(0, 8))]
+        assert adaptive.forward_rows(ks) == [sum(k >= j for k in ks) for j in range(1, max(ks, default=0) + 1)]
+    from draftwise.kernels.step_cost import _interp
+    grid = StepCost({(b, w): 0.02 + 0.003 * b + 0.001 * b * w * rng.uniform(0.8, 1.2)
+                     for b in (1, 2, 3, 4, 6, 8) for w in (1, 2, 4, 8, 16)})
+    for _ in range(50):  # residuals on some cells
+        grid.observe(rng.randint(1, 8), rng.choice([1, 2, 3.5, 9]), rng.uniform(0.02, 0.1))
+    for b in range(1, 11):
+        for w in (0.5, 1, 1.25, 2, 3, 7.5, 16, 40):
+            for corrected in (False, True):
+                every = _interp(grid.batches, [grid._row(bb, w, corrected) for bb in grid.batches], b)
+                grid._memo.clear()
+                assert grid.predicted_base(b, w, corrected) == every

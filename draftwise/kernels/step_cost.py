@@ -96,8 +96,9 @@ class StepCost:
         if hit is None:
             if len(self._memo) >= MEMO_CELLS:  # a draft's grid goes unobserved while it idles: catch-ups vary
                 self._memo.clear()
-            hit = self._memo[key] = _interp(self.batches, [self._row(b, width, corrected) for b in self.batches],
-                                            batch)
+            lo, hi = _segment(self.batches, batch)  # _interp reads these two rows alone: the others are not computed
+            hit = self._memo[key] = _interp(self.batches[lo:hi + 1], [self._row(b, width, corrected)
+                                                                      for b in self.batches[lo:hi + 1]], batch)
         return hit
 
     def cost(self, batch: int, width: int) -> float:
@@ -166,14 +167,23 @@ class StepCost:
         return cls(base, bool(d.get("provisional")), info)
 
 
+def _segment(xs: list[int], x: float) -> tuple[int, int]:
+    """The indices of the two points of sorted xs that _interp reads for x (the nearest segment beyond the ends;
+    (0, 0) for a single point)."""
+    if len(xs) == 1:
+        return 0, 0
+    i = 1
+    while i < len(xs) - 1 and xs[i] < x:
+        i += 1
+    return i - 1, i
+
+
 def _interp(xs: list[int], ys: list[float], x: float) -> float:
     """Piecewise-linear through (xs, ys) (sorted xs), extrapolated from the nearest segment, never below 0."""
     if len(xs) == 1:
         return ys[0]
-    i = 1
-    while i < len(xs) - 1 and xs[i] < x:
-        i += 1
-    x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
+    lo, i = _segment(xs, x)
+    x0, x1, y0, y1 = xs[lo], xs[i], ys[lo], ys[i]
     return max(0.0, y0 + (y1 - y0) * (x - x0) / (x1 - x0))
 
 
