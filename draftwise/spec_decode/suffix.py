@@ -80,21 +80,11 @@ class SuffixTrie:
 
     def append(self, token: int) -> None:
         """The current sequence grows by one token: each of its suffixes (up to max_depth) gains an occurrence."""
-        grown, counts, edges, first = [], self.counts, self.edges, self.first
+        grown, counts, edges = [], self.counts, self.edges
         for parent in (ROOT, *self._open):
-            key = parent << 32 | token
-            child = edges.get(key)
+            child = edges.get(parent << 32 | token)
             if child is None:
-                if self._free:
-                    child = self._new(parent, token)
-                else:  # _new at the lists' end, inlined: a novel token makes up to max_depth nodes a row a step
-                    child = edges[key] = len(counts)
-                    counts.append(0)
-                    self.tokens.append(token)
-                    first.append(NONE)
-                    self.sibling.append(first[parent])
-                    first[parent] = child
-                    self.num_nodes += 1
+                child = self._new(parent, token)
             counts[child] += 1
             grown.append(child)
         self._open = grown[: self.max_depth - 1]
