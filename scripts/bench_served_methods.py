@@ -21,6 +21,7 @@ Not a test: it measures (exit status: the bench's).
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import json
 import os
@@ -53,10 +54,10 @@ def main() -> int:
     ap.add_argument("--logs", default=None, help="the servers' logs (default: a temporary directory)")
     args = ap.parse_args(ours)
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    configs = {}  # label -> config; unknown methods refused before anything starts
+    configs, seen = {}, collections.Counter()  # label -> config; unknown methods refused before anything starts
     for m in methods:
-        label = m if m not in configs else f"{m}-{sum(x.split('-')[0] == m for x in configs) + 1}"
-        configs[label] = spec_config(m, args.draft)
+        seen[m] += 1
+        configs[m if seen[m] == 1 else f"{m}-{seen[m]}"] = spec_config(m, args.draft)
     logs = Path(args.logs or tempfile.mkdtemp(prefix="served-"))
     logs.mkdir(parents=True, exist_ok=True)
     with contextlib.ExitStack() as servers:

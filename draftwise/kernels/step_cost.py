@@ -96,9 +96,9 @@ class StepCost:
         if hit is None:
             if len(self._memo) >= MEMO_CELLS:  # a draft's grid goes unobserved while it idles: catch-ups vary
                 self._memo.clear()
-            lo, hi = _segment(self.batches, batch)  # _interp reads these two rows alone: the others are not computed
-            hit = self._memo[key] = _interp(self.batches[lo:hi + 1], [self._row(b, width, corrected)
-                                                                      for b in self.batches[lo:hi + 1]], batch)
+            lo, hi = _segment(self.batches, batch)
+            around = self.batches[lo:hi + 1]  # the rows _interp reads: the others are not computed
+            hit = self._memo[key] = _interp(around, [self._row(b, width, corrected) for b in around], batch)
         return hit
 
     def cost(self, batch: int, width: int) -> float:
