@@ -185,6 +185,49 @@ def test_every_isa_path_is_bitwise_the_portable_one():
         glue.use_path("neon")
 
 
+def argmax_rows() -> list[torch.Tensor]:
+    """Rows that test an argmax's every branch: lengths around each path's vector widths and its four accumulators,
+    a vocabulary row, ties across lanes, accumulators and the tail, -inf rows, signed zeros, NaNs anywhere."""
+    g = torch.Generator().manual_seed(11)
+    rows = [torch.randn(n, generator=g) for n in (1, 2, 7, 8, 9, 15, 16, 17, 31, 32, 33, 63, 64, 65, 127, 129, 1539,
+                                                   151_936)]
+    for n in (5, 40, 100, 1539):  # the maximum repeated: the first copy must win, wherever the others lie
+        for spots in ((0, n - 1), (n - 1, n // 2, 3), (n // 3, n // 3 + 16, n // 3 + 1)):
+            r = torch.randn(n, generator=g)
+            r[[s % n for s in spots]] = 9.0
+            rows.append(r)
+    rows += [torch.full((n,), float("-inf")) for n in (1, 33, 1539)]
+    lone = torch.full((1539,), float("-inf"))
+    lone[1200] = -3.0e38
+    rows += [lone, torch.zeros(70), torch.tensor([-0.0] + [0.0] * 40), torch.tensor([0.0] * 20 + [-0.0] + [0.0] * 20)]
+    for spots in ((0,), (5,), (70, 20), (1538,), (1530, 1537)):  # NaN: its first index, in lane, body or tail
+        r = torch.randn(1539, generator=g)
+        r[list(spots)] = float("nan")
+        rows.append(r)
+    rows.append(torch.tensor([float("nan")] * 3))
+    return rows
+
+
+def test_argmax_is_torch_argmax_on_every_path():
+    rows = argmax_rows()
+    before = glue.use_path("auto")
+    try:
+        for path in glue.cpu_paths():
+            glue.use_path(path)
+            for r in rows:
+                assert int(glue.argmax(r)) == int(r.argmax()), (path, r.shape[0])
+            batch = torch.randn(3, 5, 2000)  # [..., N] -> [...], rows through the threads and a non-row-stride view
+            assert torch.equal(glue.argmax(batch), batch.argmax(-1))
+            assert torch.equal(glue.argmax(batch[:, :, 7:]), batch[:, :, 7:].argmax(-1))
+            assert torch.equal(glue.argmax(batch.transpose(0, 2)), batch.transpose(0, 2).argmax(-1))
+    finally:
+        glue.use_path(before)
+    with pytest.raises(RuntimeError, match="float32"):
+        glue.argmax(torch.zeros(4, dtype=torch.float64))
+    with pytest.raises(RuntimeError, match="N >= 1"):
+        glue.argmax(torch.zeros(2, 0))
+
+
 @pytest.mark.parametrize("threads", [1, 2])
 def test_every_op_is_row_exact(threads):
     """Each row's result is bitwise the same alone (a one-token decode step) and inside any batch: 9 rows

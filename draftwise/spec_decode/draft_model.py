@@ -41,7 +41,7 @@ from draftwise.config import ConfigError
 from draftwise.kernels import linear
 from draftwise.kv_cache import MAX_BATCHED_CATCH_UP, KVCache
 from draftwise.prefix_cache import PrefixCache
-from draftwise.sampling import SamplingParams, adjust_logits, process_logits, sample
+from draftwise.sampling import SamplingParams, adjust_logits, greedy_ids, process_logits, sample
 from draftwise.spec_decode.proposer import EMPTY_DRAFT_IDS, Draft
 from draftwise.structured.matcher import GrammarError, GrammarMatcher, mask_logits
 
@@ -195,7 +195,7 @@ class DraftModelProposer:
                                    params.stop_ids(self.eos_token_ids))[0]
         conf = 1.0
         if params.greedy:
-            tok, q = int(logits.argmax()), None
+            tok, q = int(greedy_ids(logits)), None
             if self.min_guess_prob > 0.0:  # the top probability: exp(max - logsumexp)
                 row = logits.float()
                 conf = float(torch.exp(row[tok] - torch.logsumexp(row, -1)))

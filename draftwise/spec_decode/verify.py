@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import torch
 
 from draftwise.sampling import (PURPOSE_ACCEPT, PURPOSE_RESIDUAL, PURPOSE_TARGET, PositionalGenerator, SamplingParams,
-                                inverse_cdf, process_logits)
+                                greedy_ids, inverse_cdf, process_logits)
 
 
 @dataclass(frozen=True)
@@ -59,11 +59,12 @@ def greedy_verify(
     """Accept while the draft equals the target's argmax; then emit the target's argmax.
 
     Row i of `target_logits` is the target's prediction for draft position i; row k predicts the bonus.
-    Ties break like `process_logits(temperature=0)` (torch argmax), so this equals plain greedy decoding.
+    Ties break like `process_logits(temperature=0)` (both `greedy_ids`: torch.argmax's first maximum), so this
+    equals plain greedy decoding.
     """
     _check_shapes(draft_ids, None, target_logits)
     k = draft_ids.shape[0]
-    target_ids = target_logits.argmax(-1)  # [k + 1]
+    target_ids = greedy_ids(target_logits)  # [k + 1]
     matches = (draft_ids.to(target_ids.device) == target_ids[:k]).tolist()
     num_accepted = next((i for i, ok in enumerate(matches) if not ok), k)
     # the accepted prefix equals the target's own argmax prefix, so one slice gives prefix + correction/bonus
@@ -81,7 +82,7 @@ def tree_greedy_verify(
     _check_shapes(draft_ids, None, target_logits)
     if len(parents) != draft_ids.shape[0]:
         raise ValueError(f"{len(parents)} parents for {draft_ids.shape[0]} guesses")
-    target_ids = target_logits.argmax(-1).tolist()  # [k + 1]
+    target_ids = greedy_ids(target_logits).tolist()  # [k + 1]
     children: dict[tuple[int, int], int] = {}
     for i, (p, tok) in enumerate(zip(parents, draft_ids.tolist())):
         if not 0 <= p <= i:

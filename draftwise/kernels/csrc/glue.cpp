@@ -22,9 +22,11 @@
 //     within glue.GLU_TOLERANCE of the reference; gelu tanh: at::gelu then mul_, bitwise.
 //   router_logits: a mixture's router, float32 x and weight, exact products summed in double in a fixed order
 //     (glue.h's dot; transformer.py Router's reference: a float64 matmul, whose summation order is the BLAS's).
+//   argmax: torch.argmax's index of each row (glue.h's argmax: first maximum, a NaN above all), in one pass of
+//     compares (torch's reduction takes ~135 us a 151,936-float row here against ~15 us for this one).
 //   route: softmax, top-k, renormalisation and the sort by expert of a mixture's routing in one call (transformers'
 //     float32 softmax with libm's expf and a plain sum, so within a few ulps of torch's vectorised one).
-// The row loops of rms_norm, add_rms_norm, the q/k norm, silu_mul and router_logits' dot run on the best ISA path
+// The row loops of rms_norm, add_rms_norm, the q/k norm, silu_mul, router_logits' dot and argmax run on the best ISA path
 // of glue.h this CPU has (dispatch.h's rule; ISA below says what each glue unit needs), unless a test chose one with
 // use_path; all paths are bitwise the portable oracle (glue_kernel.h), so the choice changes speed only.
 #include <torch/library.h>
@@ -74,6 +76,7 @@ int64_t use_path(int64_t path) {
     return requested_path.exchange(path);
 }
 
+constexpr int64_t ARGMAX_GRAIN = 2;  // rows per parallel task: a vocabulary row is ~15 us, a task's start a few
 constexpr int64_t ROW_GRAIN = 16;  // rows per parallel task: decode calls (1-16 rows) stay on the calling thread
 constexpr int64_t GLU_CHUNK = 4096, GLU_GRAIN_CHUNKS = 4;  // silu_mul: elements per task, tasks per thread at least
 
@@ -418,6 +421,20 @@ std::tuple<at::Tensor, at::Tensor> route(const at::Tensor& logits_in, int64_t k,
     return {experts, weights};
 }
 
+// x [..., N] float32 -> [...] int64: each row's torch.argmax (glue.h's argmax), a row per thread
+at::Tensor argmax(const at::Tensor& x_in) {
+    check_f32_cpu(x_in, "x");
+    TORCH_CHECK(x_in.dim() >= 1 && x_in.size(-1) >= 1, "argmax: x must be [..., N] with N >= 1");
+    const Rows x = rows_of(x_in);
+    at::Tensor out = at::empty(x_in.sizes().slice(0, x_in.dim() - 1), x_in.options().dtype(at::kLong));
+    int64_t* op = out.data_ptr<int64_t>();
+    const DwGlue k = ops();
+    at::parallel_for(0, x.R, ARGMAX_GRAIN, [&](int64_t r0, int64_t r1) {
+        for (int64_t r = r0; r < r1; ++r) op[r] = k.argmax(x.row(r), x.N);
+    });
+    return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(draftwise_glue, m) {
@@ -431,6 +448,7 @@ TORCH_LIBRARY(draftwise_glue, m) {
     m.def("glu(Tensor gate, Tensor? up, int kind) -> Tensor");
     m.def("router_logits(Tensor x, Tensor weight) -> Tensor");
     m.def("route(Tensor logits, int k, bool norm) -> (Tensor, Tensor)");
+    m.def("argmax(Tensor x) -> Tensor");
     m.def("paths() -> int[]", &paths);
     m.def("use_path(int path) -> int", &use_path);
 }
@@ -443,4 +461,5 @@ TORCH_LIBRARY_IMPL(draftwise_glue, CPU, m) {
     m.impl("glu", &glu);
     m.impl("router_logits", &router_logits);
     m.impl("route", &route);
+    m.impl("argmax", &argmax);
 }

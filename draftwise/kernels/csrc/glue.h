@@ -18,6 +18,9 @@
 //   dw_exp the Cephes expf of cephes_exp.h (round-to-nearest n = x log2 e, two-step ln 2 reduction, degree-5
 //   polynomial, 2^n through the exponent bits); where -g_i > 88, s_i = g_i * 0 instead (silu is below 6e-37 in
 //   magnitude there). The clamp keeps 2^n a normal float; above g = 87 silu(g) is g to float precision anyway.
+// argmax(x[n]) -> torch.argmax's index of the row: the first maximum (ties, +0 = -0 among them, to the lower index);
+//   a NaN counts above every number, so a row with one gives its first NaN's index. No arithmetic: every path
+//   returns the same index (n >= 1).
 // No fused multiply-adds (-ffp-contract=off) and no reassociation; each element (row) depends only on its inputs.
 #pragma once
 #include <stdint.h>
@@ -30,6 +33,7 @@ struct DwGlue {
                          float offset);
     void (*silu_mul)(const float* g, const float* u, float* out, int64_t n);
     double (*dot)(const float* x, const float* w, int64_t n);
+    int64_t (*argmax)(const float* x, int64_t n);
 };
 
 // Fill `ops` with this path's functions (the AVX2 / AVX-512 units only exist on x86; call them after cpuid says so).

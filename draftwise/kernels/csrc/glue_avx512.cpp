@@ -1,7 +1,7 @@
 // The decoder glue's row loops, AVX-512 path (F + DQ + VL), compiled with those -m flags and called only after a
 // run-time cpuid check. It performs glue.h's float sequence exactly (bitwise glue_kernel.h, its oracle): the
 // 8 double lanes of dot (the norm's sum of squares, the router's logits) are one zmm, elementwise steps are 16
-// floats at a time with a masked tail, and the Cephes exp is cephes_exp.h's. Owns only this path's row loops
+// floats at a time with a masked tail (argmax: four such accumulators), and the Cephes exp is cephes_exp.h's. Owns only this path's row loops
 // (dwglue::Table makes them a DwGlue); knows nothing of torch, threads or when it runs (glue.cpp and dispatch.h
 // decide). Includes no C++ library header.
 #include "intrin.h"
@@ -42,6 +42,45 @@ static double dot(const float* x, const float* w, int64_t n) {
     double a[8];
     _mm512_storeu_pd(a, acc);
     return dwglue::lanes(a);
+}
+
+// four accumulators of 16 lanes (64 floats a pass, masked tail into the first); a lane takes a value only when it is
+// strictly larger, so it keeps its first index of its maximum; a NaN anywhere sends the row to the portable loop
+static int64_t argmax(const float* x, int64_t n) {
+    if (n > dwglue::ARGMAX_LANE_MAX) return dwglue::Portable::argmax(x, n);
+    const __m512 ninf = _mm512_set1_ps(-__builtin_inff());
+    const __m512i step = _mm512_set1_epi32(16);
+    __m512 m[4] = {ninf, ninf, ninf, ninf};
+    __m512i at[4] = {_mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512()};
+    __m512i idx = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    __mmask16 nan = 0;
+    int64_t i = 0;
+    for (; i + 64 <= n; i += 64) {
+        for (int a = 0; a < 4; ++a) {
+            const __m512 v = _mm512_loadu_ps(x + i + 16 * a);
+            const __mmask16 gt = _mm512_cmp_ps_mask(v, m[a], _CMP_GT_OQ);
+            nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+            m[a] = _mm512_mask_mov_ps(m[a], gt, v);
+            at[a] = _mm512_mask_mov_epi32(at[a], gt, idx);
+            idx = _mm512_add_epi32(idx, step);
+        }
+    }
+    for (; i < n; i += 16) {
+        const __m512 v = _mm512_mask_loadu_ps(ninf, tail16(n - i), x + i);  // past the end: -inf, never larger
+        const __mmask16 gt = _mm512_cmp_ps_mask(v, m[0], _CMP_GT_OQ);
+        nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+        m[0] = _mm512_mask_mov_ps(m[0], gt, v);
+        at[0] = _mm512_mask_mov_epi32(at[0], gt, idx);
+        idx = _mm512_add_epi32(idx, step);
+    }
+    if (nan) return dwglue::Portable::argmax(x, n);
+    float v[64];
+    int32_t id[64];
+    for (int a = 0; a < 4; ++a) {
+        _mm512_storeu_ps(v + 16 * a, m[a]);
+        _mm512_storeu_si512(id + 16 * a, at[a]);
+    }
+    return dwglue::argmax_lanes(v, id, 64);
 }
 
 static void scale_row(const float* x, const float* w, float* y, int64_t n, float r, float offset) {

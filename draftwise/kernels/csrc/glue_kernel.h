@@ -44,6 +44,22 @@ struct Portable {
         return lanes(acc);
     }
 
+    // glue.h's argmax, element by element; the SIMD paths' answer wherever a row holds a NaN
+    static int64_t argmax(const float* x, int64_t n) {
+        int64_t best = 0;
+        float m = x[0];
+        if (m != m) return 0;
+        for (int64_t i = 1; i < n; ++i) {
+            const float v = x[i];
+            if (v != v) return i;
+            if (v > m) {
+                m = v;
+                best = i;
+            }
+        }
+        return best;
+    }
+
     static void scale_row(const float* x, const float* w, float* y, int64_t n, float r, float offset) {
         if (offset != 0.0f) {
             for (int64_t i = 0; i < n; ++i) y[i] = (x[i] * r) * (offset + w[i]);
@@ -56,8 +72,23 @@ struct Portable {
                              double eps, float offset);
 };
 
-// A path's DwGlue from its row loops, put together the same way for every path. P: static silu_mul, dot, scale_row
-// and add_norm_row (the add, then the norm; the norm's sum of squares is P::dot(x, x)), each glue.h's sequence for
+// The SIMD paths' argmax ends alike: lanes, each holding the largest value it saw and that value's first index
+// (-inf and 0 where it saw nothing larger), give the row's answer: the largest value, and of the lanes holding it
+// the lowest index. (A row whose maximum is -inf is all -inf: index 0, which a lane that saw nothing larger holds.)
+inline int64_t argmax_lanes(const float* v, const int32_t* idx, int n) {
+    float m = v[0];
+    int64_t best = idx[0];
+    for (int j = 1; j < n; ++j)
+        if (v[j] > m || (v[j] == m && idx[j] < best)) {
+            m = v[j];
+            best = idx[j];
+        }
+    return best;
+}
+constexpr int64_t ARGMAX_LANE_MAX = (int64_t(1) << 31) - 128;  // a lane's index is int32: longer rows go portable
+
+// A path's DwGlue from its row loops, put together the same way for every path. P: static silu_mul, dot, argmax,
+// scale_row and add_norm_row (the add, then the norm; the norm's sum of squares is P::dot(x, x)), each glue.h's sequence for
 // its part (Portable; glue_avx2.cpp, glue_avx512.cpp). norm is glue.h's norm, inline; norm_row is the table's entry,
 // never inlined: the SIMD paths' add_norm_row calls it and the portable one takes norm in, as each did before this
 // table existed.
@@ -74,6 +105,7 @@ struct Table {
         ops->add_norm_row = P::add_norm_row;
         ops->silu_mul = P::silu_mul;
         ops->dot = P::dot;
+        ops->argmax = P::argmax;
     }
 };
 
