@@ -1,10 +1,10 @@
 // The decoder glue's row loops, AVX2 path (AVX2-era CPUs such as AMD Zen 2/3 and Intel Haswell on), compiled with
 // -mavx2 (-ffp-contract=off: no fused multiply-adds) and called only after a run-time cpuid check. It performs
-// glue.h's float sequence exactly (bitwise glue_kernel.h, its oracle): the 8 double lanes of dot (the norm's sum
-// of squares, the router's logits) are two ymm (lanes 0-3, 4-7), elementwise steps are 8 floats at a time with the
-// oracle's own code for the tail (argmax: four such accumulators, then the tail one by one), and the Cephes exp is cephes_exp.h's. Owns only this path's row loops
-// (dwglue::Table makes them a DwGlue); knows nothing of torch, threads or when it runs (glue.cpp and dispatch.h
-// decide). Includes no C++ library header.
+// glue.h's float sequence exactly (bitwise glue_kernel.h, its oracle): the 8 double lanes of dot (the norm's sum of
+// squares, the router's logits) are two ymm (lanes 0-3, 4-7), elementwise steps are 8 floats at a time with the
+// oracle's own code for the tail (argmax: four such accumulators, then the tail one by one), and the Cephes exp is
+// cephes_exp.h's. Owns only this path's row loops (dwglue::Table makes them a DwGlue); knows nothing of torch,
+// threads or when it runs (glue.cpp and dispatch.h decide). Includes no C++ library header.
 #include "intrin.h"
 #include "glue_kernel.h"
 

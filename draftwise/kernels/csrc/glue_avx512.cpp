@@ -1,9 +1,9 @@
 // The decoder glue's row loops, AVX-512 path (F + DQ + VL), compiled with those -m flags and called only after a
-// run-time cpuid check. It performs glue.h's float sequence exactly (bitwise glue_kernel.h, its oracle): the
-// 8 double lanes of dot (the norm's sum of squares, the router's logits) are one zmm, elementwise steps are 16
-// floats at a time with a masked tail (argmax: four such accumulators), and the Cephes exp is cephes_exp.h's. Owns only this path's row loops
-// (dwglue::Table makes them a DwGlue); knows nothing of torch, threads or when it runs (glue.cpp and dispatch.h
-// decide). Includes no C++ library header.
+// run-time cpuid check. It performs glue.h's float sequence exactly (bitwise glue_kernel.h, its oracle): the 8 double
+// lanes of dot (the norm's sum of squares, the router's logits) are one zmm, elementwise steps are 16 floats at a
+// time with a masked tail (argmax: four such accumulators), and the Cephes exp is cephes_exp.h's. Owns only this
+// path's row loops (dwglue::Table makes them a DwGlue); knows nothing of torch, threads or when it runs (glue.cpp and
+// dispatch.h decide). Includes no C++ library header.
 #include "intrin.h"
 #include "glue_kernel.h"
 

@@ -88,10 +88,10 @@ inline int64_t argmax_lanes(const float* v, const int32_t* idx, int n) {
 constexpr int64_t ARGMAX_LANE_MAX = (int64_t(1) << 31) - 128;  // a lane's index is int32: longer rows go portable
 
 // A path's DwGlue from its row loops, put together the same way for every path. P: static silu_mul, dot, argmax,
-// scale_row and add_norm_row (the add, then the norm; the norm's sum of squares is P::dot(x, x)), each glue.h's sequence for
-// its part (Portable; glue_avx2.cpp, glue_avx512.cpp). norm is glue.h's norm, inline; norm_row is the table's entry,
-// never inlined: the SIMD paths' add_norm_row calls it and the portable one takes norm in, as each did before this
-// table existed.
+// scale_row and add_norm_row (the add, then the norm; the norm's sum of squares is P::dot(x, x)), each glue.h's
+// sequence for its part (Portable; glue_avx2.cpp, glue_avx512.cpp). norm is glue.h's norm, inline; norm_row is the
+// table's entry, never inlined: the SIMD paths' add_norm_row calls it and the portable one takes norm in, as each did
+// before this table existed.
 template <class P>
 struct Table {
     static void norm(const float* x, const float* w, float* y, int64_t n, double eps, float offset) {
