@@ -109,6 +109,36 @@ def test_a_spill_writes_the_tensors_in_the_order_asked_and_leaves_nothing(tmp_pa
         assert t.dtype == parts[name].dtype and torch.equal(t, parts[name])
 
 
+def test_a_spill_gives_its_blocks_back_as_they_are_read(tmp_path):
+    """Peak disk about one copy of the data: each tensor's whole blocks in the spill file are punched out once it is
+    read back, so after `write` the spill file keeps its size but hardly any blocks (the prepared file of a
+    Qwen3-30B-A3B-shaped GGUF is ~18 GB: two copies at once were ~36 GB)."""
+    probe = tmp_path / "probe"
+    probe.write_bytes(b"\1" * 3 * 4096)
+    with open(probe, "r+b") as f:
+        if not st.punch_hole(f.fileno(), 0, 3 * 4096):
+            pytest.skip("this filesystem (or platform) does not punch holes")
+    assert probe.stat().st_blocks * 512 < 3 * 4096 and probe.read_bytes() == bytes(3 * 4096)
+    g = torch.Generator().manual_seed(0)
+    parts = {f"t{i}": torch.randn(1000 + 37 * i, 64, generator=g) for i in range(6)}  # ~1.6 MB, unaligned sizes
+    path = tmp_path / "out.safetensors"
+    spill_path = tmp_path / "out.spill"
+    with st.Spill(spill_path) as spill:
+        for name, t in parts.items():
+            spill.add(name, t)
+        spill._out.flush()
+        held = spill_path.stat().st_blocks * 512
+        total = sum(t.numel() * 4 for t in parts.values())
+        assert held >= total
+        spill.write(path, list(reversed(parts)))
+        assert spill_path.stat().st_size == total  # the size kept, the blocks given back
+        assert spill_path.stat().st_blocks * 512 <= 6 * 2 * 4096  # at most the two edge blocks of each tensor
+        with pytest.raises(ValueError, match="written once"):
+            spill.write(path, list(parts))
+    for name, t in st.iter_tensors([path]):
+        assert torch.equal(t, parts[name]), name
+
+
 def test_a_write_to_a_mapped_tensor_never_reaches_the_file(tmp_path):
     path = tmp_path / "w.safetensors"
     t = torch.arange(64, dtype=torch.float32).reshape(8, 8)

@@ -12,6 +12,8 @@ It does not know GGUF, tokenizers or the hub; it yields tensors in their stored 
 """
 from __future__ import annotations
 
+import ctypes
+import functools
 import hashlib
 import json
 import math
@@ -408,17 +410,47 @@ def write_tensors(
     return digest.hexdigest()
 
 
+_FALLOC_FL_KEEP_SIZE, _FALLOC_FL_PUNCH_HOLE = 0x01, 0x02  # linux/falloc.h
+_BLOCK = 4096
+
+
+@functools.cache
+def _hole_puncher():  # -> the C function, or None
+    """libc's fallocate, or None where there is none (not Linux / not glibc)."""
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).fallocate
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+def punch_hole(fd: int, at: int, size: int) -> bool:
+    """Give the whole blocks inside bytes [at, at + size) of the open file back to the filesystem (the file keeps
+    its size; those bytes read as zeros). A block that the range shares with bytes outside it is kept. False where
+    the platform or the filesystem cannot (nothing is changed then)."""
+    lo, hi = -(-at // _BLOCK) * _BLOCK, (at + size) // _BLOCK * _BLOCK
+    fn = _hole_puncher()
+    if fn is None or hi <= lo:
+        return fn is not None
+    return fn(fd, _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE, lo, hi - lo) == 0
+
+
 class Spill:
     """A safetensors file written from tensors whose names and shapes are known only as they arrive (a GGUF's
     prepared modules, built one at a time): `add` appends a tensor's bytes to the spill file and keeps only its
     name, shape, dtype and place, so the caller can drop it; `write` then writes the file in any order of those
-    names, reading one tensor back at a time. Peak memory is one tensor, not the file; the disk holds the data twice
-    until the spill file is removed (on leaving the `with`, written or not)."""
+    names, reading one tensor back at a time and giving its blocks in the spill file back to the filesystem once
+    read (`punch_hole`). Peak memory is one tensor, not the file; peak disk is the data about once (spill file and
+    file trade blocks), where the filesystem punches holes (ext4, xfs, btrfs, tmpfs), else twice until the spill
+    file is removed (on leaving the `with`, written or not)."""
 
     def __init__(self, spill_path: str | os.PathLike):
         self.path = Path(spill_path)
         self.specs: dict[str, tuple[tuple[int, ...], torch.dtype, int, int]] = {}  # name -> shape, dtype, at, size
         self._out = open(self.path, "wb")
+        self._written = False  # `write` reads each tensor once and gives its blocks back: there is no second write
 
     def __enter__(self) -> "Spill":
         return self
@@ -438,16 +470,21 @@ class Spill:
         """`path` with the tensors in `names`' order (every added name once); write_tensors' sha256."""
         if sorted(names) != sorted(self.specs):
             raise ValueError("the order names other tensors than were added")
+        if self._written:
+            raise ValueError("a spill is written once: its blocks were given back as they were read")
+        self._written = True
         self._out.flush()
 
         def read_back() -> Iterator[tuple[str, torch.Tensor]]:
-            with open(self.path, "rb") as f:
+            with open(self.path, "r+b") as f:
+                punch = True
                 for name in names:
                     shape, dtype, at, size = self.specs[name]
                     buf = bytearray(size)
                     f.seek(at)
                     if f.readinto(buf) != size:
                         raise ValueError(f"the spill file {self.path} is short at {name}")
+                    punch = punch and punch_hole(f.fileno(), at, size)  # read: its blocks are not needed again
                     flat = torch.frombuffer(buf, dtype=dtype) if size else torch.empty(0, dtype=dtype)
                     yield name, flat.reshape(shape)
 
