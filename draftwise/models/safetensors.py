@@ -419,7 +419,7 @@ def _hole_puncher():  # -> the C function, or None
     """libc's fallocate, or None where there is none (not Linux / not glibc)."""
     try:
         fn = ctypes.CDLL(None, use_errno=True).fallocate
-    except (OSError, AttributeError):
+    except (OSError, AttributeError, TypeError):  # TypeError: no process handle to open (Windows)
         return None
     fn.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
     fn.restype = ctypes.c_int
