@@ -22,10 +22,14 @@ INSTALLED_GB = {".venv": 3.6, ".venv-vllm": 3.6}  # an environment's size once b
 UNPACK_GB = 1.0  # pip's temporary copy of the wheel it is installing, per build running at once
 
 
+def to_build(dirs: list[Path]) -> list[Path]:
+    """The environments of `dirs` not built yet: without the Makefile's stamp file (`.installed`)."""
+    return [d for d in dirs if not (d / ".installed").exists()]
+
+
 def needed_gb(dirs: list[Path]) -> float:
-    """Gigabytes the builds of `dirs` still need: nothing for one already built (its stamp file is there)."""
-    todo = [d for d in dirs if not (d / ".installed").exists()]
-    return sum(INSTALLED_GB.get(d.name, max(INSTALLED_GB.values())) + UNPACK_GB for d in todo)
+    """Gigabytes the builds of `dirs` still need: nothing for one already built."""
+    return sum(INSTALLED_GB.get(d.name, max(INSTALLED_GB.values())) + UNPACK_GB for d in to_build(dirs))
 
 
 def check(dirs: list[Path], free_bytes: int) -> str | None:
@@ -34,7 +38,7 @@ def check(dirs: list[Path], free_bytes: int) -> str | None:
     free = free_bytes / GB
     if free >= need:
         return None
-    names = ", ".join(d.name for d in dirs if not (d / ".installed").exists())
+    names = ", ".join(d.name for d in to_build(dirs))
     return (f"not enough disk for {names}: they need about {need:.1f} GB while building, "
             f"{free:.1f} GB free under {where(dirs[0])}. Free some space and rerun "
             f"(DRAFTWISE_SKIP_SPACE_CHECK=1 skips this check)")
